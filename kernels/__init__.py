@@ -1,0 +1,1 @@
+"""astrai.kernels: attention and rotary kernels (pure-torch reference; flash-attn backend on CUDA)."""
