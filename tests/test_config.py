@@ -1,0 +1,235 @@
+"""Tests for astrai.config: YAML 1.2 loading, CLI overrides, validation, dump round trip."""
+import dataclasses
+import math
+
+import pytest
+import yaml
+
+from astrai.config import (SECTIONS, TRAIN_TYPES, Config, ConfigError, PPOSection, config_from_dict,
+                           config_to_dict, dump_config, load_config)
+
+
+def write(tmp_path, text, name="job.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def error(path, overrides=()):
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ------------------------------------------------------------------------------------------- defaults & YAML
+def test_defaults_valid_and_documented():
+    config = load_config(None, [])
+    assert config == Config()
+    assert config.model.path == "smollm2-135m-instruct" and config.ppo.kl_estimator == "k3"
+    assert config.ppo.value_clip == 0.2 and config.checkpoint.keep_last is None and config.train.metrics == []
+    assert config.train.type in TRAIN_TYPES and isinstance(config.optim.learning_rate, float)
+    assert list(SECTIONS) == ["model", "data", "reward", "rollout", "ppo", "optim", "train", "checkpoint",
+                              "distributed", "runtime"]
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            assert f.metadata["doc"], f"{cls.section}.{f.name} has no doc"
+
+
+def test_yaml_floats_are_floats(tmp_path):
+    path = write(tmp_path, "optim:\n  learning_rate: 2e-5\n  critic_learning_rate: 1e-4\n  adam_epsilon: 5E-6\n"
+                           "  max_grad_norm: .5\n  weight_decay: 1_000.0\nrollout:\n  temperature: .inf\n"
+                           "  batch_size: 16\n")
+    config = load_config(path, [])
+    assert config.optim.learning_rate == 2e-5 and type(config.optim.learning_rate) is float
+    assert config.optim.critic_learning_rate == 1e-4 and config.optim.adam_epsilon == 5e-6
+    assert config.optim.max_grad_norm == 0.5 and config.optim.weight_decay == 1000.0
+    assert math.isinf(config.rollout.temperature)
+    assert config.rollout.batch_size == 16 and type(config.rollout.batch_size) is int
+
+
+def test_int_accepted_for_float_and_global_safeloader_untouched(tmp_path):
+    config = load_config(write(tmp_path, "ppo:\n  gamma: 1\n  clip_eps: 1\n"), [])
+    assert config.ppo.gamma == 1.0 and type(config.ppo.gamma) is float
+    assert yaml.safe_load("x: 2e-5") == {"x": "2e-5"}  # PyYAML's own loader keeps YAML 1.1 rules
+
+
+def test_yaml_12_strings_and_empty_section(tmp_path):
+    config = load_config(write(tmp_path, "data:\n  system_prompt: yes\n  path: 2024-01-01\nppo:\n"), [])
+    assert config.data.system_prompt == "yes" and config.data.path == "2024-01-01"
+
+
+def test_nan_rejected_by_range(tmp_path):
+    assert "ppo.gamma: expected a number in [0, 1], got nan" in error(write(tmp_path, "ppo:\n  gamma: .nan\n"))
+
+
+# ------------------------------------------------------------------------------------------- YAML errors
+def test_unknown_key_with_suggestion(tmp_path):
+    message = error(write(tmp_path, "ppo:\n  gama: 0.9\n"))
+    assert "unknown key 'ppo.gama' (did you mean 'ppo.gamma'?)" in message and "job.yaml" in message
+    message = error(write(tmp_path, "ppo:\n  learning_rate: 1e-5\n"))
+    assert "'ppo.learning_rate'" in message and "did you mean 'optim.learning_rate'" in message
+
+
+def test_unknown_section(tmp_path):
+    assert "unknown section 'rolout' (did you mean 'rollout'?)" in error(write(tmp_path, "rolout: {}\n"))
+    assert "unknown section 'zzz'" in error(write(tmp_path, "zzz: {}\n"))
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("optim:\n  learning_rate: fast\n", "optim.learning_rate: expected a number > 0, got 'fast'"),
+    ("optim:\n  learning_rate: '1e-5'\n", "optim.learning_rate: expected a number > 0, got '1e-5'"),
+    ("rollout:\n  batch_size: true\n", "rollout.batch_size: expected an integer > 0, got True"),
+    ("ppo:\n  gamma: false\n", "ppo.gamma: expected a number in [0, 1], got False"),
+    ("ppo:\n  epochs: 1.5\n", "ppo.epochs: expected an integer > 0, got 1.5"),
+    ("train:\n  progress_bar: 1\n", "train.progress_bar: expected a boolean, got 1"),
+    ("train:\n  output_dir: 5\n", "train.output_dir: expected a string, got 5"),
+    ("train:\n  metrics: [1]\n", "train.metrics: expected a list of strings, got [1]"),
+    ("train:\n  type: sft\n", "train.type: expected one of 'online_ppo', got 'sft'"),
+    ("ppo:\n  gamma: 1.5\n", "ppo.gamma: expected a number in [0, 1], got 1.5"),
+    ("rollout:\n  temperature: 0\n", "rollout.temperature: expected a number > 0, got 0"),
+    ("rollout:\n  top_p: 0\n", "rollout.top_p: expected a number in (0, 1], got 0"),
+    ("rollout:\n  top_k: -1\n", "rollout.top_k: expected an integer >= 0, got -1"),
+    ("optim:\n  adam_beta2: 1.0\n", "optim.adam_beta2: expected a number in [0, 1), got 1.0"),
+    ("ppo:\n  value_clip: 0\n", "ppo.value_clip: expected null or a number > 0, got 0"),
+    ("checkpoint:\n  keep_last: 0\n", "checkpoint.keep_last: expected null or an integer > 0, got 0"),
+    ("runtime:\n  device: gpu\n", "runtime.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+    ("ppo:\n  kl_estimator: k4\n", "ppo.kl_estimator: expected one of 'k1', 'k2', 'k3', got 'k4'"),
+])
+def test_wrong_type_or_range_names_field(tmp_path, text, expected):
+    assert expected in error(write(tmp_path, text))
+
+
+def test_valid_special_values(tmp_path):
+    config = load_config(write(tmp_path, "runtime:\n  device: cuda:1\n  num_threads: 2\nppo:\n  value_clip: null\n"
+                                         "checkpoint:\n  keep_last: 3\n"), [])
+    assert config.runtime.device == "cuda:1" and config.ppo.value_clip is None and config.checkpoint.keep_last == 3
+
+
+def test_file_errors_are_one_line_and_name_file(tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    assert "not found" in error(missing) and missing in error(missing)
+    assert str(tmp_path) in error(str(tmp_path)) and "directory" in error(str(tmp_path))
+    bad = write(tmp_path, "ppo:\n  gamma: [1\n", "bad.yaml")
+    message = error(bad)
+    assert bad in message and "invalid YAML" in message and "line" in message
+    scalar = write(tmp_path, "- 1\n- 2\n", "list.yaml")
+    assert scalar in error(scalar) and "mapping" in error(scalar)
+    section = write(tmp_path, "ppo: 3\n", "sect.yaml")
+    assert "ppo: expected a mapping" in error(section) and section in error(section)
+    duplicate = write(tmp_path, "ppo:\n  gamma: 1\n  gamma: 0.5\n", "dup.yaml")
+    assert "duplicate key 'gamma'" in error(duplicate) and duplicate in error(duplicate)
+
+
+def test_empty_file_gives_defaults(tmp_path):
+    assert load_config(write(tmp_path, ""), []) == Config()
+
+
+# ------------------------------------------------------------------------------------------- CLI overrides
+def test_override_forms(tmp_path):
+    path = write(tmp_path, "ppo:\n  gamma: 0.5\ntrain:\n  max_steps: 10\n")
+    config = load_config(path, [
+        "--ppo_gamma", "0.99", "--ppo_gae_lambda", "0.9", "--ppo_vf_coef", "0.5", "--max_steps", "3",
+        "--ppo.kl_coef=0.01", "--ppo.clip_eps", "0.3", "--output_dir", "x", "--learning_rate", "1e-5",
+        "--seed", "1", "--logging_steps", "2", "--train_type", "online_ppo", "--ppo.value_clip", "null",
+        "--train.metrics", "[policy/entropy, critic/values]", "--runtime.num_threads=4", "--shuffle", "false",
+        "--data.system_prompt", "Be brief.", "--max-new-tokens", "32"])
+    assert (config.ppo.gamma, config.ppo.gae_lambda, config.ppo.vf_coef) == (0.99, 0.9, 0.5)
+    assert config.train.max_steps == 3 and config.ppo.kl_coef == 0.01 and config.ppo.clip_eps == 0.3
+    assert config.train.output_dir == "x" and config.optim.learning_rate == 1e-5 and config.train.seed == 1
+    assert config.train.logging_steps == 2 and config.ppo.value_clip is None
+    assert config.train.metrics == ["policy/entropy", "critic/values"] and config.runtime.num_threads == 4
+    assert config.data.shuffle is False and config.data.system_prompt == "Be brief."
+    assert config.rollout.max_new_tokens == 32
+
+
+def test_cli_str_field_keeps_raw_text_and_lists_split():
+    config = load_config(None, ["--train.output_dir", "123", "--data.path=true", "--metrics", "a,b"])
+    assert config.train.output_dir == "123" and config.data.path == "true" and config.train.metrics == ["a", "b"]
+    assert load_config(None, ["--data.system_prompt", "null"]).data.system_prompt is None
+
+
+def test_cli_numbers_parsed_and_checked():
+    assert load_config(None, ["--optim.adam_epsilon", "5E-6"]).optim.adam_epsilon == 5e-6
+    assert "ppo.gamma: expected a number in [0, 1], got 1.5" in error(None, ["--ppo_gamma", "1.5"])
+    assert "ppo.gamma: expected a number in [0, 1], got 'abc'" in error(None, ["--ppo.gamma", "abc"])
+    assert "train.seed: expected an integer, got True" in error(None, ["--seed", "true"])
+    assert "train.metrics: cannot parse value" in error(None, ["--train.metrics", "[a, b"])
+
+
+def test_cli_wins_over_yaml(tmp_path):
+    path = write(tmp_path, "ppo:\n  gamma: 0.5\n")
+    assert load_config(path, ["--ppo.gamma", "0.7"]).ppo.gamma == 0.7
+
+
+def test_ambiguous_bare_name():
+    message = error(None, ["--path", "x"])
+    assert "ambiguous" in message and "'model.path'" in message and "'data.path'" in message
+
+
+@pytest.mark.parametrize("tokens,expected", [
+    (["--ppo.gamma"], "ppo.gamma: missing value"),
+    (["--ppo_gamma", "--seed", "1"], "ppo.gamma: missing value"),
+    (["--max_steps"], "train.max_steps: missing value"),
+])
+def test_missing_value(tokens, expected):
+    assert expected in error(None, tokens)
+
+
+@pytest.mark.parametrize("tokens,expected", [
+    (["--ppo.gama", "1"], "unknown key 'ppo.gama' (did you mean 'ppo.gamma'?)"),
+    (["--ppo_gama", "1"], "unknown key 'ppo.gama' (did you mean 'ppo.gamma'?)"),
+    (["--gama", "1"], "unknown key 'gama' (did you mean 'gamma'?)"),
+    (["--ppo.learning_rate", "1"], "did you mean 'optim.learning_rate'?"),
+    (["--rolout.batch_size", "1"], "unknown section 'rolout' (did you mean 'rollout'?)"),
+    (["0.9"], "unexpected argument '0.9'"),
+])
+def test_bad_override_keys(tokens, expected):
+    assert expected in error(None, tokens)
+
+
+# ------------------------------------------------------------------------------------------- cross-field
+@pytest.mark.parametrize("tokens,expected", [
+    (["--ppo.minibatch_size", "16"], "ppo.minibatch_size: expected <= rollout.batch_size (8), got 16"),
+    (["--rollout.batch_size", "12"], "ppo.minibatch_size: expected a divisor of rollout.batch_size (12), got 8"),
+    (["--ppo.micro_batch_size", "16", "--ppo.minibatch_size", "8"],
+     "ppo.micro_batch_size: expected <= ppo.minibatch_size (8), got 16"),
+    (["--ppo.micro_batch_size", "3"], "ppo.micro_batch_size: expected a divisor of ppo.minibatch_size (8), got 3"),
+])
+def test_cross_field_checks(tokens, expected):
+    assert expected in error(None, tokens)
+
+
+def test_cross_field_valid_and_code_construction_validates():
+    config = load_config(None, ["--rollout.batch_size", "16", "--ppo.minibatch_size", "4", "--ppo.micro_batch_size",
+                                "2"])
+    assert (config.rollout.batch_size, config.ppo.minibatch_size, config.ppo.micro_batch_size) == (16, 4, 2)
+    with pytest.raises(ConfigError, match=r"ppo\.gamma"):
+        PPOSection(gamma=2.0)
+    assert PPOSection(gamma=1).gamma == 1.0
+
+
+# ------------------------------------------------------------------------------------------- dump
+def test_dump_load_round_trip(tmp_path):
+    config = load_config(None, [
+        "--optim.learning_rate", "2e-5", "--output_dir", "1e5", "--data.system_prompt", "yes: no\n#x 'q'",
+        "--train.metrics", "[policy/entropy, '1']", "--ppo.value_clip", "null", "--checkpoint.keep_last", "2",
+        "--rollout.temperature", ".inf", "--model.path", "010", "--data.prompt_field", "true"])
+    text = dump_config(config)
+    assert text.index("checkpoint:") < text.index("train:")  # sorted, sectioned
+    again = load_config(write(tmp_path, text, "dumped.yaml"), [])
+    assert again == config and config_to_dict(again) == config_to_dict(config)
+    assert again.train.output_dir == "1e5" and again.model.path == "010" and again.data.prompt_field == "true"
+    assert dump_config(again) == text
+    assert load_config(write(tmp_path, dump_config(Config()), "d.yaml"), []) == Config()
+
+
+def test_config_to_dict_and_from_dict():
+    data = config_to_dict(Config())
+    assert set(data) == set(SECTIONS) and data["ppo"]["gamma"] == 1.0
+    data["train"]["metrics"].append("x")
+    assert Config().train.metrics == []
+    assert config_from_dict(data).train.metrics == ["x"]
+    with pytest.raises(ConfigError, match="unknown key 'train.foo'"):
+        config_from_dict({"train": {"foo": 1}})
