@@ -1,1 +1,45 @@
-"""astrai."""
+"""astrai.algos: pure tensor math for RL fine-tuning of decoder-only LMs.
+
+Functions of tensors with keyword-only scalar arguments; no config objects, no ``.item()``, no device choices,
+no distributed calls. Losses return ``(loss, metrics)`` with detached 0-dim metrics. Exact definitions: DESIGN
+section 2. Modules: ``masked`` (masked reductions), ``logprobs`` (log-probs/entropy from logits), ``kl`` (k1/k2/k3
+estimators), ``advantages`` (PPO rewards, GAE, GRPO group advantages), ``losses`` (PPO-clip, value loss,
+explained variance, entropy, reference KL).
+"""
+
+from .advantages import gae, group_advantages, last_token_index, ppo_token_rewards
+from .kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
+from .logprobs import entropy_from_logits, logprobs_from_logits
+from .losses import (
+    explained_variance,
+    kl_penalty_loss,
+    logprob_gap,
+    masked_entropy,
+    ppo_policy_loss,
+    value_loss,
+)
+from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "group_advantages",
+    "kl_estimate",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalty_loss",
+    "last_token_index",
+    "logprob_gap",
+    "logprobs_from_logits",
+    "masked_entropy",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "ppo_token_rewards",
+    "value_loss",
+]

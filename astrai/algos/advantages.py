@@ -1,0 +1,147 @@
+"""Advantage estimation: PPO token rewards + GAE, and GRPO group-normalised advantages.
+
+Methods:
+- Generalised Advantage Estimation, J. Schulman, P. Moritz, S. Levine, M. Jordan, P. Abbeel, "High-Dimensional
+  Continuous Control Using Generalized Advantage Estimation" (ICLR 2016), applied per response token as in RLHF
+  PPO (Ziegler et al. 2019; Ouyang et al. 2022): a per-token KL penalty plus the scalar score on the last token.
+- Group-relative advantages, Z. Shao et al., "DeepSeekMath" (2024), GRPO: the critic is replaced by the mean and
+  standard deviation of the scores of the G samples drawn for the same prompt.
+
+What it simplifies: one episode is one response; there is no bootstrapping beyond the response (the terminal value
+is 0), and GRPO needs no value model at all. Exact definitions: astrai DESIGN section 2. Everything here computes
+fixed targets once per rollout, so GAE runs under ``torch.no_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ppo_token_rewards", "gae", "group_advantages", "last_token_index"]
+
+
+def _check_same(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} and {name_b} must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+
+
+def last_token_index(action_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token of each row.
+
+    Shapes: ``action_mask`` (B, T) bool or 0/1. Returns (B,) int64: ``max {t : action_mask[b, t]}``
+    (works for any mask, contiguous or not). Rows without a real token give 0; callers that need a real token
+    must check (``ppo_token_rewards`` raises).
+    Raises: ValueError if ``action_mask`` is not 2-D.
+    """
+    if action_mask.dim() != 2:
+        raise ValueError(f"action_mask must be (B, T), got shape {tuple(action_mask.shape)}")
+    steps = torch.arange(1, action_mask.shape[1] + 1, device=action_mask.device)
+    return (action_mask.bool().long() * steps).argmax(dim=1)
+
+
+def ppo_token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, action_mask: torch.Tensor, *, kl_coef: float
+) -> torch.Tensor:
+    """Per-token PPO rewards: KL penalty on every real token, the score on the last real token.
+
+    Shapes: ``scores`` (B,) floating (one scalar reward per response); ``kl`` (B, T) floating per-token KL estimate
+    (e.g. k3 of ``ref_logprobs`` vs ``old_logprobs``); ``action_mask`` (B, T) bool or 0/1.
+    Returns ``rewards`` (B, T), dtype of ``kl``.
+    Formula: ``rewards[b, t] = -kl_coef * kl[b, t] * mask[b, t]`` plus ``scores[b]`` at
+    ``t = last_token_index(mask)[b]`` (the EOS token if sampled, else the last generated token), never on padding.
+    Values of ``kl`` at masked positions (even NaN) are ignored; masked rewards are exactly 0.
+    Source: Ziegler et al. 2019 / Ouyang et al. 2022 reward shaping; astrai DESIGN section 2.
+    Raises: ValueError on shape mismatches or if a row has no real token (checking this synchronises once).
+    """
+    if scores.dim() != 1 or kl.dim() != 2 or scores.shape[0] != kl.shape[0]:
+        raise ValueError(f"expected scores (B,) and kl (B, T), got {tuple(scores.shape)} and {tuple(kl.shape)}")
+    _check_same("kl", kl, "action_mask", action_mask)
+    mask = action_mask.bool()
+    if not bool(mask.any(dim=1).all()):
+        empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
+        raise ValueError(f"rows {empty} of action_mask have no real token: nowhere to put their score")
+    zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
+    rewards = torch.where(mask, -kl_coef * kl, zero)
+    last = last_token_index(mask).unsqueeze(1)
+    return rewards.scatter_add(1, last, scores.to(kl.dtype).unsqueeze(1))
+
+
+@torch.no_grad()
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, *, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation over response tokens (Schulman et al. 2016).
+
+    Shapes: ``rewards`` (B, T), ``values`` (B, T) floating (critic values of the rollout), ``action_mask`` (B, T)
+    bool or 0/1. Returns ``(advantages, returns)``, both (B, T) in the dtype of ``rewards``, without grad.
+    Formula, backwards over t with ``r`` and ``V`` first zeroed at masked positions:
+      ``delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t``,
+      ``A_t = (delta_t + gamma * lam * A_{t+1}) * m_t``  (``V_T = A_T = 0``: terminal value 0),
+      ``returns_t = (A_t + V_t) * m_t``.
+    So advantages and returns are exactly 0 at masked positions, and values/rewards stored at masked positions
+    (even NaN) influence nothing. ``lam = 0`` gives the TD errors; ``gamma = lam = 1`` gives reward-to-go minus V.
+    Assumption: masks are contiguous from t = 0 (right padding). Other masks are handled by the same formula,
+    which treats every masked position as an episode end: a real token followed by a gap bootstraps from 0.
+    Source: astrai DESIGN section 2.
+    Raises: ValueError on shape mismatches or non-2-D inputs.
+    """
+    _check_same("rewards", rewards, "values", values)
+    _check_same("rewards", rewards, "action_mask", action_mask)
+    if rewards.dim() != 2:
+        raise ValueError(f"expected (B, T) tensors, got shape {tuple(rewards.shape)}")
+    mask = action_mask.bool()
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    r = torch.where(mask, rewards, zero)
+    v = torch.where(mask, values.to(rewards.dtype), zero)
+    m = mask.to(rewards.dtype)
+    num_steps = rewards.shape[1]
+    advantages = torch.zeros_like(r)
+    next_value = torch.zeros_like(r[:, 0])
+    next_adv = torch.zeros_like(r[:, 0])
+    for t in reversed(range(num_steps)):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        next_adv = (delta + gamma * lam * next_adv) * m[:, t]
+        advantages[:, t] = next_adv
+        next_value = v[:, t]  # already 0 where masked: V_{t+1} * m_{t+1} for the step before
+    returns = (advantages + v) * m
+    return advantages, returns
+
+
+def group_advantages(
+    scores: torch.Tensor,
+    *,
+    group_size: int,
+    eps: float = 1e-6,
+    std_floor: float | None = None,
+    unbiased: bool = True,
+) -> torch.Tensor:
+    """GRPO group-normalised advantages (Shao et al. 2024, DeepSeekMath, outcome supervision).
+
+    Shapes: ``scores`` (B*G,) with the G samples of a prompt contiguous, or (B, G); floating (integers are
+    converted to float32). Returns the same shape, floating. Broadcast over the response tokens by the caller,
+    e.g. ``adv[:, None] * action_mask``.
+    Formula: per group, ``A_i = (r_i - mean_G) / (max(std_G, std_floor) + eps)`` with ``std_G`` the unbiased
+    (Bessel, n - 1; the convention of common GRPO implementations) or, if not ``unbiased``, the population
+    standard deviation. A group of identical scores gives A = 0 (never NaN); ``std_floor`` keeps near-identical
+    groups from being blown up into +-1 advantages. A group of size 1 has std 0 and A = 0.
+    Raises: ValueError if ``group_size < 1``, the length is not a multiple of ``group_size``, a 2-D input's second
+    dimension differs from ``group_size``, or ``scores`` is not 1-D/2-D.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size!r}")
+    if scores.dim() == 1:
+        if scores.shape[0] % group_size != 0:
+            raise ValueError(f"{scores.shape[0]} scores are not a multiple of group_size={group_size}")
+    elif scores.dim() == 2:
+        if scores.shape[1] != group_size:
+            raise ValueError(f"scores of shape {tuple(scores.shape)} do not have group_size={group_size} columns")
+    else:
+        raise ValueError(f"scores must be (B*G,) or (B, G), got shape {tuple(scores.shape)}")
+    x = scores if scores.is_floating_point() else scores.float()
+    groups = x.reshape(-1, group_size)
+    mean = groups.mean(dim=1, keepdim=True)
+    centered = groups - mean
+    denom = max(group_size - 1, 1) if unbiased else group_size
+    std = ((centered * centered).sum(dim=1, keepdim=True) / denom).sqrt()
+    if std_floor is not None:
+        std = std.clamp(min=std_floor)
+    return (centered / (std + eps)).reshape(scores.shape)
