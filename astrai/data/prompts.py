@@ -1,0 +1,272 @@
+"""Prompt datasets for online RL (online_ppo, online_grpo): jsonl loading and deterministic sampling.
+
+A prompt file is jsonl, one JSON object per line (GSM8K layout by default: ``question`` and
+``answer``, the answer ending in ``#### <final answer>``). Blank lines are skipped. The path may be
+``builtin:<name>``, which resolves to ``astrai/data/assets/<name>.jsonl`` shipped with the package
+(``builtin:math_prompts``: 400 generated grade-school problems, see ``tools/make_math_prompts.py``).
+
+Every loading error is a ``DataError`` (a ``ValueError``) with a one-line message naming the file,
+the 1-based line number and the field concerned.
+
+``PromptSampler`` walks the dataset in epochs. The order of epoch ``e`` is a pure function of
+``(seed, e)``; its state is just ``(epoch, position)``, so a resumed run draws exactly the batches
+an uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterator
+
+BUILTIN_PREFIX = "builtin:"
+
+
+class DataError(ValueError):
+    """A prompt file is missing or malformed, or a sampler state does not fit its dataset."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt with its reference answer.
+
+    Attributes:
+        prompt: the question text, as stored (no chat template applied).
+        answer: the reference answer text ("" when the dataset has no answer field).
+        index: 0-based position of the record in its dataset (stable across epochs and resumes).
+    """
+
+    prompt: str
+    answer: str
+    index: int
+
+
+def extract_gsm8k_answer(answer: str) -> str:
+    """The final answer of a GSM8K-style solution: the text after the last ``####``, stripped,
+    with commas (thousands separators) removed: ``"...\n#### 1,450"`` -> ``"1450"``.
+
+    A text without ``####`` is taken whole (stripped, commas removed), so a bare gold answer
+    such as ``"42"`` also works. Never raises for a ``str``; may return ``""``.
+    """
+    head, sep, tail = answer.rpartition("####")
+    return (tail if sep else answer).strip().replace(",", "")
+
+
+def builtin_names() -> list[str]:
+    """Names usable as ``builtin:<name>``: the ``.jsonl`` files in ``astrai/data/assets``."""
+    assets = resources.files("astrai.data") / "assets"
+    if not assets.is_dir():
+        return []
+    return sorted(p.name[: -len(".jsonl")] for p in assets.iterdir() if p.name.endswith(".jsonl"))
+
+
+def resolve_prompt_path(path: str | Path) -> Path:
+    """Resolve a data path or ``builtin:<name>`` to an existing file.
+
+    Args:
+        path: a filesystem path (``~`` is expanded) or ``builtin:<name>``.
+
+    Returns:
+        The path of an existing regular file.
+
+    Raises:
+        DataError: ``data.path: file not found: X`` (also for an unknown builtin name, listing
+            the available ones), or ``data.path: not a file: X`` for a directory.
+    """
+    text = str(path)
+    if text.startswith(BUILTIN_PREFIX):
+        name = text[len(BUILTIN_PREFIX):]
+        resolved = Path(str(resources.files("astrai.data") / "assets" / f"{name}.jsonl"))
+        if not resolved.is_file():
+            choices = ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) or "none"
+            raise DataError(f"data.path: file not found: {text} (built-in prompt sets: {choices})")
+        return resolved
+    resolved = Path(text).expanduser()
+    if not resolved.exists():
+        raise DataError(f"data.path: file not found: {resolved}")
+    if not resolved.is_file():
+        raise DataError(f"data.path: not a file: {resolved}")
+    return resolved
+
+
+def _field(obj: dict[str, Any], name: str, where: str) -> str:
+    """Return ``obj[name]`` as a string or raise a DataError naming the field and location."""
+    if name not in obj:
+        keys = ", ".join(repr(k) for k in obj) or "none"
+        raise DataError(f"{where}: missing field {name!r}; present keys: {keys}")
+    value = obj[name]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def read_prompt_records(
+    path: Path, *, prompt_field: str = "question", answer_field: str | None = "answer"
+) -> list[PromptRecord]:
+    """Parse a jsonl prompt file into records, in file order.
+
+    Args:
+        path: an existing jsonl file (see ``resolve_prompt_path``).
+        prompt_field: key holding the prompt text.
+        answer_field: key holding the reference answer; ``None`` when the file has none
+            (records then carry ``answer=""``).
+
+    Raises:
+        DataError: ``X line N: ...`` for bytes that are not UTF-8, invalid JSON, a value that
+            is not an object, a missing field (listing the present keys) or a non-string field;
+            ``X: no records ...`` when the file holds no non-blank line.
+    """
+    records: list[PromptRecord] = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path} line {lineno}"
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            if lineno == 1:
+                line = line.lstrip("\ufeff")
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            prompt = _field(obj, prompt_field, where)
+            answer = _field(obj, answer_field, where) if answer_field is not None else ""
+            records.append(PromptRecord(prompt=prompt, answer=answer, index=len(records)))
+    if not records:
+        raise DataError(f"{path}: no records (the file is empty or holds only blank lines)")
+    return records
+
+
+class PromptDataset:
+    """An in-memory list of ``PromptRecord`` loaded from a jsonl file.
+
+    Args:
+        path: a jsonl file or ``builtin:<name>`` (e.g. ``builtin:math_prompts``).
+        prompt_field: key of the prompt text in each object (default ``question``).
+        answer_field: key of the reference answer (default ``answer``), or ``None``.
+
+    Raises:
+        DataError: see ``resolve_prompt_path`` and ``read_prompt_records``.
+    """
+
+    def __init__(
+        self, path: str | Path, *, prompt_field: str = "question", answer_field: str | None = "answer"
+    ) -> None:
+        self.source = str(path)
+        self.path = resolve_prompt_path(path)
+        self.prompt_field = prompt_field
+        self.answer_field = answer_field
+        self.records = read_prompt_records(self.path, prompt_field=prompt_field, answer_field=answer_field)
+
+    def __len__(self) -> int:
+        """Number of records (always >= 1)."""
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> PromptRecord:
+        """Record at ``index``; raises IndexError when out of range."""
+        return self.records[index]
+
+    def __iter__(self) -> Iterator[PromptRecord]:
+        """Records in file order."""
+        return iter(self.records)
+
+    def __repr__(self) -> str:
+        return f"PromptDataset({self.source!r}, records={len(self)})"
+
+
+def epoch_order(num_records: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The visiting order of epoch ``epoch``: a permutation of ``range(num_records)``.
+
+    A pure function of its arguments: stdlib ``random.Random`` seeded with the string
+    ``"astrai-prompts:{seed}:{epoch}"`` (hashed with SHA-512 by ``random``, independent of
+    ``PYTHONHASHSEED``, so ``(seed, epoch + 1)`` and ``(seed + 1, epoch)`` differ).
+    With ``shuffle=False`` the order is file order in every epoch.
+    """
+    order = list(range(num_records))
+    if shuffle:
+        random.Random(f"astrai-prompts:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+class PromptSampler:
+    """Endless, resumable batches of prompts, epoch after epoch.
+
+    Args:
+        dataset: any sequence of ``PromptRecord`` (usually a ``PromptDataset``), non-empty.
+        seed: base seed of the epoch orders.
+        shuffle: shuffle each epoch (default) or keep file order.
+
+    Raises:
+        DataError: for an empty dataset.
+    """
+
+    def __init__(self, dataset: PromptDataset | list[PromptRecord], *, seed: int = 0, shuffle: bool = True) -> None:
+        if len(dataset) == 0:
+            raise DataError("PromptSampler: the dataset has no records")
+        self.dataset = dataset
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0  # records of the current epoch already handed out
+        self._order: list[int] | None = None
+
+    def _current_order(self) -> list[int]:
+        if self._order is None:
+            self._order = epoch_order(len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        return self._order
+
+    def next_batch(self, batch_size: int) -> list[PromptRecord]:
+        """The next ``batch_size`` records; a batch that reaches the end of an epoch continues
+        with the start of the next one (so every batch is full, and ``batch_size`` may exceed
+        the dataset size).
+
+        Raises:
+            ValueError: if ``batch_size`` is not a positive int.
+        """
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        batch: list[PromptRecord] = []
+        while len(batch) < batch_size:
+            order = self._current_order()
+            take = min(batch_size - len(batch), len(order) - self.position)
+            batch.extend(self.dataset[i] for i in order[self.position:self.position + take])
+            self.position += take
+            if self.position == len(order):
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        return batch
+
+    def state_dict(self) -> dict[str, int | bool]:
+        """Plain-JSON state: ``epoch``, ``position`` and, for validation on load, ``seed``,
+        ``shuffle`` and ``num_records``."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "shuffle": self.shuffle, "num_records": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a ``state_dict()``: the next batch is the one the saved sampler would draw.
+
+        Raises:
+            DataError: if a key is missing, or the saved seed, shuffle flag or dataset size
+                differs from this sampler's (the saved position would point into another order),
+                or the position is outside ``[0, num_records)``.
+        """
+        missing = [k for k in ("epoch", "position", "seed", "num_records") if k not in state]
+        if missing:
+            raise DataError(f"sampler state: missing keys {missing}; present keys: {sorted(state)}")
+        expected = {"seed": self.seed, "num_records": len(self.dataset), "shuffle": self.shuffle}
+        for key, value in expected.items():
+            if key in state and state[key] != value:
+                raise DataError(f"sampler state: saved {key}={state[key]!r} but this run has {key}={value!r}; "
+                                "resuming would not continue the same prompt order")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < len(self.dataset):
+            raise DataError(f"sampler state: epoch={epoch}, position={position} out of range "
+                            f"for {len(self.dataset)} records")
+        self.epoch, self.position, self._order = epoch, position, None
