@@ -1,0 +1,88 @@
+"""Process state and collectives, through Accelerate (the only place, with the trainer loop, that touches
+process groups).
+
+`accelerate launch` and `torchrun` export RANK/WORLD_SIZE/...; a plain `python -m astrai.train` runs as one
+process. On CPU, Accelerate does DDP only (DESIGN.md section 6); sharding engines (FSDP2 `fully_shard`,
+DeepSpeed ZeRO) plug in here later, selected from `distributed.strategy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DistributedContext:
+    """Rank, world size, device and collectives of this process.
+
+    Attributes:
+        accelerator: the `accelerate.Accelerator` holding the process state.
+        device: the torch device this rank computes on.
+    """
+
+    accelerator: object
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of `tensor` over all ranks (the tensor itself with one process)."""
+        if self.world_size == 1:
+            return tensor
+        return self.accelerator.reduce(tensor.clone(), reduction="sum")
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move `model` to the device and wrap it for data parallelism when there is more than one rank."""
+        model = model.to(self.device)
+        if self.world_size == 1:
+            return model
+        return self.accelerator.prepare_model(model)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The bare module under any data-parallel wrapper."""
+        return self.accelerator.unwrap_model(model)
+
+    def loss_scale(self) -> float:
+        """Factor that turns a loss normalised by the GLOBAL token count into DDP's averaged gradient.
+
+        DDP averages gradients over ranks; a token-mean over all ranks' tokens needs a sum, so each rank
+        multiplies its loss by the world size (DESIGN.md section 2, loss aggregation).
+        """
+        return float(self.world_size)
+
+    def barrier(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+
+def setup_distributed(device: str = "auto", strategy: str = "ddp") -> DistributedContext:
+    """Create the process state.
+
+    Args:
+        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+        strategy: data-parallel strategy; "ddp" is the only one implemented so far.
+
+    Raises:
+        ValueError: on a CUDA device without CUDA, or an unknown strategy.
+    """
+    from accelerate import Accelerator
+
+    if strategy != "ddp":
+        raise ValueError(f"distributed.strategy: expected 'ddp', got {strategy!r}")
+    want_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise ValueError(f"runtime.device: {device!r} requested but CUDA is not available")
+    accelerator = Accelerator(cpu=not want_cuda)
+    chosen = torch.device(device) if device.startswith("cuda:") else accelerator.device
+    return DistributedContext(accelerator=accelerator, device=chosen)

@@ -1,0 +1,31 @@
+"""Chat-formatting and tokenising of prompts for rollouts."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+def encode_prompts(questions: Sequence[str], tokenizer, *, system_prompt: Optional[str] = None,
+                   max_prompt_length: int) -> list[list[int]]:
+    """Token ids of each question wrapped as a user turn of the tokenizer's chat template.
+
+    The template is rendered with `add_generation_prompt=True`, so the ids end where the assistant's answer
+    starts. A prompt longer than `max_prompt_length` tokens keeps its LAST `max_prompt_length` tokens (the
+    generation prompt must survive).
+
+    Args:
+        questions: B prompt texts.
+        tokenizer: an `astrai.models.Tokenizer` (or anything with `apply_chat_template` and `encode`).
+        system_prompt: optional system message placed first.
+        max_prompt_length: most tokens kept per prompt (> 0).
+
+    Returns:
+        B lists of int token ids.
+    """
+    out = []
+    for question in questions:
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        messages.append({"role": "user", "content": question})
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        out.append(ids[-max_prompt_length:])
+    return out

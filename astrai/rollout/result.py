@@ -1,0 +1,130 @@
+"""Rollout containers: sequences assembled from a generation, and the pinned PPO targets.
+
+Layout (docs/architecture.md): `input_ids (B, S)` = left-padded prompt (B, P) + right-padded response (B, T);
+response token t is scored by the logits at position P - 1 + t.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from astrai.rollout.engine import Generation, position_ids_from_mask
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """Model inputs for a batch of prompt + response sequences.
+
+    Attributes:
+        input_ids: (B, S) int64, S = P + T.
+        attention_mask: (B, S) bool, True on real tokens.
+        position_ids: (B, S) int64.
+        prompt_length: P, the padded prompt width.
+        action_mask: (B, T) bool, True on real response tokens.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    prompt_length: int
+    action_mask: torch.Tensor
+
+    @classmethod
+    def from_generation(cls, generation: Generation) -> "Sequences":
+        """Concatenate the left-padded prompts and right-padded responses of `generation`."""
+        attention_mask = torch.cat([generation.prompt_mask, generation.action_mask], dim=1)
+        return cls(input_ids=torch.cat([generation.prompt_ids, generation.response_ids], dim=1),
+                   attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask),
+                   prompt_length=generation.prompt_ids.shape[1],
+                   action_mask=generation.action_mask)
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        """(B, T) int64 response tokens."""
+        return self.input_ids[:, self.prompt_length:]
+
+    def select(self, index: torch.Tensor) -> "Sequences":
+        """Rows `index` (1-D int64) of every tensor; the prompt width is kept."""
+        return dataclasses.replace(self, input_ids=self.input_ids[index],
+                                   attention_mask=self.attention_mask[index],
+                                   position_ids=self.position_ids[index],
+                                   action_mask=self.action_mask[index])
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """One PPO rollout with its targets computed once and pinned (DESIGN.md section 2).
+
+    Every PPO epoch and minibatch replays these tensors; nothing recomputes advantages or returns.
+    All per-token tensors are (B, T) float32, zero at padding; none requires grad.
+
+    Attributes:
+        sequences: model inputs and `action_mask` (B, T).
+        old_logprobs: sampler-aligned behaviour log-probs from the engine.
+        ref_logprobs: frozen reference model log-probs (same temperature).
+        values: critic values V(s_t) at rollout time (None for critic-free train types).
+        scores: (B,) float32 scalar task rewards.
+        kl: k-estimator of KL(policy || reference) per token.
+        rewards: per-token rewards (-kl_coef * kl, plus the score at the last real token).
+        advantages: GAE advantages (whitened when configured).
+        returns: GAE returns, the critic's regression target.
+        policy_version: version of the weights that generated the responses.
+        responses: decoded response texts (B strings).
+    """
+
+    sequences: Sequences
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: Optional[torch.Tensor]
+    scores: torch.Tensor
+    kl: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    policy_version: int
+    responses: tuple[str, ...]
+
+    def __post_init__(self):
+        for field in ("old_logprobs", "ref_logprobs", "values", "kl", "rewards", "advantages", "returns"):
+            tensor = getattr(self, field)
+            if tensor is None:
+                continue
+            if tensor.shape != self.sequences.action_mask.shape:
+                raise ValueError(f"RolloutResult.{field}: expected shape "
+                                 f"{tuple(self.sequences.action_mask.shape)}, got {tuple(tensor.shape)}")
+            if tensor.requires_grad:
+                raise ValueError(f"RolloutResult.{field}: must not require grad (targets are pinned)")
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"RolloutResult.{field}: contains non-finite values")
+
+    def __len__(self) -> int:
+        return self.sequences.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor) -> "RolloutResult":
+        """Rows `index` (1-D int64) of every per-sample tensor, as a new (still pinned) result."""
+        picked = {f: (getattr(self, f)[index] if getattr(self, f) is not None else None)
+                  for f in ("old_logprobs", "ref_logprobs", "values", "scores", "kl", "rewards",
+                            "advantages", "returns")}
+        responses = tuple(self.responses[i] for i in index.tolist())
+        return dataclasses.replace(self, sequences=self.sequences.select(index), responses=responses,
+                                   **picked)
+
+    def minibatch_indices(self, minibatch_size: int, epochs: int,
+                          generator: torch.Generator) -> list[torch.Tensor]:
+        """Shuffled row indices: `epochs` passes, each cut into minibatches of `minibatch_size` rows.
+
+        Raises:
+            ValueError: when the batch size is not a multiple of `minibatch_size`.
+        """
+        if len(self) % minibatch_size:
+            raise ValueError(f"ppo.minibatch_size={minibatch_size} must divide the rollout batch {len(self)}")
+        out = []
+        for _ in range(epochs):
+            order = torch.randperm(len(self), generator=generator)
+            out.extend(order.split(minibatch_size))
+        return out

@@ -1,0 +1,56 @@
+"""Scoring sequences with a model: response log-probs (policy, reference) and values (critic).
+
+One implementation serves rollout-time scoring (no grad, chunked) and the training forward (with grad), so
+`logprobs` and `old_logprobs` are computed by the same function and the same temperature (DESIGN.md
+section 2).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from astrai.algos import entropy_from_logits, logprobs_from_logits
+from astrai.rollout.result import Sequences
+
+
+def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperature: float,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs of the response tokens under `model`.
+
+    Args:
+        model: an `AutoRegressiveLM` (or a wrapper returning logits (B, S, V)).
+        sequences: the batch; response token t is scored by the logits at position P - 1 + t.
+        temperature: logits are divided by it before the log-softmax (> 0).
+        with_entropy: also return the per-token entropy of the scaled distribution.
+
+    Returns:
+        logprobs (B, T) float32 (nats; values at padding are meaningless, mask them), and entropy (B, T)
+        float32 or None.
+    """
+    logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
+                   position_ids=sequences.position_ids)
+    p = sequences.prompt_length
+    response_logits = logits[:, p - 1:-1]
+    logprobs = logprobs_from_logits(response_logits, sequences.response_ids, temperature=temperature)
+    entropy = entropy_from_logits(response_logits, temperature=temperature) if with_entropy else None
+    return logprobs, entropy
+
+
+def response_values(value_model: torch.nn.Module, sequences: Sequences) -> torch.Tensor:
+    """Critic values V(s_t) (B, T) float32 of the state before each response token (position P - 1 + t)."""
+    values = value_model(sequences.input_ids, attention_mask=sequences.attention_mask,
+                         position_ids=sequences.position_ids)
+    p = sequences.prompt_length
+    return values[:, p - 1:-1].float()
+
+
+@torch.no_grad()
+def score_in_chunks(fn: Callable[[Sequences], torch.Tensor], sequences: Sequences,
+                    chunk_size: int) -> torch.Tensor:
+    """Apply `fn` (Sequences -> (b, T) tensor) to row chunks of `chunk_size` without grad; concat on rows."""
+    rows = sequences.input_ids.shape[0]
+    parts = [fn(sequences.select(torch.arange(start, min(start + chunk_size, rows))))
+             for start in range(0, rows, chunk_size)]
+    return torch.cat(parts, dim=0)

@@ -1,0 +1,54 @@
+"""Entry point: `python -m astrai.train --config FILE [--section.key VALUE ...]`.
+
+Also runs under `accelerate launch -m astrai.train ...`. Parses the config, builds the trainer, fits.
+Bad input (config, model path, data file) exits with code 2 and a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional, Sequence
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, list[str]]:
+    """`--config FILE` plus free-form overrides (`--ppo_gamma 0.99`, `--ppo.gamma=0.99`, `--max_steps 2`)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m astrai.train", allow_abbrev=False,
+        description="Train a decoder-only LM (online_ppo, ...). Any config field can be overridden with "
+                    "--section.key VALUE, --section_key VALUE or a unique --key VALUE.")
+    parser.add_argument("--config", default=None, help="YAML job file (default: built-in defaults)")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one training job; returns the process exit code."""
+    from astrai.config import ConfigError, load_config
+
+    args, overrides = parse_args(argv)
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from astrai.data import DataError
+    from astrai.trainer.build import build_trainer
+
+    start = time.perf_counter()
+    try:
+        trainer = build_trainer(config)
+    except (FileNotFoundError, NotADirectoryError, DataError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    state = trainer.fit()
+    if trainer.dist.is_main:
+        print(f"done: {state.global_step} steps, policy_version {state.policy_version}, "
+              f"{time.perf_counter() - start:.1f} s; outputs in {config.train.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Standard callbacks: metrics logging (metrics.jsonl + console), progress bar, timing, checkpointing."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from astrai.trainer.loop import Callback
+
+CONSOLE_KEYS = (
+    ("rollout/reward_mean", "reward"), ("rollout/kl", "kl"), ("critic/loss", "value_loss"),
+    ("critic/explained_variance", "explained_var"), ("policy/loss", "policy_loss"),
+    ("policy/clipfrac", "clipfrac"), ("rollout/logprob_gap", "logprob_gap"), ("time/step_seconds", "s/step"),
+)
+
+
+class StepTimer(Callback):
+    """Adds `time/step_seconds` (wall time of the step) and `time/elapsed_seconds` to the step's metrics."""
+
+    def on_train_begin(self, trainer) -> None:
+        self._start = self._last = time.perf_counter()
+
+    def on_step_end(self, trainer, metrics) -> None:
+        now = time.perf_counter()
+        metrics["time/step_seconds"] = torch.tensor(now - self._last)
+        metrics["time/elapsed_seconds"] = torch.tensor(now - self._start)
+        self._last = now
+
+
+class MetricsLogger(Callback):
+    """Writes one JSON object per optimizer step to `<output_dir>/metrics.jsonl` (main process only) and
+    prints the main metrics every `logging_steps` steps.
+
+    Metrics arrive as detached tensors; this is the one place that turns them into Python numbers.
+    The file is opened in append mode, line-buffered, and fsynced by `flush()`.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, *, logging_steps: int, enabled: bool = True,
+                 printer: Callable[[str], None] = tqdm.write):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.logging_steps = logging_steps
+        self.enabled = enabled
+        self.printer = printer
+        self._file = None
+
+    def on_train_begin(self, trainer) -> None:
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8", buffering=1)
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if not self.enabled:
+            return
+        names = sorted(metrics)
+        values = torch.stack([metrics[k].detach().float().cpu().reshape(()) for k in names]).tolist()
+        record = {"step": trainer.state.global_step, **dict(zip(names, values))}
+        record["policy_version"] = trainer.state.policy_version
+        self._file.write(json.dumps(record) + "\n")
+        if trainer.state.global_step % self.logging_steps == 0 or \
+                trainer.state.global_step == trainer.state.max_steps:
+            parts = [f"{short} {record[key]:.4g}" for key, short in CONSOLE_KEYS if key in record]
+            self.printer(f"step {trainer.state.global_step}/{trainer.state.max_steps} | " + " | ".join(parts))
+
+    def flush(self) -> None:
+        """Flush and fsync metrics.jsonl (called before a checkpoint covering these steps is published)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def on_train_end(self, trainer) -> None:
+        if self._file is not None:
+            self.flush()
+            self._file.close()
+            self._file = None
+
+
+class ProgressBar(Callback):
+    """A tqdm bar over optimizer steps, showing the latest reward (main process only)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._bar: Optional[tqdm] = None
+
+    def on_train_begin(self, trainer) -> None:
+        if self.enabled:
+            self._bar = tqdm(total=trainer.state.max_steps, initial=trainer.state.global_step,
+                             desc="train", unit="step", dynamic_ncols=True)
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            if "rollout/reward_mean" in metrics:
+                self._bar.set_postfix(reward=f"{float(metrics['rollout/reward_mean']):.3f}")
+
+    def on_train_end(self, trainer) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class CheckpointCallback(Callback):
+    """Publishes a checkpoint every `save_steps` steps (0: never mid-run) and at the end when `save_at_end`.
+
+    Args:
+        save: called with the trainer; does the publishing (`astrai.checkpoint`).
+        before_save: called first (e.g. `MetricsLogger.flush`), so metrics never lag behind a checkpoint.
+    """
+
+    def __init__(self, save: Callable, *, save_steps: int, save_at_end: bool,
+                 before_save: Callable[[], None] = lambda: None):
+        self.save, self.before_save = save, before_save
+        self.save_steps, self.save_at_end = save_steps, save_at_end
+        self._last_saved = -1
+
+    def _publish(self, trainer) -> None:
+        self.before_save()
+        self.save(trainer)
+        self._last_saved = trainer.state.global_step
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if self.save_steps and trainer.state.global_step % self.save_steps == 0:
+            self._publish(trainer)
+
+    def on_train_end(self, trainer) -> None:
+        if self.save_at_end and self._last_saved != trainer.state.global_step:
+            self._publish(trainer)

@@ -1,0 +1,54 @@
+"""Optimizers and learning-rate schedules.
+
+Schedules are multiplicative factors on the base learning rate, applied per optimizer step:
+constant (after linear warmup), linear decay to 0, and cosine decay to 0 (Loshchilov & Hutter 2017,
+SGDR, without restarts).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+
+SCHEDULES: dict[str, Callable[[float], float]] = {
+    "constant": lambda progress: 1.0,
+    "linear": lambda progress: max(0.0, 1.0 - progress),
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
+}
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
+                    eps: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (Loshchilov & Hutter 2019) over the trainable `params` (requires_grad only).
+
+    Raises:
+        ValueError: when no parameter is trainable.
+    """
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise ValueError("build_optimizer: the model has no trainable parameter")
+    return torch.optim.AdamW(trainable, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, name: str, warmup_steps: int,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """LR schedule: linear warmup over `warmup_steps`, then `SCHEDULES[name]` over the remaining steps.
+
+    The factor at step s is (s + 1) / warmup_steps during warmup, then f((s - warmup) / (total - warmup)).
+
+    Raises:
+        ValueError: on an unknown schedule name (naming `optim.lr_scheduler_type` and the choices).
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"optim.lr_scheduler_type: expected one of {sorted(SCHEDULES)}, got {name!r}")
+    decay = SCHEDULES[name]
+    decay_steps = max(1, total_steps - warmup_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return decay((step - warmup_steps) / decay_steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
