@@ -1,0 +1,184 @@
+"""Building blocks of the Llama decoder (Touvron et al. 2023), with Hugging Face `LlamaForCausalLM` attribute names.
+
+- RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; computed in float32, cast back.
+- Rotary position embedding: Su et al. 2021, "RoFormer"; HF "rotate_half" layout (the two halves of each head are
+  the rotated pairs), cos/sin read from a precomputed float32 table.
+- Grouped-query attention: Ainslie et al. 2023, "GQA"; Nkv key/value heads shared by Nh / Nkv query heads,
+  computed with `torch.nn.functional.scaled_dot_product_attention`.
+- SwiGLU MLP: Shazeer 2020, "GLU Variants Improve Transformer": down(silu(gate(x)) * up(x)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .config import ModelConfig
+
+__all__ = ["RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", "build_attention_mask", "rotate_half"]
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)); x (..., H) any float dtype, normalised in float32 and cast back to
+    x's dtype before the weight multiply (as HF Llama does). Zhang & Sennrich 2019."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., H) -> (..., H), same dtype as x."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed rotary table (RoFormer, Su et al. 2021) for positions `[0, max_positions)`.
+
+    Buffers `cos`, `sin`: (max_positions, D) float32, non-persistent (not in the state dict). The table is rebuilt in
+    float32 if a dtype cast (e.g. `model.to(torch.bfloat16)`) touched it; call `reset_table(device)` after
+    materialising a model built on the meta device.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_table()
+
+    def reset_table(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the float32 cos/sin tables on `device` (default: where the table is now)."""
+        if device is None:
+            device = self.cos.device
+        if torch.device(device).type == "meta":
+            device = "meta"
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponents)  # (D/2,)
+        positions = torch.arange(self.max_positions, dtype=torch.int64, device=device).float()
+        freqs = torch.outer(positions, inv_freq)  # (max_positions, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (max_positions, D), halves layout
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids (B, S) long, each < max_positions -> (cos, sin), each (B, 1, S, D) in `dtype`."""
+        if self.cos.dtype != torch.float32 or self.cos.shape[0] != self.max_positions:
+            self.reset_table(self.cos.device)
+        cos = self.cos[position_ids].unsqueeze(1).to(dtype)
+        sin = self.sin[position_ids].unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) -> (..., D): [x1, x2] -> [-x2, x1] with x1, x2 the two halves of the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def build_attention_mask(
+    attention_mask: torch.Tensor | None, num_new: int, past_length: int, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean attention mask (B or 1, 1, S, K) with K = past_length + S, True = may attend; None = plain causal.
+
+    Query i (absolute position past_length + i) sees key j if j <= past_length + i and `attention_mask[b, j]` is
+    set. Every query may also see its own key, so rows of padding queries (left padding) are never fully masked
+    (SDPA returns NaN for those); their outputs are meaningless but finite. `attention_mask`: (B, K) of 0/1 or bool.
+    Raises `ValueError` if its length is not K.
+    """
+    total = past_length + num_new
+    if attention_mask is None and past_length == 0:
+        return None
+    q_pos = torch.arange(past_length, total, device=device).unsqueeze(1)  # (S, 1)
+    k_pos = torch.arange(total, device=device).unsqueeze(0)  # (1, K)
+    allowed = (k_pos <= q_pos).unsqueeze(0)  # (1, S, K)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[1] != total:
+            raise ValueError(
+                f"attention_mask must be (B, {total}) = cached {past_length} + new {num_new} tokens, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        allowed = allowed & attention_mask.to(device=device, dtype=torch.bool).unsqueeze(1)
+        allowed = allowed | (k_pos == q_pos).unsqueeze(0)
+    return allowed.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention (Ainslie et al. 2023) with rotary q/k; `q_proj, k_proj, v_proj, o_proj` have
+    no bias. Scores are scaled by 1/sqrt(D)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """x (B, S, H); cos/sin (B, 1, S, D); mask (B|1, 1, S, K) bool or None (= causal) -> (B, S, H)."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)  # (B, Nh, K, D); head h uses kv head h // groups
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down_proj(silu(gate_proj(x)) * up_proj(x)), no biases."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, S, H) -> (B, S, H)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder block: h = x + attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """x (B, S, H) -> (B, S, H); see `Attention.forward` for the other arguments."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))

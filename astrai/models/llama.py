@@ -1,0 +1,170 @@
+"""Llama-family decoder-only language model (Touvron et al. 2023, "LLaMA"), state-dict compatible with Hugging Face
+`LlamaForCausalLM`: parameter names are identical, so `hf_state_dict(model)` saves to and `load_state_dict` loads
+from HF safetensors 1:1.
+
+Pieces (see `layers.py`): RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021, RoFormer),
+grouped-query attention (Ainslie et al. 2023) via `scaled_dot_product_attention`, SwiGLU MLP (Shazeer 2020).
+
+What is simplified relative to HF: no dropout, no rotary scaling, no attention/MLP biases, no `padding_idx` on the
+embedding (HF zeroes the gradient of the pad token's embedding row; with pad == eos, as in SmolLM2, that would
+freeze the EOS embedding, so astrai does not), one explicit boolean mask instead of pluggable attention backends.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from .cache import KVCache
+from .config import ModelConfig, tiny_config
+from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, build_attention_mask
+
+__all__ = ["ModelConfig", "KVCache", "LlamaTrunk", "AutoRegressiveLM", "hf_state_dict", "tiny_config"]
+
+INIT_STD = 0.02  # HF LlamaConfig.initializer_range default
+
+
+def _default_position_ids(input_ids: torch.Tensor, past_length: int) -> torch.Tensor:
+    """(B, S) long: past_length, past_length + 1, ... for every row."""
+    b, s = input_ids.shape
+    positions = torch.arange(past_length, past_length + s, device=input_ids.device)
+    return positions.unsqueeze(0).expand(b, s)
+
+
+def _init_weights(module: nn.Module) -> None:
+    """HF-style init: normal(0, INIT_STD) for Linear/Embedding weights; RMSNorm keeps ones. Skipped on the meta
+    device (weights are assigned later)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.is_meta:
+        with torch.no_grad():
+            module.weight.normal_(0.0, INIT_STD)
+
+
+class LlamaTrunk(nn.Module):
+    """Embeddings + L decoder blocks + final RMSNorm (HF `LlamaModel`): `embed_tokens`, `layers`, `norm`, and the
+    non-persistent rotary table `rotary_emb`. Weights are initialised like HF (see `AutoRegressiveLM`).
+
+    Attribute `gradient_checkpointing` (default False): when True and in training mode with grad enabled, each
+    block is recomputed in backward (`torch.utils.checkpoint`, `use_reentrant=False`).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # `_weight` skips nn.Embedding's own normal_ init (slow on the meta device); `_init_weights` does it.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.gradient_checkpointing = False
+        self.apply(_init_weights)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm.
+
+        input_ids (B, S) long; attention_mask (B, S_kv) 0/1 or bool with S_kv = cache length + S (None: no
+        padding); position_ids (B, S) long, each < max_position_embeddings (None: arange from the cache length;
+        with left padding pass `clamp(cumsum(attention_mask) - 1, min=0)`); kv_cache: see `KVCache` (its `length`
+        advances by S here, once). Returns (B, S, H) in the parameter dtype.
+        Raises `ValueError` for a mask of the wrong length or a cache without room.
+        """
+        b, s = input_ids.shape
+        past = kv_cache.length if kv_cache is not None else 0
+        if kv_cache is not None:
+            kv_cache.check_room(b, s)
+        if position_ids is None:
+            position_ids = _default_position_ids(input_ids, past)
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(position_ids, h.dtype)
+        mask = build_attention_mask(attention_mask, s, past, h.device)
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if checkpointing and kv_cache is None:
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, None, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(s)
+        return self.norm(h)
+
+
+class AutoRegressiveLM(nn.Module):
+    """Causal language model (HF `LlamaForCausalLM` layout): `config`, `model` (LlamaTrunk), `lm_head`
+    (Linear(H, V), no bias). With `config.tie_word_embeddings`, `lm_head.weight` IS `model.embed_tokens.weight`
+    (one Parameter); `load_state_dict` then accepts state dicts without `lm_head.weight`.
+
+    Weights are initialised like HF (normal(0, 0.02) for linear and embedding weights, ones for norms).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaTrunk(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        _init_weights(self.lm_head)
+        self.tie_weights()
+        register = getattr(self, "register_load_state_dict_pre_hook", None)
+        if register is None:  # torch < 2.5
+            self._register_load_state_dict_pre_hook(_fill_tied_lm_head, with_module=True)
+        else:
+            register(_fill_tied_lm_head)
+
+    def tie_weights(self) -> None:
+        """Make `lm_head.weight` the embedding Parameter when `config.tie_word_embeddings` (no-op otherwise).
+        Call again after anything that re-creates parameters (`to_empty`, `load_state_dict(assign=True)`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Proxy of `model.gradient_checkpointing`."""
+        return self.model.gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, value: bool) -> None:
+        self.model.gradient_checkpointing = bool(value)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        *,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Next-token logits (B, S, V) in the parameter dtype; `logits[:, i]` scores token i + 1.
+
+        Arguments as `LlamaTrunk.forward`. `logits_to_keep` > 0 computes only the last that many positions,
+        returning (B, logits_to_keep, V) (e.g. 1 for decoding). Raises what `LlamaTrunk.forward` raises.
+        """
+        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache)
+        if logits_to_keep > 0:
+            hidden = hidden[:, -logits_to_keep:]
+        return self.lm_head(hidden)
+
+
+def _fill_tied_lm_head(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+    """load_state_dict pre-hook: a tied model accepts a state dict without `lm_head.weight` (as HF saves it)."""
+    embed, head = prefix + "model.embed_tokens.weight", prefix + "lm_head.weight"
+    if module.config.tie_word_embeddings and head not in state_dict and embed in state_dict:
+        state_dict[head] = state_dict[embed]
+
+
+def hf_state_dict(model: AutoRegressiveLM) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with Hugging Face names, minus `lm_head.weight` when the embeddings are tied (as HF
+    saves it; safetensors refuses shared tensors). Tensors share storage with the model (no copy).
+    Raises `TypeError` if `model` is not an `AutoRegressiveLM`."""
+    if not isinstance(model, AutoRegressiveLM):
+        raise TypeError(f"hf_state_dict expects an AutoRegressiveLM, got {type(model).__name__}")
+    state = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state

