@@ -29,10 +29,11 @@ def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperatu
         logprobs (B, T) float32 (nats; values at padding are meaningless, mask them), and entropy (B, T)
         float32 or None.
     """
+    num_actions = sequences.action_mask.shape[1]
+    # Only the T positions that score a response token go through the LM head (P - 1 ... S - 2).
     logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
-                   position_ids=sequences.position_ids)
-    p = sequences.prompt_length
-    response_logits = logits[:, p - 1:-1]
+                   position_ids=sequences.position_ids, logits_to_keep=num_actions + 1)
+    response_logits = logits[:, :-1]
     logprobs = logprobs_from_logits(response_logits, sequences.response_ids, temperature=temperature)
     entropy = entropy_from_logits(response_logits, temperature=temperature) if with_entropy else None
     return logprobs, entropy

@@ -53,7 +53,8 @@ def build_trainer(config: Config) -> Trainer:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(dump_config(config))
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
-    policy.model.gradient_checkpointing = config.model.gradient_checkpointing
+    policy.train()
+    policy.gradient_checkpointing = config.model.gradient_checkpointing
     strategy = TRAIN_TYPES[config.train.type](config, dist, policy, tokenizer)
     logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main)
 

@@ -8,6 +8,7 @@ reference log-probs, critic values, k-estimated KL, per-token rewards and GAE on
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -118,7 +119,9 @@ class OnlinePPOStrategy:
         """One minibatch: policy loss + step, then critic loss + step. Starts a rollout when needed."""
         first_minibatch = not self._pending
         if first_minibatch:
+            start = time.perf_counter()
             self.rollout = self.make_rollout(trainer.state.policy_version)
+            self._rollout_metrics["time/rollout_seconds"] = torch.tensor(time.perf_counter() - start)
             self._pending = self.rollout.minibatch_indices(self.settings.minibatch_size,
                                                            self.settings.epochs, self.shuffle_generator)
             trainer.state.consumed_samples += len(self.rollout) * self.dist.world_size
