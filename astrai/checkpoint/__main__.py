@@ -1,0 +1,56 @@
+"""Command line: `python -m astrai.checkpoint {verify,latest,recover} ...`.
+
+    verify [--require-critic] DIR   one line per file (OK / MISMATCH / MISSING / UNSAFE / EXTRA / UNVERIFIED
+                                    + name); exit 0 all match, 1 any mismatch or missing file (or, with
+                                    --require-critic, an online_ppo checkpoint without its critic extras),
+                                    2 when DIR is not a checkpoint
+    latest OUTPUT_DIR               print the newest complete checkpoint; exit 1 when there is none
+    recover OUTPUT_DIR              clean up staging/retired/deleting dirs after a crash (run while no
+                                    training writes to OUTPUT_DIR); prints one line per action
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from astrai.checkpoint.layout import find_latest_checkpoint, recover
+from astrai.checkpoint.verify import verify_checkpoint
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m astrai.checkpoint", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    verify = commands.add_parser("verify", help="check every file of a checkpoint against its manifest")
+    verify.add_argument("--require-critic", action="store_true",
+                        help="an online_ppo checkpoint must contain value_model.pt and value_optimizer.pt")
+    verify.add_argument("dir")
+    latest = commands.add_parser("latest", help="print the newest complete checkpoint of an output dir")
+    latest.add_argument("output_dir")
+    latest.add_argument("--hashes", action="store_true", help="also check sha256 of every candidate")
+    rec = commands.add_parser("recover", help="clean up after a crash (no training may be running)")
+    rec.add_argument("output_dir")
+    args = parser.parse_args(argv)
+    if args.command == "verify":
+        report = verify_checkpoint(args.dir, require_critic=args.require_critic)
+        for line in report.lines():
+            print(line)
+        verdict = {0: "OK", 1: "FAILED", 2: "NOT A CHECKPOINT"}[report.exit_code]
+        print(f"{args.dir}: {verdict}", file=sys.stderr)
+        return report.exit_code
+    if args.command == "latest":
+        path = find_latest_checkpoint(args.output_dir, hashes=args.hashes)
+        if path is None:
+            print(f"no complete checkpoint under {args.output_dir}/checkpoints", file=sys.stderr)
+            return 1
+        print(path)
+        return 0
+    for action in recover(args.output_dir):
+        print(action)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

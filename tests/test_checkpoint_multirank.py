@@ -1,0 +1,102 @@
+"""Multi-rank publishing (issue 3 part 7): 2 processes, gloo on CPU, one shared staging directory."""
+
+import json
+import multiprocessing as mp
+import os
+import traceback
+
+import pytest
+import torch
+
+WORLD = 2
+
+
+class GlooDist:
+    """The duck-typed `dist` the publisher needs."""
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+    def barrier(self):
+        torch.distributed.barrier()
+
+
+def _worker(rank, tmp, results):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
+                                         world_size=WORLD)
+    from astrai.checkpoint import CheckpointError, publish_checkpoint
+    from astrai.models import AutoRegressiveLM, tiny_config, tiny_tokenizer
+
+    class Sampler:
+        def state_dict(self):
+            return {"epoch": 0, "position": 10 + rank}
+
+    torch.manual_seed(100 + rank)  # per-rank RNG differs, as in training
+    objects = {"policy": AutoRegressiveLM(tiny_config()), "tokenizer": tiny_tokenizer(), "data_sampler": Sampler()}
+    dist = GlooDist(rank, WORLD)
+    out = {}
+    try:
+        paths = []
+        for repeat in range(2):  # second call republishes the same step
+            extra = {f"extra/rank{rank}.pt": {"rank": torch.tensor([rank, repeat])}}
+            paths.append(str(publish_checkpoint(tmp / "ok", 7, objects, {"step": 7, "policy_version": 7},
+                                                dist=dist, rank_files=extra, keep_last=1, timeout_s=30)))
+        out["paths"] = paths
+        # rank 1 writes to a directory rank 0 does not use: as if the filesystem were not shared
+        target = tmp / ("blind" if rank == 0 else "elsewhere")
+        try:
+            publish_checkpoint(target, 8, objects, {"step": 8}, dist=dist, timeout_s=2)
+            out["blind"] = "published"
+        except CheckpointError as exc:
+            out["blind"] = str(exc)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        out["error"] = traceback.format_exc()
+    results.put((rank, out))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multirank")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(rank, tmp, results)) for rank in range(WORLD)]
+    for p in procs:
+        p.start()
+    outs = dict(results.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, out in outs.items():
+        assert "error" not in out, f"rank {rank}:\n{out['error']}"
+    return tmp, outs
+
+
+def test_two_ranks_publish_one_checkpoint(run):
+    from astrai.checkpoint import load_checkpoint, verify_checkpoint
+
+    tmp, outs = run
+    path = tmp / "ok" / "checkpoints" / "step-00000007"
+    assert outs[0]["paths"] == outs[1]["paths"] == [str(path)] * 2
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step-00000007"]  # no staging/retired left
+    assert verify_checkpoint(path).exit_code == 0
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert {"rng_state.pt", "rng_state_rank00001.pt", "data_sampler_rank00001.json", "extra/rank0.pt",
+            "extra/rank1.pt", "model.safetensors"} <= set(manifest["files"])
+    assert not [n for n in manifest["files"] if n.startswith(".rank-")]
+    ckpt = load_checkpoint(path, verify=True)
+    assert ckpt.data_sampler_state(0)["position"] == 10 and ckpt.data_sampler_state(1)["position"] == 11
+    assert not torch.equal(ckpt.rng_state(0)["torch"], ckpt.rng_state(1)["torch"])
+    assert ckpt.load_pt("extra/rank1.pt")["rank"].tolist() == [1, 1]  # the republished content
+
+
+def test_rank_that_cannot_see_staging_fails_clearly(run):
+    tmp, outs = run
+    assert outs[1]["blind"].startswith("rank 1 cannot see staging dir")
+    assert "after 2s" in outs[1]["blind"]
+    assert "rank(s) [1] did not write their part" in outs[0]["blind"]
+    root = tmp / "blind" / "checkpoints"
+    assert list(root.iterdir()) == []  # rank 0 removed its staging dir, published nothing
