@@ -114,6 +114,21 @@ class RolloutResult:
         return dataclasses.replace(self, sequences=self.sequences.select(index), responses=responses,
                                    **picked)
 
+    def to_state(self) -> dict:
+        """Plain dict of tensors / ints / strings (loadable with `torch.load(weights_only=True)`)."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sequences"}
+        state["responses"] = list(self.responses)
+        state["sequences"] = {f.name: getattr(self.sequences, f.name) for f in dataclasses.fields(Sequences)}
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict, device: torch.device) -> "RolloutResult":
+        """Inverse of `to_state`, with every tensor moved to `device`."""
+        move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        fields = {k: move(v) for k, v in state.items() if k not in ("sequences", "responses")}
+        sequences = Sequences(**{k: move(v) for k, v in state["sequences"].items()})
+        return cls(sequences=sequences, responses=tuple(state["responses"]), **fields)
+
     def minibatch_indices(self, minibatch_size: int, epochs: int,
                           generator: torch.Generator) -> list[torch.Tensor]:
         """Shuffled row indices: `epochs` passes, each cut into minibatches of `minibatch_size` rows.

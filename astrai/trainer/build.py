@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from astrai.checkpoint import publish_checkpoint
+from astrai.checkpoint import checkpoints_root, publish_checkpoint, recover
 from astrai.config import Config, dump_config
 from astrai.distributed import setup_distributed
 from astrai.models import load_pretrained
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.loop import Trainer
+from astrai.trainer.resume import resolve_resume, restore, strategy_state_file
 from astrai.trainer.strategies import TRAIN_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,34 +42,48 @@ def apply_runtime(config: Config) -> None:
 def build_trainer(config: Config) -> Trainer:
     """Everything `python -m astrai.train` needs, wired together.
 
-    Writes the resolved config to `<output_dir>/config.yaml` (main process).
+    Cleans up after a crashed publish (main process), resumes when `checkpoint.resume` says so, and writes
+    the resolved config to `<output_dir>/config.yaml` once everything has been built.
 
     Raises:
-        FileNotFoundError / ValueError: from model or data loading, with one-line messages naming the path.
+        FileNotFoundError / ValueError / CheckpointError: from model, data or checkpoint loading, with
+            one-line messages naming the path.
     """
     apply_runtime(config)
     dist = setup_distributed(config.runtime.device, config.distributed.strategy)
     output_dir = Path(config.train.output_dir)
-    if dist.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(dump_config(config))
+    if dist.is_main and checkpoints_root(output_dir).is_dir():
+        recover(output_dir)
+    dist.barrier()
+    resume_from = resolve_resume(config.checkpoint.resume, output_dir)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     policy.train()
     policy.gradient_checkpointing = config.model.gradient_checkpointing
     strategy = TRAIN_TYPES[config.train.type](config, dist, policy, tokenizer)
-    logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main)
+    state = None
+    if resume_from is not None:
+        state = restore(strategy, resume_from, rank=dist.rank, train_type=config.train.type,
+                        verify=config.checkpoint.verify_on_load)
+    logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main,
+                           resume_step=None if state is None else state.global_step)
 
     def save(trainer: Trainer) -> None:
-        if dist.is_main:
-            state = dict(trainer.state.to_dict(), step=trainer.state.global_step)
-            publish_checkpoint(output_dir, trainer.state.global_step, strategy.checkpoint_state(), state,
-                               world_size=dist.world_size)
-        dist.barrier()
+        publish_checkpoint(
+            output_dir, trainer.state.global_step, strategy.checkpoint_state(), trainer.state.to_dict(),
+            world_size=dist.world_size, dist=dist if dist.world_size > 1 else None,
+            rank_files={strategy_state_file(dist.rank): strategy.state_dict()},
+            keep_last=config.checkpoint.keep_last, train_type=config.train.type)
 
     callbacks = [
         StepTimer(), logger, ProgressBar(enabled=dist.is_main and config.train.progress_bar),
         CheckpointCallback(save, save_steps=config.checkpoint.save_steps,
                            save_at_end=config.checkpoint.save_at_end, before_save=logger.flush),
     ]
+    if dist.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(dump_config(config))
+        if resume_from is not None:
+            print(f"resuming from {resume_from} (step {state.global_step}, "
+                  f"policy_version {state.policy_version})")
     return Trainer(strategy, dist=dist, max_steps=config.train.max_steps,
-                   max_grad_norm=config.optim.max_grad_norm, callbacks=callbacks)
+                   max_grad_norm=config.optim.max_grad_norm, callbacks=callbacks, state=state)

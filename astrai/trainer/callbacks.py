@@ -16,7 +16,9 @@ from astrai.trainer.loop import Callback
 CONSOLE_KEYS = (
     ("rollout/reward_mean", "reward"), ("rollout/kl", "kl"), ("critic/loss", "value_loss"),
     ("critic/explained_variance", "explained_var"), ("policy/loss", "policy_loss"),
-    ("policy/clipfrac", "clipfrac"), ("rollout/logprob_gap", "logprob_gap"), ("time/step_seconds", "s/step"),
+    ("policy/clipfrac", "clipfrac"), ("rollout/logprob_gap", "logprob_gap"), ("train/loss", "loss"),
+    ("dpo/accuracy", "accuracy"), ("dpo/margin", "margin"), ("moe/aux_loss", "aux_loss"),
+    ("time/step_seconds", "s/step"),
 )
 
 
@@ -38,20 +40,39 @@ class MetricsLogger(Callback):
     prints the main metrics every `logging_steps` steps.
 
     Metrics arrive as detached tensors; this is the one place that turns them into Python numbers.
-    The file is opened in append mode, line-buffered, and fsynced by `flush()`.
+    The file is opened in append mode, line-buffered, and fsynced by `flush()`. On a resumed run, records of
+    steps after the resumed checkpoint are dropped first; on a fresh run an existing file is kept under a
+    timestamped name, never overwritten.
     """
 
     def __init__(self, output_dir: str | os.PathLike, *, logging_steps: int, enabled: bool = True,
-                 printer: Callable[[str], None] = tqdm.write):
+                 resume_step: Optional[int] = None, printer: Callable[[str], None] = tqdm.write):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.logging_steps = logging_steps
         self.enabled = enabled
+        self.resume_step = resume_step
         self.printer = printer
         self._file = None
+
+    def _prepare_existing(self) -> None:
+        """A fresh run keeps an old metrics.jsonl under a timestamped name; a resumed run drops the records
+        of steps after the checkpoint (they are about to be redone), rewriting the file atomically."""
+        if self.resume_step is None:
+            kept = self.path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            os.replace(self.path, kept)
+            self.printer(f"kept the previous run's metrics as {kept}")
+            return
+        lines = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                 if _record_step(line) is not None and _record_step(line) <= self.resume_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     def on_train_begin(self, trainer) -> None:
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                self._prepare_existing()
             self._file = open(self.path, "a", encoding="utf-8", buffering=1)
 
     def on_step_end(self, trainer, metrics) -> None:
@@ -78,6 +99,14 @@ class MetricsLogger(Callback):
             self.flush()
             self._file.close()
             self._file = None
+
+
+def _record_step(line: str) -> Optional[int]:
+    """The "step" of one metrics.jsonl line; None for a blank or torn (crash-truncated) line."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class ProgressBar(Callback):

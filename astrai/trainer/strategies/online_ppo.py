@@ -19,7 +19,9 @@ from astrai.algos import (explained_variance, gae, kl_estimate, masked_mean, mas
 from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import RolloutRunner
-from astrai.rollout.scoring import response_logprobs, response_values, score_in_chunks
+from astrai.rollout.scoring import response_values, score_in_chunks
+from astrai.trainer.strategies.common import (accumulate, policy_gradient_step, row_chunks, sync_engine,
+                                              token_counts)
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,7 @@ class OnlinePPOStrategy:
     # ----------------------------------------------------------------------------------------- rollout
     def sync_engine(self, policy_version: int) -> None:
         """Load the current policy weights into the engine unless it already holds `policy_version`."""
-        if self.engine.policy_version != policy_version:
-            state = self.dist.unwrap(self.policy).state_dict()
-            acknowledged = self.engine.load_weights(state, policy_version)
-            if acknowledged != policy_version:
-                raise RuntimeError(f"engine acknowledged version {acknowledged}, expected {policy_version}")
+        sync_engine(self.engine, self.policy, self.dist, policy_version)
 
     def make_rollout(self, policy_version: int) -> RolloutResult:
         """Sample, score and compute the pinned PPO targets for one batch of prompts."""
@@ -132,48 +130,31 @@ class OnlinePPOStrategy:
         return metrics
 
     def _micro_batches(self, minibatch: RolloutResult):
-        rows = len(minibatch)
-        for start in range(0, rows, self.settings.micro_batch_size):
-            yield minibatch.select(torch.arange(start, min(rows, start + self.settings.micro_batch_size)))
-
-    def _token_counts(self, minibatch: RolloutResult) -> tuple[torch.Tensor, torch.Tensor]:
-        """(real tokens on this rank, real tokens over all ranks), both clamped to >= 1."""
-        local_tokens = minibatch.sequences.action_mask.sum()
-        return local_tokens.clamp(min=1), self.dist.all_reduce_sum(local_tokens).clamp(min=1)
+        for index in row_chunks(len(minibatch), self.settings.micro_batch_size):
+            yield minibatch.select(index)
 
     def _policy_update(self, trainer, minibatch: RolloutResult, first_minibatch: bool):
-        """Accumulate the PPO-clip loss over micro-batches (global token-mean), then step the policy."""
+        """Accumulate the PPO-clip loss over micro-batches (global token-mean), then step the policy
+        (the shared `common.policy_gradient_step`)."""
         s = self.settings
-        local_tokens, num_tokens = self._token_counts(minibatch)
-        sums: dict[str, torch.Tensor] = {}
-        for micro in self._micro_batches(minibatch):
-            mask = micro.sequences.action_mask
-            logprobs, entropy = response_logprobs(self.policy, micro.sequences, temperature=s.temperature,
-                                                  with_entropy=s.log_entropy)
-            loss, m = ppo_policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask,
-                                      clip_eps=s.clip_eps, num_tokens=num_tokens)
-            (loss * self.dist.loss_scale()).backward()
-            # loss and metrics are shares of the global token-mean: rescale to this rank's mean.
-            _accumulate(sums, dict(m, **{"policy/loss": loss}), weight=num_tokens / local_tokens)
-            local = {}
-            if first_minibatch:
-                local["rollout/logprob_gap"] = (logprobs.detach() - micro.old_logprobs).abs()
-            if entropy is not None:
-                local["policy/entropy"] = entropy
-            _accumulate(sums, {k: masked_mean(v.detach(), mask, num_tokens=local_tokens)
-                               for k, v in local.items()}, weight=1.0)
-        if first_minibatch:
-            self._rollout_metrics["rollout/logprob_gap"] = sums.pop("rollout/logprob_gap")
-        sums["policy/grad_norm"] = trainer.optimizer_step("policy", self.dist.unwrap(self.policy),
-                                                          self.policy_optimizer, self.policy_scheduler)
-        sums["policy/lr"] = torch.tensor(self.policy_scheduler.get_last_lr()[0])
+
+        def loss_fn(logprobs, micro, num_tokens):
+            return ppo_policy_loss(logprobs, micro.old_logprobs, micro.advantages, micro.sequences.action_mask,
+                                   clip_eps=s.clip_eps, num_tokens=num_tokens)
+
+        sums = policy_gradient_step(trainer, policy=self.policy, optimizer=self.policy_optimizer,
+                                    scheduler=self.policy_scheduler, dist=self.dist, minibatch=minibatch,
+                                    micro_batch_size=s.micro_batch_size, temperature=s.temperature,
+                                    loss_fn=loss_fn, with_entropy=s.log_entropy)
+        if first_minibatch:  # the gap is only meaningful before the rollout's first update
+            self._rollout_metrics["rollout/logprob_gap"] = sums["rollout/logprob_gap"]
         sums["rollout/logprob_gap"] = self._rollout_metrics["rollout/logprob_gap"]
         return sums
 
     def _critic_update(self, trainer, minibatch: RolloutResult):
         """Accumulate the (clipped) value loss over micro-batches, then step the critic."""
         s = self.settings
-        local_tokens, num_tokens = self._token_counts(minibatch)
+        local_tokens, num_tokens = token_counts(minibatch.sequences.action_mask, self.dist)
         sums: dict[str, torch.Tensor] = {}
         new_values = []
         for micro in self._micro_batches(minibatch):
@@ -182,7 +163,7 @@ class OnlinePPOStrategy:
             loss, m = value_loss(values, micro.values, micro.returns, mask, clip_range=s.value_clip,
                                  num_tokens=num_tokens)
             (s.vf_coef * loss * self.dist.loss_scale()).backward()
-            _accumulate(sums, dict(m, **{"critic/loss": loss}), weight=num_tokens / local_tokens)
+            accumulate(sums, dict(m, **{"critic/loss": loss}), weight=num_tokens / local_tokens)
             new_values.append(values.detach())
         sums["critic/explained_variance"] = explained_variance(
             torch.cat(new_values), minibatch.returns, minibatch.sequences.action_mask)
@@ -191,6 +172,26 @@ class OnlinePPOStrategy:
         return sums
 
     # ------------------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """Strategy state needed for an exact resume: RNG states, and the rollout in progress (its pinned
+        targets and the minibatches not yet replayed), so a checkpoint taken mid-rollout resumes exactly."""
+        return {
+            "sampling_rng": self.generator.get_state(),
+            "shuffle_rng": self.shuffle_generator.get_state(),
+            "pending": [index.clone() for index in self._pending],
+            "rollout": self.rollout.to_state() if self._pending else None,
+            "rollout_metrics": dict(self._rollout_metrics),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict` (tensors are moved to this rank's device)."""
+        self.generator.set_state(state["sampling_rng"])
+        self.shuffle_generator.set_state(state["shuffle_rng"])
+        self._pending = list(state["pending"])
+        self.rollout = (RolloutResult.from_state(state["rollout"], self.dist.device)
+                        if state["rollout"] is not None else None)
+        self._rollout_metrics = dict(state["rollout_metrics"])
+
     def checkpoint_state(self) -> dict:
         """What a checkpoint of this train type holds (policy + critic extras)."""
         return {
@@ -202,12 +203,6 @@ class OnlinePPOStrategy:
             "value_scheduler": self.value_scheduler,
             **self.extras,
         }
-
-
-def _accumulate(sums: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], *, weight) -> None:
-    """sums[k] += weight * metrics[k] for every key (detached tensors)."""
-    for key, value in metrics.items():
-        sums[key] = sums.get(key, 0.0) + value.detach() * weight
 
 
 def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
