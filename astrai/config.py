@@ -216,6 +216,10 @@ class CheckpointSection(_Section, name="checkpoint"):
     save_steps: int = _f(0, "publish a checkpoint every N optimizer steps; 0 = only at the end", GE0)
     save_at_end: bool = _f(True, "publish a checkpoint after the last step")
     keep_last: Optional[int] = _f(None, "keep only the newest N checkpoints; null = keep all", GT0)
+    resume: str = _f("none", "'none' (fresh start), 'auto' (the latest complete checkpoint in output_dir, "
+                             "if any) or a checkpoint directory path",
+                     _Pattern(r".+", "'none', 'auto' or a checkpoint directory"))
+    verify_on_load: bool = _f(False, "check every file's sha256 against the manifest when resuming")
 
 
 @dataclass
