@@ -27,14 +27,17 @@ class DistributedContext:
 
     @property
     def rank(self) -> int:
+        """Global rank of this process (0-based)."""
         return self.accelerator.process_index
 
     @property
     def world_size(self) -> int:
+        """Number of processes in the job."""
         return self.accelerator.num_processes
 
     @property
     def is_main(self) -> bool:
+        """True on global rank 0 (the process that logs and prints)."""
         return self.accelerator.is_main_process
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -63,6 +66,7 @@ class DistributedContext:
         return float(self.world_size)
 
     def barrier(self) -> None:
+        """Block until every rank arrives (no-op with one process)."""
         self.accelerator.wait_for_everyone()
 
 

@@ -88,6 +88,7 @@ class GenerationEngine:
 
     @property
     def device(self) -> torch.device:
+        """Device of the engine's weights (and of the tensors `generate` returns)."""
         return next(self.model.parameters()).device
 
     @torch.no_grad()

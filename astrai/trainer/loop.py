@@ -34,6 +34,7 @@ class TrainerState:
     max_steps: int = 0
 
     def to_dict(self) -> dict:
+        """JSON-serialisable copy of the counters (written to trainer_state.json)."""
         return asdict(self)
 
 
