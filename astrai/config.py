@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Union, get_args, get_origin, get_typ
 
 import yaml
 
-TRAIN_TYPES = ("online_ppo",)
+TRAIN_TYPES = ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq")
 """Valid ``train.type`` values; each new train type (strategy) is added here."""
 DISTRIBUTED_STRATEGIES = ("ddp",)
 """Valid ``distributed.strategy`` values."""
@@ -145,6 +145,10 @@ class ModelSection(_Section, name="model"):
     path: str = _f("smollm2-135m-instruct", "model name, Hugging Face-format directory or .gguf file")
     dtype: str = _f("float32", "parameter/compute dtype", _Choices(("float32", "bfloat16", "float16")))
     gradient_checkpointing: bool = _f(False, "recompute decoder-block activations in backward")
+    moe_num_experts: int = _f(0, "routed experts per MoE feed-forward (0 = dense model as loaded)", GE0)
+    moe_top_k: int = _f(2, "routed experts per token", GT0)
+    moe_num_shared_experts: int = _f(0, "always-active shared experts per MoE feed-forward", GE0)
+    moe_aux_loss_coef: float = _f(0.01, "weight of the load-balancing auxiliary loss", GE0)
 
 
 @dataclass
@@ -155,6 +159,15 @@ class DataSection(_Section, name="data"):
     system_prompt: Optional[str] = _f(None, "system message prepended through the chat template")
     max_prompt_length: int = _f(256, "prompt tokens kept (longer prompts are truncated/skipped)", GT0)
     shuffle: bool = _f(True, "shuffle prompts each epoch (seeded by train.seed)")
+    messages_field: str = _f("messages", "sft: record field holding the chat messages (role/content list)")
+    text_field: str = _f("text", "seq: record field holding the raw text")
+    chosen_field: str = _f("chosen", "dpo: record field holding the preferred response")
+    rejected_field: str = _f("rejected", "dpo: record field holding the dispreferred response")
+    responses_field: str = _f("responses", "grpo: record field holding the G sampled responses")
+    rewards_field: str = _f("rewards", "grpo: record field holding the G scalar rewards")
+    logprobs_field: str = _f("logprobs", "grpo: optional field with per-token behaviour log-probs")
+    max_length: int = _f(512, "sft/dpo/seq/grpo: tokens per training sequence (longer are truncated)", GT0)
+    packing: bool = _f(False, "sft/seq: pack several examples into each max_length row")
 
 
 @dataclass
@@ -188,6 +201,29 @@ class PPOSection(_Section, name="ppo"):
 
 
 @dataclass
+class GRPOSection(_Section, name="grpo"):
+    """GRPO (online_grpo, grpo): group size, clipping, reference KL in the loss XOR in the reward (Shao 2024)."""
+
+    group_size: int = _f(4, "G: responses sampled (or stored) per prompt", _Range(2))
+    epochs: int = _f(1, "passes over each batch of groups", GT0)
+    minibatch_size: int = _f(8, "samples (responses) per policy optimizer step", GT0)
+    micro_batch_size: int = _f(4, "samples per forward/backward (gradient accumulation unit)", GT0)
+    clip_eps: float = _f(0.2, "ratio clip: ratio kept in [1 - eps, 1 + eps]", GT0)
+    kl_coef: float = _f(0.04, "reference-KL (k3) weight in the loss; 0 = no reference model", GE0)
+    kl_reward_coef: float = _f(0.0, "reference-KL weight subtracted from the reward instead", GE0)
+    std_eps: float = _f(1e-6, "epsilon added to the group std", GT0)
+    std_floor: Optional[float] = _f(None, "lower bound on the group std; null = none", GT0)
+
+
+@dataclass
+class DPOSection(_Section, name="dpo"):
+    """DPO (Rafailov et al. 2023): inverse temperature beta and label smoothing (conservative DPO)."""
+
+    beta: float = _f(0.1, "DPO inverse temperature on the log-ratio margins", GT0)
+    label_smoothing: float = _f(0.0, "conservative DPO: assumed probability of a flipped label", _Range(0, 0.5, hi_open=True))
+
+
+@dataclass
 class OptimSection(_Section, name="optim"):
     learning_rate: float = _f(1e-6, "policy AdamW peak learning rate", GT0)
     critic_learning_rate: float = _f(1e-5, "critic AdamW peak learning rate", GT0)
@@ -196,8 +232,10 @@ class OptimSection(_Section, name="optim"):
     adam_beta2: float = _f(0.999, "AdamW beta2", BETA)
     adam_epsilon: float = _f(1e-8, "AdamW epsilon", GT0)
     max_grad_norm: float = _f(1.0, "global grad-norm clip (policy and critic separately)", GT0)
-    lr_scheduler_type: str = _f("constant", "LR schedule after warmup", _Choices(("constant", "cosine", "linear")))
+    lr_scheduler_type: str = _f("constant", "LR schedule after warmup",
+                                _Choices(("constant", "cosine", "linear", "warmup_stable_decay")))
     warmup_steps: int = _f(0, "linear warmup in optimizer steps", GE0)
+    decay_ratio: float = _f(0.1, "warmup_stable_decay: share of the post-warmup steps spent decaying", UNIT)
 
 
 @dataclass
@@ -205,6 +243,8 @@ class TrainSection(_Section, name="train"):
     type: str = _f("online_ppo", "train type (strategy)", _Choices(TRAIN_TYPES))
     output_dir: str = _f("outputs/ppo", "directory for config.yaml, metrics and checkpoints")
     max_steps: int = _f(4, "policy optimizer steps to run", GT0)
+    per_device_train_batch_size: int = _f(4, "sft/dpo/seq/grpo: examples per forward/backward on each rank", GT0)
+    gradient_accumulation_steps: int = _f(1, "sft/dpo/seq/grpo: micro-batches per optimizer step", GT0)
     seed: int = _f(42, "seed for data order, sampling and initialisation")
     logging_steps: int = _f(1, "log metrics every N optimizer steps", GT0)
     metrics: list[str] = _f([], "extra costly metrics to compute, e.g. 'policy/entropy'")
@@ -249,6 +289,10 @@ class Config:
     """Generation: prompts per rollout, response length (tokens), sampling parameters."""
     ppo: PPOSection = field(default_factory=PPOSection)
     """PPO: epochs per rollout, minibatch/micro-batch sizes (samples), clipping, GAE, KL penalty."""
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    """GRPO (online and offline): group size G, clipping, reference KL in the loss or in the reward."""
+    dpo: DPOSection = field(default_factory=DPOSection)
+    """DPO: beta, label smoothing."""
     optim: OptimSection = field(default_factory=OptimSection)
     """AdamW for policy and critic, grad clipping, LR schedule (in optimizer steps)."""
     train: TrainSection = field(default_factory=TrainSection)
@@ -261,13 +305,33 @@ class Config:
     """Device, CPU threads, determinism."""
 
     def __post_init__(self) -> None:
-        rb, mb, ub = self.rollout.batch_size, self.ppo.minibatch_size, self.ppo.micro_batch_size
-        for name, small, big, big_name in (("ppo.minibatch_size", mb, rb, "rollout.batch_size"),
-                                           ("ppo.micro_batch_size", ub, mb, "ppo.minibatch_size")):
-            if small > big:
-                raise ConfigError(f"{name}: expected <= {big_name} ({big}), got {small}")
-            if big % small:
-                raise ConfigError(f"{name}: expected a divisor of {big_name} ({big}), got {small}")
+        kind = self.train.type
+        if kind == "online_ppo":
+            _check_divides(("ppo.minibatch_size", self.ppo.minibatch_size),
+                           ("rollout.batch_size", self.rollout.batch_size))
+            _check_divides(("ppo.micro_batch_size", self.ppo.micro_batch_size),
+                           ("ppo.minibatch_size", self.ppo.minibatch_size))
+        if kind in ("online_grpo", "grpo"):
+            g = self.grpo
+            _check_divides(("grpo.minibatch_size", g.minibatch_size),
+                           ("rollout.batch_size * grpo.group_size", self.rollout.batch_size * g.group_size))
+            _check_divides(("grpo.micro_batch_size", g.micro_batch_size), ("grpo.minibatch_size", g.minibatch_size))
+        if kind in ("online_grpo", "grpo") and self.grpo.kl_coef > 0 and self.grpo.kl_reward_coef > 0:
+            raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are "
+                              "mutually exclusive; set one of them to 0")
+        m = self.model
+        if m.moe_num_experts and m.moe_top_k > m.moe_num_experts:
+            raise ConfigError(f"model.moe_top_k: expected <= model.moe_num_experts ({m.moe_num_experts}), "
+                              f"got {m.moe_top_k}")
+
+
+def _check_divides(small: tuple[str, int], big: tuple[str, int]) -> None:
+    """Raise ConfigError unless `small`'s value is <= and a divisor of `big`'s value (each (name, value))."""
+    (name, s), (big_name, b) = small, big
+    if s > b:
+        raise ConfigError(f"{name}: expected <= {big_name} ({b}), got {s}")
+    if b % s:
+        raise ConfigError(f"{name}: expected a divisor of {big_name} ({b}), got {s}")
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}

@@ -30,8 +30,8 @@ def test_defaults_valid_and_documented():
     assert config.model.path == "smollm2-135m-instruct" and config.ppo.kl_estimator == "k3"
     assert config.ppo.value_clip == 0.2 and config.checkpoint.keep_last is None and config.train.metrics == []
     assert config.train.type in TRAIN_TYPES and isinstance(config.optim.learning_rate, float)
-    assert list(SECTIONS) == ["model", "data", "reward", "rollout", "ppo", "optim", "train", "checkpoint",
-                              "distributed", "runtime"]
+    assert list(SECTIONS) == ["model", "data", "reward", "rollout", "ppo", "grpo", "dpo", "optim", "train",
+                              "checkpoint", "distributed", "runtime"]
     for cls in SECTIONS.values():
         for f in dataclasses.fields(cls):
             assert f.metadata["doc"], f"{cls.section}.{f.name} has no doc"
@@ -86,7 +86,7 @@ def test_unknown_section(tmp_path):
     ("train:\n  progress_bar: 1\n", "train.progress_bar: expected a boolean, got 1"),
     ("train:\n  output_dir: 5\n", "train.output_dir: expected a string, got 5"),
     ("train:\n  metrics: [1]\n", "train.metrics: expected a list of strings, got [1]"),
-    ("train:\n  type: sft\n", "train.type: expected one of 'online_ppo', got 'sft'"),
+    ("train:\n  type: rlhf\n", "train.type: expected one of 'online_ppo', 'online_grpo', 'grpo', 'sft', 'dpo', 'seq', got 'rlhf'"),
     ("ppo:\n  gamma: 1.5\n", "ppo.gamma: expected a number in [0, 1], got 1.5"),
     ("rollout:\n  temperature: 0\n", "rollout.temperature: expected a number > 0, got 0"),
     ("rollout:\n  top_p: 0\n", "rollout.top_p: expected a number in (0, 1], got 0"),

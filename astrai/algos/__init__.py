@@ -4,7 +4,7 @@ Functions of tensors with keyword-only scalar arguments; no config objects, no `
 no distributed calls. Losses return ``(loss, metrics)`` with detached 0-dim metrics. Exact definitions: DESIGN
 section 2. Modules: ``masked`` (masked reductions), ``logprobs`` (log-probs/entropy from logits), ``kl`` (k1/k2/k3
 estimators), ``advantages`` (PPO rewards, GAE, GRPO group advantages), ``losses`` (PPO-clip, value loss,
-explained variance, entropy, reference KL).
+explained variance, entropy, reference KL), ``preference`` (token cross-entropy, DPO).
 """
 
 from .advantages import gae, group_advantages, last_token_index, ppo_token_rewards
@@ -19,9 +19,11 @@ from .losses import (
     value_loss,
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .preference import dpo_loss, token_cross_entropy
 
 __all__ = [
     "KL_ESTIMATORS",
+    "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
     "gae",
@@ -41,5 +43,6 @@ __all__ = [
     "masked_whiten",
     "ppo_policy_loss",
     "ppo_token_rewards",
+    "token_cross_entropy",
     "value_loss",
 ]

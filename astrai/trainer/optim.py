@@ -1,8 +1,9 @@
 """Optimizers and learning-rate schedules.
 
 Schedules are multiplicative factors on the base learning rate, applied per optimizer step:
-constant (after linear warmup), linear decay to 0, and cosine decay to 0 (Loshchilov & Hutter 2017,
-SGDR, without restarts).
+constant (after linear warmup), linear decay to 0, cosine decay to 0 (Loshchilov & Hutter 2017,
+SGDR, without restarts), and warmup-stable-decay (Hu et al. 2024, MiniCPM; Hägele et al. 2024): constant
+until the last `decay_ratio` share of the post-warmup steps, then linear decay to 0.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ SCHEDULES: dict[str, Callable[[float], float]] = {
     "constant": lambda progress: 1.0,
     "linear": lambda progress: max(0.0, 1.0 - progress),
     "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
+    "warmup_stable_decay": lambda progress, decay_ratio=0.1: _wsd(progress, decay_ratio),
 }
+
+
+def _wsd(progress: float, decay_ratio: float) -> float:
+    """Warmup-stable-decay factor after warmup: 1 until `1 - decay_ratio`, then linear to 0 at progress 1."""
+    if decay_ratio <= 0:
+        return 1.0
+    return max(0.0, min(1.0, (1.0 - progress) / decay_ratio))
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
@@ -33,10 +42,11 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, betas: t
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, name: str, warmup_steps: int,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+                    total_steps: int, decay_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
     """LR schedule: linear warmup over `warmup_steps`, then `SCHEDULES[name]` over the remaining steps.
 
     The factor at step s is (s + 1) / warmup_steps during warmup, then f((s - warmup) / (total - warmup)).
+    `decay_ratio` (in [0, 1]) is the decaying share of the post-warmup steps for "warmup_stable_decay".
 
     Raises:
         ValueError: on an unknown schedule name (naming `optim.lr_scheduler_type` and the choices).
@@ -44,6 +54,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, name: str, warmup_steps
     if name not in SCHEDULES:
         raise ValueError(f"optim.lr_scheduler_type: expected one of {sorted(SCHEDULES)}, got {name!r}")
     decay = SCHEDULES[name]
+    if name == "warmup_stable_decay":
+        decay = lambda progress: _wsd(progress, decay_ratio)  # noqa: E731
     decay_steps = max(1, total_steps - warmup_steps)
 
     def factor(step: int) -> float:

@@ -1,0 +1,75 @@
+"""Training records from local jsonl / json / parquet files through the `datasets` library.
+
+Used by the offline train types (sft, dpo, seq, grpo). `builtin:<name>` resolves to
+``astrai/data/assets/<name>.jsonl`` shipped with the package (small example sets for the example configs).
+Every problem is a `DataError` with a one-line message naming the file and, for a missing field, the config
+key that names it and the fields that are present.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from astrai.data.prompts import DataError, resolve_prompt_path
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+"""File suffix -> `datasets` builder name."""
+
+
+def load_records(path: str | Path, fields: Mapping[str, str], *, optional: Mapping[str, str] = {}) -> list[dict]:
+    """Rows of a local data file as dicts holding the requested fields.
+
+    Args:
+        path: a .jsonl / .json / .parquet file, or ``builtin:<name>``.
+        fields: config key -> field name that every row must hold non-null (e.g.
+            ``{"data.messages_field": "messages"}``).
+        optional: config key -> field name kept when the file has that column (rows may hold null).
+
+    Returns:
+        one dict per row (file order) with the present field names as keys (at least one row).
+
+    Raises:
+        DataError: file not found / unsupported suffix / unreadable or malformed content / no rows / a missing
+            column or a null value in a required field (naming the config key and 1-based row).
+    """
+    resolved = resolve_prompt_path(path)
+    builder = BUILDERS.get(resolved.suffix.lower())
+    if builder is None:
+        raise DataError(f"data.path: unsupported file type {resolved.suffix!r} of {resolved} "
+                        f"(expected one of {', '.join(BUILDERS)})")
+    dataset = _read(builder, resolved)
+    present = list(dataset.column_names)
+    for key, name in fields.items():
+        if name not in present:
+            raise DataError(f"{resolved}: missing field {name!r} ({key}); present fields: {', '.join(present)}")
+    keep = list(fields.values()) + [n for n in optional.values() if n in present]
+    rows = dataset.select_columns(keep).to_list()
+    if not rows:
+        raise DataError(f"{resolved}: no records")
+    for number, row in enumerate(rows, start=1):
+        for key, name in fields.items():
+            if row[name] is None:
+                raise DataError(f"{resolved} row {number}: field {name!r} ({key}) is null")
+    return rows
+
+
+def _read(builder: str, path: Path) -> Any:
+    """`datasets.load_dataset(builder, data_files=path)` (train split, in memory), errors as one-line DataError."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True)
+    except Exception as err:  # datasets/pyarrow raise many types; the message is what the user needs
+        text = " ".join(str(err).split())[:300]
+        raise DataError(f"{path}: cannot read as {builder}: {type(err).__name__}: {text}") from None
+
+
+def require_str(row: Mapping[str, Any], name: str, key: str, where: str) -> str:
+    """`row[name]` when it is a string, else a DataError naming `key` (the config key) and `where` (row)."""
+    value = row[name]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {name!r} ({key}) must be a string, got {type(value).__name__}")
+    return value

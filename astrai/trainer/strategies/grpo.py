@@ -1,0 +1,153 @@
+"""grpo (offline): GRPO (Shao et al. 2024) on stored groups of responses with their rewards.
+
+Each record holds a prompt (`data.prompt_field`), exactly G = `grpo.group_size` responses
+(`data.responses_field`, strings), their G scalar rewards (`data.rewards_field`) and optionally the behaviour
+log-probs of every response token (`data.logprobs_field`, G lists, at `rollout.temperature`) and the exact
+sampled token ids (`response_ids`, G lists; otherwise a response is its text's tokens + EOS). The update is the
+online one (`online_grpo.GRPOStrategy`, same advantages, validation, loss and minibatching); only the
+experience source differs: `rollout.batch_size` records per batch instead of engine samples.
+
+Old-policy fallback: where a record has no behaviour log-probs, `old_logprobs` are computed once per batch by
+the policy as it is before the batch's first update (the "old policy" of PPO/GRPO), without a model copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from astrai.rollout.runner import Experience
+from astrai.rollout.scoring import response_logprobs, score_in_chunks
+from astrai.trainer.strategies.online_grpo import GRPOStrategy, grpo_settings
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """One stored group: prompt ids (P_i,), G response id lists, G rewards, G behaviour log-prob lists or None,
+    and the G response texts."""
+
+    prompt_ids: list[int]
+    response_ids: list[list[int]]
+    rewards: list[float]
+    logprobs: Optional[list[list[float]]]
+    texts: list[str]
+
+
+class OfflineGroups:
+    """Experience source of offline GRPO: `__call__(policy_version) -> Experience` of B * G rows.
+
+    Args:
+        sampler: endless resumable sampler over `GroupRecord`s; batch_size: B records per batch.
+        policy: the trained policy (scores the old-policy fallback); ref_model: frozen reference or None.
+        pad_token_id, device, temperature: assembly and scoring settings; chunk_size: rows per no-grad forward.
+        dist: `DistributedContext` (to unwrap the policy).
+    """
+
+    def __init__(self, *, sampler, batch_size: int, policy, ref_model, pad_token_id: int, device,
+                 temperature: float, chunk_size: int, dist):
+        self.sampler, self.batch_size, self.policy, self.ref_model = sampler, batch_size, policy, ref_model
+        self.pad_token_id, self.device, self.temperature = pad_token_id, device, temperature
+        self.chunk_size, self.dist = chunk_size, dist
+
+    def _score(self, model, sequences) -> torch.Tensor:
+        return score_in_chunks(lambda c: response_logprobs(model, c, temperature=self.temperature)[0],
+                               sequences, self.chunk_size)
+
+    def __call__(self, policy_version: int) -> Experience:
+        from astrai.data.examples import sequences_from_tokens
+
+        records = self.sampler.next_batch(self.batch_size)
+        prompts = [r.prompt_ids for r in records for _ in r.response_ids]
+        responses = [ids for r in records for ids in r.response_ids]
+        seqs = sequences_from_tokens(prompts, responses, pad_token_id=self.pad_token_id, device=self.device)
+        mask = seqs.action_mask
+        given = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
+        has = torch.zeros(mask.shape[0], dtype=torch.bool, device=self.device)
+        row = 0
+        for r in records:
+            for lp in (r.logprobs or [None] * len(r.response_ids)):
+                if lp is not None:
+                    given[row, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+                    has[row] = True
+                row += 1
+        old = given
+        if not bool(has.all()):  # old-policy fallback: the current weights, before this batch's updates
+            old = torch.where(has[:, None], given, self._score(self.dist.unwrap(self.policy), seqs))
+        ref = self._score(self.ref_model, seqs) * mask if self.ref_model is not None else None
+        scores = torch.tensor([x for r in records for x in r.rewards], dtype=torch.float32, device=self.device)
+        return Experience(sequences=seqs, old_logprobs=old * mask, ref_logprobs=ref, scores=scores,
+                          responses=tuple(t for r in records for t in r.texts), policy_version=policy_version)
+
+
+def _number_list(value, n: int, what: str, where: str) -> list:
+    from astrai.data import DataError
+
+    if not isinstance(value, list) or len(value) != n:
+        got = len(value) if isinstance(value, list) else type(value).__name__
+        raise DataError(f"{where}: {what} must be a list of grpo.group_size={n} items, got {got}")
+    return value
+
+
+def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
+    """Tokenise and check one stored group. Raises DataError naming the row, the field and the problem."""
+    from astrai.data import DataError
+    from astrai.data.examples import response_tokens
+    from astrai.data.records import require_str
+    from astrai.rollout.prompts import encode_prompts
+
+    d, g = config.data, config.grpo.group_size
+    prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
+    texts = _number_list(row[d.responses_field], g, f"field {d.responses_field!r}", where)
+    rewards = _number_list(row[d.rewards_field], g, f"field {d.rewards_field!r}", where)
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in rewards):
+        raise DataError(f"{where}: field {d.rewards_field!r} must hold finite numbers")
+    if not all(isinstance(t, str) for t in texts):
+        raise DataError(f"{where}: field {d.responses_field!r} must hold strings")
+    prompt_ids = encode_prompts([prompt], tokenizer, system_prompt=d.system_prompt,
+                                max_prompt_length=d.max_prompt_length)[0]
+    budget = d.max_length - len(prompt_ids)
+    if budget < 1:
+        raise DataError(f"{where}: the prompt takes {len(prompt_ids)} tokens, no room for a response within "
+                            f"data.max_length={d.max_length} (lower data.max_prompt_length)")
+    ids = row.get("response_ids")
+    if ids is not None:
+        ids = [list(x)[:budget] for x in _number_list(ids, g, "field 'response_ids'", where)]
+    else:
+        ids = [response_tokens(t, tokenizer, budget=budget) for t in texts]
+    logprobs = row.get(d.logprobs_field)
+    if logprobs is not None:
+        logprobs = _number_list(logprobs, g, f"field {d.logprobs_field!r}", where)
+        for i, (lp, toks) in enumerate(zip(logprobs, ids)):
+            if not isinstance(lp, list) or len(lp) < len(toks):
+                raise DataError(f"{where}: {d.logprobs_field!r}[{i}] needs one log-prob per response token "
+                                f"({len(toks)}), got {len(lp) if isinstance(lp, list) else lp!r}")
+        logprobs = [list(lp[:len(toks)]) for lp, toks in zip(logprobs, ids)]
+    return GroupRecord(prompt_ids=prompt_ids, response_ids=ids, rewards=[float(x) for x in rewards],
+                       logprobs=logprobs, texts=list(texts))
+
+
+def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
+    """Offline grpo from `data.path` groups. Raises DataError for bad data."""
+    from astrai.data import PromptSampler
+    from astrai.data.records import load_records
+    from astrai.trainer.strategies.common import build_policy_optimizer, frozen_copy
+
+    d, g = config.data, config.grpo
+    rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.responses_field": d.responses_field,
+                                 "data.rewards_field": d.rewards_field},
+                        optional={"data.logprobs_field": d.logprobs_field, "response_ids": "response_ids"})
+    records = [group_record(row, tokenizer, config, f"{d.path} row {i + 1}") for i, row in enumerate(rows)]
+    policy = policy.to(dist.device)
+    ref_model = frozen_copy(policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
+    sampler = PromptSampler(records, seed=config.train.seed + dist.rank, shuffle=d.shuffle)
+    prepared = dist.prepare_model(policy)
+    source = OfflineGroups(sampler=sampler, batch_size=config.rollout.batch_size, policy=prepared,
+                           ref_model=ref_model, pad_token_id=tokenizer.pad_token_id, device=dist.device,
+                           temperature=config.rollout.temperature, chunk_size=g.micro_batch_size, dist=dist)
+    optimizer, scheduler = build_policy_optimizer(config, policy)
+    return GRPOStrategy(policy=prepared, optimizer=optimizer, scheduler=scheduler, settings=grpo_settings(config),
+                        dist=dist, seed=config.train.seed + 1000 * dist.rank, experience=source,
+                        extras={"tokenizer": tokenizer, "data_sampler": sampler})

@@ -1,0 +1,24 @@
+"""seq: causal-LM pre-training on raw text, next-token cross-entropy over every token.
+
+Each record's `data.text_field` is tokenised with EOS appended; with `data.packing` (the usual setting) the
+token stream is cut into rows of `data.max_length` ("concatenate and chunk", Radford et al. 2019). The step
+is `sft.NextTokenStrategy` (global token-mean over the optimizer step, gradient accumulation).
+"""
+
+from __future__ import annotations
+
+from astrai.trainer.strategies.sft import NextTokenStrategy, build_examples, build_next_token
+
+
+def build_seq(config, dist, policy, tokenizer) -> NextTokenStrategy:
+    """seq from `data.path` records holding `data.text_field`. Raises DataError for bad data."""
+    from astrai.data.examples import text_example
+    from astrai.data.records import load_records, require_str
+
+    d = config.data
+    rows = load_records(d.path, {"data.text_field": d.text_field})
+    examples = build_examples(
+        rows, lambda row, where: text_example(require_str(row, d.text_field, "data.text_field", where), tokenizer,
+                                              max_length=d.max_length),
+        packing=d.packing, max_length=d.max_length, source=d.path)
+    return build_next_token(config, dist, policy, tokenizer, examples)

@@ -1,0 +1,89 @@
+"""MoE feed-forward: upcycling keeps the function, routing against a reference loop, the load-balancing loss by
+hand, gradient checkpointing, and an sft run whose metrics carry task / auxiliary / weighted auxiliary losses."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astrai.models import AutoRegressiveLM, tiny_config
+from astrai.models.moe import MoEFeedForward, collect_aux_loss, convert_to_moe, load_balancing_loss
+from astrai.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model():
+    torch.manual_seed(0)
+    return AutoRegressiveLM(tiny_config(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                        num_key_value_heads=1))
+
+
+def test_upcycling_keeps_the_dense_function():
+    model = _model()
+    ids = torch.randint(3, 200, (2, 7))
+    before = model(ids)
+    convert_to_moe(model, num_experts=4, top_k=2, num_shared_experts=1)
+    assert isinstance(model.model.layers[0].mlp, MoEFeedForward)
+    torch.testing.assert_close(model(ids), before, rtol=1e-5, atol=1e-5)
+    aux, weighted = collect_aux_loss(model)
+    assert aux.shape == () and torch.isclose(weighted, 0.01 * aux)
+    assert collect_aux_loss(_model()) is None
+    with pytest.raises(ValueError, match="top_k"):
+        convert_to_moe(_model(), num_experts=2, top_k=3)
+
+
+def test_routing_matches_a_reference_loop():
+    torch.manual_seed(1)
+    experts = [torch.nn.Linear(8, 8) for _ in range(3)]
+    shared = [torch.nn.Linear(8, 8)]
+    moe = MoEFeedForward(experts, shared, hidden_size=8, top_k=2)
+    x = torch.randn(2, 5, 8)
+    out = moe(x)
+    tokens = x.reshape(-1, 8)
+    probs = torch.softmax(moe.router(tokens), -1)
+    expected = []
+    for t, p in zip(tokens, probs):
+        g, i = p.topk(2)
+        g = g / g.sum()
+        expected.append(sum(gi * experts[ii](t) for gi, ii in zip(g, i.tolist())) + shared[0](t))
+    torch.testing.assert_close(out.reshape(-1, 8), torch.stack(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_load_balancing_loss_by_hand():
+    uniform = torch.full((4, 2), 0.5)
+    assert load_balancing_loss(uniform, torch.tensor([[0], [1], [0], [1]]), 2).item() == pytest.approx(1.0)
+    probs = torch.tensor([[0.9, 0.1], [0.8, 0.2]])
+    # f = (1, 0) (both tokens to expert 0), P = (0.85, 0.15): aux = 2 * 0.85
+    assert load_balancing_loss(probs, torch.tensor([[0], [0]]), 2).item() == pytest.approx(1.7)
+
+
+def test_aux_loss_gradient_survives_gradient_checkpointing():
+    grads = []
+    for checkpointing in (False, True):
+        model = convert_to_moe(_model(), num_experts=3, top_k=1)
+        model.train()
+        model.gradient_checkpointing = checkpointing
+        logits = model(torch.arange(3, 15).reshape(2, 6))
+        loss = logits.float().pow(2).mean() + collect_aux_loss(model)[1]
+        loss.backward()
+        grads.append(model.model.layers[0].mlp.router.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_sft_with_moe_logs_task_and_aux_losses(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    code = main(["--config", str(REPO / "configs/examples/sft.yaml"), "--model.path", str(tiny_model_dir),
+                 "--train.output_dir", str(out), "--max_steps", "1", "--train.progress_bar", "false",
+                 "--data.max_length", "128", "--model.moe_num_experts", "2", "--model.moe_top_k", "2",
+                 "--model.moe_num_shared_experts", "1", "--model.moe_aux_loss_coef", "0.1",
+                 "--optim.learning_rate", "1e-3"])
+    assert code == 0
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["moe/weighted_aux_loss"] == pytest.approx(0.1 * record["moe/aux_loss"], rel=1e-5)
+    assert record["train/loss"] > 0
+    after = load_file(str(out / "checkpoints/step-00000001/model.safetensors"))
+    assert "model.layers.0.mlp.router.weight" in after and "model.layers.1.mlp.shared_experts.0.down_proj.weight" in after
+    assert not torch.equal(after["model.layers.0.mlp.router.weight"].abs().sum(), torch.tensor(0.0))

@@ -1,0 +1,259 @@
+"""sft, dpo, seq and offline grpo: losses by hand, data loading and errors, chat masking, packing, micro-batch
+invariance of the token-mean / pair-mean, the old-policy fallback, schedules, and every example config for one
+step on the tiny model (every trainable parameter changes)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from astrai.algos import dpo_loss, logprobs_from_logits, token_cross_entropy
+from astrai.config import load_config
+from astrai.data import DataError, PromptSampler
+from astrai.data.examples import IGNORE_INDEX, chat_example, collate_lm, pack_examples, text_example
+from astrai.data.records import load_records
+from astrai.distributed import setup_distributed
+from astrai.models import AutoRegressiveLM, tiny_config, tiny_tokenizer
+from astrai.trainer.loop import TrainerState
+from astrai.trainer.optim import build_optimizer, build_scheduler
+from astrai.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------- losses
+def test_dpo_loss_hand_computed():
+    pc, pr = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])
+    rc, rr = torch.tensor([-1.5, -3.0]), torch.tensor([-1.8, -2.0])
+    loss, m = dpo_loss(pc, pr, rc, rr, beta=0.1)
+    z = [0.1 * ((-1.0 + 1.5) - (-2.0 + 1.8)), 0.1 * ((-3.0 + 3.0) - (-1.0 + 2.0))]  # 0.07, -0.1
+    expected = sum(math.log1p(math.exp(-x)) for x in z) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert m["dpo/accuracy"].item() == 0.5 and m["dpo/margin"].item() == pytest.approx(sum(z) / 2, rel=1e-5)
+    assert m["dpo/reward_chosen"].item() == pytest.approx((0.05 + 0.0) / 2, rel=1e-5)
+    smoothed, _ = dpo_loss(pc, pr, rc, rr, beta=0.1, label_smoothing=0.2, num_pairs=4)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    expected = sum(-0.8 * math.log(sig(x)) - 0.2 * math.log(sig(-x)) for x in z) / 4
+    assert smoothed.item() == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="beta"):
+        dpo_loss(pc, pr, rc, rr, beta=0.0)
+
+
+def test_token_cross_entropy_matches_torch():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 5, 11), torch.randint(0, 11, (3, 5))
+    labels[0, :2] = IGNORE_INDEX
+    mask = labels != IGNORE_INDEX
+    loss, _ = token_cross_entropy(logprobs_from_logits(logits, labels.clamp(min=0)), mask)
+    expected = F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(loss, expected)
+
+
+# --------------------------------------------------------------------------------------------------- data
+def test_chat_example_labels_exactly_the_assistant_turns():
+    tok = tiny_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}]
+    ids, labels = chat_example(messages, tok, max_length=512)
+    assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages, add_generation_prompt=False)
+    learned = tok.decode([t for t in labels if t != IGNORE_INDEX], skip_special_tokens=False)
+    assert learned == "hello<|im_end|>\n4<|im_end|>\n"
+    with pytest.raises(DataError, match="no assistant"):
+        chat_example([{"role": "user", "content": "hi"}], tok, max_length=512)
+    with pytest.raises(DataError, match="role"):
+        chat_example([{"role": "user"}], tok, max_length=512, where="x.jsonl row 3")
+
+
+def test_packing_and_collation():
+    examples = [([1, 2, 3], [1, 2, 3]), ([4, 5], [IGNORE_INDEX, 5]), ([6, 7, 8, 9], [6, 7, 8, 9])]
+    rows = pack_examples(examples, max_length=4)
+    assert rows == [([1, 2, 3, 4], [1, 2, 3, IGNORE_INDEX]), ([5, 6, 7, 8], [5, 6, 7, 8])]  # [9] has no target
+    batch = collate_lm([([1, 2, 3], [1, 2, 3]), ([4], [4])], pad_token_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert batch.loss_mask.tolist() == [[True, True], [False, False]]
+    ids, labels = text_example("abc", tiny_tokenizer(), max_length=2)
+    assert len(ids) == 2 and ids == labels
+
+
+def test_records_through_datasets_jsonl_and_parquet(tmp_path):
+    import datasets
+
+    rows = [{"text": "a b", "n": 1}, {"text": "c", "n": 2}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_records(path, {"data.text_field": "text"}) == [{"text": "a b"}, {"text": "c"}]
+    parquet = tmp_path / "t.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(parquet))
+    assert load_records(parquet, {"data.text_field": "text"}, optional={"x": "n"})[1] == {"text": "c", "n": 2}
+    with pytest.raises(DataError) as err:
+        load_records(path, {"data.messages_field": "messages"})
+    assert "'messages' (data.messages_field)" in str(err.value) and "\n" not in str(err.value)
+    (tmp_path / "x.csv").write_text("a\n1\n")
+    with pytest.raises(DataError, match="unsupported file type"):
+        load_records(tmp_path / "x.csv", {"data.text_field": "a"})
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(DataError, match="cannot read"):
+        load_records(tmp_path / "bad.jsonl", {"data.text_field": "text"})
+
+
+def test_missing_field_exits_2_with_one_line(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "p", "chosen": "c"}) + "\n")
+    code = main(["--config", str(REPO / "configs/examples/dpo.yaml"), "--model.path", str(tiny_model_dir),
+                 "--data.path", str(data), "--train.output_dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "'rejected' (data.rejected_field)" in err and len(err.splitlines()) == 1, err
+
+
+# -------------------------------------------------------------------------------- micro-batch invariance
+class GradCapture:
+    """Stands in for the Trainer: records the gradients instead of stepping."""
+
+    def __init__(self):
+        self.grads, self.state = None, TrainerState()
+
+    def optimizer_step(self, name, model, optimizer, scheduler):
+        self.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return torch.tensor(0.0)
+
+
+def _model():
+    torch.manual_seed(0)
+    return AutoRegressiveLM(tiny_config(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                        num_key_value_heads=1))
+
+
+def _grads(make_strategy, micro, accum):
+    model = _model()
+    opt = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    sched = build_scheduler(opt, name="constant", warmup_steps=0, total_steps=1)
+    trainer = GradCapture()
+    make_strategy(model, opt, sched, micro, accum).train_step(trainer)
+    return trainer.grads
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_token_and_pair_means_are_invariant_to_the_micro_batch_split(kind):
+    from astrai.trainer.strategies.dpo import DPOStrategy
+    from astrai.trainer.strategies.sft import NextTokenStrategy
+
+    dist = setup_distributed("cpu")
+    g = torch.Generator().manual_seed(1)
+    lengths = [3, 9, 5, 2]
+    if kind == "sft":
+        data = [(ids, [IGNORE_INDEX] * (len(ids) // 2) + ids[len(ids) // 2:])
+                for ids in (torch.randint(3, 200, (n,), generator=g).tolist() for n in lengths)]
+    else:
+        data = [(torch.randint(3, 200, (2,), generator=g).tolist(), torch.randint(3, 200, (n,), generator=g).tolist(),
+                 torch.randint(3, 200, (n + 1,), generator=g).tolist()) for n in lengths]
+
+    def make(model, opt, sched, micro, accum):
+        sampler = PromptSampler(data, shuffle=False)
+        common = dict(policy=model, sampler=sampler, optimizer=opt, scheduler=sched, micro_batch_size=micro,
+                      accumulation_steps=accum, pad_token_id=2, dist=dist)
+        if kind == "sft":
+            return NextTokenStrategy(**common)
+        ref, noise = _model().eval().requires_grad_(False), torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=noise))
+        return DPOStrategy(ref_model=ref, beta=0.5, label_smoothing=0.0, **common)
+
+    whole = _grads(make, 4, 1)
+    for micro, accum in ((1, 4), (2, 2)):
+        split = _grads(make, micro, accum)
+        for name in whole:
+            torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------ offline grpo
+def test_offline_grpo_uses_given_logprobs_else_the_old_policy(tiny_model_dir, tmp_path):
+    from astrai.models import load_pretrained
+    from astrai.rollout.scoring import response_logprobs
+    from astrai.trainer.strategies.grpo import build_grpo
+
+    tok = tiny_tokenizer()
+    ids = [tok.encode("12") + [2], tok.encode("7") + [2]]
+    rows = [{"prompt": "1+11?", "responses": ["12", "7"], "rewards": [1, 0], "response_ids": ids,
+             "logprobs": [[-0.5] * len(ids[0]), [-0.25] * len(ids[1])]},
+            {"prompt": "2+2?", "responses": ["4", "5"], "rewards": [0, 1]}]
+    data = tmp_path / "g.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_config(str(REPO / "configs/examples/grpo_offline.yaml"),
+                         ["--model.path", str(tiny_model_dir), "--data.path", str(data), "--data.shuffle", "false",
+                          "--grpo.group_size", "2", "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2",
+                          "--data.system_prompt", "null"])
+    policy, tokenizer = load_pretrained(str(tiny_model_dir))
+    strategy = build_grpo(config, setup_distributed("cpu"), policy, tokenizer)
+    rollout = strategy.make_rollout(0)
+    mask = rollout.sequences.action_mask
+    assert torch.equal(rollout.old_logprobs[0][mask[0]], torch.full((len(ids[0]),), -0.5))
+    fallback, _ = response_logprobs(policy, rollout.sequences.select(torch.tensor([2, 3])), temperature=1.0)
+    torch.testing.assert_close(rollout.old_logprobs[2:], fallback.detach() * mask[2:])
+    torch.testing.assert_close(rollout.advantages[:, 0], torch.tensor([1.0, -1.0, -1.0, 1.0]) / (2 ** 0.5 + 1e-6))
+    bad = dict(rows[0], logprobs=[[-0.5], [-0.25]])
+    data.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(DataError, match="one log-prob per response token"):
+        build_grpo(config, setup_distributed("cpu"), policy, tokenizer)
+
+
+def test_warmup_stable_decay_schedule():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, name="warmup_stable_decay", warmup_steps=2, total_steps=10, decay_ratio=0.25)
+    factors = []
+    for _ in range(10):
+        factors.append(round(sched.get_last_lr()[0], 4))
+        opt.step()
+        sched.step()
+    # progress (s - 2) / 8 reaches 1 after the last step (as for "linear"): the last quarter decays 1 -> 0.5 -> (0)
+    assert factors == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5]
+
+
+# ------------------------------------------------------------------------------------------ example configs
+@pytest.mark.parametrize("name,extra,key", [
+    ("sft", ["--train.gradient_accumulation_steps", "1", "--data.max_length", "96"], "train/loss"),
+    ("sft", ["--data.packing", "true", "--data.max_length", "96", "--model.gradient_checkpointing", "true"],
+     "train/loss"),
+    ("dpo", ["--train.gradient_accumulation_steps", "1"], "dpo/accuracy"),
+    ("seq", ["--data.max_length", "64"], "train/loss"),
+    ("grpo_offline", ["--data.shuffle", "false", "--grpo.epochs", "1", "--optim.learning_rate", "1e-4"],
+     "policy/pg_loss"),
+])
+def test_example_config_one_step_changes_every_parameter(tiny_model_dir, tmp_path, name, extra, key):
+    out = tmp_path / "run"
+    code = main(["--config", str(REPO / f"configs/examples/{name}.yaml"), "--model.path", str(tiny_model_dir),
+                 "--train.output_dir", str(out), "--max_steps", "1", "--train.progress_bar", "false", *extra])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 1 and math.isfinite(records[0][key]) and records[0]["policy_version"] == 1
+    after = load_file(str(out / "checkpoints/step-00000001/model.safetensors"))
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert not unchanged, unchanged
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("sft", ["--data.max_length", "96", "--train.gradient_accumulation_steps", "1"]),
+    ("grpo", ["--rollout.batch_size", "2", "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "4",
+              "--rollout.max_new_tokens", "4", "--reward.name", "toy_length", "--optim.learning_rate", "1e-3"]),
+])
+def test_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch, name, extra):
+    from astrai.rollout import rewards
+
+    monkeypatch.setitem(rewards.REWARDS, "toy_length",
+                        lambda texts, answers, format_bonus=0.0: torch.tensor([len(t) % 5 / 4 for t in texts]))
+    base = ["--config", str(REPO / f"configs/examples/{name}.yaml"), "--model.path", str(tiny_model_dir),
+            "--train.progress_bar", "false", *extra]
+    assert main([*base, "--train.output_dir", str(tmp_path / "a"), "--max_steps", "3"]) == 0
+    assert main([*base, "--train.output_dir", str(tmp_path / "b"), "--max_steps", "1"]) == 0
+    assert main([*base, "--train.output_dir", str(tmp_path / "b"), "--max_steps", "3",
+                 "--checkpoint.resume", "auto"]) == 0
+    a = load_file(str(tmp_path / "a/checkpoints/step-00000003/model.safetensors"))
+    b = load_file(str(tmp_path / "b/checkpoints/step-00000003/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
