@@ -1,0 +1,170 @@
+"""Config machinery: YAML 1.2 core-schema loading/dumping and per-field specs (type + range/choices/pattern).
+
+`astrai.config` declares the sections with `field_spec`; this module turns a raw value into a checked one or
+raises `ConfigError` with a one-line message naming the field and what was expected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message is one line naming the field or file at fault."""
+
+
+# ----------------------------------------------------------------------------------------- YAML 1.2 scalars
+_CORE = "tag:yaml.org,2002:"
+
+
+class YamlLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 core-schema scalars and duplicate-key errors; PyYAML's SafeLoader is untouched."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _CORE + "merge":
+                if (key_node.tag, key_node.value) in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key_node.value!r}", key_node.start_mark)
+                seen.add((key_node.tag, key_node.value))
+        return super().construct_mapping(node, deep)
+
+
+YamlLoader.yaml_implicit_resolvers = {  # a fresh dict of fresh lists: drop YAML 1.1 bool/int/float/timestamp
+    first: [(tag, rx) for tag, rx in resolvers if tag[len(_CORE):] not in ("bool", "int", "float", "timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _tag, _rx, _first in (  # order matters: the first matching resolver wins ("1" is an int)
+        ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+        ("int", r"[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+", "-+0123456789"),
+        ("float", r"[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?"
+                  r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)", "-+0123456789.")):
+    YamlLoader.add_implicit_resolver(_CORE + _tag, re.compile(rf"^(?:{_rx})$"), list(_first))
+
+
+def _construct_int(loader: YamlLoader, node: yaml.Node) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)  # "010" is ten, as in YAML 1.2
+
+
+YamlLoader.add_constructor(_CORE + "int", _construct_int)
+
+
+class YamlDumper(yaml.SafeDumper):
+    """SafeDumper that quotes exactly the strings `YamlLoader` would not read back as strings (e.g. "1e-5")."""
+
+
+YamlDumper.yaml_implicit_resolvers = YamlLoader.yaml_implicit_resolvers
+
+
+# ----------------------------------------------------------------------------------------- field specs
+@dataclass(frozen=True)
+class Range:
+    lo: float
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def ok(self, v: float) -> bool:
+        above = v > self.lo if self.lo_open else v >= self.lo
+        return above and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi))
+
+    def describe(self, kind: str) -> str:
+        if self.hi is None:
+            return f"{kind} {'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"{kind} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+@dataclass(frozen=True)
+class Choices:
+    values: tuple
+
+    def ok(self, v: Any) -> bool:
+        return v in self.values
+
+    def describe(self, kind: str) -> str:
+        return "one of " + ", ".join(map(repr, self.values))
+
+
+@dataclass(frozen=True)
+class Pattern:
+    regex: str
+    text: str
+
+    def ok(self, v: str) -> bool:
+        return re.fullmatch(self.regex, v) is not None
+
+    def describe(self, kind: str) -> str:
+        return self.text
+
+
+GT0, GE0, UNIT, BETA = Range(0, lo_open=True), Range(0), Range(0, 1), Range(0, 1, hi_open=True)
+
+
+def field_spec(default: Any, doc: str, check: Any = None) -> Any:
+    """A dataclass field carrying its one-line doc and its check (range / choices / pattern) as metadata."""
+    meta = {"doc": doc, "check": check}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class Section:
+    """Base of the section dataclasses: validates and normalises (int -> float) every field on construction."""
+
+    section = ""  # set by the class keyword `name=`; not annotated, so not a field
+
+    def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.section = name
+
+    def __post_init__(self) -> None:
+        for name, (hint, check) in field_specs(type(self)).items():
+            setattr(self, name, convert_value(f"{self.section}.{name}", hint, check, getattr(self, name)))
+
+
+
+# ----------------------------------------------------------------------------------------- validation
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
+
+
+@cache
+def field_specs(cls: type) -> dict[str, tuple[Any, Any]]:
+    """Field name -> (resolved type hint, check or None) of a section dataclass."""
+    hints = get_type_hints(cls)
+    return {f.name: (hints[f.name], f.metadata["check"]) for f in dataclasses.fields(cls)}
+
+
+def split_optional(hint: Any) -> tuple[Any, bool]:
+    if get_origin(hint) is Union and type(None) in get_args(hint):
+        return next(a for a in get_args(hint) if a is not type(None)), True
+    return hint, False
+
+
+def _coerce(base: Any, v: Any) -> Any:
+    """`v` as type `base`, or the sentinel `_coerce` itself when it is the wrong type (bool is never a number)."""
+    if base in (int, float) and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v) if base is float else (v if isinstance(v, int) else _coerce)
+    if base in (str, bool) and isinstance(v, base):
+        return v
+    if get_origin(base) is list and isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return list(v)
+    return _coerce
+
+
+def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
+    """`value` converted to `hint` and checked; raises ConfigError naming `name` and what was expected."""
+    base, optional = split_optional(hint)
+    if optional and value is None:
+        return None
+    out = _coerce(base, value)
+    if out is _coerce or (check is not None and not check.ok(out)):
+        kind = _KINDS.get(base, "a list of strings")
+        expected = check.describe(kind) if check is not None else kind
+        raise ConfigError(f"{name}: expected {'null or ' if optional else ''}{expected}, got {value!r}")
+    return out
