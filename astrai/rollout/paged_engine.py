@@ -1,0 +1,233 @@
+"""Paged, continuously batched rollout engine with the public interface of `GenerationEngine`.
+
+PagedAttention (Kwon et al. 2023, vLLM) for the KV memory, continuous batching (Yu et al. 2022, Orca) for the
+schedule; both re-implemented here on astrai's model and kernels (`astrai.kernels`). What it adds over the simple
+engine:
+- KV in fixed-size blocks of a preallocated `InferenceWorkspace`, addressed by block tables (no padding, no
+  per-batch reallocation); requests join and leave between decode steps (`scheduler.Scheduler`).
+- The G samples of a prompt (`n=G`, or identical prompts in the list) prefill it once and share its blocks,
+  copying the partial last block on write; a prefix cache reuses full prompt blocks across calls, tagged with the
+  `policy_version` and cleared by `load_weights` (DESIGN.md section 4).
+- Per-request RNG: request i draws from its own `torch.Generator` seeded from (one draw of the caller's
+  generator, i), so batching and prefix sharing never change a row's samples.
+- Behaviour log-probs exactly as DESIGN.md section 2 (temperature-scaled, before truncation and penalties).
+- `sleep()` frees the KV storage while the trainer steps, `wake()` takes it back.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+from astrai.kernels import InferenceWorkspace, select_backend
+from astrai.rollout.block_pool import BlockPool, PrefixCache
+from astrai.rollout.engine import Generation, left_pad
+from astrai.rollout.model_runner import PagedModelRunner
+from astrai.rollout.sampling import SamplingParams
+from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
+from astrai.rollout.scheduler import Group, Request, Scheduler
+
+__all__ = ["PagedGenerationEngine"]
+
+ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
+PenaltyArg = Union[None, FrequencyPenaltyStrategy, Sequence[Optional[FrequencyPenaltyStrategy]]]
+
+
+class PagedGenerationEngine:
+    """Colocated rollout engine over a paged KV cache (drop-in for `GenerationEngine`).
+
+    Args:
+        model: the policy (`AutoRegressiveLM`); deep-copied (eval, no grad) so training never changes the
+            engine's weights until `load_weights`.
+        pad_token_id: pads prompts and finished responses.
+        policy_version: version tag of the initial weights.
+        block_size: tokens per KV block (None: 16 with the torch backend, 256 with flash-attn).
+        max_kv_tokens: cap of the KV pool in tokens; the pool grows on demand up to it.
+        max_batch_tokens: token budget of one step (prefill chunks + one per decoding request).
+        max_num_seqs: most concurrently live requests.
+        prefix_cache: reuse full prompt blocks across calls (same `policy_version` only).
+        backend: `torch`, `flash_attn`, `auto` or None (`ASTR_BACKEND`); see `astrai.kernels.select_backend`.
+
+    Raises:
+        BackendUnavailableError: when the requested backend cannot run on the model's device.
+    """
+
+    def __init__(self, model, *, pad_token_id: int, policy_version: int = 0, block_size: Optional[int] = None,
+                 max_kv_tokens: int = 32768, max_batch_tokens: int = 2048, max_num_seqs: int = 256,
+                 prefix_cache: bool = True, backend: Optional[str] = None):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.pad_token_id, self.policy_version = pad_token_id, policy_version
+        self.backend = select_backend(backend, self.device)
+        self.block_size = block_size or (16 if self.backend.block_size_multiple == 1 else 256)
+        if self.block_size % self.backend.block_size_multiple:
+            raise ValueError(f"block_size {self.block_size} must be a multiple of "
+                             f"{self.backend.block_size_multiple} for the {self.backend.name} backend")
+        self.max_kv_blocks = max(1, max_kv_tokens // self.block_size)
+        self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
+        self.use_prefix_cache = prefix_cache
+        self.workspace: Optional[InferenceWorkspace] = None
+        self.pool: Optional[BlockPool] = None
+        self.prefix_cache: Optional[PrefixCache] = None
+        self.asleep = False
+        self.last_stats: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the engine's weights (and of the tensors `generate` returns)."""
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Parameter (and KV cache) dtype."""
+        return next(self.model.parameters()).dtype
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
+        """Copy `state_dict` (HF names, any device) into the engine, tag it, and drop the prefix cache.
+
+        Serialised with `generate` (one lock). Returns the acknowledged `policy_version`.
+
+        Raises:
+            KeyError: naming missing or unexpected tensors (the engine keeps its weights and version).
+        """
+        with self._lock:
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            missing = sorted(set(params) - set(state_dict))
+            unexpected = sorted(set(state_dict) - set(params))
+            if missing or unexpected:
+                raise KeyError(f"load_weights: missing {missing[:3]} unexpected {unexpected[:3]}")
+            for name, param in params.items():
+                param.copy_(state_dict[name])
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            self.policy_version = policy_version
+            return self.policy_version
+
+    def sleep(self) -> None:
+        """Release the KV storage (and the prefix cache) until `wake()`; the weights stay."""
+        with self._lock:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            if self.workspace is not None:
+                self.workspace.release()
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Take the KV storage back (zeroed); a no-op when awake."""
+        with self._lock:
+            if self.workspace is not None:
+                self.workspace.allocate()
+            self.asleep = False
+
+    def _ensure_capacity(self, blocks_wanted: int) -> None:
+        """Create or grow the workspace to `min(blocks_wanted, max_kv_blocks)` blocks (only between calls)."""
+        target = min(blocks_wanted, self.max_kv_blocks)
+        if self.workspace is not None and self.workspace.num_blocks >= target:
+            return
+        if self.workspace is not None:
+            target = max(target, self.workspace.num_blocks)
+            self.workspace.release()
+        self.workspace = InferenceWorkspace.for_model(self.model.config, num_blocks=target,
+                                                      block_size=self.block_size, dtype=self.dtype,
+                                                      device=self.device)
+        self.pool = BlockPool(target)
+        self.prefix_cache = PrefixCache(self.pool, self.block_size) if self.use_prefix_cache else None
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: ParamsArg,
+                 generator: Optional[torch.Generator] = None, *, n: int = 1,
+                 penalties: PenaltyArg = None) -> Generation:
+        """Sample `n` responses per prompt (rows grouped by prompt: row b * n + g is sample g of prompt b).
+
+        Args:
+            prompts: B lists of prompt token ids (each non-empty).
+            params: one `SamplingParams` for all, or one per prompt (temperature, top-k, top-p, stop tokens,
+                max_new_tokens composed per request).
+            generator: caller RNG; exactly one int64 is drawn from it per call (None: torch's default RNG).
+            n: samples per prompt (G).
+            penalties: an optional `FrequencyPenaltyStrategy` for all prompts, or one (or None) per prompt.
+
+        Returns:
+            `Generation` with B * n rows: prompt_ids (B*n, P) left-padded, prompt_mask, response_ids (B*n, T)
+            right-padded, action_mask, old_logprobs (B*n, T) float32 (0 at padding), finished, policy_version.
+
+        Raises:
+            ValueError: empty prompts, n < 1, per-prompt lists of the wrong length, or prompt + max_new_tokens
+                beyond the model's rotary table.
+            RuntimeError: while asleep, or when one prompt group cannot fit in `max_kv_tokens`.
+        """
+        with self._lock:
+            if self.asleep:
+                raise RuntimeError("generate: the engine is asleep; call wake() first")
+            requests = self._make_requests(prompts, params, generator, n, penalties)
+            self._run(requests, n)
+            return self._assemble(prompts, requests, n)
+
+    def _make_requests(self, prompts, params, generator, n, penalties) -> list[Request]:
+        """One `Request` per output row, each with its own seeded generator."""
+        if n < 1:
+            raise ValueError(f"generate: n must be >= 1, got {n}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: every prompt must hold at least one token")
+        per_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        per_penalty = ([penalties] * len(prompts) if penalties is None or
+                       isinstance(penalties, FrequencyPenaltyStrategy) else list(penalties))
+        if len(per_params) != len(prompts) or len(per_penalty) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(per_params)} params / "
+                             f"{len(per_penalty)} penalties")
+        limit = self.model.config.max_position_embeddings
+        base = int(torch.randint(0, 2**62, (1,), generator=generator,
+                                 device=generator.device if generator is not None else "cpu"))
+        requests = []
+        for b, prompt in enumerate(prompts):
+            if len(prompt) + per_params[b].max_new_tokens > limit:
+                raise ValueError(f"generate: prompt {b} ({len(prompt)} tokens) + max_new_tokens "
+                                 f"{per_params[b].max_new_tokens} exceeds max_position_embeddings {limit}")
+            for g in range(n):
+                index = b * n + g
+                rng = torch.Generator(device=self.device).manual_seed(request_seed(base, index))
+                requests.append(Request(index=index, prompt=list(prompt), sampling=RowSampling(
+                    per_params[b], per_penalty[b], rng, [])))
+        return requests
+
+    def _run(self, requests: list[Request], n: int) -> None:
+        """Group requests by (prompt, settings), size the pool, and schedule them to completion."""
+        by_key: dict[tuple, Group] = {}
+        for req in requests:
+            key = (tuple(req.prompt), req.sampling.params.max_new_tokens)
+            by_key.setdefault(key, Group(members=[])).members.append(req)
+        groups = list(by_key.values())
+        blocks = lambda t: -(-t // self.block_size)  # noqa: E731
+        wanted = sum(blocks(len(r.prompt) + r.sampling.params.max_new_tokens) for r in requests)
+        largest = max(blocks(len(g.leader.prompt) + g.leader.sampling.params.max_new_tokens) * len(g.members)
+                      for g in groups)
+        self._ensure_capacity(max(wanted, largest))
+        runner = PagedModelRunner(self.model, self.workspace, self.backend)
+        scheduler = Scheduler(pool=self.pool, prefix_cache=self.prefix_cache, workspace=self.workspace,
+                              forward=runner.forward, policy_version=self.policy_version,
+                              max_batch_tokens=self.max_batch_tokens, max_num_seqs=self.max_num_seqs)
+        scheduler.run(groups)
+        self.last_stats = {"steps": scheduler.steps, "groups": len(groups),
+                           "prefix_cache_entries": len(self.prefix_cache or ())}
+
+    def _assemble(self, prompts, requests: list[Request], n: int) -> Generation:
+        """Pack the per-request results into a `Generation` (rows in request order)."""
+        device = self.device
+        prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], self.pad_token_id, device)
+        width = max(len(r.generated) for r in requests)
+        response = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((len(requests), width), dtype=torch.float32)
+        mask = torch.zeros((len(requests), width), dtype=torch.bool)
+        for row, req in enumerate(requests):
+            t = len(req.generated)
+            response[row, :t] = torch.tensor(req.generated, dtype=torch.long)
+            logprobs[row, :t] = torch.tensor(req.logprobs, dtype=torch.float32)
+            mask[row, :t] = True
+        finished = torch.tensor([r.finished for r in requests], dtype=torch.bool)
+        return Generation(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response.to(device),
+                          action_mask=mask.to(device), old_logprobs=logprobs.to(device), finished=finished.to(device),
+                          policy_version=self.policy_version)

@@ -1,0 +1,219 @@
+"""Continuous-batching scheduler of the paged engine (Orca, Yu et al. 2022; paged KV from vLLM, Kwon et al. 2023).
+
+Every step packs one decode token for each running request plus prefill chunks of waiting requests, bounded by a
+`max_batch_tokens` budget and `max_num_seqs` live sequences; requests join after their prefill and leave as soon as
+they stop, between steps. Requests with the same prompt form a group: the leader's prompt is prefilled once, then
+the other members fork its block table (shared blocks, reference counted) and copy the partial last block on their
+first write (copy-on-write). Full prompt blocks go to the prefix cache for later requests.
+
+Admission reserves the worst-case number of blocks of a group (prompt + max_new_tokens), so a running request
+never runs out of KV blocks and nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from astrai.kernels import InferenceWorkspace
+from astrai.rollout.block_pool import BlockPool, PrefixCache
+from astrai.rollout.model_runner import StepBatch
+from astrai.rollout.sampling_strategies import RowSampling, sample_rows
+
+__all__ = ["Request", "Group", "Scheduler"]
+
+
+@dataclass
+class Request:
+    """One output row: its prompt, sampling state, block table and results."""
+
+    index: int
+    prompt: list[int]
+    sampling: RowSampling
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose keys/values are in the cache
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False  # ended with a stop token
+    done: bool = False
+
+    @property
+    def generated(self) -> list[int]:
+        """Sampled token ids so far."""
+        return self.sampling.generated
+
+
+@dataclass
+class Group:
+    """Requests sharing one prompt; `members[0]` is the leader that prefills. `reserve`: blocks still reserved."""
+
+    members: list[Request]
+    reserve: int = 0
+
+    @property
+    def leader(self) -> Request:
+        """The member whose prefill serves the whole group."""
+        return self.members[0]
+
+
+class Scheduler:
+    """Drives groups of requests to completion over a block pool, a prefix cache and a step function.
+
+    Args:
+        pool, prefix_cache, workspace: KV bookkeeping and storage (prefix_cache None disables reuse).
+        forward: `StepBatch -> logits (R, V)`, e.g. `PagedModelRunner.forward`.
+        policy_version: tag for prefix-cache lookups/inserts.
+        max_batch_tokens: most tokens per step (decode tokens count 1 each).
+        max_num_seqs: most requests decoding or prefilling at once.
+    """
+
+    def __init__(self, *, pool: BlockPool, prefix_cache: Optional[PrefixCache], workspace: InferenceWorkspace,
+                 forward: Callable[[StepBatch], torch.Tensor], policy_version: int, max_batch_tokens: int,
+                 max_num_seqs: int):
+        self.pool, self.prefix_cache, self.workspace, self.forward = pool, prefix_cache, workspace, forward
+        self.block_size = workspace.block_size
+        self.policy_version, self.max_batch_tokens, self.max_num_seqs = policy_version, max_batch_tokens, max_num_seqs
+        self.reserved = 0
+        self.steps = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks holding `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def _admit(self, group: Group) -> bool:
+        """Attach cached prefix blocks to the leader and reserve the group's worst case; False if it doesn't fit."""
+        leader = group.leader
+        cached = self.prefix_cache.lookup(leader.prompt, self.policy_version) if self.prefix_cache else []
+        total = self.blocks_for(len(leader.prompt) + leader.sampling.params.max_new_tokens)
+        shared_full = len(leader.prompt) // self.block_size
+        need = total - len(cached) + (len(group.members) - 1) * (total - shared_full)
+        short = need - (self.pool.num_free - self.reserved)
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        if need > self.pool.num_free - self.reserved:
+            self.pool.release_all(cached)
+            return False
+        leader.blocks, leader.num_computed = list(cached), len(cached) * self.block_size
+        group.reserve, self.reserved = need, self.reserved + need
+        return True
+
+    def _alloc(self, group: Group) -> int:
+        """A new block charged to the group's reservation."""
+        if group.reserve > 0:
+            group.reserve -= 1
+            self.reserved -= 1
+        return self.pool.allocate()
+
+    def _prepare_write(self, req: Request, group: Group, start: int, n: int) -> list[int]:
+        """Make positions [start, start + n) writable (new blocks, copy-on-write of shared ones); their slots."""
+        bs = self.block_size
+        for idx in range(start // bs, (start + n - 1) // bs + 1):
+            if idx == len(req.blocks):
+                req.blocks.append(self._alloc(group))
+            elif self.pool.refcount[req.blocks[idx]] > 1:
+                fresh = self._alloc(group)
+                self.workspace.copy_block(req.blocks[idx], fresh)
+                self.pool.decref(req.blocks[idx])
+                req.blocks[idx] = fresh
+        return [req.blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def _finish(self, req: Request, group: Group) -> None:
+        """Free a stopped request's blocks; release the group's leftover reservation when all members stopped."""
+        req.done = True
+        self.pool.release_all(req.blocks)
+        req.blocks = []
+        if all(m.done for m in group.members):
+            self.reserved -= group.reserve
+            group.reserve = 0
+
+    def run(self, groups: list[Group]) -> None:
+        """Generate until every request of `groups` is done.
+
+        Raises:
+            RuntimeError: when a group cannot fit in the KV pool even with nothing else running.
+        """
+        waiting, prefilling, running = deque(groups), [], []
+        owner = {id(m): g for g in groups for m in g.members}
+        while waiting or prefilling or running:
+            budget = self.max_batch_tokens - len(running)
+            live = len(running) + sum(len(g.members) for g in prefilling)
+            while waiting and live + len(waiting[0].members) <= self.max_num_seqs and self._admit(waiting[0]):
+                live += len(waiting[0].members)
+                prefilling.append(waiting.popleft())
+            if not prefilling and not running:
+                raise RuntimeError(f"KV pool of {self.pool.num_blocks} blocks x {self.block_size} tokens cannot "
+                                   f"hold one group of {len(waiting[0].members)} requests; raise max_kv_tokens")
+            chunks = []
+            for group in prefilling:
+                leader = group.leader
+                n = min(len(leader.prompt) - leader.num_computed, budget)
+                if n <= 0:
+                    break
+                chunks.append((group, n))
+                budget -= n
+            self._step(running, chunks, owner)
+            for group, _ in chunks:
+                if group.leader.num_computed == len(group.leader.prompt):
+                    prefilling.remove(group)
+                    running.extend(m for m in group.members if not m.done)
+            running[:] = [r for r in running if not r.done]
+
+    def _step(self, running: list[Request], chunks: list[tuple[Group, int]], owner: dict) -> None:
+        """One forward: decode tokens of `running` + prefill `chunks`; then sample where logits are due."""
+        batch = StepBatch([], [], [], [0], [], [], [])
+        due: list[tuple[int, list[Request]]] = []  # (row in batch.logit_rows, requests sampling from it)
+        for req in running:
+            pos = req.num_computed
+            self._add(batch, req, owner[id(req)], [req.generated[-1]], pos)
+            due.append((len(batch.logit_rows), [req]))
+            batch.logit_rows.append(batch.qo_indptr[-1] - 1)
+        for group, n in chunks:
+            leader = group.leader
+            start = leader.num_computed
+            self._add(batch, leader, group, leader.prompt[start:start + n], start)
+            if start + n == len(leader.prompt):
+                due.append((len(batch.logit_rows), group.members))
+                batch.logit_rows.append(batch.qo_indptr[-1] - 1)
+        logits = self.forward(batch)
+        self.steps += 1
+        for group, _ in chunks:
+            if group.leader.num_computed == len(group.leader.prompt):
+                self._fork(group)
+        rows = [row for row, reqs in due for _ in reqs]
+        reqs = [req for _, members in due for req in members]
+        tokens, logprobs = sample_rows(logits[rows], [r.sampling for r in reqs])
+        for req, token, logprob in zip(reqs, tokens, logprobs):
+            self._record(req, owner[id(req)], token, logprob)
+
+    def _add(self, batch: StepBatch, req: Request, group: Group, token_ids: list[int], start: int) -> None:
+        """Append a request's new tokens at positions [start, start + len) to the step."""
+        n = len(token_ids)
+        batch.slots.extend(self._prepare_write(req, group, start, n))
+        batch.token_ids.extend(token_ids)
+        batch.positions.extend(range(start, start + n))
+        batch.qo_indptr.append(batch.qo_indptr[-1] + n)
+        req.num_computed = start + n
+        batch.kv_lens.append(req.num_computed)
+        batch.block_tables.append(list(req.blocks))
+
+    def _fork(self, group: Group) -> None:
+        """After the leader's prompt is computed: cache its full blocks; members share its block table."""
+        leader = group.leader
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(leader.prompt, leader.blocks, self.policy_version)
+        for member in group.members[1:]:
+            for block in leader.blocks:
+                self.pool.incref(block)
+            member.blocks, member.num_computed = list(leader.blocks), leader.num_computed
+
+    def _record(self, req: Request, group: Group, token: int, logprob: float) -> None:
+        """Append a sampled token; finish the request on a stop token or at max_new_tokens."""
+        params = req.sampling.params
+        req.generated.append(token)
+        req.logprobs.append(logprob)
+        if token in params.stop_token_ids:
+            req.finished = True
+        if req.finished or len(req.generated) >= params.max_new_tokens:
+            self._finish(req, group)

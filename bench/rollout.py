@@ -1,0 +1,107 @@
+"""Rollout throughput on CPU: astrai's paged engine vs `transformers` generate, same prompts, same threads.
+
+    python bench/rollout.py [--threads 1] [--prompts 32] [--batch1-prompts 4] [--max-new-tokens 128]
+
+SmolLM2-135M-Instruct (GGUF, float32), GSM8K test questions (chat-templated, mixed lengths, read from
+`../shared/data/gsm8k/test.jsonl` relative to the repo root), sampling at temperature 1 (top_k 0, top_p 1), stop
+at EOS. Counts generated tokens (EOS included) per second of wall time. Batch B = all prompts in one call;
+batch 1 = one call per prompt on the first `--batch1-prompts` prompts. Ends with `ratio: X.XX` = astrai /
+transformers tokens/s at batch B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` chat-templated GSM8K questions as token ids."""
+    path = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+    with open(path) as fh:
+        questions = [json.loads(line)["question"] for _, line in zip(range(count), fh)]
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
+
+
+def run_astrai(engine, prompts, max_new: int, seed: int) -> int:
+    """Generated tokens of one engine call over `prompts`."""
+    from astrai.rollout.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=(2,))
+    gen = engine.generate(prompts, params, torch.Generator().manual_seed(seed))
+    return int(gen.action_mask.sum())
+
+
+def run_hf(model, prompts, max_new: int, seed: int) -> int:
+    """Generated tokens (up to and including EOS) of one left-padded `generate` call over `prompts`."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), 2, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=True, temperature=1.0,
+                             top_k=0, top_p=1.0, eos_token_id=2, pad_token_id=2)
+    total = 0
+    for row in out[:, width:].tolist():
+        total += row.index(2) + 1 if 2 in row else len(row)
+    return total
+
+
+def timed(fn, *args) -> tuple[int, float]:
+    """(tokens, seconds) of `fn(*args)`."""
+    start = time.perf_counter()
+    tokens = fn(*args)
+    return tokens, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--batch1-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"threads: {torch.get_num_threads()}")
+    import transformers
+
+    from astrai.models import load_pretrained, resolve_model_path
+    from astrai.rollout.paged_engine import PagedGenerationEngine
+
+    model, tokenizer = load_pretrained("smollm2-135m-instruct", torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m-instruct").parent,
+                                                           gguf_file=GGUF, dtype=torch.float32).eval()
+    prompts = load_prompts(tokenizer, args.prompts)
+    lengths = sorted(len(p) for p in prompts)
+    print(f"prompts: {len(prompts)}, lengths {lengths[0]}..{lengths[-1]} (median {lengths[len(lengths) // 2]}), "
+          f"max_new_tokens {args.max_new_tokens}, sampling T=1")
+    engine = PagedGenerationEngine(model, pad_token_id=2, prefix_cache=False)
+    print(f"astrai backend: {engine.backend.name}, block_size {engine.block_size}")
+    run_astrai(engine, prompts[:2], 4, 0)  # warm-up (allocates the pool for small calls)
+    results = {}
+    for name, fn, target in (("astrai", run_astrai, engine), ("transformers", run_hf, hf)):
+        tokens, secs = timed(fn, target, prompts, args.max_new_tokens, 1)
+        results[name] = tokens / secs
+        print(f"{name:12s} batch {len(prompts):3d}: {tokens:6d} tokens in {secs:7.1f} s = {tokens / secs:8.1f} tok/s")
+    for name, fn, target in (("astrai", run_astrai, engine), ("transformers", run_hf, hf)):
+        total_tokens, total_secs = 0, 0.0
+        for i, prompt in enumerate(prompts[:args.batch1_prompts]):
+            tokens, secs = timed(fn, target, [prompt], args.max_new_tokens, 100 + i)
+            total_tokens, total_secs = total_tokens + tokens, total_secs + secs
+        print(f"{name:12s} batch   1: {total_tokens:6d} tokens in {total_secs:7.1f} s = "
+              f"{total_tokens / total_secs:8.1f} tok/s ({args.batch1_prompts} prompts)")
+    print(f"ratio: {results['astrai'] / results['transformers']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Pure-torch reference paged attention over a block KV cache (the CPU path and the test oracle).
+
+The idea is PagedAttention (Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving
+with PagedAttention", the vLLM paper): keys/values live in fixed-size blocks of a preallocated pool and each
+sequence addresses its blocks through a block table, so sequences grow without reallocation and share prefix
+blocks. This module is an independent, readable implementation on top of
+`torch.nn.functional.scaled_dot_product_attention`; nothing is copied from vLLM or flash-attn.
+
+Layout (the flash-attn paged layout, so both backends share the cache):
+    k_cache, v_cache: (num_blocks, block_size, Nkv, D)
+    block_tables:     (B, max_blocks) int32/int64, block ids of each sequence in order (padding entries ignored)
+    kv_lens:          (B,) int, tokens in the cache of each sequence INCLUDING the ones of this step
+    qo_indptr:        (B + 1,) int, cumulative query offsets into the packed queries (N = qo_indptr[-1])
+Query j of sequence b (0-based within its q_len = qo_indptr[b+1] - qo_indptr[b]) has absolute position
+kv_lens[b] - q_len + j and attends causally to keys [0, kv_lens[b] - q_len + j].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["write_kv", "gather_kv", "paged_decode_attention", "paged_prefill_attention", "apply_rotary"]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021, RoFormer), "rotate_half" layout as `astrai.models.layers`.
+
+    Args:
+        x: (N, heads, D) queries or keys.
+        cos, sin: (N, 1, D) rows of the model's rotary table at each token's position, in x's dtype.
+
+    Returns:
+        (N, heads, D), `x * cos + rotate_half(x) * sin`.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store new keys/values in place: token i goes to flat slot `slot_mapping[i]` = block * block_size + offset.
+
+    Args:
+        k_cache, v_cache: (num_blocks, block_size, Nkv, D).
+        slot_mapping: (N,) int64 flat slots.
+        k, v: (N, Nkv, D).
+    """
+    nkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Dense copy of each sequence's cached tokens: (B, Nkv, max_len, D) from `cache` (num_blocks, bs, Nkv, D).
+
+    Only the first ceil(max_len / block_size) block-table columns are read; padding positions hold whatever the
+    addressed block holds and must be masked by the caller.
+    """
+    bs = cache.shape[1]
+    cols = -(-max_len // bs)
+    dense = cache[block_tables[:, :cols].long()]  # (B, cols, bs, Nkv, D)
+    b = dense.shape[0]
+    dense = dense.reshape(b, cols * bs, cache.shape[2], cache.shape[3])[:, :max_len]
+    return dense.transpose(1, 2)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                           max_kv_len: int | None = None) -> torch.Tensor:
+    """One query per sequence attending over all its cached keys (grouped-query attention supported).
+
+    Args:
+        q: (B, Nh, D); Nh must be a multiple of Nkv.
+        k_cache, v_cache: (num_blocks, block_size, Nkv, D).
+        block_tables: (B, max_blocks) int.
+        kv_lens: (B,) int64, each >= 1 (the query's own key is already written).
+        scale: softmax scale, usually D ** -0.5.
+        max_kv_len: max(kv_lens) if the caller knows it (avoids a device sync).
+
+    Returns:
+        (B, Nh, D) in q's dtype.
+    """
+    if max_kv_len is None:
+        max_kv_len = int(kv_lens.max())
+    k = gather_kv(k_cache, block_tables, max_kv_len).to(q.dtype)
+    v = gather_kv(v_cache, block_tables, max_kv_len).to(q.dtype)
+    keys = torch.arange(max_kv_len, device=q.device)
+    mask = (keys[None, :] < kv_lens[:, None].to(q.device))[:, None, None, :]  # (B, 1, 1, K)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, qo_indptr: list[int], kv_lens: list[int],
+                            scale: float) -> torch.Tensor:
+    """Ragged causal attention: the packed queries of B sequences, each over its own cached blocks.
+
+    Sequences with one query (decode rows mixed into a prefill step) go through `paged_decode_attention` in one
+    batch; each longer one is one SDPA call with a causal mask aligned to the end of its keys.
+
+    Args:
+        q: (N, Nh, D) packed queries, N = qo_indptr[-1].
+        k_cache, v_cache: (num_blocks, block_size, Nkv, D), already holding this step's keys/values.
+        block_tables: (B, max_blocks) int.
+        qo_indptr: B + 1 cumulative query offsets (Python ints: the layout is host metadata).
+        kv_lens: B cached lengths including this step's tokens (Python ints), kv_lens[b] >= q_len[b].
+        scale: softmax scale.
+
+    Returns:
+        (N, Nh, D) in q's dtype.
+
+    Raises:
+        ValueError: when a sequence has more queries than cached keys.
+    """
+    out = torch.empty_like(q)
+    single = [b for b in range(len(kv_lens)) if qo_indptr[b + 1] - qo_indptr[b] == 1]
+    if single:
+        rows = torch.tensor([qo_indptr[b] for b in single], device=q.device)
+        lens = torch.tensor([kv_lens[b] for b in single], device=q.device)
+        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[single], lens, scale,
+                                           max(kv_lens[b] for b in single))
+    for b in range(len(kv_lens)):
+        start, end, kv_len = qo_indptr[b], qo_indptr[b + 1], kv_lens[b]
+        n = end - start
+        if n <= 1:
+            continue
+        if n > kv_len:
+            raise ValueError(f"sequence {b}: {n} queries but only {kv_len} cached keys")
+        k = gather_kv(k_cache, block_tables[b:b + 1], kv_len).to(q.dtype)
+        v = gather_kv(v_cache, block_tables[b:b + 1], kv_len).to(q.dtype)
+        q_pos = torch.arange(kv_len - n, kv_len, device=q.device)[:, None]
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos  # (n, K)
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
+                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        out[start:end] = o.squeeze(0).transpose(0, 1)
+    return out
