@@ -1,13 +1,14 @@
 """Shared fixtures: a tiny Hugging Face-format model directory (random weights, tiny tokenizer)."""
 
-import json
 import os
 
-import pytest
-import torch
-from safetensors.torch import save_file
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: one OpenMP thread per test process
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ import torch
 
 from astrai.distributed import setup_distributed
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
-from astrai.rollout.engine import GenerationEngine
+from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.runner import RolloutRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.trainer.loop import Callback, Trainer
@@ -43,7 +43,7 @@ def make_strategy(max_steps, *, seed=0, lr=3e-3, batch=16):
     ref.load_state_dict(policy.state_dict())
     ref.eval().requires_grad_(False)
     critic = ValueModel.from_policy(policy)
-    engine = GenerationEngine(policy, pad_token_id=EOS)
+    engine = PagedGenerationEngine(policy, pad_token_id=EOS)
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=(EOS,))
     runner = RolloutRunner(engine, sampling, decode=lambda ids: " ".join(map(str, ids)),
                            score_fn=target_fraction, ref_model=ref, chunk_size=batch)

@@ -179,14 +179,14 @@ def build_online_parts(config, dist, policy, tokenizer, *, ref_model, chunk_size
     import warnings
 
     from astrai.data import PromptDataset, PromptSampler
-    from astrai.rollout.engine import GenerationEngine
+    from astrai.rollout.paged_engine import PagedGenerationEngine
     from astrai.rollout.prompts import encode_prompts
     from astrai.rollout.rewards import get_reward
     from astrai.rollout.runner import RolloutRunner
     from astrai.rollout.sampling import SamplingParams
 
     r = config.rollout
-    engine = GenerationEngine(policy, pad_token_id=tokenizer.pad_token_id)
+    engine = PagedGenerationEngine(policy, pad_token_id=tokenizer.pad_token_id)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                               top_p=r.top_p, stop_token_ids=(tokenizer.eos_token_id,))
     if sampling.truncates:

@@ -211,50 +211,17 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
     Builds the frozen reference model, the critic (warm-started from the policy), the rollout engine and
     runner, the prompt sampler, and one AdamW optimizer + schedule for each of policy and critic.
     """
-    import copy
-    import functools
-    import warnings
-
-    from astrai.data import PromptDataset, PromptSampler
     from astrai.models import ValueModel
-    from astrai.rollout.prompts import encode_prompts
-    from astrai.rollout.rewards import get_reward
-    from astrai.rollout.sampling import SamplingParams
-    from astrai.trainer.optim import build_optimizer, build_scheduler
+    from astrai.trainer.strategies.common import build_online_parts, build_policy_optimizer, frozen_copy
 
     r, p, o = config.rollout, config.ppo, config.optim
     policy = policy.to(dist.device)
-    ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+    ref_model = frozen_copy(policy)
     value_model = ValueModel.from_policy(policy).to(dist.device)
-    engine = GenerationEngine(policy, pad_token_id=tokenizer.pad_token_id)
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                              top_p=r.top_p, stop_token_ids=(tokenizer.eos_token_id,))
-    if sampling.truncates:
-        warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
-                      "untruncated one, so importance ratios are biased (DESIGN.md section 2)")
-    reward = get_reward(config.reward.name)
-    runner = RolloutRunner(
-        engine, sampling, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
-        score_fn=lambda texts, answers, ids: reward(texts, answers, format_bonus=config.reward.format_bonus),
-        ref_model=ref_model, chunk_size=p.micro_batch_size)
-    dataset = PromptDataset(config.data.path, prompt_field=config.data.prompt_field,
-                            answer_field=config.data.answer_field)
-    sampler = PromptSampler(dataset, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
-    encode = functools.partial(encode_prompts, tokenizer=tokenizer, system_prompt=config.data.system_prompt,
-                               max_prompt_length=config.data.max_prompt_length)
-
-    def next_prompts(batch_size: int):
-        records = sampler.next_batch(batch_size)
-        return encode([rec.prompt for rec in records]), [rec.answer for rec in records]
-
-    def optimizer_for(model, lr):
-        opt = build_optimizer(model.parameters(), lr=lr, betas=(o.adam_beta1, o.adam_beta2),
-                              eps=o.adam_epsilon, weight_decay=o.weight_decay)
-        return opt, build_scheduler(opt, name=o.lr_scheduler_type, warmup_steps=o.warmup_steps,
-                                    total_steps=config.train.max_steps)
-
-    policy_opt, policy_sched = optimizer_for(policy, o.learning_rate)
-    value_opt, value_sched = optimizer_for(value_model, o.critic_learning_rate)
+    engine, runner, sampler, next_prompts = build_online_parts(config, dist, policy, tokenizer,
+                                                               ref_model=ref_model, chunk_size=p.micro_batch_size)
+    policy_opt, policy_sched = build_policy_optimizer(config, policy)
+    value_opt, value_sched = build_policy_optimizer(config, value_model, lr=o.critic_learning_rate)
     settings = PPOSettings(batch_size=r.batch_size, minibatch_size=p.minibatch_size,
                            micro_batch_size=p.micro_batch_size, epochs=p.epochs, clip_eps=p.clip_eps,
                            value_clip=p.value_clip, gamma=p.gamma, gae_lambda=p.gae_lambda,
