@@ -1,4 +1,4 @@
-"""Exact resume: 4 steps straight == 2 steps + resume + 2 steps (online_ppo, CPU, fp32, deterministic)."""
+"""Exact resume: 4 steps straight == 2 steps + resume + 2 steps (online_ppo, sft; CPU, fp32, deterministic)."""
 
 import json
 import shutil
@@ -8,23 +8,40 @@ import torch
 
 from astrai.checkpoint import CheckpointError
 from astrai.train import main
-from test_train_e2e import tiny_args
+from astrai.trainer.loop import Trainer
+from test_train_e2e import EXAMPLE, tiny_args
 
 
 def run(model_dir, out, *extra):
-    assert main(tiny_args(model_dir, out, "--runtime.deterministic", "true", "--seed", "7", *extra)) == 0
+    assert main(tiny_args(model_dir, out, "--runtime.deterministic", "true", "--seed", "7",
+                          "--optim.lr_scheduler_type", "cosine", "--optim.warmup_steps", "1", *extra)) == 0
 
 
-def final_state(out, step):
+def interrupt_after(monkeypatch, steps):
+    """Make the next job stop (and publish its end checkpoint) after `steps` steps, as if it were killed
+    there, while everything else (LR schedule length, data) is built for the full `max_steps`."""
+    fit = Trainer.fit
+
+    def short_fit(self):
+        self.state.max_steps = steps
+        return fit(self)
+
+    monkeypatch.setattr(Trainer, "fit", short_fit)
+
+
+def final_state(out, step, critic=True):
+    """Policy weights, optimizer moments (and critic + its optimizer) and counters of a checkpoint."""
     ckpt = out / "checkpoints" / f"step-{step:08d}"
     from safetensors.torch import load_file
-    return {
+    state = {
         "policy": load_file(str(ckpt / "model.safetensors")),
-        "value_model": torch.load(ckpt / "value_model.pt", weights_only=True),
         "optimizer": torch.load(ckpt / "optimizer.pt", weights_only=True)["state"],
-        "value_optimizer": torch.load(ckpt / "value_optimizer.pt", weights_only=True)["state"],
         "trainer_state": json.loads((ckpt / "trainer_state.json").read_text()),
     }
+    if critic:
+        state["value_model"] = torch.load(ckpt / "value_model.pt", weights_only=True)
+        state["value_optimizer"] = torch.load(ckpt / "value_optimizer.pt", weights_only=True)["state"]
+    return state
 
 
 def assert_same(a, b, where=""):
@@ -39,10 +56,12 @@ def assert_same(a, b, where=""):
 
 
 @pytest.mark.parametrize("minibatch", ["2", "4"])  # 2: the checkpoint falls mid-rollout; 4: at its end
-def test_online_ppo_resume_is_bitwise_exact(tiny_model_dir, tmp_path, minibatch):
+def test_online_ppo_resume_is_bitwise_exact(tiny_model_dir, tmp_path, monkeypatch, minibatch):
     straight, split = tmp_path / "straight", tmp_path / "split"
     run(tiny_model_dir, straight, "--max_steps", "4", "--ppo.minibatch_size", minibatch)
-    run(tiny_model_dir, split, "--max_steps", "2", "--ppo.minibatch_size", minibatch)
+    interrupt_after(monkeypatch, 2)
+    run(tiny_model_dir, split, "--max_steps", "4", "--ppo.minibatch_size", minibatch)
+    monkeypatch.undo()
     run(tiny_model_dir, split, "--max_steps", "4", "--ppo.minibatch_size", minibatch,
         "--checkpoint.resume", "auto")
     a, b = final_state(straight, 4), final_state(split, 4)
@@ -71,3 +90,30 @@ def test_resume_auto_without_checkpoint_starts_fresh_and_keeps_old_metrics(tiny_
     run(tiny_model_dir, out, "--max_steps", "1", "--checkpoint.resume", "auto")
     kept = list(out.glob("metrics.*.jsonl"))
     assert len(kept) == 1 and len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def sft_args(model_dir, out, data, *extra):
+    return ["--config", str(EXAMPLE.parent / "sft.yaml"), "--model.path", str(model_dir),
+            "--train.output_dir", str(out), "--data.path", str(data), "--train.per_device_train_batch_size", "2",
+            "--train.gradient_accumulation_steps", "1", "--data.max_length", "64", "--train.progress_bar", "false",
+            "--runtime.deterministic", "true", *extra]
+
+
+@pytest.mark.parametrize("rows", [4, 6])  # 4 rows = 2 steps per epoch: the split lands on an epoch boundary
+def test_sft_resume_is_bitwise_exact_including_epoch_boundary(tiny_model_dir, tmp_path, monkeypatch, rows):
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                                      {"role": "assistant", "content": f"{i} + {i} = {2 * i}."}]})
+             for i in range(rows)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(sft_args(tiny_model_dir, straight, data, "--max_steps", "4")) == 0
+    interrupt_after(monkeypatch, 2)
+    assert main(sft_args(tiny_model_dir, split, data, "--max_steps", "4")) == 0
+    monkeypatch.undo()
+    assert main(sft_args(tiny_model_dir, split, data, "--max_steps", "4", "--checkpoint.resume", "auto")) == 0
+    a, b = final_state(straight, 4, critic=False), final_state(split, 4, critic=False)
+    for key in ("policy", "optimizer"):
+        assert_same(a[key], b[key], key)
+    steps = [json.loads(l)["step"] for l in (split / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # the resumed run did its two steps (the next epoch), not zero
