@@ -30,7 +30,8 @@ DISTRIBUTED_STRATEGIES = ("ddp",)
 # ----------------------------------------------------------------------------------------- sections
 @dataclass
 class ModelSection(Section, name="model"):
-    path: str = field_spec("smollm2-135m-instruct", "model name, Hugging Face-format directory or .gguf file")
+    path: str = field_spec("smollm2-135m-instruct", "model name, Hugging Face-format directory or .gguf file",
+                           Pattern(r"\s*\S.*", "a model name or path"))
     dtype: str = field_spec("float32", "parameter/compute dtype", Choices(("float32", "bfloat16", "float16")))
     gradient_checkpointing: bool = field_spec(False, "recompute decoder-block activations in backward")
     moe_num_experts: int = field_spec(0, "routed experts per MoE feed-forward (0 = dense model as loaded)", GE0)
@@ -129,11 +130,12 @@ class OptimSection(Section, name="optim"):
 @dataclass
 class TrainSection(Section, name="train"):
     type: str = field_spec("online_ppo", "train type (strategy)", Choices(TRAIN_TYPES))
-    output_dir: str = field_spec("outputs/ppo", "directory for config.yaml, metrics and checkpoints")
+    output_dir: str = field_spec("outputs/ppo", "directory for config.yaml, metrics and checkpoints",
+                                 Pattern(r"\s*\S.*", "a non-empty directory path"))
     max_steps: int = field_spec(4, "policy optimizer steps to run", GT0)
     per_device_train_batch_size: int = field_spec(4, "sft/dpo/seq/grpo: examples per forward/backward on each rank", GT0)
     gradient_accumulation_steps: int = field_spec(1, "sft/dpo/seq/grpo: micro-batches per optimizer step", GT0)
-    seed: int = field_spec(42, "seed for data order, sampling and initialisation")
+    seed: int = field_spec(42, "seed for data order, sampling and initialisation", Range(0, 2**32 - 1))
     logging_steps: int = field_spec(1, "log metrics every N optimizer steps", GT0)
     metrics: list[str] = field_spec([], "extra costly metrics to compute, e.g. 'policy/entropy'")
     progress_bar: bool = field_spec(True, "show a progress bar on rank 0")
@@ -147,7 +149,8 @@ class CheckpointSection(Section, name="checkpoint"):
     resume: str = field_spec("none", "'none' (fresh start), 'auto' (the latest complete checkpoint in output_dir, "
                              "if any) or a checkpoint directory path",
                      Pattern(r".+", "'none', 'auto' or a checkpoint directory"))
-    verify_on_load: bool = field_spec(False, "check every file's sha256 against the manifest when resuming")
+    verify_on_load: bool = field_spec(True, "check every file's sha256 against the manifest when resuming "
+                                            "(about 1 s per GB)")
 
 
 @dataclass

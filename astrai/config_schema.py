@@ -6,6 +6,7 @@ raises `ConfigError` with a one-line message naming the field and what was expec
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from functools import cache
@@ -48,8 +49,12 @@ for _tag, _rx, _first in (  # order matters: the first matching resolver wins ("
 
 
 def _construct_int(loader: YamlLoader, node: yaml.Node) -> int:
-    text = loader.construct_scalar(node).replace("_", "")
-    return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)  # "010" is ten, as in YAML 1.2
+    raw = loader.construct_scalar(node)
+    text = raw.replace("_", "")
+    try:
+        return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)  # "010" is ten, as in YAML 1.2
+    except ValueError:  # e.g. "0x_": not a number after all; the field check reports it
+        return raw
 
 
 YamlLoader.add_constructor(_CORE + "int", _construct_int)
@@ -71,13 +76,23 @@ class Range:
     hi_open: bool = False
 
     def ok(self, v: float) -> bool:
+        if not math.isfinite(v):  # inf / nan never make sense as a setting
+            return False
         above = v > self.lo if self.lo_open else v >= self.lo
         return above and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi))
 
     def describe(self, kind: str) -> str:
+        lo, hi = _number(self.lo), _number(self.hi)
         if self.hi is None:
-            return f"{kind} {'>' if self.lo_open else '>='} {self.lo:g}"
-        return f"{kind} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+            return f"{kind} {'>' if self.lo_open else '>='} {lo}"
+        return f"{kind} in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+
+
+def _number(x: Optional[float]) -> str:
+    """A bound as written: integers in full (4294967295), other numbers in short form (1e-08)."""
+    if x is None:
+        return ""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 @dataclass(frozen=True)
@@ -165,6 +180,7 @@ def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
     out = _coerce(base, value)
     if out is _coerce or (check is not None and not check.ok(out)):
         kind = _KINDS.get(base, "a list of strings")
-        expected = check.describe(kind) if check is not None else kind
+        wrong_type = out is _coerce
+        expected = kind if check is None or (wrong_type and isinstance(check, Pattern)) else check.describe(kind)
         raise ConfigError(f"{name}: expected {'null or ' if optional else ''}{expected}, got {value!r}")
     return out

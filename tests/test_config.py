@@ -39,14 +39,19 @@ def test_defaults_valid_and_documented():
 
 def test_yaml_floats_are_floats(tmp_path):
     path = write(tmp_path, "optim:\n  learning_rate: 2e-5\n  critic_learning_rate: 1e-4\n  adam_epsilon: 5E-6\n"
-                           "  max_grad_norm: .5\n  weight_decay: 1_000.0\nrollout:\n  temperature: .inf\n"
-                           "  batch_size: 16\n")
+                           "  max_grad_norm: .5\n  weight_decay: 1_000.0\nrollout:\n  batch_size: 16\n")
     config = load_config(path, [])
     assert config.optim.learning_rate == 2e-5 and type(config.optim.learning_rate) is float
     assert config.optim.critic_learning_rate == 1e-4 and config.optim.adam_epsilon == 5e-6
     assert config.optim.max_grad_norm == 0.5 and config.optim.weight_decay == 1000.0
-    assert math.isinf(config.rollout.temperature)
     assert config.rollout.batch_size == 16 and type(config.rollout.batch_size) is int
+
+
+def test_infinite_values_parse_as_floats_but_are_rejected(tmp_path):
+    from astrai.config_schema import YamlLoader
+    assert math.isinf(yaml.load(".inf", Loader=YamlLoader))
+    with pytest.raises(ConfigError, match=r"rollout\.temperature: expected a number > 0, got inf"):
+        load_config(write(tmp_path, "rollout:\n  temperature: .inf\n"), [])
 
 
 def test_int_accepted_for_float_and_global_safeloader_untouched(tmp_path):
@@ -154,7 +159,7 @@ def test_cli_numbers_parsed_and_checked():
     assert load_config(None, ["--optim.adam_epsilon", "5E-6"]).optim.adam_epsilon == 5e-6
     assert "ppo.gamma: expected a number in [0, 1], got 1.5" in error(None, ["--ppo_gamma", "1.5"])
     assert "ppo.gamma: expected a number in [0, 1], got 'abc'" in error(None, ["--ppo.gamma", "abc"])
-    assert "train.seed: expected an integer, got True" in error(None, ["--seed", "true"])
+    assert "train.seed: expected an integer in [0, 4294967295], got True" in error(None, ["--seed", "true"])
     assert "train.metrics: cannot parse value" in error(None, ["--train.metrics", "[a, b"])
 
 
@@ -215,7 +220,7 @@ def test_dump_load_round_trip(tmp_path):
     config = load_config(None, [
         "--optim.learning_rate", "2e-5", "--output_dir", "1e5", "--data.system_prompt", "yes: no\n#x 'q'",
         "--train.metrics", "[policy/entropy, '1']", "--ppo.value_clip", "null", "--checkpoint.keep_last", "2",
-        "--rollout.temperature", ".inf", "--model.path", "010", "--data.prompt_field", "true"])
+        "--rollout.temperature", "1e-3", "--model.path", "010", "--data.prompt_field", "true"])
     text = dump_config(config)
     assert text.index("checkpoint:") < text.index("train:")  # sorted, sectioned
     again = load_config(write(tmp_path, text, "dumped.yaml"), [])

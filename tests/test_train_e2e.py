@@ -53,6 +53,10 @@ def test_main_job_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     (["--ppo.gama", "0.9"], "ppo.gama"),
     (["--data.path", "/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl"),
     (["--model.path", "/nonexistent/model"], "/nonexistent/model"),
+    (["--optim.learning_rate", ".inf"], "optim.learning_rate"),
+    (["--max_steps", "0x_"], "train.max_steps"),
+    (["--seed", "-1"], "train.seed"),
+    (["--train.output_dir="], "train.output_dir"),
 ])
 def test_bad_input_exits_2_with_one_line(tiny_model_dir, tmp_path, capsys, args, needle):
     out = tmp_path / "run"
@@ -71,3 +75,27 @@ def test_accelerate_launch_one_cpu_process(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert (out / "checkpoints" / "step-00000001" / "value_model.pt").is_file()
+
+
+def test_output_dir_that_is_a_file_exits_2_untouched(tiny_model_dir, tmp_path, capsys):
+    target = tmp_path / "a-file"
+    target.write_text("keep me")
+    code = main(tiny_args(tiny_model_dir, target))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "train.output_dir" in err and len(err.splitlines()) == 1, err
+    assert target.read_text() == "keep me"
+
+
+def test_resume_from_checkpoint_with_corrupt_header_exits_2(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_args(tiny_model_dir, out, "--max_steps", "1")) == 0
+    weights = out / "checkpoints" / "step-00000001" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[20] ^= 0xFF  # inside the JSON header
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    for verify in ("true", "false"):
+        code = main(tiny_args(tiny_model_dir, out, "--max_steps", "2", "--checkpoint.resume", "auto",
+                              "--checkpoint.verify_on_load", verify))
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "model.safetensors" in err and len(err.splitlines()) == 1, err

@@ -75,9 +75,14 @@ class LoadedCheckpoint:
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy weights from `model.safetensors` (Hugging Face parameter names), on CPU."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(self.file("model.safetensors")))
+        path = self.file("model.safetensors")
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
 
     def load_pt(self, name: str) -> Any:
         """`torch.load(<file>, map_location="cpu", weights_only=True)`.

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from astrai.checkpoint import checkpoints_root, publish_checkpoint, recover
+from astrai.checkpoint import checkpoints_root, find_latest_checkpoint, publish_checkpoint, recover
 from astrai.config import Config, dump_config
 from astrai.distributed import setup_distributed
 from astrai.models import load_pretrained
@@ -52,10 +53,15 @@ def build_trainer(config: Config) -> Trainer:
     apply_runtime(config)
     dist = setup_distributed(config.runtime.device, config.distributed.strategy)
     output_dir = Path(config.train.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NotADirectoryError(f"train.output_dir: not a directory: {output_dir}")
     if dist.is_main and checkpoints_root(output_dir).is_dir():
         recover(output_dir)
     dist.barrier()
     resume_from = resolve_resume(config.checkpoint.resume, output_dir)
+    if resume_from is None and dist.is_main and find_latest_checkpoint(output_dir) is not None:
+        warnings.warn(f"train.output_dir {output_dir} already holds checkpoints of an earlier run: this fresh "
+                      f"run replaces those of the steps it reaches (--checkpoint.resume auto continues instead)")
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     policy.train()
     policy.gradient_checkpointing = config.model.gradient_checkpointing
