@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from astrai.config import load_config
-from astrai.rollout import engine as engine_mod
+from astrai.rollout import paged_engine
 from astrai.rollout import runner as runner_mod
 from astrai.trainer.build import build_trainer
 from astrai.trainer.strategies import online_ppo
@@ -41,7 +41,9 @@ def main() -> None:
     config = load_config(str(REPO / "configs/examples/ppo.yaml"),
                          ["--train.output_dir", "/tmp/astrai-bench-ppo", "--train.progress_bar", "false",
                           "--checkpoint.save_at_end", "false", "--max_steps", str(args.steps), *overrides])
-    engine_mod.GenerationEngine.generate = timed("generate", engine_mod.GenerationEngine.generate)
+    engine_cls = paged_engine.PagedGenerationEngine
+    engine_cls.generate = timed("generate", engine_cls.generate)
+    engine_cls.load_weights = timed("weight_sync", engine_cls.load_weights)
     runner_mod.score_in_chunks = timed("reference_scoring", runner_mod.score_in_chunks)
     online_ppo.score_in_chunks = timed("critic_scoring", online_ppo.score_in_chunks)
     online_ppo.OnlinePPOStrategy._policy_update = timed("policy_update", online_ppo.OnlinePPOStrategy._policy_update)
