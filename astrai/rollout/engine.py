@@ -68,6 +68,22 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@torch.no_grad()
+def copy_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy every parameter of `model` (tied ones under each of their names) from `state_dict`.
+
+    Raises:
+        KeyError: naming missing or unexpected tensors; nothing is copied then.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(set(params) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(params))
+    if missing or unexpected:
+        raise KeyError(f"load_weights: missing {missing[:3]} unexpected {unexpected[:3]}")
+    for name, param in params.items():
+        param.copy_(state_dict[name])
+
+
 class GenerationEngine:
     """Colocated rollout engine holding its own inference copy of the policy.
 
@@ -98,13 +114,7 @@ class GenerationEngine:
         Returns the acknowledged `policy_version`. Raises KeyError naming a missing or unexpected tensor.
         """
         with self._lock:
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            missing = sorted(set(params) - set(state_dict))
-            unexpected = sorted(set(state_dict) - set(params))
-            if missing or unexpected:
-                raise KeyError(f"load_weights: missing {missing[:3]} unexpected {unexpected[:3]}")
-            for name, param in params.items():
-                param.copy_(state_dict[name])
+            copy_weights(self.model, state_dict)
             self.policy_version = policy_version
             return self.policy_version
 

@@ -24,7 +24,7 @@ import torch
 
 from astrai.kernels import InferenceWorkspace, select_backend
 from astrai.rollout.block_pool import BlockPool, PrefixCache
-from astrai.rollout.engine import Generation, left_pad
+from astrai.rollout.engine import Generation, copy_weights, left_pad
 from astrai.rollout.model_runner import PagedModelRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
@@ -95,13 +95,7 @@ class PagedGenerationEngine:
             KeyError: naming missing or unexpected tensors (the engine keeps its weights and version).
         """
         with self._lock:
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            missing = sorted(set(params) - set(state_dict))
-            unexpected = sorted(set(state_dict) - set(params))
-            if missing or unexpected:
-                raise KeyError(f"load_weights: missing {missing[:3]} unexpected {unexpected[:3]}")
-            for name, param in params.items():
-                param.copy_(state_dict[name])
+            copy_weights(self.model, state_dict)
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
             self.policy_version = policy_version

@@ -20,8 +20,8 @@ from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import RolloutRunner
 from astrai.rollout.scoring import response_values, score_in_chunks
-from astrai.trainer.strategies.common import (accumulate, policy_gradient_step, row_chunks, sync_engine,
-                                              token_counts)
+from astrai.trainer.strategies.common import (accumulate, load_rollout_state, policy_gradient_step,
+                                              rollout_state, row_chunks, sync_engine, token_counts)
 
 
 @dataclass(frozen=True)
@@ -173,24 +173,13 @@ class OnlinePPOStrategy:
 
     # ------------------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
-        """Strategy state needed for an exact resume: RNG states, and the rollout in progress (its pinned
-        targets and the minibatches not yet replayed), so a checkpoint taken mid-rollout resumes exactly."""
-        return {
-            "sampling_rng": self.generator.get_state(),
-            "shuffle_rng": self.shuffle_generator.get_state(),
-            "pending": [index.clone() for index in self._pending],
-            "rollout": self.rollout.to_state() if self._pending else None,
-            "rollout_metrics": dict(self._rollout_metrics),
-        }
+        """Exact-resume state: RNGs and the rollout in progress with its pinned targets and the minibatches
+        not yet replayed (`common.rollout_state`), so a checkpoint taken mid-rollout resumes exactly."""
+        return rollout_state(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of `state_dict` (tensors are moved to this rank's device)."""
-        self.generator.set_state(state["sampling_rng"])
-        self.shuffle_generator.set_state(state["shuffle_rng"])
-        self._pending = list(state["pending"])
-        self.rollout = (RolloutResult.from_state(state["rollout"], self.dist.device)
-                        if state["rollout"] is not None else None)
-        self._rollout_metrics = dict(state["rollout_metrics"])
+        load_rollout_state(self, state)
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint of this train type holds (policy + critic extras)."""
