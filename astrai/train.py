@@ -14,12 +14,27 @@ from typing import Optional, Sequence
 EXIT_BAD_INPUT = 2
 
 
+def fields_help() -> str:
+    """One line per config field: `--section.key  meaning (default: value)`, for `--help`."""
+    import dataclasses
+
+    from astrai.config import SECTIONS
+
+    lines = ["config fields (YAML section.key; override with --section.key VALUE):"]
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            lines.append(f"  --{section}.{f.name:<30} {f.metadata.get('doc', '')} (default: {default!r})")
+    return "\n".join(lines)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, list[str]]:
     """`--config FILE` plus free-form overrides (`--ppo_gamma 0.99`, `--ppo.gamma=0.99`, `--max_steps 2`)."""
     parser = argparse.ArgumentParser(
-        prog="python -m astrai.train", allow_abbrev=False,
-        description="Train a decoder-only LM (online_ppo, ...). Any config field can be overridden with "
-                    "--section.key VALUE, --section_key VALUE or a unique --key VALUE.")
+        prog="python -m astrai.train", allow_abbrev=False, epilog=fields_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a decoder-only LM (online_ppo, online_grpo, grpo, sft, dpo, seq). Any config field "
+                    "can be overridden with --section.key VALUE, --section_key VALUE or a unique --key VALUE.")
     parser.add_argument("--config", default=None, help="YAML job file (default: built-in defaults)")
     return parser.parse_known_args(argv)
 

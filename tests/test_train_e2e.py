@@ -99,3 +99,13 @@ def test_resume_from_checkpoint_with_corrupt_header_exits_2(tiny_model_dir, tmp_
                               "--checkpoint.verify_on_load", verify))
         err = capsys.readouterr().err.strip()
         assert code == 2 and "model.safetensors" in err and len(err.splitlines()) == 1, err
+
+
+def test_help_lists_every_config_field(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for flag in ("--config", "--ppo.gamma", "--ppo.gae_lambda", "--ppo.vf_coef", "--train.output_dir",
+                 "--checkpoint.resume", "--optim.learning_rate"):
+        assert flag in out, flag
