@@ -141,6 +141,16 @@ def apply_model_options(config, policy: torch.nn.Module) -> torch.nn.Module:
     return policy
 
 
+def init_rollout_state(strategy, *, seed: int, device: torch.device) -> None:
+    """Give a rollout-replaying strategy the attributes `rollout_state` saves: a sampling RNG on `device`, a
+    CPU minibatch-shuffling RNG (both seeded with `seed`), no rollout, no pending minibatches, no metrics."""
+    strategy.generator = torch.Generator(device=device).manual_seed(seed)
+    strategy.shuffle_generator = torch.Generator().manual_seed(seed)
+    strategy.rollout = None
+    strategy._pending = []
+    strategy._rollout_metrics = {}
+
+
 def rollout_state(strategy) -> dict:
     """Resume state of a rollout-replaying strategy (attributes `generator`, `shuffle_generator`, `_pending`,
     `rollout`, `_rollout_metrics`): RNG states and the rollout in progress with its minibatches not yet run."""

@@ -21,8 +21,8 @@ import torch
 from astrai.algos import group_advantages, kl_k3, kl_penalty_loss, masked_mean, ppo_policy_loss
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
-from astrai.trainer.strategies.common import (load_rollout_state, policy_gradient_step, rollout_state,
-                                              sync_engine)
+from astrai.trainer.strategies.common import (init_rollout_state, load_rollout_state, policy_gradient_step,
+                                              rollout_state, sync_engine)
 
 
 @dataclass(frozen=True)
@@ -162,12 +162,8 @@ class GRPOStrategy:
         self.policy, self.engine, self.runner, self.next_prompts = policy, engine, runner, next_prompts
         self.experience = experience
         self.optimizer, self.scheduler, self.settings, self.dist = optimizer, scheduler, settings, dist
-        self.generator = torch.Generator(device=dist.device).manual_seed(seed)
-        self.shuffle_generator = torch.Generator().manual_seed(seed)
         self.extras = extras or {}
-        self.rollout: Optional[RolloutResult] = None
-        self._pending: list[torch.Tensor] = []
-        self._rollout_metrics: dict[str, torch.Tensor] = {}
+        init_rollout_state(self, seed=seed, device=dist.device)
         self.loss_fn = grpo_loss_fn(clip_eps=settings.clip_eps, kl_coef=settings.kl_coef)
 
     def collect(self, policy_version: int) -> Experience:

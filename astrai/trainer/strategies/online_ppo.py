@@ -20,8 +20,8 @@ from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import RolloutRunner
 from astrai.rollout.scoring import response_values, score_in_chunks
-from astrai.trainer.strategies.common import (accumulate, load_rollout_state, policy_gradient_step,
-                                              rollout_state, row_chunks, sync_engine, token_counts)
+from astrai.trainer.strategies.common import (accumulate, init_rollout_state, load_rollout_state,
+                                              policy_gradient_step, rollout_state, row_chunks, sync_engine, token_counts)
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,8 @@ class OnlinePPOStrategy:
         self.policy_optimizer, self.policy_scheduler = policy_optimizer, policy_scheduler
         self.value_optimizer, self.value_scheduler = value_optimizer, value_scheduler
         self.settings, self.dist = settings, dist
-        self.generator = torch.Generator(device=dist.device).manual_seed(seed)
-        self.shuffle_generator = torch.Generator().manual_seed(seed)
         self.extras = extras or {}
-        self.rollout: Optional[RolloutResult] = None
-        self._pending: list[torch.Tensor] = []
-        self._rollout_metrics: dict[str, torch.Tensor] = {}
+        init_rollout_state(self, seed=seed, device=dist.device)
 
     # ----------------------------------------------------------------------------------------- rollout
     def sync_engine(self, policy_version: int) -> None:
