@@ -41,6 +41,7 @@ class AttentionMetadata:
         block_tables: (B, max_blocks) int32 on the device.
         max_q, max_kv: largest query count / cached length of the step.
         scale: softmax scale (D ** -0.5).
+        scratch: optional `InferenceWorkspace` whose reused buffers the torch backend gathers keys/values into.
     """
 
     qo_indptr: list[int]
@@ -51,6 +52,7 @@ class AttentionMetadata:
     max_q: int
     max_kv: int
     scale: float
+    scratch: object = None
 
     @property
     def decode_only(self) -> bool:
@@ -69,7 +71,7 @@ class TorchBackend:
         """q (N, Nh, D) packed queries -> (N, Nh, D), over the paged cache (see module docstring)."""
         if meta.decode_only:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.kv_lens_t, meta.scale,
-                                          meta.max_kv)
+                                          meta.max_kv, meta.scratch)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.qo_indptr, meta.kv_lens,
                                        meta.scale)
 

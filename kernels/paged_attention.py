@@ -51,23 +51,31 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
     v_cache.view(-1, nkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense copy of each sequence's cached tokens: (B, Nkv, max_len, D) from `cache` (num_blocks, bs, Nkv, D).
 
     Only the first ceil(max_len / block_size) block-table columns are read; padding positions hold whatever the
-    addressed block holds and must be masked by the caller.
+    addressed block holds and must be masked by the caller. `out`, when given, is a flat buffer of at least
+    B * ceil(max_len / bs) * bs * Nkv * D elements of cache's dtype that receives the copy (a reused buffer saves
+    the page faults of a fresh multi-MB tensor per call); the result is then a view of it.
     """
-    bs = cache.shape[1]
+    bs, nkv, d = cache.shape[1], cache.shape[2], cache.shape[3]
     cols = -(-max_len // bs)
-    dense = cache[block_tables[:, :cols].long()]  # (B, cols, bs, Nkv, D)
-    b = dense.shape[0]
-    dense = dense.reshape(b, cols * bs, cache.shape[2], cache.shape[3])[:, :max_len]
+    b = block_tables.shape[0]
+    index = block_tables[:, :cols].reshape(-1).long()
+    # index_select on the flat block ids: several times faster on CPU than advanced indexing with a 2-D index.
+    if out is None:
+        dense = cache.index_select(0, index)  # (B * cols, bs, Nkv, D)
+    else:
+        dense = torch.index_select(cache, 0, index, out=out[:index.numel() * bs * nkv * d].view(-1, bs, nkv, d))
+    dense = dense.view(b, cols * bs, nkv, d)[:, :max_len]
     return dense.transpose(1, 2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                           max_kv_len: int | None = None) -> torch.Tensor:
+                           max_kv_len: int | None = None, scratch=None) -> torch.Tensor:
     """One query per sequence attending over all its cached keys (grouped-query attention supported).
 
     Args:
@@ -77,14 +85,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         kv_lens: (B,) int64, each >= 1 (the query's own key is already written).
         scale: softmax scale, usually D ** -0.5.
         max_kv_len: max(kv_lens) if the caller knows it (avoids a device sync).
+        scratch: optional `InferenceWorkspace`; the gathered keys/values then go to its reused buffers.
 
     Returns:
         (B, Nh, D) in q's dtype.
     """
     if max_kv_len is None:
         max_kv_len = int(kv_lens.max())
-    k = gather_kv(k_cache, block_tables, max_kv_len).to(q.dtype)
-    v = gather_kv(v_cache, block_tables, max_kv_len).to(q.dtype)
+    bufs = [None, None]
+    if scratch is not None:
+        numel = block_tables.shape[0] * -(-max_kv_len // k_cache.shape[1]) * k_cache[0].numel()
+        bufs = [scratch.scratch("decode_k", numel, k_cache.dtype), scratch.scratch("decode_v", numel, v_cache.dtype)]
+    k = gather_kv(k_cache, block_tables, max_kv_len, bufs[0]).to(q.dtype)
+    v = gather_kv(v_cache, block_tables, max_kv_len, bufs[1]).to(q.dtype)
     keys = torch.arange(max_kv_len, device=q.device)
     mask = (keys[None, :] < kv_lens[:, None].to(q.device))[:, None, None, :]  # (B, 1, 1, K)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,

@@ -114,3 +114,50 @@ def test_backend_selection(monkeypatch):
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="ASTR_BACKEND"):
         select_backend("triton", device="cpu")
+
+
+def test_dense_decode_cache_matches_paged_decode_over_steps():
+    """Appending steps, a row leaving, capacity overflows and NaN-filled fresh buffers: every step's attention equals
+    the paged reference; rebuilds happen exactly on membership changes and overflows."""
+    from astrai.kernels import DenseDecodeCache
+
+    gen = torch.Generator().manual_seed(0)
+    bs, nkv, nh, d, layers = 4, 2, 6, 8, 2
+    ws = InferenceWorkspace(num_layers=layers, num_blocks=40, block_size=bs, num_kv_heads=nkv, head_dim=d)
+    lengths = {10: 5, 11: 9, 12: 3}  # seq id -> cached tokens
+    tables = {sid: list(range(6 * i, 6 * i + 6)) for i, sid in enumerate(lengths)}
+
+    def write(sid, start, n):
+        slots = torch.tensor([tables[sid][p // bs] * bs + p % bs for p in range(start, start + n)])
+        for layer in range(layers):
+            write_kv(ws.k_caches[layer], ws.v_caches[layer], slots, torch.randn(n, nkv, d, generator=gen),
+                     torch.randn(n, nkv, d, generator=gen))
+
+    for sid, n in lengths.items():
+        write(sid, 0, n)
+    ws.scratch("dense_k0", 4096, torch.float32).fill_(float("nan"))  # stale buffer contents must not leak
+    cache = DenseDecodeCache(ws, headroom=2)
+    live, rebuilds = [10, 11, 12], []
+    for step in range(10):
+        if step == 3:
+            live = [10, 12]  # row 11 stopped
+        for sid in live:
+            lengths[sid] += 1
+        kv_lens = [lengths[s] for s in live]
+        block_tables = torch.tensor([tables[s] for s in live], dtype=torch.int32)
+        assert cache.begin_step(live, kv_lens, block_tables, d ** -0.5)
+        for layer in range(layers):
+            k, v = torch.randn(len(live), nkv, d, generator=gen), torch.randn(len(live), nkv, d, generator=gen)
+            slots = torch.tensor([tables[s][(lengths[s] - 1) // bs] * bs + (lengths[s] - 1) % bs for s in live])
+            write_kv(ws.k_caches[layer], ws.v_caches[layer], slots, k, v)
+            cache.append(layer, k, v)
+            q = torch.randn(len(live), nh, d, generator=gen)
+            expected = paged_decode_attention(q, ws.k_caches[layer], ws.v_caches[layer], block_tables,
+                                              torch.tensor(kv_lens), d ** -0.5)
+            torch.testing.assert_close(cache.attention(layer, q), expected, atol=1e-6, rtol=1e-5)
+        rebuilds.append(cache.rebuilds)
+    # step 0 builds (longest 10 + headroom 2 -> capacity 12); seq 11 leaving at step 3 rebuilds (capacity 12 again)
+    assert rebuilds[0] == 1 and rebuilds[3] == rebuilds[2] + 1
+    assert rebuilds[5] == rebuilds[3]  # plain appends in between
+    assert rebuilds[-1] > rebuilds[5]  # seq 10 reaches 13 > 12 tokens at step 7: outgrown, rebuilt
+    assert not DenseDecodeCache(ws, max_bytes=1).begin_step(live, kv_lens, block_tables, 1.0)

@@ -25,7 +25,7 @@ import torch
 from astrai.kernels import InferenceWorkspace, select_backend
 from astrai.rollout.block_pool import BlockPool, PrefixCache
 from astrai.rollout.engine import Generation, copy_weights, left_pad
-from astrai.rollout.model_runner import PagedModelRunner
+from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
@@ -50,6 +50,8 @@ class PagedGenerationEngine:
         max_num_seqs: most concurrently live requests.
         prefix_cache: reuse full prompt blocks across calls (same `policy_version` only).
         backend: `torch`, `flash_attn`, `auto` or None (`ASTR_BACKEND`); see `astrai.kernels.select_backend`.
+        dense_decode: torch backend only: decode-only steps append to dense per-row keys/values
+            (`astrai.kernels.DenseDecodeCache`) instead of gathering the blocks in every layer; same tokens.
 
     Raises:
         BackendUnavailableError: when the requested backend cannot run on the model's device.
@@ -57,8 +59,9 @@ class PagedGenerationEngine:
 
     def __init__(self, model, *, pad_token_id: int, policy_version: int = 0, block_size: Optional[int] = None,
                  max_kv_tokens: int = 32768, max_batch_tokens: int = 2048, max_num_seqs: int = 256,
-                 prefix_cache: bool = True, backend: Optional[str] = None):
+                 prefix_cache: bool = True, backend: Optional[str] = None, dense_decode: bool = True):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        fuse_projections(self.model)  # one GEMM for q/k/v and one for gate/up (the Parameters become views)
         self.pad_token_id, self.policy_version = pad_token_id, policy_version
         self.backend = select_backend(backend, self.device)
         self.block_size = block_size or (16 if self.backend.block_size_multiple == 1 else 256)
@@ -67,7 +70,7 @@ class PagedGenerationEngine:
                              f"{self.backend.block_size_multiple} for the {self.backend.name} backend")
         self.max_kv_blocks = max(1, max_kv_tokens // self.block_size)
         self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
-        self.use_prefix_cache = prefix_cache
+        self.use_prefix_cache, self.dense_decode = prefix_cache, dense_decode
         self.workspace: Optional[InferenceWorkspace] = None
         self.pool: Optional[BlockPool] = None
         self.prefix_cache: Optional[PrefixCache] = None
@@ -200,12 +203,13 @@ class PagedGenerationEngine:
         largest = max(blocks(len(g.leader.prompt) + g.leader.sampling.params.max_new_tokens) * len(g.members)
                       for g in groups)
         self._ensure_capacity(max(wanted, largest))
-        runner = PagedModelRunner(self.model, self.workspace, self.backend)
+        runner = PagedModelRunner(self.model, self.workspace, self.backend, dense_decode=self.dense_decode)
         scheduler = Scheduler(pool=self.pool, prefix_cache=self.prefix_cache, workspace=self.workspace,
                               forward=runner.forward, policy_version=self.policy_version,
                               max_batch_tokens=self.max_batch_tokens, max_num_seqs=self.max_num_seqs)
         scheduler.run(groups)
-        self.last_stats = {"steps": scheduler.steps, "groups": len(groups),
+        rebuilds = runner.decode_cache.rebuilds if runner.decode_cache is not None else 0
+        self.last_stats = {"steps": scheduler.steps, "groups": len(groups), "dense_decode_rebuilds": rebuilds,
                            "prefix_cache_entries": len(self.prefix_cache or ())}
 
     def _assemble(self, prompts, requests: list[Request], n: int) -> Generation:

@@ -79,12 +79,33 @@ def _distribution(scaled: torch.Tensor, row: RowSampling) -> torch.Tensor | int:
     return torch.softmax(scaled, dim=-1)
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> tuple[list[int], list[float]]:
+CDF_CHUNK = 1024  # vocabulary columns per chunk of the two-level inverse CDF in `sample_rows`
+
+
+def _buffer(scratch, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A (possibly reused) buffer of `shape`: from `scratch.scratch(...)` (an `InferenceWorkspace`) or fresh."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    if scratch is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return scratch.scratch(name, numel, dtype).view(shape)
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], scratch=None) -> tuple[list[int], list[float]]:
     """Sample one token for each row of `logits` (R, V) with the matching `rows[i]`.
 
-    Each non-greedy row draws ONE uniform u from its own generator and takes the inverse CDF of its distribution
-    (first token whose cumulative probability exceeds u), batched over rows; rows without penalty or
-    truncation use `exp(log_softmax(logits / temperature))` directly.
+    Each non-greedy row draws ONE uniform u from its own generator and takes the inverse CDF of its distribution:
+    the first token whose cumulative probability exceeds u * total. The CDF is two-level (float64 sums of
+    `CDF_CHUNK`-column chunks, then a float64 cumulative sum inside the chosen chunk only), which picks the same
+    token as a full float64 cumulative sum up to float64 rounding at interval ends, at a fraction of the memory
+    traffic. Rows without penalty or truncation sample `exp(logits / temperature - max)` (unnormalised) directly.
+
+    Args:
+        logits: (R, V) next-token logits, any float dtype (computed in float32); not modified.
+        rows: R sampling states (settings, penalty, generator, generated tokens).
+        scratch: optional `astrai.kernels.InferenceWorkspace` whose named scratch buffers hold the (R, V)
+            intermediates, so the hot loop does not allocate (fresh multi-MB tensors cost page faults per step).
 
     Returns:
         token ids (R Python ints) and their behaviour log-probs (R floats, float32 precision) under
@@ -92,10 +113,21 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> tuple[list
     """
     if not rows:
         return [], []
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=logits.device)
-    scaled = logits.float() / temps[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    probs = logprobs.exp()
+    num_rows, vocab = logits.shape
+    device = logits.device
+    scaled = logits.float()
+    temps = [r.params.temperature for r in rows]
+    if any(t != 1.0 for t in temps):
+        scaled = scaled / torch.tensor(temps, dtype=torch.float32, device=device)[:, None]
+    maxes = scaled.amax(-1, keepdim=True)  # (R, 1)
+    chunks = -(-vocab // CDF_CHUNK)
+    probs_buf = _buffer(scratch, "sample_probs", (num_rows, chunks * CDF_CHUNK), torch.float32, device)
+    probs_buf[:, vocab:].zero_()
+    probs = probs_buf[:, :vocab]
+    torch.sub(scaled, maxes, out=probs)
+    probs.exp_()  # unnormalised probabilities of the temperature-scaled distribution
+    chunk_mass = probs_buf.view(num_rows, chunks, CDF_CHUNK).sum(-1, dtype=torch.float64)  # (R, C)
+    logsumexp = maxes + chunk_mass.sum(-1, keepdim=True).log().float()  # (R, 1)
     greedy: dict[int, int] = {}
     for i, row in enumerate(rows):
         if row.penalty is not None or row.params.truncates:
@@ -104,11 +136,21 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> tuple[list
                 greedy[i] = dist
             else:
                 probs[i] = dist
-    uniforms = torch.stack([torch.rand((), generator=row.generator, device=logits.device) for row in rows])
-    cdf = probs.double().cumsum(-1)
-    target = (uniforms.double() * cdf[:, -1])[:, None]
-    drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+                chunk_mass[i] = probs_buf[i].view(chunks, CDF_CHUNK).sum(-1, dtype=torch.float64)
+    uniforms = torch.stack([torch.rand((), generator=row.generator, device=device) for row in rows])
+    chunk_cdf = chunk_mass.cumsum(-1)  # (R, C)
+    total = chunk_cdf[:, -1:]
+    # u < 1, but u * total can round up to total; stay strictly below it so a zero-mass tail is never drawn.
+    target = torch.minimum(uniforms.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    chunk = torch.searchsorted(chunk_cdf, target, right=True).clamp_(max=chunks - 1)  # (R, 1)
+    before = chunk_cdf.gather(-1, chunk) - chunk_mass.gather(-1, chunk)  # mass of the chunks before
+    inside = probs_buf.view(num_rows, chunks, CDF_CHUNK)[torch.arange(num_rows, device=device), chunk[:, 0]]
+    local_cdf = inside.double().cumsum(-1) + before  # (R, CDF_CHUNK)
+    last = local_cdf[:, -1:]
+    target = torch.minimum(target, torch.nextafter(last, torch.zeros_like(last)))  # same rounding guard
+    offset = torch.searchsorted(local_cdf, target, right=True).clamp_(max=CDF_CHUNK - 1)
+    drawn = (chunk * CDF_CHUNK + offset).squeeze(-1).clamp_(max=vocab - 1)
     tokens = [greedy.get(i, t) for i, t in enumerate(drawn.tolist())]
-    index = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-    chosen = logprobs.gather(-1, index[:, None]).squeeze(-1).tolist()
+    index = torch.tensor(tokens, dtype=torch.long, device=device)
+    chosen = (scaled.gather(-1, index[:, None]) - logsumexp).squeeze(-1).tolist()
     return tokens, chosen

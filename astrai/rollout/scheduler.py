@@ -162,7 +162,7 @@ class Scheduler:
 
     def _step(self, running: list[Request], chunks: list[tuple[Group, int]], owner: dict) -> None:
         """One forward: decode tokens of `running` + prefill `chunks`; then sample where logits are due."""
-        batch = StepBatch([], [], [], [0], [], [], [])
+        batch = StepBatch([], [], [], [0], [], [], [], seq_ids=[])
         due: list[tuple[int, list[Request]]] = []  # (row in batch.logit_rows, requests sampling from it)
         for req in running:
             pos = req.num_computed
@@ -183,7 +183,9 @@ class Scheduler:
                 self._fork(group)
         rows = [row for row, reqs in due for _ in reqs]
         reqs = [req for _, members in due for req in members]
-        tokens, logprobs = sample_rows(logits[rows], [r.sampling for r in reqs])
+        if rows != list(range(logits.shape[0])):
+            logits = logits[rows]
+        tokens, logprobs = sample_rows(logits, [r.sampling for r in reqs], scratch=self.workspace)
         for req, token, logprob in zip(reqs, tokens, logprobs):
             self._record(req, owner[id(req)], token, logprob)
 
@@ -197,6 +199,7 @@ class Scheduler:
         req.num_computed = start + n
         batch.kv_lens.append(req.num_computed)
         batch.block_tables.append(list(req.blocks))
+        batch.seq_ids.append(req.index)
 
     def _fork(self, group: Group) -> None:
         """After the leader's prompt is computed: cache its full blocks; members share its block table."""

@@ -1,0 +1,131 @@
+"""Dense decode cache: per-layer contiguous copies of the decoding sequences' keys/values (torch backend, CPU).
+
+Why: the pure-torch paged decode (`paged_decode_attention`) copies every sequence's blocks into a dense tensor in
+every layer of every step before attention, so on CPU a decode step reads the KV three times (gather read, gather
+write, attention read) and the gather costs about a third of a batch-32 SmolLM2 step. This cache keeps those
+dense copies between steps instead: when a step decodes the same sequences as the previous one, each one token
+longer, it only appends the new key/value of each row and attends over a view of the buffer (one read). When the
+set of sequences changes (a row joins or stops) or a row outgrows the buffer's capacity, it rebuilds from the
+paged cache, which stays the source of truth (prefix cache, copy-on-write sharing and later rebuilds read it).
+
+Layout per layer: keys, values (B, capacity, Nkv, D), row b = the step's b-th sequence, position p = its p-th
+token; buffers come from the `InferenceWorkspace` scratch space, so they are reused across steps and released with
+the workspace.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .workspace import InferenceWorkspace
+
+__all__ = ["DenseDecodeCache"]
+
+DEFAULT_MIN_BYTES = 256 * 2**20
+
+
+class DenseDecodeCache:
+    """Incrementally maintained dense keys/values of the sequences being decoded.
+
+    Args:
+        workspace: the paged KV storage (source of truth) whose scratch space holds the dense buffers.
+        max_bytes: the dense buffers of all layers may take at most this many bytes; beyond it `begin_step`
+            declines and the caller uses the paged path (None: twice the paged cache's bytes, at least
+            `DEFAULT_MIN_BYTES`).
+        headroom: extra positions allocated per row on a rebuild, so that many steps append before the next one.
+
+    Usage per decode step: `begin_step(...)`; if it returned True, for each layer `append(layer, k, v)` after the
+    keys/values are written to the paged cache, then `attention(layer, q)`.
+    """
+
+    def __init__(self, workspace: InferenceWorkspace, *, max_bytes: int | None = None, headroom: int = 64):
+        self.workspace = workspace
+        self.max_bytes = max_bytes
+        self.headroom = headroom
+        self.seq_ids: list[int] | None = None
+        self.kv_lens: list[int] = []
+        self.capacity = 0
+        self.rebuilds = 0
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._rows = self._positions = self._mask = None
+        self._scale = 1.0
+
+    def invalidate(self) -> None:
+        """Forget the cached rows (the next `begin_step` rebuilds)."""
+        self.seq_ids = None
+
+    def begin_step(self, seq_ids: Sequence[int], kv_lens: Sequence[int], block_tables: torch.Tensor,
+                   scale: float) -> bool:
+        """Prepare rows for a decode-only step: row b must hold sequence `seq_ids[b]`'s first `kv_lens[b] - 1`
+        tokens (the step's own token is added by `append`).
+
+        Args:
+            seq_ids: B distinct sequence ids, stable across the steps of one generation call.
+            kv_lens: B cached lengths INCLUDING this step's token (each >= 1).
+            block_tables: (B, max_blocks) int block tables of the paged cache.
+            scale: softmax scale of the attention.
+
+        Returns:
+            False when the dense buffers would exceed `max_bytes` (nothing is cached; use the paged path).
+        """
+        ws = self.workspace
+        seq_ids, kv_lens = list(seq_ids), list(kv_lens)
+        num_rows, longest = len(seq_ids), max(kv_lens)
+        same_rows = (self.seq_ids == seq_ids and longest <= self.capacity
+                     and all(new == old + 1 for new, old in zip(kv_lens, self.kv_lens)))
+        if not same_rows:
+            bs = ws.block_size
+            capacity = -(-(longest + self.headroom) // bs) * bs
+            per_layer = num_rows * capacity * ws.num_kv_heads * ws.head_dim
+            element = torch.empty((), dtype=ws.dtype).element_size()
+            limit = self.max_bytes if self.max_bytes is not None else max(2 * ws.nbytes, DEFAULT_MIN_BYTES)
+            if 2 * ws.num_layers * per_layer * element > limit:
+                self.invalidate()
+                return False
+            self._rebuild(num_rows, capacity, [n - 1 for n in kv_lens], block_tables)
+            self.capacity = capacity
+        self.seq_ids, self.kv_lens, self._scale = seq_ids, kv_lens, scale
+        device = ws.device
+        self._rows = torch.arange(num_rows, device=device)
+        lens = torch.tensor(kv_lens, device=device)
+        self._positions = lens - 1
+        self._mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None, :]  # (B,1,1,K)
+        return True
+
+    def _rebuild(self, num_rows: int, capacity: int, cached: list[int], block_tables: torch.Tensor) -> None:
+        """Copy each row's first `cached[b]` tokens of every layer from the paged cache into fresh dense rows."""
+        ws = self.workspace
+        bs, nkv, d = ws.block_size, ws.num_kv_heads, ws.head_dim
+        shape = (num_rows, capacity, nkv, d)
+        numel = num_rows * capacity * nkv * d
+        self._keys = [ws.scratch(f"dense_k{i}", numel, ws.dtype).view(shape) for i in range(ws.num_layers)]
+        self._values = [ws.scratch(f"dense_v{i}", numel, ws.dtype).view(shape) for i in range(ws.num_layers)]
+        cols = -(-max(cached) // bs)
+        for dense in self._keys + self._values:
+            dense[:, cols * bs:].zero_()  # masked positions must hold finite numbers (0 * NaN would poison SDPA)
+        if cols:
+            index = block_tables[:, :cols].reshape(-1).long()
+            staging = ws.scratch("dense_staging", index.numel() * bs * nkv * d, ws.dtype).view(-1, bs, nkv, d)
+            for dense, pages in zip(self._keys + self._values, ws.k_caches + ws.v_caches):
+                torch.index_select(pages, 0, index, out=staging)
+                dense[:, :cols * bs].copy_(staging.view(num_rows, cols * bs, nkv, d))
+        self.rebuilds += 1
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's keys/values k, v (B, Nkv, D) of every row at its position kv_lens[b] - 1."""
+        self._keys[layer].index_put_((self._rows, self._positions), k.to(self._keys[layer].dtype))
+        self._values[layer].index_put_((self._rows, self._positions), v.to(self._values[layer].dtype))
+
+    def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q (B, Nh, D), one query per row -> (B, Nh, D): softmax attention over each row's kv_lens[b] keys
+        (grouped-query when Nh > Nkv), reading the dense buffers in place."""
+        longest = self._mask.shape[-1]
+        keys = self._keys[layer][:, :longest].transpose(1, 2).to(q.dtype)  # (B, Nkv, K, D) view
+        values = self._values[layer][:, :longest].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=self._mask, scale=self._scale,
+                                             enable_gqa=keys.shape[1] != q.shape[1])
+        return out.squeeze(2)
