@@ -249,3 +249,17 @@ def test_dense_decode_cache_gives_same_samples(model, budget):
     assert len({len(r) for r in rows(a)}) > 1  # rows of different lengths: the row set changed mid-call
     torch.testing.assert_close(a.old_logprobs, b.old_logprobs, atol=1e-6, rtol=0)
     assert on.last_stats["dense_decode_rebuilds"] > 0 and off.last_stats["dense_decode_rebuilds"] == 0
+
+
+def test_shared_first_block_is_computed_once_within_a_call(model):
+    """Prompts opening with the same block (a shared system prompt): the first one prefills it, the others wait
+    one step and reuse it from the prefix cache; the samples equal those of an engine without sharing."""
+    system = [3, 4, 5, 6]  # one full block at block_size 4
+    prompts = [system + [7 + i, 8, 9 + i] for i in range(4)] + [[11, 12]]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=(EOS,))
+    shared = engine_for(model)
+    gen = shared.generate(prompts, params, torch.Generator().manual_seed(4), n=2)
+    plain = engine_for(model, prefix_cache=False).generate(prompts, params, torch.Generator().manual_seed(4), n=2)
+    assert rows(gen) == rows(plain)
+    torch.testing.assert_close(gen.old_logprobs, plain.old_logprobs, atol=1e-5, rtol=0)
+    assert shared.prefix_cache.hits == 3  # prompts 2..4 each reused the one system block

@@ -97,6 +97,12 @@ class PrefixCache:
         self.hits += len(blocks)
         return blocks
 
+    def has_block(self, tokens: Sequence[int], policy_version: int) -> bool:
+        """True when the full block ending `tokens` (len(tokens) a multiple of block_size) is cached for
+        `policy_version`; takes no reference."""
+        entry = self._entries.get(tuple(tokens))
+        return entry is not None and entry[1] == policy_version
+
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], policy_version: int) -> None:
         """Register the full blocks of a computed prompt `tokens` (block table `blocks`)."""
         for k in range(len(tokens) // self.block_size):

@@ -4,7 +4,8 @@ Every step packs one decode token for each running request plus prefill chunks o
 `max_batch_tokens` budget and `max_num_seqs` live sequences; requests join after their prefill and leave as soon as
 they stop, between steps. Requests with the same prompt form a group: the leader's prompt is prefilled once, then
 the other members fork its block table (shared blocks, reference counted) and copy the partial last block on their
-first write (copy-on-write). Full prompt blocks go to the prefix cache for later requests.
+first write (copy-on-write). Full prompt blocks go to the prefix cache for later requests; a request whose first
+prompt block is being computed by another group waits for it (one step) and then reuses it from the cache.
 
 Admission reserves the worst-case number of blocks of a group (prompt + max_new_tokens), so a running request
 never runs out of KV blocks and nothing is ever preempted.
@@ -99,6 +100,18 @@ class Scheduler:
         group.reserve, self.reserved = need, self.reserved + need
         return True
 
+    def _waits_for_shared_prefix(self, group: Group, prefilling: list[Group]) -> bool:
+        """True when a group still prefilling starts with the same full first block as `group`'s prompt and that
+        block is not cached yet: admitted after that group's prefill, `group` reuses the block from the prefix
+        cache instead of recomputing it (e.g. a system prompt shared by every prompt of a batch)."""
+        if self.prefix_cache is None:
+            return False
+        bs, prompt = self.block_size, group.leader.prompt
+        if len(prompt) <= bs or self.prefix_cache.has_block(prompt[:bs], self.policy_version):
+            return False
+        return any(len(other.leader.prompt) > bs and other.leader.prompt[:bs] == prompt[:bs]
+                   for other in prefilling)
+
     def _alloc(self, group: Group) -> int:
         """A new block charged to the group's reservation."""
         if group.reserve > 0:
@@ -139,9 +152,16 @@ class Scheduler:
         while waiting or prefilling or running:
             budget = self.max_batch_tokens - len(running)
             live = len(running) + sum(len(g.members) for g in prefilling)
-            while waiting and live + len(waiting[0].members) <= self.max_num_seqs and self._admit(waiting[0]):
-                live += len(waiting[0].members)
-                prefilling.append(waiting.popleft())
+            for group in list(waiting):  # FIFO, except groups waiting for a shared prefix let later ones pass
+                if live + len(group.members) > self.max_num_seqs:
+                    break
+                if self._waits_for_shared_prefix(group, prefilling):
+                    continue
+                if not self._admit(group):
+                    break
+                waiting.remove(group)
+                live += len(group.members)
+                prefilling.append(group)
             if not prefilling and not running:
                 raise RuntimeError(f"KV pool of {self.pool.num_blocks} blocks x {self.block_size} tokens cannot "
                                    f"hold one group of {len(waiting[0].members)} requests; raise max_kv_tokens")
