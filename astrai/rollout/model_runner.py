@@ -9,7 +9,7 @@ MoE) works; only attention is replaced by the paged kernels of `astrai.kernels`.
 CPU cost model (SmolLM2-135M, batch 32, one thread; see `bench/rollout.py`): a decode step is GEMM-bound, so the
 runner trims what is not GEMM: `fuse_projections` stores q/k/v and gate/up weights in one tensor each (one GEMM per
 group instead of three or two), rotary runs once over q and k together, and logits land in a workspace buffer
-instead of a fresh multi-MB tensor per step, computed in vocabulary chunks of `LOGITS_CHUNK` rows.
+instead of a fresh multi-MB tensor per step, computed on CPU in vocabulary chunks of `LOGITS_CHUNK` rows.
 """
 
 from __future__ import annotations
@@ -138,7 +138,9 @@ class PagedModelRunner:
             return self.model.lm_head(final).float()
         num_rows, vocab = final.shape[0], weight.shape[0]
         logits = ws.scratch("logits", num_rows * vocab, torch.float32).view(num_rows, vocab)
-        # The (V, H) head in row chunks: each chunk stays cache-resident during its GEMM, about 1.5x faster on CPU
+        if final.device.type != "cpu":
+            return torch.mm(final, weight.t(), out=logits)
+        # On CPU the (V, H) head in row chunks: each chunk stays cache-resident during its GEMM, about 1.5x faster
         # than one (R, H) x (H, V) GEMM for R = 32, V = 49152 (measured with MKL, one thread).
         for start in range(0, vocab, LOGITS_CHUNK):
             stop = min(start + LOGITS_CHUNK, vocab)
