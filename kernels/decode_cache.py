@@ -128,6 +128,9 @@ class DenseDecodeCache:
         longest = self._mask.shape[-1]
         keys = self._keys[layer][:, :, :longest].to(q.dtype)  # (B, Nkv, K, D) view
         values = self._values[layer][:, :, :longest].to(q.dtype)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=self._mask, scale=self._scale,
-                                             enable_gqa=keys.shape[1] != q.shape[1])
-        return out.squeeze(2)
+        rows, heads, dim = q.shape
+        # The G = Nh / Nkv query heads of a kv head act as G query positions of that head (no causal mask in
+        # decode), so each kv head's keys/values are read once rather than once per query head.
+        grouped = q.view(rows, keys.shape[1], heads // keys.shape[1], dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self._mask, scale=self._scale)
+        return out.reshape(rows, heads, dim)
