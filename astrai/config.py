@@ -69,7 +69,8 @@ class RewardSection(Section, name="reward"):
 class RolloutSection(Section, name="rollout"):
     batch_size: int = field_spec(8, "prompts per rollout", GT0)
     max_new_tokens: int = field_spec(64, "response length cap in tokens", GT0)
-    temperature: float = field_spec(1.0, "sampling temperature (also applied when scoring log-probs)", GT0)
+    temperature: float = field_spec(1.0, "sampling temperature (also applied when scoring log-probs); >= 1e-4",
+                                    Range(1e-4))
     top_k: int = field_spec(0, "keep the k most likely tokens; 0 = off", GE0)
     top_p: float = field_spec(1.0, "nucleus sampling mass; 1 = off", Range(0, 1, lo_open=True))
 

@@ -22,12 +22,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def load_prompts(tokenizer, count: int) -> list[list[int]]:
     """`count` chat-templated GSM8K questions as token ids."""
-    path = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
-    with open(path) as fh:
+    with open(GSM8K) as fh:
         questions = [json.loads(line)["question"] for _, line in zip(range(count), fh)]
     return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
 
@@ -97,12 +97,18 @@ def timed(fn, *args) -> tuple[int, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--batch1-prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + f" Reads {GSM8K}.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both engines")
+    parser.add_argument("--prompts", type=int, default=32, help="GSM8K questions = the batch B")
+    parser.add_argument("--batch1-prompts", type=int, default=4, help="prompts generated one at a time")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per response (stop at EOS)")
     args = parser.parse_args()
+    if not GSM8K.is_file():
+        parser.error(f"{GSM8K} not found: the benchmark needs the GSM8K test split there (one JSON object with a "
+                     "'question' per line)")
+    if min(args.threads, args.prompts, args.max_new_tokens) < 1 or args.batch1_prompts < 0:
+        parser.error("--threads, --prompts and --max-new-tokens must be >= 1, --batch1-prompts >= 0")
     torch.set_num_threads(args.threads)
     print(f"threads: {torch.get_num_threads()}")
     import transformers
@@ -127,7 +133,8 @@ def main() -> None:
         results[name] = tokens / secs
         print(f"{name:12s} batch {len(prompts):3d}: {tokens:6d} tokens in {secs:7.1f} s = {tokens / secs:8.1f} tok/s")
         if name == "astrai":
-            print(f"  engine stats: {engine.last_stats}, prefix-cache block hits {engine.prefix_cache.hits}")
+            print(f"  engine stats (steps, groups, dense decode rebuilds, prefix-cache block hits / entries): "
+                  f"{engine.last_stats}")
             results["astrai_seconds"] = secs
         else:
             results["transformers_seconds"] = secs
@@ -139,7 +146,8 @@ def main() -> None:
           f"decode steps of {len(prompts)} rows, float32, no attention/sampling): {floor:.1f} s; astrai "
           f"{results['astrai_seconds'] / floor:.2f}x the floor; ratio ceiling for any engine doing these GEMMs: "
           f"{results['transformers_seconds'] / floor:.2f}")
-    for name, fn, target in (("astrai", run_astrai, engine), ("transformers", run_hf, hf)):
+    for name, fn, target in (("astrai", run_astrai, engine), ("transformers", run_hf, hf))[:2 * bool(
+            args.batch1_prompts)]:
         total_tokens, total_secs = 0, 0.0
         for i, prompt in enumerate(prompts[:args.batch1_prompts]):
             tokens, secs = timed(fn, target, [prompt], args.max_new_tokens, 100 + i)

@@ -82,6 +82,8 @@ def test_publish_contents_and_manifest(tmp_path, objects):
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     assert trainer_state["consumed_samples"] == 20 and trainer_state["data_sampler"]["position"] == 3
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == modes["optimizer.pt"]  # not safetensors' 0600
 
 
 def test_load_roundtrip_weights_only(tmp_path, objects):

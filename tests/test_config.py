@@ -50,7 +50,7 @@ def test_yaml_floats_are_floats(tmp_path):
 def test_infinite_values_parse_as_floats_but_are_rejected(tmp_path):
     from astrai.config_schema import YamlLoader
     assert math.isinf(yaml.load(".inf", Loader=YamlLoader))
-    with pytest.raises(ConfigError, match=r"rollout\.temperature: expected a number > 0, got inf"):
+    with pytest.raises(ConfigError, match=r"rollout\.temperature: expected a number >= 0.0001, got inf"):
         load_config(write(tmp_path, "rollout:\n  temperature: .inf\n"), [])
 
 
@@ -93,7 +93,7 @@ def test_unknown_section(tmp_path):
     ("train:\n  metrics: [1]\n", "train.metrics: expected a list of strings, got [1]"),
     ("train:\n  type: rlhf\n", "train.type: expected one of 'online_ppo', 'online_grpo', 'grpo', 'sft', 'dpo', 'seq', got 'rlhf'"),
     ("ppo:\n  gamma: 1.5\n", "ppo.gamma: expected a number in [0, 1], got 1.5"),
-    ("rollout:\n  temperature: 0\n", "rollout.temperature: expected a number > 0, got 0"),
+    ("rollout:\n  temperature: 0\n", "rollout.temperature: expected a number >= 0.0001, got 0"),
     ("rollout:\n  top_p: 0\n", "rollout.top_p: expected a number in (0, 1], got 0"),
     ("rollout:\n  top_k: -1\n", "rollout.top_k: expected an integer >= 0, got -1"),
     ("optim:\n  adam_beta2: 1.0\n", "optim.adam_beta2: expected a number in [0, 1), got 1.0"),

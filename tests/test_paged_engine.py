@@ -263,3 +263,73 @@ def test_shared_first_block_is_computed_once_within_a_call(model):
     assert rows(gen) == rows(plain)
     torch.testing.assert_close(gen.old_logprobs, plain.old_logprobs, atol=1e-5, rtol=0)
     assert shared.prefix_cache.hits == 3  # prompts 2..4 each reused the one system block
+    assert shared.last_stats["prefix_cache_hits"] == 3
+
+
+def test_bad_load_weights_changes_nothing(model):
+    """A wrongly shaped (or broadcastable) tensor is rejected by name before anything is copied: weights,
+    policy_version and prefix cache stay as they were and generation is unchanged."""
+    engine = engine_for(model)
+    params = SamplingParams(max_new_tokens=4, top_k=1)
+    before = rows(engine.generate(PROMPTS, params, None))
+    entries = len(engine.prefix_cache)
+    other = AutoRegressiveLM(model.config)
+    for bad_name, bad in (("lm_head.weight", torch.zeros(3, 3)),
+                          ("model.layers.0.input_layernorm.weight", torch.tensor(5.0)),
+                          ("model.norm.weight", torch.ones(model.config.hidden_size, dtype=torch.long))):
+        state = dict(other.state_dict())
+        state[bad_name] = bad
+        with pytest.raises(ValueError, match=bad_name.replace(".", r"\.")):
+            engine.load_weights(state, policy_version=7)
+        assert engine.policy_version == 0 and len(engine.prefix_cache) == entries
+        assert rows(engine.generate(PROMPTS, params, None)) == before
+
+
+@pytest.mark.parametrize("kwargs,prompts,match", [
+    ({}, [], "no prompts"),
+    ({}, torch.tensor([[5, 6]]), "list of token-id lists"),
+    ({}, [5, 6], "prompt 0 must be a list"),
+    ({}, [[5, VOCAB]], rf"prompt 0 token 1: id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"),
+    ({}, [[5], [-1]], "prompt 1 token 0: id -1 is outside"),
+    ({}, [[5, 6.7]], "prompt 0 token 1: expected an integer token id, got 6.7"),
+    ({"n": 2.5}, [[5]], "n must be an integer >= 1"),
+    ({"n": 5}, [[5]], "5 samples of one prompt exceed max_num_seqs 4"),
+    ({"params": None}, [[5]], "params must be a SamplingParams"),
+])
+def test_generate_rejects_bad_input_by_name(model, kwargs, prompts, match):
+    engine = engine_for(model, max_num_seqs=4)
+    args = {"params": SamplingParams(max_new_tokens=2), **kwargs}
+    params = args.pop("params")
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, params, None, **args)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"max_batch_tokens": 0}, "max_batch_tokens must be a positive"),
+                                          ({"block_size": 0}, "block_size must be a positive"),
+                                          ({"max_num_seqs": -1}, "max_num_seqs must be a positive"),
+                                          ({"block_size": 16, "max_kv_tokens": 4}, "below one block")])
+def test_engine_rejects_bad_sizes(model, kwargs, match):
+    kwargs.setdefault("block_size", 4)
+    with pytest.raises(ValueError, match=match):
+        PagedGenerationEngine(model, pad_token_id=EOS, backend="torch", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"max_new_tokens": 2.5}, "max_new_tokens: expected an integer"),
+                                          ({"temperature": 1e-300}, "temperature: expected a finite number"),
+                                          ({"temperature": float("nan")}, "temperature"),
+                                          ({"top_k": 2.5}, "top_k: expected an integer"),
+                                          ({"stop_token_ids": 2}, "stop_token_ids: expected a tuple")])
+def test_sampling_params_reject_bad_types(kwargs, match):
+    kwargs.setdefault("max_new_tokens", 3)
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+    assert SamplingParams(max_new_tokens=2, stop_token_ids=[2, 3]).stop_token_ids == (2, 3)
+
+
+def test_non_finite_logits_raise_instead_of_nan_logprobs(model):
+    broken = AutoRegressiveLM(model.config)
+    broken.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        broken.model.norm.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="row 0 has non-finite logits"):
+        engine_for(broken).generate([[5, 6]], SamplingParams(max_new_tokens=2), None)

@@ -16,6 +16,7 @@ data sampler) and its `rank_files`.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -101,6 +102,14 @@ def check_objects(objects: Mapping[str, Any], train_type: str | None) -> None:
                 raise CheckpointError(f"{train_type} checkpoint objects lack {name[:-3]!r} ({name})")
 
 
+def _use_default_mode(path: Path) -> None:
+    """Give `path` the permissions of a normally created file (0666 minus the umask): safetensors' `save_file`
+    creates 0600 files, unlike every other file of the checkpoint (unreadable to a shared cluster group)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def write_payload(directory: Path, objects: Mapping[str, Any], trainer_state: Mapping[str, Any], *,
                   train_type: str | None, on_written: Callable[[str], None] = lambda name: None) -> None:
     """Write rank 0's checkpoint files into `directory` (which must exist); see the module docstring.
@@ -119,6 +128,7 @@ def write_payload(directory: Path, objects: Mapping[str, Any], trainer_state: Ma
     tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state_dict(policy).items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    _use_default_mode(directory / "model.safetensors")
     on_written("model.safetensors")
     _write_json(directory / "config.json", policy.config.to_hf_dict())
     objects["tokenizer"].save(directory)

@@ -72,14 +72,26 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def copy_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy every parameter of `model` (tied ones under each of their names) from `state_dict`.
 
+    All names and shapes are checked before the first copy, so a bad state dict leaves the model untouched (no
+    broadcasting: each tensor must have exactly its parameter's shape; dtype and device are converted).
+
     Raises:
         KeyError: naming missing or unexpected tensors; nothing is copied then.
+        ValueError: naming the first tensor that is not a floating-point tensor of the parameter's exact shape;
+            nothing is copied then.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(set(params) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(params))
     if missing or unexpected:
         raise KeyError(f"load_weights: missing {missing[:3]} unexpected {unexpected[:3]}")
+    for name, param in params.items():
+        tensor = state_dict[name]
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.shape != param.shape:
+            got = (f"{type(tensor).__name__} of shape {tuple(tensor.shape)}, dtype {tensor.dtype}"
+                   if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
+            raise ValueError(f"load_weights: {name}: expected a floating-point tensor of shape "
+                             f"{tuple(param.shape)}, got {got}; nothing was copied")
     for name, param in params.items():
         param.copy_(state_dict[name])
 

@@ -17,6 +17,7 @@ engine:
 from __future__ import annotations
 
 import copy
+import operator
 import threading
 from typing import Mapping, Optional, Sequence, Union
 
@@ -55,20 +56,30 @@ class PagedGenerationEngine:
 
     Raises:
         BackendUnavailableError: when the requested backend cannot run on the model's device.
+        ValueError: naming a size argument that is not a positive integer (or a block_size the backend cannot
+            use, or max_kv_tokens below one block).
     """
 
     def __init__(self, model, *, pad_token_id: int, policy_version: int = 0, block_size: Optional[int] = None,
                  max_kv_tokens: int = 32768, max_batch_tokens: int = 2048, max_num_seqs: int = 256,
                  prefix_cache: bool = True, backend: Optional[str] = None, dense_decode: bool = True):
+        for name, value in (("block_size", block_size), ("max_kv_tokens", max_kv_tokens),
+                            ("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"PagedGenerationEngine: {name} must be a positive integer, got {value!r}")
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         fuse_projections(self.model)  # one GEMM for q/k/v and one for gate/up (the Parameters become views)
         self.pad_token_id, self.policy_version = pad_token_id, policy_version
         self.backend = select_backend(backend, self.device)
-        self.block_size = block_size or (16 if self.backend.block_size_multiple == 1 else 256)
+        self.block_size = block_size if block_size is not None else (
+            16 if self.backend.block_size_multiple == 1 else 256)
         if self.block_size % self.backend.block_size_multiple:
             raise ValueError(f"block_size {self.block_size} must be a multiple of "
                              f"{self.backend.block_size_multiple} for the {self.backend.name} backend")
-        self.max_kv_blocks = max(1, max_kv_tokens // self.block_size)
+        if max_kv_tokens < self.block_size:
+            raise ValueError(f"PagedGenerationEngine: max_kv_tokens {max_kv_tokens} is below one block "
+                             f"({self.block_size} tokens)")
+        self.max_kv_blocks = max_kv_tokens // self.block_size
         self.max_batch_tokens, self.max_num_seqs = max_batch_tokens, max_num_seqs
         self.use_prefix_cache, self.dense_decode = prefix_cache, dense_decode
         self.workspace: Optional[InferenceWorkspace] = None
@@ -95,7 +106,8 @@ class PagedGenerationEngine:
         Serialised with `generate` (one lock). Returns the acknowledged `policy_version`.
 
         Raises:
-            KeyError: naming missing or unexpected tensors (the engine keeps its weights and version).
+            KeyError: naming missing or unexpected tensors (the engine keeps its weights, version and cache).
+            ValueError: naming a tensor of the wrong shape or type (the same: nothing is changed).
         """
         with self._lock:
             copy_weights(self.model, state_dict)
@@ -153,24 +165,62 @@ class PagedGenerationEngine:
             right-padded, action_mask, old_logprobs (B*n, T) float32 (0 at padding), finished, policy_version.
 
         Raises:
-            ValueError: empty prompts, n < 1, per-prompt lists of the wrong length, or prompt + max_new_tokens
-                beyond the model's rotary table.
+            ValueError: no prompts, an empty prompt, a token id that is not an integer in [0, vocab_size), n not
+                an integer >= 1, params that are not `SamplingParams` (one, or one per prompt), per-prompt lists of
+                the wrong length, prompt + max_new_tokens beyond the model's rotary table, or more samples of one
+                prompt than `max_num_seqs`.
             RuntimeError: while asleep, or when one prompt group cannot fit in `max_kv_tokens`.
         """
         with self._lock:
             if self.asleep:
                 raise RuntimeError("generate: the engine is asleep; call wake() first")
+            prompts = self._check_prompts(prompts)
             requests = self._make_requests(prompts, params, generator, n, penalties)
             self._run(requests, n)
             return self._assemble(prompts, requests, n)
 
+    def _check_prompts(self, prompts) -> list[list[int]]:
+        """`prompts` as lists of Python ints, each id in [0, vocab_size); ValueError naming the first bad one."""
+        if isinstance(prompts, torch.Tensor) or isinstance(prompts, (str, bytes)) or not isinstance(
+                prompts, Sequence):
+            raise ValueError(f"generate: prompts must be a list of token-id lists (unpadded), got "
+                             f"{type(prompts).__name__}")
+        if len(prompts) == 0:
+            raise ValueError("generate: no prompts given")
+        vocab = self.model.config.vocab_size
+        checked = []
+        for b, prompt in enumerate(prompts):
+            if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
+                prompt = prompt.tolist()
+            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+                raise ValueError(f"generate: prompt {b} must be a list of token ids, got {type(prompt).__name__}")
+            if len(prompt) == 0:
+                raise ValueError(f"generate: prompt {b} is empty; every prompt must hold at least one token")
+            ids = []
+            for j, token in enumerate(prompt):
+                try:
+                    token = operator.index(token)
+                except TypeError:
+                    raise ValueError(f"generate: prompt {b} token {j}: expected an integer token id, "
+                                     f"got {token!r}") from None
+                if not 0 <= token < vocab:
+                    raise ValueError(f"generate: prompt {b} token {j}: id {token} is outside the vocabulary "
+                                     f"[0, {vocab})")
+                ids.append(token)
+            checked.append(ids)
+        return checked
+
     def _make_requests(self, prompts, params, generator, n, penalties) -> list[Request]:
         """One `Request` per output row, each with its own seeded generator."""
-        if n < 1:
-            raise ValueError(f"generate: n must be >= 1, got {n}")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate: every prompt must hold at least one token")
-        per_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"generate: n must be an integer >= 1, got {n!r}")
+        if isinstance(params, SamplingParams):
+            per_params = [params] * len(prompts)
+        elif isinstance(params, Sequence) and all(isinstance(p, SamplingParams) for p in params):
+            per_params = list(params)
+        else:
+            raise ValueError("generate: params must be a SamplingParams or a list with one per prompt, got "
+                             f"{type(params).__name__}")
         per_penalty = ([penalties] * len(prompts) if penalties is None or
                        isinstance(penalties, FrequencyPenaltyStrategy) else list(penalties))
         if len(per_params) != len(prompts) or len(per_penalty) != len(prompts):
@@ -198,6 +248,10 @@ class PagedGenerationEngine:
             key = (tuple(req.prompt), req.sampling.params.max_new_tokens)
             by_key.setdefault(key, Group(members=[])).members.append(req)
         groups = list(by_key.values())
+        biggest = max(len(g.members) for g in groups)
+        if biggest > self.max_num_seqs:
+            raise ValueError(f"generate: {biggest} samples of one prompt exceed max_num_seqs {self.max_num_seqs} "
+                             "(they are decoded together); raise max_num_seqs or lower n")
         blocks = lambda t: -(-t // self.block_size)  # noqa: E731
         wanted = sum(blocks(len(r.prompt) + r.sampling.params.max_new_tokens) for r in requests)
         largest = max(blocks(len(g.leader.prompt) + g.leader.sampling.params.max_new_tokens) * len(g.members)
@@ -207,9 +261,11 @@ class PagedGenerationEngine:
         scheduler = Scheduler(pool=self.pool, prefix_cache=self.prefix_cache, workspace=self.workspace,
                               forward=runner.forward, policy_version=self.policy_version,
                               max_batch_tokens=self.max_batch_tokens, max_num_seqs=self.max_num_seqs)
+        hits_before = self.prefix_cache.hits if self.prefix_cache is not None else 0
         scheduler.run(groups)
         rebuilds = runner.decode_cache.rebuilds if runner.decode_cache is not None else 0
         self.last_stats = {"steps": scheduler.steps, "groups": len(groups), "dense_decode_rebuilds": rebuilds,
+                           "prefix_cache_hits": (self.prefix_cache.hits - hits_before) if self.prefix_cache else 0,
                            "prefix_cache_entries": len(self.prefix_cache or ())}
 
     def _assemble(self, prompts, requests: list[Request], n: int) -> Generation:

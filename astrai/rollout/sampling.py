@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-4  # below this, logits / temperature overflow float32 for ordinary logit ranges
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings.
@@ -24,7 +27,7 @@ class SamplingParams:
         stop_token_ids: generation of a row ends after one of these ids is sampled (e.g. EOS).
 
     Raises:
-        ValueError: on out-of-range values, naming the field.
+        ValueError: on values of the wrong type or out of range, naming the field.
     """
 
     max_new_tokens: int
@@ -34,14 +37,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        for name in ("max_new_tokens", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: expected an integer, got {value!r}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: expected > 0, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+        if not (isinstance(self.temperature, (int, float)) and MIN_TEMPERATURE <= self.temperature < float("inf")):
+            raise ValueError(f"temperature: expected a finite number >= {MIN_TEMPERATURE} (top_k=1 is greedy), "
+                             f"got {self.temperature!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k: expected >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, (tuple, list)) or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in stops):
+            raise ValueError(f"stop_token_ids: expected a tuple of integer token ids, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
 
     @property
     def truncates(self) -> bool:

@@ -110,6 +110,9 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], scratch=None)
     Returns:
         token ids (R Python ints) and their behaviour log-probs (R floats, float32 precision) under
         `log_softmax(logits / temperature)` (no penalty, no truncation).
+
+    Raises:
+        FloatingPointError: naming the first row whose largest scaled logit is NaN or infinite.
     """
     if not rows:
         return [], []
@@ -120,6 +123,11 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], scratch=None)
     if any(t != 1.0 for t in temps):
         scaled = scaled / torch.tensor(temps, dtype=torch.float32, device=device)[:, None]
     maxes = scaled.amax(-1, keepdim=True)  # (R, 1)
+    finite = torch.isfinite(maxes[:, 0])
+    if not bool(finite.all()):
+        bad = int((~finite).nonzero()[0, 0])
+        raise FloatingPointError(f"sample_rows: row {bad} has non-finite logits (max {float(maxes[bad, 0])}): "
+                                 "NaN/inf weights or activations")
     chunks = -(-vocab // CDF_CHUNK)
     probs_buf = _buffer(scratch, "sample_probs", (num_rows, chunks * CDF_CHUNK), torch.float32, device)
     probs_buf[:, vocab:].zero_()
