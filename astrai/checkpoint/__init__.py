@@ -1,6 +1,6 @@
 """Checkpoint publishing (the only package that writes checkpoint files), loading and verification.
 
-See DESIGN.md section 5 and the module docstrings: `publish` (protocol), `payload` (file contents),
+See docs/conventions.md section 5 and the module docstrings: `publish` (protocol), `payload` (file contents),
 `layout` (names, latest, recovery, retention), `manifest`, `load`, `verify`, `__main__` (CLI).
 Names are imported lazily so that `python -m astrai.checkpoint verify` does not import torch.
 """

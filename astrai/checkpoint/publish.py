@@ -1,4 +1,4 @@
-"""Checkpoint publishing: the only module that writes checkpoint directories (DESIGN.md section 5).
+"""Checkpoint publishing: the only module that writes checkpoint directories (docs/conventions.md section 5).
 
 Protocol for `<output_dir>/checkpoints/step-XXXXXXXX` (see `layout.py` for the names):
 

@@ -2,7 +2,7 @@
 process groups).
 
 `accelerate launch` and `torchrun` export RANK/WORLD_SIZE/...; a plain `python -m astrai.train` runs as one
-process. On CPU, Accelerate does DDP only (DESIGN.md section 6); sharding engines (FSDP2 `fully_shard`,
+process. On CPU, Accelerate does DDP only (docs/conventions.md section 6); sharding engines (FSDP2 `fully_shard`,
 DeepSpeed ZeRO) plug in here later, selected from `distributed.strategy`.
 """
 
@@ -61,7 +61,7 @@ class DistributedContext:
         """Factor that turns a loss normalised by the GLOBAL token count into DDP's averaged gradient.
 
         DDP averages gradients over ranks; a token-mean over all ranks' tokens needs a sum, so each rank
-        multiplies its loss by the world size (DESIGN.md section 2, loss aggregation).
+        multiplies its loss by the world size (docs/conventions.md section 2, loss aggregation).
         """
         return float(self.world_size)
 

@@ -2,7 +2,7 @@
 
 `ValueModel` = deep copy of `AutoRegressiveLM.model` (embeddings + decoder blocks + final norm, no LM head),
 warm-started from the policy weights, and `value_head = Linear(H, 1)` with weight and bias zero, so the initial
-values are exactly 0 (as in DESIGN.md section 3). The policy class is not modified to serve the critic.
+values are exactly 0 (as in docs/conventions.md section 3). The policy class is not modified to serve the critic.
 """
 
 from __future__ import annotations

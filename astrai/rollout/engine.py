@@ -1,9 +1,9 @@
 """Generation engine: batched autoregressive sampling with a KV cache and sampler-aligned log-probs.
 
 The engine owns an inference copy of the policy, tagged with the `policy_version` of the weights it holds
-(DESIGN.md section 4). For every sampled token it records the behaviour log-prob
+(docs/conventions.md section 4). For every sampled token it records the behaviour log-prob
 `old_logprobs = log softmax(logits / temperature)[token]` of the untruncated, temperature-scaled
-distribution (DESIGN.md section 2), which is exactly what the trainer recomputes, so with unchanged weights
+distribution (docs/conventions.md section 2), which is exactly what the trainer recomputes, so with unchanged weights
 the importance ratio is 1.
 
 This is the simple contiguous-cache engine; the paged, continuously batched engine serves the same

@@ -7,10 +7,10 @@ engine:
   per-batch reallocation); requests join and leave between decode steps (`scheduler.Scheduler`).
 - The G samples of a prompt (`n=G`, or identical prompts in the list) prefill it once and share its blocks,
   copying the partial last block on write; a prefix cache reuses full prompt blocks across calls, tagged with the
-  `policy_version` and cleared by `load_weights` (DESIGN.md section 4).
+  `policy_version` and cleared by `load_weights` (docs/conventions.md section 4).
 - Per-request RNG: request i draws from its own `torch.Generator` seeded from (one draw of the caller's
   generator, i), so batching and prefix sharing never change a row's samples.
-- Behaviour log-probs exactly as DESIGN.md section 2 (temperature-scaled, before truncation and penalties).
+- Behaviour log-probs exactly as docs/conventions.md section 2 (temperature-scaled, before truncation and penalties).
 - `sleep()` frees the KV storage while the trainer steps, `wake()` takes it back.
 """
 

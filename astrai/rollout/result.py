@@ -58,7 +58,7 @@ class Sequences:
 
 @dataclass(frozen=True)
 class RolloutResult:
-    """One PPO rollout with its targets computed once and pinned (DESIGN.md section 2).
+    """One PPO rollout with its targets computed once and pinned (docs/conventions.md section 2).
 
     Every PPO epoch and minibatch replays these tensors; nothing recomputes advantages or returns.
     All per-token tensors are (B, T) float32, zero at padding; none requires grad.

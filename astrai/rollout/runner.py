@@ -46,7 +46,7 @@ class RolloutRunner:
 
     Args:
         engine: the generation engine (its weights must be synced by the caller).
-        sampling: sampling settings (temperature is also used to score, DESIGN.md section 2).
+        sampling: sampling settings (temperature is also used to score, docs/conventions.md section 2).
         decode: token ids -> text (special tokens skipped).
         score_fn: the reward, see `ScoreFn`.
         ref_model: frozen reference policy, or None.

@@ -1,7 +1,7 @@
 """Token sampling: temperature, top-k (Fan et al. 2018), nucleus/top-p (Holtzman et al. 2020).
 
 The behaviour log-prob returned with each token is taken from the temperature-scaled distribution BEFORE
-top-k/top-p truncation (DESIGN.md section 2), because that is the distribution the trainer scores. With
+top-k/top-p truncation (docs/conventions.md section 2), because that is the distribution the trainer scores. With
 RL defaults (top_k = 0, top_p = 1) the two coincide exactly.
 """
 

@@ -1,7 +1,7 @@
 """Per-request sampling for the paged engine: temperature, top-k, top-p and a frequency penalty, composed per row.
 
 Order per row: scaled = logits / temperature; the behaviour log-prob is `log_softmax(scaled)[token]`, taken BEFORE
-penalties and truncation (DESIGN.md section 2: it is what the trainer scores). The sampling distribution then
+penalties and truncation (docs/conventions.md section 2: it is what the trainer scores). The sampling distribution then
 subtracts the frequency penalty (OpenAI-style `frequency_penalty`: penalty x count of each token among the
 request's last `window` generated tokens), applies top-k (Fan et al. 2018) and top-p (Holtzman et al. 2020), and
 draws with the request's own `torch.Generator`, so a row's samples do not depend on which other rows share its

@@ -1,7 +1,7 @@
 """Scoring sequences with a model: response log-probs (policy, reference) and values (critic).
 
 One implementation serves rollout-time scoring (no grad, chunked) and the training forward (with grad), so
-`logprobs` and `old_logprobs` are computed by the same function and the same temperature (DESIGN.md
+`logprobs` and `old_logprobs` are computed by the same function and the same temperature (docs/conventions.md
 section 2).
 """
 

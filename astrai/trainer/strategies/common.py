@@ -2,9 +2,9 @@
 policy-gradient update over a minibatch of rollout samples (online/offline GRPO), engine weight sync, the
 rollout plumbing of the online train types, and the policy optimizer + schedule.
 
-Loss aggregation (DESIGN.md section 2): every token-mean loss is divided by the GLOBAL number of real tokens of
-the optimizer step (all micro-batches, all ranks) and multiplied by `dist.loss_scale()` before `backward()`, so
-the summed gradient is the same however the step's data is split into micro-batches or ranks.
+Loss aggregation (docs/conventions.md section 2): every token-mean loss is divided by the GLOBAL number of real
+tokens of the optimizer step (all micro-batches, all ranks) and multiplied by `dist.loss_scale()` before
+`backward()`, so the summed gradient is the same however the step's data is split into micro-batches or ranks.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def build_online_parts(config, dist, policy, tokenizer, *, ref_model, chunk_size
                               top_p=r.top_p, stop_token_ids=(tokenizer.eos_token_id,))
     if sampling.truncates:
         warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
-                      "untruncated one, so importance ratios are biased (DESIGN.md section 2)")
+                      "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
     reward = get_reward(config.reward.name)
     runner = RolloutRunner(
         engine, sampling, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
