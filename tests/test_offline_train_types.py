@@ -257,3 +257,19 @@ def test_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypat
     a = load_file(str(tmp_path / "a/checkpoints/step-00000003/model.safetensors"))
     b = load_file(str(tmp_path / "b/checkpoints/step-00000003/model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prompt_without_room_for_a_response_names_the_row():
+    """dpo and offline grpo share `prompt_ids_and_budget`: the budget is what max_length leaves after the prompt,
+    and a prompt that leaves nothing is a one-line DataError naming the row."""
+    from types import SimpleNamespace
+
+    from astrai.trainer.strategies.common import prompt_ids_and_budget
+
+    tok = tiny_tokenizer()
+    data = SimpleNamespace(system_prompt=None, max_prompt_length=64, max_length=200)
+    ids, budget = prompt_ids_and_budget("what is 2 + 2?", tok, data, "pairs.jsonl row 3")
+    assert ids and budget == 200 - len(ids)
+    data.max_length = len(ids)
+    with pytest.raises(DataError, match=r"^pairs\.jsonl row 3: the prompt takes \d+ tokens, no room"):
+        prompt_ids_and_budget("what is 2 + 2?", tok, data, "pairs.jsonl row 3")

@@ -1,6 +1,7 @@
 """Pieces shared by the strategies: row chunking, global token counts, metric accumulation, the accumulated
 policy-gradient update over a minibatch of rollout samples (online/offline GRPO), engine weight sync, the
-rollout plumbing of the online train types, and the policy optimizer + schedule.
+rollout plumbing of the online train types, the policy optimizer + schedule, the resume state of the strategies
+that keep none of their own (`SamplerOnlyState`) and prompt encoding for the offline data (`prompt_ids_and_budget`).
 
 Loss aggregation (docs/conventions.md section 2): every token-mean loss is divided by the GLOBAL number of real
 tokens of the optimizer step (all micro-batches, all ranks) and multiplied by `dist.loss_scale()` before
@@ -218,3 +219,40 @@ def build_online_parts(config, dist, policy, tokenizer, *, ref_model, chunk_size
         return encode([rec.prompt for rec in records]), [rec.answer for rec in records]
 
     return engine, runner, sampler, next_prompts
+
+
+class SamplerOnlyState:
+    """Resume state of a strategy whose position lives entirely in checkpointed objects: `policy` (possibly
+    DDP-wrapped), `optimizer`, `scheduler`, `sampler` (the data position) and `extras` (tokenizer). Mixed into the
+    sft/seq and dpo strategies (a dpo reference model is the frozen initial policy, so it is not saved)."""
+
+    def state_dict(self) -> dict:
+        """Strategy state for resume: none beyond the checkpointed objects (the data sampler holds the position)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore (see `state_dict`)."""
+
+    def checkpoint_state(self) -> dict:
+        """Policy, optimizer, schedule, data-sampler position and the extras (tokenizer)."""
+        return {"policy": self.dist.unwrap(self.policy), "optimizer": self.optimizer,
+                "scheduler": self.scheduler, "data_sampler": self.sampler, **self.extras}
+
+
+def prompt_ids_and_budget(prompt: str, tokenizer, data, where: str) -> tuple[list[int], int]:
+    """Chat-templated ids of one record's `prompt` (system prompt and `data.max_prompt_length` truncation applied)
+    and the number of response tokens left within `data.max_length`.
+
+    Raises:
+        DataError: naming `where` when the prompt leaves no room for a response.
+    """
+    from astrai.data import DataError
+    from astrai.rollout.prompts import encode_prompts
+
+    ids = encode_prompts([prompt], tokenizer, system_prompt=data.system_prompt,
+                         max_prompt_length=data.max_prompt_length)[0]
+    budget = data.max_length - len(ids)
+    if budget < 1:
+        raise DataError(f"{where}: the prompt takes {len(ids)} tokens, no room for a response within "
+                        f"data.max_length={data.max_length} (lower data.max_prompt_length)")
+    return ids, budget

@@ -17,7 +17,8 @@ import torch
 from astrai.algos import dpo_loss, masked_sum
 from astrai.data.examples import sequences_from_tokens
 from astrai.rollout.scoring import response_logprobs
-from astrai.trainer.strategies.common import accumulate, add_aux_loss
+from astrai.trainer.strategies.common import (SamplerOnlyState, accumulate, add_aux_loss,
+                                              prompt_ids_and_budget)
 
 
 def sequence_logps(model, prompts, responses, *, pad_token_id: int, device) -> torch.Tensor:
@@ -27,7 +28,7 @@ def sequence_logps(model, prompts, responses, *, pad_token_id: int, device) -> t
     return masked_sum(logprobs, seqs.action_mask, dim=-1)
 
 
-class DPOStrategy:
+class DPOStrategy(SamplerOnlyState):
     """One `train_step` = one DPO optimizer step over `accumulation_steps` micro-batches of pairs.
 
     Args:
@@ -81,18 +82,6 @@ class DPOStrategy:
         trainer.state.consumed_samples += int(local) * self.dist.world_size
         return sums
 
-    def state_dict(self) -> dict:
-        """Strategy state for resume: none beyond the checkpointed objects (the data sampler holds the position)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore (see `state_dict`)."""
-
-    def checkpoint_state(self) -> dict:
-        """Policy, optimizer, schedule, data-sampler position, tokenizer (the reference is the initial policy)."""
-        return {"policy": self.dist.unwrap(self.policy), "optimizer": self.optimizer,
-                "scheduler": self.scheduler, "data_sampler": self.sampler, **self.extras}
-
 
 def preference_triples(rows, tokenizer, config) -> list[tuple[list[int], list[int], list[int]]]:
     """(prompt ids, chosen ids, rejected ids) per record; responses truncated to fit `data.max_length`.
@@ -100,10 +89,8 @@ def preference_triples(rows, tokenizer, config) -> list[tuple[list[int], list[in
     Raises:
         DataError: a non-string field (naming the row and config key) or a prompt longer than max_length - 1.
     """
-    from astrai.data import DataError
     from astrai.data.examples import response_tokens
     from astrai.data.records import require_str
-    from astrai.rollout.prompts import encode_prompts
 
     d = config.data
     out = []
@@ -112,12 +99,7 @@ def preference_triples(rows, tokenizer, config) -> list[tuple[list[int], list[in
         prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
         chosen = require_str(row, d.chosen_field, "data.chosen_field", where)
         rejected = require_str(row, d.rejected_field, "data.rejected_field", where)
-        ids = encode_prompts([prompt], tokenizer, system_prompt=d.system_prompt,
-                             max_prompt_length=d.max_prompt_length)[0]
-        budget = d.max_length - len(ids)
-        if budget < 1:
-            raise DataError(f"{where}: the prompt takes {len(ids)} tokens, no room for a response within "
-                            f"data.max_length={d.max_length} (lower data.max_prompt_length)")
+        ids, budget = prompt_ids_and_budget(prompt, tokenizer, d, where)
         out.append((ids, response_tokens(chosen, tokenizer, budget=budget),
                     response_tokens(rejected, tokenizer, budget=budget)))
     return out

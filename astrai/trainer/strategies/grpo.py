@@ -21,6 +21,7 @@ import torch
 
 from astrai.rollout.runner import Experience
 from astrai.rollout.scoring import response_logprobs, score_in_chunks
+from astrai.trainer.strategies.common import prompt_ids_and_budget
 from astrai.trainer.strategies.online_grpo import GRPOStrategy, grpo_settings
 
 
@@ -96,7 +97,6 @@ def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
     from astrai.data import DataError
     from astrai.data.examples import response_tokens
     from astrai.data.records import require_str
-    from astrai.rollout.prompts import encode_prompts
 
     d, g = config.data, config.grpo.group_size
     prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
@@ -106,12 +106,7 @@ def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
         raise DataError(f"{where}: field {d.rewards_field!r} must hold finite numbers")
     if not all(isinstance(t, str) for t in texts):
         raise DataError(f"{where}: field {d.responses_field!r} must hold strings")
-    prompt_ids = encode_prompts([prompt], tokenizer, system_prompt=d.system_prompt,
-                                max_prompt_length=d.max_prompt_length)[0]
-    budget = d.max_length - len(prompt_ids)
-    if budget < 1:
-        raise DataError(f"{where}: the prompt takes {len(prompt_ids)} tokens, no room for a response within "
-                            f"data.max_length={d.max_length} (lower data.max_prompt_length)")
+    prompt_ids, budget = prompt_ids_and_budget(prompt, tokenizer, d, where)
     ids = row.get("response_ids")
     if ids is not None:
         ids = [list(x)[:budget] for x in _number_list(ids, g, "field 'response_ids'", where)]

@@ -16,10 +16,10 @@ import torch
 
 from astrai.algos import logprobs_from_logits, token_cross_entropy
 from astrai.data.examples import collate_lm
-from astrai.trainer.strategies.common import accumulate, add_aux_loss, token_counts
+from astrai.trainer.strategies.common import SamplerOnlyState, accumulate, add_aux_loss, token_counts
 
 
-class NextTokenStrategy:
+class NextTokenStrategy(SamplerOnlyState):
     """One `train_step` = one policy optimizer step of token cross-entropy (sft and seq).
 
     Args:
@@ -70,18 +70,6 @@ class NextTokenStrategy:
         sums["policy/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
         trainer.state.consumed_samples += self.micro_batch_size * self.accumulation_steps * self.dist.world_size
         return sums
-
-    def state_dict(self) -> dict:
-        """Strategy state for resume: none beyond the checkpointed objects (the data sampler holds the position)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore (see `state_dict`)."""
-
-    def checkpoint_state(self) -> dict:
-        """Policy, optimizer, schedule, data-sampler position, tokenizer."""
-        return {"policy": self.dist.unwrap(self.policy), "optimizer": self.optimizer,
-                "scheduler": self.scheduler, "data_sampler": self.sampler, **self.extras}
 
 
 def build_examples(rows: Sequence, make, *, packing: bool, max_length: int, source: str) -> list:
