@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .paged_attention import gather_kv
 from .workspace import InferenceWorkspace
 
 __all__ = ["DenseDecodeCache"]
@@ -109,11 +110,9 @@ class DenseDecodeCache:
         for dense in self._keys + self._values:
             dense[:, :, cols * bs:].zero_()  # masked positions must hold finite numbers (0 * NaN poisons SDPA)
         if cols:
-            index = block_tables[:, :cols].reshape(-1).long()
-            staging = ws.scratch("dense_staging", index.numel() * bs * nkv * d, ws.dtype).view(-1, bs, nkv, d)
+            staging = ws.scratch("dense_staging", num_rows * cols * bs * nkv * d, ws.dtype)
             for dense, pages in zip(self._keys + self._values, ws.k_caches + ws.v_caches):
-                torch.index_select(pages, 0, index, out=staging)
-                dense[:, :, :cols * bs].copy_(staging.view(num_rows, cols * bs, nkv, d).transpose(1, 2))
+                dense[:, :, :cols * bs].copy_(gather_kv(pages, block_tables, cols * bs, out=staging))
         self.rebuilds += 1
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
