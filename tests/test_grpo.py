@@ -12,8 +12,8 @@ from astrai.algos import kl_penalty_loss, ppo_policy_loss
 from astrai.config import ConfigError, load_config
 from astrai.distributed import setup_distributed
 from astrai.models import AutoRegressiveLM, tiny_config
-from astrai.rollout.engine import GenerationEngine
-from astrai.rollout.result import Sequences
+from reference_engine import GenerationEngine
+from astrai.data.sequences import Sequences
 from astrai.rollout.runner import Experience, RolloutRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.scoring import response_logprobs

@@ -7,7 +7,7 @@ import torch
 from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.rollout.block_pool import BlockPool, PrefixCache
 from astrai.rollout.paged_engine import PagedGenerationEngine
-from astrai.rollout.result import Sequences
+from astrai.data.sequences import Sequences
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed, sample_rows
 from astrai.rollout.scoring import response_logprobs
@@ -87,7 +87,7 @@ def test_behaviour_logprobs_equal_trainer_recomputation(model):
     engine = engine_for(model)
     gen = engine.generate(PROMPTS, params, torch.Generator().manual_seed(5), n=2)
     with torch.no_grad():
-        logprobs, _ = response_logprobs(model, Sequences.from_generation(gen), temperature=0.6)
+        logprobs, _ = response_logprobs(model, gen.sequences(), temperature=0.6)
     assert float((logprobs - gen.old_logprobs)[gen.action_mask].abs().max()) < 1e-5
     assert bool((gen.old_logprobs[~gen.action_mask] == 0).all())
     assert gen.prompt_ids.shape[0] == 8 and gen.policy_version == 0
@@ -97,7 +97,7 @@ def _gap(engine, policy, seed=0):
     gen = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, stop_token_ids=(EOS,)),
                           torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        logprobs, _ = response_logprobs(policy, Sequences.from_generation(gen), temperature=1.0)
+        logprobs, _ = response_logprobs(policy, gen.sequences(), temperature=1.0)
     return float((logprobs - gen.old_logprobs)[gen.action_mask].abs().max()), gen
 
 

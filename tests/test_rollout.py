@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from astrai.models import AutoRegressiveLM, tiny_config
-from astrai.rollout.engine import GenerationEngine, left_pad, position_ids_from_mask
-from astrai.rollout.result import Sequences
+from astrai.data.sequences import Sequences, left_pad, position_ids_from_mask
+from reference_engine import GenerationEngine
 from astrai.rollout.sampling import SamplingParams, sample_next_token, truncation_mask
 from astrai.rollout.scoring import response_logprobs
 
@@ -93,7 +93,7 @@ def test_behaviour_logprobs_equal_trainer_recomputation(model):
     params = SamplingParams(max_new_tokens=16, temperature=0.6, stop_token_ids=(EOS,))
     engine = GenerationEngine(model, pad_token_id=EOS)
     gen = engine.generate(PROMPTS, params, torch.Generator().manual_seed(5))
-    seqs = Sequences.from_generation(gen)
+    seqs = gen.sequences()
     with torch.no_grad():
         logprobs, _ = response_logprobs(model, seqs, temperature=0.6)
     mask = gen.action_mask

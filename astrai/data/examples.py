@@ -7,9 +7,9 @@
   (the "concatenate and chunk" packing of GPT-style pre-training). Rows attend across example boundaries
   (no block-diagonal mask), the usual approximation of packed training without varlen attention kernels.
 - dpo / grpo: prompts go through the same chat-template encoding as online rollouts
-  (`astrai.rollout.prompts.encode_prompts`); responses are their tokens plus EOS; `sequences_from_tokens`
-  assembles prompt + response batches in the rollout layout (left-padded prompt, right-padded response) by
-  reusing `Sequences.from_generation`, so log-probs are computed by the same `response_logprobs`.
+  (`astrai.rollout.prompts.encode_prompts`); responses are their tokens plus EOS; `Sequences.from_tokens`
+  (`astrai.data.sequences`) assembles prompt + response batches in the rollout layout (left-padded prompt,
+  right-padded response), so log-probs are computed by the same `response_logprobs` as for rollouts.
 """
 
 from __future__ import annotations
@@ -132,33 +132,3 @@ def collate_lm(examples: Sequence[tuple[list[int], list[int]]], *, pad_token_id:
 def response_tokens(text: str, tokenizer, *, budget: int) -> list[int]:
     """Tokens of a response plus EOS, truncated to `budget` (>= 1) tokens."""
     return (tokenizer.encode(text) + [tokenizer.eos_token_id])[:max(1, budget)]
-
-
-def sequences_from_tokens(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
-                          pad_token_id: int, device: torch.device | str = "cpu"):
-    """Prompt + response token lists -> `astrai.rollout.result.Sequences` in the rollout layout.
-
-    Prompts are left-padded to P, responses right-padded to T; `action_mask` (B, T) is True on real response
-    tokens. The assembly is the rollout's own (`Sequences.from_generation`).
-
-    Raises:
-        ValueError: when the lists differ in length or a prompt or response is empty.
-    """
-    from astrai.rollout.engine import Generation, left_pad
-    from astrai.rollout.result import Sequences
-
-    if len(prompts) != len(responses) or any(len(r) == 0 for r in responses):
-        raise ValueError("sequences_from_tokens: one non-empty response per prompt expected")
-    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, torch.device(device))
-    width = max(len(r) for r in responses)
-    response_ids = torch.full((len(responses), width), pad_token_id, dtype=torch.long)
-    action_mask = torch.zeros((len(responses), width), dtype=torch.bool)
-    for row, ids in enumerate(responses):
-        response_ids[row, :len(ids)] = torch.tensor(list(ids))
-        action_mask[row, :len(ids)] = True
-    generation = Generation(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids.to(device),
-                            action_mask=action_mask.to(device),
-                            old_logprobs=torch.zeros(action_mask.shape, device=device),
-                            finished=torch.ones(len(responses), dtype=torch.bool, device=device),
-                            policy_version=-1)
-    return Sequences.from_generation(generation)

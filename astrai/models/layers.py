@@ -3,8 +3,9 @@
 - RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; computed in float32, cast back.
 - Rotary position embedding: Su et al. 2021, "RoFormer"; HF "rotate_half" layout (the two halves of each head are
   the rotated pairs), cos/sin read from a precomputed float32 table.
-- Grouped-query attention: Ainslie et al. 2023, "GQA"; Nkv key/value heads shared by Nh / Nkv query heads,
-  computed with `torch.nn.functional.scaled_dot_product_attention`.
+- Grouped-query attention: Ainslie et al. 2023, "GQA"; Nkv key/value heads shared by Nh / Nkv query heads. The
+  layer computes its projections and rotary embedding, then hands q/k/v to the forward's `AttentionInterface`
+  (`attention.py`), which stores keys/values and attends (training, a contiguous cache, or the paged engine).
 - SwiGLU MLP: Shazeer 2020, "GLU Variants Improve Transformer": down(silu(gate(x)) * up(x)).
 """
 
@@ -14,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache
+from .attention import AttentionInterface
 from .config import ModelConfig
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", "build_attention_mask", "rotate_half"]
+__all__ = ["RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", "apply_rotary", "build_attention_mask",
+           "rotate_half"]
 
 
 class RMSNorm(nn.Module):
@@ -65,11 +67,12 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = angles.cos(), angles.sin()
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (B, S) long, each < max_positions -> (cos, sin), each (B, 1, S, D) in `dtype`."""
+        """position_ids (B, S) long, each < max_positions -> (cos, sin), each (B, S, 1, D) in `dtype` (they
+        broadcast over the heads of (B, S, heads, D) queries and keys)."""
         if self.cos.dtype != torch.float32 or self.cos.shape[0] != self.max_positions:
             self.reset_table(self.cos.device)
-        cos = self.cos[position_ids].unsqueeze(1).to(dtype)
-        sin = self.sin[position_ids].unsqueeze(1).to(dtype)
+        cos = self.cos[position_ids].unsqueeze(2).to(dtype)
+        sin = self.sin[position_ids].unsqueeze(2).to(dtype)
         return cos, sin
 
 
@@ -77,6 +80,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """(..., D) -> (..., D): [x1, x2] -> [-x2, x1] with x1, x2 the two halves of the last dim."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (RoFormer, Su et al. 2021): x (B, S, heads, D), cos/sin (B, S, 1, D) -> (B, S, heads, D),
+    `x * cos + rotate_half(x) * sin`."""
+    return x * cos + rotate_half(x) * sin
 
 
 def build_attention_mask(
@@ -108,7 +117,12 @@ def build_attention_mask(
 
 class Attention(nn.Module):
     """Grouped-query self-attention (Ainslie et al. 2023) with rotary q/k; `q_proj, k_proj, v_proj, o_proj` have
-    no bias. Scores are scaled by 1/sqrt(D)."""
+    no bias. Scores are scaled by 1/sqrt(D) (by the `AttentionInterface`).
+
+    Attribute `qkv_weight` (default None): an inference copy may store q/k/v as one ((Nh + 2 Nkv) D, H) tensor
+    whose row blocks ARE the three projections' weights (`astrai.rollout.model_runner.fuse_projections`); the
+    forward then makes one GEMM instead of three, with the same result.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -120,44 +134,44 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.qkv_weight: torch.Tensor | None = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        kv_cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """x (B, S, H); cos/sin (B, 1, S, D); mask (B|1, 1, S, K) bool or None (= causal) -> (B, S, H)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: AttentionInterface) -> torch.Tensor:
+        """x (B, S, H); cos/sin (B, S, 1, D); `attention` stores keys/values and attends -> (B, S, H)."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)  # (B, Nh, K, D); head h uses kv head h // groups
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight).view(b, s, nh + 2 * nkv, d)
+            qk = apply_rotary(qkv[:, :, :nh + nkv], cos, sin)  # rotary over the q and k heads at once
+            q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + nkv:]
+        else:
+            q = apply_rotary(self.q_proj(x).view(b, s, nh, d), cos, sin)
+            k = apply_rotary(self.k_proj(x).view(b, s, nkv, d), cos, sin)
+            v = self.v_proj(x).view(b, s, nkv, d)
+        out = attention(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(b, s, nh * d))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): down_proj(silu(gate_proj(x)) * up_proj(x)), no biases."""
+    """SwiGLU feed-forward (Shazeer 2020): down_proj(silu(gate_proj(x)) * up_proj(x)), no biases.
+
+    Attribute `gate_up_weight` (default None): as `Attention.qkv_weight`, one (2 I, H) tensor over gate_proj and
+    up_proj in inference copies (one GEMM instead of two).
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, S, H) -> (B, S, H)."""
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -171,14 +185,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        kv_cache: KVCache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: AttentionInterface) -> torch.Tensor:
         """x (B, S, H) -> (B, S, H); see `Attention.forward` for the other arguments."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -3,7 +3,8 @@
 from HF safetensors 1:1.
 
 Pieces (see `layers.py`): RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021, RoFormer),
-grouped-query attention (Ainslie et al. 2023) via `scaled_dot_product_attention`, SwiGLU MLP (Shazeer 2020).
+grouped-query attention (Ainslie et al. 2023) through an `AttentionInterface` (`attention.py`: training, a contiguous
+KV cache and the paged rollout engine run this same module code), SwiGLU MLP (Shazeer 2020).
 
 What is simplified relative to HF: no dropout, no rotary scaling, no attention/MLP biases, no `padding_idx` on the
 embedding (HF zeroes the gradient of the pad token's embedding row; with pad == eos, as in SmolLM2, that would
@@ -16,6 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from .attention import AttentionInterface, MaskedAttention
 from .cache import KVCache
 from .config import ModelConfig, tiny_config
 from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, build_attention_mask
@@ -66,30 +68,40 @@ class LlamaTrunk(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        attention: AttentionInterface | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm.
 
         input_ids (B, S) long; attention_mask (B, S_kv) 0/1 or bool with S_kv = cache length + S (None: no
         padding); position_ids (B, S) long, each < max_position_embeddings (None: arange from the cache length;
         with left padding pass `clamp(cumsum(attention_mask) - 1, min=0)`); kv_cache: see `KVCache` (its `length`
-        advances by S here, once). Returns (B, S, H) in the parameter dtype.
-        Raises `ValueError` for a mask of the wrong length or a cache without room.
+        advances by S here, once). `attention`: an `AttentionInterface` that replaces the mask-and-cache attention
+        (the rollout engine's paged one); it excludes `attention_mask` and `kv_cache`, and then `position_ids` is
+        required. Returns (B, S, H) in the parameter dtype.
+        Raises `ValueError` for a mask of the wrong length, a cache without room, or `attention` combined with a
+        mask or cache (or without position_ids).
         """
         b, s = input_ids.shape
-        past = kv_cache.length if kv_cache is not None else 0
-        if kv_cache is not None:
-            kv_cache.check_room(b, s)
-        if position_ids is None:
-            position_ids = _default_position_ids(input_ids, past)
+        if attention is not None:
+            if attention_mask is not None or kv_cache is not None or position_ids is None:
+                raise ValueError("LlamaTrunk.forward: `attention` takes position_ids and no attention_mask/kv_cache")
+        else:
+            past = kv_cache.length if kv_cache is not None else 0
+            if kv_cache is not None:
+                kv_cache.check_room(b, s)
+            if position_ids is None:
+                position_ids = _default_position_ids(input_ids, past)
+            mask = build_attention_mask(attention_mask, s, past, input_ids.device)
+            attention = MaskedAttention(mask, kv_cache)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, h.dtype)
-        mask = build_attention_mask(attention_mask, s, past, h.device)
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if checkpointing and kv_cache is None:
-                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, None, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, attention, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, mask, kv_cache)
+                h = layer(h, cos, sin, attention)
         if kv_cache is not None:
             kv_cache.advance(s)
         return self.norm(h)

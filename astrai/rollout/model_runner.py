@@ -1,15 +1,17 @@
 """Runs an `AutoRegressiveLM` over a packed, ragged batch of tokens against the paged KV cache.
 
 One engine step = the new tokens of several sequences packed into one (N,) stream (prefill chunks of new requests
-mixed with one decode token per running request, as in continuous batching, Yu et al. 2022 "Orca"). The runner
-walks the model's own modules (HF Llama attribute names: embed_tokens, layers[i].self_attn.{q,k,v,o}_proj,
-input/post_attention_layernorm, mlp, norm, lm_head), so the weights are the engine's model's and any MLP (dense or
-MoE) works; only attention is replaced by the paged kernels of `astrai.kernels`.
+mixed with one decode token per running request, as in continuous batching, Yu et al. 2022 "Orca"). The runner calls
+the model's own trunk (`LlamaTrunk.forward`) on that stream as one row of N tokens, with a `PagedAttention` as its
+`astrai.models.AttentionInterface`: each layer's keys/values go into the paged cache and its queries read them
+through the kernels of `astrai.kernels`. Every other piece (projections, rotary, norms, any MLP, dense or MoE) is
+the training code itself, so a change to the model is made once.
 
 CPU cost model (SmolLM2-135M, batch 32, one thread; see `bench/rollout.py`): a decode step is GEMM-bound, so the
-runner trims what is not GEMM: `fuse_projections` stores q/k/v and gate/up weights in one tensor each (one GEMM per
-group instead of three or two), rotary runs once over q and k together, and logits land in a workspace buffer
-instead of a fresh multi-MB tensor per step, computed on CPU in vocabulary chunks of `LOGITS_CHUNK` rows.
+engine trims what is not GEMM: `fuse_projections` stores q/k/v and gate/up weights in one tensor each (one GEMM per
+group instead of three or two; the layers use them when present), rotary runs once over q and k together, and
+logits land in a workspace buffer instead of a fresh multi-MB tensor per step, computed on CPU in vocabulary chunks
+of `LOGITS_CHUNK` rows.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from astrai.kernels import AttentionMetadata, DenseDecodeCache, InferenceWorkspace, apply_rotary, write_kv
+from astrai.kernels import AttentionMetadata, DenseDecodeCache, InferenceWorkspace, write_kv
 
-__all__ = ["StepBatch", "PagedModelRunner", "fuse_projections"]
+__all__ = ["PagedAttention", "PagedModelRunner", "StepBatch", "fuse_projections"]
 
 LOGITS_CHUNK = 1024  # vocabulary rows of the LM head per GEMM
 
@@ -53,6 +55,31 @@ class StepBatch:
     seq_ids: Optional[list[int]] = None
 
 
+class PagedAttention:
+    """The `astrai.models.AttentionInterface` of one engine step: the N packed tokens (passed as one row, B = 1)
+    write their keys/values into the paged cache at `slots` and attend through the attention `backend` (or, for
+    decode-only steps of the torch backend, through the dense copies of a `DenseDecodeCache`).
+
+    Args:
+        workspace: the paged KV storage; meta: the step layout; slots: (N,) int64 flat cache slots.
+        backend: an `astrai.kernels` attention backend; dense: the decode cache prepared for this step, or None.
+    """
+
+    def __init__(self, workspace: InferenceWorkspace, meta: AttentionMetadata, slots: torch.Tensor, backend,
+                 dense: Optional[DenseDecodeCache]):
+        self.workspace, self.meta, self.slots, self.backend, self.dense = workspace, meta, slots, backend, dense
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, N, Nh, D), k/v (1, N, Nkv, D) -> (1, N, Nh, D)."""
+        q, k, v = q[0], k[0], v[0]
+        k_cache, v_cache = self.workspace.k_caches[layer_idx], self.workspace.v_caches[layer_idx]
+        write_kv(k_cache, v_cache, self.slots, k, v)
+        if self.dense is not None:
+            self.dense.append(layer_idx, k, v)
+            return self.dense.attention(layer_idx, q)[None]
+        return self.backend.attention(q, k_cache, v_cache, self.meta)[None]
+
+
 class PagedModelRunner:
     """Forward of `model` (an `AutoRegressiveLM`, eval mode) over a `StepBatch`, reading/writing `workspace`.
 
@@ -68,10 +95,7 @@ class PagedModelRunner:
     def __init__(self, model: torch.nn.Module, workspace: InferenceWorkspace, backend, *, dense_decode: bool = True):
         self.model, self.workspace, self.backend = model, workspace, backend
         self.decode_cache = DenseDecodeCache(workspace) if dense_decode and backend.name == "torch" else None
-        cfg = model.config
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                            cfg.head_dim)
-        self.scale = self.head_dim ** -0.5
+        self.scale = model.config.head_dim ** -0.5
 
     def _metadata(self, batch: StepBatch, device: torch.device) -> AttentionMetadata:
         """Device tensors of the step layout (block tables padded with block 0, never read past kv_lens)."""
@@ -85,6 +109,16 @@ class PagedModelRunner:
             block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
             max_q=max(q_lens), max_kv=max(batch.kv_lens), scale=self.scale, scratch=self.workspace)
 
+    def _dense_cache(self, batch: StepBatch, meta: AttentionMetadata) -> Optional[DenseDecodeCache]:
+        """The decode cache, prepared for this step, when it can serve it (decode-only, known rows); else None."""
+        if self.decode_cache is None:
+            return None
+        if meta.decode_only and batch.seq_ids is not None and self.decode_cache.begin_step(
+                batch.seq_ids, batch.kv_lens, meta.block_tables, self.scale):
+            return self.decode_cache
+        self.decode_cache.invalidate()  # mixed or unknown steps change lengths behind the dense copy
+        return None
+
     @torch.no_grad()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Write the step's keys/values into the cache and return logits (len(logit_rows), V) in float32.
@@ -97,47 +131,15 @@ class PagedModelRunner:
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
         slots = torch.tensor(batch.slots, dtype=torch.long, device=device)
-        h = trunk.embed_tokens(ids)  # (N, H)
-        cos, sin = trunk.rotary_emb(positions[None], h.dtype)  # (1, 1, N, D)
-        cos, sin = cos[0, 0, :, None], sin[0, 0, :, None]  # (N, 1, D)
-        n = ids.shape[0]
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        ws = self.workspace
-        dense = None
-        if self.decode_cache is not None:
-            if meta.decode_only and batch.seq_ids is not None and self.decode_cache.begin_step(
-                    batch.seq_ids, batch.kv_lens, meta.block_tables, self.scale):
-                dense = self.decode_cache
-            else:
-                self.decode_cache.invalidate()  # mixed or unknown steps change lengths behind the dense copy
-        for layer_idx, layer in enumerate(trunk.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            fused = getattr(attn, "qkv_weight", None)
-            if fused is not None:
-                qkv = F.linear(x, fused).view(n, nh + 2 * nkv, d)
-                qk = apply_rotary(qkv[:, :nh + nkv], cos, sin)  # rotary over q and k heads at once
-                q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
-            else:
-                q = apply_rotary(attn.q_proj(x).view(n, nh, d), cos, sin)
-                k = apply_rotary(attn.k_proj(x).view(n, nkv, d), cos, sin)
-                v = attn.v_proj(x).view(n, nkv, d)
-            k_cache, v_cache = ws.k_caches[layer_idx], ws.v_caches[layer_idx]
-            write_kv(k_cache, v_cache, slots, k, v)
-            if dense is not None:
-                dense.append(layer_idx, k, v)
-                out = dense.attention(layer_idx, q)
-            else:
-                out = self.backend.attention(q, k_cache, v_cache, meta)
-            h = h + attn.o_proj(out.reshape(n, nh * d))
-            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+        attention = PagedAttention(self.workspace, meta, slots, self.backend, self._dense_cache(batch, meta))
+        hidden = trunk(ids[None], position_ids=positions[None], attention=attention)[0]  # (N, H), final-normed
         rows = torch.tensor(batch.logit_rows, dtype=torch.long, device=device)
-        final = trunk.norm(h.index_select(0, rows))
+        final = hidden.index_select(0, rows)
         weight = self.model.lm_head.weight
         if final.dtype != torch.float32 or weight.dtype != torch.float32:
             return self.model.lm_head(final).float()
         num_rows, vocab = final.shape[0], weight.shape[0]
-        logits = ws.scratch("logits", num_rows * vocab, torch.float32).view(num_rows, vocab)
+        logits = self.workspace.scratch("logits", num_rows * vocab, torch.float32).view(num_rows, vocab)
         if final.device.type != "cpu":
             return torch.mm(final, weight.t(), out=logits)
         # On CPU the (V, H) head in row chunks: each chunk stays cache-resident during its GEMM, about 1.5x faster
@@ -146,15 +148,6 @@ class PagedModelRunner:
             stop = min(start + LOGITS_CHUNK, vocab)
             torch.mm(final, weight[start:stop].t(), out=logits[:, start:stop])
         return logits
-
-    @staticmethod
-    def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The layer's MLP on (N, H): one GEMM for gate and up when `fuse_projections` stored them together."""
-        fused = getattr(mlp, "gate_up_weight", None)
-        if fused is None:
-            return mlp(x[None])[0]
-        gate, up = F.linear(x, fused).chunk(2, dim=-1)
-        return mlp.down_proj(F.silu(gate) * up)
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> torch.Tensor:
@@ -176,8 +169,8 @@ def fuse_projections(model: torch.nn.Module) -> None:
     Sets `self_attn.qkv_weight` ((Nh + 2 Nkv) * D, H) over q_proj/k_proj/v_proj and, for dense SwiGLU MLPs,
     `mlp.gate_up_weight` (2 I, H) over gate_proj/up_proj. The modules' Parameters become views of these tensors, so
     `named_parameters`, `state_dict` and `copy_weights` (in-place `copy_`) see and update the same memory; the
-    model's own `forward` is unchanged. Layers without bias-free Linear projections (e.g. MoE MLPs) are left as
-    they are. Idempotent. Do not move the model to another device afterwards (the views would be re-created).
+    layers' forwards use the fused tensors when set (same results, fewer GEMMs). Layers without bias-free Linear
+    projections (e.g. MoE MLPs) are left as they are. Idempotent. Do not move the model to another device afterwards (the views would be re-created).
     """
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -1,8 +1,8 @@
-"""Paged, continuously batched rollout engine with the public interface of `GenerationEngine`.
+"""Paged, continuously batched rollout engine: the engine of the online train types.
 
 PagedAttention (Kwon et al. 2023, vLLM) for the KV memory, continuous batching (Yu et al. 2022, Orca) for the
-schedule; both re-implemented here on astrai's model and kernels (`astrai.kernels`). What it adds over the simple
-engine:
+schedule; both re-implemented here on astrai's model and kernels (`astrai.kernels`). What it adds over a naive
+contiguous-cache loop (the reference engine of the tests):
 - KV in fixed-size blocks of a preallocated `InferenceWorkspace`, addressed by block tables (no padding, no
   per-batch reallocation); requests join and leave between decode steps (`scheduler.Scheduler`).
 - The G samples of a prompt (`n=G`, or identical prompts in the list) prefill it once and share its blocks,
@@ -25,7 +25,8 @@ import torch
 
 from astrai.kernels import InferenceWorkspace, select_backend
 from astrai.rollout.block_pool import BlockPool, PrefixCache
-from astrai.rollout.engine import Generation, copy_weights, left_pad
+from astrai.data.sequences import left_pad
+from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
@@ -38,7 +39,7 @@ PenaltyArg = Union[None, FrequencyPenaltyStrategy, Sequence[Optional[FrequencyPe
 
 
 class PagedGenerationEngine:
-    """Colocated rollout engine over a paged KV cache (drop-in for `GenerationEngine`).
+    """Colocated rollout engine over a paged KV cache.
 
     Args:
         model: the policy (`AutoRegressiveLM`); deep-copied (eval, no grad) so training never changes the

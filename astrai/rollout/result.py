@@ -1,7 +1,6 @@
-"""Rollout containers: sequences assembled from a generation, and the pinned PPO targets.
+"""`RolloutResult`: one rollout's sequences with its training targets computed once and pinned.
 
-Layout (docs/architecture.md): `input_ids (B, S)` = left-padded prompt (B, P) + right-padded response (B, T);
-response token t is scored by the logits at position P - 1 + t.
+The sequences use the layout of `astrai.data.sequences.Sequences` (left-padded prompt + right-padded response).
 """
 
 from __future__ import annotations
@@ -12,48 +11,7 @@ from typing import Optional
 
 import torch
 
-from astrai.rollout.engine import Generation, position_ids_from_mask
-
-
-@dataclass(frozen=True)
-class Sequences:
-    """Model inputs for a batch of prompt + response sequences.
-
-    Attributes:
-        input_ids: (B, S) int64, S = P + T.
-        attention_mask: (B, S) bool, True on real tokens.
-        position_ids: (B, S) int64.
-        prompt_length: P, the padded prompt width.
-        action_mask: (B, T) bool, True on real response tokens.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    prompt_length: int
-    action_mask: torch.Tensor
-
-    @classmethod
-    def from_generation(cls, generation: Generation) -> "Sequences":
-        """Concatenate the left-padded prompts and right-padded responses of `generation`."""
-        attention_mask = torch.cat([generation.prompt_mask, generation.action_mask], dim=1)
-        return cls(input_ids=torch.cat([generation.prompt_ids, generation.response_ids], dim=1),
-                   attention_mask=attention_mask,
-                   position_ids=position_ids_from_mask(attention_mask),
-                   prompt_length=generation.prompt_ids.shape[1],
-                   action_mask=generation.action_mask)
-
-    @property
-    def response_ids(self) -> torch.Tensor:
-        """(B, T) int64 response tokens."""
-        return self.input_ids[:, self.prompt_length:]
-
-    def select(self, index: torch.Tensor) -> "Sequences":
-        """Rows `index` (1-D int64) of every tensor; the prompt width is kept."""
-        return dataclasses.replace(self, input_ids=self.input_ids[index],
-                                   attention_mask=self.attention_mask[index],
-                                   position_ids=self.position_ids[index],
-                                   action_mask=self.action_mask[index])
+from astrai.data.sequences import Sequences
 
 
 @dataclass(frozen=True)

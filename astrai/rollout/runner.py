@@ -11,8 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from astrai.rollout.engine import GenerationEngine
-from astrai.rollout.result import Sequences
+from astrai.data.sequences import Sequences
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.scoring import response_logprobs, score_in_chunks
 
@@ -45,7 +44,7 @@ class RolloutRunner:
     """Turns prompt token ids into scored `Experience` with the colocated engine.
 
     Args:
-        engine: the generation engine (its weights must be synced by the caller).
+        engine: a `PagedGenerationEngine` (or anything with its `generate`); its weights are synced by the caller.
         sampling: sampling settings (temperature is also used to score, docs/conventions.md section 2).
         decode: token ids -> text (special tokens skipped).
         score_fn: the reward, see `ScoreFn`.
@@ -53,7 +52,7 @@ class RolloutRunner:
         chunk_size: rows per no-grad scoring forward.
     """
 
-    def __init__(self, engine: GenerationEngine, sampling: SamplingParams, *,
+    def __init__(self, engine, sampling: SamplingParams, *,
                  decode: Callable[[list[int]], str], score_fn: ScoreFn,
                  ref_model: Optional[torch.nn.Module] = None, chunk_size: int = 8):
         self.engine = engine
@@ -74,7 +73,7 @@ class RolloutRunner:
         if len(prompt_ids) != len(answers):
             raise ValueError(f"collect: {len(prompt_ids)} prompts but {len(answers)} answers")
         generation = self.engine.generate(prompt_ids, self.sampling, generator)
-        sequences = Sequences.from_generation(generation)
+        sequences = generation.sequences()
         response_ids = [row[mask].tolist() for row, mask in
                         zip(generation.response_ids.cpu(), generation.action_mask.cpu())]
         responses = tuple(self.decode(ids) for ids in response_ids)

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from astrai.algos import entropy_from_logits, logprobs_from_logits
-from astrai.rollout.result import Sequences
+from astrai.data.sequences import Sequences
 
 
 def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperature: float,

@@ -2,7 +2,7 @@
 
 Each record holds a prompt and a chosen and a rejected response (strings). The prompt goes through the chat
 template like online rollouts; each response is its tokens + EOS. Chosen and rejected rows of a micro-batch
-share one forward in the rollout layout (`sequences_from_tokens`) and are scored by the same
+share one forward in the rollout layout (`Sequences.from_tokens`) and are scored by the same
 `response_logprobs` as RL (temperature 1); the sequence log-prob is the sum over real response tokens. The loss
 (`algos.dpo_loss`) is divided by the GLOBAL number of pairs of the optimizer step (all micro-batches, all
 ranks). The reference is a frozen copy of the initial policy.
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from astrai.algos import dpo_loss, masked_sum
-from astrai.data.examples import sequences_from_tokens
+from astrai.data.sequences import Sequences
 from astrai.rollout.scoring import response_logprobs
 from astrai.trainer.strategies.common import (SamplerOnlyState, accumulate, add_aux_loss,
                                               prompt_ids_and_budget)
@@ -23,7 +23,7 @@ from astrai.trainer.strategies.common import (SamplerOnlyState, accumulate, add_
 
 def sequence_logps(model, prompts, responses, *, pad_token_id: int, device) -> torch.Tensor:
     """Summed response log-probs (len(prompts),) float32 of `responses` after `prompts` under `model`."""
-    seqs = sequences_from_tokens(prompts, responses, pad_token_id=pad_token_id, device=device)
+    seqs = Sequences.from_tokens(prompts, responses, pad_token_id=pad_token_id, device=device)
     logprobs, _ = response_logprobs(model, seqs, temperature=1.0)
     return masked_sum(logprobs, seqs.action_mask, dim=-1)
 

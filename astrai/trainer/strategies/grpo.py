@@ -58,12 +58,12 @@ class OfflineGroups:
                                sequences, self.chunk_size)
 
     def __call__(self, policy_version: int) -> Experience:
-        from astrai.data.examples import sequences_from_tokens
+        from astrai.data.sequences import Sequences
 
         records = self.sampler.next_batch(self.batch_size)
         prompts = [r.prompt_ids for r in records for _ in r.response_ids]
         responses = [ids for r in records for ids in r.response_ids]
-        seqs = sequences_from_tokens(prompts, responses, pad_token_id=self.pad_token_id, device=self.device)
+        seqs = Sequences.from_tokens(prompts, responses, pad_token_id=self.pad_token_id, device=self.device)
         mask = seqs.action_mask
         given = torch.zeros(mask.shape, dtype=torch.float32, device=self.device)
         has = torch.zeros(mask.shape[0], dtype=torch.bool, device=self.device)

@@ -16,7 +16,6 @@ import torch
 
 from astrai.algos import (explained_variance, gae, kl_estimate, masked_mean, masked_whiten,
                           ppo_policy_loss, ppo_token_rewards, value_loss)
-from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import RolloutRunner
 from astrai.rollout.scoring import response_values, score_in_chunks
@@ -59,7 +58,7 @@ class OnlinePPOStrategy:
         seed: seeds the sampling RNG (on the device) and the minibatch-shuffling RNG (CPU).
     """
 
-    def __init__(self, *, policy, value_model, engine: GenerationEngine, runner: RolloutRunner,
+    def __init__(self, *, policy, value_model, engine, runner: RolloutRunner,
                  next_prompts: Callable[[int], tuple[list[list[int]], list[str]]],
                  policy_optimizer, policy_scheduler, value_optimizer, value_scheduler,
                  settings: PPOSettings, dist, seed: int, extras: Optional[dict] = None):

@@ -1,0 +1,115 @@
+"""The prompt + response batch layout that rollouts, RL training, DPO and offline GRPO share.
+
+Layout (docs/architecture.md): `input_ids (B, S)` = left-padded prompt (B, P) + right-padded response (B, T);
+response token t is scored by the logits at position P - 1 + t. `position_ids = clamp(cumsum(mask) - 1, min=0)`,
+so left padding does not shift the positions of real tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["Sequences", "left_pad", "position_ids_from_mask", "right_pad"]
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str = "cpu"):
+    """Left-pad token id lists into `(ids (B, P) int64, mask (B, P) bool)`.
+
+    Raises:
+        ValueError: if `sequences` is empty or one of them is empty.
+    """
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("left_pad: every prompt must hold at least one token")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.tensor(list(seq), dtype=torch.long)
+        mask[row, width - len(seq):] = True
+    return ids.to(device), mask.to(device)
+
+
+def right_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str = "cpu"):
+    """Right-pad token id lists into `(ids (B, T) int64, mask (B, T) bool)`.
+
+    Raises:
+        ValueError: if `sequences` is empty or one of them is empty.
+    """
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("right_pad: every response must hold at least one token")
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        ids[row, :len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        mask[row, :len(seq)] = True
+    return ids.to(device), mask.to(device)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions (B, S) int64 = number of real tokens before each position (0 at left padding)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """Model inputs for a batch of prompt + response sequences.
+
+    Attributes:
+        input_ids: (B, S) int64, S = P + T.
+        attention_mask: (B, S) bool, True on real tokens.
+        position_ids: (B, S) int64.
+        prompt_length: P, the padded prompt width.
+        action_mask: (B, T) bool, True on real response tokens.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    prompt_length: int
+    action_mask: torch.Tensor
+
+    @classmethod
+    def from_padded(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                    action_mask: torch.Tensor) -> "Sequences":
+        """Concatenate left-padded prompts (B, P) and right-padded responses (B, T) with their masks."""
+        attention_mask = torch.cat([prompt_mask, action_mask], dim=1)
+        return cls(input_ids=torch.cat([prompt_ids, response_ids], dim=1), attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask), prompt_length=prompt_ids.shape[1],
+                   action_mask=action_mask)
+
+    @classmethod
+    def from_tokens(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
+                    pad_token_id: int, device: torch.device | str = "cpu") -> "Sequences":
+        """Prompt + response token lists in the layout above (prompts left-padded, responses right-padded).
+
+        Raises:
+            ValueError: when the lists differ in length or a prompt or response is empty.
+        """
+        if len(prompts) != len(responses):
+            raise ValueError(f"Sequences.from_tokens: {len(prompts)} prompts but {len(responses)} responses")
+        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)
+        response_ids, action_mask = right_pad(responses, pad_token_id, device)
+        return cls.from_padded(prompt_ids, prompt_mask, response_ids, action_mask)
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        """(B, T) int64 response tokens."""
+        return self.input_ids[:, self.prompt_length:]
+
+    def select(self, index: torch.Tensor) -> "Sequences":
+        """Rows `index` (1-D int64) of every tensor; the prompt width is kept."""
+        return dataclasses.replace(self, input_ids=self.input_ids[index],
+                                   attention_mask=self.attention_mask[index],
+                                   position_ids=self.position_ids[index],
+                                   action_mask=self.action_mask[index])
+
+    def to(self, device: torch.device | str) -> "Sequences":
+        """Every tensor moved to `device`."""
+        return dataclasses.replace(self, input_ids=self.input_ids.to(device),
+                                   attention_mask=self.attention_mask.to(device),
+                                   position_ids=self.position_ids.to(device), action_mask=self.action_mask.to(device))

@@ -1,0 +1,72 @@
+"""What a rollout engine returns (`Generation`) and how it takes new weights (`copy_weights`).
+
+An engine owns an inference copy of the policy, tagged with the `policy_version` of the weights it holds
+(docs/conventions.md section 4). For every sampled token it records the behaviour log-prob
+`old_logprobs = log softmax(logits / temperature)[token]` of the untruncated, temperature-scaled distribution
+(docs/conventions.md section 2), which is exactly what the trainer recomputes, so with unchanged weights the
+importance ratio is 1. The engine is `astrai.rollout.paged_engine.PagedGenerationEngine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from astrai.data.sequences import Sequences
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Output of one `PagedGenerationEngine.generate` call.
+
+    Attributes:
+        prompt_ids: (B, P) int64, prompts left-padded with the pad token.
+        prompt_mask: (B, P) bool, True on real prompt tokens.
+        response_ids: (B, T) int64, sampled tokens right-padded with the pad token (T <= max_new_tokens).
+        action_mask: (B, T) bool, True on real response tokens (the stop token included when sampled).
+        old_logprobs: (B, T) float32, sampler-aligned behaviour log-probs (nats); 0 at padding.
+        finished: (B,) bool, True where the response ended with a stop token.
+        policy_version: the version of the weights that sampled every token.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    action_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    finished: torch.Tensor
+    policy_version: int
+
+    def sequences(self) -> Sequences:
+        """The prompts and responses as model inputs (`Sequences`, the rollout layout)."""
+        return Sequences.from_padded(self.prompt_ids, self.prompt_mask, self.response_ids, self.action_mask)
+
+
+@torch.no_grad()
+def copy_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy every parameter of `model` (tied ones under each of their names) from `state_dict`.
+
+    All names and shapes are checked before the first copy, so a bad state dict leaves the model untouched (no
+    broadcasting: each tensor must have exactly its parameter's shape; dtype and device are converted).
+
+    Raises:
+        KeyError: naming missing or unexpected tensors; nothing is copied then.
+        ValueError: naming the first tensor that is not a floating-point tensor of the parameter's exact shape;
+            nothing is copied then.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(set(params) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(params))
+    if missing or unexpected:
+        raise KeyError(f"load_weights: missing {missing[:3]} unexpected {unexpected[:3]}")
+    for name, param in params.items():
+        tensor = state_dict[name]
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.shape != param.shape:
+            got = (f"{type(tensor).__name__} of shape {tuple(tensor.shape)}, dtype {tensor.dtype}"
+                   if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
+            raise ValueError(f"load_weights: {name}: expected a floating-point tensor of shape "
+                             f"{tuple(param.shape)}, got {got}; nothing was copied")
+    for name, param in params.items():
+        param.copy_(state_dict[name])
