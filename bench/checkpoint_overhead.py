@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from astrai.checkpoint import publish_checkpoint
+from astrai.checkpoint import Part, publish_checkpoint
 from astrai.checkpoint.fsutil import sha256_file
 from astrai.models import AutoRegressiveLM, ModelConfig, ValueModel, hf_state_dict, tiny_tokenizer
 
@@ -35,7 +35,7 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 
 
 def build_state(critic: bool) -> dict:
-    """checkpoint_state()-like objects with AdamW moments populated (one step on random gradients)."""
+    """The objects of an online_ppo checkpoint with AdamW moments populated (one step on random gradients)."""
     torch.manual_seed(0)
     policy = AutoRegressiveLM(ModelConfig(**SMOLLM2_135M))
     objects = {"policy": policy, "tokenizer": tiny_tokenizer()}
@@ -64,6 +64,18 @@ def plain_save(directory: Path, objects: dict, trainer_state: dict) -> None:
     (directory / "trainer_state.json").write_text(json.dumps(trainer_state))
 
 
+def as_parts(objects: dict, trainer_state: dict) -> dict[str, Part]:
+    """The objects as the checkpoint parts a strategy declares (plus the counters)."""
+
+    class Counters:
+        def state_dict(self):
+            return trainer_state
+
+    kinds = {"policy": "hf_model", "tokenizer": "hf_tokenizer"}
+    parts = {name: Part(obj, kinds.get(name, "torch"), required=name != "tokenizer") for name, obj in objects.items()}
+    return dict(parts, trainer_state=Part(Counters(), "json"))
+
+
 def timed(fn) -> float:
     os.sync()
     start = time.perf_counter()
@@ -85,7 +97,8 @@ def main() -> None:
     try:
         for i in range(args.repeats):  # alternate the order so drift hits both sides alike
             runs = [(plain, lambda: plain_save(scratch / f"plain-{i}", objects, state), f"plain-{i}"),
-                    (publish, lambda: publish_checkpoint(scratch / f"pub-{i}", 1, objects, state), f"pub-{i}")]
+                    (publish, lambda: publish_checkpoint(scratch / f"pub-{i}", 1, as_parts(objects, state),
+                                                         metadata={"policy_version": 1}), f"pub-{i}")]
             for times, fn, name in runs if i % 2 == 0 else runs[::-1]:
                 times.append(timed(fn))
                 if name != f"pub-{args.repeats - 1}":

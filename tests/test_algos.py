@@ -1,4 +1,4 @@
-"""astrai.algos against naive Python loops and hand-computed values (DESIGN section 2)."""
+"""astrai.algos against naive Python loops and hand-computed values (docs/conventions.md section 2)."""
 
 from __future__ import annotations
 

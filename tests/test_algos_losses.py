@@ -1,4 +1,4 @@
-"""astrai.algos losses and diagnostics against hand-computed values (DESIGN section 2)."""
+"""astrai.algos losses and diagnostics against hand-computed values (docs/conventions.md section 2)."""
 
 from __future__ import annotations
 

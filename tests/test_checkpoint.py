@@ -12,11 +12,24 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from astrai.checkpoint import (CheckpointError, CheckpointWarning, NotACheckpointError, capture_rng_state,
-                               checkpoints_root, find_latest_checkpoint, list_checkpoints,
-                               load_checkpoint, publish_checkpoint, recover, restore_rng_state,
-                               step_dirname, verify_checkpoint)
-from astrai.checkpoint import fsutil
+from astrai.checkpoint import (
+    CheckpointError,
+    CheckpointWarning,
+    GlobalRNGState,
+    NotACheckpointError,
+    Part,
+    capture_rng_state,
+    checkpoints_root,
+    find_latest_checkpoint,
+    fsutil,
+    list_checkpoints,
+    load_checkpoint,
+    publish_checkpoint,
+    recover,
+    restore_rng_state,
+    step_dirname,
+    verify_checkpoint,
+)
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config, tiny_tokenizer
 from astrai.trainer.optim import build_optimizer, build_scheduler
 
@@ -28,9 +41,25 @@ class FakeSampler:
     def state_dict(self):
         return {"epoch": 1, "position": self.position, "seed": 7, "shuffle": True, "num_records": 10}
 
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class Counters:
+    """A json part holding a plain dict (as the trainer's counters)."""
+
+    def __init__(self, state):
+        self.state = dict(state)
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
+
 
 def make_objects(seed=0, critic=True):
-    """A tiny online_ppo-like checkpoint_state() with one optimizer step taken (non-empty moments)."""
+    """A tiny online_ppo-like set of checkpointed objects with one optimizer step taken (non-empty moments)."""
     torch.manual_seed(seed)
     policy = AutoRegressiveLM(tiny_config())
     objects = {"policy": policy, "tokenizer": tiny_tokenizer(), "data_sampler": FakeSampler()}
@@ -48,12 +77,27 @@ def make_objects(seed=0, critic=True):
     return objects
 
 
+KINDS = {"policy": "hf_model", "tokenizer": "hf_tokenizer", "data_sampler": "json"}
+
+
 def state(step):
     return {"step": step, "global_step": step, "policy_version": step, "consumed_samples": 4 * step}
 
 
-def publish(tmp_path, step, objects, **kw):
-    return publish_checkpoint(tmp_path, step, objects, state(step), **kw)
+def parts_of(objects, step=1):
+    """The objects as checkpoint parts, as a strategy and the trainer declare them (online_ppo when a critic)."""
+    parts = {name: Part(obj, KINDS.get(name, "torch"), per_rank=name == "data_sampler",
+                        required=name != "tokenizer") for name, obj in objects.items()}
+    parts["trainer_state"] = Part(Counters(state(step)), "json")
+    parts["rng_state"] = Part(GlobalRNGState(), per_rank=True)
+    return parts
+
+
+def publish(tmp_path, step, objects, train_type="auto", **kw):
+    if train_type == "auto":
+        train_type = "online_ppo" if objects.get("value_model") is not None else None
+    return publish_checkpoint(tmp_path, step, parts_of(objects, step),
+                              metadata={"policy_version": step, "train_type": train_type}, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +124,8 @@ def test_publish_contents_and_manifest(tmp_path, objects):
     assert set(manifest["files"]) == names - {"manifest.json"}
     assert all(len(e["sha256"]) == 64 and e["bytes"] > 0 for e in manifest["files"].values())
     trainer_state = json.loads((path / "trainer_state.json").read_text())
-    assert trainer_state["consumed_samples"] == 20 and trainer_state["data_sampler"]["position"] == 3
+    sampler = json.loads((path / "data_sampler.json").read_text())
+    assert trainer_state["consumed_samples"] == 20 and sampler["position"] == 3
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
     modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"] == modes["optimizer.pt"]  # not safetensors' 0600
@@ -88,20 +133,20 @@ def test_publish_contents_and_manifest(tmp_path, objects):
 
 def test_load_roundtrip_weights_only(tmp_path, objects):
     path = publish(tmp_path, 1, objects)
-    ckpt = load_checkpoint(path, verify=True, require_critic=True)
+    ckpt = load_checkpoint(path, verify=True, require_complete=True)
     assert ckpt.step == 1 and ckpt.train_type == "online_ppo" and not ckpt.legacy
     policy = AutoRegressiveLM(tiny_config())
     policy.load_state_dict(ckpt.policy_state_dict(), strict=True)
     assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(),
                                                   objects["policy"].state_dict().values()))
     for key in ("optimizer", "scheduler", "value_model", "value_optimizer", "value_scheduler"):
-        loaded = getattr(ckpt, f"{key}_state")()
+        loaded = ckpt.part_state(key, "torch")
         expected = objects[key].state_dict()
         assert loaded.keys() == expected.keys(), key
-    moments = ckpt.value_optimizer_state()["state"][0]["exp_avg"]
+    moments = ckpt.part_state("value_optimizer", "torch")["state"][0]["exp_avg"]
     assert torch.equal(moments, objects["value_optimizer"].state_dict()["state"][0]["exp_avg"])
-    assert ckpt.data_sampler_state()["position"] == 3
-    assert ckpt.config["model_type"] == "llama"
+    assert ckpt.part_state("data_sampler", "json")["position"] == 3
+    assert ckpt.read_json("config.json")["model_type"] == "llama"
     for name in ("optimizer.pt", "rng_state.pt", "value_model.pt"):  # all load under weights_only
         torch.load(path / name, weights_only=True)
 
@@ -112,7 +157,7 @@ def test_rng_state_roundtrip(tmp_path, objects):
     path = publish(tmp_path, 1, objects)
     expected = (random.random(), np.random.rand(), torch.rand(3))
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    restore_rng_state(load_checkpoint(path).rng_state())
+    restore_rng_state(load_checkpoint(path).part_state("rng_state", "torch"))
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
     assert saved["numpy"][1].dtype == torch.int64
@@ -133,12 +178,14 @@ def test_republish_replaces_without_leftovers(tmp_path, objects, exchange, monke
 
 
 def test_publish_refuses_incomplete_objects(tmp_path, objects):
-    no_critic = {k: v for k, v in objects.items() if k != "value_optimizer"}
+    no_critic = dict(objects, value_optimizer=None)  # declared required, but missing
     with pytest.raises(CheckpointError, match="value_optimizer"):
         publish(tmp_path, 1, no_critic, train_type="online_ppo")
     with pytest.raises(CheckpointError, match="unknown object"):
-        publish(tmp_path, 1, dict(objects, mystery=object()))
-    assert list(checkpoints_root(tmp_path).iterdir()) == []  # staging removed
+        publish_checkpoint(tmp_path, 1, dict(parts_of(objects), mystery=object()))
+    with pytest.raises(CheckpointError, match="unknown kind 'pickle'"):
+        publish_checkpoint(tmp_path, 1, dict(parts_of(objects), mystery=Part(FakeSampler(), "pickle")))
+    assert list(checkpoints_root(tmp_path).glob("*")) == []  # refused before staging: nothing left behind
 
 
 def test_before_publish_hook_runs_first(tmp_path, objects):
@@ -252,10 +299,10 @@ def test_require_critic(tmp_path, objects):
     result = cli("verify", "--require-critic", path)
     assert result.returncode == 1 and "MISSING    value_model.pt" in result.stdout
     with pytest.raises(CheckpointError, match="online_ppo checkpoint lacks value_model.pt"):
-        load_checkpoint(path, require_critic=True)
+        load_checkpoint(path, require_complete=True)
     ckpt = load_checkpoint(path)
     with pytest.raises(CheckpointError, match="online_ppo checkpoint lacks value_model.pt"):
-        ckpt.value_model_state()
+        ckpt.part_state("value_model", "torch")
     sft = publish(tmp_path, 2, make_objects(critic=False))
     assert json.loads((sft / "manifest.json").read_text())["train_type"] is None
     assert cli("verify", "--require-critic", sft).returncode == 0
@@ -287,7 +334,7 @@ def test_legacy_checkpoint_loads_with_warning(tmp_path, objects):
     (path / "manifest.json").unlink()
     with pytest.warns(CheckpointWarning, match="legacy"):
         ckpt = load_checkpoint(path, verify=True)
-    assert ckpt.legacy and ckpt.step == 1 and "exp_avg" in ckpt.optimizer_state()["state"][0]
+    assert ckpt.legacy and ckpt.step == 1 and "exp_avg" in ckpt.part_state("optimizer", "torch")["state"][0]
     result = cli("verify", path)
     assert result.returncode == 0 and "UNVERIFIED" in result.stdout
     with pytest.warns(CheckpointWarning):

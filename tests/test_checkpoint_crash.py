@@ -32,24 +32,25 @@ def _child(out_dir, log_path, use_exchange):
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         torch.set_num_threads(1)
-        from astrai.checkpoint import fsutil, publish_checkpoint
+        from astrai.checkpoint import Part, fsutil, publish_checkpoint
         from astrai.models import AutoRegressiveLM, ValueModel, tiny_config, tiny_tokenizer
 
         fsutil.EXCHANGE_SUPPORTED = None if use_exchange else False
         _widen_windows(fsutil)
         policy = AutoRegressiveLM(tiny_config())
         value = ValueModel.from_policy(policy)
-        objects = {"policy": policy, "tokenizer": tiny_tokenizer(), "value_model": value,
-                   "optimizer": torch.optim.SGD(policy.parameters(), lr=0.1),
-                   "value_optimizer": torch.optim.SGD(value.parameters(), lr=0.1)}
+        parts = {"policy": Part(policy, "hf_model"),
+                 "tokenizer": Part(tiny_tokenizer(), "hf_tokenizer", required=False),
+                 "value_model": Part(value), "optimizer": Part(torch.optim.SGD(policy.parameters(), lr=0.1)),
+                 "value_optimizer": Part(torch.optim.SGD(value.parameters(), lr=0.1))}
         steps = [s for s, _ in list_checkpoints(out_dir)]
         step = steps[-1] if steps else 1
         os.write(log, b"ready\n")
         for i in range(10_000):
             with torch.no_grad():
                 policy.lm_head.weight.add_(0.01)  # every publish has different content
-            publish_checkpoint(out_dir, step, objects, {"step": step, "policy_version": step},
-                               keep_last=KEEP_LAST, train_type="online_ppo")
+            publish_checkpoint(out_dir, step, parts, metadata={"policy_version": step, "train_type": "online_ppo"},
+                               keep_last=KEEP_LAST)
             os.write(log, f"{step}\n".encode())
             step += i % 2
     except BaseException:  # noqa: BLE001 - reported through the log
@@ -94,7 +95,7 @@ def _assert_consistent(root, known, *, exchange):
     """Every visible step dir verifies; the two newest known checkpoints are visible (with exchange)."""
     visible = _visible(root)
     for step, path in visible.items():
-        report = verify_checkpoint(path, require_critic=True)
+        report = verify_checkpoint(path, require_complete=True)
         assert report.exit_code == 0, f"{path} visible but broken: {report.lines()}"
     if exchange:
         assert set(known[-(KEEP_LAST - 1):]) <= set(visible), (known, sorted(visible), _hidden(root))

@@ -26,28 +26,35 @@ def _worker(rank, tmp, results):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
                                          world_size=WORLD)
-    from astrai.checkpoint import CheckpointError, publish_checkpoint
+    from astrai.checkpoint import CheckpointError, GlobalRNGState, Part, publish_checkpoint
     from astrai.models import AutoRegressiveLM, tiny_config, tiny_tokenizer
 
-    class Sampler:
+    class State:
+        def __init__(self, state):
+            self.state = state
+
         def state_dict(self):
-            return {"epoch": 0, "position": 10 + rank}
+            return self.state
 
     torch.manual_seed(100 + rank)  # per-rank RNG differs, as in training
-    objects = {"policy": AutoRegressiveLM(tiny_config()), "tokenizer": tiny_tokenizer(), "data_sampler": Sampler()}
+    parts = {"policy": Part(AutoRegressiveLM(tiny_config()), "hf_model"),
+             "tokenizer": Part(tiny_tokenizer(), "hf_tokenizer", required=False),
+             "data_sampler": Part(State({"epoch": 0, "position": 10 + rank}), "json", per_rank=True),
+             "rng_state": Part(GlobalRNGState(), per_rank=True)}
     dist = GlooDist(rank, WORLD)
     out = {}
     try:
         paths = []
         for repeat in range(2):  # second call republishes the same step
-            extra = {f"extra/rank{rank}.pt": {"rank": torch.tensor([rank, repeat])}}
-            paths.append(str(publish_checkpoint(tmp / "ok", 7, objects, {"step": 7, "policy_version": 7},
-                                                dist=dist, rank_files=extra, keep_last=1, timeout_s=30)))
+            extra = Part(State({"rank": torch.tensor([rank, repeat])}), per_rank=True)
+            paths.append(str(publish_checkpoint(tmp / "ok", 7, dict(parts, extra=extra),
+                                                metadata={"policy_version": 7}, dist=dist, keep_last=1,
+                                                timeout_s=30)))
         out["paths"] = paths
         # rank 1 writes to a directory rank 0 does not use: as if the filesystem were not shared
         target = tmp / ("blind" if rank == 0 else "elsewhere")
         try:
-            publish_checkpoint(target, 8, objects, {"step": 8}, dist=dist, timeout_s=2)
+            publish_checkpoint(target, 8, parts, dist=dist, timeout_s=2)
             out["blind"] = "published"
         except CheckpointError as exc:
             out["blind"] = str(exc)
@@ -84,13 +91,15 @@ def test_two_ranks_publish_one_checkpoint(run):
     assert verify_checkpoint(path).exit_code == 0
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["world_size"] == 2
-    assert {"rng_state.pt", "rng_state_rank00001.pt", "data_sampler_rank00001.json", "extra/rank0.pt",
-            "extra/rank1.pt", "model.safetensors"} <= set(manifest["files"])
+    assert {"rng_state.pt", "rng_state_rank00001.pt", "data_sampler_rank00001.json", "extra.pt",
+            "extra_rank00001.pt", "model.safetensors"} <= set(manifest["files"])
     assert not [n for n in manifest["files"] if n.startswith(".rank-")]
     ckpt = load_checkpoint(path, verify=True)
-    assert ckpt.data_sampler_state(0)["position"] == 10 and ckpt.data_sampler_state(1)["position"] == 11
-    assert not torch.equal(ckpt.rng_state(0)["torch"], ckpt.rng_state(1)["torch"])
-    assert ckpt.load_pt("extra/rank1.pt")["rank"].tolist() == [1, 1]  # the republished content
+    assert ckpt.part_state("data_sampler", "json", 0)["position"] == 10
+    assert ckpt.part_state("data_sampler", "json", 1)["position"] == 11
+    assert not torch.equal(ckpt.part_state("rng_state", "torch", 0)["torch"],
+                           ckpt.part_state("rng_state", "torch", 1)["torch"])
+    assert ckpt.load_pt("extra_rank00001.pt")["rank"].tolist() == [1, 1]  # the republished content
 
 
 def test_rank_that_cannot_see_staging_fails_clearly(run):

@@ -7,21 +7,25 @@ import math
 
 import pytest
 import torch
+from reference_engine import GenerationEngine
+from toy_rl import online_experience, trained
 
 from astrai.algos import kl_penalty_loss, ppo_policy_loss
 from astrai.config import ConfigError, load_config
-from astrai.distributed import setup_distributed
-from astrai.models import AutoRegressiveLM, tiny_config
-from reference_engine import GenerationEngine
 from astrai.data.sequences import Sequences
+from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.rollout.runner import Experience, RolloutRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.scoring import response_logprobs
 from astrai.trainer.loop import Callback, Trainer
-from astrai.trainer.optim import build_optimizer, build_scheduler
-from astrai.trainer.strategies.common import policy_gradient_step
-from astrai.trainer.strategies.online_grpo import (GRPOSettings, OnlineGRPOStrategy, group_rollout,
-                                                   grpo_loss_fn, validate_group_rollout)
+from astrai.trainer.replay import RolloutReplay
+from astrai.trainer.strategies.online_grpo import (
+    GRPOSettings,
+    GRPOStrategy,
+    group_rollout,
+    grpo_loss_fn,
+    validate_group_rollout,
+)
 
 VOCAB, EOS, TARGET = 16, 2, 7
 
@@ -121,26 +125,26 @@ def test_kl_in_reward_and_loss_are_mutually_exclusive():
         load_config(None, ["--train.type", "online_grpo", "--rollout.batch_size", "1", "--grpo.group_size", "3"])
 
 
-class GradCapture:
-    """Stands in for the Trainer: records the gradients instead of stepping."""
+class GradCapture(Callback):
+    """Records the gradients the step seam is about to apply (after clipping with an unreachable norm; a zero
+    learning rate keeps the weights)."""
 
-    def __init__(self):
-        self.grads = None
+    def __init__(self, model):
+        self.model, self.grads = model, None
 
-    def optimizer_step(self, name, model, optimizer, scheduler):
-        self.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return torch.tensor(0.0)
+    def before_optimizer_step(self, trainer, name):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
 
 def _helper_grads(policy, rollout, micro):
-    trainer, dist = GradCapture(), setup_distributed("cpu")
-    opt = build_optimizer(policy.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    sched = build_scheduler(opt, name="constant", warmup_steps=0, total_steps=1)
-    metrics = policy_gradient_step(trainer, policy=policy, optimizer=opt, scheduler=sched, dist=dist,
-                                   minibatch=rollout, micro_batch_size=micro, temperature=0.7,
-                                   loss_fn=grpo_loss_fn(clip_eps=0.2, kl_coef=0.3))
-    return trainer.grads, metrics
+    settings = GRPOSettings(group_size=3, micro_batch_size=micro, clip_eps=0.2, kl_coef=0.3, kl_reward_coef=0.0,
+                            std_eps=1e-6, std_floor=None)
+    strategy = GRPOStrategy(policy=trained(policy, lr=0.0), experience=None, settings=settings, temperature=0.7,
+                            replay=RolloutReplay(minibatch_size=len(rollout), epochs=1, seed=0))
+    capture = GradCapture(policy)
+    trainer = Trainer(strategy, dist=strategy.policy.dist, max_steps=1, max_grad_norm=1e9, callbacks=[capture])
+    metrics = strategy.update(trainer, rollout, first=True)
+    return capture.grads, metrics
 
 
 def test_shared_update_is_split_invariant_and_matches_the_direct_loss():
@@ -177,20 +181,14 @@ def make_strategy(max_steps, *, seed=0, lr=3e-3, prompts=4, group=4, kl_coef=0.0
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=(EOS,))
     runner = RolloutRunner(engine, sampling, decode=lambda ids: " ".join(map(str, ids)),
                            score_fn=target_fraction, ref_model=ref, chunk_size=prompts * group)
-    gen = torch.Generator().manual_seed(seed)
-
-    def next_prompts(n):
-        lengths = torch.randint(2, 6, (n,), generator=gen).tolist()
-        return [torch.randint(3, VOCAB, (k,), generator=gen).tolist() for k in lengths], [""] * n
-
-    opt = build_optimizer(policy.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    sched = build_scheduler(opt, name="constant", warmup_steps=0, total_steps=max_steps)
-    settings = GRPOSettings(batch_size=prompts, group_size=group, minibatch_size=prompts * group // 2,
-                            micro_batch_size=prompts * group // 4, epochs=1, clip_eps=0.2, kl_coef=kl_coef,
-                            kl_reward_coef=0.0, std_eps=1e-6, std_floor=None, temperature=1.0)
-    strategy = OnlineGRPOStrategy(policy=policy, engine=engine, runner=runner, next_prompts=next_prompts,
-                                  optimizer=opt, scheduler=sched, settings=settings,
-                                  dist=setup_distributed("cpu"), seed=seed)
+    trained_policy = trained(policy, lr=lr, max_steps=max_steps)
+    experience = online_experience(trained_policy, runner, vocab=VOCAB, batch_size=prompts, group_size=group,
+                                   seed=seed)
+    settings = GRPOSettings(group_size=group, micro_batch_size=prompts * group // 4, clip_eps=0.2, kl_coef=kl_coef,
+                            kl_reward_coef=0.0, std_eps=1e-6, std_floor=None)
+    replay = RolloutReplay(minibatch_size=prompts * group // 2, epochs=1, seed=seed)
+    strategy = GRPOStrategy(policy=trained_policy, experience=experience, replay=replay, settings=settings,
+                            temperature=1.0)
     return strategy, ref
 
 
@@ -208,7 +206,8 @@ def test_grpo_raises_toy_reward():
     strategy, ref = make_strategy(steps, lr=6e-3)
     ref_before = {k: v.clone() for k, v in ref.state_dict().items()}
     record = Record()
-    state = Trainer(strategy, dist=strategy.dist, max_steps=steps, max_grad_norm=1.0, callbacks=[record]).fit()
+    state = Trainer(strategy, dist=strategy.policy.dist, max_steps=steps, max_grad_norm=1.0,
+                    callbacks=[record]).fit()
     rewards = [m["rollout/reward_mean"] for m in record.metrics]
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
     assert last > first + 0.25, f"reward did not rise: {first:.3f} -> {last:.3f}"

@@ -18,9 +18,10 @@ from astrai.data.examples import IGNORE_INDEX, chat_example, collate_lm, pack_ex
 from astrai.data.records import load_records
 from astrai.distributed import setup_distributed
 from astrai.models import AutoRegressiveLM, tiny_config, tiny_tokenizer
-from astrai.trainer.loop import TrainerState
-from astrai.trainer.optim import build_optimizer, build_scheduler
 from astrai.train import main
+from astrai.trainer.loop import Callback, Trainer
+from astrai.trainer.models import TrainedModel
+from astrai.trainer.optim import build_optimizer, build_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,16 +112,14 @@ def test_missing_field_exits_2_with_one_line(tiny_model_dir, tmp_path, capsys):
 
 
 # -------------------------------------------------------------------------------- micro-batch invariance
-class GradCapture:
-    """Stands in for the Trainer: records the gradients instead of stepping."""
+class GradCapture(Callback):
+    """Records the gradients the step seam is about to apply (after clipping with an unreachable norm)."""
 
-    def __init__(self):
-        self.grads, self.state = None, TrainerState()
+    def __init__(self, model):
+        self.model, self.grads = model, None
 
-    def optimizer_step(self, name, model, optimizer, scheduler):
-        self.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return torch.tensor(0.0)
+    def before_optimizer_step(self, trainer, name):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
 
 def _model():
@@ -130,12 +129,14 @@ def _model():
 
 
 def _grads(make_strategy, micro, accum):
-    model = _model()
+    model, dist = _model(), setup_distributed("cpu")
     opt = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     sched = build_scheduler(opt, name="constant", warmup_steps=0, total_steps=1)
-    trainer = GradCapture()
-    make_strategy(model, opt, sched, micro, accum).train_step(trainer)
-    return trainer.grads
+    policy = TrainedModel(name="policy", module=model, optimizer=opt, scheduler=sched, dist=dist)
+    capture = GradCapture(model)
+    strategy = make_strategy(policy, micro, accum)
+    strategy.train_step(Trainer(strategy, dist=dist, max_steps=1, max_grad_norm=1e9, callbacks=[capture]))
+    return capture.grads
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
@@ -143,7 +144,6 @@ def test_token_and_pair_means_are_invariant_to_the_micro_batch_split(kind):
     from astrai.trainer.strategies.dpo import DPOStrategy
     from astrai.trainer.strategies.sft import NextTokenStrategy
 
-    dist = setup_distributed("cpu")
     g = torch.Generator().manual_seed(1)
     lengths = [3, 9, 5, 2]
     if kind == "sft":
@@ -153,10 +153,10 @@ def test_token_and_pair_means_are_invariant_to_the_micro_batch_split(kind):
         data = [(torch.randint(3, 200, (2,), generator=g).tolist(), torch.randint(3, 200, (n,), generator=g).tolist(),
                  torch.randint(3, 200, (n + 1,), generator=g).tolist()) for n in lengths]
 
-    def make(model, opt, sched, micro, accum):
+    def make(policy, micro, accum):
         sampler = PromptSampler(data, shuffle=False)
-        common = dict(policy=model, sampler=sampler, optimizer=opt, scheduler=sched, micro_batch_size=micro,
-                      accumulation_steps=accum, pad_token_id=2, dist=dist)
+        common = dict(policy=policy, sampler=sampler, micro_batch_size=micro, accumulation_steps=accum,
+                      pad_token_id=2)
         if kind == "sft":
             return NextTokenStrategy(**common)
         ref, noise = _model().eval().requires_grad_(False), torch.Generator().manual_seed(2)
@@ -191,7 +191,7 @@ def test_offline_grpo_uses_given_logprobs_else_the_old_policy(tiny_model_dir, tm
                           "--data.system_prompt", "null"])
     policy, tokenizer = load_pretrained(str(tiny_model_dir))
     strategy = build_grpo(config, setup_distributed("cpu"), policy, tokenizer)
-    rollout = strategy.make_rollout(0)
+    rollout, _ = strategy.make_rollout(0)
     mask = rollout.sequences.action_mask
     assert torch.equal(rollout.old_logprobs[0][mask[0]], torch.full((len(ids[0]),), -0.5))
     fallback, _ = response_logprobs(policy, rollout.sequences.select(torch.tensor([2, 3])), temperature=1.0)
@@ -264,12 +264,15 @@ def test_prompt_without_room_for_a_response_names_the_row():
     and a prompt that leaves nothing is a one-line DataError naming the row."""
     from types import SimpleNamespace
 
-    from astrai.trainer.strategies.common import prompt_ids_and_budget
+    from astrai.rollout.prompts import prompt_ids_and_budget
 
     tok = tiny_tokenizer()
     data = SimpleNamespace(system_prompt=None, max_prompt_length=64, max_length=200)
-    ids, budget = prompt_ids_and_budget("what is 2 + 2?", tok, data, "pairs.jsonl row 3")
+    budget_of = lambda: prompt_ids_and_budget("what is 2 + 2?", tok, system_prompt=data.system_prompt,  # noqa: E731
+                                              max_prompt_length=data.max_prompt_length, max_length=data.max_length,
+                                              where="pairs.jsonl row 3")
+    ids, budget = budget_of()
     assert ids and budget == 200 - len(ids)
     data.max_length = len(ids)
     with pytest.raises(DataError, match=r"^pairs\.jsonl row 3: the prompt takes \d+ tokens, no room"):
-        prompt_ids_and_budget("what is 2 + 2?", tok, data, "pairs.jsonl row 3")
+        budget_of()

@@ -7,7 +7,6 @@ import torch
 from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.rollout.block_pool import BlockPool, PrefixCache
 from astrai.rollout.paged_engine import PagedGenerationEngine
-from astrai.data.sequences import Sequences
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed, sample_rows
 from astrai.rollout.scoring import response_logprobs

@@ -1,6 +1,7 @@
 """PPO learns: a tiny random-init model raises a toy reward within a few dozen steps on CPU."""
 
 import torch
+from toy_rl import online_experience, trained
 
 from astrai.distributed import setup_distributed
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
@@ -8,7 +9,7 @@ from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.runner import RolloutRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.trainer.loop import Callback, Trainer
-from astrai.trainer.optim import build_optimizer, build_scheduler
+from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.online_ppo import OnlinePPOStrategy, PPOSettings
 
 VOCAB, EOS, TARGET = 16, 2, 7
@@ -47,26 +48,16 @@ def make_strategy(max_steps, *, seed=0, lr=3e-3, batch=16):
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=(EOS,))
     runner = RolloutRunner(engine, sampling, decode=lambda ids: " ".join(map(str, ids)),
                            score_fn=target_fraction, ref_model=ref, chunk_size=batch)
-    gen = torch.Generator().manual_seed(seed)
-
-    def next_prompts(n):
-        lengths = torch.randint(2, 6, (n,), generator=gen).tolist()
-        return [torch.randint(3, VOCAB, (k,), generator=gen).tolist() for k in lengths], [""] * n
-
-    def opt(model, rate):
-        o = build_optimizer(model.parameters(), lr=rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-        return o, build_scheduler(o, name="constant", warmup_steps=0, total_steps=max_steps)
-
-    popt, psched = opt(policy, lr)
-    vopt, vsched = opt(critic, lr)
-    settings = PPOSettings(batch_size=batch, minibatch_size=batch // 2, micro_batch_size=batch // 4, epochs=1,
-                           clip_eps=0.2, value_clip=0.2, gamma=1.0, gae_lambda=0.95, vf_coef=0.5,
-                           kl_coef=0.01, kl_estimator="k3", whiten_advantages=True, temperature=1.0)
     dist = setup_distributed("cpu")
-    strategy = OnlinePPOStrategy(policy=policy, value_model=critic, engine=engine, runner=runner,
-                                 next_prompts=next_prompts, policy_optimizer=popt, policy_scheduler=psched,
-                                 value_optimizer=vopt, value_scheduler=vsched, settings=settings, dist=dist,
-                                 seed=seed)
+    trained_policy = trained(policy, lr=lr, max_steps=max_steps, dist=dist)
+    trained_critic = trained(critic, name="critic", lr=lr, max_steps=max_steps, dist=dist)
+    settings = PPOSettings(micro_batch_size=batch // 4, clip_eps=0.2, value_clip=0.2, gamma=1.0, gae_lambda=0.95,
+                           vf_coef=0.5, kl_coef=0.01, kl_estimator="k3", whiten_advantages=True)
+    strategy = OnlinePPOStrategy(policy=trained_policy, critic=trained_critic,
+                                 experience=online_experience(trained_policy, runner, vocab=VOCAB, batch_size=batch,
+                                                              seed=seed),
+                                 replay=RolloutReplay(minibatch_size=batch // 2, epochs=1, seed=seed),
+                                 settings=settings, temperature=1.0)
     return strategy, dist, ref
 
 

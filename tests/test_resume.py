@@ -2,14 +2,16 @@
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from test_train_e2e import EXAMPLE, tiny_args
 
-from astrai.checkpoint import CheckpointError
 from astrai.train import main
 from astrai.trainer.loop import Trainer
-from test_train_e2e import EXAMPLE, tiny_args
 
 
 def run(model_dir, out, *extra):
@@ -117,3 +119,53 @@ def test_sft_resume_is_bitwise_exact_including_epoch_boundary(tiny_model_dir, tm
         assert_same(a[key], b[key], key)
     steps = [json.loads(l)["step"] for l in (split / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]  # the resumed run did its two steps (the next epoch), not zero
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_before_parts"
+
+
+def test_checkpoint_written_before_parts_were_recorded_still_resumes(tiny_model_dir, tmp_path):
+    """A real checkpoint of the earlier layout (made by commit fc969cb with `tiny_args(..., "--max_steps", "1",
+    "--runtime.deterministic", "true", "--seed", "7")` on the same tiny model): no "parts" in its manifest, rank 0's
+    data position inside trainer_state.json, the strategy state in strategy_state.pt, a rollout in flight (one of
+    its two minibatches replayed). It verifies as complete and resumes: counters, data position and the rollout."""
+    out = tmp_path / "run"
+    shutil.copytree(FIXTURE, out / "checkpoints" / "step-00000001")
+    verify = subprocess.run([sys.executable, "-m", "astrai.checkpoint", "verify", "--require-critic",
+                             str(out / "checkpoints" / "step-00000001")], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    old = json.loads(FIXTURE.with_name(FIXTURE.name + ".metrics.jsonl").read_text().splitlines()[0])
+    assert main(tiny_args(tiny_model_dir, out, "--max_steps", "2", "--runtime.deterministic", "true", "--seed", "7",
+                          "--checkpoint.resume", "auto")) == 0
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 2 and record["policy_version"] == 2
+    # the second minibatch of the restored rollout: same rollout (its pinned metrics), no new prompts drawn
+    assert record["rollout/policy_version"] == 0.0
+    for key in ("rollout/returns_mean", "rollout/kl", "rollout/response_length", "rollout/logprob_gap"):
+        assert record[key] == old[key], key
+    state = final_state(out, 2)["trainer_state"]
+    assert state["consumed_samples"] == 4 and state["global_step"] == 2
+    sampler = json.loads((out / "checkpoints" / "step-00000002" / "data_sampler.json").read_text())
+    assert (sampler["epoch"], sampler["position"]) == (0, 4)
+
+
+def test_learning_rate_logged_is_the_one_applied(tiny_model_dir, tmp_path):
+    """With 2 warmup steps the first step applies half the peak rate; AdamW's first update moves every parameter
+    with a gradient by about the learning rate (m / sqrt(v) = sign(g) after bias correction, no weight decay), so
+    the weight change measures the rate the step used, and the log must show that rate, not the next step's."""
+    from safetensors.torch import load_file
+
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"{i} + {i}?"},
+                                      {"role": "assistant", "content": f"{2 * i}"}]}) for i in range(4)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    assert main(sft_args(tiny_model_dir, out, data, "--max_steps", "3", "--optim.warmup_steps", "2",
+                         "--optim.learning_rate", "1e-3", "--optim.weight_decay", "0", "--optim.max_grad_norm",
+                         "1e9", "--checkpoint.save_steps", "1")) == 0
+    logged = [json.loads(line)["policy/lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == pytest.approx([5e-4, 1e-3, 1e-3], rel=1e-6)
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    after = load_file(str(out / "checkpoints" / "step-00000001" / "model.safetensors"))
+    moved = max(float((after[k] - before[k]).abs().max()) for k in before)
+    assert moved == pytest.approx(5e-4, rel=0.01)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
-from astrai.models import AutoRegressiveLM, tiny_config
-from astrai.data.sequences import Sequences, left_pad, position_ids_from_mask
 from reference_engine import GenerationEngine
+
+from astrai.data.sequences import left_pad, position_ids_from_mask
+from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.rollout.sampling import SamplingParams, sample_next_token, truncation_mask
 from astrai.rollout.scoring import response_logprobs
 

@@ -44,6 +44,13 @@ def test_main_job_on_tiny_model(tiny_model_dir, tmp_path, capsys):
         assert (ckpt / name).is_file(), name
     assert json.loads((ckpt / "trainer_state.json").read_text())["policy_version"] == 3
     assert "model.embed_tokens.weight" in load_file(str(ckpt / "model.safetensors"))
+    # the checkpoint holds the resolved job config, and its manifest the parts online_ppo needs to resume
+    assert (ckpt / "config.yaml").read_text() == (out / "config.yaml").read_text()
+    parts = json.loads((ckpt / "manifest.json").read_text())["parts"]
+    required = {name for name, part in parts.items() if part["required"]}
+    assert {"policy", "optimizer", "scheduler", "value_model", "value_optimizer", "value_scheduler", "data_sampler",
+            "strategy_state", "trainer_state", "rng_state"} == required
+    assert not parts["tokenizer"]["required"] and not parts["config"]["required"]
     printed = capsys.readouterr()
     assert "step 3/3" in printed.out + printed.err and "reward" in printed.out + printed.err
 

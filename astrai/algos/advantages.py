@@ -8,7 +8,7 @@ Methods:
   standard deviation of the scores of the G samples drawn for the same prompt.
 
 What it simplifies: one episode is one response; there is no bootstrapping beyond the response (the terminal value
-is 0), and GRPO needs no value model at all. Exact definitions: astrai DESIGN section 2. Everything here computes
+is 0), and GRPO needs no value model at all. Exact definitions: docs/conventions.md section 2. Everything here computes
 fixed targets once per rollout, so GAE runs under ``torch.no_grad``.
 """
 
@@ -49,7 +49,7 @@ def ppo_token_rewards(
     Formula: ``rewards[b, t] = -kl_coef * kl[b, t] * mask[b, t]`` plus ``scores[b]`` at
     ``t = last_token_index(mask)[b]`` (the EOS token if sampled, else the last generated token), never on padding.
     Values of ``kl`` at masked positions (even NaN) are ignored; masked rewards are exactly 0.
-    Source: Ziegler et al. 2019 / Ouyang et al. 2022 reward shaping; astrai DESIGN section 2.
+    Source: Ziegler et al. 2019 / Ouyang et al. 2022 reward shaping; docs/conventions.md section 2.
     Raises: ValueError on shape mismatches or if a row has no real token (checking this synchronises once).
     """
     if scores.dim() != 1 or kl.dim() != 2 or scores.shape[0] != kl.shape[0]:
@@ -81,7 +81,7 @@ def gae(
     (even NaN) influence nothing. ``lam = 0`` gives the TD errors; ``gamma = lam = 1`` gives reward-to-go minus V.
     Assumption: masks are contiguous from t = 0 (right padding). Other masks are handled by the same formula,
     which treats every masked position as an episode end: a real token followed by a gap bootstraps from 0.
-    Source: astrai DESIGN section 2.
+    Source: docs/conventions.md section 2.
     Raises: ValueError on shape mismatches or non-2-D inputs.
     """
     _check_same("rewards", rewards, "values", values)

@@ -7,7 +7,7 @@ sampled from the policy ``p`` (log-probs ``logprobs``) and a reference ``q`` (``
 
 - ``k1 = -d``                  unbiased, high variance, can be negative;
 - ``k2 = d^2 / 2``             low variance, biased, >= 0;
-- ``k3 = exp(d) - 1 - d``      unbiased, low variance, >= 0 (astrai's default; DESIGN section 2).
+- ``k3 = exp(d) - 1 - d``      unbiased, low variance, >= 0 (astrai's default; docs/conventions.md section 2).
 
 What it simplifies: the exact KL needs the full vocabulary distribution of both models at every position; the
 estimators need only the two log-probs of the sampled token. Choosing an estimator by name goes through the one

@@ -3,7 +3,7 @@
 Method: ``log softmax(logits / temperature)[a_t]`` computed as ``logits[a_t]/temperature - logsumexp(logits /
 temperature)``, the quantity PPO's importance ratio (Schulman et al. 2017) and GRPO (Shao et al. 2024) need; the
 rollout engine and the trainer both call this function, so with unchanged weights ``logprobs - old_logprobs`` is ~0
-(astrai DESIGN section 2). What it simplifies: no full (B, T, V) ``log_softmax`` tensor is materialised; rows are
+(docs/conventions.md section 2). What it simplifies: no full (B, T, V) ``log_softmax`` tensor is materialised; rows are
 processed in chunks in float32 (only one chunk's float32/temperature copy exists at a time in the forward pass),
 and the label logit is gathered before the normaliser is subtracted.
 """
@@ -41,7 +41,7 @@ def logprobs_from_logits(
     Formula: ``z = float32(logits) / temperature``; ``logp_t = z[t, labels_t] - logsumexp_v z[t, v]``
     (equal to ``log_softmax(z)[labels]``). Rows are processed ``chunk_rows`` at a time to bound memory.
     Logits of -inf (truncated vocabulary) are allowed as long as the label's own logit is finite.
-    Source: sampler-aligned behaviour log-probs, astrai DESIGN section 2.
+    Source: sampler-aligned behaviour log-probs, docs/conventions.md section 2.
     Raises: ValueError on a shape mismatch, non-int64 labels, ``temperature <= 0`` or ``chunk_rows < 1``.
     """
     _check_temperature(temperature)

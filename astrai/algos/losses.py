@@ -5,7 +5,7 @@ Algorithms" (2017), applied per response token as in RLHF PPO (Ouyang et al. 202
 which reuses the same clipped surrogate with group advantages and a k3 reference KL in the loss). Explained
 variance as the usual critic diagnostic. What it simplifies: the importance ratio uses sampler-aligned
 ``old_logprobs`` (no second copy of the policy); every loss is a token mean over real tokens whose denominator
-can be the global token count of the optimizer step (astrai DESIGN section 2, "Loss aggregation").
+can be the global token count of the optimizer step (docs/conventions.md section 2, "Loss aggregation").
 
 Conventions: inputs are (B, T) floating tensors with an ``action_mask`` (B, T) (bool or 0/1); entries at masked
 positions (even NaN/inf) influence neither the loss, nor its gradient, nor the metrics. Losses return
@@ -189,13 +189,21 @@ def kl_penalty_loss(
 
 
 @torch.no_grad()
-def logprob_gap(logprobs: torch.Tensor, old_logprobs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-    """``rollout/logprob_gap = masked_mean(|logprobs - old_logprobs|)`` (astrai DESIGN section 2), detached 0-dim.
+def logprob_gap(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    num_tokens: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``rollout/logprob_gap = masked_mean(|logprobs - old_logprobs|)`` (docs/conventions.md section 2), detached
+    0-dim.
 
     Shapes: (B, T) floating each, ``action_mask`` (B, T). Near 0 when the engine used the trainer's weights and the
-    same temperature; a large gap flags stale engine weights or stale prefix-cache KV.
-    Raises: ValueError on shape mismatches.
+    same temperature; a large gap flags stale engine weights or stale prefix-cache KV. ``num_tokens`` divides the
+    sum instead of this batch's real-token count (a share of a larger mean, as the losses take it).
+    Raises: ValueError on shape mismatches or an int ``num_tokens < 1``.
     """
     mask = action_mask.bool()
     diff = _real(logprobs, mask) - _real(old_logprobs.to(logprobs.dtype), mask)
-    return masked_mean(diff.abs(), mask)
+    return masked_mean(diff.abs(), mask, num_tokens=num_tokens)

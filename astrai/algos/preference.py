@@ -6,7 +6,7 @@ Optimization: Your Language Model is Secretly a Reward Model" (NeurIPS 2023), wi
 ("conservative DPO", Mitchell 2023) variant. What it simplifies: sequence log-probs are sums of per-token
 log-probs computed elsewhere (`logprobs_from_logits`); the reference is a frozen model whose log-probs arrive
 as tensors. Denominators can be global counts (tokens or pairs of the whole optimizer step), so micro-batch
-shares add up to the step's value (astrai DESIGN section 2, "Loss aggregation").
+shares add up to the step's value (docs/conventions.md section 2, "Loss aggregation").
 """
 
 from __future__ import annotations

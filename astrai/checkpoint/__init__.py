@@ -1,7 +1,8 @@
 """Checkpoint publishing (the only package that writes checkpoint files), loading and verification.
 
-See docs/conventions.md section 5 and the module docstrings: `publish` (protocol), `payload` (file contents),
-`layout` (names, latest, recovery, retention), `manifest`, `load`, `verify`, `__main__` (CLI).
+See docs/conventions.md section 5 and the module docstrings: `publish` (protocol),
+`parts` (the named parts a checkpoint stores and how each kind is written), `layout` (names, latest, recovery,
+retention), `manifest`, `load`, `verify`, `__main__` (CLI).
 Names are imported lazily so that `python -m astrai.checkpoint verify` does not import torch.
 """
 
@@ -13,9 +14,8 @@ _EXPORTS = {
     "layout": ("CheckpointWarning", "apply_retention", "checkpoints_root", "find_latest_checkpoint",
                "list_checkpoints", "parse_step", "recover", "step_dirname"),
     "load": ("LoadedCheckpoint", "load_checkpoint"),
-    "manifest": ("CRITIC_FILES", "FORMAT_NAME", "FORMAT_VERSION", "CheckpointError", "FileStatus",
-                 "NotACheckpointError"),
-    "payload": ("capture_rng_state", "restore_rng_state"),
+    "manifest": ("FORMAT_NAME", "FORMAT_VERSION", "CheckpointError", "FileStatus", "NotACheckpointError"),
+    "parts": ("GlobalRNGState", "Part", "capture_rng_state", "part_files", "restore_rng_state"),
     "publish": ("DistLike", "publish_checkpoint"),
     "verify": ("VerifyReport", "verify_checkpoint"),
 }

@@ -2,8 +2,9 @@
 
     verify [--require-critic] DIR   one line per file (OK / MISMATCH / MISSING / UNSAFE / EXTRA / UNVERIFIED
                                     + name); exit 0 all match, 1 any mismatch or missing file (or, with
-                                    --require-critic, an online_ppo checkpoint without its critic extras),
-                                    2 when DIR is not a checkpoint
+                                    --require-critic, a part the checkpoint needs to resume is missing, e.g.
+                                    an online_ppo checkpoint without its critic extras), 2 when DIR is not a
+                                    checkpoint
     latest OUTPUT_DIR               print the newest complete checkpoint; exit 1 when there is none
     recover OUTPUT_DIR              clean up staging/retired/deleting dirs after a crash (run while no
                                     training writes to OUTPUT_DIR); prints one line per action
@@ -24,8 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m astrai.checkpoint", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     verify = commands.add_parser("verify", help="check every file of a checkpoint against its manifest")
-    verify.add_argument("--require-critic", action="store_true",
-                        help="an online_ppo checkpoint must contain value_model.pt and value_optimizer.pt")
+    verify.add_argument("--require-critic", "--require-complete", dest="require_complete", action="store_true",
+                        help="also require every part the checkpoint needs to resume (for online_ppo: the critic "
+                             "and its optimizer, value_model.pt and value_optimizer.pt)")
     verify.add_argument("dir")
     latest = commands.add_parser("latest", help="print the newest complete checkpoint of an output dir")
     latest.add_argument("output_dir")
@@ -34,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec.add_argument("output_dir")
     args = parser.parse_args(argv)
     if args.command == "verify":
-        report = verify_checkpoint(args.dir, require_critic=args.require_critic)
+        report = verify_checkpoint(args.dir, require_complete=args.require_complete)
         for line in report.lines():
             print(line)
         verdict = {0: "OK", 1: "FAILED", 2: "NOT A CHECKPOINT"}[report.exit_code]

@@ -1,8 +1,12 @@
-"""Loading a checkpoint directory: validation, then lazy access to each part.
+"""Loading a checkpoint directory: validation, then reading and restoring its parts (`parts.Part`).
 
 Every `.pt` file is read with `torch.load(..., weights_only=True)`; the policy with safetensors. With a
 manifest, only files the manifest lists are read, each checked for size (and sha256 when `verify`).
 A legacy directory (no manifest) still loads, with a `CheckpointWarning`.
+
+Checkpoints written before parts were recorded (a manifest without "parts") still load: their rank-0 data
+sampler state sits inside trainer_state.json, and the parts they need to resume are implied by their train type
+(`manifest.LEGACY_REQUIRED_FILES`).
 """
 
 from __future__ import annotations
@@ -10,16 +14,24 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from astrai.checkpoint.layout import CheckpointWarning
-from astrai.checkpoint.manifest import (CRITIC_FILES, POLICY_FILES, CheckpointError, NotACheckpointError,
-                                        check_files, failed, read_manifest, safe_member)
-from astrai.checkpoint.payload import rank_file
-
-REQUIRED_FILES = POLICY_FILES + ("trainer_state.json",)
+from astrai.checkpoint.manifest import (
+    LEGACY_REQUIRED_FILES,
+    POLICY_FILES,
+    CheckpointError,
+    NotACheckpointError,
+    check_files,
+    declared_required_files,
+    failed,
+    part_files,
+    read_manifest,
+    safe_member,
+)
+from astrai.checkpoint.parts import Part
 
 
 class LoadedCheckpoint:
@@ -28,19 +40,16 @@ class LoadedCheckpoint:
     Attributes:
         path: the checkpoint directory.
         manifest: the parsed manifest, or None for a legacy directory.
-        trainer_state: the parsed `trainer_state.json` (step, policy_version, consumed_samples,
-            train_type, data_sampler, ...).
-        config: the parsed `config.json` (Hugging Face Llama config keys).
         train_type: from the manifest (else trainer_state.json), or None when unrecorded.
     """
 
     def __init__(self, path: Path, manifest: dict | None):
         self.path = path
         self.manifest = manifest
-        self.trainer_state: dict = self._read_json("trainer_state.json")
-        self.config: dict = self._read_json("config.json")
         recorded = manifest.get("train_type") if manifest else None
-        self.train_type: str | None = recorded or self.trainer_state.get("train_type")
+        if recorded is None and self.has("trainer_state.json"):
+            recorded = self.read_json("trainer_state.json").get("train_type")
+        self.train_type: str | None = recorded
 
     @property
     def legacy(self) -> bool:
@@ -52,7 +61,13 @@ class LoadedCheckpoint:
         """The step from the manifest, else from trainer_state.json (None when neither records it)."""
         if self.manifest is not None:
             return self.manifest["step"]
-        return self.trainer_state.get("step", self.trainer_state.get("global_step"))
+        state = self.read_json("trainer_state.json") if self.has("trainer_state.json") else {}
+        return state.get("step", state.get("global_step"))
+
+    @property
+    def parts(self) -> dict[str, dict] | None:
+        """The recorded parts (name -> {kind, per_rank, required}), or None for older checkpoints."""
+        return self.manifest.get("parts") if self.manifest is not None else None
 
     def has(self, name: str) -> bool:
         """Whether file `name` is part of the checkpoint (listed in the manifest; on disk when legacy)."""
@@ -69,20 +84,8 @@ class LoadedCheckpoint:
         """
         path = safe_member(self.path, name)
         if not self.has(name) or not path.is_file():
-            kind = self.train_type or "astrai"
-            raise CheckpointError(f"{self.path}: {kind} checkpoint lacks {name}")
+            raise CheckpointError(f"{self.path}: {self.train_type or 'astrai'} checkpoint lacks {name}")
         return path
-
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy weights from `model.safetensors` (Hugging Face parameter names), on CPU."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        path = self.file("model.safetensors")
-        try:
-            return load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
 
     def load_pt(self, name: str) -> Any:
         """`torch.load(<file>, map_location="cpu", weights_only=True)`.
@@ -96,53 +99,81 @@ class LoadedCheckpoint:
         except Exception as exc:  # noqa: BLE001 - unpickling errors come in many types
             raise CheckpointError(f"{path}: cannot load with weights_only=True ({exc})") from exc
 
-    def optimizer_state(self) -> dict:
-        """Policy optimizer `state_dict()` (optimizer.pt)."""
-        return self.load_pt("optimizer.pt")
-
-    def scheduler_state(self) -> dict:
-        """Policy LR scheduler `state_dict()` (scheduler.pt)."""
-        return self.load_pt("scheduler.pt")
-
-    def value_model_state(self) -> dict:
-        """Critic `state_dict()` (value_model.pt)."""
-        return self.load_pt("value_model.pt")
-
-    def value_optimizer_state(self) -> dict:
-        """Critic optimizer `state_dict()` (value_optimizer.pt)."""
-        return self.load_pt("value_optimizer.pt")
-
-    def value_scheduler_state(self) -> dict:
-        """Critic LR scheduler `state_dict()` (value_scheduler.pt)."""
-        return self.load_pt("value_scheduler.pt")
-
-    def rng_state(self, rank: int = 0) -> dict:
-        """RNG states of `rank` (rng_state.pt for rank 0, rng_state_rank{R:05d}.pt otherwise); pass it to
-        `restore_rng_state`."""
-        return self.load_pt(rank_file("rng_state", rank, ".pt"))
-
-    def data_sampler_state(self, rank: int = 0) -> dict:
-        """The data sampler's state of `rank` (trainer_state.json "data_sampler" for rank 0,
-        data_sampler_rank{R:05d}.json otherwise).
-
-        Raises:
-            CheckpointError: when the checkpoint holds no sampler state for that rank.
-        """
-        if rank == 0:
-            if "data_sampler" not in self.trainer_state:
-                raise CheckpointError(f"{self.path}: trainer_state.json has no data_sampler state")
-            return self.trainer_state["data_sampler"]
-        return self._read_json(rank_file("data_sampler", rank, ".json"))
-
-    def _read_json(self, name: str) -> dict:
+    def read_json(self, name: str) -> Any:
+        """The parsed JSON file `name`. Raises CheckpointError when missing or invalid."""
         path = self.file(name)
         try:
             return json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
 
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The `hf_model` part's weights from `model.safetensors` (Hugging Face parameter names), on CPU."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
 
-def load_checkpoint(path: str | Path, *, verify: bool = False, require_critic: bool = False) -> LoadedCheckpoint:
+        path = self.file("model.safetensors")
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
+
+    def part_state(self, name: str, kind: str, rank: int = 0) -> Any:
+        """The saved state of part `name` of `kind` for `rank` (what its `load_state_dict` takes).
+
+        Raises:
+            CheckpointError: a missing or unreadable file (named), or a kind that is not restorable.
+        """
+        if kind == "hf_model":
+            return self.policy_state_dict()
+        (file,) = part_files(name, kind, rank)
+        if kind == "torch":
+            return self.load_pt(file)
+        if kind != "json":
+            raise CheckpointError(f"{self.path}: part {name!r} of kind {kind!r} is not restorable")
+        if rank == 0 and self.parts is None and not self.has(file) and self.has("trainer_state.json"):
+            legacy = self.read_json("trainer_state.json")  # older layout: rank 0's sampler inside the counters
+            if name in legacy:
+                return legacy[name]
+        return self.read_json(file)
+
+    def missing_files(self, parts: Mapping[str, Part], rank: int = 0) -> list[str]:
+        """Files of the required, restorable `parts` (this rank's copies) that the checkpoint lacks."""
+        wanted = [f for name, p in parts.items() if p.required and p.restorable and p.obj is not None
+                  for f in part_files(name, p.kind, rank)]
+        return [f for f in wanted if not (self.has(f) or self._legacy_json(f))]
+
+    def _legacy_json(self, file: str) -> bool:
+        """Whether `file` (`<name>.json`) is stored inside trainer_state.json (checkpoints before parts)."""
+        if self.parts is not None or not file.endswith(".json") or not self.has("trainer_state.json"):
+            return False
+        return file[: -len(".json")] in self.read_json("trainer_state.json")
+
+    def declared_required_files(self) -> list[str]:
+        """The files the checkpoint itself says it needs to resume (`manifest.declared_required_files`)."""
+        if self.manifest is None:
+            return list(LEGACY_REQUIRED_FILES.get(self.train_type, LEGACY_REQUIRED_FILES[None]))
+        return declared_required_files(dict(self.manifest, train_type=self.train_type))
+
+    def restore(self, parts: Mapping[str, Part], rank: int = 0) -> None:
+        """Load every restorable part of `parts` (this rank's copy of per-rank ones), in order.
+
+        Raises:
+            CheckpointError: naming the first missing file of a required part (nothing is loaded then), or a
+                file that cannot be read. A part that is not required and not in the checkpoint is skipped.
+        """
+        missing = self.missing_files(parts, rank)
+        if missing:
+            raise CheckpointError(f"{self.path}: {self.train_type or 'astrai'} checkpoint lacks {missing[0]}")
+        for name, part in parts.items():
+            if not part.restorable or part.obj is None:
+                continue
+            if not part.required and not all(self.has(f) for f in part_files(name, part.kind, rank)):
+                continue
+            part.obj.load_state_dict(self.part_state(name, part.kind, rank))
+
+
+def load_checkpoint(path: str | Path, *, verify: bool = False, require_complete: bool = False) -> LoadedCheckpoint:
     """Open and validate a checkpoint directory.
 
     Always: the manifest's format name/version and paths (nothing outside the directory, no escaping
@@ -151,13 +182,14 @@ def load_checkpoint(path: str | Path, *, verify: bool = False, require_critic: b
 
     Args:
         verify: check sha256 of every file (reads all bytes once).
-        require_critic: fail unless `value_model.pt` and `value_optimizer.pt` are present (pass True when
-            resuming online_ppo).
+        require_complete: fail unless every file of the parts the checkpoint declares required is present
+            (`LoadedCheckpoint.declared_required_files`; for online_ppo these include the critic extras).
 
     Raises:
         NotACheckpointError: not a directory, or neither a manifest nor policy files.
         CheckpointError: an invalid/unsafe manifest, missing/truncated/corrupt files (named in the
-            message), or a missing required file, e.g. "<dir>: online_ppo checkpoint lacks value_model.pt".
+            message), or, with `require_complete`, a missing required file, e.g. "<dir>: online_ppo checkpoint
+            lacks value_model.pt".
     """
     path = Path(path)
     if not path.is_dir():
@@ -173,12 +205,9 @@ def load_checkpoint(path: str | Path, *, verify: bool = False, require_critic: b
         if bad:
             raise CheckpointError(f"{path}: checkpoint failed verification: "
                                   + "; ".join(f"{s.name}: {s.status} ({s.detail})" for s in bad))
-    for name in REQUIRED_FILES:
-        if not ((path / name).is_file() and (manifest is None or name in manifest["files"])):
-            raise CheckpointError(f"{path}: checkpoint lacks {name}")
     loaded = LoadedCheckpoint(path, manifest)
-    if require_critic:
-        for name in CRITIC_FILES:
-            if not (loaded.has(name) and (path / name).is_file()):
-                raise CheckpointError(f"{path}: {loaded.train_type or 'online_ppo'} checkpoint lacks {name}")
+    if require_complete:
+        for name in loaded.declared_required_files():
+            if not (loaded.has(name) and (path / name).is_file()) and not loaded._legacy_json(name):
+                raise CheckpointError(f"{path}: {loaded.train_type or 'astrai'} checkpoint lacks {name}")
     return loaded

@@ -4,11 +4,14 @@ A manifest is a JSON object::
 
     {"format": "astrai-checkpoint", "format_version": 1, "step": 100, "policy_version": 100,
      "world_size": 1, "train_type": "online_ppo", "publish_id": "3f2a...",
+     "parts": {"policy": {"kind": "hf_model", "per_rank": false, "required": true}, ...},
      "files": {"model.safetensors": {"sha256": "<64 hex>", "bytes": 123}, ...}}
 
 `files` lists every file of the directory except `manifest.json` itself, by POSIX path relative to the
-checkpoint directory. A path that is absolute, contains `..`, `.` or empty components, a backslash, or that
-resolves (through symlinks) outside the directory is rejected.
+checkpoint directory. `parts` (absent in checkpoints written before parts were recorded; readers ignore fields
+they do not know, so adding it kept format version 1) names the stored parts (`parts.py`). A path that is
+absolute, contains `..`, `.` or empty components, a backslash, or that resolves (through symlinks) outside the
+directory is rejected.
 """
 
 from __future__ import annotations
@@ -26,11 +29,48 @@ from astrai.checkpoint.fsutil import fsync_dir, fsync_file, sha256_file
 FORMAT_NAME = "astrai-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-CRITIC_FILES = ("value_model.pt", "value_optimizer.pt")
-CRITIC_TRAIN_TYPES = ("online_ppo",)  # train types whose checkpoints must hold CRITIC_FILES
-POLICY_FILES = ("model.safetensors", "config.json")
+POLICY_FILES = ("model.safetensors", "config.json")  # make a directory without a manifest a (legacy) checkpoint
+KINDS = ("hf_model", "hf_tokenizer", "torch", "json", "yaml")  # kinds of parts, see parts.py
+HF_MODEL_FILES = POLICY_FILES
+_SUFFIX = {"torch": ".pt", "json": ".json", "yaml": ".yaml"}
+LEGACY_REQUIRED_FILES = {None: POLICY_FILES + ("trainer_state.json",),
+                         "online_ppo": POLICY_FILES + ("trainer_state.json", "value_model.pt", "value_optimizer.pt")}
+"""Files a checkpoint without recorded parts needs to resume, by its recorded train type (others: the None row);
+the one place this package names a train type, frozen with that older layout."""
 HASH_THREADS = min(8, os.cpu_count() or 1)
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def rank_file(stem: str, rank: int, suffix: str) -> str:
+    """Name of a per-rank file: rank 0 -> `<stem><suffix>`, rank R -> `<stem>_rank{R:05d}<suffix>`."""
+    return f"{stem}{suffix}" if rank == 0 else f"{stem}_rank{rank:05d}{suffix}"
+
+
+def part_files(name: str, kind: str, rank: int = 0) -> tuple[str, ...]:
+    """The files that hold part `name` of `kind` for `rank` (() for `hf_tokenizer`, whose files the tokenizer
+    chooses).
+
+    Raises:
+        CheckpointError: for an unknown kind.
+    """
+    if kind == "hf_model":
+        return HF_MODEL_FILES
+    if kind == "hf_tokenizer":
+        return ()
+    if kind not in _SUFFIX:
+        raise CheckpointError(f"part {name!r}: unknown kind {kind!r}; known: {list(KINDS)}")
+    return (rank_file(name, rank, _SUFFIX[kind]),)
+
+
+def declared_required_files(manifest: dict) -> list[str]:
+    """The files a checkpoint says it needs to resume: every rank's files of the parts its manifest records as
+    required (`LEGACY_REQUIRED_FILES` by train type when it records no parts)."""
+    parts = manifest.get("parts")
+    if parts is None:
+        return list(LEGACY_REQUIRED_FILES.get(manifest.get("train_type"), LEGACY_REQUIRED_FILES[None]))
+    world = manifest.get("world_size", 1)
+    return [f for name, p in parts.items() if p["required"]
+            for rank in (range(world) if p["per_rank"] else (0,)) for f in part_files(name, p["kind"], rank)]
 
 
 class CheckpointError(Exception):
@@ -111,6 +151,11 @@ def read_manifest(directory: Path) -> dict | None:
         if not isinstance(manifest.get(key), int) or manifest[key] < 0:
             raise CheckpointError(f"{path}: field {key!r} must be a non-negative integer, "
                                   f"got {manifest.get(key)!r}")
+    parts = manifest.get("parts", {})
+    if not isinstance(parts, dict) or not all(
+            isinstance(p, dict) and isinstance(p.get("kind"), str) and isinstance(p.get("per_rank"), bool)
+            and isinstance(p.get("required"), bool) for p in parts.values()):
+        raise CheckpointError(f"{path}: field 'parts' must map names to {{kind, per_rank, required}}")
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise CheckpointError(f"{path}: field 'files' must be an object")

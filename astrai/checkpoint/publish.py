@@ -3,8 +3,8 @@
 Protocol for `<output_dir>/checkpoints/step-XXXXXXXX` (see `layout.py` for the names):
 
 1. rank 0 deletes stale staging dirs of this step and creates `.step-N.staging-<id>`; barrier.
-2. every rank writes its part into that one directory (rank 0: the payload of `payload.py`; rank R >= 1:
-   its RNG/data-sampler state and `rank_files`), fsyncs it (rank 0 hashes and fsyncs each large file in
+2. every rank writes its files of the parts (`parts.write_parts`: rank 0 every part, rank R >= 1 its copies of the
+   per-rank parts) into that one directory, fsyncs them (rank 0 hashes and fsyncs each large file in
    background threads while serialising the next), then drops a `.rank-R.done` marker listing the
    files with their sha256. Ranks >= 1 find the staging dir by waiting for it (`timeout_s`).
 3. rank 0 waits for every marker (`timeout_s`), removes them, fsyncs everything, writes `manifest.json`
@@ -32,10 +32,9 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 from astrai.checkpoint import fsutil
 from astrai.checkpoint.fsutil import fsync_dir, remove_tree, sha256_file
-from astrai.checkpoint.layout import (CheckpointWarning, apply_retention, checkpoints_root, hidden_name,
-                                      step_dirname)
+from astrai.checkpoint.layout import CheckpointWarning, apply_retention, checkpoints_root, hidden_name, step_dirname
 from astrai.checkpoint.manifest import HASH_THREADS, MANIFEST_NAME, CheckpointError, write_manifest
-from astrai.checkpoint.payload import resolve_train_type, write_payload, write_rank_payload
+from astrai.checkpoint.parts import Part, check_parts, manifest_parts, write_parts
 
 POLL_S = 0.02
 
@@ -50,29 +49,23 @@ class DistLike(Protocol):
         """Block until every rank has called it."""
 
 
-def publish_checkpoint(output_dir: str | os.PathLike, step: int, objects: Mapping[str, Any],
-                       trainer_state: Mapping[str, Any], *, world_size: int = 1,
-                       dist: Optional[DistLike] = None, rank_files: Optional[Mapping[str, Any]] = None,
-                       keep_last: Optional[int] = None, train_type: Optional[str] = None,
-                       before_publish: Optional[Callable[[], None]] = None,
-                       timeout_s: float = 300.0) -> Path:
+def publish_checkpoint(output_dir: str | os.PathLike, step: int, parts: Mapping[str, Part], *,
+                       metadata: Optional[Mapping[str, Any]] = None, world_size: int = 1,
+                       dist: Optional[DistLike] = None, keep_last: Optional[int] = None,
+                       before_publish: Optional[Callable[[], None]] = None, timeout_s: float = 300.0) -> Path:
     """Atomically publish `<output_dir>/checkpoints/step-XXXXXXXX` (replacing an existing one).
 
-    Single process: call it with `dist=None`. Several ranks: every rank calls it with the same `step`
-    and a `dist` (rank, world_size, barrier()); rank 0's `objects`/`trainer_state` make the payload,
-    the other ranks contribute their RNG state, data-sampler state and `rank_files`.
+    Single process: call it with `dist=None`. Several ranks: every rank calls it with the same `step`, the same
+    part names and a `dist` (rank, world_size, barrier()); rank 0 writes every part, the other ranks their own
+    copies of the per-rank parts.
 
     Args:
-        objects: the strategy's `checkpoint_state()` ("policy", "tokenizer", optional "optimizer",
-            "scheduler", "value_model", "value_optimizer", "value_scheduler", "data_sampler").
-        trainer_state: JSON-serialisable counters (step, policy_version, consumed_samples, ...).
+        parts: name -> `Part` (see `astrai.checkpoint.parts`), declared by the owners of the state.
+        metadata: recorded in the manifest: `policy_version` (int, default 0), `train_type` (str or None) and any
+            other JSON-serialisable fields (names other than the manifest's own).
         world_size: recorded in the manifest when `dist` is None (else `dist.world_size`).
         dist: process group for the multi-rank protocol.
-        rank_files: this rank's extra files, relative path -> bytes / str / torch-saveable object; paths
-            must differ between ranks and from the payload's names.
         keep_last: after publishing, keep only the newest N complete checkpoints (never deleting this one).
-        train_type: recorded in the manifest and trainer_state.json (default: trainer_state["train_type"],
-            else "online_ppo" when objects has a critic); "online_ppo" requires the critic extras.
         before_publish: called first on every rank (e.g. flush + fsync metrics.jsonl).
         timeout_s: seconds to wait for the staging directory, for other ranks' parts, and for rank 0's
             rename (each wait separately).
@@ -81,8 +74,8 @@ def publish_checkpoint(output_dir: str | os.PathLike, step: int, objects: Mappin
         the published directory (same on every rank).
 
     Raises:
-        CheckpointError: invalid objects, a rank that cannot see the staging directory or never delivered
-            its part within `timeout_s`, or rank 0 abandoning the publish.
+        CheckpointError: invalid parts, a rank that cannot see the staging directory or never delivered its part
+            within `timeout_s`, or rank 0 abandoning the publish.
         OSError: filesystem failures (the staging directory is removed by rank 0).
         ValueError: a negative step, keep_last < 1, or world_size disagreeing with `dist`.
     """
@@ -95,6 +88,7 @@ def publish_checkpoint(output_dir: str | os.PathLike, step: int, objects: Mappin
     name = step_dirname(step)
     staging, error = None, None
     try:  # a failure here must not leave the other ranks blocked in the barrier
+        check_parts(parts)
         if before_publish is not None:
             before_publish()
         if rank == 0:
@@ -106,11 +100,13 @@ def publish_checkpoint(output_dir: str | os.PathLike, step: int, objects: Mappin
     if error is not None:
         raise error
     if rank == 0:
-        final = _publish_rank0(root, name, staging, objects, trainer_state, step=step, world=world,
-                               dist=dist, rank_files=rank_files, train_type=train_type, timeout_s=timeout_s)
+        fields = dict(metadata or {})
+        fields.update(step=step, policy_version=int(fields.get("policy_version", 0)), world_size=world,
+                      train_type=fields.get("train_type"), parts=manifest_parts(parts))
+        final = _publish_rank0(root, name, staging, parts, fields, dist=dist, timeout_s=timeout_s)
     else:
         staging = _discover_staging(root, name, rank, timeout_s)
-        _contribute(staging, rank, objects, rank_files)
+        _contribute(staging, rank, parts)
         final = _wait_published(root / name, staging, rank, timeout_s)
     if rank == 0 and keep_last is not None:
         try:
@@ -134,21 +130,18 @@ def _create_staging(root: Path, name: str) -> Path:
     return staging
 
 
-def _publish_rank0(root: Path, name: str, staging: Path, objects, trainer_state, *, step: int, world: int,
-                   dist, rank_files, train_type, timeout_s: float) -> Path:
-    """Rank 0: payload, wait for the other ranks' parts, manifest, move into place."""
+def _publish_rank0(root: Path, name: str, staging: Path, parts, fields: dict, *, dist,
+                   timeout_s: float) -> Path:
+    """Rank 0: its files, wait for the other ranks' files, manifest, move into place."""
     pool = ThreadPoolExecutor(max_workers=HASH_THREADS)
     futures: dict[str, Future] = {}
     try:
-        train_type = resolve_train_type(train_type, objects, trainer_state)
-        write_payload(staging, objects, trainer_state, train_type=train_type,
-                      on_written=lambda n: futures.setdefault(n, pool.submit(_hash_entry, staging / n)))
-        write_rank_payload(staging, 0, objects, rank_files)
+        write_parts(staging, parts, 0,
+                    on_written=lambda n: futures.setdefault(n, pool.submit(_hash_entry, staging / n)))
         known = {n: f.result() for n, f in futures.items()}
-        if dist is not None and world > 1:
-            known.update(_collect_rank_parts(staging, world, timeout_s))
-        fields = {"step": step, "policy_version": int(trainer_state.get("policy_version", 0)),
-                  "world_size": world, "train_type": train_type, "publish_id": _publish_id(staging)}
+        if dist is not None and fields["world_size"] > 1:
+            known.update(_collect_rank_parts(staging, fields["world_size"], timeout_s))
+        fields["publish_id"] = _publish_id(staging)
         write_manifest(staging, fields, known=known)
         final = root / name
         _move_into_place(staging, final, root)
@@ -191,9 +184,9 @@ def _marker(rank: int) -> str:
     return f".rank-{rank:05d}.done"
 
 
-def _contribute(staging: Path, rank: int, objects, rank_files) -> None:
+def _contribute(staging: Path, rank: int, parts) -> None:
     """Rank >= 1: write, fsync and hash this rank's files, then publish the marker atomically."""
-    names = write_rank_payload(staging, rank, objects, rank_files)
+    names = write_parts(staging, parts, rank)
     files = {}
     for name in names:
         digest, size = sha256_file(staging / name, fsync=True)

@@ -6,9 +6,18 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astrai.checkpoint.manifest import (CRITIC_FILES, CRITIC_TRAIN_TYPES, MANIFEST_NAME, POLICY_FILES,
-                                        CheckpointError, FileStatus, NotACheckpointError, check_files,
-                                        list_files, read_manifest)
+from astrai.checkpoint.manifest import (
+    LEGACY_REQUIRED_FILES,
+    MANIFEST_NAME,
+    POLICY_FILES,
+    CheckpointError,
+    FileStatus,
+    NotACheckpointError,
+    check_files,
+    declared_required_files,
+    list_files,
+    read_manifest,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_A_CHECKPOINT = 0, 1, 2
 
@@ -49,13 +58,14 @@ class VerifyReport:
         return out
 
 
-def verify_checkpoint(path: str | Path, *, require_critic: bool = False) -> VerifyReport:
+def verify_checkpoint(path: str | Path, *, require_complete: bool = False) -> VerifyReport:
     """Check every file of a checkpoint against its manifest (size and sha256).
 
-    With `require_critic`, a checkpoint whose train type is online_ppo must also list the critic extras
-    (`value_model.pt`, `value_optimizer.pt`); absent ones are reported as MISSING. A legacy directory
-    (no manifest, policy files present) reports its files as UNVERIFIED and its missing policy files as
-    MISSING. Never raises for a bad checkpoint; the report says what is wrong.
+    With `require_complete`, every file of the parts the checkpoint needs to resume must also be listed
+    (`manifest.declared_required_files`: the parts its manifest records as required; for an online_ppo
+    checkpoint these include the critic extras `value_model.pt` and `value_optimizer.pt`); absent ones are
+    reported as MISSING. A legacy directory (no manifest, policy files present) reports its files as UNVERIFIED
+    and its missing required files as MISSING. Never raises for a bad checkpoint; the report says what is wrong.
     """
     path = Path(path)
     if not path.is_dir():
@@ -67,18 +77,18 @@ def verify_checkpoint(path: str | Path, *, require_critic: bool = False) -> Veri
     except CheckpointError as exc:
         return VerifyReport(path, "manifest", [FileStatus(MANIFEST_NAME, "MISMATCH", str(exc))], error=str(exc))
     if manifest is None:
-        return _verify_legacy(path, require_critic)
+        return _verify_legacy(path, require_complete)
     report = VerifyReport(path, "manifest", check_files(path, manifest, hashes=True),
                           train_type=manifest.get("train_type"))
-    if require_critic and report.train_type in CRITIC_TRAIN_TYPES:
-        for name in CRITIC_FILES:
+    if require_complete:
+        for name in declared_required_files(manifest):
             if name not in manifest["files"]:
-                report.statuses.append(FileStatus(name, "MISSING", f"{report.train_type} critic extra "
-                                                                   f"not in the manifest"))
+                report.statuses.append(FileStatus(name, "MISSING", f"required by this {report.train_type or 'astrai'}"
+                                                                   f" checkpoint, not in the manifest"))
     return report
 
 
-def _verify_legacy(path: Path, require_critic: bool) -> VerifyReport:
+def _verify_legacy(path: Path, require_complete: bool) -> VerifyReport:
     present = list_files(path)
     if not any(n in present for n in POLICY_FILES):
         return VerifyReport(path, "not_checkpoint", error=f"{path}: no {MANIFEST_NAME} and no policy files")
@@ -89,7 +99,7 @@ def _verify_legacy(path: Path, require_critic: bool) -> VerifyReport:
         pass
     statuses = [FileStatus(n, "UNVERIFIED", "legacy checkpoint: no manifest") for n in present]
     required = list(POLICY_FILES)
-    if require_critic and train_type in CRITIC_TRAIN_TYPES:
-        required += CRITIC_FILES
+    if require_complete:
+        required = list(LEGACY_REQUIRED_FILES.get(train_type, LEGACY_REQUIRED_FILES[None]))
     statuses += [FileStatus(n, "MISSING", "required file") for n in required if n not in present]
     return VerifyReport(path, "legacy", statuses, train_type=train_type)

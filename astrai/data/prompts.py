@@ -223,6 +223,12 @@ class PromptSampler:
             self._order = epoch_order(len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
         return self._order
 
+    @property
+    def drawn(self) -> int:
+        """Records handed out so far, over all epochs (``epoch * num_records + position``; restored with the
+        state, so it keeps counting across a resume)."""
+        return self.epoch * len(self.dataset) + self.position
+
     def next_batch(self, batch_size: int) -> list[PromptRecord]:
         """The next ``batch_size`` records; a batch that reaches the end of an epoch continues
         with the start of the next one (so every batch is full, and ``batch_size`` may exceed

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from astrai.kernels import AttentionMetadata, DenseDecodeCache, InferenceWorkspace, write_kv
 
@@ -170,7 +169,8 @@ def fuse_projections(model: torch.nn.Module) -> None:
     `mlp.gate_up_weight` (2 I, H) over gate_proj/up_proj. The modules' Parameters become views of these tensors, so
     `named_parameters`, `state_dict` and `copy_weights` (in-place `copy_`) see and update the same memory; the
     layers' forwards use the fused tensors when set (same results, fewer GEMMs). Layers without bias-free Linear
-    projections (e.g. MoE MLPs) are left as they are. Idempotent. Do not move the model to another device afterwards (the views would be re-created).
+    projections (e.g. MoE MLPs) are left as they are. Idempotent. Do not move the model to another device afterwards
+    (the views would be re-created).
     """
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

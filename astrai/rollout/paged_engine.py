@@ -23,9 +23,9 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
+from astrai.data.sequences import left_pad
 from astrai.kernels import InferenceWorkspace, select_backend
 from astrai.rollout.block_pool import BlockPool, PrefixCache
-from astrai.data.sequences import left_pad
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
 from astrai.rollout.sampling import SamplingParams

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from astrai.data import DataError
+
 
 def encode_prompts(questions: Sequence[str], tokenizer, *, system_prompt: Optional[str] = None,
                    max_prompt_length: int) -> list[list[int]]:
@@ -29,3 +31,19 @@ def encode_prompts(questions: Sequence[str], tokenizer, *, system_prompt: Option
         ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         out.append(ids[-max_prompt_length:])
     return out
+
+
+def prompt_ids_and_budget(prompt: str, tokenizer, *, system_prompt: Optional[str], max_prompt_length: int,
+                          max_length: int, where: str) -> tuple[list[int], int]:
+    """Chat-templated ids of one stored record's `prompt` (as `encode_prompts` makes them) and the number of
+    response tokens left within `max_length` (`data.max_length`) for the offline train types (dpo, grpo).
+
+    Raises:
+        DataError: naming `where` when the prompt leaves no room for a response.
+    """
+    ids = encode_prompts([prompt], tokenizer, system_prompt=system_prompt, max_prompt_length=max_prompt_length)[0]
+    budget = max_length - len(ids)
+    if budget < 1:
+        raise DataError(f"{where}: the prompt takes {len(ids)} tokens, no room for a response within "
+                        f"data.max_length={max_length} (lower data.max_prompt_length)")
+    return ids, budget

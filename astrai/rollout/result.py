@@ -23,27 +23,29 @@ class RolloutResult:
 
     Attributes:
         sequences: model inputs and `action_mask` (B, T).
-        old_logprobs: sampler-aligned behaviour log-probs from the engine.
-        ref_logprobs: frozen reference model log-probs (same temperature).
-        values: critic values V(s_t) at rollout time (None for critic-free train types).
+        old_logprobs: (B, T) sampler-aligned behaviour log-probs from the engine.
+        ref_logprobs: (B, T) frozen reference model log-probs (same temperature); None without a reference
+            model (GRPO with no KL term).
+        values: (B, T) critic values V(s_t) at rollout time; None for critic-free train types (GRPO).
         scores: (B,) float32 scalar task rewards.
-        kl: k-estimator of KL(policy || reference) per token.
-        rewards: per-token rewards (-kl_coef * kl, plus the score at the last real token).
-        advantages: GAE advantages (whitened when configured).
-        returns: GAE returns, the critic's regression target.
+        kl: (B, T) k-estimator of KL(policy || reference) per token; None without a reference model.
+        rewards: (B, T) per-token rewards (PPO: -kl_coef * kl plus the score at the last real token; GRPO: the
+            sequence reward broadcast over the real tokens).
+        advantages: (B, T) GAE advantages (whitened when configured) or GRPO group advantages.
+        returns: (B, T) GAE returns, the critic's regression target; None for critic-free train types.
         policy_version: version of the weights that generated the responses.
         responses: decoded response texts (B strings).
     """
 
     sequences: Sequences
     old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
+    ref_logprobs: Optional[torch.Tensor]
     values: Optional[torch.Tensor]
     scores: torch.Tensor
-    kl: torch.Tensor
+    kl: Optional[torch.Tensor]
     rewards: torch.Tensor
     advantages: torch.Tensor
-    returns: torch.Tensor
+    returns: Optional[torch.Tensor]
     policy_version: int
     responses: tuple[str, ...]
 
@@ -71,6 +73,17 @@ class RolloutResult:
         responses = tuple(self.responses[i] for i in index.tolist())
         return dataclasses.replace(self, sequences=self.sequences.select(index), responses=responses,
                                    **picked)
+
+    def split(self, rows: int) -> list["RolloutResult"]:
+        """Consecutive row chunks of at most `rows` rows (the micro-batches of a minibatch).
+
+        Raises:
+            ValueError: when `rows < 1`.
+        """
+        if rows < 1:
+            raise ValueError(f"RolloutResult.split: rows must be >= 1, got {rows}")
+        return [self.select(torch.arange(start, min(len(self), start + rows)))
+                for start in range(0, len(self), rows)]
 
     def to_state(self) -> dict:
         """Plain dict of tensors / ints / strings (loadable with `torch.load(weights_only=True)`)."""

@@ -6,7 +6,8 @@ group advantages for GRPO).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -30,6 +31,7 @@ class Experience:
         scores: (B,) float32 task rewards.
         responses: decoded responses (B strings, special tokens skipped).
         policy_version: version of the weights that sampled.
+        timings: wall seconds of the phases that produced it, by phase name (e.g. "generate", "reference").
     """
 
     sequences: Sequences
@@ -38,6 +40,7 @@ class Experience:
     scores: torch.Tensor
     responses: tuple[str, ...]
     policy_version: int
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutRunner:
@@ -72,7 +75,9 @@ class RolloutRunner:
         """
         if len(prompt_ids) != len(answers):
             raise ValueError(f"collect: {len(prompt_ids)} prompts but {len(answers)} answers")
+        start = time.perf_counter()
         generation = self.engine.generate(prompt_ids, self.sampling, generator)
+        timings = {"generate": time.perf_counter() - start}
         sequences = generation.sequences()
         response_ids = [row[mask].tolist() for row, mask in
                         zip(generation.response_ids.cpu(), generation.action_mask.cpu())]
@@ -83,10 +88,12 @@ class RolloutRunner:
             raise ValueError(f"reward: expected {len(answers)} finite scores, got {tuple(scores.shape)}")
         ref_logprobs = None
         if self.ref_model is not None:
+            start = time.perf_counter()
             ref_logprobs = score_in_chunks(
                 lambda chunk: response_logprobs(self.ref_model, chunk,
                                                 temperature=self.sampling.temperature)[0],
                 sequences, self.chunk_size)
+            timings["reference"] = time.perf_counter() - start
         return Experience(sequences=sequences, old_logprobs=generation.old_logprobs,
                           ref_logprobs=ref_logprobs, scores=scores.to(generation.old_logprobs.device),
-                          responses=responses, policy_version=generation.policy_version)
+                          responses=responses, policy_version=generation.policy_version, timings=timings)

@@ -1,5 +1,6 @@
 """Build a ready-to-fit `Trainer` from a validated config: runtime, process state, model, strategy,
-callbacks. The train type's own parts come from `TRAIN_TYPES`."""
+callbacks, and the checkpoint parts of the job (saved by the checkpoint callback, restored on resume). The train
+type's own pieces come from `TRAIN_TYPES`."""
 
 from __future__ import annotations
 
@@ -11,13 +12,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from astrai.checkpoint import checkpoints_root, find_latest_checkpoint, publish_checkpoint, recover
+from astrai.checkpoint import (
+    GlobalRNGState,
+    Part,
+    checkpoints_root,
+    find_latest_checkpoint,
+    publish_checkpoint,
+    recover,
+)
 from astrai.config import Config, dump_config
 from astrai.distributed import setup_distributed
 from astrai.models import load_pretrained
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.loop import Trainer
-from astrai.trainer.resume import resolve_resume, restore, strategy_state_file
+from astrai.trainer.resume import resolve_resume, restore
 from astrai.trainer.strategies import TRAIN_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,6 +46,15 @@ def apply_runtime(config: Config) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     seed_everything(config.train.seed)
+
+
+def job_parts(trainer: Trainer, tokenizer, config_text: str) -> dict[str, Part]:
+    """Every checkpoint part of the job, in restore order: the strategy's parts, the tokenizer (export), the
+    resolved job config (`config.yaml`, export), the counters (`trainer_state`) and, last, this process's global
+    RNGs (`rng_state`, per rank)."""
+    return {**trainer.strategy.checkpoint_parts(), "tokenizer": Part(tokenizer, "hf_tokenizer", required=False),
+            "config": Part(config_text, "yaml", required=False), "trainer_state": Part(trainer.state, "json"),
+            "rng_state": Part(GlobalRNGState(), per_rank=True)}
 
 
 def build_trainer(config: Config) -> Trainer:
@@ -66,30 +83,30 @@ def build_trainer(config: Config) -> Trainer:
     policy.train()
     policy.gradient_checkpointing = config.model.gradient_checkpointing
     strategy = TRAIN_TYPES[config.train.type](config, dist, policy, tokenizer)
-    state = None
+    trainer = Trainer(strategy, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm)
+    config_text = dump_config(config)
     if resume_from is not None:
-        state = restore(strategy, resume_from, rank=dist.rank, train_type=config.train.type,
-                        verify=config.checkpoint.verify_on_load)
+        restore(job_parts(trainer, tokenizer, config_text), resume_from, rank=dist.rank,
+                train_type=config.train.type, verify=config.checkpoint.verify_on_load)
     logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main,
-                           resume_step=None if state is None else state.global_step)
+                           resume_step=None if resume_from is None else trainer.state.global_step)
 
     def save(trainer: Trainer) -> None:
         publish_checkpoint(
-            output_dir, trainer.state.global_step, strategy.checkpoint_state(), trainer.state.to_dict(),
+            output_dir, trainer.state.global_step, job_parts(trainer, tokenizer, config_text),
+            metadata={"policy_version": trainer.state.policy_version, "train_type": config.train.type},
             world_size=dist.world_size, dist=dist if dist.world_size > 1 else None,
-            rank_files={strategy_state_file(dist.rank): strategy.state_dict()},
-            keep_last=config.checkpoint.keep_last, train_type=config.train.type)
+            keep_last=config.checkpoint.keep_last)
 
-    callbacks = [
+    trainer.callbacks = [
         StepTimer(), logger, ProgressBar(enabled=dist.is_main and config.train.progress_bar),
         CheckpointCallback(save, save_steps=config.checkpoint.save_steps,
                            save_at_end=config.checkpoint.save_at_end, before_save=logger.flush),
     ]
     if dist.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(dump_config(config))
+        (output_dir / "config.yaml").write_text(config_text)
         if resume_from is not None:
-            print(f"resuming from {resume_from} (step {state.global_step}, "
-                  f"policy_version {state.policy_version})")
-    return Trainer(strategy, dist=dist, max_steps=config.train.max_steps,
-                   max_grad_norm=config.optim.max_grad_norm, callbacks=callbacks, state=state)
+            print(f"resuming from {resume_from} (step {trainer.state.global_step}, "
+                  f"policy_version {trainer.state.policy_version})")
+    return trainer

@@ -1,31 +1,42 @@
-"""The one training loop shared by every train type.
+"""The one training loop shared by every train type, and the one seam that backpropagates and steps.
 
-`Trainer.fit()` runs until `max_steps` policy optimizer steps are done. Each iteration asks the strategy
-(one small class per train type, `trainer/strategies/`) for exactly one policy optimizer step; the strategy
-calls back `Trainer.optimizer_step` for every optimizer it owns, so clipping, the optimizer hooks and the
-`policy_version` bookkeeping live in one place.
+`Trainer.fit()` runs until `max_steps` policy optimizer steps are done. Each iteration asks the strategy (one small
+class per train type, `trainer/strategies/`) for exactly one policy optimizer step. A strategy only computes
+losses: it hands its micro-batches and a loss function to `Trainer.accumulate_and_step`, which owns the global
+token count, the data-parallel loss scale, backward, gradient clipping, the optimizer and scheduler step, the
+learning rate actually applied, the optimizer hooks and the `policy_version` bookkeeping, for whichever engine wraps
+the model (`models.TrainedModel`). The data position advances in one place too: `consumed_samples` grows by what the
+strategy's data sampler handed out during the step.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional, Protocol
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
 import torch
 
+from astrai.checkpoint import Part
 from astrai.distributed import DistributedContext
+from astrai.trainer.models import TrainedModel, moe_aux_loss
+
+LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro-batch, global unit count (0-dim)) -> (loss share (0-dim, with grad), metric shares (detached 0-dim)).
+
+A "share" is the micro-batch's contribution to the step's mean over ALL units (real tokens, pairs ...) of all
+micro-batches and ranks: its sum divided by the global count, so shares add up to the global mean."""
 
 
 @dataclass
 class TrainerState:
-    """Progress counters (restored on resume).
+    """Progress counters (restored on resume; the checkpoint part `trainer_state`).
 
     Attributes:
         global_step: completed iterations of the loop (one policy optimizer step each).
         policy_version: completed policy optimizer steps; tags the weights the rollout engine holds.
-        consumed_samples: prompts (or examples) drawn from the data so far, over all ranks.
-        max_steps: the run's target number of steps.
+        consumed_samples: records (prompts, examples, pairs) drawn from the data so far, over all ranks.
+        max_steps: the run's target number of steps (not restored: the job sets it).
     """
 
     global_step: int = 0
@@ -33,26 +44,54 @@ class TrainerState:
     consumed_samples: int = 0
     max_steps: int = 0
 
-    def to_dict(self) -> dict:
+    def state_dict(self) -> dict:
         """JSON-serialisable copy of the counters (written to trainer_state.json)."""
         return asdict(self)
 
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take the counters of a checkpoint (`max_steps` stays this run's)."""
+        self.global_step = int(state["global_step"])
+        self.policy_version = int(state["policy_version"])
+        self.consumed_samples = int(state.get("consumed_samples", 0))
+
+
+class DataSampler(Protocol):
+    """What the loop needs of a strategy's data sampler (`astrai.data.PromptSampler`)."""
+
+    @property
+    def drawn(self) -> int:
+        """Records handed out on this rank since the sampler was created or restored (monotone)."""
+
 
 class Strategy(Protocol):
-    """A train type: owns its models and optimizers and performs one policy optimizer step per call."""
+    """A train type: computes losses for one policy optimizer step per call and declares its state.
+
+    Attributes:
+        data_sampler: the sampler its records come from (the data position; `consumed_samples` follows it).
+    """
+
+    data_sampler: DataSampler
 
     def train_step(self, trainer: "Trainer") -> dict[str, torch.Tensor]:
-        """Do one policy optimizer step (via `trainer.optimizer_step`); return detached 0-dim metrics."""
+        """Do one policy optimizer step (through `trainer.accumulate_and_step`); return detached 0-dim metrics."""
 
-    def checkpoint_state(self) -> dict:
-        """Objects the checkpoint publisher saves (models, optimizers, schedulers, tokenizer ...)."""
+    def checkpoint_parts(self) -> dict[str, Part]:
+        """The state to checkpoint, as named parts (models, optimizers, schedules, data position, its own state);
+        a part marked required must be present to resume (online_ppo: the critic and its optimizer)."""
+
+    def state_dict(self) -> dict:
+        """The strategy's own resume state (RNGs, rollout in progress); one of its checkpoint parts."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict`."""
 
 
 class Callback:
     """Hooks of the training loop; every method is optional.
 
-    `before_optimizer_step` / `after_optimizer_step` fire around each optimizer step with `name` "policy"
-    or "critic"; `on_step_end` receives the step's metrics as detached tensors (convert them only there).
+    `before_optimizer_step` / `after_optimizer_step` fire around each optimizer step with the trained model's
+    name ("policy" or "critic"); `on_step_end` receives the step's metrics as detached tensors (convert them only
+    there).
     """
 
     def on_train_begin(self, trainer: "Trainer") -> None: ...
@@ -71,7 +110,7 @@ class Trainer:
         max_steps: number of policy optimizer steps to reach.
         max_grad_norm: gradient-norm clip applied to every optimizer (policy and critic alike).
         callbacks: hooks, called in order.
-        state: initial counters (for resume); fresh when None.
+        state: initial counters; fresh when None.
     """
 
     def __init__(self, strategy: Strategy, *, dist: DistributedContext, max_steps: int,
@@ -93,31 +132,62 @@ class Trainer:
         """Run the loop to `max_steps`; returns the final state."""
         self._emit("on_train_begin")
         while self.state.global_step < self.state.max_steps:
+            drawn = self.strategy.data_sampler.drawn
             metrics = self.strategy.train_step(self)
+            self.state.consumed_samples += (self.strategy.data_sampler.drawn - drawn) * self.dist.world_size
             self.state.global_step += 1
             metrics["policy_version"] = torch.tensor(self.state.policy_version)
             self._emit("on_step_end", metrics)
         self._emit("on_train_end")
         return self.state
 
-    def optimizer_step(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None) -> torch.Tensor:
-        """Clip gradients to `max_grad_norm`, step `optimizer` (+ `scheduler`) and zero the gradients.
+    def accumulate_and_step(self, trained: TrainedModel, micro_batches: Sequence[Any], loss_fn: LossFn, *,
+             count: Callable[[Any], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One optimizer step of `trained` over `micro_batches` (gradient accumulation).
 
-        When `name == "policy"`, `policy_version` increments under `version_lock` right after the step;
-        any other optimizer (the critic) steps outside that lock.
+        The loss is a token-mean (or pair-mean ...) over the GLOBAL number of units of the step, all micro-batches
+        and all data-parallel ranks (docs/conventions.md section 2), so the gradient does not depend on how the
+        step's data is split. For each micro-batch: `loss, metrics = loss_fn(micro, num_units)` (a share, see
+        `LossFn`), plus the model's weighted MoE load-balancing loss averaged over the micro-batches, times the
+        engine's loss scale, backward (gradients synchronised across ranks on the last micro-batch only). Then
+        clip to `max_grad_norm`, `before_optimizer_step`, optimizer + scheduler step, zero the gradients;
+        for "policy", `policy_version` increments under `version_lock`; `after_optimizer_step`.
+
+        Args:
+            trained: the model with its optimizer and schedule.
+            micro_batches: anything `loss_fn` and `count` take, one per forward/backward.
+            loss_fn: see `LossFn`.
+            count: micro-batch -> its number of loss units on this rank (0-dim integer tensor).
 
         Returns:
-            the pre-clip global gradient norm (0-dim float32 tensor, detached).
+            detached 0-dim metrics: the loss_fn metrics as this rank's means (shares rescaled by global / local
+            units), `<name>/grad_norm` (pre-clip), `<name>/lr` (the learning rate this step applied) and, for MoE
+            models, `moe/aux_loss` and `moe/weighted_aux_loss` (per-forward means).
         """
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
-        self._emit("before_optimizer_step", name)
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if name == "policy":
+        local = torch.stack([count(micro) for micro in micro_batches]).sum()
+        num_units = self.dist.all_reduce_sum(local).clamp(min=1)
+        to_local_mean = num_units / local.clamp(min=1)
+        scale = trained.loss_scale
+        sums: dict[str, torch.Tensor] = {}
+        for index, micro in enumerate(micro_batches):
+            with trained.gradient_sync(index == len(micro_batches) - 1):
+                loss, metrics = loss_fn(micro, num_units)
+                aux, aux_metrics = moe_aux_loss(trained.model, len(micro_batches))
+                # the auxiliary loss is a per-forward mean: divided by `scale` so that ranks average it
+                trained.backward((loss if aux is None else loss + aux.to(loss.dtype) / scale) * scale)
+            _accumulate(sums, metrics, weight=to_local_mean)
+            _accumulate(sums, aux_metrics)
+        sums[f"{trained.name}/grad_norm"] = trained.clip_grad_norm(self.max_grad_norm)
+        self._emit("before_optimizer_step", trained.name)
+        sums[f"{trained.name}/lr"] = trained.optimizer_step()
+        if trained.name == "policy":
             with self.version_lock:
                 self.state.policy_version += 1
-        self._emit("after_optimizer_step", name)
-        return grad_norm.detach().float()
+        self._emit("after_optimizer_step", trained.name)
+        return sums
+
+
+def _accumulate(sums: dict[str, torch.Tensor], metrics: Mapping[str, torch.Tensor], *, weight=1.0) -> None:
+    """In place: `sums[k] += weight * metrics[k].detach()` for every key of `metrics`."""
+    for key, value in metrics.items():
+        sums[key] = sums.get(key, 0.0) + value.detach() * weight

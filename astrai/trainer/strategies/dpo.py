@@ -10,15 +10,17 @@ ranks). The reference is a frozen copy of the initial policy.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from astrai.algos import dpo_loss, masked_sum
+from astrai.data import PromptSampler
+from astrai.data.examples import response_tokens
+from astrai.data.records import load_records, require_str
 from astrai.data.sequences import Sequences
+from astrai.rollout.prompts import prompt_ids_and_budget
 from astrai.rollout.scoring import response_logprobs
-from astrai.trainer.strategies.common import (SamplerOnlyState, accumulate, add_aux_loss,
-                                              prompt_ids_and_budget)
+from astrai.trainer.models import TrainedModel, build_trained_model, frozen_copy
+from astrai.trainer.strategies.sft import SupervisedStrategy
 
 
 def sequence_logps(model, prompts, responses, *, pad_token_id: int, device) -> torch.Tensor:
@@ -28,59 +30,44 @@ def sequence_logps(model, prompts, responses, *, pad_token_id: int, device) -> t
     return masked_sum(logprobs, seqs.action_mask, dim=-1)
 
 
-class DPOStrategy(SamplerOnlyState):
+class DPOStrategy(SupervisedStrategy):
     """One `train_step` = one DPO optimizer step over `accumulation_steps` micro-batches of pairs.
 
     Args:
-        policy: trainable `AutoRegressiveLM` (possibly DDP-wrapped); ref_model: frozen reference.
+        policy: the trained policy; ref_model: frozen reference.
         sampler: endless resumable sampler over (prompt ids, chosen ids, rejected ids) triples.
-        optimizer, scheduler: the policy's AdamW and LR schedule.
         beta, label_smoothing: DPO scalars; micro_batch_size: pairs per forward; accumulation_steps.
-        pad_token_id, dist, extras: padding id, `DistributedContext`, more checkpoint objects.
+        pad_token_id: padding id.
     """
 
-    def __init__(self, *, policy, ref_model, sampler, optimizer, scheduler, beta: float, label_smoothing: float,
-                 micro_batch_size: int, accumulation_steps: int, pad_token_id: int, dist,
-                 extras: Optional[dict] = None):
-        self.policy, self.ref_model, self.sampler, self.dist = policy, ref_model, sampler, dist
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.beta, self.label_smoothing = beta, label_smoothing
-        self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
+    def __init__(self, *, policy: TrainedModel, ref_model, sampler, beta: float, label_smoothing: float,
+                 micro_batch_size: int, accumulation_steps: int, pad_token_id: int):
+        super().__init__(policy=policy, sampler=sampler, micro_batch_size=micro_batch_size,
+                         accumulation_steps=accumulation_steps)
+        self.ref_model, self.beta, self.label_smoothing = ref_model, beta, label_smoothing
         self.pad_token_id = pad_token_id
-        self.extras = extras or {}
 
     def pair_loss(self, triples, num_pairs: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """DPO loss share of one micro-batch of (prompt, chosen, rejected) token triples."""
+        """DPO loss share of one micro-batch of (prompt, chosen, rejected) token triples, with `train/loss`."""
         prompts = [t[0] for t in triples] * 2
         responses = [t[1] for t in triples] + [t[2] for t in triples]
-        kwargs = dict(pad_token_id=self.pad_token_id, device=self.dist.device)
-        logps = sequence_logps(self.policy, prompts, responses, **kwargs)
+        kwargs = dict(pad_token_id=self.pad_token_id, device=self.policy.dist.device)
+        logps = sequence_logps(self.policy.module, prompts, responses, **kwargs)
         with torch.no_grad():
             ref = sequence_logps(self.ref_model, prompts, responses, **kwargs)
         n = len(triples)
-        return dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], beta=self.beta,
-                        label_smoothing=self.label_smoothing, num_pairs=num_pairs)
+        loss, metrics = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], beta=self.beta,
+                                 label_smoothing=self.label_smoothing, num_pairs=num_pairs)
+        return loss, dict(metrics, **{"train/loss": loss.detach()})
 
     def train_step(self, trainer) -> dict[str, torch.Tensor]:
         """Accumulate the DPO loss over the micro-batches, then one optimizer step.
 
         Metrics: `train/loss`, `dpo/*` (this rank's pair means), `policy/grad_norm`, `policy/lr`.
         """
-        micro = [self.sampler.next_batch(self.micro_batch_size) for _ in range(self.accumulation_steps)]
-        local = torch.tensor(self.micro_batch_size * self.accumulation_steps, device=self.dist.device)
-        total = self.dist.all_reduce_sum(local)
-        sums: dict[str, torch.Tensor] = {}
-        for triples in micro:
-            loss, metrics = self.pair_loss(triples, total)
-            with_aux, aux = add_aux_loss(self.dist.unwrap(self.policy), loss, len(micro), self.dist.loss_scale())
-            (with_aux * self.dist.loss_scale()).backward()
-            accumulate(sums, dict(metrics, **{"train/loss": loss}), weight=total / local)
-            accumulate(sums, aux)
-        sums["policy/grad_norm"] = trainer.optimizer_step("policy", self.dist.unwrap(self.policy),
-                                                          self.optimizer, self.scheduler)
-        sums["policy/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
-        trainer.state.consumed_samples += int(local) * self.dist.world_size
-        return sums
+        device = self.policy.dist.device
+        return trainer.accumulate_and_step(self.policy, self.draw(), self.pair_loss,
+                            count=lambda triples: torch.tensor(len(triples), device=device))
 
 
 def preference_triples(rows, tokenizer, config) -> list[tuple[list[int], list[int], list[int]]]:
@@ -89,9 +76,6 @@ def preference_triples(rows, tokenizer, config) -> list[tuple[list[int], list[in
     Raises:
         DataError: a non-string field (naming the row and config key) or a prompt longer than max_length - 1.
     """
-    from astrai.data.examples import response_tokens
-    from astrai.data.records import require_str
-
     d = config.data
     out = []
     for i, row in enumerate(rows):
@@ -99,7 +83,9 @@ def preference_triples(rows, tokenizer, config) -> list[tuple[list[int], list[in
         prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
         chosen = require_str(row, d.chosen_field, "data.chosen_field", where)
         rejected = require_str(row, d.rejected_field, "data.rejected_field", where)
-        ids, budget = prompt_ids_and_budget(prompt, tokenizer, d, where)
+        ids, budget = prompt_ids_and_budget(prompt, tokenizer, system_prompt=d.system_prompt,
+                                            max_prompt_length=d.max_prompt_length, max_length=d.max_length,
+                                            where=where)
         out.append((ids, response_tokens(chosen, tokenizer, budget=budget),
                     response_tokens(rejected, tokenizer, budget=budget)))
     return out
@@ -107,21 +93,16 @@ def preference_triples(rows, tokenizer, config) -> list[tuple[list[int], list[in
 
 def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
     """dpo from `data.path` records with prompt / chosen / rejected fields. Raises DataError for bad data."""
-    from astrai.data import PromptSampler
-    from astrai.data.records import load_records
-    from astrai.trainer.strategies.common import build_policy_optimizer, frozen_copy
-
     d = config.data
     rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
                                  "data.rejected_field": d.rejected_field})
     triples = preference_triples(rows, tokenizer, config)
     policy = policy.to(dist.device)
     ref_model = frozen_copy(policy)
-    optimizer, scheduler = build_policy_optimizer(config, policy)
+    trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(triples, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
-    return DPOStrategy(policy=dist.prepare_model(policy), ref_model=ref_model, sampler=sampler,
-                       optimizer=optimizer, scheduler=scheduler, beta=config.dpo.beta,
+    return DPOStrategy(policy=trained, ref_model=ref_model, sampler=sampler, beta=config.dpo.beta,
                        label_smoothing=config.dpo.label_smoothing,
                        micro_batch_size=config.train.per_device_train_batch_size,
                        accumulation_steps=config.train.gradient_accumulation_steps,
-                       pad_token_id=tokenizer.pad_token_id, dist=dist, extras={"tokenizer": tokenizer})
+                       pad_token_id=tokenizer.pad_token_id)

@@ -5,7 +5,7 @@ Each record holds a prompt (`data.prompt_field`), exactly G = `grpo.group_size` 
 log-probs of every response token (`data.logprobs_field`, G lists, at `rollout.temperature`) and the exact
 sampled token ids (`response_ids`, G lists; otherwise a response is its text's tokens + EOS). The update is the
 online one (`online_grpo.GRPOStrategy`, same advantages, validation, loss and minibatching); only the
-experience source differs: `rollout.batch_size` records per batch instead of engine samples.
+experience source differs (`StoredGroups`): `rollout.batch_size` records per batch instead of engine samples.
 
 Old-policy fallback: where a record has no behaviour log-probs, `old_logprobs` are computed once per batch by
 the policy as it is before the batch's first update (the "old policy" of PPO/GRPO), without a model copy.
@@ -19,10 +19,15 @@ from typing import Optional
 
 import torch
 
+from astrai.data import DataError, PromptSampler
+from astrai.data.examples import response_tokens
+from astrai.data.records import load_records, require_str
+from astrai.data.sequences import Sequences
+from astrai.rollout.prompts import prompt_ids_and_budget
 from astrai.rollout.runner import Experience
 from astrai.rollout.scoring import response_logprobs, score_in_chunks
-from astrai.trainer.strategies.common import prompt_ids_and_budget
-from astrai.trainer.strategies.online_grpo import GRPOStrategy, grpo_settings
+from astrai.trainer.models import TrainedModel, build_trained_model, frozen_copy
+from astrai.trainer.strategies.online_grpo import GRPOStrategy, grpo_strategy
 
 
 @dataclass(frozen=True)
@@ -37,30 +42,28 @@ class GroupRecord:
     texts: list[str]
 
 
-class OfflineGroups:
-    """Experience source of offline GRPO: `__call__(policy_version) -> Experience` of B * G rows.
+class StoredGroups:
+    """Experience source of offline GRPO: `collect(policy_version) -> Experience` of B * G rows.
 
     Args:
         sampler: endless resumable sampler over `GroupRecord`s; batch_size: B records per batch.
         policy: the trained policy (scores the old-policy fallback); ref_model: frozen reference or None.
         pad_token_id, device, temperature: assembly and scoring settings; chunk_size: rows per no-grad forward.
-        dist: `DistributedContext` (to unwrap the policy).
     """
 
-    def __init__(self, *, sampler, batch_size: int, policy, ref_model, pad_token_id: int, device,
-                 temperature: float, chunk_size: int, dist):
-        self.sampler, self.batch_size, self.policy, self.ref_model = sampler, batch_size, policy, ref_model
+    def __init__(self, *, sampler, batch_size: int, policy: TrainedModel, ref_model, pad_token_id: int, device,
+                 temperature: float, chunk_size: int):
+        self.data_sampler, self.batch_size, self.policy, self.ref_model = sampler, batch_size, policy, ref_model
         self.pad_token_id, self.device, self.temperature = pad_token_id, device, temperature
-        self.chunk_size, self.dist = chunk_size, dist
+        self.chunk_size = chunk_size
 
     def _score(self, model, sequences) -> torch.Tensor:
         return score_in_chunks(lambda c: response_logprobs(model, c, temperature=self.temperature)[0],
                                sequences, self.chunk_size)
 
-    def __call__(self, policy_version: int) -> Experience:
-        from astrai.data.sequences import Sequences
-
-        records = self.sampler.next_batch(self.batch_size)
+    def collect(self, policy_version: int) -> Experience:
+        """The next B stored groups as experience; old log-probs from the data, else from the current policy."""
+        records = self.data_sampler.next_batch(self.batch_size)
         prompts = [r.prompt_ids for r in records for _ in r.response_ids]
         responses = [ids for r in records for ids in r.response_ids]
         seqs = Sequences.from_tokens(prompts, responses, pad_token_id=self.pad_token_id, device=self.device)
@@ -76,16 +79,21 @@ class OfflineGroups:
                 row += 1
         old = given
         if not bool(has.all()):  # old-policy fallback: the current weights, before this batch's updates
-            old = torch.where(has[:, None], given, self._score(self.dist.unwrap(self.policy), seqs))
+            old = torch.where(has[:, None], given, self._score(self.policy.model, seqs))
         ref = self._score(self.ref_model, seqs) * mask if self.ref_model is not None else None
         scores = torch.tensor([x for r in records for x in r.rewards], dtype=torch.float32, device=self.device)
         return Experience(sequences=seqs, old_logprobs=old * mask, ref_logprobs=ref, scores=scores,
                           responses=tuple(t for r in records for t in r.texts), policy_version=policy_version)
 
+    def state_dict(self) -> dict:
+        """No state of its own (the data sampler is a checkpoint part of its own)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore (see `state_dict`)."""
+
 
 def _number_list(value, n: int, what: str, where: str) -> list:
-    from astrai.data import DataError
-
     if not isinstance(value, list) or len(value) != n:
         got = len(value) if isinstance(value, list) else type(value).__name__
         raise DataError(f"{where}: {what} must be a list of grpo.group_size={n} items, got {got}")
@@ -94,10 +102,6 @@ def _number_list(value, n: int, what: str, where: str) -> list:
 
 def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
     """Tokenise and check one stored group. Raises DataError naming the row, the field and the problem."""
-    from astrai.data import DataError
-    from astrai.data.examples import response_tokens
-    from astrai.data.records import require_str
-
     d, g = config.data, config.grpo.group_size
     prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
     texts = _number_list(row[d.responses_field], g, f"field {d.responses_field!r}", where)
@@ -106,7 +110,9 @@ def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
         raise DataError(f"{where}: field {d.rewards_field!r} must hold finite numbers")
     if not all(isinstance(t, str) for t in texts):
         raise DataError(f"{where}: field {d.responses_field!r} must hold strings")
-    prompt_ids, budget = prompt_ids_and_budget(prompt, tokenizer, d, where)
+    prompt_ids, budget = prompt_ids_and_budget(prompt, tokenizer, system_prompt=d.system_prompt,
+                                               max_prompt_length=d.max_prompt_length, max_length=d.max_length,
+                                               where=where)
     ids = row.get("response_ids")
     if ids is not None:
         ids = [list(x)[:budget] for x in _number_list(ids, g, "field 'response_ids'", where)]
@@ -126,10 +132,6 @@ def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
 
 def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     """Offline grpo from `data.path` groups. Raises DataError for bad data."""
-    from astrai.data import PromptSampler
-    from astrai.data.records import load_records
-    from astrai.trainer.strategies.common import build_policy_optimizer, frozen_copy
-
     d, g = config.data, config.grpo
     rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.responses_field": d.responses_field,
                                  "data.rewards_field": d.rewards_field},
@@ -137,12 +139,9 @@ def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     records = [group_record(row, tokenizer, config, f"{d.path} row {i + 1}") for i, row in enumerate(rows)]
     policy = policy.to(dist.device)
     ref_model = frozen_copy(policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
+    trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(records, seed=config.train.seed + dist.rank, shuffle=d.shuffle)
-    prepared = dist.prepare_model(policy)
-    source = OfflineGroups(sampler=sampler, batch_size=config.rollout.batch_size, policy=prepared,
-                           ref_model=ref_model, pad_token_id=tokenizer.pad_token_id, device=dist.device,
-                           temperature=config.rollout.temperature, chunk_size=g.micro_batch_size, dist=dist)
-    optimizer, scheduler = build_policy_optimizer(config, policy)
-    return GRPOStrategy(policy=prepared, optimizer=optimizer, scheduler=scheduler, settings=grpo_settings(config),
-                        dist=dist, seed=config.train.seed + 1000 * dist.rank, experience=source,
-                        extras={"tokenizer": tokenizer, "data_sampler": sampler})
+    source = StoredGroups(sampler=sampler, batch_size=config.rollout.batch_size, policy=trained, ref_model=ref_model,
+                          pad_token_id=tokenizer.pad_token_id, device=dist.device,
+                          temperature=config.rollout.temperature, chunk_size=g.micro_batch_size)
+    return grpo_strategy(config, dist, trained, source)

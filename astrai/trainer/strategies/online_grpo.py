@@ -12,36 +12,31 @@ policy optimizer step; `grpo.epochs` passes of shuffled minibatches replay each 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from astrai.algos import group_advantages, kl_k3, kl_penalty_loss, masked_mean, ppo_policy_loss
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
-from astrai.trainer.strategies.common import (init_rollout_state, load_rollout_state, policy_gradient_step,
-                                              rollout_state, sync_engine)
+from astrai.trainer.experience import ExperienceSource, build_online_experience
+from astrai.trainer.models import TrainedModel, build_trained_model, frozen_copy
+from astrai.trainer.replay import RolloutReplay
+from astrai.trainer.strategies.policy_gradient import RolloutStrategy
 
 
 @dataclass(frozen=True)
 class GRPOSettings:
-    """Scalars of the GRPO update (see `astrai.config.GRPOSection`); sizes count samples (responses)
-    except `batch_size`, which counts prompts per rollout (B); a rollout holds B * group_size samples."""
+    """Scalars of the GRPO update (see `astrai.config.GRPOSection`)."""
 
-    batch_size: int
     group_size: int
-    minibatch_size: int
     micro_batch_size: int
-    epochs: int
     clip_eps: float
     kl_coef: float
     kl_reward_coef: float
     std_eps: float
     std_floor: Optional[float]
-    temperature: float
-    log_entropy: bool = False
 
 
 def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
@@ -120,8 +115,8 @@ def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0
 
 def grpo_loss_fn(*, clip_eps: float, kl_coef: float):
     """The GRPO micro-batch loss: PPO-clip vs `old_logprobs` + `kl_coef` * k3 reference KL (both token-means
-    over the step's global token count). Returns a `common.LossFn`; metrics `policy/pg_loss`, clip metrics,
-    and `policy/ref_kl` when `kl_coef > 0`."""
+    over the step's global token count). Returns a `policy_gradient.Objective`; metrics `policy/pg_loss`, clip
+    metrics, and `policy/ref_kl` when `kl_coef > 0`."""
 
     def loss_fn(logprobs: torch.Tensor, micro: RolloutResult, num_tokens: torch.Tensor):
         mask = micro.sequences.action_mask
@@ -138,54 +133,33 @@ def grpo_loss_fn(*, clip_eps: float, kl_coef: float):
     return loss_fn
 
 
-class GRPOStrategy:
-    """One `train_step` = one GRPO minibatch update of the policy (no critic); online or offline.
+class GRPOStrategy(RolloutStrategy):
+    """One `train_step` = one GRPO minibatch update of the policy (no critic); online or offline: only the
+    experience source differs (`OnlineExperience` with G samples per prompt, or `grpo.StoredGroups`).
 
     Args:
-        policy: trainable `AutoRegressiveLM` (possibly DDP-wrapped).
-        optimizer, scheduler: the policy's AdamW and LR schedule.
-        settings: GRPO scalars.
-        dist: `DistributedContext`.
-        seed: seeds the sampling RNG (on the device) and the minibatch-shuffling RNG (CPU).
-        engine, runner, next_prompts: online source: the rollout engine (inference copy of the policy), the
-            runner (samples, decodes, scores; holds the frozen reference model when a KL term is on), and
-            batch_size -> (prompt token ids, reference answers).
-        experience: offline source instead: policy_version -> `Experience` of B * G rows (groups contiguous).
-        extras: more checkpoint objects (tokenizer, data_sampler).
+        policy: the trained policy.
+        experience: B * G scored samples per batch, the G samples of a prompt contiguous.
+        replay: the rollout replay (`grpo.minibatch_size`, `grpo.epochs`; sizes count samples).
+        settings: GRPO scalars; temperature: the sampling temperature; log_entropy: log `policy/entropy`.
     """
 
-    def __init__(self, *, policy, optimizer, scheduler, settings: GRPOSettings, dist, seed: int,
-                 engine=None, runner=None, next_prompts: Optional[Callable] = None,
-                 experience: Optional[Callable[[int], Experience]] = None, extras: Optional[dict] = None):
-        if experience is None and (engine is None or runner is None or next_prompts is None):
-            raise ValueError("GRPOStrategy: pass engine, runner and next_prompts, or an experience source")
-        self.policy, self.engine, self.runner, self.next_prompts = policy, engine, runner, next_prompts
-        self.experience = experience
-        self.optimizer, self.scheduler, self.settings, self.dist = optimizer, scheduler, settings, dist
-        self.extras = extras or {}
-        init_rollout_state(self, seed=seed, device=dist.device)
-        self.loss_fn = grpo_loss_fn(clip_eps=settings.clip_eps, kl_coef=settings.kl_coef)
+    def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
+                 settings: GRPOSettings, temperature: float, log_entropy: bool = False):
+        super().__init__(policy=policy, experience=experience, replay=replay,
+                         micro_batch_size=settings.micro_batch_size, temperature=temperature,
+                         log_entropy=log_entropy)
+        self.settings = settings
+        self.objective = grpo_loss_fn(clip_eps=settings.clip_eps, kl_coef=settings.kl_coef)
 
-    def collect(self, policy_version: int) -> Experience:
-        """B * G scored samples: from the offline source, or G engine samples of each of B prompts."""
-        if self.experience is not None:
-            return self.experience(policy_version)
+    def pin_targets(self, exp: Experience) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
+        """Group advantages (`group_rollout`) and the rollout's metrics."""
         s = self.settings
-        sync_engine(self.engine, self.policy, self.dist, policy_version)
-        prompt_ids, answers = self.next_prompts(s.batch_size)
-        repeated = [ids for ids in prompt_ids for _ in range(s.group_size)]
-        repeated_answers = [a for a in answers for _ in range(s.group_size)]
-        return self.runner.collect(repeated, repeated_answers, self.generator)
-
-    def make_rollout(self, policy_version: int) -> RolloutResult:
-        """Collect B * G scored samples and pin the group advantages."""
-        s = self.settings
-        exp = self.collect(policy_version)
         result = group_rollout(exp, group_size=s.group_size, kl_reward_coef=s.kl_reward_coef,
                                std_eps=s.std_eps, std_floor=s.std_floor)
         mask = result.sequences.action_mask
         groups = exp.scores.reshape(-1, s.group_size)
-        self._rollout_metrics = {
+        metrics = {
             "rollout/reward_mean": exp.scores.mean(),
             "rollout/reward_std": exp.scores.std(unbiased=False),
             "rollout/group_reward_std": groups.std(dim=1, unbiased=False).mean(),
@@ -195,72 +169,39 @@ class GRPOStrategy:
             "rollout/policy_version": torch.tensor(float(exp.policy_version)),
         }
         if result.kl is not None:
-            self._rollout_metrics["rollout/kl"] = result.kl.sum(-1).mean()
-        return result
+            metrics["rollout/kl"] = result.kl.sum(-1).mean()
+        return result, metrics
 
-    def train_step(self, trainer) -> dict[str, torch.Tensor]:
-        """One minibatch: GRPO loss over its micro-batches, one policy optimizer step. Samples when needed."""
-        s = self.settings
-        first_minibatch = not self._pending
-        if first_minibatch:
-            start = time.perf_counter()
-            self.rollout = self.make_rollout(trainer.state.policy_version)
-            self._rollout_metrics["time/rollout_seconds"] = torch.tensor(time.perf_counter() - start)
-            self._pending = self.rollout.minibatch_indices(s.minibatch_size, s.epochs, self.shuffle_generator)
-            trainer.state.consumed_samples += s.batch_size * self.dist.world_size
-        minibatch = self.rollout.select(self._pending.pop(0))
-        metrics = dict(self._rollout_metrics)
-        update = policy_gradient_step(trainer, policy=self.policy, optimizer=self.optimizer,
-                                      scheduler=self.scheduler, dist=self.dist, minibatch=minibatch,
-                                      micro_batch_size=s.micro_batch_size, temperature=s.temperature,
-                                      loss_fn=self.loss_fn, with_entropy=s.log_entropy)
-        if first_minibatch:  # the gap is only meaningful before the rollout's first update
-            self._rollout_metrics["rollout/logprob_gap"] = update["rollout/logprob_gap"]
-        update["rollout/logprob_gap"] = self._rollout_metrics["rollout/logprob_gap"]
-        metrics.update(update)
-        return metrics
-
-    def state_dict(self) -> dict:
-        """Exact-resume state: RNGs and the rollout in progress (`common.rollout_state`)."""
-        return rollout_state(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of `state_dict`."""
-        load_rollout_state(self, state)
-
-    def checkpoint_state(self) -> dict:
-        """What a checkpoint of this train type holds (policy, optimizer, schedule, tokenizer, sampler)."""
-        return {"policy": self.dist.unwrap(self.policy), "optimizer": self.optimizer,
-                "scheduler": self.scheduler, **self.extras}
-
-
-OnlineGRPOStrategy = GRPOStrategy
-"""Alias: the online train type is `GRPOStrategy` with an engine source."""
+    def update(self, trainer, minibatch: RolloutResult, first: bool) -> dict[str, torch.Tensor]:
+        """One policy optimizer step of the GRPO loss over the minibatch."""
+        return self.policy_update(trainer, minibatch, first, self.objective)
 
 
 def grpo_settings(config) -> GRPOSettings:
     """`GRPOSettings` from a validated `astrai.config.Config`."""
     g = config.grpo
-    return GRPOSettings(batch_size=config.rollout.batch_size, group_size=g.group_size,
-                        minibatch_size=g.minibatch_size, micro_batch_size=g.micro_batch_size, epochs=g.epochs,
-                        clip_eps=g.clip_eps, kl_coef=g.kl_coef, kl_reward_coef=g.kl_reward_coef,
-                        std_eps=g.std_eps, std_floor=g.std_floor, temperature=config.rollout.temperature,
+    return GRPOSettings(group_size=g.group_size, micro_batch_size=g.micro_batch_size, clip_eps=g.clip_eps,
+                        kl_coef=g.kl_coef, kl_reward_coef=g.kl_reward_coef, std_eps=g.std_eps,
+                        std_floor=g.std_floor)
+
+
+def grpo_strategy(config, dist, policy: TrainedModel, experience: ExperienceSource) -> GRPOStrategy:
+    """The GRPO strategy of a validated config over `experience` (online or offline)."""
+    g = config.grpo
+    replay = RolloutReplay(minibatch_size=g.minibatch_size, epochs=g.epochs, seed=config.train.seed + 1000 * dist.rank)
+    return GRPOStrategy(policy=policy, experience=experience, replay=replay, settings=grpo_settings(config),
+                        temperature=config.rollout.temperature,
                         log_entropy="policy/entropy" in config.train.metrics)
 
 
 def build_online_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     """Assemble online_grpo from a validated `astrai.config.Config`: frozen reference (only when a KL term is
-    on), engine, runner, prompt sampler, one AdamW + schedule. Raises DataError for bad prompt files."""
-    from astrai.trainer.strategies.common import build_online_parts, build_policy_optimizer, frozen_copy
-
+    on), one AdamW + schedule, the online experience source with G = `grpo.group_size`. Raises DataError for bad
+    prompt files."""
     g = config.grpo
     policy = policy.to(dist.device)
     ref_model = frozen_copy(policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
-    engine, runner, sampler, next_prompts = build_online_parts(config, dist, policy, tokenizer,
-                                                               ref_model=ref_model, chunk_size=g.micro_batch_size)
-    optimizer, scheduler = build_policy_optimizer(config, policy)
-    settings = grpo_settings(config)
-    return GRPOStrategy(policy=dist.prepare_model(policy), engine=engine, runner=runner,
-                              next_prompts=next_prompts, optimizer=optimizer, scheduler=scheduler,
-                              settings=settings, dist=dist, seed=config.train.seed + 1000 * dist.rank,
-                              extras={"tokenizer": tokenizer, "data_sampler": sampler})
+    trained = build_trained_model(config, dist, policy, name="policy")
+    experience = build_online_experience(config, dist, trained, tokenizer, ref_model=ref_model,
+                                         chunk_size=g.micro_batch_size, group_size=g.group_size)
+    return grpo_strategy(config, dist, trained, experience)

@@ -7,14 +7,13 @@ is `sft.NextTokenStrategy` (global token-mean over the optimizer step, gradient 
 
 from __future__ import annotations
 
+from astrai.data.examples import text_example
+from astrai.data.records import load_records, require_str
 from astrai.trainer.strategies.sft import NextTokenStrategy, build_examples, build_next_token
 
 
 def build_seq(config, dist, policy, tokenizer) -> NextTokenStrategy:
     """seq from `data.path` records holding `data.text_field`. Raises DataError for bad data."""
-    from astrai.data.examples import text_example
-    from astrai.data.records import load_records, require_str
-
     d = config.data
     rows = load_records(d.path, {"data.text_field": d.text_field})
     examples = build_examples(

@@ -15,35 +15,58 @@ from typing import Optional, Sequence
 import torch
 
 from astrai.algos import logprobs_from_logits, token_cross_entropy
-from astrai.data.examples import collate_lm
-from astrai.trainer.strategies.common import SamplerOnlyState, accumulate, add_aux_loss, token_counts
+from astrai.checkpoint import Part
+from astrai.data import DataError, PromptSampler
+from astrai.data.examples import IGNORE_INDEX, LMBatch, chat_example, collate_lm, pack_examples
+from astrai.data.records import load_records
+from astrai.trainer.models import TrainedModel, build_trained_model
 
 
-class NextTokenStrategy(SamplerOnlyState):
+class SupervisedStrategy:
+    """Base of the train types whose only state besides the policy is their data position (sft, seq, dpo): each
+    `train_step` draws `accumulation_steps` micro-batches of `micro_batch_size` records and makes one policy
+    optimizer step.
+
+    Args:
+        policy: the trained policy.
+        sampler: endless resumable sampler over the examples (`PromptSampler` over a list).
+        micro_batch_size: examples per forward/backward; accumulation_steps: micro-batches per step.
+    """
+
+    def __init__(self, *, policy: TrainedModel, sampler, micro_batch_size: int, accumulation_steps: int):
+        self.policy, self.data_sampler = policy, sampler
+        self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
+
+    def draw(self) -> list[list]:
+        """The step's `accumulation_steps` lists of `micro_batch_size` records."""
+        return [self.data_sampler.next_batch(self.micro_batch_size) for _ in range(self.accumulation_steps)]
+
+    def state_dict(self) -> dict:
+        """No state of its own: the data sampler (a checkpoint part) holds the position."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore (see `state_dict`)."""
+
+    def checkpoint_parts(self) -> dict[str, Part]:
+        """The policy (Hugging Face layout), its optimizer and schedule, and the data position (per rank). A dpo
+        reference model is the frozen initial policy, so it is not saved."""
+        return {**self.policy.checkpoint_parts("policy", kind="hf_model"),
+                "data_sampler": Part(self.data_sampler, "json", per_rank=True)}
+
+
+class NextTokenStrategy(SupervisedStrategy):
     """One `train_step` = one policy optimizer step of token cross-entropy (sft and seq).
 
     Args:
-        policy: trainable `AutoRegressiveLM` (possibly DDP-wrapped).
-        sampler: endless resumable sampler over (ids, labels) examples (`PromptSampler` over a list).
-        optimizer, scheduler: the policy's AdamW and LR schedule.
-        micro_batch_size: examples per forward/backward; accumulation_steps: micro-batches per step.
-        pad_token_id: padding id of the collated batches.
-        dist: `DistributedContext`.
-        extras: more checkpoint objects (tokenizer).
+        pad_token_id: padding id of the collated batches; the rest as `SupervisedStrategy`.
     """
 
-    def __init__(self, *, policy, sampler, optimizer, scheduler, micro_batch_size: int, accumulation_steps: int,
-                 pad_token_id: int, dist, extras: Optional[dict] = None):
-        self.policy, self.sampler, self.dist = policy, sampler, dist
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
+    def __init__(self, *, policy: TrainedModel, sampler, micro_batch_size: int, accumulation_steps: int,
+                 pad_token_id: int):
+        super().__init__(policy=policy, sampler=sampler, micro_batch_size=micro_batch_size,
+                         accumulation_steps=accumulation_steps)
         self.pad_token_id = pad_token_id
-        self.extras = extras or {}
-
-    def micro_batches(self) -> list:
-        """The step's `accumulation_steps` collated `LMBatch`es, on the device."""
-        return [collate_lm(self.sampler.next_batch(self.micro_batch_size), pad_token_id=self.pad_token_id,
-                           device=self.dist.device) for _ in range(self.accumulation_steps)]
 
     def train_step(self, trainer) -> dict[str, torch.Tensor]:
         """Accumulate the token-mean cross-entropy over the micro-batches, then one optimizer step.
@@ -51,33 +74,24 @@ class NextTokenStrategy(SamplerOnlyState):
         Metrics: `train/loss` (this rank's token mean), `train/tokens` (global labelled tokens),
         `policy/grad_norm`, `policy/lr`, and the MoE auxiliary-loss metrics when the model has them.
         """
-        batches = self.micro_batches()
-        local, total = token_counts(torch.stack([b.loss_mask.sum() for b in batches]), self.dist)
-        sums: dict[str, torch.Tensor] = {}
-        for batch in batches:
-            logits = self.policy(batch.input_ids, attention_mask=batch.attention_mask,
-                                 position_ids=batch.position_ids)
+        device = self.policy.dist.device
+        batches = [collate_lm(records, pad_token_id=self.pad_token_id, device=device) for records in self.draw()]
+        seen: dict[str, torch.Tensor] = {}
+
+        def loss_fn(batch: LMBatch, num_tokens: torch.Tensor):
+            seen["train/tokens"] = num_tokens.float()
+            logits = self.policy.module(batch.input_ids, attention_mask=batch.attention_mask,
+                                        position_ids=batch.position_ids)
             logprobs = logprobs_from_logits(logits[:, :-1], batch.labels[:, 1:].clamp(min=0))
-            loss, metrics = token_cross_entropy(logprobs, batch.loss_mask, num_tokens=total)
-            loss, aux = add_aux_loss(self.dist.unwrap(self.policy), loss, len(batches),
-                                     self.dist.loss_scale())
-            (loss * self.dist.loss_scale()).backward()
-            accumulate(sums, metrics, weight=total / local)
-            accumulate(sums, aux)
-        sums["train/tokens"] = total.float()
-        sums["policy/grad_norm"] = trainer.optimizer_step("policy", self.dist.unwrap(self.policy),
-                                                          self.optimizer, self.scheduler)
-        sums["policy/lr"] = torch.tensor(self.scheduler.get_last_lr()[0])
-        trainer.state.consumed_samples += self.micro_batch_size * self.accumulation_steps * self.dist.world_size
-        return sums
+            return token_cross_entropy(logprobs, batch.loss_mask, num_tokens=num_tokens)
+
+        metrics = trainer.accumulate_and_step(self.policy, batches, loss_fn, count=lambda batch: batch.loss_mask.sum())
+        return dict(metrics, **seen)
 
 
 def build_examples(rows: Sequence, make, *, packing: bool, max_length: int, source: str) -> list:
     """(ids, labels) examples from `rows` via `make(row, where)`, packed when `packing`; drops examples
     without a labelled token. Raises DataError when none is left."""
-    from astrai.data import DataError
-    from astrai.data.examples import IGNORE_INDEX, pack_examples
-
     examples = [make(row, f"{source} row {i + 1}") for i, row in enumerate(rows)]
     if packing:
         examples = pack_examples(examples, max_length=max_length)
@@ -89,23 +103,15 @@ def build_examples(rows: Sequence, make, *, packing: bool, max_length: int, sour
 
 def build_next_token(config, dist, policy, tokenizer, examples: list) -> NextTokenStrategy:
     """NextTokenStrategy over `examples` with the policy optimizer and a seeded, resumable sampler."""
-    from astrai.data import PromptSampler
-    from astrai.trainer.strategies.common import build_policy_optimizer
-
-    policy = policy.to(dist.device)
-    optimizer, scheduler = build_policy_optimizer(config, policy)
+    trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(examples, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
-    return NextTokenStrategy(policy=dist.prepare_model(policy), sampler=sampler, optimizer=optimizer,
-                             scheduler=scheduler, micro_batch_size=config.train.per_device_train_batch_size,
+    return NextTokenStrategy(policy=trained, sampler=sampler, micro_batch_size=config.train.per_device_train_batch_size,
                              accumulation_steps=config.train.gradient_accumulation_steps,
-                             pad_token_id=tokenizer.pad_token_id, dist=dist, extras={"tokenizer": tokenizer})
+                             pad_token_id=tokenizer.pad_token_id)
 
 
 def build_sft(config, dist, policy, tokenizer) -> NextTokenStrategy:
     """sft from `data.path` records with a `data.messages_field` chat. Raises DataError for bad data."""
-    from astrai.data.examples import chat_example
-    from astrai.data.records import load_records
-
     d = config.data
     rows = load_records(d.path, {"data.messages_field": d.messages_field})
     examples = build_examples(

@@ -1,0 +1,196 @@
+"""A checkpoint is a store of named parts: each piece of training state that must survive a restart is a `Part`
+(the idea of torch.distributed.checkpoint's `Stateful`: an object with `state_dict()` / `load_state_dict()`),
+declared by whoever owns it (the strategy, the trainer). This package knows how each KIND of part is written and
+read, never which parts a train type has.
+
+Kinds and their files (rank R > 0 of a per-rank part: `<name>_rank{R:05d}<suffix>`):
+    hf_model       model.safetensors + config.json        an `AutoRegressiveLM`, loadable by `transformers`
+    hf_tokenizer   tokenizer.json, tokenizer_config.json  a `Tokenizer` (written for export; not restored)
+    torch          <name>.pt                               `state_dict()` through `torch.save` (read weights_only)
+    json           <name>.json                             a plain-JSON `state_dict()`
+    yaml           <name>.yaml                             a YAML text (the resolved job config; not restored)
+
+A per-rank part is written by every rank (its own file); any other part by rank 0 alone. `GlobalRNGState` is the
+Python / NumPy / torch (+ CUDA) RNG as a part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from astrai.checkpoint.manifest import HF_MODEL_FILES, CheckpointError, part_files
+
+RESTORABLE_KINDS = ("hf_model", "torch", "json")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One named piece of state in a checkpoint.
+
+    Attributes:
+        obj: the object: for `hf_model` an `AutoRegressiveLM`; `hf_tokenizer` a `Tokenizer` (anything with
+            `save(dir)`); `torch` / `json` anything with `state_dict()` and `load_state_dict(state)`; `yaml` a str.
+        kind: one of `KINDS` (see the module docstring).
+        per_rank: every rank saves and restores its own copy (RNG, data position, in-flight rollout).
+        required: resuming refuses a checkpoint without it (a part that is not restorable is never required).
+    """
+
+    obj: Any
+    kind: str = "torch"
+    per_rank: bool = False
+    required: bool = True
+
+    @property
+    def restorable(self) -> bool:
+        """Whether resuming loads this part back (`hf_tokenizer` and `yaml` are written for export only)."""
+        return self.kind in RESTORABLE_KINDS
+
+
+def check_parts(parts: Mapping[str, Part]) -> None:
+    """Refuse to publish parts that could not be restored.
+
+    Raises:
+        CheckpointError: a part that is not a `Part` (an unknown object), of an unknown kind, a required part
+            whose object is None, a per-rank part of a kind that cannot be per rank, or more than one `hf_model`
+            part.
+    """
+    models = []
+    for name, part in parts.items():
+        if not isinstance(part, Part):
+            raise CheckpointError(f"checkpoint part {name!r} is an unknown object: expected a checkpoint.Part, got "
+                                  f"{type(part).__name__}")
+        part_files(name, part.kind)
+        if part.obj is None and part.required:
+            raise CheckpointError(f"checkpoint part {name!r} is required but None")
+        if part.per_rank and part.kind not in ("torch", "json"):
+            raise CheckpointError(f"checkpoint part {name!r}: kind {part.kind!r} cannot be per rank")
+        models += [name] if part.kind == "hf_model" else []
+    if len(models) > 1:
+        raise CheckpointError(f"checkpoint parts {models}: at most one hf_model part (it owns model.safetensors)")
+
+
+def manifest_parts(parts: Mapping[str, Part]) -> dict[str, dict]:
+    """The manifest's description of `parts`: name -> {kind, per_rank, required}."""
+    return {name: {"kind": p.kind, "per_rank": p.per_rank, "required": p.required and p.restorable}
+            for name, p in parts.items() if p.obj is not None}
+
+
+def write_parts(directory: Path, parts: Mapping[str, Part], rank: int, *,
+                on_written: Callable[[str], None] = lambda name: None) -> list[str]:
+    """Write this rank's files of `parts` into `directory` (which must exist); returns the names written.
+
+    Rank 0 writes every part (per-rank ones as its own copy); rank R > 0 only its copies of per-rank parts.
+    `on_written(name)` is called after each large file is complete (the publisher hashes and fsyncs it in the
+    background while the next one is serialised).
+
+    Raises:
+        CheckpointError: from `check_parts`, or a state that is not JSON-serialisable.
+        OSError: on write failures.
+    """
+    check_parts(parts)
+    written: list[str] = []
+    for name, part in parts.items():
+        if part.obj is None or (rank > 0 and not part.per_rank):
+            continue
+        names = _write_part(directory, name, part, rank)
+        for file in names:
+            on_written(file)
+        written += names
+    return written
+
+
+def _write_part(directory: Path, name: str, part: Part, rank: int) -> list[str]:
+    if part.kind == "hf_model":
+        from astrai.models import hf_state_dict
+
+        tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state_dict(part.obj).items()}
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        _use_default_mode(directory / "model.safetensors")
+        write_json(directory / "config.json", part.obj.config.to_hf_dict())
+        return list(HF_MODEL_FILES)
+    if part.kind == "hf_tokenizer":
+        before = set(os.listdir(directory))
+        part.obj.save(directory)
+        return sorted(set(os.listdir(directory)) - before)
+    (file,) = part_files(name, part.kind, rank)
+    if part.kind == "torch":
+        torch.save(part.obj.state_dict(), str(directory / file))
+    elif part.kind == "json":
+        try:
+            write_json(directory / file, part.obj.state_dict())
+        except TypeError as exc:
+            raise CheckpointError(f"checkpoint part {name!r} is not JSON-serialisable: {exc}") from exc
+    else:
+        (directory / file).write_text(str(part.obj), encoding="utf-8")
+    return [file]
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """`obj` as indented, key-sorted JSON text (raises TypeError when it is not JSON-serialisable)."""
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _use_default_mode(path: Path) -> None:
+    """Give `path` the permissions of a normally created file (0666 minus the umask): safetensors' `save_file`
+    creates 0600 files, unlike every other file of the checkpoint (unreadable to a shared cluster group)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+class GlobalRNGState:
+    """The process-wide RNGs (Python, NumPy, torch CPU and every CUDA device) as a checkpoint part object."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """`capture_rng_state()`."""
+        return capture_rng_state()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """`restore_rng_state(state)`; raises CheckpointError on a malformed state."""
+        restore_rng_state(state)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU, and every CUDA device when available) RNG states.
+
+    Only types that `torch.load(..., weights_only=True)` accepts: the NumPy MT19937 key is stored as an
+    int64 tensor inside a tuple.
+    """
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = {"python": random.getstate(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore RNG states saved by `capture_rng_state` (as loaded from `rng_state.pt`).
+
+    CUDA states are restored when present and CUDA is available (one per visible device, in order).
+
+    Raises:
+        CheckpointError: when a python/numpy/torch entry is missing or malformed.
+    """
+    try:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+        torch.set_rng_state(state["torch"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"malformed rng state ({type(exc).__name__}: {exc})") from exc
+    if "cuda" in state and torch.cuda.is_available():
+        states = list(state["cuda"])[: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(states)

@@ -1,0 +1,129 @@
+"""Experience sources: where the rollout-replaying train types get scored samples (`astrai.rollout.runner.Experience`).
+
+An `ExperienceSource` turns the next records of its data sampler into B * G scored samples tagged with a
+`policy_version`: `OnlineExperience` (online_ppo with G = 1, online_grpo) samples them with the colocated rollout
+engine; `astrai.trainer.strategies.grpo.StoredGroups` (offline grpo) reads them from stored groups. The strategy
+then pins its targets on them (GAE, group advantages) and replays them (`replay.RolloutReplay`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from astrai.data import PromptDataset, PromptSampler
+from astrai.rollout.paged_engine import PagedGenerationEngine
+from astrai.rollout.prompts import encode_prompts
+from astrai.rollout.rewards import get_reward
+from astrai.rollout.runner import Experience, RolloutRunner
+from astrai.rollout.sampling import SamplingParams
+from astrai.trainer.models import TrainedModel
+
+
+class ExperienceSource(Protocol):
+    """What a rollout-replaying strategy draws its samples from.
+
+    Attributes:
+        data_sampler: the sampler of its records (the data position).
+    """
+
+    data_sampler: Any
+
+    def collect(self, policy_version: int) -> Experience:
+        """The next batch of scored samples (groups of G contiguous), tagged with `policy_version`."""
+
+    def state_dict(self) -> dict:
+        """Its own resume state (e.g. the sampling RNG), merged into the strategy's."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict` (extra keys of the strategy's state are ignored)."""
+
+
+def sync_engine(engine, model: torch.nn.Module, policy_version: int) -> None:
+    """Load `model`'s weights into `engine` unless it already holds `policy_version` (docs/conventions.md
+    section 4: the engine acknowledges the version it now holds).
+
+    Raises:
+        RuntimeError: when the engine acknowledges another version.
+    """
+    if engine.policy_version != policy_version:
+        acknowledged = engine.load_weights(model.state_dict(), policy_version)
+        if acknowledged != policy_version:
+            raise RuntimeError(f"engine acknowledged version {acknowledged}, expected {policy_version}")
+
+
+class OnlineExperience:
+    """Sampled experience: sync the policy into the engine, draw B prompts, sample G responses of each, decode, score
+    and compute reference log-probs (`RolloutRunner`).
+
+    Args:
+        policy: the trained policy (its current weights go to the engine before each batch).
+        runner: the rollout runner (its `engine` is the colocated `PagedGenerationEngine`).
+        sampler: endless resumable sampler of records with `.prompt` and `.answer` (`PromptSampler`).
+        encode: list of prompts -> list of token-id lists (the chat template; `rollout.prompts.encode_prompts`).
+        batch_size: B, prompts per batch; group_size: G, samples per prompt (rows b * G ... b * G + G - 1).
+        seed: seeds the sampling RNG (on `device`).
+    """
+
+    def __init__(self, *, policy: TrainedModel, runner: RolloutRunner, sampler, encode: Callable[[list], list],
+                 batch_size: int, group_size: int = 1, seed: int, device: torch.device):
+        self.policy, self.runner, self.data_sampler, self.encode = policy, runner, sampler, encode
+        self.batch_size, self.group_size = batch_size, group_size
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def collect(self, policy_version: int) -> Experience:
+        """B * G scored samples of the weights of `policy_version` (synced into the engine first); the sync time
+        is added to the experience's `timings` as "weight_sync"."""
+        start = time.perf_counter()
+        sync_engine(self.runner.engine, self.policy.model, policy_version)
+        synced = time.perf_counter() - start
+        records = self.data_sampler.next_batch(self.batch_size)
+        prompt_ids = self.encode([record.prompt for record in records])
+        repeated = [ids for ids in prompt_ids for _ in range(self.group_size)]
+        answers = [record.answer for record in records for _ in range(self.group_size)]
+        experience = self.runner.collect(repeated, answers, self.generator)
+        experience.timings["weight_sync"] = synced
+        return experience
+
+    def state_dict(self) -> dict:
+        """The sampling RNG state."""
+        return {"sampling_rng": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict`."""
+        self.generator.set_state(state["sampling_rng"])
+
+
+def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, ref_model: Optional[torch.nn.Module],
+                            chunk_size: int, group_size: int = 1) -> OnlineExperience:
+    """The online experience source of a validated config: engine (inference copy of the policy), sampling
+    settings (stop at the tokenizer's EOS), reward, runner, prompt dataset and sampler (seeded per rank), chat
+    encoding, and the sampling RNG (seed `train.seed + 1000 * rank`).
+
+    Raises:
+        DataError: for a missing or malformed prompt file.
+    """
+    r = config.rollout
+    engine = PagedGenerationEngine(policy.model, pad_token_id=tokenizer.pad_token_id)
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                              top_p=r.top_p, stop_token_ids=(tokenizer.eos_token_id,))
+    if sampling.truncates:
+        warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
+                      "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
+    reward = get_reward(config.reward.name)
+    runner = RolloutRunner(
+        engine, sampling, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
+        score_fn=lambda texts, answers, ids: reward(texts, answers, format_bonus=config.reward.format_bonus),
+        ref_model=ref_model, chunk_size=chunk_size)
+    dataset = PromptDataset(config.data.path, prompt_field=config.data.prompt_field,
+                            answer_field=config.data.answer_field)
+    sampler = PromptSampler(dataset, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
+    encode = functools.partial(encode_prompts, tokenizer=tokenizer, system_prompt=config.data.system_prompt,
+                               max_prompt_length=config.data.max_prompt_length)
+    return OnlineExperience(policy=policy, runner=runner, sampler=sampler, encode=encode, batch_size=r.batch_size,
+                            group_size=group_size, seed=config.train.seed + 1000 * dist.rank, device=dist.device)
+

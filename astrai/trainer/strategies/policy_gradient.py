@@ -1,0 +1,135 @@
+"""The shared shape of the rollout-replaying train types (online_ppo, online_grpo, offline grpo).
+
+`RolloutStrategy.train_step` = one minibatch: when the replay is exhausted, collect experience from the
+`ExperienceSource`, pin the train type's targets on it (`pin_targets`: GAE for PPO, group advantages for GRPO) and
+load it into the `RolloutReplay`; then `update` the models on the next minibatch. `policy_update` is the policy
+optimizer step both share: the train type's objective on log-probs computed by the one scoring function the
+engine's `old_logprobs` are aligned with (`rollout.scoring.response_logprobs`, docs/conventions.md section 2).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from astrai.algos import logprob_gap, masked_entropy
+from astrai.checkpoint import Part
+from astrai.rollout.result import RolloutResult
+from astrai.rollout.runner import Experience
+from astrai.rollout.scoring import response_logprobs
+from astrai.trainer.experience import ExperienceSource
+from astrai.trainer.models import TrainedModel
+from astrai.trainer.replay import RolloutReplay
+
+Objective = Callable[[torch.Tensor, RolloutResult, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(logprobs (b, T) float32 with grad, micro-batch, global token count 0-dim) -> (loss share, metric shares)."""
+
+
+def action_tokens(micro: RolloutResult) -> torch.Tensor:
+    """The loss units of an RL micro-batch: its real response tokens (0-dim int64)."""
+    return micro.sequences.action_mask.sum()
+
+
+class RolloutStrategy:
+    """Base of the rollout-replaying strategies: one `train_step` = one minibatch of the current rollout.
+
+    Args:
+        policy: the trained policy.
+        experience: where samples come from (its `data_sampler` is the strategy's).
+        replay: the rollout replay (minibatch size, epochs, shuffling RNG).
+        micro_batch_size: rows per forward/backward; temperature: the sampling temperature (scoring uses it too).
+        log_entropy: also log `policy/entropy` (an extra softmax pass over the logits).
+
+    Subclasses implement `pin_targets` and `update`.
+    """
+
+    def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
+                 micro_batch_size: int, temperature: float, log_entropy: bool = False):
+        self.policy, self.experience, self.replay = policy, experience, replay
+        self.micro_batch_size, self.temperature, self.log_entropy = micro_batch_size, temperature, log_entropy
+
+    @property
+    def data_sampler(self):
+        """The experience source's data sampler."""
+        return self.experience.data_sampler
+
+    @property
+    def rollout(self) -> RolloutResult | None:
+        """The rollout being replayed."""
+        return self.replay.rollout
+
+    def pin_targets(self, experience: Experience) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
+        """The rollout with its train type's targets, and its detached metrics (subclasses)."""
+        raise NotImplementedError
+
+    def update(self, trainer, minibatch: RolloutResult, first: bool) -> dict[str, torch.Tensor]:
+        """The optimizer steps of one minibatch; `first` on a rollout's first minibatch (subclasses)."""
+        raise NotImplementedError
+
+    def train_step(self, trainer) -> dict[str, torch.Tensor]:
+        """One minibatch: collect and pin a new rollout when the replay is exhausted, then `update`."""
+        minibatch, first = self.replay.next_minibatch(lambda: self.make_rollout(trainer.state.policy_version))
+        metrics = dict(self.replay.metrics)
+        metrics.update(self.update(trainer, minibatch, first))
+        return metrics
+
+    def make_rollout(self, policy_version: int) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
+        """Collect experience of the weights of `policy_version` and pin the targets: `(rollout, metrics)`, the
+        metrics with the phase timings (`time/<phase>_seconds`, `time/rollout_seconds` for the whole)."""
+        start = time.perf_counter()
+        experience = self.experience.collect(policy_version)
+        rollout, metrics = self.pin_targets(experience)
+        metrics["time/rollout_seconds"] = torch.tensor(time.perf_counter() - start)
+        metrics.update({f"time/{phase}_seconds": torch.tensor(seconds)
+                        for phase, seconds in experience.timings.items()})
+        return rollout, metrics
+
+    def policy_update(self, trainer, minibatch: RolloutResult, first: bool,
+                      objective: Objective) -> dict[str, torch.Tensor]:
+        """One policy optimizer step of `objective` over `minibatch`, in micro-batches of `micro_batch_size` rows.
+
+        Returns:
+            detached 0-dim metrics of `Trainer.accumulate_and_step` plus `rollout/logprob_gap` (mean |logprobs -
+            old_logprobs| over this rank's real tokens of the rollout's FIRST minibatch, measured before any update
+            from it: ~0 unless the engine held stale weights; repeated on the rollout's later minibatches),
+            `policy/entropy` with `log_entropy`, and `time/policy_update_seconds`.
+        """
+        start = time.perf_counter()
+
+        def loss_fn(micro: RolloutResult, num_tokens: torch.Tensor):
+            mask = micro.sequences.action_mask
+            logprobs, entropy = response_logprobs(self.policy.module, micro.sequences, temperature=self.temperature,
+                                                  with_entropy=self.log_entropy)
+            loss, metrics = objective(logprobs, micro, num_tokens)
+            metrics["policy/loss"] = loss.detach()
+            metrics["rollout/logprob_gap"] = logprob_gap(logprobs, micro.old_logprobs, mask, num_tokens=num_tokens)
+            if entropy is not None:
+                metrics.update(masked_entropy(entropy.detach(), mask, num_tokens=num_tokens)[1])
+            return loss, metrics
+
+        metrics = trainer.accumulate_and_step(self.policy, minibatch.split(self.micro_batch_size), loss_fn,
+                                              count=action_tokens)
+        if first:  # the gap is only meaningful before the rollout's first update
+            self.replay.metrics["rollout/logprob_gap"] = metrics["rollout/logprob_gap"]
+        metrics["rollout/logprob_gap"] = self.replay.metrics["rollout/logprob_gap"]
+        metrics["time/policy_update_seconds"] = torch.tensor(time.perf_counter() - start)
+        return metrics
+
+    def state_dict(self) -> dict:
+        """Exact-resume state: the experience source's (sampling RNG) and the replay's (shuffling RNG, the rollout
+        in progress with its pinned targets and its minibatches not yet replayed)."""
+        return {**self.experience.state_dict(), **self.replay.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict` (tensors are moved to this rank's device)."""
+        self.experience.load_state_dict(state)
+        self.replay.load_state_dict(state, self.policy.dist.device)
+
+    def checkpoint_parts(self) -> dict[str, Part]:
+        """The policy (Hugging Face layout), its optimizer and schedule, the data position and this strategy's
+        own state (per rank)."""
+        return {**self.policy.checkpoint_parts("policy", kind="hf_model"),
+                "data_sampler": Part(self.data_sampler, "json", per_rank=True),
+                "strategy_state": Part(self, per_rank=True)}
