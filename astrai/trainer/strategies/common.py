@@ -197,7 +197,7 @@ def build_online_parts(config, dist, policy, tokenizer, *, ref_model, chunk_size
     from astrai.rollout.sampling import SamplingParams
 
     r = config.rollout
-    engine = PagedGenerationEngine(policy, pad_token_id=tokenizer.pad_token_id)
+    engine = PagedGenerationEngine(policy, pad_token_id=tokenizer.pad_token_id, dtype=r.dtype)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                               top_p=r.top_p, stop_token_ids=(tokenizer.eos_token_id,))
     if sampling.truncates:
