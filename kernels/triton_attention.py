@@ -11,7 +11,8 @@ attends causally to keys [0, kv_lens[b] - q_len + j].
 Both kernels compute softmax attention in one pass with the running max / running sum rescaling of
 FlashAttention (Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness",
 section 3.1), in base 2 (`exp2` with the scale multiplied by log2(e)), accumulating in float32. Keys are visited in
-tiles of BLOCK_N cache positions; each position's block id comes from the block table, so no dense copy is made.
+tiles of BLOCK_N cache positions (64; 32 in float32, see `TILES`); each position's block id comes from the block
+table, so no dense copy is made.
 
 Grouped-query attention (Ainslie et al. 2023, GQA): one program serves one KV head and all G = Nh / Nkv query
 heads that share it, so each key/value tile is read once per KV head rather than once per query head. Its rows
@@ -40,13 +41,17 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["triton_paged_decode", "triton_paged_prefill", "SUPPORTED_DTYPES"]
+__all__ = ["triton_paged_decode", "triton_paged_prefill", "kernel_constants", "SUPPORTED_DTYPES", "TILES"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2_E = 1.4426950408889634
-BLOCK_N = 64  # cache positions per key tile
-PREFILL_ROWS = 64  # rows (query x head) per prefill program
+TILES = {torch.float16: (64, 64), torch.bfloat16: (64, 64), torch.float32: (32, 32)}
+"""dtype -> (BLOCK_N cache positions per key tile, rows (query x head) per prefill program). float32 tiles are
+halved so that the shared memory of a program stays near the half-precision one (about 53 KB at D = 128 on sm_80,
+within every CUDA GPU's limit): a kernel that does not fit would fail at its first launch, mid-rollout."""
 MIN_DOT = 16  # smallest tl.dot operand dimension
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}
+"""Compiler options of every launch: fused multiply-adds, stated rather than left to Triton's changing default."""
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 """Whether the kernels below were decorated for Triton's CPU interpreter (it reads the variable at decoration)."""
 
@@ -165,16 +170,19 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, kv_lens_ptr, q
              out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _dot_options(dtype: torch.dtype) -> dict:
-    """PRECISION (no TF32 for float32) and UPCAST_DOT (interpreter + bfloat16) of a launch."""
-    return {"PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-            "UPCAST_DOT": INTERPRETED and dtype == torch.bfloat16}
-
-
-def _layout(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
-    """(G, D_PAD, GROUP_PAD) of a launch: query heads per kv head, padded head dim, padded group."""
-    nh, nkv, d = q.shape[1], k_cache.shape[2], k_cache.shape[3]
-    return nh // nkv, max(MIN_DOT, triton.next_power_of_2(d)), triton.next_power_of_2(nh // nkv)
+def kernel_constants(kind: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    """The `tl.constexpr` arguments of a launch of the `kind` ("decode" or "prefill") kernel: tile sizes from
+    `TILES`, the padded group and head dim, PRECISION (no TF32 in float32) and UPCAST_DOT (interpreter + bfloat16).
+    Also what an ahead-of-time compile of the kernels must pass to compile what runs."""
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_n, rows = TILES[dtype]
+    shared = {"GROUP": group, "HEAD_DIM": head_dim, "D_PAD": max(MIN_DOT, triton.next_power_of_2(head_dim)),
+              "BLOCK_N": block_n, "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+              "UPCAST_DOT": INTERPRETED and dtype == torch.bfloat16}
+    if kind == "decode":
+        return dict(shared, ROWS=max(MIN_DOT, group_pad))
+    return dict(shared, GROUP_PAD=group_pad, BLOCK_Q=max(MIN_DOT // group_pad, rows // group_pad, 1))
 
 
 def _strides(q, k_cache, v_cache, out, block_tables) -> tuple[int, ...]:
@@ -199,13 +207,11 @@ def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         (B, Nh, D) in q's dtype.
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    group, d_pad, group_pad = _layout(q, k_cache)
     grid = (q.shape[0], k_cache.shape[2])
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, out, block_tables, kv_lens, scale * LOG2_E, k_cache.shape[1],
         *_strides(q, k_cache, v_cache, out, block_tables),
-        GROUP=group, ROWS=max(MIN_DOT, group_pad), HEAD_DIM=k_cache.shape[3], D_PAD=d_pad, BLOCK_N=BLOCK_N,
-        **_dot_options(q.dtype))
+        **kernel_constants("decode", q.dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3]), **LAUNCH_OPTIONS)
     return out
 
 
@@ -228,12 +234,35 @@ def triton_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         (N, Nh, D) in q's dtype.
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    group, d_pad, group_pad = _layout(q, k_cache)
-    block_q = max(MIN_DOT // group_pad, PREFILL_ROWS // group_pad, 1)
-    grid = (kv_lens.shape[0], k_cache.shape[2], math.ceil(max_q / block_q))
+    constants = kernel_constants("prefill", q.dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3])
+    grid = (kv_lens.shape[0], k_cache.shape[2], math.ceil(max_q / constants["BLOCK_Q"]))
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, kv_lens, qo_indptr, scale * LOG2_E, k_cache.shape[1],
-        *_strides(q, k_cache, v_cache, out, block_tables),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=k_cache.shape[3], D_PAD=d_pad,
-        BLOCK_N=BLOCK_N, **_dot_options(q.dtype))
+        *_strides(q, k_cache, v_cache, out, block_tables), **constants, **LAUNCH_OPTIONS)
     return out
+
+
+def compile_for(arch: int, kind: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                head_dim: int) -> int:
+    """Compile the `kind` ("decode" or "prefill") kernel ahead of time for CUDA compute capability `arch` (90 for
+    H100/H200, 80 for A100) with the constants a launch would use; needs no GPU (Triton ships its own ptxas).
+    Returns the shared memory (bytes) one program needs. Triton >= 3.3 (signatures by argument name).
+
+    Raises:
+        RuntimeError: under the interpreter (nothing to compile), or when Triton fails to compile.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if INTERPRETED:
+        raise RuntimeError("compile_for: the kernels were decorated for the interpreter (TRITON_INTERPRET=1)")
+    kernel = _paged_decode_kernel if kind == "decode" else _paged_prefill_kernel
+    constants = kernel_constants(kind, dtype, num_heads, num_kv_heads, head_dim)
+    element = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    types = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "o_ptr": element, "qk_scale": "fp32"}
+    signature = {name: "constexpr" if name in constants else types.get(name, "*i32" if name.endswith("_ptr")
+                                                                         else "i32")
+                 for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", arch, 32), options=LAUNCH_OPTIONS)
+    return int(compiled.metadata.shared)

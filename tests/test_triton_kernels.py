@@ -5,8 +5,9 @@ when `astrai.kernels.triton_attention` is first imported, reading TRITON_INTERPR
 variable inside this pytest process would depend on test order (a test that built a TritonBackend earlier has
 already imported the module in compiled mode) and would leak into every later test, so each interpreter check runs
 in a fresh Python with TRITON_INTERPRET=1 in its environment: `python -m astrai.kernels.parity` for the kernels
-alone, and a short script that runs the engine with the triton backend. The gpu-marked tests run the kernels
-natively in-process and skip without CUDA.
+alone, and a short script that runs the engine with the triton backend. The ahead-of-time compile tests build
+the kernels' GPU code in-process (no GPU needed); the gpu-marked tests run the kernels natively and skip without
+CUDA.
 """
 
 from __future__ import annotations
@@ -90,6 +91,39 @@ def test_triton_kernels_match_reference_under_interpreter_full_sweep():
     """Block sizes 1..32, MHA and GQA groups of 2, 3 and 8, head dim 24 (padded), multi-tile prefill."""
     rows = _parity_rows("full")
     assert len(rows) == 18
+
+
+def _compile_for():
+    """`compile_for`, or a skip where this Triton cannot compile ahead of time by argument name (< 3.3)."""
+    from astrai.kernels import triton_attention
+
+    major, minor = (int(x) for x in triton_attention.triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 3):
+        pytest.skip(f"ahead-of-time compile needs triton >= 3.3, found {triton_attention.triton.__version__}")
+    if triton_attention.INTERPRETED:
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    return triton_attention.compile_for
+
+
+def test_triton_kernels_compile_for_h100_without_a_gpu():
+    """The decode and prefill kernels, with the constants a bfloat16 SmolLM2 launch uses, compile to sm_90 code
+    (Triton's own ptxas: no GPU needed), so the GPU path has no compile error the interpreter cannot see."""
+    compile_for = _compile_for()
+    for kind in ("decode", "prefill"):
+        assert 0 < compile_for(90, kind, torch.bfloat16, 9, 3, 64) <= 64 * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [80, 90])
+def test_triton_kernels_compile_in_every_dtype_within_shared_memory(arch):
+    """A100 / H100 code for both kernels in float32 / float16 / bfloat16, SmolLM2 heads and Llama-style ones
+    (32 heads, 8 per KV head, D = 128): each program fits in 99 KB of shared memory, the smallest per-block limit
+    of CUDA GPUs since sm_80 (a kernel that does not fit fails at its first launch)."""
+    compile_for = _compile_for()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for kind in ("decode", "prefill"):
+            for heads in ((9, 3, 64), (32, 4, 128)):
+                assert 0 < compile_for(arch, kind, dtype, *heads) <= 99 * 1024, (dtype, kind, heads)
 
 
 @pytest.mark.gpu
