@@ -205,8 +205,9 @@ def greedy_parity(model_dir: Path, device: torch.device, plan: Plan) -> dict:
 def throughput(engine, hf, plan: Plan, device: torch.device) -> dict:
     """tokens/s of both at each batch size (sampling, fixed length); batch 1 = one call per prompt."""
     out = {}
-    astrai_tokens(engine, random_prompts(4, plan, seed=9), 4, False, 0)  # warm-up: kernel compiles, pool sizing
-    hf_tokens(hf, random_prompts(4, plan, seed=9), 4, False, 0)
+    warm = random_prompts(max(plan.batches), plan, seed=9)  # warm-up at the largest batch: compiles, pool size
+    astrai_tokens(engine, warm, 4, False, 0)
+    hf_tokens(hf, warm, 4, False, 0)
     for batch in plan.batches:
         prompts = random_prompts(max(batch, plan.batch1_prompts) if batch == 1 else batch, plan, seed=100 + batch)
         calls = [[p] for p in prompts] if batch == 1 else [prompts]
