@@ -73,6 +73,10 @@ class RolloutSection(Section, name="rollout"):
                                     Range(1e-4))
     top_k: int = field_spec(0, "keep the k most likely tokens; 0 = off", GE0)
     top_p: float = field_spec(1.0, "nucleus sampling mass; 1 = off", Range(0, 1, lo_open=True))
+    dtype: Optional[str] = field_spec(
+        None, "dtype of the rollout engine's weight copy and KV cache; null = model.dtype (bfloat16 with an fp32 "
+              "policy: faster rollouts, and rollout/logprob_gap then shows the rounding drift)",
+        Choices(("float32", "bfloat16", "float16")))
 
 
 @dataclass
@@ -178,7 +182,7 @@ class Config:
     reward: RewardSection = field(default_factory=RewardSection)
     """Scalar reward function by name, plus an optional format bonus."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    """Generation: prompts per rollout, response length (tokens), sampling parameters."""
+    """Generation: prompts per rollout, response length (tokens), sampling parameters, engine dtype."""
     ppo: PPOSection = field(default_factory=PPOSection)
     """PPO: epochs per rollout, minibatch/micro-batch sizes (samples), clipping, GAE, KL penalty."""
     grpo: GRPOSection = field(default_factory=GRPOSection)

@@ -51,12 +51,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_BAD_INPUT
     from astrai.checkpoint import CheckpointError
     from astrai.data import DataError
+    from astrai.kernels import BackendUnavailableError
     from astrai.trainer.build import build_trainer
 
     start = time.perf_counter()
     try:
         trainer = build_trainer(config)
-    except (FileNotFoundError, NotADirectoryError, DataError, CheckpointError, ValueError) as err:
+    except (FileNotFoundError, NotADirectoryError, DataError, CheckpointError, ValueError,
+            BackendUnavailableError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     state = trainer.fit()

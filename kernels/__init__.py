@@ -1,16 +1,19 @@
-"""astrai.kernels: paged attention (pure-torch reference; flash-attn backend on CUDA), rotary, KV workspace.
+"""astrai.kernels: paged attention (pure-torch reference, Triton kernels and a flash-attn backend on CUDA), the
+KV workspace.
 
-See `paged_attention` (layout, PagedAttention by Kwon et al. 2023), `backends` (`ASTR_BACKEND` selection) and
-`workspace` (`InferenceWorkspace`) and `decode_cache` (`DenseDecodeCache`, the torch backend's CPU decode path).
+See `paged_attention` (layout, PagedAttention by Kwon et al. 2023), `triton_attention` (the Triton kernels,
+imported only when that backend is chosen), `backends` (`ASTR_BACKEND` selection), `workspace`
+(`InferenceWorkspace`), `decode_cache` (`DenseDecodeCache`, the torch backend's CPU decode path) and `parity`
+(a backend-vs-reference check). docs/kernels.md describes the layouts and the backend choice.
 """
 
-from .backends import (AttentionMetadata, BackendUnavailableError, FlashAttnBackend, TorchBackend,
-                       flash_attn_unavailable_reason, select_backend)
+from .backends import (BACKEND_NAMES, AttentionMetadata, BackendUnavailableError, FlashAttnBackend, TorchBackend,
+                       TritonBackend, flash_attn_unavailable_reason, select_backend, triton_unavailable_reason)
 from .decode_cache import DenseDecodeCache
-from .paged_attention import apply_rotary, gather_kv, paged_decode_attention, paged_prefill_attention, write_kv
+from .paged_attention import gather_kv, paged_decode_attention, paged_prefill_attention, write_kv
 from .workspace import InferenceWorkspace
 
-__all__ = ["AttentionMetadata", "BackendUnavailableError", "DenseDecodeCache", "FlashAttnBackend", "InferenceWorkspace",
-           "TorchBackend",
-           "apply_rotary", "flash_attn_unavailable_reason", "gather_kv", "paged_decode_attention",
-           "paged_prefill_attention", "select_backend", "write_kv"]
+__all__ = ["BACKEND_NAMES", "AttentionMetadata", "BackendUnavailableError", "DenseDecodeCache", "FlashAttnBackend",
+           "InferenceWorkspace", "TorchBackend", "TritonBackend",
+           "flash_attn_unavailable_reason", "gather_kv", "paged_decode_attention",
+           "paged_prefill_attention", "select_backend", "triton_unavailable_reason", "write_kv"]

@@ -20,21 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["write_kv", "gather_kv", "paged_decode_attention", "paged_prefill_attention", "apply_rotary"]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (Su et al. 2021, RoFormer), "rotate_half" layout as `astrai.models.layers`.
-
-    Args:
-        x: (N, heads, D) queries or keys.
-        cos, sin: (N, 1, D) rows of the model's rotary table at each token's position, in x's dtype.
-
-    Returns:
-        (N, heads, D), `x * cos + rotate_half(x) * sin`.
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+__all__ = ["write_kv", "gather_kv", "paged_decode_attention", "paged_prefill_attention"]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

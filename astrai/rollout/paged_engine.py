@@ -38,6 +38,22 @@ ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
 PenaltyArg = Union[None, FrequencyPenaltyStrategy, Sequence[Optional[FrequencyPenaltyStrategy]]]
 
 
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
+    """None, a name of `ENGINE_DTYPES` or one of its dtypes -> the torch dtype (None stays None).
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if dtype is None or dtype in ENGINE_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in ENGINE_DTYPES:
+        return ENGINE_DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"PagedGenerationEngine: dtype must be one of {', '.join(ENGINE_DTYPES)}, got {dtype!r}")
+
+
 class PagedGenerationEngine:
     """Colocated rollout engine over a paged KV cache.
 
@@ -46,32 +62,41 @@ class PagedGenerationEngine:
             engine's weights until `load_weights`.
         pad_token_id: pads prompts and finished responses.
         policy_version: version tag of the initial weights.
-        block_size: tokens per KV block (None: 16 with the torch backend, 256 with flash-attn).
+        block_size: tokens per KV block (None: 16 with the torch and triton backends, 256 with flash-attn).
         max_kv_tokens: cap of the KV pool in tokens; the pool grows on demand up to it.
         max_batch_tokens: token budget of one step (prefill chunks + one per decoding request).
         max_num_seqs: most concurrently live requests.
         prefix_cache: reuse full prompt blocks across calls (same `policy_version` only).
-        backend: `torch`, `flash_attn`, `auto` or None (`ASTR_BACKEND`); see `astrai.kernels.select_backend`.
+        backend: `torch`, `triton`, `flash_attn`, `auto` or None (`ASTR_BACKEND`), chosen for the engine's device,
+            dtype and block size; see `astrai.kernels.select_backend` and docs/kernels.md.
         dense_decode: torch backend only: decode-only steps append to dense per-row keys/values
             (`astrai.kernels.DenseDecodeCache`) instead of gathering the blocks in every layer; same tokens.
+        dtype: dtype of the inference copy and its KV cache (`torch.float32`/`bfloat16`/`float16` or its name;
+            None: the model's). `load_weights` casts incoming tensors to it; `old_logprobs` stay float32 (the
+            logits are upcast before the log-softmax), so an fp32 policy can roll out from a bf16 copy: the
+            rounding then shows as a small nonzero `rollout/logprob_gap`.
 
     Raises:
-        BackendUnavailableError: when the requested backend cannot run on the model's device.
+        BackendUnavailableError: when the requested backend cannot serve the engine's device, dtype or block size.
         ValueError: naming a size argument that is not a positive integer (or a block_size the backend cannot
-            use, or max_kv_tokens below one block).
+            use, max_kv_tokens below one block, or an unknown dtype).
     """
 
     def __init__(self, model, *, pad_token_id: int, policy_version: int = 0, block_size: Optional[int] = None,
                  max_kv_tokens: int = 32768, max_batch_tokens: int = 2048, max_num_seqs: int = 256,
-                 prefix_cache: bool = True, backend: Optional[str] = None, dense_decode: bool = True):
+                 prefix_cache: bool = True, backend: Optional[str] = None, dense_decode: bool = True,
+                 dtype: Union[None, str, torch.dtype] = None):
         for name, value in (("block_size", block_size), ("max_kv_tokens", max_kv_tokens),
                             ("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"PagedGenerationEngine: {name} must be a positive integer, got {value!r}")
+        dtype = _resolve_dtype(dtype)
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        if dtype is not None:
+            self.model.to(dtype)
         fuse_projections(self.model)  # one GEMM for q/k/v and one for gate/up (the Parameters become views)
         self.pad_token_id, self.policy_version = pad_token_id, policy_version
-        self.backend = select_backend(backend, self.device)
+        self.backend = select_backend(backend, self.device, dtype=self.dtype, block_size=block_size)
         self.block_size = block_size if block_size is not None else (
             16 if self.backend.block_size_multiple == 1 else 256)
         if self.block_size % self.backend.block_size_multiple:
@@ -102,7 +127,8 @@ class PagedGenerationEngine:
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
-        """Copy `state_dict` (HF names, any device) into the engine, tag it, and drop the prefix cache.
+        """Copy `state_dict` (HF names, any device and float dtype, cast to the engine's `dtype`) into the engine,
+        tag it, and drop the prefix cache.
 
         Serialised with `generate` (one lock). Returns the acknowledged `policy_version`.
 

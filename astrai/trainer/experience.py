@@ -100,15 +100,15 @@ class OnlineExperience:
 
 def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, ref_model: Optional[torch.nn.Module],
                             chunk_size: int, group_size: int = 1) -> OnlineExperience:
-    """The online experience source of a validated config: engine (inference copy of the policy), sampling
-    settings (stop at the tokenizer's EOS), reward, runner, prompt dataset and sampler (seeded per rank), chat
-    encoding, and the sampling RNG (seed `train.seed + 1000 * rank`).
+    """The online experience source of a validated config: engine (inference copy of the policy, in
+    `rollout.dtype`), sampling settings (stop at the tokenizer's EOS), reward, runner, prompt dataset and sampler
+    (seeded per rank), chat encoding, and the sampling RNG (seed `train.seed + 1000 * rank`).
 
     Raises:
         DataError: for a missing or malformed prompt file.
     """
     r = config.rollout
-    engine = PagedGenerationEngine(policy.model, pad_token_id=tokenizer.pad_token_id)
+    engine = PagedGenerationEngine(policy.model, pad_token_id=tokenizer.pad_token_id, dtype=r.dtype)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                               top_p=r.top_p, stop_token_ids=(tokenizer.eos_token_id,))
     if sampling.truncates:
