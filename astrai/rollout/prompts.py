@@ -1,4 +1,4 @@
-"""Chat-formatting and tokenising of prompts for rollouts."""
+"""Chat-formatting and tokenising of prompts for rollouts and evaluation (the one place both build prompts)."""
 
 from __future__ import annotations
 
@@ -29,3 +29,20 @@ def encode_prompts(questions: Sequence[str], tokenizer, *, system_prompt: Option
         ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         out.append(ids[-max_prompt_length:])
     return out
+
+
+def encode_records(records: Sequence, tokenizer, *, system_prompt: Optional[str] = None,
+                   max_prompt_length: int) -> tuple[list[list[int]], list[str]]:
+    """Prompt token ids and reference answers of dataset records, as the online train types and the evaluator
+    feed them to the engine (`encode_prompts` of each record's `prompt`).
+
+    Args:
+        records: B `astrai.data.PromptRecord` (anything with `prompt` and `answer` strings).
+        tokenizer, system_prompt, max_prompt_length: as for `encode_prompts`.
+
+    Returns:
+        (B lists of int token ids, B answer strings as stored).
+    """
+    ids = encode_prompts([r.prompt for r in records], tokenizer, system_prompt=system_prompt,
+                         max_prompt_length=max_prompt_length)
+    return ids, [r.answer for r in records]

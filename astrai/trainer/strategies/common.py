@@ -191,7 +191,7 @@ def build_online_parts(config, dist, policy, tokenizer, *, ref_model, chunk_size
 
     from astrai.data import PromptDataset, PromptSampler
     from astrai.rollout.paged_engine import PagedGenerationEngine
-    from astrai.rollout.prompts import encode_prompts
+    from astrai.rollout.prompts import encode_records
     from astrai.rollout.rewards import get_reward
     from astrai.rollout.runner import RolloutRunner
     from astrai.rollout.sampling import SamplingParams
@@ -211,12 +211,9 @@ def build_online_parts(config, dist, policy, tokenizer, *, ref_model, chunk_size
     dataset = PromptDataset(config.data.path, prompt_field=config.data.prompt_field,
                             answer_field=config.data.answer_field)
     sampler = PromptSampler(dataset, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
-    encode = functools.partial(encode_prompts, tokenizer=tokenizer, system_prompt=config.data.system_prompt,
-                               max_prompt_length=config.data.max_prompt_length)
-
     def next_prompts(batch_size: int):
-        records = sampler.next_batch(batch_size)
-        return encode([rec.prompt for rec in records]), [rec.answer for rec in records]
+        return encode_records(sampler.next_batch(batch_size), tokenizer, system_prompt=config.data.system_prompt,
+                              max_prompt_length=config.data.max_prompt_length)
 
     return engine, runner, sampler, next_prompts
 
