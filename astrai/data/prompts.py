@@ -89,14 +89,14 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
     Raises:
         DataError: ``<field>: file not found: X`` (also for an unknown builtin name, listing
             the available ones), ``<field>: not a file: X`` for a directory, or, for a generated set
-            (which has no file), ``<field>: builtin:X is generated in memory ...``.
+            (which has no file), ``<field>: builtin:X is a generated question/answer prompt set ...``.
     """
     text = str(path)
     if text.startswith(BUILTIN_PREFIX):
         name = text[len(BUILTIN_PREFIX):]
         if name in GENERATED:
             raise DataError(f"{field}: {text} is a generated question/answer prompt set, usable by online_ppo, "
-                                "online_grpo and evaluation, not as a training-record file")
+                            "online_grpo and evaluation, not as a training-record file")
         resolved = Path(str(resources.files("astrai.data") / "assets" / f"{name}.jsonl"))
         if not resolved.is_file():
             choices = ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) or "none"

@@ -83,6 +83,7 @@ class EvaluationCallback(Callback):
         return self._own_engine
 
     def on_step_end(self, trainer, metrics) -> None:
+        """Evaluate after every `eval_steps`-th and after the last step, adding the `eval/*` metrics in place."""
         step = trainer.state.global_step
         if step % self.eval_steps == 0 or step == trainer.state.max_steps:
             metrics.update(self.run(trainer.state.policy_version, step))
