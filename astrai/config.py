@@ -57,6 +57,9 @@ class DataSection(Section, name="data"):
     logprobs_field: str = field_spec("logprobs", "grpo: optional field with per-token behaviour log-probs")
     max_length: int = field_spec(512, "sft/dpo/seq/grpo: tokens per training sequence (longer are truncated)", GT0)
     packing: bool = field_spec(False, "sft/seq: pack several examples into each max_length row")
+    eval_path: Optional[str] = field_spec(None, "held-out question/answer set for train.eval_steps: "
+                                          "'builtin:<name>' or a GSM8K-format .jsonl")
+    eval_limit: Optional[int] = field_spec(None, "evaluate only the first N questions of data.eval_path", GT0)
 
 
 @dataclass
@@ -144,6 +147,7 @@ class TrainSection(Section, name="train"):
     logging_steps: int = field_spec(1, "log metrics every N optimizer steps", GT0)
     metrics: list[str] = field_spec([], "extra costly metrics to compute, e.g. 'policy/entropy'")
     progress_bar: bool = field_spec(True, "show a progress bar on rank 0")
+    eval_steps: int = field_spec(0, "greedy accuracy on data.eval_path every N steps and at the end; 0 = off", GE0)
 
 
 @dataclass
@@ -215,6 +219,9 @@ class Config:
         if kind in ("online_grpo", "grpo") and self.grpo.kl_coef > 0 and self.grpo.kl_reward_coef > 0:
             raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are "
                               "mutually exclusive; set one of them to 0")
+        if self.train.eval_steps and self.data.eval_path is None:
+            raise ConfigError("data.eval_path: train.eval_steps > 0 needs a held-out set "
+                              "(e.g. builtin:arithmetic_test or a GSM8K-format .jsonl)")
         m = self.model
         if m.moe_num_experts and m.moe_top_k > m.moe_num_experts:
             raise ConfigError(f"model.moe_top_k: expected <= model.moe_num_experts ({m.moe_num_experts}), "

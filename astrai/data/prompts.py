@@ -3,7 +3,9 @@
 A prompt file is jsonl, one JSON object per line (GSM8K layout by default: ``question`` and
 ``answer``, the answer ending in ``#### <final answer>``). Blank lines are skipped. The path may be
 ``builtin:<name>``, which resolves to ``astrai/data/assets/<name>.jsonl`` shipped with the package
-(``builtin:math_prompts``: 400 generated grade-school problems, see ``tools/make_math_prompts.py``).
+(``builtin:math_prompts``: 400 generated grade-school problems, see ``tools/make_math_prompts.py``), or to a set
+made in memory by a generator (``builtin:arithmetic`` and ``builtin:arithmetic_test``, see
+``astrai.data.arithmetic``).
 
 Every loading error is a ``DataError`` (a ``ValueError``) with a one-line message naming the file,
 the 1-based line number and the field concerned.
@@ -20,7 +22,9 @@ import random
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
+
+from astrai.data.arithmetic import GENERATED
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -56,39 +60,53 @@ def extract_gsm8k_answer(answer: str) -> str:
 
 
 def builtin_names() -> list[str]:
-    """Names usable as ``builtin:<name>``: the ``.jsonl`` files in ``astrai/data/assets``."""
+    """Names usable as ``builtin:<name>``: the ``.jsonl`` files in ``astrai/data/assets`` and the generated
+    sets of ``GENERATED``."""
     assets = resources.files("astrai.data") / "assets"
-    if not assets.is_dir():
-        return []
-    return sorted(p.name[: -len(".jsonl")] for p in assets.iterdir() if p.name.endswith(".jsonl"))
+    files = [p.name[: -len(".jsonl")] for p in assets.iterdir() if p.name.endswith(".jsonl")] \
+        if assets.is_dir() else []
+    return sorted(set(files) | set(GENERATED))
 
 
-def resolve_prompt_path(path: str | Path) -> Path:
-    """Resolve a data path or ``builtin:<name>`` to an existing file.
+def generated_records(path: str | Path) -> list[dict] | None:
+    """The rows of a generated built-in set (``builtin:arithmetic``, ...) as dicts, or None for any other path."""
+    text = str(path)
+    if not text.startswith(BUILTIN_PREFIX) or text[len(BUILTIN_PREFIX):] not in GENERATED:
+        return None
+    return GENERATED[text[len(BUILTIN_PREFIX):]]()
+
+
+def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
+    """Resolve a data path or ``builtin:<name>`` (a shipped asset) to an existing file.
 
     Args:
         path: a filesystem path (``~`` is expanded) or ``builtin:<name>``.
+        field: the config key or option named in errors.
 
     Returns:
         The path of an existing regular file.
 
     Raises:
-        DataError: ``data.path: file not found: X`` (also for an unknown builtin name, listing
-            the available ones), or ``data.path: not a file: X`` for a directory.
+        DataError: ``<field>: file not found: X`` (also for an unknown builtin name, listing
+            the available ones), ``<field>: not a file: X`` for a directory, or, for a generated set
+            (which has no file), ``<field>: builtin:X is a generated question/answer prompt set ...``.
     """
     text = str(path)
     if text.startswith(BUILTIN_PREFIX):
         name = text[len(BUILTIN_PREFIX):]
+        if name in GENERATED:
+            raise DataError(f"{field}: {text} is a generated question/answer prompt set, usable by online_ppo, "
+                            "online_grpo and evaluation, not as a training-record file")
         resolved = Path(str(resources.files("astrai.data") / "assets" / f"{name}.jsonl"))
         if not resolved.is_file():
             choices = ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) or "none"
-            raise DataError(f"data.path: file not found: {text} (built-in prompt sets: {choices})")
+            raise DataError(f"{field}: file not found: {text} (built-in prompt sets: {choices})")
         return resolved
     resolved = Path(text).expanduser()
     if not resolved.exists():
-        raise DataError(f"data.path: file not found: {resolved}")
+        raise DataError(f"{field}: file not found: {resolved}")
     if not resolved.is_file():
-        raise DataError(f"data.path: not a file: {resolved}")
+        raise DataError(f"{field}: not a file: {resolved}")
     return resolved
 
 
@@ -119,7 +137,14 @@ def read_prompt_records(
             is not an object, a missing field (listing the present keys) or a non-string field;
             ``X: no records ...`` when the file holds no non-blank line.
     """
-    records: list[PromptRecord] = []
+    records = objects_to_records(_jsonl_objects(path), prompt_field=prompt_field, answer_field=answer_field)
+    if not records:
+        raise DataError(f"{path}: no records (the file is empty or holds only blank lines)")
+    return records
+
+
+def _jsonl_objects(path: Path) -> Iterator[tuple[str, dict]]:
+    """(location, object) for each non-blank line of a jsonl file; DataError for bad bytes, JSON or non-objects."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path} line {lineno}"
@@ -137,11 +162,18 @@ def read_prompt_records(
                 raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            prompt = _field(obj, prompt_field, where)
-            answer = _field(obj, answer_field, where) if answer_field is not None else ""
-            records.append(PromptRecord(prompt=prompt, answer=answer, index=len(records)))
-    if not records:
-        raise DataError(f"{path}: no records (the file is empty or holds only blank lines)")
+            yield where, obj
+
+
+def objects_to_records(objects: Iterable[tuple[str, dict]], *, prompt_field: str,
+                       answer_field: str | None) -> list[PromptRecord]:
+    """``PromptRecord`` of each ``(location, object)``, indexed in order; DataError naming the location for a
+    missing or non-string field."""
+    records: list[PromptRecord] = []
+    for where, obj in objects:
+        prompt = _field(obj, prompt_field, where)
+        answer = _field(obj, answer_field, where) if answer_field is not None else ""
+        records.append(PromptRecord(prompt=prompt, answer=answer, index=len(records)))
     return records
 
 
@@ -149,22 +181,31 @@ class PromptDataset:
     """An in-memory list of ``PromptRecord`` loaded from a jsonl file.
 
     Args:
-        path: a jsonl file or ``builtin:<name>`` (e.g. ``builtin:math_prompts``).
+        path: a jsonl file or ``builtin:<name>`` (e.g. ``builtin:math_prompts``, ``builtin:arithmetic``).
         prompt_field: key of the prompt text in each object (default ``question``).
         answer_field: key of the reference answer (default ``answer``), or ``None``.
+        field: the config key or option named in errors about the path.
+
+    Attributes:
+        path: the resolved file, or None for a generated built-in set.
 
     Raises:
         DataError: see ``resolve_prompt_path`` and ``read_prompt_records``.
     """
 
-    def __init__(
-        self, path: str | Path, *, prompt_field: str = "question", answer_field: str | None = "answer"
-    ) -> None:
+    def __init__(self, path: str | Path, *, prompt_field: str = "question", answer_field: str | None = "answer",
+                 field: str = "data.path") -> None:
         self.source = str(path)
-        self.path = resolve_prompt_path(path)
         self.prompt_field = prompt_field
         self.answer_field = answer_field
-        self.records = read_prompt_records(self.path, prompt_field=prompt_field, answer_field=answer_field)
+        generated = generated_records(path)
+        if generated is not None:
+            self.path = None
+            self.records = objects_to_records(((f"{path} row {i + 1}", obj) for i, obj in enumerate(generated)),
+                                              prompt_field=prompt_field, answer_field=answer_field)
+        else:
+            self.path = resolve_prompt_path(path, field=field)
+            self.records = read_prompt_records(self.path, prompt_field=prompt_field, answer_field=answer_field)
 
     def __len__(self) -> int:
         """Number of records (always >= 1)."""

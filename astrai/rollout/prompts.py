@@ -1,4 +1,4 @@
-"""Chat-formatting and tokenising of prompts for rollouts."""
+"""Chat-formatting and tokenising of prompts for rollouts and evaluation (the one place both build prompts)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,20 @@ def prompt_ids_and_budget(prompt: str, tokenizer, *, system_prompt: Optional[str
         raise DataError(f"{where}: the prompt takes {len(ids)} tokens, no room for a response within "
                         f"data.max_length={max_length} (lower data.max_prompt_length)")
     return ids, budget
+
+
+def encode_records(records: Sequence, tokenizer, *, system_prompt: Optional[str] = None,
+                   max_prompt_length: int) -> tuple[list[list[int]], list[str]]:
+    """Prompt token ids and reference answers of dataset records, as the online train types and the evaluator
+    feed them to the engine (`encode_prompts` of each record's `prompt`).
+
+    Args:
+        records: B `astrai.data.PromptRecord` (anything with `prompt` and `answer` strings).
+        tokenizer, system_prompt, max_prompt_length: as for `encode_prompts`.
+
+    Returns:
+        (B lists of int token ids, B answer strings as stored).
+    """
+    ids = encode_prompts([r.prompt for r in records], tokenizer, system_prompt=system_prompt,
+                         max_prompt_length=max_prompt_length)
+    return ids, [r.answer for r in records]

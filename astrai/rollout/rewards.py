@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -187,6 +187,13 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
+ANSWER_EXTRACTORS: dict[str, Callable[[str], Optional[str]]] = {
+    "math_exact_match": extract_final_number,
+}
+"""Reward name -> the function that reads the answer a response states (what the reward compares); the
+evaluator reports it per response. A reward without an entry reports no extracted answer."""
+
+
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as ``name`` in ``REWARDS``.
 
@@ -200,5 +207,5 @@ def get_reward(name: str) -> RewardFn:
         raise ValueError(f"reward.name: unknown reward {name!r}; choices: {choices}") from None
 
 
-__all__ = ["REWARDS", "RewardFn", "extract_final_number", "get_reward", "has_marked_answer", "math_exact_match",
-           "numbers_equal", "parse_number"]
+__all__ = ["ANSWER_EXTRACTORS", "REWARDS", "RewardFn", "extract_final_number", "get_reward", "has_marked_answer",
+           "math_exact_match", "numbers_equal", "parse_number"]

@@ -24,6 +24,7 @@ from astrai.config import Config, dump_config
 from astrai.distributed import setup_distributed
 from astrai.models import load_pretrained
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
+from astrai.trainer.evaluation import build_evaluation
 from astrai.trainer.loop import Trainer
 from astrai.trainer.resume import resolve_resume, restore
 from astrai.trainer.strategies import TRAIN_TYPES
@@ -98,7 +99,9 @@ def build_trainer(config: Config) -> Trainer:
             world_size=dist.world_size, dist=dist if dist.world_size > 1 else None,
             keep_last=config.checkpoint.keep_last)
 
+    evaluation = build_evaluation(config, dist, strategy, tokenizer)  # None unless train.eval_steps > 0
     trainer.callbacks = [
+        *([evaluation] if evaluation is not None else []),  # first: its eval/* metrics reach the logger
         StepTimer(), logger, ProgressBar(enabled=dist.is_main and config.train.progress_bar),
         CheckpointCallback(save, save_steps=config.checkpoint.save_steps,
                            save_at_end=config.checkpoint.save_at_end, before_save=logger.flush),

@@ -29,9 +29,11 @@ class ExperienceSource(Protocol):
 
     Attributes:
         data_sampler: the sampler of its records (the data position).
+        engine: the rollout engine it samples with, or None (stored experience).
     """
 
     data_sampler: Any
+    engine: Any
 
     def collect(self, policy_version: int) -> Experience:
         """The next batch of scored samples (groups of G contiguous), tagged with `policy_version`."""
@@ -74,6 +76,11 @@ class OnlineExperience:
         self.policy, self.runner, self.data_sampler, self.encode = policy, runner, sampler, encode
         self.batch_size, self.group_size = batch_size, group_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    @property
+    def engine(self) -> PagedGenerationEngine:
+        """The runner's rollout engine."""
+        return self.runner.engine
 
     def collect(self, policy_version: int) -> Experience:
         """B * G scored samples of the weights of `policy_version` (synced into the engine first); the sync time

@@ -67,10 +67,14 @@ class Strategy(Protocol):
     """A train type: computes losses for one policy optimizer step per call and declares its state.
 
     Attributes:
+        policy: the trained policy (`models.TrainedModel`).
         data_sampler: the sampler its records come from (the data position; `consumed_samples` follows it).
+        rollout_engine: the colocated rollout engine of an online train type, else None.
     """
 
+    policy: TrainedModel
     data_sampler: DataSampler
+    rollout_engine: Any
 
     def train_step(self, trainer: "Trainer") -> dict[str, torch.Tensor]:
         """Do one policy optimizer step (through `trainer.accumulate_and_step`); return detached 0-dim metrics."""

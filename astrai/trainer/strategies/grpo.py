@@ -43,7 +43,7 @@ class GroupRecord:
 
 
 class StoredGroups:
-    """Experience source of offline GRPO: `collect(policy_version) -> Experience` of B * G rows.
+    """Experience source of offline GRPO: `collect(policy_version) -> Experience` of B * G rows (no engine).
 
     Args:
         sampler: endless resumable sampler over `GroupRecord`s; batch_size: B records per batch.
@@ -56,6 +56,7 @@ class StoredGroups:
         self.data_sampler, self.batch_size, self.policy, self.ref_model = sampler, batch_size, policy, ref_model
         self.pad_token_id, self.device, self.temperature = pad_token_id, device, temperature
         self.chunk_size = chunk_size
+        self.engine = None
 
     def _score(self, model, sequences) -> torch.Tensor:
         return score_in_chunks(lambda c: response_logprobs(model, c, temperature=self.temperature)[0],

@@ -56,6 +56,11 @@ class RolloutStrategy:
         return self.experience.data_sampler
 
     @property
+    def rollout_engine(self):
+        """The experience source's engine (None for stored experience)."""
+        return self.experience.engine
+
+    @property
     def rollout(self) -> RolloutResult | None:
         """The rollout being replayed."""
         return self.replay.rollout

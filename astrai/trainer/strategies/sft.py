@@ -37,6 +37,8 @@ class SupervisedStrategy:
         self.policy, self.data_sampler = policy, sampler
         self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
 
+    rollout_engine = None  # no rollouts
+
     def draw(self) -> list[list]:
         """The step's `accumulation_steps` lists of `micro_batch_size` records."""
         return [self.data_sampler.next_batch(self.micro_batch_size) for _ in range(self.accumulation_steps)]

@@ -1,0 +1,145 @@
+"""In-training evaluation: greedy accuracy on a held-out question/answer set during training.
+
+With `train.eval_steps: N` (0 = off) and `data.eval_path` (+ `data.eval_limit`), `EvaluationCallback` evaluates
+after every N-th step and after the last step, and adds to that step's metrics (so they land in its
+metrics.jsonl record): `eval/accuracy`, `eval/accuracy_ci_low`, `eval/accuracy_ci_high` (95% Wilson score
+interval), `eval/num_questions` and `time/eval_seconds`. It must run before the metrics logger; its time is part
+of the step's `time/step_seconds` when it comes before the step timer.
+
+What is measured is exactly what `python -m astrai.evaluate` measures (`astrai.rollout.evaluation.evaluate`):
+prompts built as for training (`data.system_prompt`, `data.max_prompt_length`), greedy decoding with
+`rollout.max_new_tokens`, the configured `reward.name` without format bonus.
+
+Engine: an online train type evaluates with its own rollout engine (`strategy.rollout_engine`), first synced to
+the current `policy_version` (`experience.sync_engine`); afterwards the engine's prefix cache is cleared, so the
+next rollout does not reuse blocks that evaluation prompts filled. Offline train types get an engine of their
+own, copied from the policy at the first evaluation and synced the same way later. Random streams: the engine
+draws from a dedicated generator seeded with `train.seed`, so training's RNGs (and bitwise resume) are untouched.
+With several ranks, each evaluates every world_size-th question and the counts are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from astrai.algos.stats import wilson_interval
+from astrai.rollout.evaluation import EvalSettings, evaluate
+from astrai.rollout.paged_engine import PagedGenerationEngine
+from astrai.trainer.experience import sync_engine
+from astrai.trainer.loop import Callback
+
+__all__ = ["EvaluationCallback", "build_evaluation"]
+
+
+class EvaluationCallback(Callback):
+    """Greedy held-out accuracy every `eval_steps` steps and at the end (see the module docstring).
+
+    Args:
+        records: the held-out `PromptRecord`s (all of them; each rank takes its share).
+        tokenizer: the policy's tokenizer.
+        reward: reward function of `astrai.rollout.rewards`.
+        settings: generation settings (greedy).
+        eval_steps: evaluate when `global_step % eval_steps == 0` (> 0), and after the last step.
+        strategy: the train type: its `policy` (a `TrainedModel`) and `rollout_engine` (None for offline types).
+        dist: `DistributedContext` (device, rank, world size, all-reduce).
+        max_prompt_length, system_prompt: prompt building as in training.
+        seed: seed of the dedicated sampling generator.
+        printer: prints one line per evaluation on the main process.
+        progress: show a progress bar over the questions on the main process.
+
+    Raises:
+        ValueError: for `eval_steps < 1` or no records.
+    """
+
+    def __init__(self, *, records: Sequence, tokenizer, reward, settings: EvalSettings, eval_steps: int,
+                 strategy, dist, max_prompt_length: int, system_prompt: Optional[str] = None, seed: int = 0,
+                 printer=tqdm.write, progress: bool = True):
+        if eval_steps < 1:
+            raise ValueError(f"train.eval_steps: expected >= 1 for an evaluation callback, got {eval_steps}")
+        if len(records) == 0:
+            raise ValueError("data.eval_path: no questions to evaluate")
+        self.records = list(records)[dist.rank::dist.world_size]
+        self.num_questions = len(records)
+        self.tokenizer, self.reward, self.settings, self.eval_steps = tokenizer, reward, settings, eval_steps
+        self.strategy, self.dist, self.seed, self.printer = strategy, dist, seed, printer
+        self.max_prompt_length, self.system_prompt = max_prompt_length, system_prompt
+        self.progress = progress and dist.is_main
+        self._own_engine = None
+
+    def engine(self, policy_version: int):
+        """The strategy's rollout engine, or (offline train types) this callback's own copy of the policy."""
+        engine = self.strategy.rollout_engine
+        if engine is not None:
+            return engine
+        if self._own_engine is None:
+            self._own_engine = PagedGenerationEngine(self.strategy.policy.model,
+                                                     pad_token_id=self.tokenizer.pad_token_id,
+                                                     policy_version=policy_version)
+        return self._own_engine
+
+    def on_step_end(self, trainer, metrics) -> None:
+        """Evaluate after every `eval_steps`-th and after the last step, adding the `eval/*` metrics in place."""
+        step = trainer.state.global_step
+        if step % self.eval_steps == 0 or step == trainer.state.max_steps:
+            metrics.update(self.run(trainer.state.policy_version, step))
+
+    @torch.no_grad()
+    def run(self, policy_version: int, step: int) -> dict[str, torch.Tensor]:
+        """Evaluate the current policy; returns the `eval/*` metrics (0-dim tensors) summed over ranks."""
+        start = time.perf_counter()
+        engine = self.engine(policy_version)
+        sync_engine(engine, self.strategy.policy.model, policy_version)
+        asleep = getattr(engine, "asleep", False)
+        if asleep:
+            engine.wake()
+        correct, count = 0.0, 0
+        try:
+            if self.records:
+                generator = torch.Generator(device=self.dist.device).manual_seed(self.seed)
+                result = evaluate(engine, self.tokenizer, self.records, reward=self.reward, settings=self.settings,
+                                  max_prompt_length=self.max_prompt_length, system_prompt=self.system_prompt,
+                                  generator=generator, progress=self.progress, leave=False,
+                                  desc=f"eval step {step}")
+                correct, count = result.correct, result.num_questions
+        finally:
+            if getattr(engine, "prefix_cache", None) is not None:
+                engine.prefix_cache.clear()
+            if asleep:
+                engine.sleep()
+        totals = self.dist.all_reduce_sum(torch.tensor([correct, count], dtype=torch.float64,
+                                                       device=self.dist.device)).tolist()
+        accuracy = totals[0] / totals[1]
+        low, high = wilson_interval(totals[0], int(totals[1]))
+        seconds = time.perf_counter() - start
+        if self.dist.is_main:
+            self.printer(f"eval step {step}: accuracy {accuracy:.4f} (95% Wilson [{low:.4f}, {high:.4f}]) on "
+                         f"{int(totals[1])} questions, {seconds:.1f} s")
+        return {"eval/accuracy": torch.tensor(accuracy), "eval/accuracy_ci_low": torch.tensor(low),
+                "eval/accuracy_ci_high": torch.tensor(high), "eval/num_questions": torch.tensor(totals[1]),
+                "time/eval_seconds": torch.tensor(seconds)}
+
+
+def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCallback]:
+    """The evaluation callback of a validated `astrai.config.Config`, or None when `train.eval_steps` is 0.
+
+    Raises:
+        DataError: `data.eval_path` missing or malformed (naming `data.eval_path`).
+        ValueError: an unknown `reward.name`.
+    """
+    if not config.train.eval_steps:
+        return None
+    from astrai.data import PromptDataset
+    from astrai.rollout.rewards import get_reward
+
+    d = config.data
+    dataset = PromptDataset(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field,
+                            field="data.eval_path")
+    return EvaluationCallback(
+        records=dataset.records[:d.eval_limit], tokenizer=tokenizer, reward=get_reward(config.reward.name),
+        settings=EvalSettings(max_new_tokens=config.rollout.max_new_tokens), eval_steps=config.train.eval_steps,
+        strategy=strategy, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
+        seed=config.train.seed, progress=config.train.progress_bar)

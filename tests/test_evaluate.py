@@ -1,0 +1,187 @@
+"""The evaluator: statistics against naive references, and `python -m astrai.evaluate` end to end on a tiny model
+whose greedy responses are computed independently (a plain argmax loop over full forwards)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from astrai.algos.stats import mcnemar_exact_p, pass_at_k, wilson_interval
+from astrai.evaluate import main
+from astrai.models import load_pretrained
+from astrai.rollout.evaluation import EvalSettings, pass_at_ks
+from astrai.rollout.rewards import REWARDS
+
+SYSTEM = "Answer briefly."
+
+
+# ------------------------------------------------------------------------------------------- statistics
+def test_wilson_interval_hand_computed():
+    # n=4, 2 successes, z=1.959964: center 0.5, half = z/(1+z^2/4) * sqrt(1/16 + z^2/64) = 0.349961
+    low, high = wilson_interval(2, 4)
+    assert low == pytest.approx(0.150039, abs=1e-6) and high == pytest.approx(0.849961, abs=1e-6)
+    # 0 of 20: [0, z^2 / (n + z^2)] = [0, 3.841459 / 23.841459]
+    assert wilson_interval(0, 20) == pytest.approx((0.0, 0.161125), abs=1e-6)
+    # 11 of 200 (the issue's baseline): center 0.064604 / 1.019207 = 0.063386,
+    # half = 1.959964 / 1.019207 * sqrt(0.055 * 0.945 / 200 + 3.841459 / 160000) = 0.032401
+    assert wilson_interval(11, 200) == pytest.approx((0.030985, 0.095787), abs=1e-6)
+    assert wilson_interval(5, 5)[1] == 1.0 and wilson_interval(5, 5)[0] == pytest.approx(0.565518, abs=1e-6)
+    assert wilson_interval(2, 4, confidence=0.5)[0] > 0.150039  # narrower at lower confidence
+    for bad in [(1, 0), (-1, 4), (5, 4)]:
+        with pytest.raises(ValueError):
+            wilson_interval(*bad)
+
+
+@pytest.mark.parametrize("n,c", [(1, 0), (1, 1), (4, 1), (5, 2), (6, 6), (7, 3), (8, 0)])
+def test_pass_at_k_equals_average_over_all_k_subsets(n, c):
+    outcomes = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(outcomes, k))
+        naive = sum(any(s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(naive, abs=1e-12), (n, c, k)
+    with pytest.raises(ValueError):
+        pass_at_k(n, c, n + 1)
+
+
+def test_mcnemar_exact_p_against_enumeration():
+    for gained, lost in [(0, 0), (3, 0), (5, 1), (2, 6), (12, 3)]:
+        total = gained + lost
+        outcomes = list(itertools.product([0, 1], repeat=total))  # every sign pattern equally likely under H0
+        naive = sum(sum(o) >= gained for o in outcomes) / len(outcomes)
+        assert mcnemar_exact_p(gained, lost) == pytest.approx(naive, abs=1e-12)
+    assert mcnemar_exact_p(5, 0) == pytest.approx(1 / 32)
+
+
+def test_settings_greedy_is_top_k_1_and_validation():
+    greedy = EvalSettings(max_new_tokens=8).sampling_params((2,))
+    assert greedy.top_k == 1 and greedy.temperature == 1.0 and greedy.stop_token_ids == (2,)
+    sampled = EvalSettings(max_new_tokens=8, temperature=0.7, num_samples=4).sampling_params((2,))
+    assert sampled.top_k == 0 and sampled.top_p == 1.0 and sampled.temperature == 0.7
+    for kwargs, field in [({"num_samples": 4}, "num_samples"), ({"temperature": 1e-6}, "temperature"),
+                          ({"batch_size": 0}, "batch_size"), ({"max_new_tokens": 0}, "max_new_tokens")]:
+        with pytest.raises(ValueError, match=field):
+            EvalSettings(**{"max_new_tokens": 8, **kwargs})
+    assert pass_at_ks(1) == [1] and pass_at_ks(8) == [1, 2, 4, 8] and pass_at_ks(6) == [1, 2, 4, 6]
+
+
+# ------------------------------------------------------------------------------------------- end to end
+def naive_greedy(model, tokenizer, question: str, max_new_tokens: int) -> str:
+    """Greedy continuation by full forwards and argmax: no cache, no engine."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+            out.append(token)
+            if token == tokenizer.eos_token_id:
+                break
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def exact_text(responses, answers, *, format_bonus=0.0):
+    """Stub reward: 1 when the response is exactly the stored answer."""
+    return torch.tensor([float(r == a) for r, a in zip(responses, answers)])
+
+
+def even_length(responses, answers, *, format_bonus=0.0):
+    """Stub reward: 1 when the response has an even number of characters."""
+    return torch.tensor([float(len(r) % 2 == 0) for r in responses])
+
+
+def cli(model, data, out, *extra):
+    return main(["--model", str(model), "--data", str(data), "--output_dir", str(out), "--max_new_tokens", "6",
+                 "--max_prompt_length", "64", "--system_prompt", SYSTEM, "--no_progress_bar", *extra])
+
+
+def read_outputs(out):
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return results, json.loads((out / "summary.json").read_text())
+
+
+def test_greedy_accuracy_matches_hand_computed_expectation(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(REWARDS, "exact_text", exact_text)
+    model, tokenizer = load_pretrained(tiny_model_dir)
+    questions = ["What is 12 + 35?", "Compute 40 - 17.", "How many apples?", "Say hi."]
+    greedy = [naive_greedy(model, tokenizer, q, 6) for q in questions]
+    answers = [greedy[0], "not this", greedy[2], "nor this"]  # exactly questions 0 and 2 are right
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in zip(questions, answers)))
+    out = tmp_path / "eval"
+    assert cli(tiny_model_dir, data, out, "--reward", "exact_text", "--batch_size", "3") == 0
+    results, summary = read_outputs(out)
+    assert [r["responses"] for r in results] == [[g] for g in greedy]
+    assert [r["correct"] for r in results] == [[True], [False], [True], [False]]
+    assert [r["question"] for r in results] == questions and results[1]["answer"] == "not this"
+    assert summary["n"] == 4 and summary["accuracy"] == 0.5 and summary["pass_at_k"] == {"1": 0.5}
+    assert summary["ci_low"] == pytest.approx(0.150039, abs=1e-6)  # Wilson, 2 of 4 (see above)
+    assert summary["ci_high"] == pytest.approx(0.849961, abs=1e-6)
+    assert summary["generated_tokens"] == sum(sum(r["response_tokens"]) for r in results) > 0
+    s = summary["settings"]
+    assert s["greedy"] and s["system_prompt"] == SYSTEM and s["max_new_tokens"] == 6 and s["reward"] == "exact_text"
+    printed = capsys.readouterr().out
+    assert "accuracy 0.5000 (2/4), 95% Wilson interval [0.1500, 0.8500]" in printed
+    # --limit takes the first questions; the default reward reports the number it read from each response
+    assert cli(tiny_model_dir, data, out, "--limit", "2") == 0
+    results, summary = read_outputs(out)
+    assert summary["n"] == 2 and summary["settings"]["reward"] == "math_exact_match"
+    assert all(len(r["extracted_answers"]) == 1 for r in results)
+
+
+def test_sampled_pass_at_k_is_seeded_and_consistent(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(REWARDS, "even_length", even_length)
+    args = ("--limit", "6", "--reward", "even_length", "--temperature", "1.0", "--num_samples", "4")
+    runs = {}
+    for name, seed in [("a", "3"), ("b", "3"), ("c", "4")]:
+        assert cli(tiny_model_dir, "builtin:arithmetic_test", tmp_path / name, *args, "--seed", seed) == 0
+        runs[name] = read_outputs(tmp_path / name)
+    (results, summary), (again, _), (other, _) = runs["a"], runs["b"], runs["c"]
+    assert [r["responses"] for r in results] == [r["responses"] for r in again]
+    assert [r["responses"] for r in results] != [r["responses"] for r in other]
+    counts = [sum(r["correct"]) for r in results]
+    assert all(len(r["responses"]) == 4 for r in results) and 0 < sum(counts) < 24
+    assert summary["accuracy"] == pytest.approx(sum(counts) / 24)
+    for k in (1, 2, 4):  # average over questions of the all-subsets pass rate
+        naive = sum(sum(any(s) for s in itertools.combinations(r["correct"], k)) / math.comb(4, k)
+                    for r in results) / 6
+        assert summary["pass_at_k"][str(k)] == pytest.approx(naive)
+    low, high = wilson_interval(sum(counts) / 4, 6)
+    assert (summary["ci_low"], summary["ci_high"]) == pytest.approx((low, high))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--data", "/nonexistent/q.jsonl"], "--data: file not found: /nonexistent/q.jsonl"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["--reward", "nope"], "--reward: unknown reward 'nope'"),
+    (["--num_samples", "4"], "num_samples"),
+    (["--temperature", "-1"], "temperature"),
+    (["--batch_size", "0"], "--batch_size"),
+    (["--limit", "x"], "--limit"),
+    (["--answer_field", "solution"], "missing field 'solution'"),
+    (["--config", "/nonexistent.yaml"], "/nonexistent.yaml"),
+    (["--bogus"], "--bogus"),
+])
+def test_bad_input_exits_2_with_one_line(tiny_model_dir, tmp_path, capsys, args, needle):
+    values = {"--model": str(tiny_model_dir), "--data": "builtin:arithmetic_test"}
+    rest = []
+    for i in range(0, len(args), 2):
+        if args[i] in values:
+            values[args[i]] = args[i + 1]
+        else:
+            rest += args[i:i + 2]
+    code = main(["--model", values["--model"], "--data", values["--data"], "--output_dir", str(tmp_path / "o"),
+                 "--limit", "1", "--no_progress_bar", *rest])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_output_dir_that_is_a_file_is_left_alone(tiny_model_dir, tmp_path, capsys):
+    target = tmp_path / "taken"
+    target.write_text("keep me")
+    assert cli(tiny_model_dir, "builtin:arithmetic_test", target) == 2
+    assert target.read_text() == "keep me" and "--output_dir" in capsys.readouterr().err

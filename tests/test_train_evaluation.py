@@ -1,0 +1,98 @@
+"""In-training evaluation (`train.eval_steps`, `data.eval_path`): logged at the right steps, equal to what
+`python -m astrai.evaluate` measures on the published checkpoint, and invisible to training itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from astrai import evaluate
+from astrai.config import load_config
+from astrai.rollout.rewards import REWARDS
+from astrai.train import main
+from astrai.trainer.build import build_trainer
+from astrai.trainer.evaluation import EvaluationCallback
+from test_resume import sft_args
+from test_train_e2e import EXAMPLE, tiny_args
+
+EVAL = ("--train.eval_steps", "2", "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "5")
+KEYS = ("eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high", "eval/num_questions", "time/eval_seconds")
+
+
+def even_length(responses, answers, *, format_bonus=0.0):
+    """Stub reward with mixed outcomes on a random tiny model: 1 for an even number of characters."""
+    return torch.tensor([float(len(r) % 2 == 0) for r in responses])
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_eval_logged_at_steps_and_end_matches_cli_and_leaves_training_bitwise_equal(
+        tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(REWARDS, "even_length", even_length)
+    common = ("--runtime.deterministic", "true", "--reward.name", "even_length", "--data.path", "builtin:arithmetic")
+    plain, with_eval = tmp_path / "plain", tmp_path / "eval"
+    assert main(tiny_args(tiny_model_dir, plain, *common)) == 0
+    assert main(tiny_args(tiny_model_dir, with_eval, *common, *EVAL)) == 0
+    logged = records(with_eval)
+    assert [all(k in r for k in KEYS) for r in logged] == [False, True, True]  # step 2 (eval_steps) and 3 (end)
+    assert not any(k.startswith("eval/") for k in records(plain)[0])
+    for r in logged[1:]:
+        assert r["eval/num_questions"] == 5 and r["eval/accuracy_ci_low"] <= r["eval/accuracy"] <= \
+            r["eval/accuracy_ci_high"]
+    # training did not notice: same rewards, same weights, same global and strategy RNG states (evaluation draws
+    # from its own generator)
+    assert [r["rollout/reward_mean"] for r in logged] == [r["rollout/reward_mean"] for r in records(plain)]
+    ckpt = "checkpoints/step-00000003"
+    a, b = (load_file(str(run / ckpt / "model.safetensors")) for run in (plain, with_eval))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for name, key in (("rng_state.pt", "torch"), ("strategy_state.pt", "sampling_rng")):
+        a, b = (torch.load(run / ckpt / name, weights_only=True)[key] for run in (plain, with_eval))
+        assert torch.equal(a, b), name
+    # the evaluator on the run's output_dir (latest checkpoint, the run's prompt settings) measures the same
+    out = tmp_path / "cli"
+    assert evaluate.main(["--model", str(with_eval), "--data", "builtin:arithmetic_test", "--limit", "5",
+                          "--output_dir", str(out), "--no_progress_bar"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model_path"].endswith("checkpoints/step-00000003")
+    assert summary["settings"]["config"] == str(with_eval / "config.yaml")
+    assert summary["settings"]["system_prompt"] == load_config(str(EXAMPLE)).data.system_prompt
+    assert summary["settings"]["reward"] == "even_length" and summary["settings"]["max_new_tokens"] == 6
+    assert summary["accuracy"] == pytest.approx(logged[-1]["eval/accuracy"])
+    assert (summary["ci_low"], summary["ci_high"]) == pytest.approx(
+        (logged[-1]["eval/accuracy_ci_low"], logged[-1]["eval/accuracy_ci_high"]))
+
+
+def test_offline_train_type_evaluates_with_its_own_synced_engine(tiny_model_dir, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i} + {i}?"},
+                                                     {"role": "assistant", "content": f"{2 * i}"}]}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "sft"
+    args = sft_args(tiny_model_dir, out, data, "--max_steps", "3", "--rollout.max_new_tokens", "4", *EVAL)
+    config = load_config(args[1], args[2:])
+    trainer = build_trainer(config)
+    callback = next(c for c in trainer.callbacks if isinstance(c, EvaluationCallback))
+    trainer.fit()
+    assert [all(k in r for k in KEYS) for r in records(out)] == [False, True, True]
+    engine = callback._own_engine
+    assert engine is not None and engine.policy_version == trainer.state.policy_version == 3
+    policy = trainer.strategy.policy.model.state_dict()
+    engine_weights = engine.model.state_dict()
+    assert all(torch.equal(policy[k], engine_weights[k]) for k in ("model.embed_tokens.weight", "lm_head.weight",
+                                                                    "model.layers.1.mlp.down_proj.weight"))
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (("--train.eval_steps", "2"), "data.eval_path"),
+    (("--train.eval_steps", "2", "--data.eval_path", "/nonexistent/eval.jsonl"), "data.eval_path: file not found"),
+    (("--data.eval_limit", "0"), "data.eval_limit"),
+])
+def test_bad_eval_settings_exit_2(tiny_model_dir, tmp_path, capsys, extra, needle):
+    assert main(tiny_args(tiny_model_dir, tmp_path / "run", *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
