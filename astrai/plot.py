@@ -78,6 +78,7 @@ def draw(records: Sequence[dict], *, title: Optional[str] = None):
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     present = [(key, name) for key, name in PANELS if series(records, key)[0]]
     if not present:
@@ -91,6 +92,7 @@ def draw(records: Sequence[dict], *, title: Optional[str] = None):
         ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3)
         ax.set_title(name)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(key, fontsize="small")
         ax.grid(True, alpha=0.3)
     if title:

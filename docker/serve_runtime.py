@@ -11,10 +11,10 @@
         mounted read-only at /checkpoint, `runtime.environment`, and the `python -m astrai.serve` command
 
 `.env.serve` takes the infra keys of `.env.train` (TRAIN_JOB_NAME, TRAIN_CHECKPOINT_DIR, TRAIN_GPUS ...) plus
-SERVE_CHECKPOINT and SERVE_PORT. The checkpoint is `--checkpoint` when given, else SERVE_CHECKPOINT from the env file, else the newest complete
-checkpoint under the job's checkpoint directory (`infra.checkpoint_dir`, else `train.output_dir`). The served
-model name is the job name. The port is `--port`, else SERVE_PORT from the env file, else 8000. Errors are one
-line, exit 2.
+SERVE_CHECKPOINT and SERVE_PORT. The checkpoint is `--checkpoint` when given, else SERVE_CHECKPOINT from the env
+file, else the newest complete checkpoint under the job's checkpoint directory (`infra.checkpoint_dir`, else
+`train.output_dir`). The served model name is the job name. The port is `--port`, else SERVE_PORT from the env
+file, else 8000. Errors are one line, exit 2.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def compose_override(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command line (see the module docstring); returns the exit code (JobError: see `jobfile.run_cli`)."""
     parser = argparse.ArgumentParser(prog="docker/serve_runtime.py", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("exports", "compose", "project"))
     parser.add_argument("job_file")

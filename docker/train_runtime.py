@@ -88,6 +88,7 @@ def compose_override(infra: Infra, overrides: Sequence[str]) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command line (see the module docstring); returns the exit code (JobError: see `jobfile.run_cli`)."""
     parser = argparse.ArgumentParser(prog="docker/train_runtime.py", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("exports", "compose"))
     parser.add_argument("job_file")

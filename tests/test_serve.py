@@ -94,7 +94,7 @@ def test_models_and_health(server):
     base, client = server
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = http("GET", f"{base}/health")[1]
-    assert health["status"] == "ok" and health["model"] == MODEL and health["policy_version"] == 0
+    assert health["status"] == "ok" and health["model"] == MODEL and health["policy_version"] == 2  # the checkpoint's
 
 
 def test_chat_greedy_matches_the_engine(server, reference):

@@ -9,6 +9,7 @@ one-line error.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -70,6 +71,15 @@ def resolve_checkpoint(path: str) -> Path:
     return p
 
 
+def checkpoint_version(path: Path) -> int:
+    """The `policy_version` a published checkpoint records in trainer_state.json (0 for other model sources)."""
+    try:
+        version = json.loads((path / "trainer_state.json").read_text(encoding="utf-8")).get("policy_version", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return version if isinstance(version, int) and version >= 0 else 0
+
+
 def build_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) for the parsed arguments; raises one-line errors for bad input."""
     import torch
@@ -87,7 +97,7 @@ def build_engine(args: argparse.Namespace):
     if tokenizer.pad_token_id is None:
         raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
     engine = PagedGenerationEngine(model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
-                                   max_kv_tokens=args.max_kv_tokens)
+                                   max_kv_tokens=args.max_kv_tokens, policy_version=checkpoint_version(path))
     name = args.served_model_name or (path.name if path.exists() else str(args.checkpoint))
     return engine, tokenizer, name
 
