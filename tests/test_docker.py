@@ -147,3 +147,16 @@ def test_serve_exports_pick_newest_checkpoint_and_env_file(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"export SERVE_CHECKPOINT={newest}\n" in out.stdout and "export SERVE_PORT=9100\n" in out.stdout
     assert "export CUDA_VISIBLE_DEVICES=1\n" in out.stdout and "export SERVE_MODEL_NAME=s\n" in out.stdout
+
+
+def test_multi_gpu_example_validates_and_keeps_nccl_commented_out():
+    from astrai.config import load_config
+
+    path = REPO / "configs/examples/ppo_multi_gpu.yaml"
+    config = load_config(str(path))
+    assert config.runtime.environment == {"ASTR_LOG_LEVEL": "INFO"}
+    assert not any(k.startswith("NCCL_") for k in config.runtime.environment)
+    assert "# NCCL_P2P_DISABLE" in path.read_text() and "docs/launch.md" in path.read_text()
+    infra = jobfile.load_job(str(path))
+    assert infra.job_name == "ppo-multi-gpu" and infra.gpus is None
+    assert infra.checkpoint_dir == (REPO / "outputs/ppo_multi_gpu").resolve()
