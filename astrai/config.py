@@ -11,20 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, get_origin
+from typing import Any, Iterable, Optional, Union, get_origin
 
 import yaml
 
-from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, Pattern, Range, Section,
-                                  YamlDumper, YamlLoader, convert_value, field_spec, field_specs,
+from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, EnvMap, Pattern, Range, Section,
+                                  SubsetOf, YamlDumper, YamlLoader, convert_value, field_spec, field_specs,
                                   split_optional)
 
 TRAIN_TYPES = ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq")
 """Valid ``train.type`` values; each new train type (strategy) is added here."""
 DISTRIBUTED_STRATEGIES = ("ddp",)
 """Valid ``distributed.strategy`` values."""
+REPORT_TO = ("tensorboard", "wandb", "none")
+"""Valid ``train.report_to`` items (transformers' TrainingArguments name); 'none' stands alone."""
+DEFAULT_REPORT_TO = ["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else []
+"""TensorBoard event files by default when the `tensorboard` package is installed, nothing otherwise."""
 
 
 # ----------------------------------------------------------------------------------------- sections
@@ -148,6 +153,9 @@ class TrainSection(Section, name="train"):
     metrics: list[str] = field_spec([], "extra costly metrics to compute, e.g. 'policy/entropy'")
     progress_bar: bool = field_spec(True, "show a progress bar on rank 0")
     eval_steps: int = field_spec(0, "greedy accuracy on data.eval_path every N steps and at the end; 0 = off", GE0)
+    report_to: list[str] = field_spec(DEFAULT_REPORT_TO, "where metrics also go besides metrics.jsonl: "
+                                      "'tensorboard' (event files in output_dir), 'wandb', or 'none'",
+                                      SubsetOf(REPORT_TO, alone=("none",)))
 
 
 @dataclass
@@ -173,6 +181,9 @@ class RuntimeSection(Section, name="runtime"):
                      Pattern(r"auto|cpu|cuda(:[0-9]+)?", "'auto', 'cpu', 'cuda' or 'cuda:N'"))
     num_threads: Optional[int] = field_spec(None, "torch intra-op threads; null = torch default", GT0)
     deterministic: bool = field_spec(False, "use deterministic torch algorithms (slower)")
+    environment: dict[str, Optional[Union[str, int, float, bool]]] = field_spec(
+        {}, "environment variables exported in every training process before the process group is created "
+            "(values as str(), null = empty string; e.g. NCCL_*, ASTR_LOG_LEVEL)", EnvMap())
 
 
 @dataclass
@@ -202,7 +213,7 @@ class Config:
     distributed: DistributedSection = field(default_factory=DistributedSection)
     """How policy and critic are replicated or sharded across ranks."""
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
-    """Device, CPU threads, determinism."""
+    """Device, CPU threads, determinism, per-job environment variables."""
 
     def __post_init__(self) -> None:
         kind = self.train.type
@@ -239,6 +250,8 @@ def _check_divides(small: tuple[str, int], big: tuple[str, int]) -> None:
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 """Section name -> section dataclass, in declaration order."""
+HOST_SECTIONS = ("infra",)
+"""Top-level sections for the host-side launch tools (launch/train.sh, docker/*_runtime.py), skipped here."""
 
 
 def _unknown_key(section: str, name: str) -> str:
@@ -330,6 +343,10 @@ def config_from_dict(data: Any, overrides: Iterable[str] = (), source: Optional[
         raise ConfigError(f"{where}expected a mapping of sections at the top level, got {type(data).__name__}")
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for section, body in data.items():
+        if section in HOST_SECTIONS:
+            if not isinstance(body, (dict, type(None))):
+                raise ConfigError(f"{where}{section}: expected a mapping of keys, got {type(body).__name__}")
+            continue
         if section not in SECTIONS:
             raise ConfigError(where + _unknown("section", str(section), SECTIONS))
         if not isinstance(body, (dict, type(None))):

@@ -118,14 +118,53 @@ class Pattern:
         return self.text
 
 
+@dataclass(frozen=True)
+class SubsetOf:
+    """A list whose items all come from `values`; `alone` items (e.g. 'none') must be the only item."""
+
+    values: tuple
+    alone: tuple = ()
+
+    def ok(self, v: list) -> bool:
+        return all(x in self.values for x in v) and not (len(v) > 1 and any(x in self.alone for x in v))
+
+    def describe(self, kind: str) -> str:
+        only = f" ({' or '.join(map(repr, self.alone))} alone)" if self.alone else ""
+        return "a list of " + ", ".join(map(repr, self.values)) + only
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""A portable environment variable name (POSIX shells' rule)."""
+
+
+@dataclass(frozen=True)
+class EnvMap:
+    """A mapping of environment variable names to scalars (str, int, float, bool) or null."""
+
+    def problem(self, v: dict) -> Optional[str]:
+        """One-line description of the first bad entry of `v`, or None when every entry is fine."""
+        for key, value in v.items():
+            if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
+                return f"key {key!r} is not an environment variable name (letters, digits, '_'; not a digit first)"
+            if value is not None and not isinstance(value, (str, int, float, bool)):
+                return f"{key}: expected a string, number, boolean or null, got {type(value).__name__}"
+        return None
+
+    def ok(self, v: dict) -> bool:
+        return self.problem(v) is None
+
+    def describe(self, kind: str) -> str:
+        return "a mapping of environment variable names to scalars or null"
+
+
 GT0, GE0, UNIT, BETA = Range(0, lo_open=True), Range(0), Range(0, 1), Range(0, 1, hi_open=True)
 
 
 def field_spec(default: Any, doc: str, check: Any = None) -> Any:
     """A dataclass field carrying its one-line doc and its check (range / choices / pattern) as metadata."""
     meta = {"doc": doc, "check": check}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -169,6 +208,8 @@ def _coerce(base: Any, v: Any) -> Any:
         return v
     if get_origin(base) is list and isinstance(v, list) and all(isinstance(x, str) for x in v):
         return list(v)
+    if get_origin(base) is dict and isinstance(v, dict):
+        return dict(v)
     return _coerce
 
 
@@ -178,8 +219,11 @@ def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
     if optional and value is None:
         return None
     out = _coerce(base, value)
+    detail = None if out is _coerce else getattr(check, "problem", lambda v: None)(out)
+    if detail:
+        raise ConfigError(f"{name}: {detail}")
     if out is _coerce or (check is not None and not check.ok(out)):
-        kind = _KINDS.get(base, "a list of strings")
+        kind = _KINDS.get(base, "a mapping" if get_origin(base) is dict else "a list of strings")
         wrong_type = out is _coerce
         expected = kind if check is None or (wrong_type and isinstance(check, Pattern)) else check.describe(kind)
         raise ConfigError(f"{name}: expected {'null or ' if optional else ''}{expected}, got {value!r}")

@@ -1,12 +1,14 @@
 """Entry point: `python -m astrai.train --config FILE [--section.key VALUE ...]`.
 
-Also runs under `accelerate launch -m astrai.train ...`. Parses the config, builds the trainer, fits.
+Also runs under `accelerate launch -m astrai.train ...`. Parses the config, exports `runtime.environment`
+(`astrai.runtime_env`), builds the trainer, fits.
 Bad input (config, model path, data file) exits with code 2 and a one-line error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from typing import Optional, Sequence
@@ -43,12 +45,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one training job; returns the process exit code."""
     from astrai.config import ConfigError, load_config
 
+    from astrai.runtime_env import job_runtime
+
     args, overrides = parse_args(argv)
     try:
         config = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    job = contextlib.ExitStack()
+    try:  # runtime.environment is exported before build_trainer creates the process group
+        job.enter_context(job_runtime(config.runtime.environment))
+    except ValueError as err:  # an unknown ASTR_LOG_LEVEL
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    with job:  # and restored when the job ends
+        return _run(config)
+
+
+def _run(config) -> int:
+    """Build and fit the trainer for a loaded `Config`; returns the exit code."""
     from astrai.checkpoint import CheckpointError
     from astrai.data import DataError
     from astrai.kernels import BackendUnavailableError

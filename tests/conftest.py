@@ -23,3 +23,20 @@ def tiny_model_dir(tmp_path_factory):
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
     tiny_tokenizer().save(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_ppo_run(tiny_model_dir, tmp_path_factory):
+    """The main job (configs/examples/ppo.yaml) for 2 steps on the tiny model: metrics.jsonl, TensorBoard event
+    files and a published checkpoint under the returned output directory."""
+    from pathlib import Path
+
+    from astrai.train import main
+
+    out = tmp_path_factory.mktemp("tiny-ppo-run") / "run"
+    example = Path(__file__).resolve().parents[1] / "configs/examples/ppo.yaml"
+    code = main(["--config", str(example), "--model.path", str(tiny_model_dir), "--train.output_dir", str(out),
+                 "--max_steps", "2", "--rollout.batch_size", "4", "--ppo.minibatch_size", "2",
+                 "--ppo.micro_batch_size", "1", "--rollout.max_new_tokens", "6", "--train.progress_bar", "false"])
+    assert code == 0
+    return out

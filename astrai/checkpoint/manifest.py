@@ -33,10 +33,10 @@ POLICY_FILES = ("model.safetensors", "config.json")  # make a directory without 
 KINDS = ("hf_model", "hf_tokenizer", "torch", "json", "yaml")  # kinds of parts, see parts.py
 HF_MODEL_FILES = POLICY_FILES
 _SUFFIX = {"torch": ".pt", "json": ".json", "yaml": ".yaml"}
-LEGACY_REQUIRED_FILES = {None: POLICY_FILES + ("trainer_state.json",),
-                         "online_ppo": POLICY_FILES + ("trainer_state.json", "value_model.pt", "value_optimizer.pt")}
-"""Files a checkpoint without recorded parts needs to resume, by its recorded train type (others: the None row);
-the one place this package names a train type, frozen with that older layout."""
+LEGACY_REQUIRED_FILES = {None: (), "online_ppo": ("value_model.pt", "value_optimizer.pt")}
+"""Files a checkpoint without recorded parts must list beyond the policy to be complete, by its recorded train type
+(others: the None row): the critic extras of online_ppo, as `verify --require-critic` has always checked them. The
+one place this package names a train type, frozen with that older layout."""
 HASH_THREADS = min(8, os.cpu_count() or 1)
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 

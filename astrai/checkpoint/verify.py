@@ -100,6 +100,6 @@ def _verify_legacy(path: Path, require_complete: bool) -> VerifyReport:
     statuses = [FileStatus(n, "UNVERIFIED", "legacy checkpoint: no manifest") for n in present]
     required = list(POLICY_FILES)
     if require_complete:
-        required = list(LEGACY_REQUIRED_FILES.get(train_type, LEGACY_REQUIRED_FILES[None]))
+        required += LEGACY_REQUIRED_FILES.get(train_type, LEGACY_REQUIRED_FILES[None])
     statuses += [FileStatus(n, "MISSING", "required file") for n in required if n not in present]
     return VerifyReport(path, "legacy", statuses, train_type=train_type)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import operator
 import threading
-from typing import Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -176,7 +176,7 @@ class PagedGenerationEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: ParamsArg,
                  generator: Optional[torch.Generator] = None, *, n: int = 1,
-                 penalties: PenaltyArg = None) -> Generation:
+                 penalties: PenaltyArg = None, on_token: Optional[Callable[[int, int], None]] = None) -> Generation:
         """Sample `n` responses per prompt (rows grouped by prompt: row b * n + g is sample g of prompt b).
 
         Args:
@@ -186,6 +186,8 @@ class PagedGenerationEngine:
             generator: caller RNG; exactly one int64 is drawn from it per call (None: torch's default RNG).
             n: samples per prompt (G).
             penalties: an optional `FrequencyPenaltyStrategy` for all prompts, or one (or None) per prompt.
+            on_token: optional `(row, token id) -> None`, called in the calling thread right after each token of
+                output row `row` is sampled (for streaming; it must not call back into the engine).
 
         Returns:
             `Generation` with B * n rows: prompt_ids (B*n, P) left-padded, prompt_mask, response_ids (B*n, T)
@@ -203,7 +205,7 @@ class PagedGenerationEngine:
                 raise RuntimeError("generate: the engine is asleep; call wake() first")
             prompts = self._check_prompts(prompts)
             requests = self._make_requests(prompts, params, generator, n, penalties)
-            self._run(requests, n)
+            self._run(requests, n, on_token)
             return self._assemble(prompts, requests, n)
 
     def _check_prompts(self, prompts) -> list[list[int]]:
@@ -268,7 +270,7 @@ class PagedGenerationEngine:
                     per_params[b], per_penalty[b], rng, [])))
         return requests
 
-    def _run(self, requests: list[Request], n: int) -> None:
+    def _run(self, requests: list[Request], n: int, on_token=None) -> None:
         """Group requests by (prompt, settings), size the pool, and schedule them to completion."""
         by_key: dict[tuple, Group] = {}
         for req in requests:
@@ -287,7 +289,8 @@ class PagedGenerationEngine:
         runner = PagedModelRunner(self.model, self.workspace, self.backend, dense_decode=self.dense_decode)
         scheduler = Scheduler(pool=self.pool, prefix_cache=self.prefix_cache, workspace=self.workspace,
                               forward=runner.forward, policy_version=self.policy_version,
-                              max_batch_tokens=self.max_batch_tokens, max_num_seqs=self.max_num_seqs)
+                              max_batch_tokens=self.max_batch_tokens, max_num_seqs=self.max_num_seqs,
+                              on_token=on_token)
         hits_before = self.prefix_cache.hits if self.prefix_cache is not None else 0
         scheduler.run(groups)
         rebuilds = runner.decode_cache.rebuilds if runner.decode_cache is not None else 0

@@ -68,12 +68,14 @@ class Scheduler:
         policy_version: tag for prefix-cache lookups/inserts.
         max_batch_tokens: most tokens per step (decode tokens count 1 each).
         max_num_seqs: most requests decoding or prefilling at once.
+        on_token: optional `(request index, token id) -> None`, called after each sampled token (streaming).
     """
 
     def __init__(self, *, pool: BlockPool, prefix_cache: Optional[PrefixCache], workspace: InferenceWorkspace,
                  forward: Callable[[StepBatch], torch.Tensor], policy_version: int, max_batch_tokens: int,
-                 max_num_seqs: int):
+                 max_num_seqs: int, on_token: Optional[Callable[[int, int], None]] = None):
         self.pool, self.prefix_cache, self.workspace, self.forward = pool, prefix_cache, workspace, forward
+        self.on_token = on_token
         self.block_size = workspace.block_size
         self.policy_version, self.max_batch_tokens, self.max_num_seqs = policy_version, max_batch_tokens, max_num_seqs
         self.reserved = 0
@@ -236,6 +238,8 @@ class Scheduler:
         params = req.sampling.params
         req.generated.append(token)
         req.logprobs.append(logprob)
+        if self.on_token is not None:
+            self.on_token(req.index, token)
         if token in params.stop_token_ids:
             req.finished = True
         if req.finished or len(req.generated) >= params.max_new_tokens:

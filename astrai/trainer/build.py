@@ -12,20 +12,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from astrai.checkpoint import (
-    GlobalRNGState,
-    Part,
-    checkpoints_root,
-    find_latest_checkpoint,
-    publish_checkpoint,
-    recover,
-)
-from astrai.config import Config, dump_config
+from astrai.checkpoint import (GlobalRNGState, Part, checkpoints_root, find_latest_checkpoint, publish_checkpoint,
+                               recover)
+from astrai.config import Config, config_to_dict, dump_config
 from astrai.distributed import setup_distributed
 from astrai.models import load_pretrained
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.evaluation import build_evaluation
 from astrai.trainer.loop import Trainer
+from astrai.trainer.reporting import build_reporters
 from astrai.trainer.resume import resolve_resume, restore
 from astrai.trainer.strategies import TRAIN_TYPES
 
@@ -70,6 +65,8 @@ def build_trainer(config: Config) -> Trainer:
     """
     apply_runtime(config)
     dist = setup_distributed(config.runtime.device, config.distributed.strategy)
+    reporters = build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config),
+                                enabled=dist.is_main)  # train.report_to; fails before the model loads
     output_dir = Path(config.train.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise NotADirectoryError(f"train.output_dir: not a directory: {output_dir}")
@@ -105,6 +102,7 @@ def build_trainer(config: Config) -> Trainer:
         StepTimer(), logger, ProgressBar(enabled=dist.is_main and config.train.progress_bar),
         CheckpointCallback(save, save_steps=config.checkpoint.save_steps,
                            save_at_end=config.checkpoint.save_at_end, before_save=logger.flush),
+        *reporters,
     ]
     if dist.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)

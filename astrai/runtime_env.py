@@ -1,0 +1,114 @@
+"""Per-job process environment: `runtime.environment` exported for one job, and astrai's log level.
+
+`runtime.environment` (a YAML map in the job file) is exported into `os.environ` of every training process at the
+start of `python -m astrai.train`, before anything creates the process group, so NCCL / gloo / CUDA settings such
+as `NCCL_P2P_DISABLE` take effect. Each value is rendered with `str()` (`1` -> "1", `true` -> "True") and `null`
+exports the empty string; values are taken literally (no `$VAR` or `~` expansion). On exit the previous values
+are restored, so nothing leaks into a later job run in the same Python process; child processes started during
+the job (data workers) inherit the values as usual.
+
+`ASTR_LOG_LEVEL` (from the shell or from `runtime.environment`) sets the level of the `astrai` logger: a
+`logging` level name (`DEBUG`, `INFO`, `WARNING`, `ERROR`, `CRITICAL`) or number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Iterator, Mapping, Optional, Union
+
+__all__ = ["LOG_LEVEL_VAR", "render_environment", "job_environment", "log_level", "configure_logging",
+           "job_runtime"]
+
+LOG_LEVEL_VAR = "ASTR_LOG_LEVEL"
+"""Environment variable naming the `astrai` logger's level."""
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+logger = logging.getLogger(__name__)
+
+Scalar = Union[str, int, float, bool, None]
+
+
+def render_environment(environment: Mapping[str, Scalar]) -> dict[str, str]:
+    """`{name: str(value)}` with None -> "" (the values a process sees); keys and order unchanged."""
+    return {name: "" if value is None else str(value) for name, value in environment.items()}
+
+
+@contextlib.contextmanager
+def job_environment(environment: Mapping[str, Scalar]) -> Iterator[dict[str, str]]:
+    """Export `environment` (rendered by `render_environment`) into `os.environ` for the block's duration.
+
+    Yields the rendered mapping. On exit every touched variable gets its previous value back (or is removed when
+    it was unset before), even when the block raises.
+    """
+    rendered = render_environment(environment)
+    previous = {name: os.environ.get(name) for name in rendered}
+    os.environ.update(rendered)
+    try:
+        yield rendered
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def log_level(text: Optional[str]) -> Optional[int]:
+    """The `logging` level named by `text` (a level name in any case, or an integer); None for None or "".
+
+    Raises:
+        ValueError: one line naming ASTR_LOG_LEVEL and the accepted names.
+    """
+    if text is None or not text.strip():
+        return None
+    name = text.strip().upper()
+    if name in _LEVELS:
+        return getattr(logging, name)
+    if name.lstrip("-").isdigit():
+        return int(name)
+    raise ValueError(f"{LOG_LEVEL_VAR}: expected one of {', '.join(_LEVELS)} or a number, got {text!r}")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler writing to whatever `sys.stderr` is at emit time (it may be replaced after setup)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property always wins
+        pass
+
+
+def configure_logging(level: Optional[int]) -> None:
+    """Set the `astrai` logger to `level` (None: leave it unset) and give it one stderr handler if it has none."""
+    root = logging.getLogger("astrai")
+    if level is not None:
+        root.setLevel(level)
+    if not root.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        root.addHandler(handler)
+
+
+@contextlib.contextmanager
+def job_runtime(environment: Mapping[str, Scalar]) -> Iterator[dict[str, str]]:
+    """`job_environment(environment)`, then the `astrai` log level from `ASTR_LOG_LEVEL`; both undone on exit.
+
+    Raises:
+        ValueError: for an unknown ASTR_LOG_LEVEL (nothing is left exported).
+    """
+    root = logging.getLogger("astrai")
+    old_level = root.level
+    with job_environment(environment) as rendered:
+        configure_logging(log_level(os.environ.get(LOG_LEVEL_VAR)))
+        if rendered:
+            logger.debug("runtime.environment exported: %s", ", ".join(sorted(rendered)))
+        try:
+            yield rendered
+        finally:
+            root.setLevel(old_level)

@@ -1,0 +1,135 @@
+"""Command line: `python -m astrai.serve --checkpoint DIR [--host H] [--port P] [--max_batch N] ...`.
+
+DIR is a published checkpoint (`outputs/ppo/checkpoints/step-00000004`), a run's output directory (its newest
+complete checkpoint is served), or anything `astrai.models.load_pretrained` reads (a Hugging Face-format model
+directory, a `.gguf` file, a model alias). Bad arguments or an unloadable checkpoint exit with code 2 and a
+one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+EXIT_BAD_INPUT = 2
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+logger = logging.getLogger("astrai.serve")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The server's options (see `--help`)."""
+    p = argparse.ArgumentParser(prog="python -m astrai.serve", allow_abbrev=False,
+                                description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+                                            "/v1/models, /health) over astrai's paged engine.")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, run output directory (newest checkpoint), HF model dir or .gguf")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--served_model_name", default=None,
+                   help="model id clients send (default: the checkpoint directory's name)")
+    p.add_argument("--max_batch", type=int, default=32, help="most sequences per engine call (default 32)")
+    p.add_argument("--batch_window_ms", type=float, default=5.0,
+                   help="wait this long for more requests before an engine call (default 5)")
+    p.add_argument("--max_tokens", type=int, default=512,
+                   help="response budget of chat requests that set none (default 512, capped by the context)")
+    p.add_argument("--max_kv_tokens", type=int, default=32768, help="KV cache capacity in tokens (default 32768)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--log_level", default=os.environ.get("ASTR_LOG_LEVEL", "info"),
+                   help="uvicorn and astrai log level (default: ASTR_LOG_LEVEL, else info)")
+    args = p.parse_args(argv)
+    for name in ("port", "max_batch", "max_tokens", "max_kv_tokens"):
+        if getattr(args, name) < 1 or (name == "port" and args.port > 65535):
+            p.error(f"--{name}: expected a positive integer{' <= 65535' if name == 'port' else ''}, "
+                    f"got {getattr(args, name)}")
+    if args.batch_window_ms < 0:
+        p.error(f"--batch_window_ms: expected >= 0, got {args.batch_window_ms}")
+    return args
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """A run output directory -> its newest complete checkpoint; anything else unchanged.
+
+    Raises:
+        FileNotFoundError: for a run directory whose `checkpoints/` holds no complete checkpoint.
+    """
+    from astrai.checkpoint import checkpoints_root, find_latest_checkpoint
+
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file() and checkpoints_root(p).is_dir():
+        latest = find_latest_checkpoint(p)
+        if latest is None:
+            raise FileNotFoundError(f"--checkpoint {p}: no complete checkpoint under {checkpoints_root(p)}")
+        return latest
+    return p
+
+
+def checkpoint_version(path: Path) -> int:
+    """The `policy_version` a published checkpoint records in trainer_state.json (0 for other model sources)."""
+    try:
+        version = json.loads((path / "trainer_state.json").read_text(encoding="utf-8")).get("policy_version", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return version if isinstance(version, int) and version >= 0 else 0
+
+
+def build_engine(args: argparse.Namespace):
+    """(engine, tokenizer, model name) for the parsed arguments; raises one-line errors for bad input."""
+    import torch
+
+    from astrai.models import load_pretrained
+    from astrai.rollout.paged_engine import PagedGenerationEngine
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available")
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    path = resolve_checkpoint(args.checkpoint)
+    model, tokenizer = load_pretrained(str(path), dtype=getattr(torch, dtype_name), device=device)
+    if tokenizer.pad_token_id is None:
+        raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
+    engine = PagedGenerationEngine(model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
+                                   max_kv_tokens=args.max_kv_tokens, policy_version=checkpoint_version(path))
+    name = args.served_model_name or (path.name if path.exists() else str(args.checkpoint))
+    return engine, tokenizer, name
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Load the checkpoint and serve until interrupted; returns the exit code."""
+    args = parse_args(argv)
+    from astrai.runtime_env import configure_logging, log_level
+
+    try:
+        configure_logging(log_level(args.log_level))
+        import uvicorn
+
+        from astrai.serve.app import create_app
+    except ImportError as err:
+        print(f"error: astrai.serve needs the serve extra ({err.name} is missing): pip install 'astrai[serve]'",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ValueError as err:
+        print(f"error: --log_level: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        engine, tokenizer, name = build_engine(args)
+    except (FileNotFoundError, NotADirectoryError, ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    app = create_app(engine, tokenizer, model_name=name, max_batch=args.max_batch,
+                     batch_window_ms=args.batch_window_ms, max_tokens=args.max_tokens)
+    logger.info("serving %s (%s on %s) at http://%s:%d/v1", name, engine.dtype, engine.device, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""OpenAI API request bodies (pydantic), their validation, and the mapping to engine `SamplingParams`.
+
+Field names, ranges and defaults follow the OpenAI API reference for `/v1/completions` and `/v1/chat/completions`.
+Unknown fields are ignored (clients send many optional ones); fields the engine cannot honour (`logprobs`,
+`presence_penalty`, `logit_bias`, `best_of`, `echo`, `suffix`, `tools`, non-text message parts) are rejected with
+a 400 naming them when they ask for something, rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from astrai.rollout.sampling import MIN_TEMPERATURE, SamplingParams
+from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy
+
+__all__ = ["APIError", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "sampling_for",
+           "stop_strings", "message_text"]
+
+MAX_STOP = 4
+"""Most stop strings per request (the OpenAI limit)."""
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
+
+    def __init__(self, message: str, *, status: int = 400, param: Optional[str] = None,
+                 code: Optional[str] = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.kind = message, status, param, code, kind
+
+    def body(self) -> dict:
+        """The OpenAI-shaped JSON body."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+
+    def unsupported(self) -> list[str]:
+        """Names of fields that ask for something this server does not do."""
+        bad = ["presence_penalty"] if self.presence_penalty else []
+        return bad + (["logit_bias"] if self.logit_bias else [])
+
+
+class CompletionRequest(_Sampling):
+    """`POST /v1/completions`: `prompt` is a string, a list of strings, a token-id list or a list of those."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    echo: bool = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported() + (["echo"] if self.echo else []) + (["suffix"] if self.suffix else [])
+        bad += ["logprobs"] if self.logprobs is not None else []
+        return bad + (["best_of"] if self.best_of not in (None, 1) else [])
+
+
+class ChatMessage(BaseModel):
+    """One chat message; `content` is a string or a list of `{"type": "text", "text": ...}` parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """`POST /v1/chat/completions`: messages rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported() + (["logprobs"] if self.logprobs else [])
+        return bad + (["tools"] if self.tools else [])
+
+
+def check_supported(request: _Sampling) -> None:
+    """Raise APIError (400, naming the field) when the request asks for an unsupported feature."""
+    for name in request.unsupported():
+        raise APIError(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+
+
+def message_text(message: ChatMessage, index: int) -> dict[str, str]:
+    """`{"role", "content"}` with list-of-parts content joined; APIError for non-text parts."""
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"messages[{index}].content: only text parts are supported, got type "
+                               f"{part.get('type')!r}", param=f"messages.[{index}].content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": content or ""}
+
+
+def stop_strings(stop: Optional[Union[str, list[str]]]) -> tuple[str, ...]:
+    """The request's stop strings (at most `MAX_STOP`, non-empty); APIError otherwise."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP:
+        raise APIError(f"stop: at most {MAX_STOP} sequences, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise APIError("stop: sequences must be non-empty strings", param="stop")
+    return stops
+
+
+def sampling_for(request: _Sampling, *, max_new_tokens: int, stop_token_ids: tuple[int, ...]
+                 ) -> tuple[SamplingParams, Optional[FrequencyPenaltyStrategy]]:
+    """Engine `SamplingParams` (+ frequency penalty) for a validated request.
+
+    temperature 0 (or below the engine's 1e-4 floor) or top_p 0 means greedy decoding (top_k = 1). Defaults are
+    OpenAI's: temperature 1, top_p 1. A negative frequency_penalty raises APIError (the engine penalises only).
+    """
+    temperature = 1.0 if request.temperature is None else request.temperature
+    top_p = 1.0 if request.top_p is None else request.top_p
+    greedy = temperature < MIN_TEMPERATURE or top_p == 0
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0 if greedy else temperature,
+                            top_k=1 if greedy else 0, top_p=1.0 if greedy else top_p,
+                            stop_token_ids=stop_token_ids)
+    if request.frequency_penalty < 0:
+        raise APIError("frequency_penalty: only values >= 0 are supported", param="frequency_penalty")
+    penalty = FrequencyPenaltyStrategy(request.frequency_penalty) if request.frequency_penalty else None
+    return params, penalty

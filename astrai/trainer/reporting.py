@@ -1,0 +1,128 @@
+"""Metric reporters besides metrics.jsonl: TensorBoard event files and Weights & Biases, per `train.report_to`.
+
+Both receive, once per optimizer step, the same scalars as a metrics.jsonl record (every metric key, including
+`policy_version`) at `global_step`. They run on the main process only. `tensorboard` and `wandb` are optional
+packages, imported when a reporter is built: TensorBoard is on by default when installed (`astrai[tensorboard]`);
+W&B only when `train.report_to` names it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from astrai.trainer.loop import Callback
+
+__all__ = ["scalar_record", "TensorBoardLogger", "WandbLogger", "build_reporters"]
+
+
+def scalar_record(metrics: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Detached 0-dim tensors -> `{key: float}` with one host transfer (keys as in metrics.jsonl, sorted)."""
+    names = sorted(metrics)
+    if not names:
+        return {}
+    values = torch.stack([metrics[k].detach().float().cpu().reshape(()) for k in names]).tolist()
+    return dict(zip(names, values))
+
+
+class TensorBoardLogger(Callback):
+    """Writes every step's metrics as TensorBoard scalars (tag = metrics.jsonl key) into `log_dir`.
+
+    `log_dir` is the run's output_dir, so `tensorboard --logdir outputs` lists each run by its directory. Events
+    already in `log_dir` at steps after the one training starts from are purged (hidden by TensorBoard): on a
+    resumed run those steps are redone, and a fresh run replaces an earlier run's curves.
+
+    Raises:
+        ValueError: from construction when the `tensorboard` package is missing (one line, with the pip fix).
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, *, enabled: bool = True, flush_steps: int = 1):
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("train.report_to: 'tensorboard' needs the tensorboard package: "
+                              "pip install 'astrai[tensorboard]' (or set --train.report_to none)")
+        self.log_dir, self.enabled = Path(log_dir), enabled
+        self.flush_steps = flush_steps
+        self.writer = None
+
+    def on_train_begin(self, trainer) -> None:
+        if not self.enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=trainer.state.global_step + 1)
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if self.writer is None:
+            return
+        step = trainer.state.global_step
+        for key, value in scalar_record(metrics).items():
+            self.writer.add_scalar(key, value, global_step=step)
+        if step % self.flush_steps == 0:
+            self.writer.flush()
+
+    def on_train_end(self, trainer) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class WandbLogger(Callback):
+    """Logs every step's metrics to Weights & Biases (`wandb.log(record, step=global_step)`).
+
+    The run is named after the output directory; `WANDB_PROJECT` picks the project (default "astrai") and the
+    usual `WANDB_*` variables apply. The resolved config is attached as the run's config.
+
+    Raises:
+        ValueError: from construction when `wandb` is not installed (one line, with the pip fix).
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, config: Mapping[str, Any], *, enabled: bool = True):
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("train.report_to: 'wandb' needs the wandb package, which is not installed: "
+                              "pip install wandb (or drop 'wandb' from train.report_to)")
+        self.output_dir, self.config, self.enabled = Path(output_dir), dict(config), enabled
+        self.run = None
+
+    def on_train_begin(self, trainer) -> None:
+        if not self.enabled:
+            return
+        import wandb
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "astrai"), name=self.output_dir.name,
+                              dir=str(self.output_dir), config=self.config)
+
+    def on_step_end(self, trainer, metrics) -> None:
+        if self.run is not None:
+            self.run.log(scalar_record(metrics), step=trainer.state.global_step)
+
+    def on_train_end(self, trainer) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def build_reporters(report_to: list[str], output_dir: str | os.PathLike, config: Mapping[str, Any], *,
+                    enabled: bool) -> list[Callback]:
+    """The reporter callbacks `report_to` (`train.report_to`) asks for, in its order; [] for ['none'].
+
+    Args:
+        report_to: items among 'tensorboard', 'wandb', 'none' (validated by the config).
+        output_dir: the run's output directory (event files go there, beside metrics.jsonl).
+        config: the resolved config as a plain dict (attached to the W&B run).
+        enabled: False on non-main processes (the callbacks then do nothing).
+
+    Raises:
+        ValueError: one line naming `train.report_to` when an asked-for package is not installed.
+    """
+    reporters: list[Callback] = []
+    for name in report_to:
+        if name == "tensorboard":
+            reporters.append(TensorBoardLogger(output_dir, enabled=enabled))
+        elif name == "wandb":
+            reporters.append(WandbLogger(output_dir, config, enabled=enabled))
+    return reporters

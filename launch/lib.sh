@@ -1,0 +1,49 @@
+# Shared helpers of the launch/ scripts (sourced, not run). Each script sets PROG before sourcing.
+# shellcheck shell=bash
+
+ASTRAI_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+die() {  # one line on stderr, exit 2 (bad input)
+  echo "${PROG:-launch}: $*" >&2
+  exit 2
+}
+
+need_value() {  # need_value OPTION REMAINING_ARGC
+  (($2 >= 2)) || die "$1 needs a value"
+}
+
+require_command() {  # require_command NAME HINT
+  command -v "$1" >/dev/null 2>&1 || die "$1 not found on PATH ($2)"
+}
+
+require_host_python() {  # host python3 with PyYAML: reads the job YAML's infra: and runtime: sections
+  command -v python3 >/dev/null 2>&1 ||
+    die "host python3 not found: it reads the job YAML (install python3 >= 3.9 with PyYAML)"
+  python3 -c 'import yaml' >/dev/null 2>&1 ||
+    die "host python3 has no PyYAML: pip install pyyaml (or apt-get install python3-yaml)"
+}
+
+require_job_file() {  # require_job_file PATH
+  [[ -n ${1:-} ]] || die "missing JOB.yaml (see --help)"
+  [[ -f $1 ]] || die "job file not found: $1"
+}
+
+is_count() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
+
+gpu_count() {  # GPUs this node may use: CUDA_VISIBLE_DEVICES, else nvidia-smi -L, else 1 (CPU: one process)
+  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    local ids
+    IFS=, read -r -a ids <<<"$CUDA_VISIBLE_DEVICES"
+    echo "${#ids[@]}"
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    local n
+    n=$(nvidia-smi -L | grep -c '^GPU ' || true)
+    if ((n > 0)); then echo "$n"; else echo 1; fi
+  else
+    echo 1
+  fi
+}
+
+usage_from_header() {  # print the script's leading comment block (after the shebang) as its help
+  sed -n '2,/^[^#]/{/^#/!q;s/^# \{0,1\}//;p}' "$1"
+}

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# launch/torchrun.sh: run an astrai job with `torchrun` (torch.distributed.run), on one node or several.
+#
+# Usage: launch/torchrun.sh [LAUNCHER OPTIONS] JOB.yaml [--section.key VALUE ...]
+#
+# Launcher options (torchrun's names; they come before JOB.yaml):
+#   --nproc_per_node N     processes on this node (default: TRAIN_GPU_COUNT, else the GPUs this node sees, else 1)
+#   --nnodes N             nodes (default 1)
+#   --rdzv_endpoint H:P    rendezvous host:port (c10d); required when --nnodes > 1 unless --master_addr is given
+#   --rdzv_id ID           job id shared by all nodes (default: the job file's name)
+#   --rdzv_backend NAME    default c10d when --rdzv_endpoint is given
+#   --node_rank R, --master_addr ADDR, --master_port PORT, --max_restarts N   passed through
+# Everything after JOB.yaml goes to `python -m astrai.train` as config overrides.
+#
+# Runs: torchrun --nnodes N --nproc_per_node P [rendezvous] -m astrai.train --config JOB.yaml [overrides]
+# Multi-node: run the same command on every node (launch/slurm.sbatch does that under Slurm).
+set -euo pipefail
+PROG=torchrun.sh
+# shellcheck source=launch/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+args=() nproc="" nnodes=1 endpoint="" rdzv_id="" backend="" master=""
+while (($#)); do
+  case $1 in
+    -h|--help) usage_from_header "$0"; exit 0 ;;
+    --nproc_per_node) need_value "$1" $#; nproc=$2; shift 2 ;;
+    --nnodes) need_value "$1" $#; nnodes=$2; shift 2 ;;
+    --rdzv_endpoint) need_value "$1" $#; endpoint=$2; shift 2 ;;
+    --rdzv_id) need_value "$1" $#; rdzv_id=$2; shift 2 ;;
+    --rdzv_backend) need_value "$1" $#; backend=$2; shift 2 ;;
+    --master_addr) need_value "$1" $#; master=$2; args+=("$1" "$2"); shift 2 ;;
+    --node_rank|--master_port|--max_restarts)
+      need_value "$1" $#
+      [[ $2 =~ ^[0-9]+$ ]] || die "$1: expected a non-negative integer, got '$2'"
+      args+=("$1" "$2"); shift 2 ;;
+    --*=*) set -- "${1%%=*}" "${1#*=}" "${@:2}" ;;
+    -*) die "unknown launcher option $1 (launcher options come before JOB.yaml; see --help)" ;;
+    *) break ;;
+  esac
+done
+job=${1:-}
+require_job_file "$job"
+shift
+is_count "$nnodes" || die "--nnodes: expected a positive integer, got '$nnodes'"
+if [[ -z $nproc ]]; then
+  nproc=${TRAIN_GPU_COUNT:-}
+  is_count "$nproc" || nproc=$(gpu_count)
+fi
+is_count "$nproc" || die "--nproc_per_node: expected a positive integer, got '$nproc'"
+if ((nnodes > 1)) && [[ -z $endpoint && -z $master ]]; then
+  die "--nnodes $nnodes needs --rdzv_endpoint HOST:PORT (or --master_addr)"
+fi
+if [[ -n $endpoint ]]; then
+  [[ $endpoint =~ ^[^:]+:[0-9]+$ ]] || die "--rdzv_endpoint: expected HOST:PORT, got '$endpoint'"
+  name=$(basename "$job")
+  args+=(--rdzv_backend "${backend:-c10d}" --rdzv_endpoint "$endpoint" --rdzv_id "${rdzv_id:-${name%.*}}")
+elif [[ -n $backend || -n $rdzv_id ]]; then
+  args+=(${backend:+--rdzv_backend "$backend"} ${rdzv_id:+--rdzv_id "$rdzv_id"})
+fi
+require_command torchrun "it comes with torch"
+exec torchrun --nnodes "$nnodes" --nproc_per_node "$nproc" "${args[@]}" -m astrai.train --config "$job" "$@"

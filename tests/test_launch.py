@@ -1,0 +1,366 @@
+"""launch/ scripts against fake docker / accelerate / deepspeed / torchrun / srun executables placed first on PATH:
+the exact invocation, the exported variables, `infra:` precedence over `.env.train`, the fallbacks, and the
+fail-fast paths (missing python3 or PyYAML, bad options, a PPO checkpoint without its critic)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch"
+
+FAKE = r"""#!/usr/bin/env bash
+# fake {tool}: records its arguments (NUL-separated), environment and any compose files, then acts a little
+set -eu
+n=$(find "$FAKE_LOG" -mindepth 1 -maxdepth 1 -type d | wc -l)
+d=$FAKE_LOG/$(printf '%03d' "$n")-{tool}
+mkdir -p "$d"
+printf '%s\0' "$@" >"$d/args"
+env -0 >"$d/env"
+case {tool} in
+  docker)
+    prev="" i=0
+    for a in "$@"; do
+      if [[ $prev == -f && -f $a ]]; then cp "$a" "$d/compose-$i.yaml"; i=$((i + 1)); fi
+      prev=$a
+    done
+    if [[ ${{1:-}} == image ]]; then exit "${{FAKE_IMAGE_RC:-0}}"; fi ;;
+  srun)
+    while [[ ${{1:-}} == --* ]]; do shift; done
+    exec "$@" ;;
+  scontrol) printf 'node-a\nnode-b\n' ;;
+  nvidia-smi) for i in $(seq 0 $((${{FAKE_GPUS:-8}} - 1))); do echo "GPU $i: Fake (UUID: GPU-$i)"; done ;;
+esac
+"""
+TOOLS = ("docker", "accelerate", "deepspeed", "torchrun", "srun", "scontrol")
+
+
+class Calls(list):
+    """The recorded calls, in order: dicts with tool, args, env, dir."""
+
+    def of(self, tool):
+        return [c for c in self if c["tool"] == tool]
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """A bin dir with the fakes, a log dir, and `run(script, *args, env=..., cwd=...)`."""
+    bindir, log = tmp_path / "bin", tmp_path / "log"
+    bindir.mkdir()
+    log.mkdir()
+    for tool in TOOLS + ("nvidia-smi",):
+        path = bindir / tool
+        path.write_text(FAKE.format(tool=tool))
+        path.chmod(0o755)
+    (bindir / "nvidia-smi").rename(tmp_path / "nvidia-smi")  # opt-in: see with_gpus()
+
+    class Fake:
+        bin, dir = bindir, tmp_path
+
+        def with_gpus(self):
+            shutil.copy(tmp_path / "nvidia-smi", bindir / "nvidia-smi")
+
+        def run(self, script, *args, env=None, cwd=None, path=None):
+            shutil.rmtree(log)
+            log.mkdir()
+            base = {k: v for k, v in os.environ.items() if not k.startswith(("TRAIN_", "SERVE_", "SLURM_"))}
+            base.pop("CUDA_VISIBLE_DEVICES", None)
+            full = {**base, "PATH": path or f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log), **(env or {})}
+            out = subprocess.run(["bash", str(LAUNCH / script), *map(str, args)], env=full, cwd=cwd or tmp_path,
+                                 capture_output=True, text=True, timeout=120)
+            calls = Calls()
+            for d in sorted(log.iterdir()):
+                if d.name.endswith("nvidia-smi"):
+                    continue
+                raw_env = (d / "env").read_bytes().split(b"\0")
+                calls.append({"tool": d.name.split("-", 1)[1], "dir": d,
+                              "args": [a.decode() for a in (d / "args").read_bytes().split(b"\0")[:-1]],
+                              "env": dict(e.decode().split("=", 1) for e in raw_env if b"=" in e)})
+            return out, calls
+
+    return Fake()
+
+
+@pytest.fixture
+def job(tmp_path):
+    path = tmp_path / "jobs" / "My Job.yaml"
+    path.parent.mkdir()
+    path.write_text("train:\n  type: online_ppo\n  output_dir: out/ppo\n")
+    return path
+
+
+def one_line_error(out, *needles):
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------------------------------------ accelerate
+def test_accelerate_single_node_cpu(fake, job):
+    out, calls = fake.run("accelerate.sh", job, "--max_steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert [c["args"] for c in calls] == [["launch", "--num_processes", "1", "-m", "astrai.train", "--config",
+                                           str(job), "--max_steps", "2"]]
+
+
+def test_accelerate_counts_gpus_and_adds_multi_gpu(fake, job):
+    fake.with_gpus()
+    out, calls = fake.run("accelerate.sh", job, env={"FAKE_GPUS": "8"})
+    assert calls[0]["args"][:4] == ["launch", "--num_processes", "8", "--multi_gpu"]
+    out, calls = fake.run("accelerate.sh", job, env={"CUDA_VISIBLE_DEVICES": "2,5"})
+    assert calls[0]["args"][:4] == ["launch", "--num_processes", "2", "--multi_gpu"]
+    assert calls[0]["env"]["CUDA_VISIBLE_DEVICES"] == "2,5"
+    out, calls = fake.run("accelerate.sh", job, env={"TRAIN_GPU_COUNT": "3"})
+    assert calls[0]["args"][:4] == ["launch", "--num_processes", "3", "--multi_gpu"]
+
+
+def test_accelerate_multi_node_with_config_file(fake, job, tmp_path):
+    cfg = tmp_path / "zero2.yaml"
+    cfg.write_text("distributed_type: DEEPSPEED\n")
+    out, calls = fake.run("accelerate.sh", "--config_file", cfg, "--num_machines", "2", "--machine_rank", "1",
+                          "--main_process_ip", "10.0.0.1", job, "--ppo.gamma", "0.99")
+    assert out.returncode == 0, out.stderr
+    assert calls[0]["args"] == ["launch", "--config_file", str(cfg), "--num_machines", "2", "--machine_rank", "1",
+                                "--main_process_ip", "10.0.0.1", "--main_process_port", "29500", "-m",
+                                "astrai.train", "--config", str(job), "--ppo.gamma", "0.99"]
+    out, calls = fake.run("accelerate.sh", "--num_processes=16", "--num_machines=2", "--machine_rank=0",
+                          "--main_process_ip=h0", "--main_process_port=6000", job)
+    assert calls[0]["args"][:12] == ["launch", "--num_processes", "16", "--num_machines", "2", "--machine_rank",
+                                     "0", "--main_process_ip", "h0", "--main_process_port", "6000", "--multi_gpu"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--num_machines", "2", "JOB"], "--machine_rank and --main_process_ip"),
+    (["--config_file", "missing.yaml", "JOB"], "--config_file: no such file"),
+    (["--bogus", "JOB"], "unknown launcher option --bogus"),
+    (["--num_processes", "zero", "JOB"], "--num_processes"),
+    (["--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "h", "JOB"], "--machine_rank"),
+    ([], "missing JOB.yaml"),
+    (["nope.yaml"], "job file not found: nope.yaml"),
+])
+def test_accelerate_bad_input_fails_fast(fake, job, args, needle):
+    out, calls = fake.run("accelerate.sh", *[str(job) if a == "JOB" else a for a in args])
+    one_line_error(out, "accelerate.sh:", needle)
+    assert not calls
+
+
+# ------------------------------------------------------------------------------------- deepspeed / torchrun
+def test_deepspeed_with_hostfile(fake, job):
+    hostfile = LAUNCH / "hostfile.example"
+    out, calls = fake.run("deepspeed.sh", "--hostfile", hostfile, "--num_gpus", "8", "--master_port=29600", job,
+                          "--max_steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert calls[0]["args"] == ["--hostfile", str(hostfile), "--num_gpus", "8", "--master_port", "29600",
+                                "--no_local_rank", "--module", "astrai.train", "--config", str(job),
+                                "--max_steps", "2"]
+    hosts = [line.split() for line in hostfile.read_text().splitlines() if line and not line.startswith("#")]
+    assert hosts and all(len(h) == 2 and h[1].startswith("slots=") for h in hosts)
+    out, _ = fake.run("deepspeed.sh", "--hostfile", "missing", job)
+    one_line_error(out, "--hostfile: no such file")
+
+
+def test_torchrun_single_and_multi_node(fake, job):
+    out, calls = fake.run("torchrun.sh", job)
+    assert calls[0]["args"] == ["--nnodes", "1", "--nproc_per_node", "1", "-m", "astrai.train", "--config", str(job)]
+    out, calls = fake.run("torchrun.sh", "--nnodes", "2", "--nproc_per_node", "4", "--rdzv_endpoint", "h0:29400",
+                          job, "--max_steps", "3")
+    assert calls[0]["args"] == ["--nnodes", "2", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
+                                "--rdzv_endpoint", "h0:29400", "--rdzv_id", "My Job", "-m", "astrai.train",
+                                "--config", str(job), "--max_steps", "3"]
+    out, calls = fake.run("torchrun.sh", "--nnodes", "2", job)
+    one_line_error(out, "needs --rdzv_endpoint")
+    out, calls = fake.run("torchrun.sh", "--rdzv_endpoint", "nocolon", job)
+    one_line_error(out, "HOST:PORT")
+
+
+def test_slurm_one_torchrun_per_node_from_slurm_env(fake, job):
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_GPUS_PER_NODE": "h100:4", "SLURM_SUBMIT_DIR": str(REPO)}
+    out, calls = fake.run("slurm.sbatch", job, "--max_steps", "2", env=env)
+    assert out.returncode == 0, out.stderr
+    assert [c["tool"] for c in calls] == ["scontrol", "srun", "torchrun"]
+    assert calls[0]["args"] == ["show", "hostnames", "node-[a-b]"]
+    assert calls[1]["args"][:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash"]
+    assert calls[2]["args"] == ["--nnodes", "2", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
+                                "--rdzv_endpoint", "node-a:29500", "--rdzv_id", "4242", "-m", "astrai.train",
+                                "--config", str(job), "--max_steps", "2"]
+    out, calls = fake.run("slurm.sbatch", job, env={**env, "MASTER_PORT": "7000", "SLURM_GPUS_PER_NODE": ""})
+    assert "node-a:7000" in calls[-1]["args"] and calls[-1]["args"][3] == "1"  # per node: the GPUs it sees
+    out, calls = fake.run("slurm.sbatch", job, env={"SLURM_SUBMIT_DIR": str(REPO)})
+    one_line_error(out, "not inside a Slurm job")
+
+
+def test_launchers_print_help():
+    for script in ("accelerate.sh", "deepspeed.sh", "torchrun.sh", "train.sh", "serve.sh"):
+        out = subprocess.run(["bash", str(LAUNCH / script), "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.startswith(f"launch/{script}:"), (script, out)
+
+
+# --------------------------------------------------------------------------------------------------- train.sh
+def write_job(path, infra=None, extra=""):
+    text = ("" if infra is None else yaml.safe_dump({"infra": infra})) + "train:\n  type: online_ppo\n" + extra
+    path.write_text(text)
+    return path
+
+
+def test_train_run_infra_precedence_over_env_file(fake, tmp_path):
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"question": "1+1", "answer": "#### 2"}\n')
+    job = write_job(tmp_path / "job.yaml", {"job_name": "ppo-a", "gpus": [1, 3], "checkpoint_dir": "runs/a"},
+                    "runtime:\n  environment:\n    NCCL_P2P_DISABLE: 1\n    EMPTY: null\n    LITERAL: $HOME\n")
+    (tmp_path / ".env.train").write_text("# fallbacks\nTRAIN_JOB_NAME=from-env\nexport TRAIN_DATA='data/train.jsonl'"
+                                         "\nTRAIN_GPUS=all\nTRAIN_CHECKPOINT_DIR=/elsewhere\n")
+    out, calls = fake.run("train.sh", "run", job, "--max_steps", "2", env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert out.returncode == 0, out.stderr
+    inspect, run = calls.of("docker")
+    assert inspect["args"] == ["image", "inspect", "astrai:latest"]
+    assert run["args"][:6] == ["compose", "-p", "astrai-ppo-a", "-f", str(REPO / "docker/compose.yaml"), "-f"]
+    assert run["args"][7:] == ["run", "--rm", "trainer"]
+    env = run["env"]
+    assert env["TRAIN_JOB_NAME"] == "ppo-a"  # infra wins
+    assert env["TRAIN_DATA"] == str(data)  # absent from infra: .env.train, relative to that file
+    assert env["TRAIN_CHECKPOINT_DIR"] == str(tmp_path / "runs/a") and (tmp_path / "runs/a").is_dir()
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["TRAIN_GPU_COUNT"] == "2"
+    assert env["TRAIN_JOB_FILE"] == str(job)
+    override = yaml.safe_load((run["dir"] / "compose-1.yaml").read_text())["services"]["trainer"]
+    assert override["environment"] == {"NCCL_P2P_DISABLE": "1", "EMPTY": "", "LITERAL": "$$HOME"}
+    assert override["volumes"] == [{"type": "bind", "source": str(data), "target": "/data/train.jsonl",
+                                    "read_only": True}]
+    assert override["command"] == ["launch/accelerate.sh", "/job/config.yaml", "--max_steps", "2",
+                                   "--train.output_dir", "/outputs", "--data.path", "/data/train.jsonl"]
+
+
+def test_train_fallbacks_and_gpus_all(fake, tmp_path):
+    job = write_job(tmp_path / "Fancy Job.yaml", extra="  output_dir: outputs/x\n")
+    out, calls = fake.run("train.sh", "up", job, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr
+    up = calls.of("docker")[-1]
+    assert up["args"][2] == "astrai-fancy-job" and up["args"][7:] == ["up", "-d", "--no-build", "trainer"]
+    assert "CUDA_VISIBLE_DEVICES" not in up["env"]  # gpus: all (default) leaves it unset, even if empty on host
+    assert up["env"]["TRAIN_CHECKPOINT_DIR"] == str(tmp_path / "outputs/x")  # default: train.output_dir
+    assert up["env"]["TRAIN_DATA"] == "" and up["env"]["TRAIN_GPU_COUNT"] == ""  # no nvidia-smi here
+    fake.with_gpus()
+    out, calls = fake.run("train.sh", "run", job, env={"CUDA_VISIBLE_DEVICES": "7", "FAKE_GPUS": "4"})
+    run = calls.of("docker")[-1]
+    assert "CUDA_VISIBLE_DEVICES" not in run["env"] and run["env"]["TRAIN_GPU_COUNT"] == "4"
+
+
+def test_train_build_down_logs_status(fake, tmp_path):
+    job = write_job(tmp_path / "job.yaml", {"job_name": "j1"})
+    compose = str(REPO / "docker/compose.yaml")
+    out, calls = fake.run("train.sh", "build")
+    assert calls[0]["args"] == ["compose", "-f", compose, "build", "trainer"]
+    for cmd, tail in (("down", ["down"]), ("logs", ["logs", "-f", "trainer"]),
+                      ("status", ["ps", "--all", "trainer"])):
+        out, calls = fake.run("train.sh", cmd, job)
+        assert out.returncode == 0, out.stderr
+        assert calls[0]["args"] == ["compose", "-p", "astrai-j1", "-f", compose, *tail]
+
+
+def test_train_bad_input(fake, tmp_path):
+    job = write_job(tmp_path / "job.yaml", {"gpus": "0,x"})
+    out, calls = fake.run("train.sh", "run", job)
+    one_line_error(out, "infra.gpus")
+    assert not calls
+    job = write_job(tmp_path / "job.yaml", {"job_name": "ok", "color": "red"})
+    one_line_error(fake.run("train.sh", "run", job)[0], "infra.color")
+    job = write_job(tmp_path / "job.yaml", {"data": "missing.jsonl"})
+    one_line_error(fake.run("train.sh", "run", job)[0], "infra.data", "does not exist")
+    job = write_job(tmp_path / "job.yaml", {})
+    one_line_error(fake.run("train.sh", "run", job, "--max_stepz", "2")[0], "max_stepz")
+    one_line_error(fake.run("train.sh", "launch", job)[0], "unknown command 'launch'")
+    out, calls = fake.run("train.sh", "run", job, env={"FAKE_IMAGE_RC": "1"})
+    one_line_error(out, "image astrai:latest not found", "train.sh build")
+    assert [c["args"][0] for c in calls] == ["image"]
+
+
+def test_train_fails_fast_without_python3_or_pyyaml(fake, tmp_path):
+    job = write_job(tmp_path / "job.yaml", {})
+    nopy = tmp_path / "nopy"
+    nopy.mkdir()
+    for tool in ("bash", "dirname", "env", "cat", "mktemp", "rm", "grep", "head", "tr", "mkdir"):
+        (nopy / tool).symlink_to(shutil.which(tool))
+    out, calls = fake.run("train.sh", "run", job, path=f"{fake.bin}:{nopy}")
+    one_line_error(out, "host python3 not found")
+    assert not calls
+    wrapper = tmp_path / "bare" / "python3"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # no site-packages: no PyYAML
+    wrapper.chmod(0o755)
+    out, calls = fake.run("train.sh", "run", job, path=f"{wrapper.parent}:{fake.bin}:{os.environ['PATH']}")
+    one_line_error(out, "no PyYAML")
+    assert not calls
+
+
+def write_checkpoint(output_dir, step, *, critic):
+    from astrai.checkpoint.manifest import write_manifest
+
+    path = Path(output_dir) / "checkpoints" / f"step-{step:08d}"
+    path.mkdir(parents=True)
+    names = ["model.safetensors", "config.json"] + (["value_model.pt", "value_optimizer.pt"] if critic else [])
+    for name in names:
+        (path / name).write_bytes(b"{}")
+    write_manifest(path, {"step": step, "policy_version": step, "world_size": 1, "train_type": "online_ppo"})
+    return path
+
+
+def test_train_refuses_to_resume_ppo_without_critic(fake, tmp_path):
+    job = write_job(tmp_path / "job.yaml", {"job_name": "r", "checkpoint_dir": "run"},
+                    "checkpoint:\n  resume: auto\n")
+    out, calls = fake.run("train.sh", "run", job)  # nothing to resume yet: a fresh start
+    assert out.returncode == 0, out.stderr
+    assert calls.of("docker")[-1]["env"]["TRAIN_RESUME_CHECKPOINT"] == ""
+    good = write_checkpoint(tmp_path / "run", 2, critic=True)
+    out, calls = fake.run("train.sh", "run", job)
+    assert out.returncode == 0, out.stderr
+    assert calls.of("docker")[-1]["env"]["TRAIN_RESUME_CHECKPOINT"] == str(good)
+    bad = write_checkpoint(tmp_path / "run", 4, critic=False)
+    out, calls = fake.run("train.sh", "run", job)
+    one_line_error(out, "refusing to resume online_ppo", str(bad), "value_model.pt")
+    assert not calls
+    out, calls = fake.run("train.sh", "run", job, "--checkpoint.resume", "/outputs/checkpoints/step-00000002")
+    assert out.returncode == 0 and calls.of("docker")[-1]["env"]["TRAIN_RESUME_CHECKPOINT"] == str(good)
+    out, calls = fake.run("train.sh", "run", job, "--train.type", "online_grpo")  # no critic needed
+    assert out.returncode == 0, out.stderr
+
+
+# --------------------------------------------------------------------------------------------------- serve.sh
+def test_serve_local_and_docker(fake, tmp_path):
+    job = write_job(tmp_path / "job.yaml", {"job_name": "chat", "checkpoint_dir": "run", "gpus": 2},
+                    "runtime:\n  environment:\n    ASTR_LOG_LEVEL: DEBUG\n")
+    out, calls = fake.run("serve.sh", "up", job)
+    one_line_error(out, "no complete checkpoint")
+    ckpt = write_checkpoint(tmp_path / "run", 3, critic=True)
+    py = tmp_path / "py" / "python3"  # a fake python3 for `local`: records the server command line
+    py.parent.mkdir()
+    py.write_text(f"#!/bin/sh\ncase \"$1\" in -m) exec \"{fake.bin}/accelerate\" \"$@\";; esac\n"
+                  f"exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    out, calls = fake.run("serve.sh", "local", job, "--port", "9001", "--", "--max_batch", "8",
+                          path=f"{py.parent}:{fake.bin}:{os.environ['PATH']}")
+    assert out.returncode == 0, out.stderr
+    assert calls[0]["args"] == ["-m", "astrai.serve", "--checkpoint", str(ckpt), "--port", "9001",
+                                "--served_model_name", "chat", "--max_batch", "8"]
+    assert calls[0]["env"]["CUDA_VISIBLE_DEVICES"] == "2" and calls[0]["env"]["ASTR_LOG_LEVEL"] == "DEBUG"
+    out, calls = fake.run("serve.sh", "up", job, "--", "--max_batch", "64")
+    assert out.returncode == 0, out.stderr
+    up = calls.of("docker")[-1]
+    assert up["args"][:3] == ["compose", "-p", "astrai-chat-serve"] and up["args"][-4:] == ["up", "-d",
+                                                                                             "--no-build", "server"]
+    assert up["env"]["SERVE_CHECKPOINT"] == str(ckpt) and up["env"]["SERVE_PORT"] == "8000"
+    server = yaml.safe_load((up["dir"] / "compose-1.yaml").read_text())["services"]["server"]
+    assert server["volumes"][0]["source"] == str(ckpt) and server["volumes"][0]["target"] == "/checkpoint"
+    assert server["command"][-4:] == ["--served_model_name", "chat", "--max_batch", "64"]
+    assert server["environment"] == {"ASTR_LOG_LEVEL": "DEBUG"}
+    out, calls = fake.run("serve.sh", "down", job)
+    assert calls[0]["args"] == ["compose", "-p", "astrai-chat-serve", "-f", str(REPO / "docker/compose.yaml"),
+                                "down"]
+    one_line_error(fake.run("serve.sh", "up", job, "--port", "99999")[0], "port")

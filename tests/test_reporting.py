@@ -1,0 +1,155 @@
+"""TensorBoard event files beside metrics.jsonl (same keys and values), W&B when asked for, and `astrai.plot`."""
+
+import importlib.machinery
+import importlib.util
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+from PIL import Image
+
+from astrai import plot
+from astrai.trainer.reporting import TensorBoardLogger, WandbLogger, build_reporters, scalar_record
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_events(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_events_have_the_metrics_jsonl_keys_and_values(tiny_ppo_run):
+    assert list(tiny_ppo_run.glob("events.out.tfevents.*")), "no event file beside metrics.jsonl"
+    records, events = read_metrics(tiny_ppo_run), read_events(tiny_ppo_run)
+    keys = set(records[0]) - {"step"}
+    assert set(events) == keys
+    for record in records:
+        for key in keys:
+            assert events[key][record["step"]] == pytest.approx(record[key], rel=1e-6, abs=1e-6), key
+
+
+class FakeTrainer:
+    def __init__(self, step=0):
+        self.state = types.SimpleNamespace(global_step=step)
+
+
+def test_tensorboard_logger_purges_redone_steps(tmp_path):
+    def run(start, stop, offset):
+        trainer = FakeTrainer(start)
+        logger = TensorBoardLogger(tmp_path)
+        logger.on_train_begin(trainer)
+        for step in range(start + 1, stop + 1):
+            trainer.state.global_step = step
+            logger.on_step_end(trainer, {"rollout/reward_mean": torch.tensor(step + offset)})
+        logger.on_train_end(trainer)
+
+    run(0, 4, 0.0)
+    run(2, 3, 0.5)  # resumed from step 2: steps 3 and 4 of the first run are hidden
+    assert read_events(tmp_path)["rollout/reward_mean"] == {1: 1.0, 2: 2.0, 3: 3.5}
+
+
+def test_report_to_none_and_disabled_ranks(tmp_path):
+    assert build_reporters(["none"], tmp_path, {}, enabled=True) == []
+    (reporter,) = build_reporters(["tensorboard"], tmp_path, {}, enabled=False)
+    reporter.on_train_begin(FakeTrainer())
+    reporter.on_step_end(FakeTrainer(1), {"x": torch.tensor(1.0)})
+    reporter.on_train_end(FakeTrainer(1))
+    assert not list(tmp_path.iterdir())
+    assert scalar_record({"b": torch.tensor(2), "a": torch.tensor([0.5])}) == {"a": 0.5, "b": 2.0}
+
+
+def test_wandb_asked_but_not_installed(tmp_path, tiny_model_dir, capsys):
+    from astrai.train import main
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    with pytest.raises(ValueError, match=r"train.report_to: 'wandb' needs the wandb package.*pip install wandb"):
+        build_reporters(["tensorboard", "wandb"], tmp_path, {}, enabled=True)
+    code = main(["--config", "configs/examples/ppo.yaml", "--model.path", str(tiny_model_dir),
+                 "--train.output_dir", str(tmp_path / "run"), "--train.report_to", "wandb"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: train.report_to: 'wandb'") and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_logger_logs_the_same_record(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, record, step):
+            calls.append(("log", record, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_PROJECT", "proj")
+    (reporter,) = build_reporters(["wandb"], tmp_path / "my-run", {"train": {"max_steps": 2}}, enabled=True)
+    assert isinstance(reporter, WandbLogger)
+    trainer = FakeTrainer()
+    reporter.on_train_begin(trainer)
+    trainer.state.global_step = 1
+    reporter.on_step_end(trainer, {"rollout/kl": torch.tensor(0.25), "policy_version": torch.tensor(1)})
+    reporter.on_train_end(trainer)
+    assert calls[0] == ("init", {"project": "proj", "name": "my-run", "dir": str(tmp_path / "my-run"),
+                                 "config": {"train": {"max_steps": 2}}})
+    assert calls[1:] == [("log", {"policy_version": 1.0, "rollout/kl": 0.25}, 1), ("finish",)]
+
+
+# ------------------------------------------------------------------------------------------------------ plot
+def test_plot_main_job_png_size_and_titles(tiny_ppo_run, tmp_path, capsys):
+    out = tmp_path / "curves.png"
+    assert plot.main([str(tiny_ppo_run), "--output", str(out)]) == 0
+    records = read_metrics(tiny_ppo_run)
+    expected = [title for key, title in plot.PANELS if any(key in r for r in records)]
+    assert expected == [title for _, title in plot.PANELS]  # online_ppo logs every panel's metric
+    fig = plot.draw(records)
+    assert [ax.get_title() for ax in fig.axes] == expected
+    assert all(ax.get_xlabel() == "step" for ax in fig.axes)
+    with Image.open(out) as image:
+        assert image.format == "PNG"
+        rows = math.ceil(len(expected) / plot.COLUMNS)
+        assert image.size == (plot.COLUMNS * 400, rows * 300)  # 4 x 3 inch panels at 100 dpi
+    assert plot.main([str(tiny_ppo_run)]) == 0 and (tiny_ppo_run / "metrics.png").is_file()
+
+
+def test_plot_skips_absent_panels_and_torn_lines(tmp_path):
+    lines = [json.dumps({"step": s, "rollout/reward_mean": s / 10, "rollout/kl": 0.01 * s, "policy/lr": 1e-6})
+             for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "rollout/rew')
+    records = plot.read_records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    fig = plot.draw(records)
+    assert [ax.get_title() for ax in fig.axes] == ["reward", "KL", "learning rate"]
+    assert list(fig.axes[0].lines[0].get_xdata()) == [1, 2, 3]
+    assert plot.main([str(tmp_path), "--output", str(tmp_path / "p.png")]) == 0
+    with Image.open(tmp_path / "p.png") as image:
+        assert image.size == (1200, 300)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "run directory not found"),
+    ("", "no metrics file"),
+    ('{"step": 1, "train/loss": 2.0}\n', "nothing to plot"),
+])
+def test_plot_bad_input(tmp_path, capsys, content, needle):
+    run = tmp_path / "run"
+    if content is not None:
+        run.mkdir()
+        if content:
+            (run / "metrics.jsonl").write_text(content)
+    assert plot.main([str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
