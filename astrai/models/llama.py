@@ -66,13 +66,15 @@ class LlamaTrunk(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm.
 
         input_ids (B, S) long; attention_mask (B, S_kv) 0/1 or bool with S_kv = cache length + S (None: no
         padding); position_ids (B, S) long, each < max_position_embeddings (None: arange from the cache length;
         with left padding pass `clamp(cumsum(attention_mask) - 1, min=0)`); kv_cache: see `KVCache` (its `length`
-        advances by S here, once). Returns (B, S, H) in the parameter dtype.
+        advances by S here, once); document_ids (B, S) long for packed rows (attention stays within each document,
+        see `build_attention_mask`; no cache). Returns (B, S, H) in the parameter dtype.
         Raises `ValueError` for a mask of the wrong length or a cache without room.
         """
         b, s = input_ids.shape
@@ -83,7 +85,7 @@ class LlamaTrunk(nn.Module):
             position_ids = _default_position_ids(input_ids, past)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, h.dtype)
-        mask = build_attention_mask(attention_mask, s, past, h.device)
+        mask = build_attention_mask(attention_mask, s, past, h.device, document_ids)
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if checkpointing and kv_cache is None:
@@ -139,13 +141,14 @@ class AutoRegressiveLM(nn.Module):
         kv_cache: KVCache | None = None,
         *,
         logits_to_keep: int = 0,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Next-token logits (B, S, V) in the parameter dtype; `logits[:, i]` scores token i + 1.
 
-        Arguments as `LlamaTrunk.forward`. `logits_to_keep` > 0 computes only the last that many positions,
+        Arguments as `LlamaTrunk.forward` (`document_ids` included). `logits_to_keep` > 0 computes only the last that many positions,
         returning (B, logits_to_keep, V) (e.g. 1 for decoding). Raises what `LlamaTrunk.forward` raises.
         """
-        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache)
+        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, document_ids)
         if logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
         return self.lm_head(hidden)
