@@ -25,6 +25,10 @@ TRAIN_TYPES = ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq")
 """Valid ``train.type`` values; each new train type (strategy) is added here."""
 DISTRIBUTED_STRATEGIES = ("ddp",)
 """Valid ``distributed.strategy`` values."""
+TRUNCATION_POLICIES = ("error", "filter", "left")
+"""Valid ``data.truncation`` values (see ``astrai.data.truncation``)."""
+OPTIONAL_METRICS = {"policy/entropy": ("online_ppo", "online_grpo", "grpo")}
+"""Valid ``train.metrics`` names -> the train types that compute them."""
 
 
 # ----------------------------------------------------------------------------------------- sections
@@ -46,7 +50,10 @@ class DataSection(Section, name="data"):
     prompt_field: str = field_spec("question", "record field holding the prompt text")
     answer_field: str = field_spec("answer", "record field holding the reference answer (for the reward)")
     system_prompt: Optional[str] = field_spec(None, "system message prepended through the chat template")
-    max_prompt_length: int = field_spec(256, "prompt tokens kept (longer prompts are truncated/skipped)", GT0)
+    max_prompt_length: int = field_spec(256, "most tokens of a chat-templated prompt (see data.truncation)", GT0)
+    truncation: str = field_spec("error", "overlong prompts (online, dpo, grpo): 'error' stops at load time, "
+                                 "'filter' drops them, 'left' cuts the question's start (template kept)",
+                                 Choices(TRUNCATION_POLICIES))
     shuffle: bool = field_spec(True, "shuffle prompts each epoch (seeded by train.seed)")
     messages_field: str = field_spec("messages", "sft: record field holding the chat messages (role/content list)")
     text_field: str = field_spec("text", "seq: record field holding the raw text")
@@ -138,8 +145,10 @@ class TrainSection(Section, name="train"):
     gradient_accumulation_steps: int = field_spec(1, "sft/dpo/seq/grpo: micro-batches per optimizer step", GT0)
     seed: int = field_spec(42, "seed for data order, sampling and initialisation", Range(0, 2**32 - 1))
     logging_steps: int = field_spec(1, "log metrics every N optimizer steps", GT0)
-    metrics: list[str] = field_spec([], "extra costly metrics to compute, e.g. 'policy/entropy'")
+    metrics: list[str] = field_spec([], "extra costly metrics to compute: " + ", ".join(OPTIONAL_METRICS))
     progress_bar: bool = field_spec(True, "show a progress bar on rank 0")
+    overwrite_output_dir: bool = field_spec(False, "start fresh in an output_dir that holds checkpoints of "
+                                            "another run (they are left alone and ignored)")
 
 
 @dataclass
@@ -211,6 +220,13 @@ class Config:
         if kind in ("online_grpo", "grpo") and self.grpo.kl_coef > 0 and self.grpo.kl_reward_coef > 0:
             raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are "
                               "mutually exclusive; set one of them to 0")
+        for name in self.train.metrics:
+            if name not in OPTIONAL_METRICS:
+                raise ConfigError("train.metrics: " + _unknown("metric", name, OPTIONAL_METRICS)
+                                  + f"; available: {', '.join(OPTIONAL_METRICS)}")
+            if kind not in OPTIONAL_METRICS[name]:
+                raise ConfigError(f"train.metrics: {name!r} is not computed by train.type {kind} (only by "
+                                  f"{', '.join(OPTIONAL_METRICS[name])})")
         m = self.model
         if m.moe_num_experts and m.moe_top_k > m.moe_num_experts:
             raise ConfigError(f"model.moe_top_k: expected <= model.moe_num_experts ({m.moe_num_experts}), "

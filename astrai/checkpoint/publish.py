@@ -55,7 +55,7 @@ def publish_checkpoint(output_dir: str | os.PathLike, step: int, objects: Mappin
                        dist: Optional[DistLike] = None, rank_files: Optional[Mapping[str, Any]] = None,
                        keep_last: Optional[int] = None, train_type: Optional[str] = None,
                        before_publish: Optional[Callable[[], None]] = None,
-                       timeout_s: float = 300.0) -> Path:
+                       timeout_s: float = 300.0, run_id: Optional[str] = None) -> Path:
     """Atomically publish `<output_dir>/checkpoints/step-XXXXXXXX` (replacing an existing one).
 
     Single process: call it with `dist=None`. Several ranks: every rank calls it with the same `step`
@@ -70,12 +70,14 @@ def publish_checkpoint(output_dir: str | os.PathLike, step: int, objects: Mappin
         dist: process group for the multi-rank protocol.
         rank_files: this rank's extra files, relative path -> bytes / str / torch-saveable object; paths
             must differ between ranks and from the payload's names.
-        keep_last: after publishing, keep only the newest N complete checkpoints (never deleting this one).
+        keep_last: after publishing, keep only the newest N complete checkpoints (never deleting this one); with
+            `run_id`, only the newest N of that run (other runs' checkpoints are left alone).
         train_type: recorded in the manifest and trainer_state.json (default: trainer_state["train_type"],
             else "online_ppo" when objects has a critic); "online_ppo" requires the critic extras.
         before_publish: called first on every rank (e.g. flush + fsync metrics.jsonl).
         timeout_s: seconds to wait for the staging directory, for other ranks' parts, and for rank 0's
             rename (each wait separately).
+        run_id: the training run this checkpoint belongs to, recorded in the manifest (`layout.run_id_of`).
 
     Returns:
         the published directory (same on every rank).
@@ -107,14 +109,15 @@ def publish_checkpoint(output_dir: str | os.PathLike, step: int, objects: Mappin
         raise error
     if rank == 0:
         final = _publish_rank0(root, name, staging, objects, trainer_state, step=step, world=world,
-                               dist=dist, rank_files=rank_files, train_type=train_type, timeout_s=timeout_s)
+                               dist=dist, rank_files=rank_files, train_type=train_type, timeout_s=timeout_s,
+                               run_id=run_id)
     else:
         staging = _discover_staging(root, name, rank, timeout_s)
         _contribute(staging, rank, objects, rank_files)
         final = _wait_published(root / name, staging, rank, timeout_s)
     if rank == 0 and keep_last is not None:
         try:
-            apply_retention(output_dir, keep_last, protect=final)
+            apply_retention(output_dir, keep_last, protect=final, run_id=run_id)
         except OSError as exc:
             warnings.warn(f"keep_last={keep_last} retention failed: {exc}", CheckpointWarning, stacklevel=2)
     if dist is not None:
@@ -135,7 +138,7 @@ def _create_staging(root: Path, name: str) -> Path:
 
 
 def _publish_rank0(root: Path, name: str, staging: Path, objects, trainer_state, *, step: int, world: int,
-                   dist, rank_files, train_type, timeout_s: float) -> Path:
+                   dist, rank_files, train_type, timeout_s: float, run_id: Optional[str] = None) -> Path:
     """Rank 0: payload, wait for the other ranks' parts, manifest, move into place."""
     pool = ThreadPoolExecutor(max_workers=HASH_THREADS)
     futures: dict[str, Future] = {}
@@ -149,6 +152,8 @@ def _publish_rank0(root: Path, name: str, staging: Path, objects, trainer_state,
             known.update(_collect_rank_parts(staging, world, timeout_s))
         fields = {"step": step, "policy_version": int(trainer_state.get("policy_version", 0)),
                   "world_size": world, "train_type": train_type, "publish_id": _publish_id(staging)}
+        if run_id is not None:
+            fields["run_id"] = run_id
         write_manifest(staging, fields, known=known)
         final = root / name
         _move_into_place(staging, final, root)

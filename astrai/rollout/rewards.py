@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -187,6 +187,20 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
+ANSWER_CHECKS: dict[str, Callable[[str], bool]] = {
+    "math_exact_match": lambda answer: parse_number(extract_gsm8k_answer(answer)) is not None,
+}
+"""Reward name -> whether a reference answer can ever be matched (rewards without an entry accept any)."""
+
+
+def unscorable_answers(name: str, answers: Sequence[str]) -> list[int]:
+    """0-based indices of the `answers` that reward `name` can never match: for ``math_exact_match`` an answer
+    whose final answer (after ``####``, or the whole text) is not a number, e.g. a GSM8K-style solution that lost
+    its ``#### N`` line. Such rows always score 0."""
+    check = ANSWER_CHECKS.get(name)
+    return [] if check is None else [i for i, answer in enumerate(answers) if not check(answer)]
+
+
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as ``name`` in ``REWARDS``.
 
@@ -200,5 +214,5 @@ def get_reward(name: str) -> RewardFn:
         raise ValueError(f"reward.name: unknown reward {name!r}; choices: {choices}") from None
 
 
-__all__ = ["REWARDS", "RewardFn", "extract_final_number", "get_reward", "has_marked_answer", "math_exact_match",
-           "numbers_equal", "parse_number"]
+__all__ = ["ANSWER_CHECKS", "REWARDS", "RewardFn", "extract_final_number", "get_reward", "has_marked_answer",
+           "math_exact_match", "numbers_equal", "parse_number", "unscorable_answers"]

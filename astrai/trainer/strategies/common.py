@@ -10,12 +10,12 @@ tokens of the optimizer step (all micro-batches, all ranks) and multiplied by `d
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from astrai.algos import masked_mean
+from astrai.data import PromptSampler
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.scoring import response_logprobs
 
@@ -131,9 +131,23 @@ def build_policy_optimizer(config, model: torch.nn.Module, *, lr: Optional[float
 def apply_model_options(config, policy: torch.nn.Module) -> torch.nn.Module:
     """Model options applied before a strategy is built: MoE sparse upcycling of the dense MLPs when
     `model.moe_num_experts > 0` (`astrai.models.moe.convert_to_moe`, router seeded by `train.seed`), so the
-    reference, critic and engine copies made by the builders are MoE models too. Returns `policy`."""
+    reference, critic and engine copies made by the builders are MoE models too. A policy loaded from an MoE
+    checkpoint stays as saved. Returns `policy`.
+
+    Raises:
+        ConfigError: the loaded model is MoE with other settings than `model.moe_*`."""
     m = config.model
-    if m.moe_num_experts:
+    loaded = policy.config.num_local_experts
+    if m.moe_num_experts and loaded:  # an MoE checkpoint: keep it when the settings agree
+        wanted = (m.moe_num_experts, m.moe_top_k, m.moe_num_shared_experts)
+        have = (loaded, policy.config.num_experts_per_tok, policy.config.n_shared_experts)
+        if wanted != have:
+            from astrai.config import ConfigError
+
+            raise ConfigError(f"model.moe_num_experts: {config.model.path} is already an MoE model (experts, top-k, "
+                              f"shared = {have}), the config asks for {wanted}; set model.moe_num_experts 0 to "
+                              f"train it as saved")
+    elif m.moe_num_experts:
         from astrai.models.moe import convert_to_moe
 
         convert_to_moe(policy, num_experts=m.moe_num_experts, top_k=m.moe_top_k,
@@ -181,44 +195,79 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 def build_online_parts(config, dist, policy, tokenizer, *, ref_model, chunk_size: int):
     """Engine, runner, prompt sampler and `next_prompts(n) -> (prompt ids, answers)` of an online train type.
 
+    Rollouts stop on every id of `special_tokens.stop_token_ids` (the tokenizer's EOS and the model config's
+    eos list), and a final stop token is not part of the text the reward sees. The prompts are encoded once,
+    at load time, under `data.truncation` (`load_online_prompts`).
+
     Returns:
         `(engine, runner, sampler)` and `next_prompts` as a 4-tuple.
 
     Raises:
-        DataError: for a missing or malformed prompt file.
+        DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
     """
     import warnings
 
-    from astrai.data import PromptDataset, PromptSampler
+    from astrai.models.special_tokens import stop_token_ids, strip_stop
     from astrai.rollout.paged_engine import PagedGenerationEngine
-    from astrai.rollout.prompts import encode_prompts
     from astrai.rollout.rewards import get_reward
     from astrai.rollout.runner import RolloutRunner
     from astrai.rollout.sampling import SamplingParams
 
     r = config.rollout
     engine = PagedGenerationEngine(policy, pad_token_id=tokenizer.pad_token_id)
+    stops = stop_token_ids(policy.config, tokenizer)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                              top_p=r.top_p, stop_token_ids=(tokenizer.eos_token_id,))
+                              top_p=r.top_p, stop_token_ids=stops)
     if sampling.truncates:
         warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
                       "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
     reward = get_reward(config.reward.name)
     runner = RolloutRunner(
-        engine, sampling, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
+        engine, sampling, decode=lambda ids: tokenizer.decode(strip_stop(ids, stops), skip_special_tokens=True),
         score_fn=lambda texts, answers, ids: reward(texts, answers, format_bonus=config.reward.format_bonus),
         ref_model=ref_model, chunk_size=chunk_size)
-    dataset = PromptDataset(config.data.path, prompt_field=config.data.prompt_field,
-                            answer_field=config.data.answer_field)
-    sampler = PromptSampler(dataset, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
-    encode = functools.partial(encode_prompts, tokenizer=tokenizer, system_prompt=config.data.system_prompt,
-                               max_prompt_length=config.data.max_prompt_length)
+    prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
+    sampler = PromptSampler(prompts, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
 
     def next_prompts(batch_size: int):
         records = sampler.next_batch(batch_size)
-        return encode([rec.prompt for rec in records]), [rec.answer for rec in records]
+        return [rec.prompt_ids for rec in records], [rec.answer for rec in records]
 
     return engine, runner, sampler, next_prompts
+
+
+def _quiet(message: str) -> None:
+    """A `log` that prints nothing (ranks other than the main one)."""
+
+
+def load_online_prompts(config, tokenizer, *, main: bool = True) -> list:
+    """`astrai.data.truncation.EncodedPrompt`s of `data.path`: chat-templated once, overlong prompts handled by
+    `data.truncation` against `data.max_prompt_length`. On the `main` rank, prints what `filter` / `left` did and
+    warns (count and first rows) about reference answers the reward can never match (GSM8K answers without
+    `#### N`); those rows are kept (see the README: the warning is the fix, not a silent drop).
+
+    Raises:
+        DataError: for a missing or malformed prompt file, or from `encode_prompt_records`.
+    """
+    import warnings
+
+    from astrai.data import PromptDataset
+    from astrai.data.truncation import EncodedPrompt, encode_prompt_records
+    from astrai.rollout.rewards import unscorable_answers
+
+    d = config.data
+    dataset = PromptDataset(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+    bad = unscorable_answers(config.reward.name, [rec.answer for rec in dataset]) if d.answer_field else []
+    if bad and main:
+        rows = ", ".join(str(i + 1) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        warnings.warn(f"{dataset.path}: {len(bad)} of {len(dataset)} answers ({d.answer_field!r}) have no final "
+                      f"number ('#### N' or a bare number), so {config.reward.name} scores every response to "
+                      f"them 0 (rows {rows})", stacklevel=2)
+    ids = encode_prompt_records([rec.prompt for rec in dataset], tokenizer, system_prompt=d.system_prompt,
+                                limit=d.max_prompt_length, limit_name="data.max_prompt_length",
+                                policy=d.truncation, source=str(dataset.path), log=print if main else _quiet)
+    return [EncodedPrompt(prompt_ids=p, answer=rec.answer, index=rec.index)
+            for p, rec in zip(ids, dataset) if p is not None]
 
 
 class SamplerOnlyState:
@@ -239,20 +288,35 @@ class SamplerOnlyState:
                 "scheduler": self.scheduler, "data_sampler": self.sampler, **self.extras}
 
 
-def prompt_ids_and_budget(prompt: str, tokenizer, data, where: str) -> tuple[list[int], int]:
-    """Chat-templated ids of one record's `prompt` (system prompt and `data.max_prompt_length` truncation applied)
-    and the number of response tokens left within `data.max_length`.
+def prompt_ids_and_budget(prompt: str, tokenizer, data, where: str) -> Optional[tuple[list[int], int]]:
+    """Chat-templated ids of one record's `prompt` (system prompt applied) fitted under `data.truncation` to
+    `min(data.max_prompt_length, data.max_length - 1)` tokens (room for at least one response token), and the
+    number of response tokens left within `data.max_length`; None when `data.truncation=filter` drops it.
 
     Raises:
-        DataError: naming `where` when the prompt leaves no room for a response.
+        DataError: naming `where` (from `astrai.data.truncation.fit_prompt`).
+    """
+    from astrai.data.truncation import encode_prompt, fit_prompt
+
+    ids, question = encode_prompt(tokenizer, prompt, system_prompt=data.system_prompt, where=where)
+    if data.max_prompt_length <= data.max_length - 1:
+        limit, name = data.max_prompt_length, "data.max_prompt_length"
+    else:
+        limit, name = data.max_length - 1, "data.max_length - 1 (room for a response)"
+    ids = fit_prompt(ids, question, limit=limit, limit_name=name, policy=data.truncation, where=where)
+    return None if ids is None else (ids, data.max_length - len(ids))
+
+
+def report_dropped(kept: int, total: int, *, source: str, dist) -> None:
+    """Print (main rank) how many records `data.truncation=filter` dropped for overlong prompts.
+
+    Raises:
+        DataError: when every record was dropped.
     """
     from astrai.data import DataError
-    from astrai.rollout.prompts import encode_prompts
 
-    ids = encode_prompts([prompt], tokenizer, system_prompt=data.system_prompt,
-                         max_prompt_length=data.max_prompt_length)[0]
-    budget = data.max_length - len(ids)
-    if budget < 1:
-        raise DataError(f"{where}: the prompt takes {len(ids)} tokens, no room for a response within "
-                        f"data.max_length={data.max_length} (lower data.max_prompt_length)")
-    return ids, budget
+    if kept == 0:
+        raise DataError(f"{source}: every prompt is too long (data.truncation=filter dropped all {total})")
+    if kept < total and dist.is_main:
+        print(f"data.truncation=filter: dropped {total - kept} of {total} records of {source} whose prompt is "
+              f"longer than min(data.max_prompt_length, data.max_length - 1) tokens")

@@ -3,7 +3,8 @@
 Each record holds a prompt (`data.prompt_field`), exactly G = `grpo.group_size` responses
 (`data.responses_field`, strings), their G scalar rewards (`data.rewards_field`) and optionally the behaviour
 log-probs of every response token (`data.logprobs_field`, G lists, at `rollout.temperature`) and the exact
-sampled token ids (`response_ids`, G lists; otherwise a response is its text's tokens + EOS). The update is the
+sampled token ids (`response_ids`, G lists of ids in the vocabulary, checked at load time; otherwise a response
+is its text's tokens + the end-of-turn id, `special_tokens.response_end_id`). The update is the
 online one (`online_grpo.GRPOStrategy`, same advantages, validation, loss and minibatching); only the
 experience source differs: `rollout.batch_size` records per batch instead of engine samples.
 
@@ -92,11 +93,18 @@ def _number_list(value, n: int, what: str, where: str) -> list:
     return value
 
 
-def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
-    """Tokenise and check one stored group. Raises DataError naming the row, the field and the problem."""
+def group_record(row: dict, tokenizer, config, where: str, *, end_id: int,
+                 vocab_size: int) -> Optional[GroupRecord]:
+    """Tokenise and check one stored group; None when `data.truncation=filter` drops its prompt. Responses
+    without `response_ids` are their text's tokens plus `end_id`; given `response_ids` must be integers in
+    `[0, vocab_size)`.
+
+    Raises:
+        DataError: naming the row, the field and the problem.
+    """
     from astrai.data import DataError
     from astrai.data.examples import response_tokens
-    from astrai.data.records import require_str
+    from astrai.data.records import check_token_ids, require_str
 
     d, g = config.data, config.grpo.group_size
     prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
@@ -106,12 +114,18 @@ def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
         raise DataError(f"{where}: field {d.rewards_field!r} must hold finite numbers")
     if not all(isinstance(t, str) for t in texts):
         raise DataError(f"{where}: field {d.responses_field!r} must hold strings")
-    prompt_ids, budget = prompt_ids_and_budget(prompt, tokenizer, d, where)
     ids = row.get("response_ids")
     if ids is not None:
-        ids = [list(x)[:budget] for x in _number_list(ids, g, "field 'response_ids'", where)]
+        ids = [check_token_ids(x, vocab_size, field=f"response_ids[{i}]", where=where)
+               for i, x in enumerate(_number_list(ids, g, "field 'response_ids'", where))]
+    fitted = prompt_ids_and_budget(prompt, tokenizer, d, where)
+    if fitted is None:
+        return None
+    prompt_ids, budget = fitted
+    if ids is not None:
+        ids = [list(x)[:budget] for x in ids]
     else:
-        ids = [response_tokens(t, tokenizer, budget=budget) for t in texts]
+        ids = [response_tokens(t, tokenizer, budget=budget, end_id=end_id) for t in texts]
     logprobs = row.get(d.logprobs_field)
     if logprobs is not None:
         logprobs = _number_list(logprobs, g, f"field {d.logprobs_field!r}", where)
@@ -128,13 +142,19 @@ def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     """Offline grpo from `data.path` groups. Raises DataError for bad data."""
     from astrai.data import PromptSampler
     from astrai.data.records import load_records
-    from astrai.trainer.strategies.common import build_policy_optimizer, frozen_copy
+    from astrai.models.special_tokens import response_end_id, stop_token_ids
+    from astrai.trainer.strategies.common import build_policy_optimizer, frozen_copy, report_dropped
 
     d, g = config.data, config.grpo
     rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.responses_field": d.responses_field,
                                  "data.rewards_field": d.rewards_field},
                         optional={"data.logprobs_field": d.logprobs_field, "response_ids": "response_ids"})
-    records = [group_record(row, tokenizer, config, f"{d.path} row {i + 1}") for i, row in enumerate(rows)]
+    end_id = response_end_id(tokenizer, stop_token_ids(policy.config, tokenizer))
+    vocab_size = min(tokenizer.vocab_size, policy.config.vocab_size)
+    records = [group_record(row, tokenizer, config, f"{d.path} row {i + 1}", end_id=end_id, vocab_size=vocab_size)
+               for i, row in enumerate(rows)]
+    records = [r for r in records if r is not None]
+    report_dropped(len(records), len(rows), source=d.path, dist=dist)
     policy = policy.to(dist.device)
     ref_model = frozen_copy(policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
     sampler = PromptSampler(records, seed=config.train.seed + dist.rank, shuffle=d.shuffle)
