@@ -72,6 +72,20 @@ def test_error_names_file_row_and_lengths_and_exits_2(tiny_model_dir, tmp_path, 
     assert not (tmp_path / "o" / "checkpoints").exists()
 
 
+def test_fit_prompt_cuts_only_question_tokens():
+    from astrai.data.truncation import fit_prompt
+
+    ids, question = list(range(10)), (3, 8)  # template 0-2, question 3-7, template 8-9
+    kw = dict(limit_name="data.max_prompt_length", where="p.jsonl row 1")
+    assert fit_prompt(ids, question, limit=10, policy="error", **kw) == ids
+    assert fit_prompt(ids, question, limit=7, policy="left", **kw) == [0, 1, 2, 6, 7, 8, 9]
+    assert fit_prompt(ids, question, limit=7, policy="filter", **kw) is None
+    with pytest.raises(DataError, match=r"^p\.jsonl row 1: the prompt is 10 tokens and all but 5 of them"):
+        fit_prompt(ids, question, limit=5, policy="left", **kw)
+    with pytest.raises(DataError, match="rewrites the question"):
+        fit_prompt(ids, None, limit=7, policy="left", **kw)
+
+
 def test_offline_prompts_follow_the_same_policy(tiny_model_dir, tmp_path, capsys):
     from astrai.trainer.strategies.dpo import build_dpo
 

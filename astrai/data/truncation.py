@@ -47,21 +47,22 @@ def prompt_messages(question: str, system_prompt: Optional[str]) -> list[dict]:
 
 
 def encode_prompt(tokenizer, question: str, *, system_prompt: Optional[str] = None,
-                  where: str = "prompt") -> tuple[list[int], tuple[int, int]]:
+                  where: str = "prompt") -> tuple[list[int], Optional[tuple[int, int]]]:
     """(ids, (a, b)): the chat-templated ids of a prompt (generation prompt included) and the token range
-    `ids[a:b]` that holds only the question's text ((0, 0) when the template rewrote the question)."""
+    `ids[a:b]` that holds only the question's text (None when the template rewrote the question, so its tokens
+    cannot be told apart)."""
     messages = prompt_messages(question, system_prompt)
     chat = render_chat(tokenizer, messages, add_generation_prompt=True, where=where)
     ids, starts = encode_rendered(tokenizer, chat)
     span = next(((s, e) for s, e, index in chat.spans if index == len(messages) - 1), None)
     if span is None:
-        return ids, (0, 0)
+        return ids, None
     inside = [i for i, start in enumerate(starts) if span[0] <= start < span[1]]
     return ids, ((inside[0], inside[-1] + 1) if inside else (0, 0))
 
 
-def fit_prompt(ids: Sequence[int], question: tuple[int, int], *, limit: int, limit_name: str, policy: str,
-               where: str) -> Optional[list[int]]:
+def fit_prompt(ids: Sequence[int], question: Optional[tuple[int, int]], *, limit: int, limit_name: str,
+               policy: str, where: str) -> Optional[list[int]]:
     """`ids` within `limit` tokens under `policy` (see the module docstring); None when `filter` drops it.
 
     Raises:
@@ -80,6 +81,9 @@ def fit_prompt(ids: Sequence[int], question: tuple[int, int], *, limit: int, lim
     if policy == "error":
         raise DataError(f"{where}: the prompt is {len(ids)} tokens, more than {limit_name}={limit} "
                         f"(data.truncation=error; 'filter' drops such prompts, 'left' cuts the question's start)")
+    if question is None:
+        raise DataError(f"{where}: the prompt is {len(ids)} tokens, more than {limit_name}={limit}, and the chat "
+                        f"template rewrites the question, so data.truncation=left cannot cut it (use filter)")
     a, b = question
     if b - a <= excess:
         raise DataError(f"{where}: the prompt is {len(ids)} tokens and all but {b - a} of them are the chat "
