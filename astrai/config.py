@@ -30,6 +30,10 @@ REPORT_TO = ("tensorboard", "wandb", "none")
 """Valid ``train.report_to`` items (transformers' TrainingArguments name); 'none' stands alone."""
 DEFAULT_REPORT_TO = ["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else []
 """TensorBoard event files by default when the `tensorboard` package is installed, nothing otherwise."""
+TRUNCATION_POLICIES = ("error", "filter", "left")
+"""Valid ``data.truncation`` values (see ``astrai.data.truncation``)."""
+OPTIONAL_METRICS = {"policy/entropy": ("online_ppo", "online_grpo", "grpo")}
+"""Valid ``train.metrics`` names -> the train types that compute them."""
 
 
 # ----------------------------------------------------------------------------------------- sections
@@ -51,7 +55,10 @@ class DataSection(Section, name="data"):
     prompt_field: str = field_spec("question", "record field holding the prompt text")
     answer_field: str = field_spec("answer", "record field holding the reference answer (for the reward)")
     system_prompt: Optional[str] = field_spec(None, "system message prepended through the chat template")
-    max_prompt_length: int = field_spec(256, "prompt tokens kept (longer prompts are truncated/skipped)", GT0)
+    max_prompt_length: int = field_spec(256, "most tokens of a chat-templated prompt (see data.truncation)", GT0)
+    truncation: str = field_spec("error", "overlong prompts (online, dpo, grpo): 'error' stops at load time, "
+                                 "'filter' drops them, 'left' cuts the question's start (template kept)",
+                                 Choices(TRUNCATION_POLICIES))
     shuffle: bool = field_spec(True, "shuffle prompts each epoch (seeded by train.seed)")
     messages_field: str = field_spec("messages", "sft: record field holding the chat messages (role/content list)")
     text_field: str = field_spec("text", "seq: record field holding the raw text")
@@ -150,12 +157,14 @@ class TrainSection(Section, name="train"):
     gradient_accumulation_steps: int = field_spec(1, "sft/dpo/seq/grpo: micro-batches per optimizer step", GT0)
     seed: int = field_spec(42, "seed for data order, sampling and initialisation", Range(0, 2**32 - 1))
     logging_steps: int = field_spec(1, "log metrics every N optimizer steps", GT0)
-    metrics: list[str] = field_spec([], "extra costly metrics to compute, e.g. 'policy/entropy'")
+    metrics: list[str] = field_spec([], "extra costly metrics to compute: " + ", ".join(OPTIONAL_METRICS))
     progress_bar: bool = field_spec(True, "show a progress bar on rank 0")
     eval_steps: int = field_spec(0, "greedy accuracy on data.eval_path every N steps and at the end; 0 = off", GE0)
     report_to: list[str] = field_spec(DEFAULT_REPORT_TO, "where metrics also go besides metrics.jsonl: "
                                       "'tensorboard' (event files in output_dir), 'wandb', or 'none'",
                                       SubsetOf(REPORT_TO, alone=("none",)))
+    overwrite_output_dir: bool = field_spec(False, "start fresh in an output_dir that holds checkpoints of "
+                                            "another run (they are left alone and ignored)")
 
 
 @dataclass
@@ -233,6 +242,13 @@ class Config:
         if self.train.eval_steps and self.data.eval_path is None:
             raise ConfigError("data.eval_path: train.eval_steps > 0 needs a held-out set "
                               "(e.g. builtin:arithmetic_test or a GSM8K-format .jsonl)")
+        for name in self.train.metrics:
+            if name not in OPTIONAL_METRICS:
+                raise ConfigError("train.metrics: " + _unknown("metric", name, OPTIONAL_METRICS)
+                                  + f"; available: {', '.join(OPTIONAL_METRICS)}")
+            if kind not in OPTIONAL_METRICS[name]:
+                raise ConfigError(f"train.metrics: {name!r} is not computed by train.type {kind} (only by "
+                                  f"{', '.join(OPTIONAL_METRICS[name])})")
         m = self.model
         if m.moe_num_experts and m.moe_top_k > m.moe_num_experts:
             raise ConfigError(f"model.moe_top_k: expected <= model.moe_num_experts ({m.moe_num_experts}), "

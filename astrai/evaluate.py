@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--output_dir", default="outputs/eval", help="where results.jsonl and summary.json go")
     p.add_argument("--system_prompt", default=None, help="system message (default: the config's data.system_prompt)")
-    p.add_argument("--max_prompt_length", type=int, default=None, help="prompt tokens kept (default: the config's)")
+    p.add_argument("--max_prompt_length", type=int, default=None, help="prompt token budget (default: the config's)")
+    p.add_argument("--truncation", default=None, choices=("error", "filter", "left"),
+                   help="overlong prompts: error, filter (skip) or left (cut the question's start); default: the "
+                        "config's data.truncation")
     p.add_argument("--prompt_field", default=None, help="record field of the question (default: question)")
     p.add_argument("--answer_field", default=None, help="record field of the reference answer (default: answer)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
@@ -112,6 +115,7 @@ def prompt_settings(args: argparse.Namespace, config_path: Optional[Path]) -> di
     config = load_config(str(config_path) if config_path is not None else None)
     chosen = {"prompt_field": config.data.prompt_field, "answer_field": config.data.answer_field,
               "system_prompt": config.data.system_prompt, "max_prompt_length": config.data.max_prompt_length,
+              "truncation": config.data.truncation,
               "reward": config.reward.name, "max_new_tokens": config.rollout.max_new_tokens}
     for key in chosen:
         if getattr(args, key) is not None:
@@ -146,6 +150,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from astrai.data import PromptDataset
     from astrai.models import load_pretrained
+    from astrai.models.special_tokens import stop_token_ids
     from astrai.rollout.evaluation import EvalSettings, evaluate
     from astrai.rollout.paged_engine import PagedGenerationEngine
     from astrai.rollout.rewards import ANSWER_EXTRACTORS, REWARDS
@@ -171,10 +176,12 @@ def run(args: argparse.Namespace) -> dict:
         print(f"prompt settings from {config_path}", file=sys.stderr)
     model, tokenizer = load_pretrained(model_path, dtype=getattr(torch, args.dtype), device=device)
     engine = PagedGenerationEngine(model, pad_token_id=tokenizer.pad_token_id)
+    stops = stop_token_ids(model.config, tokenizer)
     del model
     generator = torch.Generator(device=device).manual_seed(args.seed)
     result = evaluate(engine, tokenizer, records, reward=REWARDS[chosen["reward"]], settings=settings,
                       max_prompt_length=chosen["max_prompt_length"], system_prompt=chosen["system_prompt"],
+                      truncation=chosen["truncation"], stop_token_ids=stops, source=args.data,
                       generator=generator, extract_answer=ANSWER_EXTRACTORS.get(chosen["reward"]),
                       progress=not args.no_progress_bar, desc="evaluate")
     summary = {"model": args.model, "model_path": model_path, "data": args.data, **result.metrics(),

@@ -34,13 +34,14 @@ def test_strategies_compute_losses_and_never_step():
 
 
 def test_layers_point_one_way():
-    """models <- data <- rollout <- trainer; algos pure (imports no other astrai package); checkpoint knows no
-    strategy."""
+    """models <- data <- rollout <- trainer, the job configuration (`config`, `config_schema`) beneath data;
+    algos pure (imports no other astrai package); checkpoint knows no strategy."""
+    config = {"config", "config_schema"}
     allowed = {
         "algos": set(),
         "models": {"models"},
-        "data": {"data", "models"},
-        "rollout": {"rollout", "data", "models", "algos", "kernels"},
+        "data": {"data", "models"} | config,
+        "rollout": {"rollout", "data", "models", "algos", "kernels"} | config,
         "checkpoint": {"checkpoint", "models"},
     }
     for package, ok in allowed.items():

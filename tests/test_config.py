@@ -9,6 +9,15 @@ from astrai.config import (SECTIONS, TRAIN_TYPES, Config, ConfigError, PPOSectio
                            config_to_dict, dump_config, load_config)
 
 
+@pytest.fixture()
+def extra_metrics(monkeypatch):
+    """Stand-in metric names, so the list-parsing tests can use several (only policy/entropy exists)."""
+    from astrai import config as config_module
+
+    for name in ("critic/values", "a", "b", "1", "x"):
+        monkeypatch.setitem(config_module.OPTIONAL_METRICS, name, TRAIN_TYPES)
+
+
 def write(tmp_path, text, name="job.yaml"):
     path = tmp_path / name
     path.write_text(text)
@@ -132,7 +141,7 @@ def test_empty_file_gives_defaults(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- CLI overrides
-def test_override_forms(tmp_path):
+def test_override_forms(tmp_path, extra_metrics):
     path = write(tmp_path, "ppo:\n  gamma: 0.5\ntrain:\n  max_steps: 10\n")
     config = load_config(path, [
         "--ppo_gamma", "0.99", "--ppo_gae_lambda", "0.9", "--ppo_vf_coef", "0.5", "--max_steps", "3",
@@ -149,7 +158,7 @@ def test_override_forms(tmp_path):
     assert config.rollout.max_new_tokens == 32
 
 
-def test_cli_str_field_keeps_raw_text_and_lists_split():
+def test_cli_str_field_keeps_raw_text_and_lists_split(extra_metrics):
     config = load_config(None, ["--train.output_dir", "123", "--data.path=true", "--metrics", "a,b"])
     assert config.train.output_dir == "123" and config.data.path == "true" and config.train.metrics == ["a", "b"]
     assert load_config(None, ["--data.system_prompt", "null"]).data.system_prompt is None
@@ -216,7 +225,7 @@ def test_cross_field_valid_and_code_construction_validates():
 
 
 # ------------------------------------------------------------------------------------------- dump
-def test_dump_load_round_trip(tmp_path):
+def test_dump_load_round_trip(tmp_path, extra_metrics):
     config = load_config(None, [
         "--optim.learning_rate", "2e-5", "--output_dir", "1e5", "--data.system_prompt", "yes: no\n#x 'q'",
         "--train.metrics", "[policy/entropy, '1']", "--ppo.value_clip", "null", "--checkpoint.keep_last", "2",
@@ -230,7 +239,7 @@ def test_dump_load_round_trip(tmp_path):
     assert load_config(write(tmp_path, dump_config(Config()), "d.yaml"), []) == Config()
 
 
-def test_config_to_dict_and_from_dict():
+def test_config_to_dict_and_from_dict(extra_metrics):
     data = config_to_dict(Config())
     assert set(data) == set(SECTIONS) and data["ppo"]["gamma"] == 1.0
     data["train"]["metrics"].append("x")
@@ -238,3 +247,33 @@ def test_config_to_dict_and_from_dict():
     assert config_from_dict(data).train.metrics == ["x"]
     with pytest.raises(ConfigError, match="unknown key 'train.foo'"):
         config_from_dict({"train": {"foo": 1}})
+
+
+# ------------------------------------------------------------------------------------------- train.metrics
+def test_train_metrics_are_validated_against_the_metrics_that_exist(tiny_model_dir, tmp_path, capsys):
+    from astrai.train import main
+
+    assert load_config(None, ["--train.metrics", "policy/entropy"]).train.metrics == ["policy/entropy"]
+    assert error(None, ["--train.metrics", "policy/entropi"]) == \
+        "train.metrics: unknown metric 'policy/entropi' (did you mean 'policy/entropy'?); available: policy/entropy"
+    assert "'policy/entropy' is not computed by train.type sft" in error(
+        None, ["--train.type", "sft", "--train.metrics", "policy/entropy"])
+    code = main(["--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "o"),
+                 "--train.metrics", "policy/entropy,critic/values"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "unknown metric 'critic/values'" in err and len(err.splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------- example configs
+def test_example_configs_load_and_write_floats_without_a_point_zero_mantissa():
+    """YAML 1.2 reads `1e-6` as a float, so the examples write it so (not the YAML 1.1 workaround `1.0e-6`)."""
+    import re
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[1] / "configs" / "examples").glob("*.yaml"))
+    assert len(examples) >= 6
+    for path in examples:
+        text = path.read_text()
+        assert not re.search(r"\d\.0+e", text, re.IGNORECASE), f"{path.name} writes a float as N.0eX"
+        config = load_config(str(path), [])
+        assert isinstance(config.optim.learning_rate, float) and config.optim.learning_rate < 1e-3

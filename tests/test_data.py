@@ -187,3 +187,21 @@ def test_sampler_state_validation():
         sampler.next_batch(0)
     with pytest.raises(DataError):
         PromptSampler([], seed=0)
+
+
+def test_answers_without_a_final_number_are_counted_at_load_time(tiny_model_dir, tmp_path):
+    """GSM8K-format answers that lost their `#### N` would silently score 0 with math_exact_match: the online
+    loader warns with the count and the first rows (and keeps them: the data needs fixing, not a silent drop)."""
+    from toy_rl import built_online_experience
+
+    from astrai.config import load_config
+    from astrai.models import load_pretrained
+
+    answers = ["So 2.\n#### 2", "The answer is 42.", "42", "#### forty", "#### 1,450"]
+    path = _write(tmp_path, "".join(json.dumps({"question": f"q{i}?", "answer": a}) + "\n"
+                                    for i, a in enumerate(answers)))
+    config = load_config(str(REPO / "configs/examples/grpo.yaml"), ["--data.path", str(path)])
+    policy, tokenizer = load_pretrained(tiny_model_dir)
+    with pytest.warns(UserWarning, match=r"2 of 5 answers \('answer'\) have no final number .* \(rows 2, 4\)"):
+        sampler = built_online_experience(config, policy, tokenizer).data_sampler
+    assert len(sampler.dataset) == 5

@@ -95,7 +95,8 @@ def even_length(responses, answers, *, format_bonus=0.0):
 
 def cli(model, data, out, *extra):
     return main(["--model", str(model), "--data", str(data), "--output_dir", str(out), "--max_new_tokens", "6",
-                 "--max_prompt_length", "64", "--system_prompt", SYSTEM, "--no_progress_bar", *extra])
+                 "--max_prompt_length", "64", "--truncation", "left", "--system_prompt", SYSTEM, "--no_progress_bar",
+                 *extra])
 
 
 def read_outputs(out):

@@ -232,7 +232,7 @@ def test_online_grpo_end_to_end_changes_every_parameter(tiny_model_dir, tmp_path
                  "--train.output_dir", str(out), "--max_steps", "2", "--rollout.batch_size", "2",
                  "--grpo.group_size", "4", "--grpo.minibatch_size", "8", "--grpo.micro_batch_size", "4",
                  "--rollout.max_new_tokens", "6", "--reward.name", "toy_length", "--optim.learning_rate", "1e-3",
-                 "--train.progress_bar", "false"])
+                 "--train.progress_bar", "false", "--data.truncation", "left"])
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in records] == [1, 2]

@@ -87,3 +87,29 @@ def test_sft_with_moe_logs_task_and_aux_losses(tiny_model_dir, tmp_path):
     after = load_file(str(out / "checkpoints/step-00000001/model.safetensors"))
     assert "model.layers.0.mlp.router.weight" in after and "model.layers.1.mlp.shared_experts.0.down_proj.weight" in after
     assert not torch.equal(after["model.layers.0.mlp.router.weight"].abs().sum(), torch.tensor(0.0))
+
+
+def test_moe_checkpoint_config_describes_the_moe_model_and_loads_again(tmp_path):
+    from astrai.checkpoint import Part, publish_checkpoint
+    from astrai.config import ConfigError, load_config
+    from astrai.models import load_pretrained, tiny_tokenizer
+    from astrai.trainer.models import apply_model_options
+
+    model = convert_to_moe(_model(), num_experts=3, top_k=2, num_shared_experts=1, aux_loss_coef=0.05, seed=4)
+    path = publish_checkpoint(tmp_path, 1, {"policy": Part(model, "hf_model"),
+                                            "tokenizer": Part(tiny_tokenizer(), "hf_tokenizer", required=False)})
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "astrai_llama_moe" and config["architectures"] == ["AstraiLlamaMoeForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["n_shared_experts"]) == (3, 2, 1)
+    loaded, _ = load_pretrained(path)
+    moe = loaded.model.layers[1].mlp
+    assert isinstance(moe, MoEFeedForward) and len(moe.experts) == 3 and moe.top_k == 2 and moe.aux_loss_coef == 0.05
+    ids = torch.randint(3, 200, (2, 9))
+    torch.testing.assert_close(loaded(ids), model.eval()(ids), rtol=1e-5, atol=1e-5)
+    dense = json.loads(json.dumps(_model().config.to_hf_dict()))
+    assert dense["model_type"] == "llama" and "num_local_experts" not in dense
+    same = load_config(None, ["--model.moe_num_experts", "3", "--model.moe_top_k", "2",
+                              "--model.moe_num_shared_experts", "1"])
+    assert apply_model_options(same, loaded) is loaded and len(loaded.model.layers[0].mlp.experts) == 3
+    with pytest.raises(ConfigError, match="already an MoE model"):
+        apply_model_options(load_config(None, ["--model.moe_num_experts", "4"]), loaded)

@@ -63,7 +63,10 @@ def test_chat_example_labels_exactly_the_assistant_turns():
     ids, labels = chat_example(messages, tok, max_length=512)
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages, add_generation_prompt=False)
     learned = tok.decode([t for t in labels if t != IGNORE_INDEX], skip_special_tokens=False)
-    assert learned == "hello<|im_end|>\n4<|im_end|>\n"
+    assert learned == "hello<|im_end|>\n4<|im_end|>\n"  # no stop set given: the whole turn
+    ids, labels = chat_example(messages, tok, max_length=512, stops=(2,))
+    learned = tok.decode([t for t in labels if t != IGNORE_INDEX], skip_special_tokens=False)
+    assert learned == "hello<|im_end|>4<|im_end|>"
     with pytest.raises(DataError, match="no assistant"):
         chat_example([{"role": "user", "content": "hi"}], tok, max_length=512)
     with pytest.raises(DataError, match="role"):
@@ -73,10 +76,14 @@ def test_chat_example_labels_exactly_the_assistant_turns():
 def test_packing_and_collation():
     examples = [([1, 2, 3], [1, 2, 3]), ([4, 5], [IGNORE_INDEX, 5]), ([6, 7, 8, 9], [6, 7, 8, 9])]
     rows = pack_examples(examples, max_length=4)
-    assert rows == [([1, 2, 3, 4], [1, 2, 3, IGNORE_INDEX]), ([5, 6, 7, 8], [5, 6, 7, 8])]  # [9] has no target
+    # each document's first token in a row is no target (never predicted from another document); [9] has none
+    assert rows == [([1, 2, 3, 4], [IGNORE_INDEX, 2, 3, IGNORE_INDEX], [0, 0, 0, 1]),
+                    ([5, 6, 7, 8], [IGNORE_INDEX, IGNORE_INDEX, 7, 8], [0, 1, 1, 1])]
     batch = collate_lm([([1, 2, 3], [1, 2, 3]), ([4], [4])], pad_token_id=0)
-    assert batch.input_ids.tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert batch.input_ids.tolist() == [[1, 2, 3], [4, 0, 0]] and batch.document_ids is None
     assert batch.loss_mask.tolist() == [[True, True], [False, False]]
+    packed = collate_lm(rows[1:] + [([9], [9], [0])], pad_token_id=0)
+    assert packed.position_ids.tolist()[0] == [0, 0, 1, 2] and packed.document_ids.tolist()[1] == [0, -1, -1, -1]
     ids, labels = text_example("abc", tiny_tokenizer(), max_length=2)
     assert len(ids) == 2 and ids == labels
 
@@ -220,10 +227,10 @@ def test_warmup_stable_decay_schedule():
     ("sft", ["--train.gradient_accumulation_steps", "1", "--data.max_length", "96"], "train/loss"),
     ("sft", ["--data.packing", "true", "--data.max_length", "96", "--model.gradient_checkpointing", "true"],
      "train/loss"),
-    ("dpo", ["--train.gradient_accumulation_steps", "1"], "dpo/accuracy"),
+    ("dpo", ["--train.gradient_accumulation_steps", "1", "--data.truncation", "left"], "dpo/accuracy"),
     ("seq", ["--data.max_length", "64"], "train/loss"),
-    ("grpo_offline", ["--data.shuffle", "false", "--grpo.epochs", "1", "--optim.learning_rate", "1e-4"],
-     "policy/pg_loss"),
+    ("grpo_offline", ["--data.shuffle", "false", "--grpo.epochs", "1", "--optim.learning_rate", "1e-4",
+                      "--data.truncation", "left"], "policy/pg_loss"),
 ])
 def test_example_config_one_step_changes_every_parameter(tiny_model_dir, tmp_path, name, extra, key):
     out = tmp_path / "run"
@@ -241,7 +248,8 @@ def test_example_config_one_step_changes_every_parameter(tiny_model_dir, tmp_pat
 @pytest.mark.parametrize("name,extra", [
     ("sft", ["--data.max_length", "96", "--train.gradient_accumulation_steps", "1"]),
     ("grpo", ["--rollout.batch_size", "2", "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "4",
-              "--rollout.max_new_tokens", "4", "--reward.name", "toy_length", "--optim.learning_rate", "1e-3"]),
+              "--rollout.max_new_tokens", "4", "--reward.name", "toy_length", "--optim.learning_rate", "1e-3",
+              "--data.truncation", "left"]),
 ])
 def test_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch, name, extra):
     from astrai.rollout import rewards
@@ -261,18 +269,22 @@ def test_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypat
 
 def test_prompt_without_room_for_a_response_names_the_row():
     """dpo and offline grpo share `prompt_ids_and_budget`: the budget is what max_length leaves after the prompt,
-    and a prompt that leaves nothing is a one-line DataError naming the row."""
+    and a prompt that leaves no room for a response is a one-line DataError naming the row (or dropped / cut
+    under data.truncation)."""
     from types import SimpleNamespace
 
-    from astrai.rollout.prompts import prompt_ids_and_budget
+    from astrai.data.truncation import prompt_ids_and_budget
 
     tok = tiny_tokenizer()
-    data = SimpleNamespace(system_prompt=None, max_prompt_length=64, max_length=200)
-    budget_of = lambda: prompt_ids_and_budget("what is 2 + 2?", tok, system_prompt=data.system_prompt,  # noqa: E731
-                                              max_prompt_length=data.max_prompt_length, max_length=data.max_length,
-                                              where="pairs.jsonl row 3")
-    ids, budget = budget_of()
+    data = SimpleNamespace(system_prompt=None, max_prompt_length=64, max_length=200, truncation="error")
+    ids, budget = prompt_ids_and_budget("what is 2 + 2?", tok, data, "pairs.jsonl row 3")
     assert ids and budget == 200 - len(ids)
     data.max_length = len(ids)
-    with pytest.raises(DataError, match=r"^pairs\.jsonl row 3: the prompt takes \d+ tokens, no room"):
-        budget_of()
+    with pytest.raises(DataError, match=r"^pairs\.jsonl row 3: the prompt is \d+ tokens, more than "
+                                        r"data\.max_length - 1 \(room for a response\)="):
+        prompt_ids_and_budget("what is 2 + 2?", tok, data, "pairs.jsonl row 3")
+    data.truncation = "filter"
+    assert prompt_ids_and_budget("what is 2 + 2?", tok, data, "pairs.jsonl row 3") is None
+    data.truncation = "left"
+    cut, budget = prompt_ids_and_budget("what is 2 + 2?", tok, data, "pairs.jsonl row 3")
+    assert budget == 1 and cut[:3] == ids[:3] and cut[-5:] == ids[-5:]

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 import torch
 
 from astrai.distributed import setup_distributed
-from astrai.trainer.experience import OnlineExperience
-from astrai.trainer.models import TrainedModel
+from astrai.trainer.experience import OnlineExperience, build_online_experience
+from astrai.trainer.models import TrainedModel, build_trained_model
 from astrai.trainer.optim import build_optimizer, build_scheduler
 
 
 class RandomPrompts:
-    """A data sampler of random prompts (2 to 5 token ids in [3, vocab)), as records with `.prompt` (ids) and an
+    """A data sampler of random prompts (2 to 5 token ids in [3, vocab)), as records with `.prompt_ids` and an
     empty `.answer`; drawn from one seeded CPU generator, lengths first, then the ids of each prompt."""
 
     def __init__(self, vocab: int, seed: int):
@@ -21,7 +21,7 @@ class RandomPrompts:
     def next_batch(self, n: int):
         lengths = torch.randint(2, 6, (n,), generator=self.generator).tolist()
         self.drawn += n
-        return [SimpleNamespace(prompt=torch.randint(3, self.vocab, (k,), generator=self.generator).tolist(),
+        return [SimpleNamespace(prompt_ids=torch.randint(3, self.vocab, (k,), generator=self.generator).tolist(),
                                 answer="") for k in lengths]
 
 
@@ -35,6 +35,19 @@ def trained(model, *, name="policy", lr=3e-3, max_steps=100, dist=None) -> Train
 
 def online_experience(policy: TrainedModel, runner, *, vocab: int, batch_size: int, group_size: int = 1,
                       seed: int = 0) -> OnlineExperience:
-    """The product's online experience source over `RandomPrompts` (prompts are already token ids)."""
-    return OnlineExperience(policy=policy, runner=runner, sampler=RandomPrompts(vocab, seed), encode=lambda p: p,
-                            batch_size=batch_size, group_size=group_size, seed=seed, device=torch.device("cpu"))
+    """The product's online experience source over `RandomPrompts`."""
+    return OnlineExperience(policy=policy, runner=runner, sampler=RandomPrompts(vocab, seed), batch_size=batch_size,
+                            group_size=group_size, seed=seed, device=torch.device("cpu"))
+
+
+def built_online_experience(config, policy, tokenizer, *, chunk_size: int = 2) -> OnlineExperience:
+    """The online experience source `build_online_experience` makes from a loaded config (CPU, no reference)."""
+    dist = setup_distributed("cpu")
+    return build_online_experience(config, dist, build_trained_model(config, dist, policy, name="policy"), tokenizer,
+                                   ref_model=None, chunk_size=chunk_size)
+
+
+def next_prompts(experience: OnlineExperience, n: int) -> tuple[list[list[int]], list[str]]:
+    """The prompt ids and answers of the next `n` records of an experience source's sampler."""
+    records = experience.data_sampler.next_batch(n)
+    return [r.prompt_ids for r in records], [r.answer for r in records]

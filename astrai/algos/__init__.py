@@ -2,10 +2,10 @@
 
 Functions of tensors with keyword-only scalar arguments; no config objects, no ``.item()``, no device choices,
 no distributed calls. Losses return ``(loss, metrics)`` with detached 0-dim metrics. Exact definitions:
-docs/conventions.md section 2. Modules: ``masked`` (masked reductions), ``logprobs`` (log-probs/entropy from logits), ``kl`` (k1/k2/k3
-estimators), ``advantages`` (PPO rewards, GAE, GRPO group advantages), ``losses`` (PPO-clip, value loss,
-explained variance, entropy, reference KL), ``preference`` (token cross-entropy, DPO), ``stats`` (evaluation
-statistics of counts: Wilson interval, pass@k, exact McNemar test).
+docs/conventions.md section 2. Modules: ``masked`` (masked reductions), ``logprobs`` (log-probs/entropy from
+logits), ``kl`` (k1/k2/k3 estimators), ``advantages`` (PPO rewards, GAE, GRPO group advantages), ``losses``
+(PPO-clip, value loss, explained variance, entropy, reference KL), ``preference`` (token cross-entropy, DPO),
+``stats`` (evaluation statistics of counts: Wilson interval, pass@k, exact McNemar test).
 """
 
 from .advantages import gae, group_advantages, last_token_index, ppo_token_rewards

@@ -12,7 +12,7 @@ import importlib
 
 _EXPORTS = {
     "layout": ("CheckpointWarning", "apply_retention", "checkpoints_root", "find_latest_checkpoint",
-               "list_checkpoints", "parse_step", "recover", "step_dirname"),
+               "list_checkpoints", "parse_step", "recover", "run_id_of", "step_dirname"),
     "load": ("LoadedCheckpoint", "load_checkpoint"),
     "manifest": ("FORMAT_NAME", "FORMAT_VERSION", "CheckpointError", "FileStatus", "NotACheckpointError"),
     "parts": ("GlobalRNGState", "Part", "capture_rng_state", "part_files", "restore_rng_state"),

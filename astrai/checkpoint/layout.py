@@ -54,6 +54,22 @@ def hidden_name(step_name: str, kind: str) -> str:
     return f".{step_name}.{kind}-{uuid.uuid4().hex[:12]}"
 
 
+def run_id_of(path: Path) -> str | None:
+    """The run id recorded in a checkpoint's manifest; None for a legacy checkpoint, one written before run ids
+    existed, or an unreadable manifest (such checkpoints belong to no current run)."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        return None
+    value = manifest.get("run_id") if manifest else None
+    return value if isinstance(value, str) and value else None
+
+
+def _of_run(path: Path, run_id: str | None) -> bool:
+    """Whether `path` passes the run filter (`run_id` None: every checkpoint does)."""
+    return run_id is None or run_id_of(path) == run_id
+
+
 def is_complete(path: Path, *, hashes: bool = False, step: int | None = None) -> tuple[bool, str]:
     """Whether `path` is a complete checkpoint: a valid manifest whose files are all present with the
     listed sizes (and sha256 when `hashes`), and whose step equals `step` when given.
@@ -75,8 +91,10 @@ def is_complete(path: Path, *, hashes: bool = False, step: int | None = None) ->
     return True, ""
 
 
-def list_checkpoints(output_dir: str | Path, *, hashes: bool = False) -> list[tuple[int, Path]]:
-    """Complete published checkpoints under `<output_dir>/checkpoints`, as (step, path) sorted by step.
+def list_checkpoints(output_dir: str | Path, *, hashes: bool = False,
+                     run_id: str | None = None) -> list[tuple[int, Path]]:
+    """Complete published checkpoints under `<output_dir>/checkpoints`, as (step, path) sorted by step; with
+    `run_id`, only those whose manifest records that run id.
 
     Hidden (staging/retired/deleting) and incomplete directories are never listed.
     """
@@ -86,14 +104,16 @@ def list_checkpoints(output_dir: str | Path, *, hashes: bool = False) -> list[tu
     found = []
     for path in root.iterdir():
         step = parse_step(path.name)
-        if step is not None and path.is_dir() and is_complete(path, hashes=hashes, step=step)[0]:
+        if step is not None and path.is_dir() and is_complete(path, hashes=hashes, step=step)[0] \
+                and _of_run(path, run_id):
             found.append((step, path))
     return sorted(found)
 
 
-def find_latest_checkpoint(output_dir: str | Path, *, hashes: bool = False,
-                           allow_legacy: bool = False) -> Path | None:
-    """The newest complete checkpoint under `<output_dir>/checkpoints`, or None.
+def find_latest_checkpoint(output_dir: str | Path, *, hashes: bool = False, allow_legacy: bool = False,
+                           run_id: str | None = None) -> Path | None:
+    """The newest complete checkpoint under `<output_dir>/checkpoints`, or None; with `run_id`, the newest of
+    that run (checkpoints of other runs, and legacy ones, are not considered).
 
     Never returns a staging, retired or deleting directory, nor a `step-*` directory whose manifest is
     missing, invalid, or disagrees with the files on disk (sizes; sha256 too when `hashes`). Skipped
@@ -104,7 +124,7 @@ def find_latest_checkpoint(output_dir: str | Path, *, hashes: bool = False,
     if not root.is_dir():
         return None
     candidates = sorted(((parse_step(p.name), p) for p in root.iterdir()
-                         if parse_step(p.name) is not None and p.is_dir()), reverse=True)
+                         if parse_step(p.name) is not None and p.is_dir() and _of_run(p, run_id)), reverse=True)
     for step, path in candidates:
         ok, reason = is_complete(path, hashes=hashes, step=step)
         if ok:
@@ -176,10 +196,12 @@ def _written_ns(path: Path) -> int:
     return (manifest if manifest.is_file() else path).stat().st_mtime_ns
 
 
-def apply_retention(output_dir: str | Path, keep_last: int, *, protect: Path) -> list[Path]:
+def apply_retention(output_dir: str | Path, keep_last: int, *, protect: Path,
+                    run_id: str | None = None) -> list[Path]:
     """Delete the oldest complete checkpoints so that `keep_last` remain, always keeping `protect` (the
-    one just published) and otherwise the newest by step. Each victim is first renamed to a hidden
-    `.deleting-` sibling so a crash never leaves a partly deleted `step-*` directory visible.
+    one just published) and otherwise the newest by step; with `run_id`, only that run's checkpoints count and
+    are deleted (another run's are left alone). Each victim is first renamed to a hidden `.deleting-` sibling
+    so a crash never leaves a partly deleted `step-*` directory visible.
 
     Returns:
         the published paths that were removed.
@@ -190,7 +212,8 @@ def apply_retention(output_dir: str | Path, keep_last: int, *, protect: Path) ->
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     root = checkpoints_root(output_dir)
-    others = [path for _, path in list_checkpoints(output_dir) if path.resolve() != protect.resolve()]
+    others = [path for _, path in list_checkpoints(output_dir, run_id=run_id)
+              if path.resolve() != protect.resolve()]
     victims = others[: max(0, len(others) - (keep_last - 1))]
     for path in victims:
         hidden = root / hidden_name(path.name, "deleting")

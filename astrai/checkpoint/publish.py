@@ -52,7 +52,8 @@ class DistLike(Protocol):
 def publish_checkpoint(output_dir: str | os.PathLike, step: int, parts: Mapping[str, Part], *,
                        metadata: Optional[Mapping[str, Any]] = None, world_size: int = 1,
                        dist: Optional[DistLike] = None, keep_last: Optional[int] = None,
-                       before_publish: Optional[Callable[[], None]] = None, timeout_s: float = 300.0) -> Path:
+                       before_publish: Optional[Callable[[], None]] = None, timeout_s: float = 300.0,
+                       run_id: Optional[str] = None) -> Path:
     """Atomically publish `<output_dir>/checkpoints/step-XXXXXXXX` (replacing an existing one).
 
     Single process: call it with `dist=None`. Several ranks: every rank calls it with the same `step`, the same
@@ -65,10 +66,12 @@ def publish_checkpoint(output_dir: str | os.PathLike, step: int, parts: Mapping[
             other JSON-serialisable fields (names other than the manifest's own).
         world_size: recorded in the manifest when `dist` is None (else `dist.world_size`).
         dist: process group for the multi-rank protocol.
-        keep_last: after publishing, keep only the newest N complete checkpoints (never deleting this one).
+        keep_last: after publishing, keep only the newest N complete checkpoints (never deleting this one); with
+            `run_id`, only the newest N of that run (other runs' checkpoints are left alone).
         before_publish: called first on every rank (e.g. flush + fsync metrics.jsonl).
         timeout_s: seconds to wait for the staging directory, for other ranks' parts, and for rank 0's
             rename (each wait separately).
+        run_id: the training run this checkpoint belongs to, recorded in the manifest (`layout.run_id_of`).
 
     Returns:
         the published directory (same on every rank).
@@ -103,6 +106,8 @@ def publish_checkpoint(output_dir: str | os.PathLike, step: int, parts: Mapping[
         fields = dict(metadata or {})
         fields.update(step=step, policy_version=int(fields.get("policy_version", 0)), world_size=world,
                       train_type=fields.get("train_type"), parts=manifest_parts(parts))
+        if run_id is not None:
+            fields["run_id"] = run_id
         final = _publish_rank0(root, name, staging, parts, fields, dist=dist, timeout_s=timeout_s)
     else:
         staging = _discover_staging(root, name, rank, timeout_s)
@@ -110,7 +115,7 @@ def publish_checkpoint(output_dir: str | os.PathLike, step: int, parts: Mapping[
         final = _wait_published(root / name, staging, rank, timeout_s)
     if rank == 0 and keep_last is not None:
         try:
-            apply_retention(output_dir, keep_last, protect=final)
+            apply_retention(output_dir, keep_last, protect=final, run_id=run_id)
         except OSError as exc:
             warnings.warn(f"keep_last={keep_last} retention failed: {exc}", CheckpointWarning, stacklevel=2)
     if dist is not None:

@@ -73,3 +73,22 @@ def require_str(row: Mapping[str, Any], name: str, key: str, where: str) -> str:
     if not isinstance(value, str):
         raise DataError(f"{where}: field {name!r} ({key}) must be a string, got {type(value).__name__}")
     return value
+
+
+def check_token_ids(value: Any, vocab_size: int, *, field: str, where: str) -> list[int]:
+    """`value` as a list of int token ids when it is a list of integers in `[0, vocab_size)`. Integral floats
+    count as integers (`datasets` reads a whole column as floats when one of its values is fractional).
+
+    Raises:
+        DataError: one line naming `where` (file and row), `field`, the first bad position and value.
+    """
+    if not isinstance(value, list):
+        raise DataError(f"{where}: field {field!r} must be a list of token ids, got {type(value).__name__}")
+    ids = []
+    for position, token in enumerate(value):
+        integral = isinstance(token, int) or (isinstance(token, float) and token.is_integer())
+        if isinstance(token, bool) or not integral or not 0 <= token < vocab_size:
+            raise DataError(f"{where}: field {field!r}[{position}] = {token!r} is not a token id of the "
+                            f"vocabulary [0, {vocab_size})")
+        ids.append(int(token))
+    return ids

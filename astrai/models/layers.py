@@ -89,17 +89,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def build_attention_mask(
-    attention_mask: torch.Tensor | None, num_new: int, past_length: int, device: torch.device
+    attention_mask: torch.Tensor | None, num_new: int, past_length: int, device: torch.device,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Boolean attention mask (B or 1, 1, S, K) with K = past_length + S, True = may attend; None = plain causal.
 
     Query i (absolute position past_length + i) sees key j if j <= past_length + i and `attention_mask[b, j]` is
     set. Every query may also see its own key, so rows of padding queries (left padding) are never fully masked
     (SDPA returns NaN for those); their outputs are meaningless but finite. `attention_mask`: (B, K) of 0/1 or bool.
-    Raises `ValueError` if its length is not K.
+    `document_ids` (B, S) int (packed rows, no cache): query i sees key j only when both belong to the same
+    document (a block-diagonal causal mask). Raises `ValueError` if a length is not K, or for `document_ids`
+    with a cache.
     """
     total = past_length + num_new
-    if attention_mask is None and past_length == 0:
+    if attention_mask is None and past_length == 0 and document_ids is None:
         return None
     q_pos = torch.arange(past_length, total, device=device).unsqueeze(1)  # (S, 1)
     k_pos = torch.arange(total, device=device).unsqueeze(0)  # (1, K)
@@ -112,6 +115,12 @@ def build_attention_mask(
             )
         allowed = allowed & attention_mask.to(device=device, dtype=torch.bool).unsqueeze(1)
         allowed = allowed | (k_pos == q_pos).unsqueeze(0)
+    if document_ids is not None:
+        if past_length or document_ids.shape[-1] != num_new:
+            raise ValueError(f"document_ids must be (B, {num_new}) without a cache, got {tuple(document_ids.shape)} "
+                             f"with {past_length} cached tokens")
+        documents = document_ids.to(device)
+        allowed = allowed & (documents.unsqueeze(2) == documents.unsqueeze(1))
     return allowed.unsqueeze(1)
 
 

@@ -68,6 +68,7 @@ class LlamaTrunk(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
         *,
         attention: AttentionInterface | None = None,
     ) -> torch.Tensor:
@@ -76,23 +77,25 @@ class LlamaTrunk(nn.Module):
         input_ids (B, S) long; attention_mask (B, S_kv) 0/1 or bool with S_kv = cache length + S (None: no
         padding); position_ids (B, S) long, each < max_position_embeddings (None: arange from the cache length;
         with left padding pass `clamp(cumsum(attention_mask) - 1, min=0)`); kv_cache: see `KVCache` (its `length`
-        advances by S here, once). `attention`: an `AttentionInterface` that replaces the mask-and-cache attention
-        (the rollout engine's paged one); it excludes `attention_mask` and `kv_cache`, and then `position_ids` is
-        required. Returns (B, S, H) in the parameter dtype.
+        advances by S here, once); document_ids (B, S) long for packed rows (attention stays within each document,
+        see `build_attention_mask`; no cache). `attention`: an `AttentionInterface` that replaces the
+        mask-and-cache attention (the rollout engine's paged one); it excludes `attention_mask`, `kv_cache` and
+        `document_ids`, and then `position_ids` is required. Returns (B, S, H) in the parameter dtype.
         Raises `ValueError` for a mask of the wrong length, a cache without room, or `attention` combined with a
-        mask or cache (or without position_ids).
+        mask, cache or document ids (or without position_ids).
         """
         b, s = input_ids.shape
         if attention is not None:
-            if attention_mask is not None or kv_cache is not None or position_ids is None:
-                raise ValueError("LlamaTrunk.forward: `attention` takes position_ids and no attention_mask/kv_cache")
+            if attention_mask is not None or kv_cache is not None or document_ids is not None or position_ids is None:
+                raise ValueError("LlamaTrunk.forward: `attention` takes position_ids and no attention_mask, kv_cache "
+                                 "or document_ids")
         else:
             past = kv_cache.length if kv_cache is not None else 0
             if kv_cache is not None:
                 kv_cache.check_room(b, s)
             if position_ids is None:
                 position_ids = _default_position_ids(input_ids, past)
-            mask = build_attention_mask(attention_mask, s, past, input_ids.device)
+            mask = build_attention_mask(attention_mask, s, past, input_ids.device, document_ids)
             attention = MaskedAttention(mask, kv_cache)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, h.dtype)
@@ -151,13 +154,15 @@ class AutoRegressiveLM(nn.Module):
         kv_cache: KVCache | None = None,
         *,
         logits_to_keep: int = 0,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Next-token logits (B, S, V) in the parameter dtype; `logits[:, i]` scores token i + 1.
 
-        Arguments as `LlamaTrunk.forward`. `logits_to_keep` > 0 computes only the last that many positions,
-        returning (B, logits_to_keep, V) (e.g. 1 for decoding). Raises what `LlamaTrunk.forward` raises.
+        Arguments as `LlamaTrunk.forward` (`document_ids` included). `logits_to_keep` > 0 computes only the last
+        that many positions, returning (B, logits_to_keep, V) (e.g. 1 for decoding). Raises what
+        `LlamaTrunk.forward` raises.
         """
-        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache)
+        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, document_ids)
         if logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
         return self.lm_head(hidden)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, merge_eos_ids
 from .llama import AutoRegressiveLM, hf_state_dict
 from .tokenizer import Tokenizer
 
@@ -104,6 +104,11 @@ def _build_model(
     """Create the model on the meta device and assign `state` (HF names) without a random init."""
     with torch.device("meta"):
         model = AutoRegressiveLM(config)
+        if config.num_local_experts:  # the MoE layout the config.json describes (see models/config.py)
+            from .moe import convert_to_moe
+
+            convert_to_moe(model, num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                           num_shared_experts=config.n_shared_experts, aux_loss_coef=config.router_aux_loss_coef)
     expected = {k: v.shape for k, v in hf_state_dict(model).items()}
     if config.tie_word_embeddings:  # some tied checkpoints also store the head; the embedding is the weight
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -130,6 +135,7 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Toke
         config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path / 'config.json'}: not a supported Llama config ({e!s})") from None
+    config.eos_token_id = merge_eos_ids(config.eos_token_id, _generation_eos(path))
     index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
@@ -145,6 +151,25 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Toke
         state.update(load_file(str(file)))
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     return config, state, Tokenizer.from_dir(path)
+
+
+def _generation_eos(path: Path) -> Any:
+    """`eos_token_id` (an id or a list) of `generation_config.json`, None when absent.
+
+    Raises:
+        ValueError: naming the file when it is not valid JSON or its eos_token_id holds a non-integer.
+    """
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return None
+    try:
+        value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{file}: not a JSON object ({e!s})") from None
+    values = value if isinstance(value, list) else [value] if value is not None else []
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ValueError(f"{file}: eos_token_id must be an integer or a list of integers, got {value!r}")
+    return value
 
 
 # GGUF ---------------------------------------------------------------------------------------------------------------
@@ -194,7 +219,7 @@ def _gguf_config(meta: dict[str, Any], path: Path) -> ModelConfig:
         max_position_embeddings=meta.get("llama.context_length", 2048),
         tie_word_embeddings=False,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        eos_token_id=merge_eos_ids(meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
     rope_dim = meta.get("llama.rope.dimension_count", config.head_dim)

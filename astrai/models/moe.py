@@ -89,7 +89,9 @@ def convert_to_moe(model: nn.Module, *, num_experts: int, top_k: int, num_shared
     """Sparse upcycling, in place: every decoder block's `mlp` becomes a `MoEFeedForward` with `num_experts`
     copies of it (routed) and `num_shared_experts` copies whose `down_proj` is zeroed (shared), so the function
     is unchanged at conversion. Works on any module whose blocks are `model.model.layers[i].mlp` (the policy)
-    or `model.layers[i].mlp` (a trunk). The router is initialised from `seed`. Returns `model`.
+    or `model.layers[i].mlp` (a trunk). The router is initialised from `seed`. The MoE settings are recorded in
+    `model.config` (`num_local_experts`, `num_experts_per_tok`, `n_shared_experts`, `router_aux_loss_coef`), so
+    a saved config.json describes the converted model. Returns `model`.
 
     Raises:
         ValueError: for `num_experts < 1`, `top_k` outside [1, num_experts], or no decoder layers found.
@@ -114,6 +116,10 @@ def convert_to_moe(model: nn.Module, *, num_experts: int, top_k: int, num_shared
             layer.mlp = moe.to(device=dense.down_proj.weight.device, dtype=dense.down_proj.weight.dtype)
     finally:
         torch.random.set_rng_state(generator_state)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "num_local_experts"):  # config.json then describes the MoE model
+        config.num_local_experts, config.num_experts_per_tok = num_experts, top_k
+        config.n_shared_experts, config.router_aux_loss_coef = num_shared_experts, aux_loss_coef
     return model
 
 

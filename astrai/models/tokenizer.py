@@ -67,6 +67,12 @@ def _jinja_env():
     return env
 
 
+@lru_cache(maxsize=16)
+def _compiled_template(source: str):
+    """The chat template `source` compiled once (compiling costs milliseconds; rendering, microseconds)."""
+    return _jinja_env().from_string(source)
+
+
 def _token_str(value: Any) -> str | None:
     """A special token from tokenizer_config.json: a string or an AddedToken dict {"content": ...}."""
     if isinstance(value, Mapping):
@@ -79,7 +85,9 @@ class Tokenizer:
 
     Attributes: `backend` (`tokenizers.Tokenizer`), `chat_template` (str | None), `bos_token`, `eos_token`,
     `pad_token`, `unk_token` (str | None). `encode` never adds special tokens; special tokens written in the text
-    (e.g. `<|im_start|>`) encode to their single ids.
+    (e.g. `<|im_start|>`) encode to their single ids. `encode_text` is for text that comes from data: a special
+    token's spelling in it is ordinary text (several ordinary ids), as `transformers`' `split_special_tokens=True`
+    does (the backend's `encode_special_tokens` switch).
     """
 
     def __init__(
@@ -95,6 +103,7 @@ class Tokenizer:
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
+        self._text_backend: _Backend | None = None
 
     # ids ------------------------------------------------------------------------------------------------------
     def token_to_id(self, token: str | None) -> int | None:
@@ -127,6 +136,24 @@ class Tokenizer:
         """Token ids of `text`, no special tokens added (BOS/EOS are the caller's business)."""
         return self.backend.encode(text, add_special_tokens=False).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of data text, encoded as text only: special (control) tokens spelled in `text` become
+        ordinary tokens, exactly as if they were not special; non-special added tokens still match."""
+        return self.text_backend.encode(text, add_special_tokens=False).ids
+
+    @property
+    def text_backend(self) -> _Backend:
+        """A copy of `backend` with `encode_special_tokens` on (special tokens are not matched in the input)."""
+        if self._text_backend is None:
+            self._text_backend = _Backend.from_str(self.backend.to_str())
+            self._text_backend.encode_special_tokens = True
+        return self._text_backend
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Spelling -> id of every special (control) added token, e.g. `{"<|im_end|>": 2, ...}`."""
+        return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` for many texts (parallel in the Rust backend)."""
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
@@ -143,7 +170,7 @@ class Tokenizer:
         `jinja2.TemplateError` if the template calls `raise_exception`."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template")
-        template = _jinja_env().from_string(self.chat_template)
+        template = _compiled_template(self.chat_template)
         return template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,

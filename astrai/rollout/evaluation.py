@@ -1,9 +1,11 @@
 """Accuracy of a policy on question/answer prompts: generate with the rollout engine, score with a reward.
 
 One function, `evaluate`, serves the `python -m astrai.evaluate` command and the in-training evaluation callback
-(`astrai.trainer.evaluation`). Prompts are built by `astrai.rollout.prompts.encode_records`, exactly as the online
-train types build them (chat template, optional system prompt, `max_prompt_length` truncation); responses are
-decoded with special tokens skipped, as for training, and scored by a reward of `astrai.rollout.rewards` with
+(`astrai.trainer.evaluation`). Prompts are built by `astrai.data.truncation.encode_prompt_records`, exactly as the
+online train types build them (chat template, optional system prompt, `max_prompt_length` under the
+`data.truncation` policy; prompts `filter` drops are not evaluated); generation stops on the model's stop set
+(`astrai.models.special_tokens.stop_token_ids`) and responses are decoded without a final stop token and with
+special tokens skipped, as for training, and scored by a reward of `astrai.rollout.rewards` with
 `format_bonus=0`.
 
 Correctness and statistics: a response is correct when its score is at least 1 (`CORRECT_SCORE`; the exact-match
@@ -27,7 +29,8 @@ import torch
 from tqdm.auto import tqdm
 
 from astrai.algos.stats import pass_at_k, wilson_interval
-from astrai.rollout.prompts import encode_records
+from astrai.data.truncation import encode_prompt_records
+from astrai.models.special_tokens import strip_stop
 from astrai.rollout.sampling import MIN_TEMPERATURE, SamplingParams
 
 CORRECT_SCORE = 1.0
@@ -154,9 +157,11 @@ class EvalResult:
 
 
 def evaluate(engine, tokenizer, records: Sequence, *, reward: Callable, settings: EvalSettings,
-             max_prompt_length: int, system_prompt: Optional[str] = None,
+             max_prompt_length: int, system_prompt: Optional[str] = None, truncation: str = "error",
+             stop_token_ids: Optional[Sequence[int]] = None, source: str = "evaluation data",
              generator: Optional[torch.Generator] = None, extract_answer: Optional[Callable] = None,
-             progress: bool = False, leave: bool = True, desc: str = "eval") -> EvalResult:
+             progress: bool = False, leave: bool = True, desc: str = "eval",
+             log: Callable[[str], None] = print) -> EvalResult:
     """Generate `settings.num_samples` responses per record with `engine`, score them, collect the results.
 
     Args:
@@ -166,7 +171,9 @@ def evaluate(engine, tokenizer, records: Sequence, *, reward: Callable, settings
         records: `astrai.data.PromptRecord`s (prompt, answer, index).
         reward: a reward function of `astrai.rollout.rewards` (called with `format_bonus=0.0`).
         settings: generation settings.
-        max_prompt_length, system_prompt: prompt building, as in training (`encode_records`).
+        max_prompt_length, system_prompt, truncation: prompt building, as in training (`data.max_prompt_length`,
+            `data.system_prompt`, `data.truncation`); `source` names the data in errors and in what `log` prints.
+        stop_token_ids: the stop set (default: the tokenizer's EOS alone).
         generator: RNG the engine draws one number from per call (pass a dedicated one so that evaluation leaves
             other random streams alone); None uses torch's default RNG.
         extract_answer: response text -> the answer it states (reported only), e.g. `ANSWER_EXTRACTORS[name]`.
@@ -176,25 +183,31 @@ def evaluate(engine, tokenizer, records: Sequence, *, reward: Callable, settings
         `EvalResult` (examples in record order).
 
     Raises:
+        DataError: an overlong prompt with `truncation="error"` (naming `source` and the row).
         ValueError: from the engine (a prompt plus `max_new_tokens` beyond the model's context, ...) or from a
             reward that returns the wrong number of scores.
     """
     start = time.perf_counter()
-    params = settings.sampling_params((tokenizer.eos_token_id,))
+    stops = tuple(stop_token_ids) if stop_token_ids is not None else (tokenizer.eos_token_id,)
+    params = settings.sampling_params(stops)
+    encoded = encode_prompt_records([r.prompt for r in records], tokenizer, system_prompt=system_prompt,
+                                    limit=max_prompt_length, limit_name="max_prompt_length", policy=truncation,
+                                    source=source, log=log)
+    kept = [(record, ids) for record, ids in zip(records, encoded) if ids is not None]
     result = EvalResult(num_samples=settings.num_samples)
     k = settings.num_samples
-    with tqdm(total=len(records), desc=desc, unit="question", disable=not progress, leave=leave,
+    with tqdm(total=len(kept), desc=desc, unit="question", disable=not progress, leave=leave,
               dynamic_ncols=True) as bar:
-        for first in range(0, len(records), settings.batch_size):
-            batch = list(records[first:first + settings.batch_size])
-            prompt_ids, answers = encode_records(batch, tokenizer, system_prompt=system_prompt,
-                                                 max_prompt_length=max_prompt_length)
+        for first in range(0, len(kept), settings.batch_size):
+            batch = [record for record, _ in kept[first:first + settings.batch_size]]
+            prompt_ids = [ids for _, ids in kept[first:first + settings.batch_size]]
+            answers = [record.answer for record in batch]
             generate_start = time.perf_counter()
             generation = engine.generate(prompt_ids, params, generator, n=k)
             result.generation_seconds += time.perf_counter() - generate_start
             mask = generation.action_mask.cpu()
             ids = [row[m].tolist() for row, m in zip(generation.response_ids.cpu(), mask)]
-            responses = [tokenizer.decode(r, skip_special_tokens=True) for r in ids]
+            responses = [tokenizer.decode(strip_stop(r, stops), skip_special_tokens=True) for r in ids]
             scores = reward(responses, [a for a in answers for _ in range(k)], format_bonus=0.0)
             scores = torch.as_tensor(scores, dtype=torch.float32).reshape(-1).tolist()
             if len(scores) != len(responses):

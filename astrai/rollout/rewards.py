@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -193,6 +193,19 @@ ANSWER_EXTRACTORS: dict[str, Callable[[str], Optional[str]]] = {
 """Reward name -> the function that reads the answer a response states (what the reward compares); the
 evaluator reports it per response. A reward without an entry reports no extracted answer."""
 
+ANSWER_CHECKS: dict[str, Callable[[str], bool]] = {
+    "math_exact_match": lambda answer: parse_number(extract_gsm8k_answer(answer)) is not None,
+}
+"""Reward name -> whether a reference answer can ever be matched (rewards without an entry accept any)."""
+
+
+def unscorable_answers(name: str, answers: Sequence[str]) -> list[int]:
+    """0-based indices of the `answers` that reward `name` can never match: for ``math_exact_match`` an answer
+    whose final answer (after ``####``, or the whole text) is not a number, e.g. a GSM8K-style solution that lost
+    its ``#### N`` line. Such rows always score 0."""
+    check = ANSWER_CHECKS.get(name)
+    return [] if check is None else [i for i, answer in enumerate(answers) if not check(answer)]
+
 
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as ``name`` in ``REWARDS``.
@@ -207,5 +220,5 @@ def get_reward(name: str) -> RewardFn:
         raise ValueError(f"reward.name: unknown reward {name!r}; choices: {choices}") from None
 
 
-__all__ = ["ANSWER_EXTRACTORS", "REWARDS", "RewardFn", "extract_final_number", "get_reward", "has_marked_answer",
-           "math_exact_match", "numbers_equal", "parse_number"]
+__all__ = ["ANSWER_CHECKS", "ANSWER_EXTRACTORS", "REWARDS", "RewardFn", "extract_final_number", "get_reward",
+           "has_marked_answer", "math_exact_match", "numbers_equal", "parse_number", "unscorable_answers"]

@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import os
 import random
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from astrai.checkpoint import (GlobalRNGState, Part, checkpoints_root, find_latest_checkpoint, publish_checkpoint,
-                               recover)
+from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_checkpoint, recover
 from astrai.config import Config, config_to_dict, dump_config
+from astrai.data.limits import check_model_limits
 from astrai.distributed import setup_distributed
 from astrai.models import load_pretrained
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.evaluation import build_evaluation
-from astrai.trainer.loop import Trainer
+from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
-from astrai.trainer.resume import resolve_resume, restore
+from astrai.trainer.resume import restore
+from astrai.trainer.runs import resolve_run
 from astrai.trainer.strategies import TRAIN_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,8 +56,10 @@ def job_parts(trainer: Trainer, tokenizer, config_text: str) -> dict[str, Part]:
 def build_trainer(config: Config) -> Trainer:
     """Everything `python -m astrai.train` needs, wired together.
 
-    Cleans up after a crashed publish (main process), resumes when `checkpoint.resume` says so, and writes
-    the resolved config to `<output_dir>/config.yaml` once everything has been built.
+    Cleans up after a crashed publish (main process), resolves the run (`trainer.runs`: a fresh start in a
+    directory holding checkpoints needs `train.overwrite_output_dir`), checks the length budgets and vocabulary
+    against the model (`data.limits`), resumes when `checkpoint.resume` says so, and writes the resolved config
+    to `<output_dir>/config.yaml` once everything has been built.
 
     Raises:
         FileNotFoundError / ValueError / CheckpointError: from model, data or checkpoint loading, with
@@ -73,15 +75,15 @@ def build_trainer(config: Config) -> Trainer:
     if dist.is_main and checkpoints_root(output_dir).is_dir():
         recover(output_dir)
     dist.barrier()
-    resume_from = resolve_resume(config.checkpoint.resume, output_dir)
-    if resume_from is None and dist.is_main and find_latest_checkpoint(output_dir) is not None:
-        warnings.warn(f"train.output_dir {output_dir} already holds checkpoints of an earlier run: this fresh "
-                      f"run replaces those of the steps it reaches (--checkpoint.resume auto continues instead)")
+    resume_from, run_id = resolve_run(config.checkpoint.resume, output_dir,
+                                      overwrite=config.train.overwrite_output_dir, dist=dist)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
+    check_model_limits(config, policy.config, tokenizer)
     policy.train()
     policy.gradient_checkpointing = config.model.gradient_checkpointing
     strategy = TRAIN_TYPES[config.train.type](config, dist, policy, tokenizer)
-    trainer = Trainer(strategy, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm)
+    trainer = Trainer(strategy, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm,
+                      state=TrainerState(run_id=run_id))
     config_text = dump_config(config)
     if resume_from is not None:
         restore(job_parts(trainer, tokenizer, config_text), resume_from, rank=dist.rank,
@@ -94,7 +96,7 @@ def build_trainer(config: Config) -> Trainer:
             output_dir, trainer.state.global_step, job_parts(trainer, tokenizer, config_text),
             metadata={"policy_version": trainer.state.policy_version, "train_type": config.train.type},
             world_size=dist.world_size, dist=dist if dist.world_size > 1 else None,
-            keep_last=config.checkpoint.keep_last)
+            keep_last=config.checkpoint.keep_last, run_id=run_id)
 
     evaluation = build_evaluation(config, dist, strategy, tokenizer)  # None unless train.eval_steps > 0
     trainer.callbacks = [

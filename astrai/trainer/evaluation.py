@@ -27,12 +27,18 @@ import torch
 from tqdm.auto import tqdm
 
 from astrai.algos.stats import wilson_interval
+from astrai.data.truncation import encode_prompt_records
+from astrai.models.special_tokens import stop_token_ids
 from astrai.rollout.evaluation import EvalSettings, evaluate
 from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.trainer.experience import sync_engine
 from astrai.trainer.loop import Callback
 
 __all__ = ["EvaluationCallback", "build_evaluation"]
+
+
+def _quiet(message: str) -> None:
+    """A log that prints nothing."""
 
 
 class EvaluationCallback(Callback):
@@ -46,7 +52,7 @@ class EvaluationCallback(Callback):
         eval_steps: evaluate when `global_step % eval_steps == 0` (> 0), and after the last step.
         strategy: the train type: its `policy` (a `TrainedModel`) and `rollout_engine` (None for offline types).
         dist: `DistributedContext` (device, rank, world size, all-reduce).
-        max_prompt_length, system_prompt: prompt building as in training.
+        max_prompt_length, system_prompt, truncation: prompt building as in training (`source` names the data).
         seed: seed of the dedicated sampling generator.
         printer: prints one line per evaluation on the main process.
         progress: show a progress bar over the questions on the main process.
@@ -56,7 +62,8 @@ class EvaluationCallback(Callback):
     """
 
     def __init__(self, *, records: Sequence, tokenizer, reward, settings: EvalSettings, eval_steps: int,
-                 strategy, dist, max_prompt_length: int, system_prompt: Optional[str] = None, seed: int = 0,
+                 strategy, dist, max_prompt_length: int, system_prompt: Optional[str] = None,
+                 truncation: str = "error", source: str = "data.eval_path", seed: int = 0,
                  printer=tqdm.write, progress: bool = True):
         if eval_steps < 1:
             raise ValueError(f"train.eval_steps: expected >= 1 for an evaluation callback, got {eval_steps}")
@@ -67,6 +74,7 @@ class EvaluationCallback(Callback):
         self.tokenizer, self.reward, self.settings, self.eval_steps = tokenizer, reward, settings, eval_steps
         self.strategy, self.dist, self.seed, self.printer = strategy, dist, seed, printer
         self.max_prompt_length, self.system_prompt = max_prompt_length, system_prompt
+        self.truncation, self.source = truncation, source
         self.progress = progress and dist.is_main
         self._own_engine = None
 
@@ -102,8 +110,10 @@ class EvaluationCallback(Callback):
                 generator = torch.Generator(device=self.dist.device).manual_seed(self.seed)
                 result = evaluate(engine, self.tokenizer, self.records, reward=self.reward, settings=self.settings,
                                   max_prompt_length=self.max_prompt_length, system_prompt=self.system_prompt,
+                                  truncation=self.truncation, source=self.source,
+                                  stop_token_ids=stop_token_ids(self.strategy.policy.model.config, self.tokenizer),
                                   generator=generator, progress=self.progress, leave=False,
-                                  desc=f"eval step {step}")
+                                  desc=f"eval step {step}", log=_quiet)
                 correct, count = result.correct, result.num_questions
         finally:
             if getattr(engine, "prefix_cache", None) is not None:
@@ -138,8 +148,15 @@ def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCa
     d = config.data
     dataset = PromptDataset(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field,
                             field="data.eval_path")
+    records = dataset.records[:d.eval_limit]
+    # once at start-up: an overlong prompt under data.truncation=error stops the job now, and what filter/left do
+    # is said once (each evaluation then encodes the same way, quietly)
+    encode_prompt_records([r.prompt for r in records], tokenizer, system_prompt=d.system_prompt,
+                          limit=d.max_prompt_length, limit_name="data.max_prompt_length", policy=d.truncation,
+                          source=str(d.eval_path), log=print if dist.is_main else _quiet)
     return EvaluationCallback(
-        records=dataset.records[:d.eval_limit], tokenizer=tokenizer, reward=get_reward(config.reward.name),
+        records=records, tokenizer=tokenizer, reward=get_reward(config.reward.name),
         settings=EvalSettings(max_new_tokens=config.rollout.max_new_tokens), eval_steps=config.train.eval_steps,
         strategy=strategy, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
+        truncation=d.truncation, source=str(d.eval_path),
         seed=config.train.seed, progress=config.train.progress_bar)

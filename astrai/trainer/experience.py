@@ -8,17 +8,17 @@ then pins its targets on them (GAE, group advantages) and replays them (`replay.
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
 from astrai.data import PromptDataset, PromptSampler
+from astrai.data.truncation import EncodedPrompt, encode_prompt_records
+from astrai.models.special_tokens import stop_token_ids, strip_stop
 from astrai.rollout.paged_engine import PagedGenerationEngine
-from astrai.rollout.prompts import encode_prompts
-from astrai.rollout.rewards import get_reward
+from astrai.rollout.rewards import get_reward, unscorable_answers
 from astrai.rollout.runner import Experience, RolloutRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.trainer.models import TrainedModel
@@ -65,15 +65,15 @@ class OnlineExperience:
     Args:
         policy: the trained policy (its current weights go to the engine before each batch).
         runner: the rollout runner (its `engine` is the colocated `PagedGenerationEngine`).
-        sampler: endless resumable sampler of records with `.prompt` and `.answer` (`PromptSampler`).
-        encode: list of prompts -> list of token-id lists (the chat template; `rollout.prompts.encode_prompts`).
+        sampler: endless resumable sampler of records with `.prompt_ids` (chat-templated, within the prompt
+            budget) and `.answer` (`PromptSampler` over `data.truncation.EncodedPrompt`s).
         batch_size: B, prompts per batch; group_size: G, samples per prompt (rows b * G ... b * G + G - 1).
         seed: seeds the sampling RNG (on `device`).
     """
 
-    def __init__(self, *, policy: TrainedModel, runner: RolloutRunner, sampler, encode: Callable[[list], list],
-                 batch_size: int, group_size: int = 1, seed: int, device: torch.device):
-        self.policy, self.runner, self.data_sampler, self.encode = policy, runner, sampler, encode
+    def __init__(self, *, policy: TrainedModel, runner: RolloutRunner, sampler, batch_size: int,
+                 group_size: int = 1, seed: int, device: torch.device):
+        self.policy, self.runner, self.data_sampler = policy, runner, sampler
         self.batch_size, self.group_size = batch_size, group_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -89,8 +89,7 @@ class OnlineExperience:
         sync_engine(self.runner.engine, self.policy.model, policy_version)
         synced = time.perf_counter() - start
         records = self.data_sampler.next_batch(self.batch_size)
-        prompt_ids = self.encode([record.prompt for record in records])
-        repeated = [ids for ids in prompt_ids for _ in range(self.group_size)]
+        repeated = [record.prompt_ids for record in records for _ in range(self.group_size)]
         answers = [record.answer for record in records for _ in range(self.group_size)]
         experience = self.runner.collect(repeated, answers, self.generator)
         experience.timings["weight_sync"] = synced
@@ -108,29 +107,56 @@ class OnlineExperience:
 def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, ref_model: Optional[torch.nn.Module],
                             chunk_size: int, group_size: int = 1) -> OnlineExperience:
     """The online experience source of a validated config: engine (inference copy of the policy, in
-    `rollout.dtype`), sampling settings (stop at the tokenizer's EOS), reward, runner, prompt dataset and sampler
-    (seeded per rank), chat encoding, and the sampling RNG (seed `train.seed + 1000 * rank`).
+    `rollout.dtype`), sampling settings (stop on every id of `special_tokens.stop_token_ids`: the tokenizer's EOS
+    and the model config's eos list), reward (it sees the response text without a final stop token), runner, the
+    prompts (`load_online_prompts`) and their sampler (seeded per rank), and the sampling RNG (seed
+    `train.seed + 1000 * rank`).
 
     Raises:
-        DataError: for a missing or malformed prompt file.
+        DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
     """
     r = config.rollout
     engine = PagedGenerationEngine(policy.model, pad_token_id=tokenizer.pad_token_id, dtype=r.dtype)
+    stops = stop_token_ids(policy.model.config, tokenizer)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                              top_p=r.top_p, stop_token_ids=(tokenizer.eos_token_id,))
+                              top_p=r.top_p, stop_token_ids=stops)
     if sampling.truncates:
         warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
                       "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
     reward = get_reward(config.reward.name)
     runner = RolloutRunner(
-        engine, sampling, decode=functools.partial(tokenizer.decode, skip_special_tokens=True),
+        engine, sampling, decode=lambda ids: tokenizer.decode(strip_stop(ids, stops), skip_special_tokens=True),
         score_fn=lambda texts, answers, ids: reward(texts, answers, format_bonus=config.reward.format_bonus),
         ref_model=ref_model, chunk_size=chunk_size)
-    dataset = PromptDataset(config.data.path, prompt_field=config.data.prompt_field,
-                            answer_field=config.data.answer_field)
-    sampler = PromptSampler(dataset, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
-    encode = functools.partial(encode_prompts, tokenizer=tokenizer, system_prompt=config.data.system_prompt,
-                               max_prompt_length=config.data.max_prompt_length)
-    return OnlineExperience(policy=policy, runner=runner, sampler=sampler, encode=encode, batch_size=r.batch_size,
+    prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
+    sampler = PromptSampler(prompts, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
+    return OnlineExperience(policy=policy, runner=runner, sampler=sampler, batch_size=r.batch_size,
                             group_size=group_size, seed=config.train.seed + 1000 * dist.rank, device=dist.device)
 
+
+def _quiet(message: str) -> None:
+    """A log that prints nothing (ranks other than the main one)."""
+
+
+def load_online_prompts(config, tokenizer, *, main: bool = True) -> list[EncodedPrompt]:
+    """The `data.path` prompts, chat-templated once at load time with overlong ones handled by `data.truncation`
+    against `data.max_prompt_length`. On the `main` rank, prints what `filter` / `left` did and warns (count and
+    first rows) about reference answers the reward can never match (GSM8K answers without `#### N`); those rows
+    are kept: the data needs fixing, and the warning says where.
+
+    Raises:
+        DataError: for a missing or malformed prompt file, or from `data.truncation.encode_prompt_records`.
+    """
+    d = config.data
+    dataset = PromptDataset(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
+    bad = unscorable_answers(config.reward.name, [rec.answer for rec in dataset]) if d.answer_field else []
+    if bad and main:
+        rows = ", ".join(str(i + 1) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        warnings.warn(f"{dataset.path}: {len(bad)} of {len(dataset)} answers ({d.answer_field!r}) have no final "
+                      f"number ('#### N' or a bare number), so {config.reward.name} scores every response to "
+                      f"them 0 (rows {rows})", stacklevel=2)
+    ids = encode_prompt_records([rec.prompt for rec in dataset], tokenizer, system_prompt=d.system_prompt,
+                                limit=d.max_prompt_length, limit_name="data.max_prompt_length",
+                                policy=d.truncation, source=str(dataset.path), log=print if main else _quiet)
+    return [EncodedPrompt(prompt_ids=p, answer=rec.answer, index=rec.index)
+            for p, rec in zip(ids, dataset) if p is not None]

@@ -37,19 +37,21 @@ class TrainerState:
         policy_version: completed policy optimizer steps; tags the weights the rollout engine holds.
         consumed_samples: records (prompts, examples, pairs) drawn from the data so far, over all ranks.
         max_steps: the run's target number of steps (not restored: the job sets it).
+        run_id: the id of the training run (`trainer.runs`; not restored: resolved before the checkpoint loads).
     """
 
     global_step: int = 0
     policy_version: int = 0
     consumed_samples: int = 0
     max_steps: int = 0
+    run_id: Optional[str] = None
 
     def state_dict(self) -> dict:
         """JSON-serialisable copy of the counters (written to trainer_state.json)."""
         return asdict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Take the counters of a checkpoint (`max_steps` stays this run's)."""
+        """Take the counters of a checkpoint (`max_steps` and `run_id` stay this run's)."""
         self.global_step = int(state["global_step"])
         self.policy_version = int(state["policy_version"])
         self.consumed_samples = int(state.get("consumed_samples", 0))

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from astrai.checkpoint import Part
+from astrai.config import ConfigError
 from astrai.distributed import DistributedContext
 from astrai.models.moe import collect_aux_loss, convert_to_moe
 from astrai.trainer.optim import build_optimizer, build_scheduler
@@ -104,9 +105,22 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 def apply_model_options(config, policy: torch.nn.Module) -> torch.nn.Module:
     """Model options applied before a strategy is built: MoE sparse upcycling of the dense MLPs when
     `model.moe_num_experts > 0` (`astrai.models.moe.convert_to_moe`, router seeded by `train.seed`), so the
-    reference, critic and engine copies made by the builders are MoE models too. Returns `policy`."""
+    reference, critic and engine copies made by the builders are MoE models too. A policy loaded from an MoE
+    checkpoint stays as saved. Returns `policy`.
+
+    Raises:
+        ConfigError: the loaded model is MoE with other settings than `model.moe_*`.
+    """
     m = config.model
-    if m.moe_num_experts:
+    loaded = policy.config.num_local_experts
+    if m.moe_num_experts and loaded:  # an MoE checkpoint: keep it when the settings agree
+        wanted = (m.moe_num_experts, m.moe_top_k, m.moe_num_shared_experts)
+        have = (loaded, policy.config.num_experts_per_tok, policy.config.n_shared_experts)
+        if wanted != have:
+            raise ConfigError(f"model.moe_num_experts: {m.path} is already an MoE model (experts, top-k, "
+                              f"shared = {have}), the config asks for {wanted}; set model.moe_num_experts 0 to "
+                              f"train it as saved")
+    elif m.moe_num_experts:
         convert_to_moe(policy, num_experts=m.moe_num_experts, top_k=m.moe_top_k,
                        num_shared_experts=m.moe_num_shared_experts, aux_loss_coef=m.moe_aux_loss_coef,
                        seed=config.train.seed)

@@ -13,12 +13,12 @@ from typing import Mapping, Optional
 from astrai.checkpoint import CheckpointError, Part, find_latest_checkpoint, load_checkpoint
 
 
-def resolve_resume(resume: str, output_dir: str | Path) -> Optional[Path]:
+def resolve_resume(resume: str, output_dir: str | Path, *, run_id: Optional[str] = None) -> Optional[Path]:
     """The checkpoint directory to resume from, or None for a fresh start.
 
     Args:
-        resume: "none", "auto" (latest complete checkpoint under `<output_dir>/checkpoints`, None if there
-            is none) or a directory path.
+        resume: "none", "auto" (latest complete checkpoint under `<output_dir>/checkpoints` of run `run_id`
+            when given, None if there is none) or a directory path.
 
     Raises:
         CheckpointError: when a given path is not a directory.
@@ -26,7 +26,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Optional[Path]:
     if resume == "none":
         return None
     if resume == "auto":
-        return find_latest_checkpoint(output_dir)
+        return find_latest_checkpoint(output_dir, run_id=run_id)
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.resume: not a checkpoint directory: {path}")

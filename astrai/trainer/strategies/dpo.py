@@ -1,7 +1,8 @@
 """dpo: Direct Preference Optimization against a frozen reference (Rafailov et al. 2023).
 
 Each record holds a prompt and a chosen and a rejected response (strings). The prompt goes through the chat
-template like online rollouts; each response is its tokens + EOS. Chosen and rejected rows of a micro-batch
+template like online rollouts; each response is its text's tokens + the end-of-turn id
+(`special_tokens.response_end_id`). Chosen and rejected rows of a micro-batch
 share one forward in the rollout layout (`Sequences.from_tokens`) and are scored by the same
 `response_logprobs` as RL (temperature 1); the sequence log-prob is the sum over real response tokens. The loss
 (`algos.dpo_loss`) is divided by the GLOBAL number of pairs of the optimizer step (all micro-batches, all
@@ -17,7 +18,8 @@ from astrai.data import PromptSampler
 from astrai.data.examples import response_tokens
 from astrai.data.records import load_records, require_str
 from astrai.data.sequences import Sequences
-from astrai.rollout.prompts import prompt_ids_and_budget
+from astrai.data.truncation import prompt_ids_and_budget, report_dropped
+from astrai.models.special_tokens import response_end_id, stop_token_ids
 from astrai.rollout.scoring import response_logprobs
 from astrai.trainer.models import TrainedModel, build_trained_model, frozen_copy
 from astrai.trainer.strategies.sft import SupervisedStrategy
@@ -70,11 +72,13 @@ class DPOStrategy(SupervisedStrategy):
                             count=lambda triples: torch.tensor(len(triples), device=device))
 
 
-def preference_triples(rows, tokenizer, config) -> list[tuple[list[int], list[int], list[int]]]:
-    """(prompt ids, chosen ids, rejected ids) per record; responses truncated to fit `data.max_length`.
+def preference_triples(rows, tokenizer, config, *, end_id: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, chosen ids, rejected ids) per record; responses are their text's tokens plus `end_id`,
+    truncated to fit `data.max_length`; records whose prompt `data.truncation=filter` drops are left out.
 
     Raises:
-        DataError: a non-string field (naming the row and config key) or a prompt longer than max_length - 1.
+        DataError: a non-string field (naming the row and config key) or an overlong prompt
+            (`prompt_ids_and_budget`).
     """
     d = config.data
     out = []
@@ -83,12 +87,17 @@ def preference_triples(rows, tokenizer, config) -> list[tuple[list[int], list[in
         prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
         chosen = require_str(row, d.chosen_field, "data.chosen_field", where)
         rejected = require_str(row, d.rejected_field, "data.rejected_field", where)
-        ids, budget = prompt_ids_and_budget(prompt, tokenizer, system_prompt=d.system_prompt,
-                                            max_prompt_length=d.max_prompt_length, max_length=d.max_length,
-                                            where=where)
-        out.append((ids, response_tokens(chosen, tokenizer, budget=budget),
-                    response_tokens(rejected, tokenizer, budget=budget)))
+        fitted = prompt_ids_and_budget(prompt, tokenizer, d, where)
+        if fitted is None:
+            continue
+        ids, budget = fitted
+        out.append((ids, response_tokens(chosen, tokenizer, budget=budget, end_id=end_id),
+                    response_tokens(rejected, tokenizer, budget=budget, end_id=end_id)))
     return out
+
+
+def _quiet(message: str) -> None:
+    """A log that prints nothing (ranks other than the main one)."""
 
 
 def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
@@ -96,7 +105,9 @@ def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
     d = config.data
     rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
                                  "data.rejected_field": d.rejected_field})
-    triples = preference_triples(rows, tokenizer, config)
+    end_id = response_end_id(tokenizer, stop_token_ids(policy.config, tokenizer))
+    triples = preference_triples(rows, tokenizer, config, end_id=end_id)
+    report_dropped(len(triples), len(rows), source=d.path, log=print if dist.is_main else _quiet)
     policy = policy.to(dist.device)
     ref_model = frozen_copy(policy)
     trained = build_trained_model(config, dist, policy, name="policy")

@@ -3,7 +3,8 @@
 Each record holds a prompt (`data.prompt_field`), exactly G = `grpo.group_size` responses
 (`data.responses_field`, strings), their G scalar rewards (`data.rewards_field`) and optionally the behaviour
 log-probs of every response token (`data.logprobs_field`, G lists, at `rollout.temperature`) and the exact
-sampled token ids (`response_ids`, G lists; otherwise a response is its text's tokens + EOS). The update is the
+sampled token ids (`response_ids`, G lists of ids in the vocabulary, checked at load time; otherwise a response
+is its text's tokens + the end-of-turn id, `special_tokens.response_end_id`). The update is the
 online one (`online_grpo.GRPOStrategy`, same advantages, validation, loss and minibatching); only the
 experience source differs (`StoredGroups`): `rollout.batch_size` records per batch instead of engine samples.
 
@@ -21,9 +22,10 @@ import torch
 
 from astrai.data import DataError, PromptSampler
 from astrai.data.examples import response_tokens
-from astrai.data.records import load_records, require_str
+from astrai.data.records import check_token_ids, load_records, require_str
 from astrai.data.sequences import Sequences
-from astrai.rollout.prompts import prompt_ids_and_budget
+from astrai.data.truncation import prompt_ids_and_budget, report_dropped
+from astrai.models.special_tokens import response_end_id, stop_token_ids
 from astrai.rollout.runner import Experience
 from astrai.rollout.scoring import response_logprobs, score_in_chunks
 from astrai.trainer.models import TrainedModel, build_trained_model, frozen_copy
@@ -101,8 +103,15 @@ def _number_list(value, n: int, what: str, where: str) -> list:
     return value
 
 
-def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
-    """Tokenise and check one stored group. Raises DataError naming the row, the field and the problem."""
+def group_record(row: dict, tokenizer, config, where: str, *, end_id: int,
+                 vocab_size: int) -> Optional[GroupRecord]:
+    """Tokenise and check one stored group; None when `data.truncation=filter` drops its prompt. Responses
+    without `response_ids` are their text's tokens plus `end_id`; given `response_ids` must be integers in
+    `[0, vocab_size)`.
+
+    Raises:
+        DataError: naming the row, the field and the problem.
+    """
     d, g = config.data, config.grpo.group_size
     prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
     texts = _number_list(row[d.responses_field], g, f"field {d.responses_field!r}", where)
@@ -111,14 +120,18 @@ def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
         raise DataError(f"{where}: field {d.rewards_field!r} must hold finite numbers")
     if not all(isinstance(t, str) for t in texts):
         raise DataError(f"{where}: field {d.responses_field!r} must hold strings")
-    prompt_ids, budget = prompt_ids_and_budget(prompt, tokenizer, system_prompt=d.system_prompt,
-                                               max_prompt_length=d.max_prompt_length, max_length=d.max_length,
-                                               where=where)
     ids = row.get("response_ids")
     if ids is not None:
-        ids = [list(x)[:budget] for x in _number_list(ids, g, "field 'response_ids'", where)]
+        ids = [check_token_ids(x, vocab_size, field=f"response_ids[{i}]", where=where)
+               for i, x in enumerate(_number_list(ids, g, "field 'response_ids'", where))]
+    fitted = prompt_ids_and_budget(prompt, tokenizer, d, where)
+    if fitted is None:
+        return None
+    prompt_ids, budget = fitted
+    if ids is not None:
+        ids = [list(x)[:budget] for x in ids]
     else:
-        ids = [response_tokens(t, tokenizer, budget=budget) for t in texts]
+        ids = [response_tokens(t, tokenizer, budget=budget, end_id=end_id) for t in texts]
     logprobs = row.get(d.logprobs_field)
     if logprobs is not None:
         logprobs = _number_list(logprobs, g, f"field {d.logprobs_field!r}", where)
@@ -131,13 +144,22 @@ def group_record(row: dict, tokenizer, config, where: str) -> GroupRecord:
                        logprobs=logprobs, texts=list(texts))
 
 
+def _quiet(message: str) -> None:
+    """A log that prints nothing (ranks other than the main one)."""
+
+
 def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     """Offline grpo from `data.path` groups. Raises DataError for bad data."""
     d, g = config.data, config.grpo
     rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.responses_field": d.responses_field,
                                  "data.rewards_field": d.rewards_field},
                         optional={"data.logprobs_field": d.logprobs_field, "response_ids": "response_ids"})
-    records = [group_record(row, tokenizer, config, f"{d.path} row {i + 1}") for i, row in enumerate(rows)]
+    end_id = response_end_id(tokenizer, stop_token_ids(policy.config, tokenizer))
+    vocab_size = min(tokenizer.vocab_size, policy.config.vocab_size)
+    records = [group_record(row, tokenizer, config, f"{d.path} row {i + 1}", end_id=end_id, vocab_size=vocab_size)
+               for i, row in enumerate(rows)]
+    records = [r for r in records if r is not None]
+    report_dropped(len(records), len(rows), source=d.path, log=print if dist.is_main else _quiet)
     policy = policy.to(dist.device)
     ref_model = frozen_copy(policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
     trained = build_trained_model(config, dist, policy, name="policy")

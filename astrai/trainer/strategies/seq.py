@@ -1,7 +1,9 @@
 """seq: causal-LM pre-training on raw text, next-token cross-entropy over every token.
 
-Each record's `data.text_field` is tokenised with EOS appended; with `data.packing` (the usual setting) the
-token stream is cut into rows of `data.max_length` ("concatenate and chunk", Radford et al. 2019). The step
+Each record's `data.text_field` is tokenised (as text) with EOS appended; with `data.packing` (the usual
+setting) whole documents are concatenated and the token stream is cut into rows of `data.max_length`
+("concatenate and chunk", Radford et al. 2019), with positions and attention kept within each document;
+without packing a document keeps its first `data.max_length` tokens. The step
 is `sft.NextTokenStrategy` (global token-mean over the optimizer step, gradient accumulation).
 """
 
@@ -18,6 +20,6 @@ def build_seq(config, dist, policy, tokenizer) -> NextTokenStrategy:
     rows = load_records(d.path, {"data.text_field": d.text_field})
     examples = build_examples(
         rows, lambda row, where: text_example(require_str(row, d.text_field, "data.text_field", where), tokenizer,
-                                              max_length=d.max_length),
+                                              max_length=None if d.packing else d.max_length),
         packing=d.packing, max_length=d.max_length, source=d.path)
     return build_next_token(config, dist, policy, tokenizer, examples)

@@ -1,11 +1,12 @@
 """sft: supervised fine-tuning on chat data, masked next-token cross-entropy over the assistant tokens.
 
 Each record holds a `messages` list (role/content); `astrai.data.examples.chat_example` labels exactly the
-assistant turns (everything else is ignored, -100). Optional packing concatenates examples into
-`data.max_length` rows. The step is shared with `seq` (pre-training): `NextTokenStrategy` draws
-`gradient_accumulation_steps` micro-batches of `per_device_train_batch_size` examples, divides the summed
-token cross-entropy by the GLOBAL number of labelled tokens of the step (all micro-batches, all ranks), and
-makes one policy optimizer step.
+assistant turns through their end-of-turn stop token (everything else is ignored, -100); contents are encoded
+as text. Longer chats keep their first `data.max_length` tokens; optional packing concatenates whole chats and
+cuts them into `data.max_length` rows whose documents do not attend to each other. The step is shared with `seq`
+(pre-training): `NextTokenStrategy` draws `gradient_accumulation_steps` micro-batches of
+`per_device_train_batch_size` examples, divides the summed token cross-entropy by the GLOBAL number of labelled
+tokens of the step (all micro-batches, all ranks), and makes one policy optimizer step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from astrai.checkpoint import Part
 from astrai.data import DataError, PromptSampler
 from astrai.data.examples import IGNORE_INDEX, LMBatch, chat_example, collate_lm, pack_examples
 from astrai.data.records import load_records
+from astrai.models.special_tokens import stop_token_ids
 from astrai.trainer.models import TrainedModel, build_trained_model
 
 
@@ -83,17 +85,19 @@ class NextTokenStrategy(SupervisedStrategy):
         def loss_fn(batch: LMBatch, num_tokens: torch.Tensor):
             seen["train/tokens"] = num_tokens.float()
             logits = self.policy.module(batch.input_ids, attention_mask=batch.attention_mask,
-                                        position_ids=batch.position_ids)
+                                        position_ids=batch.position_ids, document_ids=batch.document_ids)
             logprobs = logprobs_from_logits(logits[:, :-1], batch.labels[:, 1:].clamp(min=0))
             return token_cross_entropy(logprobs, batch.loss_mask, num_tokens=num_tokens)
 
-        metrics = trainer.accumulate_and_step(self.policy, batches, loss_fn, count=lambda batch: batch.loss_mask.sum())
+        metrics = trainer.accumulate_and_step(self.policy, batches, loss_fn,
+                                              count=lambda batch: batch.loss_mask.sum())
         return dict(metrics, **seen)
 
 
 def build_examples(rows: Sequence, make, *, packing: bool, max_length: int, source: str) -> list:
-    """(ids, labels) examples from `rows` via `make(row, where)`, packed when `packing`; drops examples
-    without a labelled token. Raises DataError when none is left."""
+    """(ids, labels) examples from `rows` via `make(row, where)` (whole examples when `packing`, which then cuts
+    their concatenation into `max_length` rows with document ids); drops examples without a labelled token.
+    Raises DataError when none is left."""
     examples = [make(row, f"{source} row {i + 1}") for i, row in enumerate(rows)]
     if packing:
         examples = pack_examples(examples, max_length=max_length)
@@ -116,9 +120,11 @@ def build_sft(config, dist, policy, tokenizer) -> NextTokenStrategy:
     """sft from `data.path` records with a `data.messages_field` chat. Raises DataError for bad data."""
     d = config.data
     rows = load_records(d.path, {"data.messages_field": d.messages_field})
+    stops = stop_token_ids(policy.config, tokenizer)
     examples = build_examples(
         rows, lambda row, where: chat_example(_with_system(row[d.messages_field], d.system_prompt), tokenizer,
-                                              max_length=d.max_length, where=where),
+                                              max_length=None if d.packing else d.max_length, stops=stops,
+                                              where=where),
         packing=d.packing, max_length=d.max_length, source=d.path)
     return build_next_token(config, dist, policy, tokenizer, examples)
 

@@ -1,0 +1,107 @@
+"""Training runs sharing an output directory: each run has an id, recorded in its checkpoints.
+
+A fresh start gets a new run id; a resumed run keeps the id of the checkpoint it resumes. The id goes into every
+checkpoint's manifest and `trainer_state.json`, and `<output_dir>/run.json` names the run that last started in
+the directory. `keep_last` retention and `--checkpoint.resume auto` only consider the current run's
+checkpoints, so an older run's `step-00000010` is neither picked for resuming nor counted (or kept in place of
+the new run's checkpoints) by retention. Checkpoints without a run id (written before run ids existed) belong to
+no run; in a directory that holds only such checkpoints and no `run.json` (its runs all predate run ids),
+`resume auto` continues the newest of them under a new run id.
+
+A fresh start (`--checkpoint.resume none`) in a directory that already holds checkpoints is refused unless
+`--overwrite_output_dir true` (the `transformers.TrainingArguments` name): the old checkpoints are then left
+alone and ignored, and a step the new run publishes replaces the old directory of the same name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from astrai.checkpoint import CheckpointError, checkpoints_root, find_latest_checkpoint, list_checkpoints, parse_step
+from astrai.checkpoint.layout import run_id_of
+from astrai.trainer.resume import resolve_resume
+
+__all__ = ["RUN_FILE", "new_run_id", "current_run_id", "resolve_run"]
+
+RUN_FILE = "run.json"
+"""`<output_dir>/run.json`: {"run_id": ...} of the run that last started in the directory."""
+
+
+def new_run_id() -> str:
+    """A fresh run id: start time (UTC, sortable) and 8 random hex digits, e.g. `20250101-120000-1a2b3c4d`."""
+    return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+
+
+def current_run_id(output_dir: str | Path) -> Optional[str]:
+    """The run id in `<output_dir>/run.json`, else that of the most recently published checkpoint that records
+    one (manifest time), else None."""
+    try:
+        value = json.loads((Path(output_dir) / RUN_FILE).read_text(encoding="utf-8")).get("run_id")
+        if isinstance(value, str) and value:
+            return value
+    except (OSError, ValueError, AttributeError):
+        pass
+    dated = [((path / "manifest.json").stat().st_mtime_ns, run_id_of(path))
+             for _, path in list_checkpoints(output_dir)]
+    dated = [(t, run) for t, run in dated if run is not None]
+    return max(dated)[1] if dated else None
+
+
+def _step_dirs(output_dir: Path) -> list[Path]:
+    """Every published-looking `step-*` directory (complete or not, any run), sorted by name."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if parse_step(p.name) is not None and p.is_dir())
+
+
+def _write_run_file(output_dir: Path, run_id: str) -> None:
+    """Atomically replace `<output_dir>/run.json`."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / f".{RUN_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"run_id": run_id}) + "\n", encoding="utf-8")
+    os.replace(tmp, output_dir / RUN_FILE)
+
+
+def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -> tuple[Optional[Path], str]:
+    """The checkpoint to resume from (None: fresh start) and this run's id, the same on every rank.
+
+    Every rank reads the directory first (so a refusal is raised everywhere); the main rank then records the run
+    in `<output_dir>/run.json` and says what it does with checkpoints of other runs; the others read the id back.
+
+    Raises:
+        CheckpointError: a fresh start in a directory holding checkpoints without `overwrite`, or a
+            `resume` path that is not a directory.
+    """
+    output_dir = Path(output_dir)
+    existing = _step_dirs(output_dir)
+    if resume == "none" and existing and not overwrite:
+        raise CheckpointError(f"train.output_dir {output_dir} already holds {len(existing)} checkpoint(s) (newest "
+                              f"{existing[-1].name}): pass --checkpoint.resume auto to continue its run, "
+                              f"--overwrite_output_dir true to start a new run there, or another --train.output_dir")
+    current = current_run_id(output_dir) if resume == "auto" else None
+    if resume == "auto" and current is None:
+        # no run.json and no checkpoint with a run id: checkpoints written before run ids existed are the history
+        # of this directory, so `resume auto` continues the newest of them (the work is never dropped)
+        resume_from = find_latest_checkpoint(output_dir)
+    else:
+        resume_from = resolve_resume(resume, output_dir, run_id=current)
+    dist.barrier()  # every rank has read run.json before the main rank replaces it
+    if dist.is_main:
+        run_id = (run_id_of(resume_from) if resume_from is not None else None) or current or new_run_id()
+        _write_run_file(output_dir, run_id)
+        others = [p for p in existing if run_id_of(p) != run_id]
+        if others and resume_from is None:
+            why = "overwrite_output_dir" if resume == "none" else "checkpoint.resume auto: no checkpoint of the " \
+                                                                    "current run, starting fresh;"
+            print(f"{why} run {run_id} ignores the {len(others)} checkpoint(s) of other runs in "
+                  f"{checkpoints_root(output_dir)} (keep_last and resume auto leave them alone; a step this run "
+                  f"publishes replaces the directory of the same name)")
+    dist.barrier()
+    run_id = json.loads((output_dir / RUN_FILE).read_text(encoding="utf-8"))["run_id"]
+    return resume_from, run_id
