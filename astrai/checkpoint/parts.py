@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from astrai.checkpoint.manifest import HF_MODEL_FILES, CheckpointError, part_files
+from astrai.models import hf_state_dict
 
 RESTORABLE_KINDS = ("hf_model", "torch", "json")
 
@@ -110,8 +111,6 @@ def write_parts(directory: Path, parts: Mapping[str, Part], rank: int, *,
 
 def _write_part(directory: Path, name: str, part: Part, rank: int) -> list[str]:
     if part.kind == "hf_model":
-        from astrai.models import hf_state_dict
-
         tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state_dict(part.obj).items()}
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
         del tensors

@@ -27,10 +27,12 @@ import torch
 from tqdm.auto import tqdm
 
 from astrai.algos.stats import wilson_interval
+from astrai.data import PromptDataset
 from astrai.data.truncation import encode_prompt_records
 from astrai.models.special_tokens import stop_token_ids
 from astrai.rollout.evaluation import EvalSettings, evaluate
 from astrai.rollout.paged_engine import PagedGenerationEngine
+from astrai.rollout.rewards import get_reward
 from astrai.trainer.experience import sync_engine
 from astrai.trainer.loop import Callback
 
@@ -142,9 +144,6 @@ def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCa
     """
     if not config.train.eval_steps:
         return None
-    from astrai.data import PromptDataset
-    from astrai.rollout.rewards import get_reward
-
     d = config.data
     dataset = PromptDataset(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field,
                             field="data.eval_path")
