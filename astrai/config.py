@@ -24,7 +24,7 @@ from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, En
 
 TRAIN_TYPES = ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq")
 """Valid ``train.type`` values; each new train type (strategy) is added here."""
-DISTRIBUTED_STRATEGIES = ("ddp",)
+DISTRIBUTED_STRATEGIES = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 """Valid ``distributed.strategy`` values."""
 REPORT_TO = ("tensorboard", "wandb", "none")
 """Valid ``train.report_to`` items (transformers' TrainingArguments name); 'none' stands alone."""

@@ -52,6 +52,12 @@ class GenerationEngine:
             self.policy_version = policy_version
             return self.policy_version
 
+    def sleep(self) -> None:
+        """Nothing to release: the contiguous cache lives only during `generate`."""
+
+    def wake(self) -> None:
+        """Nothing to take back (see `sleep`)."""
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None) -> Generation:

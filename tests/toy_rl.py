@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from astrai.distributed import setup_distributed
-from astrai.trainer.experience import OnlineExperience, build_online_experience
+from astrai.trainer.experience import OnlineExperience, build_online_experience, build_rollout_engine
 from astrai.trainer.models import TrainedModel, build_trained_model
 from astrai.trainer.optim import build_optimizer, build_scheduler
 
@@ -43,8 +43,9 @@ def online_experience(policy: TrainedModel, runner, *, vocab: int, batch_size: i
 def built_online_experience(config, policy, tokenizer, *, chunk_size: int = 2) -> OnlineExperience:
     """The online experience source `build_online_experience` makes from a loaded config (CPU, no reference)."""
     dist = setup_distributed("cpu")
+    engine = build_rollout_engine(config, policy, tokenizer)
     return build_online_experience(config, dist, build_trained_model(config, dist, policy, name="policy"), tokenizer,
-                                   ref_model=None, chunk_size=chunk_size)
+                                   engine=engine, ref_model=None, chunk_size=chunk_size)
 
 
 def next_prompts(experience: OnlineExperience, n: int) -> tuple[list[list[int]], list[str]]:

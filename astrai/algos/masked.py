@@ -95,20 +95,24 @@ def masked_var(
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8,
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Whiten ``x`` with the mean and standard deviation of its real positions (e.g. PPO advantages).
 
     Shapes: ``x`` (B, T) (any shape), floating; ``mask`` same shape. Returns the same shape and dtype.
     Formula: ``mu = masked_mean(x)``, ``var = masked_var(x, unbiased=True)``,
     ``y = (x - mu) / sqrt(var + eps)``; if not ``shift_mean`` the mean is added back (``y + mu``, scale only).
-    Statistics come from real positions only; masked positions of the output are exactly 0.
+    Statistics come from real positions only; masked positions of the output are exactly 0. ``moments`` = (mean,
+    var) 0-dim replaces the statistics of ``x`` (e.g. those of the whole batch over all data-parallel ranks).
     Source: advantage normalisation as in the PPO baselines (Schulman et al. 2017) and GAE (2016).
     Raises: ValueError if the shapes differ.
     """
     m = _check_mask(x, mask)
-    mean = masked_mean(x, m)
-    var = masked_var(x, m, unbiased=True)
+    if moments is None:
+        mean, var = masked_mean(x, m), masked_var(x, m, unbiased=True)
+    else:
+        mean, var = (t.to(x.dtype) for t in moments)
     xm = torch.where(m, x, mean)  # garbage at masked positions never reaches the arithmetic
     y = (xm - mean) * torch.rsqrt(var + eps)
     if not shift_mean:

@@ -138,9 +138,10 @@ class LoadedCheckpoint:
         return self.read_json(file)
 
     def missing_files(self, parts: Mapping[str, Part], rank: int = 0) -> list[str]:
-        """Files of the required, restorable `parts` (this rank's copies) that the checkpoint lacks."""
+        """Files of the required, restorable `parts` (this rank's copies of per-rank ones) that the checkpoint
+        lacks."""
         wanted = [f for name, p in parts.items() if p.required and p.restorable and p.obj is not None
-                  for f in part_files(name, p.kind, rank)]
+                  for f in part_files(name, p.kind, rank if p.per_rank else 0)]
         return [f for f in wanted if not (self.has(f) or self._legacy_json(f))]
 
     def _legacy_json(self, file: str) -> bool:
@@ -168,9 +169,17 @@ class LoadedCheckpoint:
         for name, part in parts.items():
             if not part.restorable or part.obj is None:
                 continue
-            if not part.required and not all(self.has(f) for f in part_files(name, part.kind, rank)):
+            own = rank if part.per_rank else 0  # whose copy this rank reads
+            if not part.required and not all(self.has(f) for f in part_files(name, part.kind, own)):
                 continue
-            part.obj.load_state_dict(self.part_state(name, part.kind, rank))
+            if part.kind == "dcp":  # every rank together, into a state of the current layout (resharded)
+                import torch.distributed.checkpoint as dcp
+
+                state = part.obj.state_dict()
+                dcp.load(state, checkpoint_id=str(self.path / name))
+                part.obj.load_state_dict(state)
+                continue
+            part.obj.load_state_dict(self.part_state(name, part.kind, own))
 
 
 def load_checkpoint(path: str | Path, *, verify: bool = False, require_complete: bool = False) -> LoadedCheckpoint:

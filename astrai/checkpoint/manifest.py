@@ -30,7 +30,7 @@ FORMAT_NAME = "astrai-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 POLICY_FILES = ("model.safetensors", "config.json")  # make a directory without a manifest a (legacy) checkpoint
-KINDS = ("hf_model", "hf_tokenizer", "torch", "json", "yaml")  # kinds of parts, see parts.py
+KINDS = ("hf_model", "hf_tokenizer", "torch", "json", "yaml", "dcp")  # kinds of parts, see parts.py
 HF_MODEL_FILES = POLICY_FILES
 _SUFFIX = {"torch": ".pt", "json": ".json", "yaml": ".yaml"}
 LEGACY_REQUIRED_FILES = {None: (), "online_ppo": ("value_model.pt", "value_optimizer.pt")}
@@ -48,7 +48,7 @@ def rank_file(stem: str, rank: int, suffix: str) -> str:
 
 def part_files(name: str, kind: str, rank: int = 0) -> tuple[str, ...]:
     """The files that hold part `name` of `kind` for `rank` (() for `hf_tokenizer`, whose files the tokenizer
-    chooses).
+    chooses; for `dcp`, the metadata file that rank 0 writes, which names every rank's shard files).
 
     Raises:
         CheckpointError: for an unknown kind.
@@ -57,6 +57,8 @@ def part_files(name: str, kind: str, rank: int = 0) -> tuple[str, ...]:
         return HF_MODEL_FILES
     if kind == "hf_tokenizer":
         return ()
+    if kind == "dcp":  # the shard files are the writer's choice; rank 0's metadata names them
+        return (f"{name}/.metadata",) if rank == 0 else ()
     if kind not in _SUFFIX:
         raise CheckpointError(f"part {name!r}: unknown kind {kind!r}; known: {list(KINDS)}")
     return (rank_file(name, rank, _SUFFIX[kind]),)

@@ -9,8 +9,12 @@ Kinds and their files (rank R > 0 of a per-rank part: `<name>_rank{R:05d}<suffix
     torch          <name>.pt                               `state_dict()` through `torch.save` (read weights_only)
     json           <name>.json                             a plain-JSON `state_dict()`
     yaml           <name>.yaml                             a YAML text (the resolved job config; not restored)
+    dcp            <name>/.metadata, <name>/__R_*.distcp   a sharded `state_dict()` written and read by every rank
+                                                           together with torch.distributed.checkpoint (which can
+                                                           reshard it to another world size)
 
-A per-rank part is written by every rank (its own file); any other part by rank 0 alone. `GlobalRNGState` is the
+A per-rank part is written by every rank (its own file), a dcp part by every rank together (a collective: every
+rank declares the same dcp parts in the same order); any other part by rank 0 alone. `GlobalRNGState` is the
 Python / NumPy / torch (+ CUDA) RNG as a part.
 """
 
@@ -30,7 +34,7 @@ from safetensors.torch import save_file
 from astrai.checkpoint.manifest import HF_MODEL_FILES, CheckpointError, part_files
 from astrai.models import hf_state_dict
 
-RESTORABLE_KINDS = ("hf_model", "torch", "json")
+RESTORABLE_KINDS = ("hf_model", "torch", "json", "dcp")
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,8 @@ def write_parts(directory: Path, parts: Mapping[str, Part], rank: int, *,
                 on_written: Callable[[str], None] = lambda name: None) -> list[str]:
     """Write this rank's files of `parts` into `directory` (which must exist); returns the names written.
 
-    Rank 0 writes every part (per-rank ones as its own copy); rank R > 0 only its copies of per-rank parts.
+    Rank 0 writes every part (per-rank ones as its own copy); rank R > 0 its copies of per-rank parts and its shards
+    of dcp parts.
     `on_written(name)` is called after each large file is complete (the publisher hashes and fsyncs it in the
     background while the next one is serialised).
 
@@ -100,7 +105,7 @@ def write_parts(directory: Path, parts: Mapping[str, Part], rank: int, *,
     check_parts(parts)
     written: list[str] = []
     for name, part in parts.items():
-        if part.obj is None or (rank > 0 and not part.per_rank):
+        if part.obj is None or (rank > 0 and not part.per_rank and part.kind != "dcp"):
             continue
         names = _write_part(directory, name, part, rank)
         for file in names:
@@ -121,6 +126,12 @@ def _write_part(directory: Path, name: str, part: Part, rank: int) -> list[str]:
         before = set(os.listdir(directory))
         part.obj.save(directory)
         return sorted(set(os.listdir(directory)) - before)
+    if part.kind == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(part.obj.state_dict(), checkpoint_id=str(directory / name))
+        mine = [f"{name}/{p.name}" for p in sorted((directory / name).glob(f"__{rank}_*.distcp"))]
+        return ([f"{name}/.metadata"] if rank == 0 else []) + mine
     (file,) = part_files(name, part.kind, rank)
     if part.kind == "torch":
         torch.save(part.obj.state_dict(), str(directory / file))

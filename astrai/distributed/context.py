@@ -20,10 +20,14 @@ class DistributedContext:
     Attributes:
         accelerator: the `accelerate.Accelerator` holding the process state.
         device: the torch device this rank computes on.
+        strategy: the data-parallel engine (`astrai.distributed.engines`): ddp, fsdp2, zero1, zero2 or zero3.
+        mixed_precision: "no", "bf16" or "fp16".
     """
 
     accelerator: object
     device: torch.device
+    strategy: str = "ddp"
+    mixed_precision: str = "no"
 
     @property
     def rank(self) -> int:
@@ -57,36 +61,31 @@ class DistributedContext:
         """The bare module under any data-parallel wrapper."""
         return self.accelerator.unwrap_model(model)
 
-    def loss_scale(self) -> float:
-        """Factor that turns a loss normalised by the GLOBAL token count into DDP's averaged gradient.
-
-        DDP averages gradients over ranks; a token-mean over all ranks' tokens needs a sum, so each rank
-        multiplies its loss by the world size (docs/conventions.md section 2, loss aggregation).
-        """
-        return float(self.world_size)
-
     def barrier(self) -> None:
         """Block until every rank arrives (no-op with one process)."""
         self.accelerator.wait_for_everyone()
 
 
-def setup_distributed(device: str = "auto", strategy: str = "ddp") -> DistributedContext:
+def setup_distributed(device: str = "auto", strategy: str = "ddp", *, mixed_precision: str = "no") -> DistributedContext:
     """Create the process state.
 
     Args:
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
-        strategy: data-parallel strategy; "ddp" is the only one implemented so far.
+        strategy: data-parallel engine: "ddp", "fsdp2", "zero1", "zero2" or "zero3" ("auto": ddp).
+        mixed_precision: "no", "bf16" or "fp16".
 
     Raises:
         ValueError: on a CUDA device without CUDA, or an unknown strategy.
     """
     from accelerate import Accelerator
 
-    if strategy != "ddp":
-        raise ValueError(f"distributed.strategy: expected 'ddp', got {strategy!r}")
+    strategy = "ddp" if strategy == "auto" else strategy
+    if strategy not in ("ddp", "fsdp2", "zero1", "zero2", "zero3"):
+        raise ValueError(f"distributed.strategy: expected ddp, fsdp2, zero1, zero2 or zero3, got {strategy!r}")
     want_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
         raise ValueError(f"runtime.device: {device!r} requested but CUDA is not available")
     accelerator = Accelerator(cpu=not want_cuda)
     chosen = torch.device(device) if device.startswith("cuda:") else accelerator.device
-    return DistributedContext(accelerator=accelerator, device=chosen)
+    return DistributedContext(accelerator=accelerator, device=chosen, strategy=strategy,
+                              mixed_precision=mixed_precision)

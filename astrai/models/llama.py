@@ -177,10 +177,11 @@ def _fill_tied_lm_head(module, state_dict, prefix, local_metadata, strict, missi
 
 def hf_state_dict(model: AutoRegressiveLM) -> dict[str, torch.Tensor]:
     """`model.state_dict()` with Hugging Face names, minus `lm_head.weight` when the embeddings are tied (as HF
-    saves it; safetensors refuses shared tensors). Tensors share storage with the model (no copy).
-    Raises `TypeError` if `model` is not an `AutoRegressiveLM`."""
-    if not isinstance(model, AutoRegressiveLM):
-        raise TypeError(f"hf_state_dict expects an AutoRegressiveLM, got {type(model).__name__}")
+    saves it; safetensors refuses shared tensors). Tensors share storage with the model (no copy). `model` is an
+    `AutoRegressiveLM` or anything with its `config` and `state_dict()` (e.g. the full state gathered from a sharded
+    policy). Raises `TypeError` for an object without a `ModelConfig` `config`."""
+    if not isinstance(getattr(model, "config", None), ModelConfig) or not hasattr(model, "state_dict"):
+        raise TypeError(f"hf_state_dict expects an AutoRegressiveLM (or its full state), got {type(model).__name__}")
     state = dict(model.state_dict())
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

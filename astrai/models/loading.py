@@ -98,6 +98,22 @@ def load_pretrained(
     return model.eval(), tokenizer
 
 
+def empty_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> AutoRegressiveLM:
+    """An `AutoRegressiveLM` of `config` (MoE layout included) with uninitialised weights on `device`, eval mode:
+    a skeleton to copy full weights into (e.g. a rollout engine of a sharded policy)."""
+    with torch.device("meta"):
+        model = AutoRegressiveLM(config)
+        if config.num_local_experts:
+            from .moe import convert_to_moe
+
+            convert_to_moe(model, num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                           num_shared_experts=config.n_shared_experts, aux_loss_coef=config.router_aux_loss_coef)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    model.model.rotary_emb.reset_table(device)
+    return model.eval()
+
+
 def _build_model(
     config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: Any, path: Path
 ) -> AutoRegressiveLM:

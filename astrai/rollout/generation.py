@@ -10,7 +10,7 @@ importance ratio is 1. The engine is `astrai.rollout.paged_engine.PagedGeneratio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping, Union
 
 import torch
 
@@ -45,18 +45,24 @@ class Generation:
 
 
 @torch.no_grad()
-def copy_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+def copy_weights(model: torch.nn.Module, state_dict: Union[Mapping[str, torch.Tensor], Iterable]) -> None:
     """Copy every parameter of `model` (tied ones under each of their names) from `state_dict`.
 
-    All names and shapes are checked before the first copy, so a bad state dict leaves the model untouched (no
-    broadcasting: each tensor must have exactly its parameter's shape; dtype and device are converted).
+    A mapping is checked whole (names, then shapes) before the first copy, so a bad state dict leaves the model
+    untouched (no broadcasting: each tensor must have exactly its parameter's shape; dtype and device are converted).
+    An iterable of (name, tensor) pairs is streamed: each tensor is checked and copied as it arrives (no full second
+    copy of the weights is ever held, the way a sharded trainer hands them over one gathered parameter at a time),
+    and after the last one every parameter must have been given.
 
     Raises:
-        KeyError: naming missing or unexpected tensors; nothing is copied then.
-        ValueError: naming the first tensor that is not a floating-point tensor of the parameter's exact shape;
-            nothing is copied then.
+        KeyError: naming missing or unexpected tensors (a mapping: nothing is copied then).
+        ValueError: naming the first tensor that is not a floating-point tensor of the parameter's exact shape (a
+            mapping: nothing is copied then).
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    if not isinstance(state_dict, Mapping):
+        _copy_stream(params, state_dict)
+        return
     missing = sorted(set(params) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(params))
     if missing or unexpected:
@@ -70,3 +76,25 @@ def copy_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor])
                              f"{tuple(param.shape)}, got {got}; nothing was copied")
     for name, param in params.items():
         param.copy_(state_dict[name])
+
+
+def _check_tensor(name: str, tensor, param: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.shape != param.shape:
+        got = (f"{type(tensor).__name__} of shape {tuple(tensor.shape)}, dtype {tensor.dtype}"
+               if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
+        raise ValueError(f"load_weights: {name}: expected a floating-point tensor of shape {tuple(param.shape)}, "
+                         f"got {got}")
+
+
+def _copy_stream(params: dict[str, torch.Tensor], items: Iterable) -> None:
+    """Copy (name, tensor) pairs into `params` as they arrive; every parameter must come (see `copy_weights`)."""
+    seen = set()
+    for name, tensor in items:
+        if name not in params:
+            raise KeyError(f"load_weights: unexpected {name!r}")
+        _check_tensor(name, tensor, params[name])
+        params[name].copy_(tensor)
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise KeyError(f"load_weights: missing {missing[:3]}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import operator
 import threading
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -126,17 +126,21 @@ class PagedGenerationEngine:
         return next(self.model.parameters()).dtype
 
     @torch.no_grad()
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> int:
+    def load_weights(self, state_dict: Union[Mapping[str, torch.Tensor], Iterable], policy_version: int) -> int:
         """Copy `state_dict` (HF names, any device and float dtype, cast to the engine's `dtype`) into the engine,
-        tag it, and drop the prefix cache.
+        tag it, and drop the prefix cache. `state_dict` may also be an iterable of (name, tensor) pairs, streamed in
+        one parameter at a time (`generation.copy_weights`).
 
         Serialised with `generate` (one lock). Returns the acknowledged `policy_version`.
 
         Raises:
-            KeyError: naming missing or unexpected tensors (the engine keeps its weights, version and cache).
-            ValueError: naming a tensor of the wrong shape or type (the same: nothing is changed).
+            KeyError: naming missing or unexpected tensors (a mapping: the engine keeps its weights, version and
+                cache; a stream: the engine is left untagged, `policy_version` -1, so the next sync reloads it).
+            ValueError: naming a tensor of the wrong shape or type (the same).
         """
         with self._lock:
+            if not isinstance(state_dict, Mapping):
+                self.policy_version = -1  # until the stream is complete
             copy_weights(self.model, state_dict)
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from astrai.algos.stats import wilson_interval
 from astrai.data import PromptDataset
 from astrai.data.truncation import encode_prompt_records
+from astrai.models.loading import empty_model
 from astrai.models.special_tokens import stop_token_ids
 from astrai.rollout.evaluation import EvalSettings, evaluate
 from astrai.rollout.paged_engine import PagedGenerationEngine
@@ -85,10 +86,10 @@ class EvaluationCallback(Callback):
         engine = self.strategy.rollout_engine
         if engine is not None:
             return engine
-        if self._own_engine is None:
-            self._own_engine = PagedGenerationEngine(self.strategy.policy.model,
-                                                     pad_token_id=self.tokenizer.pad_token_id,
-                                                     policy_version=policy_version)
+        if self._own_engine is None:  # a skeleton filled by the first sync (the policy may be sharded)
+            model = empty_model(self.strategy.policy.model.config, device=self.dist.device)
+            self._own_engine = PagedGenerationEngine(model, pad_token_id=self.tokenizer.pad_token_id,
+                                                     policy_version=-1)
         return self._own_engine
 
     def on_step_end(self, trainer, metrics) -> None:
@@ -102,7 +103,7 @@ class EvaluationCallback(Callback):
         """Evaluate the current policy; returns the `eval/*` metrics (0-dim tensors) summed over ranks."""
         start = time.perf_counter()
         engine = self.engine(policy_version)
-        sync_engine(engine, self.strategy.policy.model, policy_version)
+        sync_engine(engine, self.strategy.policy, policy_version)
         asleep = getattr(engine, "asleep", False)
         if asleep:
             engine.wake()

@@ -45,15 +45,17 @@ class ExperienceSource(Protocol):
         """Inverse of `state_dict` (extra keys of the strategy's state are ignored)."""
 
 
-def sync_engine(engine, model: torch.nn.Module, policy_version: int) -> None:
-    """Load `model`'s weights into `engine` unless it already holds `policy_version` (docs/conventions.md
-    section 4: the engine acknowledges the version it now holds).
+def sync_engine(engine, policy: TrainedModel, policy_version: int) -> None:
+    """Load the policy's weights into `engine` unless it already holds `policy_version` (docs/conventions.md
+    section 4: the engine acknowledges the version it now holds). The weights stream in one full parameter at a time
+    (`TrainedModel.full_weights`: gathered from the shards under fsdp2 / zero3, on every rank), so no second full
+    copy is held beside the engine's.
 
     Raises:
         RuntimeError: when the engine acknowledges another version.
     """
     if engine.policy_version != policy_version:
-        acknowledged = engine.load_weights(model.state_dict(), policy_version)
+        acknowledged = engine.load_weights(policy.full_weights(), policy_version)
         if acknowledged != policy_version:
             raise RuntimeError(f"engine acknowledged version {acknowledged}, expected {policy_version}")
 
@@ -83,15 +85,21 @@ class OnlineExperience:
         return self.runner.engine
 
     def collect(self, policy_version: int) -> Experience:
-        """B * G scored samples of the weights of `policy_version` (synced into the engine first); the sync time
-        is added to the experience's `timings` as "weight_sync"."""
+        """B * G scored samples of the weights of `policy_version`: the engine wakes (takes its KV memory back),
+        takes the weights, generates, and sleeps again (releases the KV memory while the trainer steps); the sync
+        time is added to the experience's `timings` as "weight_sync"."""
+        engine = self.runner.engine
+        engine.wake()
         start = time.perf_counter()
-        sync_engine(self.runner.engine, self.policy.model, policy_version)
+        sync_engine(engine, self.policy, policy_version)
         synced = time.perf_counter() - start
         records = self.data_sampler.next_batch(self.batch_size)
         repeated = [record.prompt_ids for record in records for _ in range(self.group_size)]
         answers = [record.answer for record in records for _ in range(self.group_size)]
-        experience = self.runner.collect(repeated, answers, self.generator)
+        try:
+            experience = self.runner.collect(repeated, answers, self.generator)
+        finally:
+            engine.sleep()
         experience.timings["weight_sync"] = synced
         return experience
 
@@ -104,10 +112,17 @@ class OnlineExperience:
         self.generator.set_state(state["sampling_rng"])
 
 
-def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, ref_model: Optional[torch.nn.Module],
-                            chunk_size: int, group_size: int = 1) -> OnlineExperience:
-    """The online experience source of a validated config: engine (inference copy of the policy, in
-    `rollout.dtype`), sampling settings (stop on every id of `special_tokens.stop_token_ids`: the tokenizer's EOS
+def build_rollout_engine(config, policy: torch.nn.Module, tokenizer) -> PagedGenerationEngine:
+    """The colocated rollout engine: an inference copy of `policy` (made before the policy is sharded) in
+    `rollout.dtype`."""
+    return PagedGenerationEngine(policy, pad_token_id=tokenizer.pad_token_id, dtype=config.rollout.dtype)
+
+
+def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: PagedGenerationEngine,
+                            ref_model: Optional[torch.nn.Module], chunk_size: int,
+                            group_size: int = 1) -> OnlineExperience:
+    """The online experience source of a validated config: the rollout engine (`build_rollout_engine`), sampling
+    settings (stop on every id of `special_tokens.stop_token_ids`: the tokenizer's EOS
     and the model config's eos list), reward (it sees the response text without a final stop token), runner, the
     prompts (`load_online_prompts`) and their sampler (seeded per rank), and the sampling RNG (seed
     `train.seed + 1000 * rank`).
@@ -116,7 +131,6 @@ def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, re
         DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
     """
     r = config.rollout
-    engine = PagedGenerationEngine(policy.model, pad_token_id=tokenizer.pad_token_id, dtype=r.dtype)
     stops = stop_token_ids(policy.model.config, tokenizer)
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                               top_p=r.top_p, stop_token_ids=stops)

@@ -183,9 +183,8 @@ class Trainer:
                 trained.backward((loss if aux is None else loss + aux.to(loss.dtype) / scale) * scale)
             _accumulate(sums, metrics, weight=to_local_mean)
             _accumulate(sums, aux_metrics)
-        sums[f"{trained.name}/grad_norm"] = trained.clip_grad_norm(self.max_grad_norm)
-        self._emit("before_optimizer_step", trained.name)
-        sums[f"{trained.name}/lr"] = trained.optimizer_step()
+        grad_norm, lr = trained.step(self.max_grad_norm, lambda: self._emit("before_optimizer_step", trained.name))
+        sums[f"{trained.name}/grad_norm"], sums[f"{trained.name}/lr"] = grad_norm, lr
         if trained.name == "policy":
             with self.version_lock:
                 self.state.policy_version += 1

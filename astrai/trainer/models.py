@@ -1,105 +1,53 @@
-"""The models of a job as the trainer holds them: `TrainedModel` (a model with its optimizer and schedule, the unit
-`Trainer.accumulate_and_step` steps), frozen reference copies, and the model options applied before a strategy is
-built (MoE).
+"""The models of a job as the trainer holds them: trained models (`astrai.distributed.engines.TrainedModel`: a
+model with its optimizer and schedule under the run's data-parallel engine, the unit `Trainer.accumulate_and_step`
+steps) built from the config, frozen reference copies, and the model options applied before a strategy is built
+(MoE).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from astrai.checkpoint import Part
 from astrai.config import ConfigError
-from astrai.distributed import DistributedContext
+from astrai.distributed.engines import TrainedModel, prepare_reference, prepare_trained
 from astrai.models.moe import collect_aux_loss, convert_to_moe
 from astrai.trainer.optim import build_optimizer, build_scheduler
 
-
-@dataclass
-class TrainedModel:
-    """A model under training: what `Trainer.accumulate_and_step` backpropagates through, clips and steps.
-
-    Attributes:
-        name: "policy" or "critic": the prefix of its metrics (`policy/grad_norm`) and the name the optimizer
-            hooks receive; only "policy" steps advance `policy_version`.
-        module: the model as wrapped for data parallelism (call it for training forwards).
-        optimizer: its optimizer; scheduler: its learning-rate schedule (stepped once per optimizer step).
-        dist: the process state (unwrapping, loss scale).
-    """
-
-    name: str
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    dist: DistributedContext
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The bare model under any data-parallel wrapper (for no-grad scoring, state dicts, weight sync)."""
-        return self.dist.unwrap(self.module)
-
-    @property
-    def loss_scale(self) -> float:
-        """Factor that turns a loss normalised by the GLOBAL unit count into the engine's averaged gradient
-        (`DistributedContext.loss_scale`)."""
-        return self.dist.loss_scale()
-
-    def gradient_sync(self, sync: bool):
-        """Context for one micro-batch's backward: gradients are all-reduced across ranks only when `sync` (the
-        step's last micro-batch); a DDP module accumulates the others locally (`no_sync`)."""
-        if sync or not isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
-            return contextlib.nullcontext()
-        return self.module.no_sync()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradient of `loss` (0-dim) into the model's parameters."""
-        loss.backward()
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm to `max_norm`; returns the pre-clip norm (0-dim float32, detached)."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).detach().float()
-
-    def checkpoint_parts(self, model_part: str, *, kind: str = "torch", prefix: str = "") -> dict[str, Part]:
-        """Its checkpoint parts, all required: the bare model as `model_part` (`kind` "hf_model" for the policy's
-        Hugging Face layout, "torch" for a state dict), `<prefix>optimizer` and `<prefix>scheduler`."""
-        return {model_part: Part(self.model, kind), f"{prefix}optimizer": Part(self.optimizer),
-                f"{prefix}scheduler": Part(self.scheduler)}
-
-    def optimizer_step(self) -> torch.Tensor:
-        """Step the optimizer and then the schedule, and zero the gradients.
-
-        Returns:
-            the learning rate the step applied (of the first parameter group; 0-dim float32), read before the
-            schedule moves it to the next step's value.
-        """
-        lr = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return lr
+__all__ = ["TrainedModel", "apply_model_options", "build_trained_model", "frozen_copy", "moe_aux_loss",
+           "reference_model"]
 
 
-def build_trained_model(config, dist: DistributedContext, model: torch.nn.Module, *, name: str,
+def build_trained_model(config, dist, model: torch.nn.Module, *, name: str,
                         lr: Optional[float] = None) -> TrainedModel:
-    """`model` on the device, wrapped for data parallelism, with AdamW + the LR schedule of `config.optim` (peak
-    `lr`, default `optim.learning_rate`) over `config.train.max_steps` optimizer steps."""
+    """`model` under the run's engine (`dist.strategy`: ddp, fsdp2, zero1-3), with AdamW and the LR schedule of
+    `config.optim` (peak `lr`, default `optim.learning_rate`) over `config.train.max_steps` optimizer steps. Copies
+    of the model that must stay whole (the rollout engine's, the reference) are made before this call."""
     o = config.optim
-    model = model.to(dist.device)
-    optimizer = build_optimizer(model.parameters(), lr=lr or o.learning_rate, betas=(o.adam_beta1, o.adam_beta2),
-                                eps=o.adam_epsilon, weight_decay=o.weight_decay)
-    scheduler = build_scheduler(optimizer, name=o.lr_scheduler_type, warmup_steps=o.warmup_steps,
-                                total_steps=config.train.max_steps, decay_ratio=o.decay_ratio)
-    return TrainedModel(name=name, module=dist.prepare_model(model), optimizer=optimizer, scheduler=scheduler,
-                        dist=dist)
+
+    def optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(module.parameters(), lr=lr or o.learning_rate, betas=(o.adam_beta1, o.adam_beta2),
+                               eps=o.adam_epsilon, weight_decay=o.weight_decay)
+
+    def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return build_scheduler(opt, name=o.lr_scheduler_type, warmup_steps=o.warmup_steps,
+                               total_steps=config.train.max_steps, decay_ratio=o.decay_ratio)
+
+    return prepare_trained(dist, name, model, optimizer=optimizer, scheduler=scheduler,
+                           max_grad_norm=o.max_grad_norm)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of `model` in eval mode with every parameter frozen (the reference policy)."""
+    """A deep copy of `model` in eval mode with every parameter frozen."""
     return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+def reference_model(dist, policy: torch.nn.Module) -> torch.nn.Module:
+    """The frozen reference policy: a copy of `policy` (before it is sharded), prepared for inference only under the
+    run's engine (`engines.prepare_reference`: partitioned under fsdp2 and zero3, never given an optimizer)."""
+    return prepare_reference(dist, frozen_copy(policy))
 
 
 def apply_model_options(config, policy: torch.nn.Module) -> torch.nn.Module:

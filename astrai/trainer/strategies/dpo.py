@@ -21,7 +21,7 @@ from astrai.data.sequences import Sequences
 from astrai.data.truncation import prompt_ids_and_budget, report_dropped
 from astrai.models.special_tokens import response_end_id, stop_token_ids
 from astrai.rollout.scoring import response_logprobs
-from astrai.trainer.models import TrainedModel, build_trained_model, frozen_copy
+from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.trainer.strategies.sft import SupervisedStrategy
 
 
@@ -109,7 +109,7 @@ def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
     triples = preference_triples(rows, tokenizer, config, end_id=end_id)
     report_dropped(len(triples), len(rows), source=d.path, log=print if dist.is_main else _quiet)
     policy = policy.to(dist.device)
-    ref_model = frozen_copy(policy)
+    ref_model = reference_model(dist, policy)
     trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(triples, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
     return DPOStrategy(policy=trained, ref_model=ref_model, sampler=sampler, beta=config.dpo.beta,

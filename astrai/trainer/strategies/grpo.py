@@ -28,7 +28,7 @@ from astrai.data.truncation import prompt_ids_and_budget, report_dropped
 from astrai.models.special_tokens import response_end_id, stop_token_ids
 from astrai.rollout.runner import Experience
 from astrai.rollout.scoring import response_logprobs, score_in_chunks
-from astrai.trainer.models import TrainedModel, build_trained_model, frozen_copy
+from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.trainer.strategies.online_grpo import GRPOStrategy, grpo_strategy
 
 
@@ -82,7 +82,7 @@ class StoredGroups:
                 row += 1
         old = given
         if not bool(has.all()):  # old-policy fallback: the current weights, before this batch's updates
-            old = torch.where(has[:, None], given, self._score(self.policy.model, seqs))
+            old = torch.where(has[:, None], given, self._score(self.policy.module, seqs))
         ref = self._score(self.ref_model, seqs) * mask if self.ref_model is not None else None
         scores = torch.tensor([x for r in records for x in r.rewards], dtype=torch.float32, device=self.device)
         return Experience(sequences=seqs, old_logprobs=old * mask, ref_logprobs=ref, scores=scores,
@@ -161,7 +161,7 @@ def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     records = [r for r in records if r is not None]
     report_dropped(len(records), len(rows), source=d.path, log=print if dist.is_main else _quiet)
     policy = policy.to(dist.device)
-    ref_model = frozen_copy(policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
+    ref_model = reference_model(dist, policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
     trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(records, seed=config.train.seed + dist.rank, shuffle=d.shuffle)
     source = StoredGroups(sampler=sampler, batch_size=config.rollout.batch_size, policy=trained, ref_model=ref_model,

@@ -20,8 +20,8 @@ import torch
 from astrai.algos import group_advantages, kl_k3, kl_penalty_loss, masked_mean, ppo_policy_loss
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
-from astrai.trainer.experience import ExperienceSource, build_online_experience
-from astrai.trainer.models import TrainedModel, build_trained_model, frozen_copy
+from astrai.trainer.experience import ExperienceSource, build_online_experience, build_rollout_engine
+from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.policy_gradient import RolloutStrategy
 
@@ -200,8 +200,9 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     prompt files."""
     g = config.grpo
     policy = policy.to(dist.device)
-    ref_model = frozen_copy(policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
+    ref_model = reference_model(dist, policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
+    engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
     trained = build_trained_model(config, dist, policy, name="policy")
-    experience = build_online_experience(config, dist, trained, tokenizer, ref_model=ref_model,
+    experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                          chunk_size=g.micro_batch_size, group_size=g.group_size)
     return grpo_strategy(config, dist, trained, experience)

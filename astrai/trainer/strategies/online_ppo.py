@@ -29,8 +29,8 @@ from astrai.models import ValueModel
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
 from astrai.rollout.scoring import response_values, score_in_chunks
-from astrai.trainer.experience import ExperienceSource, build_online_experience
-from astrai.trainer.models import TrainedModel, build_trained_model, frozen_copy
+from astrai.trainer.experience import ExperienceSource, build_online_experience, build_rollout_engine
+from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.policy_gradient import RolloutStrategy, action_tokens
 
@@ -74,15 +74,15 @@ class OnlinePPOStrategy(RolloutStrategy):
         s = self.settings
         mask = exp.sequences.action_mask
         start = time.perf_counter()
-        critic = self.critic.model
+        critic = self.critic.module
         values = score_in_chunks(lambda chunk: response_values(critic, chunk), exp.sequences,
                                  s.micro_batch_size) * mask
         scored = time.perf_counter() - start
         kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, estimator=s.kl_estimator) * mask
         rewards = ppo_token_rewards(exp.scores, kl, mask, kl_coef=s.kl_coef)
         advantages, returns = gae(rewards, values, mask, gamma=s.gamma, lam=s.gae_lambda)
-        if s.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
+        if s.whiten_advantages:  # over the whole batch: the real tokens of every rank
+            advantages = masked_whiten(advantages, mask, moments=self._global_moments(advantages, mask))
         result = RolloutResult(sequences=exp.sequences, old_logprobs=exp.old_logprobs * mask,
                                ref_logprobs=exp.ref_logprobs * mask, values=values, scores=exp.scores,
                                kl=kl, rewards=rewards, advantages=advantages, returns=returns,
@@ -98,6 +98,18 @@ class OnlinePPOStrategy(RolloutStrategy):
             "time/critic_scoring_seconds": torch.tensor(scored),
         }
         return result, metrics
+
+    def _global_moments(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(mean, unbiased variance) of `x` (B, T) over the real tokens of all ranks (two all-reduces); None with one
+        process (`masked_whiten` then uses this batch's own, the same numbers)."""
+        dist = self.policy.dist
+        if dist.world_size == 1:
+            return None
+        m = mask.bool()
+        totals = dist.all_reduce_sum(torch.stack([torch.where(m, x, 0.0).sum(), m.sum().to(x.dtype)]))
+        mean = totals[0] / totals[1].clamp(min=1)
+        squares = dist.all_reduce_sum(torch.where(m, (x - mean) ** 2, 0.0).sum())
+        return mean, squares / (totals[1] - 1).clamp(min=1)
 
     def update(self, trainer, minibatch: RolloutResult, first: bool) -> dict[str, torch.Tensor]:
         """The PPO-clip policy step, then the (clipped) value-loss critic step."""
@@ -149,11 +161,12 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
     """
     r, p = config.rollout, config.ppo
     policy = policy.to(dist.device)
-    ref_model = frozen_copy(policy)
+    ref_model = reference_model(dist, policy)
+    engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
     critic = build_trained_model(config, dist, ValueModel.from_policy(policy), name="critic",
                                  lr=config.optim.critic_learning_rate)
     trained = build_trained_model(config, dist, policy, name="policy")
-    experience = build_online_experience(config, dist, trained, tokenizer, ref_model=ref_model,
+    experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                          chunk_size=p.micro_batch_size)
     settings = PPOSettings(micro_batch_size=p.micro_batch_size, clip_eps=p.clip_eps, value_clip=p.value_clip,
                            gamma=p.gamma, gae_lambda=p.gae_lambda, vf_coef=p.vf_coef, kl_coef=p.kl_coef,

@@ -1,0 +1,359 @@
+"""Training engines: how a model under training is wrapped, backpropagated, clipped, stepped, gathered and
+checkpointed under each data-parallel strategy (`DistributedContext.strategy`).
+
+- `TrainedModel` (ddp): the model itself (one process) or Accelerate's DDP wrapper; every rank holds the full
+  parameters, gradients and optimizer state.
+- `FSDP2Model` (fsdp2): PyTorch FSDP2 `fully_shard` per decoder block and on the root (Zhao et al. 2023, "PyTorch
+  FSDP"): parameters, gradients and optimizer state are sharded over the ranks (DTensors); a forward all-gathers one
+  block at a time. Optimizer state is checkpointed with `torch.distributed.checkpoint` (reshardable).
+- `DeepSpeedModel` (zero1 / zero2 / zero3): DeepSpeed ZeRO (Rajbhandari et al. 2020): stage 1 shards the optimizer
+  state, 2 also the gradients, 3 also the parameters. One `deepspeed.initialize` per trained model with a
+  `torch.optim` optimizer and astrai's schedule; DeepSpeed clips (`gradient_clipping`) and steps. Optimizer state is
+  checkpointed per rank (the same world size resumes).
+
+Every engine averages gradients over the ranks, so a loss normalised by the GLOBAL unit count is multiplied by the
+world size (`loss_scale`). `full_weights()` yields the full parameters one at a time on every rank (a collective for
+the sharded engines), which is how the colocated rollout engine takes new weights without a second full copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+
+from astrai.checkpoint import Part
+
+__all__ = ["DeepSpeedModel", "FSDP2Model", "FullModelState", "TrainedModel", "prepare_reference", "prepare_trained",
+           "shard_blocks"]
+
+
+class TrainedModel:
+    """A model under training (ddp): what `Trainer.accumulate_and_step` backpropagates through, clips and steps.
+
+    Args:
+        name: "policy" or "critic": the prefix of its metrics (`policy/grad_norm`) and the name the optimizer hooks
+            receive; only "policy" steps advance `policy_version`.
+        module: the model as wrapped for data parallelism (call it for forwards, with or without grad).
+        optimizer: its optimizer; scheduler: its learning-rate schedule (stepped once per optimizer step).
+        dist: the process state (`DistributedContext`).
+    """
+
+    def __init__(self, *, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, dist):
+        self.name, self.module, self.optimizer, self.scheduler, self.dist = name, module, optimizer, scheduler, dist
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model under any wrapper (its config, its MoE layers); its parameters may be shards."""
+        return self.dist.unwrap(self.module)
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor that turns a loss normalised by the GLOBAL unit count into the engine's averaged gradient: the
+        world size (every engine averages gradients over the ranks)."""
+        return float(self.dist.world_size)
+
+    def gradient_sync(self, sync: bool):
+        """Context for one micro-batch's forward and backward: gradients are reduced across ranks only when `sync`
+        (the step's last micro-batch); a DDP module accumulates the others locally (`no_sync`)."""
+        if sync or not isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.module.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of `loss` (0-dim) into the parameters."""
+        loss.backward()
+
+    def step(self, max_grad_norm: float, before_step: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip the global gradient norm to `max_grad_norm`, call `before_step()`, step the optimizer and then the
+        schedule, zero the gradients.
+
+        Returns:
+            (pre-clip global gradient norm, learning rate the step applied), 0-dim float32 tensors; the rate is read
+            (first parameter group) before the schedule moves it to the next step's value.
+        """
+        grad_norm = _as_local(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm))
+        before_step()
+        lr = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.detach().float(), lr
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) for every entry of the model's state dict (tied weights under each name), one at a
+        time; every rank must iterate to the end (a collective for the sharded engines). A tensor may share memory
+        with the model or be freed after the next item: copy it before advancing."""
+        yield from self.model.state_dict().items()
+
+    def checkpoint_parts(self, model_part: str, *, kind: str = "torch", prefix: str = "") -> dict[str, Part]:
+        """Its checkpoint parts, all required: the model as `model_part` (`kind` "hf_model" for the policy's Hugging
+        Face layout, "torch" for a state dict), `<prefix>optimizer` and `<prefix>scheduler`. Every rank calls it
+        (the sharded engines gather the full weights here)."""
+        return {model_part: Part(self.model, kind), f"{prefix}optimizer": Part(self.optimizer),
+                f"{prefix}scheduler": Part(self.scheduler)}
+
+
+def _as_local(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a (possibly distributed) 0-dim result: DTensors are materialised in full."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class FullModelState:
+    """A sharded model's full state as a checkpoint part object: `state_dict()` returns the state gathered when the
+    part was made (on rank 0; empty elsewhere), `load_state_dict(full)` shards a full state back in (every rank calls
+    it with the full state read from the checkpoint). `config` is the model's, for the Hugging Face layout."""
+
+    def __init__(self, config, state: Mapping[str, torch.Tensor], load: Callable[[Mapping[str, torch.Tensor]], None]):
+        self.config, self._state, self._load = config, dict(state), load
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The gathered full state (parameter names of the model, tied weights under each name)."""
+        return self._state
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Shard `state` (full tensors) into the model."""
+        self._load(state)
+
+
+def shard_blocks(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    """FSDP2 `fully_shard` on every decoder block (`model.model.layers`, policy and critic alike) and then on the
+    root, which holds the embeddings, the final norm and the heads; returns `model` (sharded in place)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class FSDP2Model(TrainedModel):
+    """fsdp2: `module` is the model sharded by `shard_blocks`; the optimizer holds DTensor shards."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The sharded model itself (FSDP2 shards in place; there is no wrapper)."""
+        return self.module
+
+    def gradient_sync(self, sync: bool):
+        """Reduce-scatter gradients only on the step's last micro-batch (`set_requires_gradient_sync`)."""
+        self.module.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter all-gathered in turn (`DTensor.full_tensor`), in state-dict order on every rank."""
+        for name, tensor in self.module.state_dict().items():
+            yield name, _as_local(tensor)
+
+    def checkpoint_parts(self, model_part: str, *, kind: str = "torch", prefix: str = "") -> dict[str, Part]:
+        """The full model (gathered to rank 0 here, on every rank), the optimizer state through
+        `torch.distributed.checkpoint` (kind "dcp": each rank writes its shards; reshardable), the schedule."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             set_model_state_dict)
+
+        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+        def load(state):
+            set_model_state_dict(self.module, dict(state), options=StateDictOptions(full_state_dict=True))
+
+        return {model_part: Part(FullModelState(self.module.config, full, load), kind),
+                f"{prefix}optimizer": Part(_FSDP2OptimizerState(self.module, self.optimizer), "dcp"),
+                f"{prefix}scheduler": Part(self.scheduler)}
+
+
+class _FSDP2OptimizerState:
+    """The sharded optimizer state of an FSDP2 model as a "dcp" checkpoint part object (`get_optimizer_state_dict`,
+    `set_optimizer_state_dict`: keyed by parameter names, so torch.distributed.checkpoint can reshard it)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, state)
+
+
+class DeepSpeedModel(TrainedModel):
+    """zero1 / zero2 / zero3: `module` is the DeepSpeed engine (forward, backward and step go through it), `optimizer`
+    its ZeRO optimizer (the wrapped `torch.optim` optimizer's parameter groups), `scheduler` astrai's schedule, which
+    the engine steps. The engine clips with `gradient_clipping` = `optim.max_grad_norm` and reports the pre-clip
+    norm after the step."""
+
+    def __init__(self, *, stage: int, **kwargs):
+        super().__init__(**kwargs)
+        self.stage = stage
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The engine's module (its parameters are partitions under ZeRO-3)."""
+        return self.module.module
+
+    def gradient_sync(self, sync: bool):
+        """Tell the engine whether this micro-batch ends the step (it reduces gradients at the boundary)."""
+        self.module.set_gradient_accumulation_boundary(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`engine.backward` (no scaling by the engine's accumulation count: the loss is already a share)."""
+        self.module.backward(loss, scale_wrt_gas=False)
+
+    def step(self, max_grad_norm: float, before_step: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`before_step()`, then the engine's step (clip to its `gradient_clipping`, optimizer, schedule, zero)."""
+        before_step()
+        lr = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
+        self.module.step()
+        norm = self.module.get_global_grad_norm()
+        return torch.as_tensor(0.0 if norm is None else norm).detach().float(), lr
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter in full: under ZeRO-3 gathered in turn (`deepspeed.zero.GatheredParameters`)."""
+        if self.stage < 3:
+            yield from self.model.state_dict().items()
+            return
+        import deepspeed
+
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            with deepspeed.zero.GatheredParameters([param]):
+                yield name, param.data
+
+    def checkpoint_parts(self, model_part: str, *, kind: str = "torch", prefix: str = "") -> dict[str, Part]:
+        """The full model (ZeRO-3: consolidated on rank 0 here, on every rank), this rank's optimizer partition
+        (per rank; resuming needs the same world size) and the schedule."""
+        model: Any = self.model
+        if self.stage == 3:
+            full = self.module._zero3_consolidated_16bit_state_dict() or {}
+            model = FullModelState(self.model.config, full, self._load_zero3)
+        return {model_part: Part(model, kind),
+                f"{prefix}optimizer": Part(_ZeroOptimizerState(self.optimizer, self.dist), per_rank=True),
+                f"{prefix}scheduler": Part(self.scheduler)}
+
+    def _load_zero3(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy full tensors into the ZeRO-3 partitions (each parameter gathered, overwritten, re-partitioned)."""
+        import deepspeed
+
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    if self.dist.rank == 0:
+                        param.data.copy_(state[name])
+
+
+class _ZeroOptimizerState:
+    """This rank's ZeRO optimizer state as a per-rank checkpoint part object. Loading passes it at this rank's index
+    of DeepSpeed's list of partitions (the same world size) and restores the fp32 master partitions from it."""
+
+    def __init__(self, optimizer, dist):
+        self.optimizer, self.dist = optimizer, dist
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        states: list = [None] * self.dist.world_size
+        states[self.dist.rank] = state
+        self.optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+
+
+def deepspeed_config(*, stage: int, max_grad_norm: float, mixed_precision: str, num_params: int) -> dict:
+    """The DeepSpeed config astrai passes to `deepspeed.initialize`: the ZeRO stage, clipping and precision from the
+    astrai config; one micro-batch per engine step as DeepSpeed counts it (astrai marks the accumulation
+    boundaries itself with `set_gradient_accumulation_boundary`); communication buckets of DeepSpeed's default size
+    (5e8 elements) or the model's size when smaller (a bucket larger than the model is allocated and zeroed for
+    nothing: 25x slower steps on this CPU with a tiny model)."""
+    bucket = int(min(5e8, max(num_params, 1_000_000)))
+    zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if stage == 3:
+        zero = {"stage": stage, "reduce_bucket_size": bucket}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "gradient_clipping": max_grad_norm, "zero_optimization": zero,
+              "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+    if mixed_precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif mixed_precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0}
+    return config
+
+
+def _allow_deepspeed_state() -> None:
+    """Let `torch.load(..., weights_only=True)` rebuild the DeepSpeed classes a ZeRO optimizer state holds (its loss
+    scaler, the ZeRO stage enum and the parameter fragment addresses); nothing else is allowed."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    torch.serialization.add_safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address])
+
+
+def prepare_trained(dist, name: str, model: torch.nn.Module, *,
+                    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+                    scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler],
+                    max_grad_norm: float) -> TrainedModel:
+    """Wrap `model` (on `dist.device`) for training under `dist.strategy` and build its optimizer and schedule from
+    the factories (after sharding: FSDP2 optimizers take the DTensor shards).
+
+    Raises:
+        ValueError: an unknown strategy.
+    """
+    strategy = getattr(dist, "strategy", "ddp")
+    mixed = getattr(dist, "mixed_precision", "no")
+    model = model.to(dist.device)
+    if strategy == "ddp":
+        opt = optimizer(model)
+        return TrainedModel(name=name, module=dist.prepare_model(model), optimizer=opt, scheduler=scheduler(opt),
+                            dist=dist)
+    if strategy == "fsdp2":
+        shard_blocks(model, **_fsdp_precision(mixed))
+        opt = optimizer(model)
+        return FSDP2Model(name=name, module=model, optimizer=opt, scheduler=scheduler(opt), dist=dist)
+    if strategy in ("zero1", "zero2", "zero3"):
+        import deepspeed
+
+        _allow_deepspeed_state()
+        stage = int(strategy[-1])
+        opt = optimizer(model)
+        sched = scheduler(opt)
+        engine, zero_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched,
+            config=deepspeed_config(stage=stage, max_grad_norm=max_grad_norm, mixed_precision=mixed,
+                                    num_params=sum(p.numel() for p in model.parameters())))
+        return DeepSpeedModel(stage=stage, name=name, module=engine, optimizer=zero_optimizer, scheduler=sched,
+                              dist=dist)
+    raise ValueError(f"distributed.strategy: unknown {strategy!r}")
+
+
+def _fsdp_precision(mixed_precision: str) -> dict:
+    """`fully_shard` keyword arguments for the run's precision: bf16/fp16 compute with fp32 parameters (and fp32
+    gradient reduction); none for fp32."""
+    if mixed_precision == "no":
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
+
+
+def prepare_reference(dist, model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen reference model for inference only (never given an optimizer): on `dist.device`, eval mode, no grad;
+    partitioned under fsdp2 (`shard_blocks`) and zero3 (a ZeRO-3 inference engine), whole on every rank otherwise.
+    Returns a module to call under `torch.no_grad()`."""
+    model = model.to(dist.device).eval().requires_grad_(False)
+    strategy = getattr(dist, "strategy", "ddp")
+    if strategy == "fsdp2":
+        return shard_blocks(model, **_fsdp_precision(getattr(dist, "mixed_precision", "no")))
+    if strategy == "zero3":
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                  "steps_per_print": 2**31 - 1}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        return engine
+    return model
+
