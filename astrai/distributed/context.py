@@ -66,7 +66,8 @@ class DistributedContext:
         self.accelerator.wait_for_everyone()
 
 
-def setup_distributed(device: str = "auto", strategy: str = "ddp", *, mixed_precision: str = "no") -> DistributedContext:
+def setup_distributed(device: str = "auto", strategy: str = "ddp", *,
+                      mixed_precision: str = "no") -> DistributedContext:
     """Create the process state.
 
     Args:

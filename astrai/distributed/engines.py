@@ -19,7 +19,7 @@ the sharded engines), which is how the colocated rollout engine takes new weight
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -150,8 +150,11 @@ class FSDP2Model(TrainedModel):
     def checkpoint_parts(self, model_part: str, *, kind: str = "torch", prefix: str = "") -> dict[str, Part]:
         """The full model (gathered to rank 0 here, on every rank), the optimizer state through
         `torch.distributed.checkpoint` (kind "dcp": each rank writes its shards; reshardable), the schedule."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             set_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
 
         full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
