@@ -43,6 +43,18 @@ class TrainedModel:
     def __init__(self, *, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, dist):
         self.name, self.module, self.optimizer, self.scheduler, self.dist = name, module, optimizer, scheduler, dist
+        self.mixed_precision = getattr(dist, "mixed_precision", "no")
+        self.grad_scaler = (torch.amp.GradScaler(dist.device.type) if self.mixed_precision == "fp16"
+                            and type(self) is TrainedModel else None)
+
+    def autocast(self):
+        """Context for the training forward and loss: under ddp with `train.bf16` / `train.fp16`, autocast to that
+        dtype over fp32 parameters (log-probs, KL, advantages and losses are computed in float32 by `astrai.algos`
+        either way); the sharded engines cast through their own precision settings, so nothing here."""
+        if self.mixed_precision == "no" or type(self) is not TrainedModel:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.dist.device.type, dtype=dtype)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -63,8 +75,12 @@ class TrainedModel:
         return self.module.no_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradient of `loss` (0-dim) into the parameters."""
-        loss.backward()
+        """Accumulate the gradient of `loss` (0-dim) into the parameters (fp16: dynamically loss-scaled,
+        `torch.amp.GradScaler`)."""
+        if self.grad_scaler is not None:
+            self.grad_scaler.scale(loss).backward()
+        else:
+            loss.backward()
 
     def step(self, max_grad_norm: float, before_step: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip the global gradient norm to `max_grad_norm`, call `before_step()`, step the optimizer and then the
@@ -74,10 +90,16 @@ class TrainedModel:
             (pre-clip global gradient norm, learning rate the step applied), 0-dim float32 tensors; the rate is read
             (first parameter group) before the schedule moves it to the next step's value.
         """
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
         grad_norm = _as_local(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm))
         before_step()
         lr = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
-        self.optimizer.step()
+        if self.grad_scaler is not None:  # skips the step when the gradients overflowed
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm.detach().float(), lr
@@ -268,13 +290,16 @@ class _ZeroOptimizerState:
 def deepspeed_config(*, stage: int, max_grad_norm: float, mixed_precision: str, num_params: int) -> dict:
     """The DeepSpeed config astrai passes to `deepspeed.initialize`: the ZeRO stage, clipping and precision from the
     astrai config; one micro-batch per engine step as DeepSpeed counts it (astrai marks the accumulation
-    boundaries itself with `set_gradient_accumulation_boundary`); communication buckets of DeepSpeed's default size
-    (5e8 elements) or the model's size when smaller (a bucket larger than the model is allocated and zeroed for
-    nothing: 25x slower steps on this CPU with a tiny model)."""
-    bucket = int(min(5e8, max(num_params, 1_000_000)))
+    boundaries itself with `set_gradient_accumulation_boundary`); communication buckets of an eighth of the model
+    (between 1e6 and DeepSpeed's default 5e8 elements): a bucket is a resident buffer, and one larger than the
+    model is allocated and zeroed for nothing (25x slower steps with a tiny model on this CPU, and under ZeRO-3 a
+    full-model-sized buffer that undoes the sharding)."""
+    bucket = int(min(5e8, max(num_params // 8, 1_000_000)))
     zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
-    if stage == 3:
-        zero = {"stage": stage, "reduce_bucket_size": bucket}
+    if stage == 3:  # gathered parameters are released after use (nothing stays whole between steps)
+        zero = {"stage": stage, "reduce_bucket_size": bucket, "stage3_prefetch_bucket_size": bucket,
+                "stage3_max_live_parameters": bucket, "stage3_max_reuse_distance": 0,
+                "stage3_param_persistence_threshold": 10_000}
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "gradient_clipping": max_grad_norm, "zero_optimization": zero,
               "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}

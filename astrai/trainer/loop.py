@@ -177,8 +177,9 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         for index, micro in enumerate(micro_batches):
             with trained.gradient_sync(index == len(micro_batches) - 1):
-                loss, metrics = loss_fn(micro, num_units)
-                aux, aux_metrics = moe_aux_loss(trained.model, len(micro_batches))
+                with trained.autocast():
+                    loss, metrics = loss_fn(micro, num_units)
+                    aux, aux_metrics = moe_aux_loss(trained.model, len(micro_batches))
                 # the auxiliary loss is a per-forward mean: divided by `scale` so that ranks average it
                 trained.backward((loss if aux is None else loss + aux.to(loss.dtype) / scale) * scale)
             _accumulate(sums, metrics, weight=to_local_mean)

@@ -1,0 +1,134 @@
+"""Per-rank memory of training state (parameters + gradients + optimizer state) under each engine, 2 ranks on CPU.
+
+    python bench/memory.py [--layers 20] [--engines ddp,fsdp2,zero2,zero3] [--nproc 2]
+
+For each engine, starts `torch.distributed.run` with `--nproc` processes (gloo, one thread each); every rank builds a
+SmolLM2-135M-shaped decoder with `--layers` blocks (20: ~99M parameters, random weights, fp32), wraps it with the
+engine exactly as training does (`astrai.distributed.engines.prepare_trained`, AdamW), runs one optimizer step on
+random tokens, and then measures, on each rank:
+
+- live tensor bytes: the summed size of every distinct tensor storage the process still holds after the step (found
+  through the garbage collector): parameters (or their shards), gradients, optimizer moments and master copies,
+  DeepSpeed's flat buffers; what stays resident between steps;
+- peak RSS: the process's maximum resident set size (`getrusage`), which also counts the transient gathers of a step
+  and the Python/torch runtime itself (about the same for every engine).
+
+Prints one line per engine with the largest rank's numbers and their ratio to ddp, and last `ratio: X.XX`, the best
+(lowest) sharded live-tensor ratio. ZeRO-3 and FSDP2 shard parameters, gradients and optimizer state, so with 2 ranks
+their live state should be about half of ddp's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                    num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=2048,
+                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage reachable by the garbage collector (DTensors through their local
+    shards)."""
+    import torch
+
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor):
+                continue
+            tensor = obj.to_local() if hasattr(obj, "to_local") else obj
+            storage = tensor.untyped_storage()
+        except Exception:  # noqa: BLE001 - meta tensors, tensor subclasses without storage
+            continue
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def worker(engine: str, layers: int, out: str) -> None:
+    """One rank: build, wrap, step once, measure, append a JSON line to `out`."""
+    import torch
+    import torch.distributed as dist
+
+    from astrai.distributed import setup_distributed
+    from astrai.distributed.engines import prepare_trained
+    from astrai.models import AutoRegressiveLM, ModelConfig
+    from astrai.trainer.optim import build_optimizer, build_scheduler
+
+    torch.set_num_threads(1)
+    ctx = setup_distributed("cpu", engine)
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(ModelConfig(num_hidden_layers=layers, **SMOLLM2_135M))
+    params = sum(p.numel() for p in model.parameters())
+    trained = prepare_trained(
+        ctx, "policy", model, max_grad_norm=1.0,
+        optimizer=lambda m: build_optimizer(m.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0),
+        scheduler=lambda o: build_scheduler(o, name="constant", warmup_steps=0, total_steps=10))
+    del model
+    ids = torch.randint(0, 49152, (2, 64), generator=torch.Generator().manual_seed(ctx.rank))
+    with trained.gradient_sync(True):
+        logits = trained.module(ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        trained.backward(loss)
+    trained.step(1.0, lambda: None)
+    del logits, loss
+    gc.collect()
+    record = {"engine": engine, "rank": ctx.rank, "params": params, "live_bytes": live_tensor_bytes(),
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    with open(out, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+    dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--engines", default="ddp,fsdp2,zero2,zero3")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--worker", nargs=3, metavar=("ENGINE", "LAYERS", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], int(args.worker[1]), args.worker[2])
+        return
+    engines = args.engines.split(",")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "astrai-torch-extensions"))
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for engine in engines:
+            out = Path(tmp) / f"{engine}.jsonl"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+                   "--master_port", str(29600 + len(results)), str(Path(__file__).resolve()), "--worker", engine,
+                   str(args.layers), str(out)]
+            done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+            if done.returncode != 0 or not out.exists():
+                print(f"{engine}: failed (exit {done.returncode})\n{done.stderr[-2000:]}", file=sys.stderr)
+                continue
+            ranks = [json.loads(line) for line in out.read_text().splitlines()]
+            results[engine] = max(ranks, key=lambda r: r["live_bytes"])
+    if "ddp" not in results:
+        sys.exit("ddp did not run: no baseline to compare with")
+    base = results["ddp"]
+    print(f"model: {base['params'] / 1e6:.1f}M parameters, fp32, AdamW; {args.nproc} ranks (largest rank shown)")
+    for engine, r in results.items():
+        print(f"{engine:6s} live tensors {r['live_bytes'] / 2**30:6.2f} GiB ({r['live_bytes'] / base['live_bytes']:.2f}x"
+              f" ddp)   peak RSS {r['peak_rss_bytes'] / 2**30:6.2f} GiB "
+              f"({r['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x ddp)")
+    sharded = [r["live_bytes"] / base["live_bytes"] for e, r in results.items() if e in ("fsdp2", "zero3")]
+    print(f"ratio: {min(sharded):.2f}" if sharded else "ratio: n/a (no fully sharded engine ran)")
+
+
+if __name__ == "__main__":
+    main()
