@@ -86,7 +86,13 @@ class TrainedModel:
 def build_trained_model(config, dist: DistributedContext, model: torch.nn.Module, *, name: str,
                         lr: Optional[float] = None) -> TrainedModel:
     """`model` on the device, wrapped for data parallelism, with AdamW + the LR schedule of `config.optim` (peak
-    `lr`, default `optim.learning_rate`) over `config.train.max_steps` optimizer steps."""
+    `lr`, default `optim.learning_rate`) over `config.train.max_steps` optimizer steps.
+
+    Raises:
+        ConfigError: for an engine other than ddp (`dist.strategy`), until the sharded engines exist.
+    """
+    if dist.strategy != "ddp":
+        raise ConfigError(f"distributed.strategy: {dist.strategy} is not implemented yet (only ddp trains today)")
     o = config.optim
     model = model.to(dist.device)
     optimizer = build_optimizer(model.parameters(), lr=lr or o.learning_rate, betas=(o.adam_beta1, o.adam_beta2),
