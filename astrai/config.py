@@ -24,8 +24,8 @@ from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, En
 
 TRAIN_TYPES = ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq")
 """Valid ``train.type`` values; each new train type (strategy) is added here."""
-DISTRIBUTED_STRATEGIES = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
-"""Valid ``distributed.strategy`` values."""
+DISTRIBUTED_STRATEGIES = ("auto", "ddp", "fsdp2", "zero1", "zero2", "zero3")
+"""Valid ``distributed.strategy`` values ("auto": the accelerate launch config's engine, else ddp)."""
 REPORT_TO = ("tensorboard", "wandb", "none")
 """Valid ``train.report_to`` items (transformers' TrainingArguments name); 'none' stands alone."""
 DEFAULT_REPORT_TO = ["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else []
@@ -165,6 +165,13 @@ class TrainSection(Section, name="train"):
                                       SubsetOf(REPORT_TO, alone=("none",)))
     overwrite_output_dir: bool = field_spec(False, "start fresh in an output_dir that holds checkpoints of "
                                             "another run (they are left alone and ignored)")
+    bf16: bool = field_spec(False, "bf16 mixed precision: bf16 compute, fp32 master weights and optimizer state")
+    fp16: bool = field_spec(False, "fp16 mixed precision with loss scaling (CUDA only)")
+
+    @property
+    def mixed_precision(self) -> str:
+        """The mode in accelerate's names: "bf16" (train.bf16), "fp16" (train.fp16) or "no"."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
 
 
 @dataclass
@@ -181,7 +188,8 @@ class CheckpointSection(Section, name="checkpoint"):
 
 @dataclass
 class DistributedSection(Section, name="distributed"):
-    strategy: str = field_spec("ddp", "data-parallel strategy", Choices(DISTRIBUTED_STRATEGIES))
+    strategy: str = field_spec("auto", "engine: ddp, fsdp2, zero1, zero2, zero3, or auto (the accelerate launch "
+                               "config's, else ddp); see docs/distributed.md", Choices(DISTRIBUTED_STRATEGIES))
 
 
 @dataclass
@@ -239,6 +247,8 @@ class Config:
         if kind in ("online_grpo", "grpo") and self.grpo.kl_coef > 0 and self.grpo.kl_reward_coef > 0:
             raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are "
                               "mutually exclusive; set one of them to 0")
+        if self.train.bf16 and self.train.fp16:
+            raise ConfigError("train.fp16: train.bf16 and train.fp16 are mutually exclusive; set one to false")
         if self.train.eval_steps and self.data.eval_path is None:
             raise ConfigError("data.eval_path: train.eval_steps > 0 needs a held-out set "
                               "(e.g. builtin:arithmetic_test or a GSM8K-format .jsonl)")

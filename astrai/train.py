@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -38,6 +39,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace
         description="Train a decoder-only LM (online_ppo, online_grpo, grpo, sft, dpo, seq). Any config field "
                     "can be overridden with --section.key VALUE, --section_key VALUE or a unique --key VALUE.")
     parser.add_argument("--config", default=None, help="YAML job file (default: built-in defaults)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="this process's rank on its node, as the deepspeed launcher passes it (LOCAL_RANK in "
+                             "the environment wins)")
     return parser.parse_known_args(argv)
 
 
@@ -48,6 +52,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from astrai.runtime_env import job_runtime
 
     args, overrides = parse_args(argv)
+    if args.local_rank is not None and "WORLD_SIZE" in os.environ:  # a launcher that passes only the argument
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     try:
         config = load_config(args.config, overrides)
     except ConfigError as err:

@@ -11,7 +11,7 @@
 # Everything after JOB.yaml goes to `python -m astrai.train` as config overrides.
 #
 # Runs: deepspeed [options] --no_local_rank --module astrai.train --config JOB.yaml [overrides]
-# (--no_local_rank: astrai reads LOCAL_RANK from the environment, it takes no --local_rank argument).
+# (--no_local_rank: astrai reads LOCAL_RANK from the environment; it also accepts --local_rank=N).
 # Run it on the first node of the hostfile; DeepSpeed starts the other nodes over ssh.
 set -euo pipefail
 PROG=deepspeed.sh

@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: one OpenMP thread per test process
+# DeepSpeed compiles a small op on its first use (~90 s on CPU): keep the build between test runs
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~"), ".cache", "astrai",
+                                                            "torch_extensions"))
 
 import json  # noqa: E402
 

@@ -172,6 +172,51 @@ def test_sampler_resume_equals_uninterrupted(stop_after):
     assert got == expected
 
 
+def _stream(n: int, seed: int, length: int) -> list[int]:
+    """The first `length` record indices of the epoch orders of a dataset of `n` records, one after the other."""
+    out: list[int] = []
+    for epoch in range(length // n + 1):
+        out += epoch_order(n, seed=seed, epoch=epoch)
+    return out[:length]
+
+
+def _one_call(samplers: list[PromptSampler], batch: int) -> list[int]:
+    """One `next_batch(batch)` on every rank, put back in stream order (rank r's j-th record is element r + j*W)."""
+    shares = [[r.index for r in s.next_batch(batch)] for s in samplers]
+    return [shares[i % len(samplers)][i // len(samplers)] for i in range(batch * len(samplers))]
+
+
+@pytest.mark.parametrize("n,world", [(10, 2), (11, 3)])
+def test_sampler_ranks_draw_disjoint_shares_of_every_epoch(n, world):
+    samplers = [PromptSampler(_records(n), seed=5, rank=r, world_size=world) for r in range(world)]
+    first = [[r.index for r in s.next_batch(n // world)] for s in samplers]
+    order = epoch_order(n, seed=5, epoch=0)
+    assert first == [order[r::world][:n // world] for r in range(world)]  # rank r takes order[r::world]
+    assert len({i for share in first for i in share}) == world * (n // world)  # disjoint
+    got = [i for share in zip(*first) for i in share]
+    for _ in range(6):
+        got += _one_call(samplers, 2)
+    assert got == _stream(n, 5, len(got))  # together: each epoch once, across epoch boundaries too
+    assert all(s.drawn == n // world + 12 for s in samplers)  # records handed out on each rank
+    assert len({json.dumps(s.state_dict()) for s in samplers}) == 1  # the state is global: the same on every rank
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 3), (3, 2)])
+def test_sampler_state_reshards_across_world_sizes(before, after):
+    """A job resumed on another number of ranks continues the stream exactly: no record twice, none lost."""
+    n, batch = 11, 2
+    old = [PromptSampler(_records(n), seed=9, rank=r, world_size=before) for r in range(before)]
+    got = [i for _ in range(5) for i in _one_call(old, batch)]
+    state = json.loads(json.dumps(old[0].state_dict()))
+    new = [PromptSampler(_records(n), seed=9, rank=r, world_size=after) for r in range(after)]
+    for sampler in new:
+        sampler.load_state_dict(state)
+    got += [i for _ in range(5) for i in _one_call(new, batch)]
+    assert got == _stream(n, 9, len(got))
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        PromptSampler(_records(n), rank=2, world_size=2)
+
+
 def test_sampler_state_validation():
     sampler = PromptSampler(_records(6), seed=1)
     state = sampler.state_dict()

@@ -87,7 +87,7 @@ JOBS_SCRIPT = textwrap.dedent("""
     import astrai.train as train
     seen = []
 
-    def fake_setup(device, strategy):  # the process group would be created here
+    def fake_setup(device, strategy, **kwargs):  # the process group would be created here
         seen.append({k: os.environ.get(k) for k in ("ASTR_T_A", "ASTR_T_B", "ASTR_LOG_LEVEL")})
         raise ValueError("stop before loading a model")
 

@@ -12,7 +12,8 @@ the 1-based line number and the field concerned.
 
 ``PromptSampler`` walks the dataset in epochs. The order of epoch ``e`` is a pure function of
 ``(seed, e)``; its state is just ``(epoch, position)``, so a resumed run draws exactly the batches
-an uninterrupted run would have drawn.
+an uninterrupted run would have drawn. With several data-parallel ranks, each draws a disjoint share of every
+epoch and the state stays global, so a run also resumes on another number of ranks.
 """
 
 from __future__ import annotations
@@ -238,26 +239,41 @@ def epoch_order(num_records: int, *, seed: int, epoch: int, shuffle: bool = True
 
 
 class PromptSampler:
-    """Endless, resumable batches of prompts, epoch after epoch.
+    """Endless, resumable batches of prompts, epoch after epoch, each rank drawing its own share.
+
+    The records form one stream: epoch 0's order, then epoch 1's, ... Every rank uses the SAME seed, so the
+    stream is the same on all ranks. A call of ``next_batch(b)`` on each of the ``world_size`` ranks consumes the
+    next ``b * world_size`` records of the stream, and rank ``r`` takes every ``world_size``-th of them starting at
+    its rank, so within an epoch whose length is a multiple of the world size rank ``r`` draws
+    ``order[r::world_size]`` (the ranks' shares are disjoint and together cover the epoch once; a batch that crosses
+    an epoch boundary continues the interleaving in the next epoch's order). The state, ``(epoch, position)``, is
+    in GLOBAL terms (``position``: records of the epoch handed out over all ranks), the same on every rank, so a job
+    resumed on another world size continues exactly where the stream was: no record twice, none lost.
 
     Args:
         dataset: any sequence of ``PromptRecord`` (usually a ``PromptDataset``), non-empty.
-        seed: base seed of the epoch orders.
+        seed: base seed of the epoch orders (the same on every rank).
         shuffle: shuffle each epoch (default) or keep file order.
+        rank, world_size: this process's data-parallel rank and the number of ranks (0 and 1: one process).
 
     Raises:
-        DataError: for an empty dataset.
+        DataError: for an empty dataset. ValueError: for a rank outside ``[0, world_size)``.
     """
 
-    def __init__(self, dataset: PromptDataset | list[PromptRecord], *, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(self, dataset: PromptDataset | list[PromptRecord], *, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1) -> None:
         if len(dataset) == 0:
             raise DataError("PromptSampler: the dataset has no records")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"PromptSampler: rank {rank} outside [0, world_size={world_size})")
         self.dataset = dataset
         self.seed = int(seed)
         self.shuffle = shuffle
+        self.rank, self.world_size = rank, world_size
         self.epoch = 0
-        self.position = 0  # records of the current epoch already handed out
+        self.position = 0  # records of the current epoch already handed out, over all ranks
         self._order: list[int] | None = None
+        self._drawn = 0
 
     def _current_order(self) -> list[int]:
         if self._order is None:
@@ -266,38 +282,44 @@ class PromptSampler:
 
     @property
     def drawn(self) -> int:
-        """Records handed out so far, over all epochs (``epoch * num_records + position``; restored with the
-        state, so it keeps counting across a resume)."""
-        return self.epoch * len(self.dataset) + self.position
+        """Records handed out on this rank by this sampler (monotone; a restored state does not change it)."""
+        return self._drawn
+
+    def _take(self, count: int) -> list[int]:
+        """The dataset indices of the next ``count`` records of the stream (all ranks'), advancing the state."""
+        taken: list[int] = []
+        while len(taken) < count:
+            order = self._current_order()
+            take = min(count - len(taken), len(order) - self.position)
+            taken.extend(order[self.position:self.position + take])
+            self.position += take
+            if self.position == len(order):
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        return taken
 
     def next_batch(self, batch_size: int) -> list[PromptRecord]:
-        """The next ``batch_size`` records; a batch that reaches the end of an epoch continues
-        with the start of the next one (so every batch is full, and ``batch_size`` may exceed
-        the dataset size).
+        """This rank's next ``batch_size`` records; every rank must call it with the same ``batch_size``. A batch
+        that reaches the end of an epoch continues with the start of the next one (so every batch is full, and
+        ``batch_size`` may exceed the dataset size).
 
         Raises:
             ValueError: if ``batch_size`` is not a positive int.
         """
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        batch: list[PromptRecord] = []
-        while len(batch) < batch_size:
-            order = self._current_order()
-            take = min(batch_size - len(batch), len(order) - self.position)
-            batch.extend(self.dataset[i] for i in order[self.position:self.position + take])
-            self.position += take
-            if self.position == len(order):
-                self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        return batch
+        indices = self._take(batch_size * self.world_size)[self.rank::self.world_size]
+        self._drawn += batch_size
+        return [self.dataset[i] for i in indices]
 
     def state_dict(self) -> dict[str, int | bool]:
-        """Plain-JSON state: ``epoch``, ``position`` and, for validation on load, ``seed``,
-        ``shuffle`` and ``num_records``."""
+        """Plain-JSON state, the same on every rank: ``epoch``, ``position`` (global) and, for validation on
+        load, ``seed``, ``shuffle`` and ``num_records``."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "shuffle": self.shuffle, "num_records": len(self.dataset)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a ``state_dict()``: the next batch is the one the saved sampler would draw.
+        """Continue from a ``state_dict()`` saved on any world size: the next batches are the ones the saved
+        samplers would have drawn next, split over this sampler's ranks.
 
         Raises:
             DataError: if a key is missing, or the saved seed, shuffle flag or dataset size

@@ -1,5 +1,6 @@
-"""Process groups, data parallelism and collectives (Accelerate; FSDP2/ZeRO later)."""
+"""Process groups, data parallelism and collectives (Accelerate), and the choice of engine (ddp, fsdp2, zero1/2/3)."""
 
 from astrai.distributed.context import DistributedContext, setup_distributed
+from astrai.distributed.launch import STRATEGIES, LaunchError, LaunchPlan, resolve_launch
 
-__all__ = ["DistributedContext", "setup_distributed"]
+__all__ = ["DistributedContext", "LaunchError", "LaunchPlan", "STRATEGIES", "resolve_launch", "setup_distributed"]

@@ -2,15 +2,22 @@
 process groups).
 
 `accelerate launch` and `torchrun` export RANK/WORLD_SIZE/...; a plain `python -m astrai.train` runs as one
-process. On CPU, Accelerate does DDP only (docs/conventions.md section 6); sharding engines (FSDP2 `fully_shard`,
-DeepSpeed ZeRO) plug in here later, selected from `distributed.strategy`.
+process. The engine (`strategy`: ddp, fsdp2, zero1/2/3) is resolved from `distributed.strategy` and the launch
+configuration (`launch.resolve_launch`). Accelerate provides the process state and DDP only: its FSDP plugin does
+not run on CPU, so both sharding engines are applied through their own APIs, the same way on CPU and GPU
+(docs/distributed.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
 
 import torch
+
+from astrai.distributed.launch import HIDDEN_FROM_ACCELERATE, LaunchError, resolve_launch
 
 
 @dataclass
@@ -18,16 +25,21 @@ class DistributedContext:
     """Rank, world size, device and collectives of this process.
 
     Attributes:
-        accelerator: the `accelerate.Accelerator` holding the process state.
+        accelerator: the `accelerate.Accelerator` holding the process state (created without mixed precision and
+            without Accelerate's DeepSpeed/FSDP plugins).
         device: the torch device this rank computes on.
-        strategy: the data-parallel engine (`astrai.distributed.engines`): ddp, fsdp2, zero1, zero2 or zero3.
-        mixed_precision: "no", "bf16" or "fp16".
+        strategy: the resolved engine: "ddp", "fsdp2", "zero1", "zero2" or "zero3" (never "auto").
+        mixed_precision: "no", "bf16" or "fp16" (`train.bf16` / `train.fp16`), applied by the engines.
+        deepspeed_config: the user's DeepSpeed JSON named by the launch config (checked by
+            `launch.read_deepspeed_config`), or None; batch sizes, accumulation, clipping and precision in it are
+            astrai's to fill.
     """
 
     accelerator: object
     device: torch.device
     strategy: str = "ddp"
     mixed_precision: str = "no"
+    deepspeed_config: Optional[dict] = None
 
     @property
     def rank(self) -> int:
@@ -66,27 +78,41 @@ class DistributedContext:
         self.accelerator.wait_for_everyone()
 
 
-def setup_distributed(device: str = "auto", strategy: str = "ddp", *,
+def setup_distributed(device: str = "auto", strategy: str = "auto", *,
                       mixed_precision: str = "no") -> DistributedContext:
-    """Create the process state.
+    """Resolve the engine and create the process state.
 
     Args:
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
-        strategy: data-parallel engine: "ddp", "fsdp2", "zero1", "zero2" or "zero3" ("auto": ddp).
+        strategy: `distributed.strategy`: "auto" (what `accelerate launch`'s config asked for, else "ddp"),
+            "ddp", "fsdp2", "zero1", "zero2" or "zero3" (`launch.resolve_launch`).
         mixed_precision: "no", "bf16" or "fp16".
 
     Raises:
-        ValueError: on a CUDA device without CUDA, or an unknown strategy.
+        ValueError: on a CUDA device without CUDA. LaunchError (a ValueError, one line): a launch mode astrai
+            cannot honour (see `launch.resolve_launch`), or fp16 on CPU.
     """
     from accelerate import Accelerator
 
-    strategy = "ddp" if strategy == "auto" else strategy
-    if strategy not in ("ddp", "fsdp2", "zero1", "zero2", "zero3"):
-        raise ValueError(f"distributed.strategy: expected ddp, fsdp2, zero1, zero2 or zero3, got {strategy!r}")
+    plan = resolve_launch(strategy, mixed_precision=mixed_precision, env=os.environ)
     want_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
         raise ValueError(f"runtime.device: {device!r} requested but CUDA is not available")
-    accelerator = Accelerator(cpu=not want_cuda)
+    if plan.mixed_precision == "fp16" and not want_cuda:
+        raise LaunchError("train.fp16: fp16 mixed precision (with loss scaling) needs a CUDA device; use train.bf16 "
+                          "on CPU")
+    with _hidden_environment(HIDDEN_FROM_ACCELERATE):
+        accelerator = Accelerator(cpu=not want_cuda, mixed_precision="no")
     chosen = torch.device(device) if device.startswith("cuda:") else accelerator.device
-    return DistributedContext(accelerator=accelerator, device=chosen, strategy=strategy,
-                              mixed_precision=mixed_precision)
+    return DistributedContext(accelerator=accelerator, device=chosen, strategy=plan.strategy,
+                              mixed_precision=plan.mixed_precision, deepspeed_config=plan.deepspeed_config)
+
+
+@contextlib.contextmanager
+def _hidden_environment(names: Iterable[str]) -> Iterator[None]:
+    """Remove `names` from `os.environ` inside the block and put them back after it."""
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

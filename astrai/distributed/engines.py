@@ -19,7 +19,7 @@ the sharded engines), which is how the colocated rollout engine takes new weight
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -287,13 +287,16 @@ class _ZeroOptimizerState:
         self.optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
 
 
-def deepspeed_config(*, stage: int, max_grad_norm: float, mixed_precision: str, num_params: int) -> dict:
+def deepspeed_config(*, stage: int, max_grad_norm: float, mixed_precision: str, num_params: int,
+                     user: Optional[dict] = None) -> dict:
     """The DeepSpeed config astrai passes to `deepspeed.initialize`: the ZeRO stage, clipping and precision from the
     astrai config; one micro-batch per engine step as DeepSpeed counts it (astrai marks the accumulation
     boundaries itself with `set_gradient_accumulation_boundary`); communication buckets of an eighth of the model
     (between 1e6 and DeepSpeed's default 5e8 elements): a bucket is a resident buffer, and one larger than the
     model is allocated and zeroed for nothing (25x slower steps with a tiny model on this CPU, and under ZeRO-3 a
-    full-model-sized buffer that undoes the sharding)."""
+    full-model-sized buffer that undoes the sharding). `user` is the DeepSpeed JSON the launch config names
+    (`launch.read_deepspeed_config` has refused the fields that contradict astrai's): its other settings (e.g. its
+    own bucket sizes) are kept, astrai's batch, accumulation, clipping, precision and stage override it."""
     bucket = int(min(5e8, max(num_params // 8, 1_000_000)))
     zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if stage == 3:  # gathered parameters are released after use (nothing stays whole between steps)
@@ -307,6 +310,9 @@ def deepspeed_config(*, stage: int, max_grad_norm: float, mixed_precision: str, 
         config["bf16"] = {"enabled": True}
     elif mixed_precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0}
+    if user:
+        zero = dict(zero, **user.get("zero_optimization", {}), stage=stage)
+        config = dict(user, **config, zero_optimization=zero)
     return config
 
 
@@ -351,7 +357,8 @@ def prepare_trained(dist, name: str, model: torch.nn.Module, *,
         engine, zero_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched,
             config=deepspeed_config(stage=stage, max_grad_norm=max_grad_norm, mixed_precision=mixed,
-                                    num_params=sum(p.numel() for p in model.parameters())))
+                                    num_params=sum(p.numel() for p in model.parameters()),
+                                    user=getattr(dist, "deepspeed_config", None)))
         return DeepSpeedModel(stage=stage, name=name, module=engine, optimizer=zero_optimizer, scheduler=sched,
                               dist=dist)
     raise ValueError(f"distributed.strategy: unknown {strategy!r}")

@@ -15,6 +15,7 @@ from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_ch
 from astrai.config import Config, config_to_dict, dump_config
 from astrai.data.limits import check_model_limits
 from astrai.distributed import setup_distributed
+from astrai.distributed.launch import check_step_sizes, optimizer_step_sizes
 from astrai.models import load_pretrained
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.evaluation import build_evaluation
@@ -63,10 +64,16 @@ def build_trainer(config: Config) -> Trainer:
 
     Raises:
         FileNotFoundError / ValueError / CheckpointError: from model, data or checkpoint loading, with
-            one-line messages naming the path.
+            one-line messages naming the path; `LaunchError` (a ValueError) for a launch mode astrai cannot
+            honour (`distributed.launch`).
     """
     apply_runtime(config)
-    dist = setup_distributed(config.runtime.device, config.distributed.strategy)
+    dist = setup_distributed(config.runtime.device, config.distributed.strategy,
+                             mixed_precision=config.train.mixed_precision)
+    micro_batch_size, accumulation_steps = optimizer_step_sizes(config)
+    check_step_sizes(os.environ, strategy=dist.strategy, deepspeed_config=dist.deepspeed_config,
+                     micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
+                     max_grad_norm=config.optim.max_grad_norm, world_size=dist.world_size)
     reporters = build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config),
                                 enabled=dist.is_main)  # train.report_to; fails before the model loads
     output_dir = Path(config.train.output_dir)

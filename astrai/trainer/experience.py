@@ -124,8 +124,8 @@ def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, en
     """The online experience source of a validated config: the rollout engine (`build_rollout_engine`), sampling
     settings (stop on every id of `special_tokens.stop_token_ids`: the tokenizer's EOS
     and the model config's eos list), reward (it sees the response text without a final stop token), runner, the
-    prompts (`load_online_prompts`) and their sampler (seeded per rank), and the sampling RNG (seed
-    `train.seed + 1000 * rank`).
+    prompts (`load_online_prompts`) and their sampler (seed `train.seed` on every rank, each rank drawing its
+    own share), and the sampling RNG (seed `train.seed + 1000 * rank`).
 
     Raises:
         DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
@@ -143,7 +143,8 @@ def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, en
         score_fn=lambda texts, answers, ids: reward(texts, answers, format_bonus=config.reward.format_bonus),
         ref_model=ref_model, chunk_size=chunk_size)
     prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
-    sampler = PromptSampler(prompts, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
+    sampler = PromptSampler(prompts, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
+                            world_size=dist.world_size)
     return OnlineExperience(policy=policy, runner=runner, sampler=sampler, batch_size=r.batch_size,
                             group_size=group_size, seed=config.train.seed + 1000 * dist.rank, device=dist.device)
 

@@ -6,12 +6,14 @@ losses: it hands its micro-batches and a loss function to `Trainer.accumulate_an
 token count, the data-parallel loss scale, backward, gradient clipping, the optimizer and scheduler step, the
 learning rate actually applied, the optimizer hooks and the `policy_version` bookkeeping, for whichever engine wraps
 the model (`models.TrainedModel`). The data position advances in one place too: `consumed_samples` grows by what the
-strategy's data sampler handed out during the step.
+strategy's data sampler handed out during the step. The step's metrics are averaged over the data-parallel ranks
+(`mean_over_ranks`, one collective) before any callback sees them.
 """
 
 from __future__ import annotations
 
 import threading
+import zlib
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
@@ -135,11 +137,12 @@ class Trainer:
             getattr(callback, hook)(self, *args)
 
     def fit(self) -> TrainerState:
-        """Run the loop to `max_steps`; returns the final state."""
+        """Run the loop to `max_steps`; returns the final state. Callbacks receive each step's metrics averaged
+        over ranks (`mean_over_ranks`), plus `policy_version`."""
         self._emit("on_train_begin")
         while self.state.global_step < self.state.max_steps:
             drawn = self.strategy.data_sampler.drawn
-            metrics = self.strategy.train_step(self)
+            metrics = mean_over_ranks(self.strategy.train_step(self), self.dist)
             self.state.consumed_samples += (self.strategy.data_sampler.drawn - drawn) * self.dist.world_size
             self.state.global_step += 1
             metrics["policy_version"] = torch.tensor(self.state.policy_version)
@@ -191,6 +194,34 @@ class Trainer:
                 self.state.policy_version += 1
         self._emit("after_optimizer_step", trained.name)
         return sums
+
+
+def mean_over_ranks(metrics: Mapping[str, torch.Tensor], dist: DistributedContext) -> dict[str, torch.Tensor]:
+    """The mean of each 0-dim metric over all data-parallel ranks, with one all-reduce; with one process, a copy of
+    `metrics` (same tensors, no collective).
+
+    The values are stacked in sorted key order behind a header (number of keys, CRC-32 of the key names) and summed
+    over ranks in float64; each mean keeps its metric's floating dtype (integer metrics become float64).
+
+    Raises:
+        RuntimeError: when the ranks' metric names differ (the header sum is not world_size times this rank's).
+            Every rank must return the same names from `train_step`; with a different NUMBER of names the
+            collective itself cannot line up, and the other ranks fail when this one exits.
+    """
+    if dist.world_size == 1:
+        return dict(metrics)
+    keys = sorted(metrics)
+    header = torch.tensor([len(keys), zlib.crc32("\n".join(keys).encode())], dtype=torch.float64,
+                          device=dist.device)
+    values = [metrics[k].detach().reshape(()).to(device=dist.device, dtype=torch.float64) for k in keys]
+    total = dist.all_reduce_sum(torch.cat([header, torch.stack(values)]) if values else header)
+    if not torch.equal(total[:2], header * dist.world_size):
+        raise RuntimeError(f"metrics differ across ranks: rank {dist.rank} returned {len(keys)} names "
+                           f"({', '.join(keys)}) but the ranks' names do not all match; every rank must return "
+                           "the same metric names from train_step")
+    means = total[2:] / dist.world_size
+    return {k: means[i].to(metrics[k].dtype) if metrics[k].is_floating_point() else means[i]
+            for i, k in enumerate(keys)}
 
 
 def _accumulate(sums: dict[str, torch.Tensor], metrics: Mapping[str, torch.Tensor], *, weight=1.0) -> None:

@@ -111,7 +111,8 @@ def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
     policy = policy.to(dist.device)
     ref_model = reference_model(dist, policy)
     trained = build_trained_model(config, dist, policy, name="policy")
-    sampler = PromptSampler(triples, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
+    sampler = PromptSampler(triples, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
+                            world_size=dist.world_size)
     return DPOStrategy(policy=trained, ref_model=ref_model, sampler=sampler, beta=config.dpo.beta,
                        label_smoothing=config.dpo.label_smoothing,
                        micro_batch_size=config.train.per_device_train_batch_size,

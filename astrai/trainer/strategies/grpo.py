@@ -163,7 +163,8 @@ def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     policy = policy.to(dist.device)
     ref_model = reference_model(dist, policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
     trained = build_trained_model(config, dist, policy, name="policy")
-    sampler = PromptSampler(records, seed=config.train.seed + dist.rank, shuffle=d.shuffle)
+    sampler = PromptSampler(records, seed=config.train.seed, shuffle=d.shuffle, rank=dist.rank,
+                            world_size=dist.world_size)
     source = StoredGroups(sampler=sampler, batch_size=config.rollout.batch_size, policy=trained, ref_model=ref_model,
                           pad_token_id=tokenizer.pad_token_id, device=dist.device,
                           temperature=config.rollout.temperature, chunk_size=g.micro_batch_size)

@@ -133,8 +133,8 @@ class RolloutStrategy:
         self.replay.load_state_dict(state, self.policy.dist.device)
 
     def checkpoint_parts(self) -> dict[str, Part]:
-        """The policy (Hugging Face layout), its optimizer and schedule, the data position and this strategy's
-        own state (per rank)."""
+        """The policy (Hugging Face layout), its optimizer and schedule, the data position (global, the same on
+        every rank: written once) and this strategy's own state (per rank)."""
         return {**self.policy.checkpoint_parts("policy", kind="hf_model"),
-                "data_sampler": Part(self.data_sampler, "json", per_rank=True),
+                "data_sampler": Part(self.data_sampler, "json"),
                 "strategy_state": Part(self, per_rank=True)}

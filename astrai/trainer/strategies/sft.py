@@ -53,10 +53,10 @@ class SupervisedStrategy:
         """Nothing to restore (see `state_dict`)."""
 
     def checkpoint_parts(self) -> dict[str, Part]:
-        """The policy (Hugging Face layout), its optimizer and schedule, and the data position (per rank). A dpo
-        reference model is the frozen initial policy, so it is not saved."""
+        """The policy (Hugging Face layout), its optimizer and schedule, and the data position (global, the same
+        on every rank: written once). A dpo reference model is the frozen initial policy, so it is not saved."""
         return {**self.policy.checkpoint_parts("policy", kind="hf_model"),
-                "data_sampler": Part(self.data_sampler, "json", per_rank=True)}
+                "data_sampler": Part(self.data_sampler, "json")}
 
 
 class NextTokenStrategy(SupervisedStrategy):
@@ -110,7 +110,8 @@ def build_examples(rows: Sequence, make, *, packing: bool, max_length: int, sour
 def build_next_token(config, dist, policy, tokenizer, examples: list) -> NextTokenStrategy:
     """NextTokenStrategy over `examples` with the policy optimizer and a seeded, resumable sampler."""
     trained = build_trained_model(config, dist, policy, name="policy")
-    sampler = PromptSampler(examples, seed=config.train.seed + dist.rank, shuffle=config.data.shuffle)
+    sampler = PromptSampler(examples, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
+                            world_size=dist.world_size)
     return NextTokenStrategy(policy=trained, sampler=sampler, micro_batch_size=config.train.per_device_train_batch_size,
                              accumulation_steps=config.train.gradient_accumulation_steps,
                              pad_token_id=tokenizer.pad_token_id)
