@@ -109,3 +109,59 @@ def test_rank_that_cannot_see_staging_fails_clearly(run):
     assert "rank(s) [1] did not write their part" in outs[0]["blind"]
     root = tmp / "blind" / "checkpoints"
     assert list(root.iterdir()) == []  # rank 0 removed its staging dir, published nothing
+
+
+class Holder:
+    """A per-rank part object that records what it was given."""
+
+    def __init__(self, resizable: bool):
+        self.loaded = None
+        if resizable:
+            self.resized_state = lambda states, rank, world: {"from": list(states), "rank": rank, "world": world}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_resume_on_another_world_size_gives_each_rank_its_resized_state(run, world):
+    """Per-rank parts ask their object for the new rank's state from every old rank's; the RNG of a rank that had a
+    copy is its own, a new rank's is derived (distinct from every old rank's) and the caller's RNG is untouched."""
+    from astrai.checkpoint import GlobalRNGState, Part, load_checkpoint
+
+    tmp, _ = run
+    ckpt = load_checkpoint(tmp / "ok" / "checkpoints" / "step-00000007")
+    assert ckpt.world_size == 2
+    saved = [ckpt.part_state("rng_state", "torch", r)["torch"] for r in (0, 1)]
+    for rank in range(world):
+        rng, extra = GlobalRNGState(), Holder(resizable=True)
+        restored = {}
+        rng.load_state_dict = lambda state, out=restored: out.update(state)
+        before = torch.get_rng_state()
+        ckpt.restore({"rng_state": Part(rng, per_rank=True), "extra": Part(extra, per_rank=True)}, rank, world)
+        assert torch.equal(torch.get_rng_state(), before)
+        assert [s["rank"].tolist() for s in extra.loaded.pop("from")] == [[0, 1], [1, 1]]
+        assert extra.loaded == {"rank": rank, "world": world}
+        if rank < 2:
+            assert torch.equal(restored["torch"], saved[rank])
+        else:
+            assert not any(torch.equal(restored["torch"], s) for s in saved)
+
+
+def test_per_rank_state_that_cannot_be_resharded_is_refused_before_anything_loads(run):
+    from astrai.checkpoint import CheckpointError, Part, load_checkpoint
+
+    tmp, _ = run
+    path = tmp / "ok" / "checkpoints" / "step-00000007"
+    first, stuck = Holder(resizable=True), Holder(resizable=False)
+    stuck.checkpoint_description = "the test's partitions"
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path).restore({"data_sampler": Part(first, "json", per_rank=True),
+                                       "extra": Part(stuck, per_rank=True)}, 0, 1)
+    assert str(err.value) == (f"{path}: written by 2 ranks, this job has 1: the test's partitions cannot be "
+                              f"resharded; resume with 2 processes, or start a new run from its weights "
+                              f"(--model.path {path})")
+    assert first.loaded is None and stuck.loaded is None

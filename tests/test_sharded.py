@@ -1,9 +1,11 @@
 """Sharded training with 2 processes over gloo on CPU (`torch.distributed.run`, one thread each): online_ppo and sft
 under ddp, fsdp2, zero2 and zero3 train, checkpoint and resume; a resume (in the middle of a PPO rollout) is bitwise
-exact; every engine's parameters stay within float rounding of ddp's after the same steps.
+exact; every engine's parameters stay within float rounding of ddp's after the same steps; the loss is a global
+token mean (2 ranks x 1 x 4 == 2 x 4 x 1 == 1 process x 8); a resume on another world size continues or stops
+with one line; the bf16 configuration builds and steps.
 
-The default tier runs one sharded engine per train type (fsdp2 for sft, zero3 for online_ppo: the two that
-partition parameters); the slow tier (`pytest -m slow`) runs the full engine x train-type matrix.
+The default tier runs one sharded engine per check (fsdp2 for sft, zero3 for online_ppo: the two that partition
+parameters; zero2 for the token mean); the slow tier (`pytest -m slow`) runs the full engine matrix.
 """
 
 import json
@@ -121,3 +123,117 @@ def test_engines_agree_with_ddp(tiny_model_dir, chats, tmp_path, kind):
         states[engine] = final(out, critic=kind == "ppo")
     for engine in ENGINES[1:]:
         assert max_diff(states[engine], states["ddp"]) < 1e-6, engine
+
+
+def one_process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m astrai.train ARGS` in one process (one thread)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "astrai-torch-extensions"))
+    return subprocess.run([sys.executable, "-m", "astrai.train", *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def copy_step(src: Path, step: int, dst: Path) -> Path:
+    (dst / "checkpoints").mkdir(parents=True)
+    os.system(f"cp -r {src}/checkpoints/step-{step:08d} {dst}/checkpoints/")
+    return dst
+
+
+def test_online_ppo_resumes_on_another_world_size_at_a_rollout_boundary(tiny_model_dir, tmp_path):
+    """A 2-rank ddp run resumed on one process: from a rollout boundary it continues at the global data position
+    and says what changed; from the middle of a rollout, or under another engine, it stops with one line (exit 2)
+    and the checkpoint is untouched."""
+    straight = tmp_path / "straight"
+    done = torchrun(*ppo_args(tiny_model_dir, straight, "ddp"))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    boundary = copy_step(straight, 2, tmp_path / "boundary")  # steps 1-2: the first rollout's two minibatches
+    done = one_process(*ppo_args(tiny_model_dir, boundary, "ddp", "--checkpoint.resume", "auto"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resharded a checkpoint of 2 ranks to 1: the data position carries over" in done.stdout
+    sampler = json.loads((boundary / "checkpoints/step-00000004/data_sampler.json").read_text())
+    assert sampler["position"] == 2 * 4 + 4  # 2 ranks x 4 prompts, then this process's 4
+    assert json.loads((boundary / "checkpoints/step-00000004/manifest.json").read_text())["world_size"] == 1
+
+    middle = copy_step(straight, 3, tmp_path / "middle")
+    before = sorted(p.name for p in (middle / "checkpoints/step-00000003").iterdir())
+    done = one_process(*ppo_args(tiny_model_dir, middle, "ddp", "--checkpoint.resume", "auto"))
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "saved in the middle of a rollout" in line and "resume with 2 processes" in line
+    assert sorted(p.name for p in (middle / "checkpoints/step-00000003").iterdir()) == before
+
+    done = torchrun(*ppo_args(tiny_model_dir, tmp_path / "cross", "fsdp2", "--checkpoint.resume",
+                              str(straight / "checkpoints/step-00000002")))
+    assert done.returncode != 0
+    assert "written under distributed.strategy ddp, this job runs fsdp2" in done.stderr
+
+
+@pytest.mark.slow
+def test_zero_optimizer_partitions_of_another_world_size_are_refused(tiny_model_dir, chats, tmp_path):
+    straight = tmp_path / "straight"
+    done = torchrun(*sft_args(tiny_model_dir, chats, straight, "zero2", "--max_steps", "1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = one_process(*sft_args(tiny_model_dir, chats, tmp_path / "again", "zero2", "--checkpoint.resume",
+                                 str(straight / "checkpoints/step-00000001")))
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert "written by 2 ranks, this job has 1: the DeepSpeed ZeRO optimizer partitions cannot be resharded" in line
+
+
+def first_loss(out: Path) -> float:
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["train/loss"]
+
+
+def test_bf16_configuration_builds_and_steps_on_cpu(tiny_model_dir, chats, tmp_path):
+    """`train.bf16: true` (ddp, one process): the forward runs in bf16 (the loss differs from fp32's by rounding),
+    the weights and their update stay float32."""
+    from astrai.train import main
+
+    for name, extra in (("fp32", []), ("bf16", ["--train.bf16", "true"])):
+        assert main(sft_args(tiny_model_dir, chats, tmp_path / name, "ddp", "--max_steps", "1", *extra)) == 0
+    fp32, bf16 = first_loss(tmp_path / "fp32"), first_loss(tmp_path / "bf16")
+    assert fp32 != bf16 and abs(fp32 - bf16) < 0.05 * abs(fp32)
+    weights = load_file(str(tmp_path / "bf16/checkpoints/step-00000001/model.safetensors"))
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert any(not torch.equal(weights[k], before[k]) for k in before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp2", "zero2", "zero3"])
+def test_bf16_sharded_engines_build_and_step(tiny_model_dir, chats, tmp_path, engine):
+    fp32 = tmp_path / "fp32"
+    assert torchrun(*sft_args(tiny_model_dir, chats, fp32, "ddp", "--max_steps", "2")).returncode == 0
+    done = torchrun(*sft_args(tiny_model_dir, chats, tmp_path / engine, engine, "--max_steps", "2",
+                              "--train.bf16", "true"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert abs(first_loss(tmp_path / engine) - first_loss(fp32)) < 0.05 * abs(first_loss(fp32))
+
+
+def policy_after(out: Path, step: int) -> dict:
+    return {"policy": load_file(str(out / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))}
+
+
+@pytest.mark.parametrize("engine", ["zero2", pytest.param("ddp", marks=pytest.mark.slow),
+                                    pytest.param("fsdp2", marks=pytest.mark.slow),
+                                    pytest.param("zero3", marks=pytest.mark.slow)])
+def test_global_token_mean_is_independent_of_ranks_and_accumulation(tiny_model_dir, chats, tmp_path, engine):
+    """Each optimizer step takes the same 8 chats (of different lengths) as 2 ranks x micro-batch 1 x accumulation 4,
+    2 ranks x 4 x 1, or one process x 8: the loss is normalised by the step's real tokens over all ranks and
+    micro-batches, so after 2 steps the parameters agree within 1e-5."""
+    def args(out, per_device, accumulation):
+        return sft_args(tiny_model_dir, chats, out, engine, "--max_steps", "2", "--checkpoint.save_steps", "2",
+                        "--optim.learning_rate", "1e-3", "--optim.warmup_steps", "0",
+                        "--train.per_device_train_batch_size", str(per_device),
+                        "--train.gradient_accumulation_steps", str(accumulation))
+
+    runs = {"2x1x4": torchrun(*args(tmp_path / "2x1x4", 1, 4)), "2x4x1": torchrun(*args(tmp_path / "2x4x1", 4, 1)),
+            "1x8x1": one_process(*args(tmp_path / "1x8x1", 8, 1))}
+    for name, done in runs.items():
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+    states = {name: policy_after(tmp_path / name, 2) for name in runs}
+    start = {"policy": load_file(str(tiny_model_dir / "model.safetensors"))}
+    assert max_diff(states["1x8x1"], start) > 1e-3  # it trained (AdamW moves each weight by about the rate)
+    assert max_diff(states["2x1x4"], states["1x8x1"]) < 1e-5
+    assert max_diff(states["2x4x1"], states["1x8x1"]) < 1e-5

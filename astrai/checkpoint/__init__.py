@@ -15,7 +15,7 @@ _EXPORTS = {
                "list_checkpoints", "parse_step", "recover", "run_id_of", "step_dirname"),
     "load": ("LoadedCheckpoint", "load_checkpoint"),
     "manifest": ("FORMAT_NAME", "FORMAT_VERSION", "CheckpointError", "FileStatus", "NotACheckpointError"),
-    "parts": ("GlobalRNGState", "Part", "capture_rng_state", "part_files", "restore_rng_state"),
+    "parts": ("GlobalRNGState", "Part", "capture_rng_state", "derived_seed", "part_files", "restore_rng_state"),
     "publish": ("DistLike", "publish_checkpoint"),
     "verify": ("VerifyReport", "verify_checkpoint"),
 }

@@ -65,6 +65,11 @@ class LoadedCheckpoint:
         return state.get("step", state.get("global_step"))
 
     @property
+    def world_size(self) -> int:
+        """The number of ranks that wrote the checkpoint (1 for a legacy directory)."""
+        return int(self.manifest.get("world_size", 1)) if self.manifest is not None else 1
+
+    @property
     def parts(self) -> dict[str, dict] | None:
         """The recorded parts (name -> {kind, per_rank, required}), or None for older checkpoints."""
         return self.manifest.get("parts") if self.manifest is not None else None
@@ -156,21 +161,31 @@ class LoadedCheckpoint:
             return list(LEGACY_REQUIRED_FILES.get(self.train_type, LEGACY_REQUIRED_FILES[None]))
         return declared_required_files(dict(self.manifest, train_type=self.train_type))
 
-    def restore(self, parts: Mapping[str, Part], rank: int = 0) -> None:
+    def restore(self, parts: Mapping[str, Part], rank: int = 0, world_size: int | None = None) -> None:
         """Load every restorable part of `parts` (this rank's copy of per-rank ones), in order.
 
+        On a world size other than the checkpoint's (`world_size` given and != `self.world_size`), each per-rank
+        part's state for this rank comes from its object's `resized_state(<every old rank's state>, rank,
+        world_size)`; dcp parts are resharded by torch.distributed.checkpoint; global parts load as usual. Every
+        per-rank state is read and resized before anything is loaded.
+
         Raises:
-            CheckpointError: naming the first missing file of a required part (nothing is loaded then), or a
-                file that cannot be read. A part that is not required and not in the checkpoint is skipped.
+            CheckpointError: naming the first missing file of a required part (nothing is loaded then), a file
+                that cannot be read, or, on another world size, a per-rank part that cannot be resharded (nothing
+                is loaded then). A part that is not required and not in the checkpoint is skipped.
         """
-        missing = self.missing_files(parts, rank)
+        resized = {} if world_size in (None, self.world_size) else self._resized_states(parts, rank, world_size)
+        missing = [] if resized else self.missing_files(parts, rank)
         if missing:
             raise CheckpointError(f"{self.path}: {self.train_type or 'astrai'} checkpoint lacks {missing[0]}")
         for name, part in parts.items():
             if not part.restorable or part.obj is None:
                 continue
-            own = rank if part.per_rank else 0  # whose copy this rank reads
-            if not part.required and not all(self.has(f) for f in part_files(name, part.kind, own)):
+            if name in resized:
+                part.obj.load_state_dict(resized[name])
+                continue
+            own = rank if part.per_rank and not resized else 0  # whose copy this rank reads
+            if not self._present(name, part, own):
                 continue
             if part.kind == "dcp":  # every rank together, into a state of the current layout (resharded)
                 import torch.distributed.checkpoint as dcp
@@ -180,6 +195,36 @@ class LoadedCheckpoint:
                 part.obj.load_state_dict(state)
                 continue
             part.obj.load_state_dict(self.part_state(name, part.kind, own))
+
+    def _present(self, name: str, part: Part, rank: int) -> bool:
+        """Whether to load `part`: a required one always (a missing file then raises), another when its files are
+        in the checkpoint."""
+        return part.required or all(self.has(f) for f in part_files(name, part.kind, rank))
+
+    def _resized_states(self, parts: Mapping[str, Part], rank: int, world_size: int) -> dict[str, Any]:
+        """This rank's state of every per-rank part when resuming on `world_size` ranks (see `restore`); global
+        parts' files are checked for presence.
+
+        Raises:
+            CheckpointError: a missing required file, or a per-rank part that cannot be resharded.
+        """
+        old = self.world_size
+        missing = self.missing_files({n: p for n, p in parts.items() if not p.per_rank})
+        if missing:
+            raise CheckpointError(f"{self.path}: {self.train_type or 'astrai'} checkpoint lacks {missing[0]}")
+        states: dict[str, Any] = {}
+        for name, part in parts.items():
+            if not (part.per_rank and part.restorable and part.obj is not None and self._present(name, part, 0)):
+                continue
+            resize = getattr(part.obj, "resized_state", None)
+            if resize is None:
+                what = getattr(part.obj, "checkpoint_description", f"per-rank part {name!r}")
+                raise CheckpointError(
+                    f"{self.path}: written by {old} ranks, this job has {world_size}: {what} cannot be resharded; "
+                    f"resume with {old} processes, or start a new run from its weights (--model.path {self.path})")
+            saved = [self.part_state(name, part.kind, r) for r in range(old)]
+            states[name] = resize(saved, rank, world_size)
+        return states
 
 
 def load_checkpoint(path: str | Path, *, verify: bool = False, require_complete: bool = False) -> LoadedCheckpoint:

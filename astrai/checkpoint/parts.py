@@ -16,10 +16,18 @@ Kinds and their files (rank R > 0 of a per-rank part: `<name>_rank{R:05d}<suffix
 A per-rank part is written by every rank (its own file), a dcp part by every rank together (a collective: every
 rank declares the same dcp parts in the same order); any other part by rank 0 alone. `GlobalRNGState` is the
 Python / NumPy / torch (+ CUDA) RNG as a part.
+
+Resuming on another world size: global parts load as usual and dcp parts are resharded by
+torch.distributed.checkpoint. A per-rank part loads only if its object can say what a rank of the new world size
+should hold, given every old rank's state: `resized_state(states, rank, world_size) -> state` (raising
+`CheckpointError` with the reason when it cannot, e.g. a rollout was in progress). A per-rank part without that
+method (DeepSpeed ZeRO optimizer partitions) makes the resume stop with a one-line error. `derived_seed` gives the
+ranks that had no copy their own random streams.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -158,6 +166,14 @@ def _use_default_mode(path: Path) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
+def derived_seed(generator_state: torch.Tensor, rank: int) -> int:
+    """A 63-bit seed for `rank` derived from a saved generator state (uint8 tensor, any length): the first 8 bytes
+    of SHA-256(state bytes || rank). Used when a run resumes on more ranks than wrote the checkpoint, so each new
+    rank gets its own random stream, determined by the checkpoint, unlike any other rank's."""
+    digest = hashlib.sha256(generator_state.cpu().numpy().tobytes() + b"/rank=" + str(rank).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 class GlobalRNGState:
     """The process-wide RNGs (Python, NumPy, torch CPU and every CUDA device) as a checkpoint part object."""
 
@@ -168,6 +184,22 @@ class GlobalRNGState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """`restore_rng_state(state)`; raises CheckpointError on a malformed state."""
         restore_rng_state(state)
+
+    def resized_state(self, states: list[Mapping[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+        """The RNG state of `rank` when a checkpoint written by `len(states)` ranks resumes on `world_size`: its own
+        saved state when it had one, else every RNG seeded with `derived_seed(<rank 0's torch state>, rank)`. The
+        current process's RNGs are left as they were."""
+        if rank < len(states):
+            return dict(states[rank])
+        seed = derived_seed(states[0]["torch"], rank)
+        current = capture_rng_state()
+        try:
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
+            return capture_rng_state()
+        finally:
+            restore_rng_state(current)
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -273,7 +273,10 @@ class DeepSpeedModel(TrainedModel):
 
 class _ZeroOptimizerState:
     """This rank's ZeRO optimizer state as a per-rank checkpoint part object. Loading passes it at this rank's index
-    of DeepSpeed's list of partitions (the same world size) and restores the fp32 master partitions from it."""
+    of DeepSpeed's list of partitions (the same world size) and restores the fp32 master partitions from it.
+    It has no `resized_state`: partitions written by another world size are refused at resume."""
+
+    checkpoint_description = "the DeepSpeed ZeRO optimizer partitions"
 
     def __init__(self, optimizer, dist):
         self.optimizer, self.dist = optimizer, dist
@@ -339,6 +342,8 @@ def prepare_trained(dist, name: str, model: torch.nn.Module, *,
     strategy = getattr(dist, "strategy", "ddp")
     mixed = getattr(dist, "mixed_precision", "no")
     model = model.to(dist.device)
+    if strategy != "ddp":
+        _ensure_process_group(dist)
     if strategy == "ddp":
         opt = optimizer(model)
         return TrainedModel(name=name, module=dist.prepare_model(model), optimizer=opt, scheduler=scheduler(opt),
@@ -364,6 +369,22 @@ def prepare_trained(dist, name: str, model: torch.nn.Module, *,
     raise ValueError(f"distributed.strategy: unknown {strategy!r}")
 
 
+def _ensure_process_group(dist) -> None:
+    """A one-process job started without a launcher gets what a launcher would give it before a sharding engine is
+    built: a one-rank process group (in memory; gloo on CPU, nccl on CUDA) and RANK=0, LOCAL_RANK=0, WORLD_SIZE=1 in
+    the environment where unset (DeepSpeed reads LOCAL_RANK throughout, and looks for MPI without a group). A no-op
+    once a group exists."""
+    import os
+
+    if torch.distributed.is_initialized():
+        return
+    for name in ("RANK", "LOCAL_RANK"):
+        os.environ.setdefault(name, "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    backend = "nccl" if dist.device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+
+
 def _fsdp_precision(mixed_precision: str) -> dict:
     """`fully_shard` keyword arguments for the run's precision: bf16/fp16 compute with fp32 parameters (and fp32
     gradient reduction); none for fp32."""
@@ -381,6 +402,8 @@ def prepare_reference(dist, model: torch.nn.Module) -> torch.nn.Module:
     Returns a module to call under `torch.no_grad()`."""
     model = model.to(dist.device).eval().requires_grad_(False)
     strategy = getattr(dist, "strategy", "ddp")
+    if strategy != "ddp":
+        _ensure_process_group(dist)
     if strategy == "fsdp2":
         return shard_blocks(model, **_fsdp_precision(getattr(dist, "mixed_precision", "no")))
     if strategy == "zero3":

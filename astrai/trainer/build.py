@@ -92,16 +92,19 @@ def build_trainer(config: Config) -> Trainer:
     trainer = Trainer(strategy, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm,
                       state=TrainerState(run_id=run_id))
     config_text = dump_config(config)
+    resized = None
     if resume_from is not None:
-        restore(job_parts(trainer, tokenizer, config_text), resume_from, rank=dist.rank,
-                train_type=config.train.type, verify=config.checkpoint.verify_on_load)
+        resized = restore(job_parts(trainer, tokenizer, config_text), resume_from, rank=dist.rank,
+                          train_type=config.train.type, verify=config.checkpoint.verify_on_load,
+                          world_size=dist.world_size, strategy=dist.strategy)
     logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main,
                            resume_step=None if resume_from is None else trainer.state.global_step)
 
     def save(trainer: Trainer) -> None:
         publish_checkpoint(
             output_dir, trainer.state.global_step, job_parts(trainer, tokenizer, config_text),
-            metadata={"policy_version": trainer.state.policy_version, "train_type": config.train.type},
+            metadata={"policy_version": trainer.state.policy_version, "train_type": config.train.type,
+                      "distributed_strategy": dist.strategy},
             world_size=dist.world_size, dist=dist if dist.world_size > 1 else None,
             keep_last=config.checkpoint.keep_last, run_id=run_id)
 
@@ -119,4 +122,6 @@ def build_trainer(config: Config) -> Trainer:
         if resume_from is not None:
             print(f"resuming from {resume_from} (step {trainer.state.global_step}, "
                   f"policy_version {trainer.state.policy_version})")
+            if resized is not None:
+                print(resized)
     return trainer

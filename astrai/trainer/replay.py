@@ -61,6 +61,11 @@ class RolloutReplay:
                 "rollout": self.rollout.to_state() if self._pending else None,
                 "rollout_metrics": dict(self.metrics)}
 
+    @staticmethod
+    def pending_minibatches(state: dict) -> int:
+        """The number of minibatches not yet replayed in a saved `state_dict`."""
+        return len(state["pending"])
+
     def load_state_dict(self, state: dict, device: torch.device) -> None:
         """Inverse of `state_dict`, the rollout's tensors moved to `device`."""
         self.shuffle_generator.set_state(state["shuffle_rng"])

@@ -33,14 +33,37 @@ def resolve_resume(resume: str, output_dir: str | Path, *, run_id: Optional[str]
     return path
 
 
-def restore(parts: Mapping[str, Part], path: Path, *, rank: int, train_type: str, verify: bool) -> None:
+def restore(parts: Mapping[str, Part], path: Path, *, rank: int, train_type: str, verify: bool,
+            world_size: int = 1, strategy: Optional[str] = None) -> Optional[str]:
     """Load the checkpoint at `path` into `parts` (this rank's copies of per-rank parts), in their order.
 
+    A checkpoint written by another number of ranks is resharded (`LoadedCheckpoint.restore`): the data position is
+    global and carries over, sharded optimizer state in dcp parts is resharded, ranks that wrote no copy of a
+    per-rank part get fresh random streams; the run then continues, though not bit for bit as it would have on the
+    old world size.
+
+    Returns:
+        None on the same world size, else a one-line note saying what the resize changed (for rank 0 to print).
+
     Raises:
-        CheckpointError: on a missing file of a required part (named), a manifest/sha256 failure, or a train-type
-            mismatch.
+        CheckpointError: on a missing file of a required part (named), a manifest/sha256 failure, a train-type
+            mismatch, a checkpoint written under another `distributed.strategy` than `strategy` (the engines keep
+            optimizer state in different layouts), or state that cannot be resharded to `world_size` (ZeRO
+            optimizer partitions, a rollout in progress).
     """
     ckpt = load_checkpoint(path, verify=verify)
     if ckpt.train_type is not None and ckpt.train_type != train_type:
         raise CheckpointError(f"{path}: checkpoint of train type {ckpt.train_type!r}, job is {train_type!r}")
-    ckpt.restore(parts, rank)
+    written = (ckpt.manifest or {}).get("distributed_strategy")
+    if strategy is not None and written is not None and written != strategy:
+        raise CheckpointError(f"{path}: written under distributed.strategy {written}, this job runs {strategy} (the "
+                              f"engines keep optimizer state in different layouts); resume with "
+                              f"--distributed.strategy {written}, or start a new run from its weights "
+                              f"(--model.path {path})")
+    ckpt.restore(parts, rank, world_size)
+    if ckpt.world_size == world_size:
+        return None
+    return (f"resharded a checkpoint of {ckpt.world_size} ranks to {world_size}: the data position carries over; "
+            f"ranks {ckpt.world_size}..{world_size - 1} start their own random streams" if world_size > ckpt.world_size
+            else f"resharded a checkpoint of {ckpt.world_size} ranks to {world_size}: the data position carries "
+                 f"over; the random streams of ranks {world_size}..{ckpt.world_size - 1} end here")

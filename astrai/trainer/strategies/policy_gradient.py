@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from astrai.algos import logprob_gap, masked_entropy
-from astrai.checkpoint import Part
+from astrai.checkpoint import CheckpointError, Part
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
 from astrai.rollout.scoring import response_logprobs
@@ -131,6 +131,24 @@ class RolloutStrategy:
         """Inverse of `state_dict` (tensors are moved to this rank's device)."""
         self.experience.load_state_dict(state)
         self.replay.load_state_dict(state, self.policy.dist.device)
+
+    def resized_state(self, states: list[dict], rank: int, world_size: int) -> dict:
+        """This rank's state when a checkpoint written by `len(states)` ranks resumes on `world_size` ranks: its own
+        saved state when it had one, else the state it was built with (its RNGs seeded by train.seed and its rank).
+
+        Raises:
+            CheckpointError: when a rollout was in progress on some rank (each rank's rollout holds its own share
+                of the prompts, which cannot be dealt out again over another number of ranks).
+        """
+        for old_rank, state in enumerate(states):
+            pending = RolloutReplay.pending_minibatches(state)
+            if pending:
+                raise CheckpointError(
+                    f"saved in the middle of a rollout ({pending} minibatches still to replay on rank {old_rank}), "
+                    f"which cannot be split over {world_size} ranks; resume with {len(states)} processes, or from a "
+                    "checkpoint saved when a rollout was finished (checkpoint.save_steps a multiple of the optimizer "
+                    "steps per rollout)")
+        return states[rank] if rank < len(states) else self.state_dict()
 
     def checkpoint_parts(self) -> dict[str, Part]:
         """The policy (Hugging Face layout), its optimizer and schedule, the data position (global, the same on
