@@ -1,21 +1,25 @@
 """Per-rank memory of training state (parameters + gradients + optimizer state) under each engine, 2 ranks on CPU.
 
-    python bench/memory.py [--layers 20] [--engines ddp,fsdp2,zero2,zero3] [--nproc 2]
+    python bench/memory.py [--layers 20] [--engines ddp,fsdp2,zero2,zero3] [--nproc 2] [--bf16]
 
 For each engine, starts `torch.distributed.run` with `--nproc` processes (gloo, one thread each); every rank builds a
 SmolLM2-135M-shaped decoder with `--layers` blocks (20: ~99M parameters, random weights, fp32), wraps it with the
-engine exactly as training does (`astrai.distributed.engines.prepare_trained`, AdamW), runs one optimizer step on
-random tokens, and then measures, on each rank:
+engine exactly as training does (`astrai.distributed.engines.prepare_trained`, AdamW; `--bf16`: the engines' bf16
+mixed precision, fp32 master weights and optimizer state), runs two optimizer steps on random tokens, and measures
+on each rank:
 
-- live tensor bytes: the summed size of every distinct tensor storage the process still holds after the step (found
-  through the garbage collector): parameters (or their shards), gradients, optimizer moments and master copies,
-  DeepSpeed's flat buffers; what stays resident between steps;
+- training state at the step: the summed size of every distinct tensor storage the process holds (found through the
+  garbage collector) just before the second optimizer step, when parameters (or their shards), gradients and the
+  optimizer's moments and master copies all exist (the activations are freed by then): the peak of the state that
+  persists over training;
+- between steps: the same after that step (ddp frees its gradients there; DeepSpeed keeps its flat buffers);
 - peak RSS: the process's maximum resident set size (`getrusage`), which also counts the transient gathers of a step
   and the Python/torch runtime itself (about the same for every engine).
 
 Prints one line per engine with the largest rank's numbers and their ratio to ddp, and last `ratio: X.XX`, the best
-(lowest) sharded live-tensor ratio. ZeRO-3 and FSDP2 shard parameters, gradients and optimizer state, so with 2 ranks
-their live state should be about half of ddp's.
+(lowest) ratio of fsdp2 / zero3 training state at the step. They shard parameters, gradients and optimizer state, so
+with 2 ranks it should be near half of ddp's; DeepSpeed adds an fp32 master partition beside its parameter partition
+(a second fp32 copy when training in fp32, a bf16 + fp32 pair under `--bf16`).
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ def live_tensor_bytes() -> int:
     return total
 
 
-def worker(engine: str, layers: int, out: str) -> None:
-    """One rank: build, wrap, step once, measure, append a JSON line to `out`."""
+def worker(engine: str, layers: int, out: str, bf16: bool) -> None:
+    """One rank: build, wrap, step twice, measure, append a JSON line to `out`."""
     import torch
     import torch.distributed as dist
 
@@ -68,7 +72,7 @@ def worker(engine: str, layers: int, out: str) -> None:
     from astrai.trainer.optim import build_optimizer, build_scheduler
 
     torch.set_num_threads(1)
-    ctx = setup_distributed("cpu", engine)
+    ctx = setup_distributed("cpu", engine, mixed_precision="bf16" if bf16 else "no")
     torch.manual_seed(0)
     model = AutoRegressiveLM(ModelConfig(num_hidden_layers=layers, **SMOLLM2_135M))
     params = sum(p.numel() for p in model.parameters())
@@ -77,15 +81,28 @@ def worker(engine: str, layers: int, out: str) -> None:
         optimizer=lambda m: build_optimizer(m.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0),
         scheduler=lambda o: build_scheduler(o, name="constant", warmup_steps=0, total_steps=10))
     del model
-    ids = torch.randint(0, 49152, (2, 64), generator=torch.Generator().manual_seed(ctx.rank))
-    with trained.gradient_sync(True):
-        logits = trained.module(ids)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    generator = torch.Generator().manual_seed(ctx.rank)
+
+    def backward() -> None:  # the activations die with this frame
+        ids = torch.randint(0, 49152, (2, 64), generator=generator)
+        with trained.gradient_sync(True), trained.autocast():
+            logits = trained.module(ids)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         trained.backward(loss)
+
+    at_step: list[int] = []
+
+    def measure() -> None:
+        gc.collect()
+        at_step.append(live_tensor_bytes())
+
+    backward()
     trained.step(1.0, lambda: None)
-    del logits, loss
+    backward()
+    trained.step(1.0, measure)
     gc.collect()
-    record = {"engine": engine, "rank": ctx.rank, "params": params, "live_bytes": live_tensor_bytes(),
+    record = {"engine": engine, "rank": ctx.rank, "params": params, "step_bytes": at_step[0],
+              "live_bytes": live_tensor_bytes(),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     with open(out, "a") as fh:
         fh.write(json.dumps(record) + "\n")
@@ -97,10 +114,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--engines", default="ddp,fsdp2,zero2,zero3")
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (train.bf16)")
     parser.add_argument("--worker", nargs=3, metavar=("ENGINE", "LAYERS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), args.worker[2])
+        worker(args.worker[0], int(args.worker[1]), args.worker[2], args.bf16)
         return
     engines = args.engines.split(",")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -111,22 +129,24 @@ def main() -> None:
             out = Path(tmp) / f"{engine}.jsonl"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
                    "--master_port", str(29600 + len(results)), str(Path(__file__).resolve()), "--worker", engine,
-                   str(args.layers), str(out)]
+                   str(args.layers), str(out), *(["--bf16"] if args.bf16 else [])]
             done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
             if done.returncode != 0 or not out.exists():
                 print(f"{engine}: failed (exit {done.returncode})\n{done.stderr[-2000:]}", file=sys.stderr)
                 continue
             ranks = [json.loads(line) for line in out.read_text().splitlines()]
-            results[engine] = max(ranks, key=lambda r: r["live_bytes"])
+            results[engine] = max(ranks, key=lambda r: r["step_bytes"])
     if "ddp" not in results:
         sys.exit("ddp did not run: no baseline to compare with")
     base = results["ddp"]
-    print(f"model: {base['params'] / 1e6:.1f}M parameters, fp32, AdamW; {args.nproc} ranks (largest rank shown)")
+    precision = "bf16 mixed precision" if args.bf16 else "fp32"
+    print(f"model: {base['params'] / 1e6:.1f}M parameters, {precision}, AdamW; {args.nproc} ranks (largest rank "
+          "shown); GiB and ratio to ddp")
+    print(f"{'engine':6s}  {'state at the step':>22s}  {'between steps':>20s}  {'peak RSS':>20s}")
     for engine, r in results.items():
-        print(f"{engine:6s} live tensors {r['live_bytes'] / 2**30:6.2f} GiB ({r['live_bytes'] / base['live_bytes']:.2f}x"
-              f" ddp)   peak RSS {r['peak_rss_bytes'] / 2**30:6.2f} GiB "
-              f"({r['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x ddp)")
-    sharded = [r["live_bytes"] / base["live_bytes"] for e, r in results.items() if e in ("fsdp2", "zero3")]
+        cells = [f"{r[k] / 2**30:6.2f} ({r[k] / base[k]:.2f}x)" for k in ("step_bytes", "live_bytes", "peak_rss_bytes")]
+        print(f"{engine:6s}  {cells[0]:>22s}  {cells[1]:>20s}  {cells[2]:>20s}")
+    sharded = [r["step_bytes"] / base["step_bytes"] for e, r in results.items() if e in ("fsdp2", "zero3")]
     print(f"ratio: {min(sharded):.2f}" if sharded else "ratio: n/a (no fully sharded engine ran)")
 
 
