@@ -174,17 +174,17 @@ class LoadedCheckpoint:
                 that cannot be read, or, on another world size, a per-rank part that cannot be resharded (nothing
                 is loaded then). A part that is not required and not in the checkpoint is skipped.
         """
-        resized = {} if world_size in (None, self.world_size) else self._resized_states(parts, rank, world_size)
-        missing = [] if resized else self.missing_files(parts, rank)
-        if missing:
-            raise CheckpointError(f"{self.path}: {self.train_type or 'astrai'} checkpoint lacks {missing[0]}")
+        resizing = world_size is not None and world_size != self.world_size
+        resized = self._resized_states(parts, rank, world_size) if resizing else {}
+        if not resizing:
+            self._refuse_missing(self.missing_files(parts, rank))
         for name, part in parts.items():
             if not part.restorable or part.obj is None:
                 continue
             if name in resized:
                 part.obj.load_state_dict(resized[name])
                 continue
-            own = rank if part.per_rank and not resized else 0  # whose copy this rank reads
+            own = rank if part.per_rank and not resizing else 0  # whose copy this rank reads
             if not self._present(name, part, own):
                 continue
             if part.kind == "dcp":  # every rank together, into a state of the current layout (resharded)
@@ -195,6 +195,11 @@ class LoadedCheckpoint:
                 part.obj.load_state_dict(state)
                 continue
             part.obj.load_state_dict(self.part_state(name, part.kind, own))
+
+    def _refuse_missing(self, missing: list[str]) -> None:
+        """Raise CheckpointError naming the first of `missing` (files of required parts), if any."""
+        if missing:
+            raise CheckpointError(f"{self.path}: {self.train_type or 'astrai'} checkpoint lacks {missing[0]}")
 
     def _present(self, name: str, part: Part, rank: int) -> bool:
         """Whether to load `part`: a required one always (a missing file then raises), another when its files are
@@ -209,9 +214,7 @@ class LoadedCheckpoint:
             CheckpointError: a missing required file, or a per-rank part that cannot be resharded.
         """
         old = self.world_size
-        missing = self.missing_files({n: p for n, p in parts.items() if not p.per_rank})
-        if missing:
-            raise CheckpointError(f"{self.path}: {self.train_type or 'astrai'} checkpoint lacks {missing[0]}")
+        self._refuse_missing(self.missing_files({n: p for n, p in parts.items() if not p.per_rank}))
         states: dict[str, Any] = {}
         for name, part in parts.items():
             if not (part.per_rank and part.restorable and part.obj is not None and self._present(name, part, 0)):
