@@ -104,9 +104,13 @@ def test_records_through_datasets_jsonl_and_parquet(tmp_path):
     (tmp_path / "x.csv").write_text("a\n1\n")
     with pytest.raises(DataError, match="unsupported file type"):
         load_records(tmp_path / "x.csv", {"data.text_field": "a"})
-    (tmp_path / "bad.jsonl").write_text("{not json\n")
-    with pytest.raises(DataError, match="cannot read"):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n\n{"text": "cut off\n')
+    with pytest.raises(DataError) as err:  # the broken line is named by its number, in one line
         load_records(tmp_path / "bad.jsonl", {"data.text_field": "text"})
+    assert f"{tmp_path / 'bad.jsonl'} line 3: invalid JSON" in str(err.value) and "\n" not in str(err.value)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(DataError, match="cannot read as json"):
+        load_records(tmp_path / "bad.json", {"data.text_field": "text"})
 
 
 def test_missing_field_exits_2_with_one_line(tiny_model_dir, tmp_path, capsys):

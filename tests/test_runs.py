@@ -107,3 +107,26 @@ def test_layout_filters_by_run_id(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 3, 4, 5]
     publish_checkpoint(tmp_path, 6, objects, metadata={"policy_version": 6}, run_id="a", keep_last=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4, 5, 6]
+
+
+def test_a_start_that_fails_while_building_leaves_the_run_as_it_was(tiny_model_dir, tmp_path, capsys):
+    """Item 8's defect: a fresh start with `--overwrite_output_dir true` that fails after the config is read (a
+    model path that holds no model, a data file that does not parse) used to record its new run id in run.json
+    first, so the next `--checkpoint.resume auto` found no checkpoint of "the current run" and retrained from step
+    0. Now run.json changes only once the job has built."""
+    out = tmp_path / "run"
+    assert main(sft_args(tiny_model_dir, out, "--max_steps", "2")) == 0
+    run = json.loads((out / "run.json").read_text())["run_id"]
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    bad_data = tmp_path / "bad.jsonl"
+    bad_data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"\n')
+    capsys.readouterr()
+    for failing in (("--model.path", str(not_a_model)), ("--data.path", str(bad_data))):
+        assert main(sft_args(tiny_model_dir, out, "--max_steps", "3", "--overwrite_output_dir", "true",
+                             *failing)) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+        assert json.loads((out / "run.json").read_text())["run_id"] == run
+    assert main(sft_args(tiny_model_dir, out, "--max_steps", "3", "--checkpoint.resume", "auto")) == 0
+    assert "resuming from " + str(checkpoints_root(out) / "step-00000002") in capsys.readouterr().out
+    assert steps(out) == [2, 3] and run_id_of(checkpoints_root(out) / "step-00000003") == run

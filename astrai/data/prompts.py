@@ -138,13 +138,13 @@ def read_prompt_records(
             is not an object, a missing field (listing the present keys) or a non-string field;
             ``X: no records ...`` when the file holds no non-blank line.
     """
-    records = objects_to_records(_jsonl_objects(path), prompt_field=prompt_field, answer_field=answer_field)
+    records = objects_to_records(jsonl_objects(path), prompt_field=prompt_field, answer_field=answer_field)
     if not records:
         raise DataError(f"{path}: no records (the file is empty or holds only blank lines)")
     return records
 
 
-def _jsonl_objects(path: Path) -> Iterator[tuple[str, dict]]:
+def jsonl_objects(path: Path) -> Iterator[tuple[str, dict]]:
     """(location, object) for each non-blank line of a jsonl file; DataError for bad bytes, JSON or non-objects."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from astrai.data.prompts import DataError, resolve_prompt_path
+from astrai.data.prompts import DataError, jsonl_objects, resolve_prompt_path
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """File suffix -> `datasets` builder name."""
@@ -55,8 +55,15 @@ def load_records(path: str | Path, fields: Mapping[str, str], *, optional: Mappi
 
 
 def _read(builder: str, path: Path) -> Any:
-    """`datasets.load_dataset(builder, data_files=path)` (train split, in memory), errors as one-line DataError."""
+    """`datasets.load_dataset(builder, data_files=path)` (train split, in memory), errors as one-line DataError.
+
+    A .jsonl file is parsed line by line first, so a broken line is named by its number (`datasets` reports
+    only that the build failed)."""
     import datasets
+
+    if path.suffix.lower() == ".jsonl":
+        for _ in jsonl_objects(path):
+            pass
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()

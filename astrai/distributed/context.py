@@ -73,6 +73,14 @@ class DistributedContext:
         """The bare module under any data-parallel wrapper."""
         return self.accelerator.unwrap_model(model)
 
+    def broadcast_object(self, obj):
+        """The main rank's `obj` (any picklable value) on every rank; `obj` itself with one process."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         """Block until every rank arrives (no-op with one process)."""
         self.accelerator.wait_for_everyone()

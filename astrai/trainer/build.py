@@ -22,7 +22,7 @@ from astrai.trainer.evaluation import build_evaluation
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
 from astrai.trainer.resume import restore
-from astrai.trainer.runs import resolve_run
+from astrai.trainer.runs import record_run, resolve_run
 from astrai.trainer.strategies import TRAIN_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,7 +60,8 @@ def build_trainer(config: Config) -> Trainer:
     Cleans up after a crashed publish (main process), resolves the run (`trainer.runs`: a fresh start in a
     directory holding checkpoints needs `train.overwrite_output_dir`), checks the length budgets and vocabulary
     against the model (`data.limits`), resumes when `checkpoint.resume` says so, and writes the resolved config
-    to `<output_dir>/config.yaml` once everything has been built.
+    to `<output_dir>/config.yaml` and the run id to `<output_dir>/run.json` once everything has been built (a
+    start that fails leaves the directory's run as it was).
 
     Raises:
         FileNotFoundError / ValueError / CheckpointError: from model, data or checkpoint loading, with
@@ -119,9 +120,10 @@ def build_trainer(config: Config) -> Trainer:
     if dist.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(config_text)
-        if resume_from is not None:
-            print(f"resuming from {resume_from} (step {trainer.state.global_step}, "
-                  f"policy_version {trainer.state.policy_version})")
-            if resized is not None:
-                print(resized)
+    record_run(output_dir, run_id, resume_from=resume_from, resume=config.checkpoint.resume, dist=dist)
+    if dist.is_main and resume_from is not None:
+        print(f"resuming from {resume_from} (step {trainer.state.global_step}, "
+              f"policy_version {trainer.state.policy_version})")
+        if resized is not None:
+            print(resized)
     return trainer

@@ -26,7 +26,7 @@ from astrai.checkpoint import CheckpointError, checkpoints_root, find_latest_che
 from astrai.checkpoint.layout import run_id_of
 from astrai.trainer.resume import resolve_resume
 
-__all__ = ["RUN_FILE", "new_run_id", "current_run_id", "resolve_run"]
+__all__ = ["RUN_FILE", "new_run_id", "current_run_id", "resolve_run", "record_run"]
 
 RUN_FILE = "run.json"
 """`<output_dir>/run.json`: {"run_id": ...} of the run that last started in the directory."""
@@ -71,8 +71,10 @@ def _write_run_file(output_dir: Path, run_id: str) -> None:
 def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -> tuple[Optional[Path], str]:
     """The checkpoint to resume from (None: fresh start) and this run's id, the same on every rank.
 
-    Every rank reads the directory first (so a refusal is raised everywhere); the main rank then records the run
-    in `<output_dir>/run.json` and says what it does with checkpoints of other runs; the others read the id back.
+    Reads the directory only: nothing is written, so a job that fails later while it builds (a bad data path, a
+    corrupt checkpoint) leaves `run.json` naming the run that last started there. `record_run` writes it once
+    the job has built. Every rank reads the directory (so a refusal is raised everywhere); the main rank's run
+    id is broadcast to the others.
 
     Raises:
         CheckpointError: a fresh start in a directory holding checkpoints without `overwrite`, or a
@@ -91,17 +93,21 @@ def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -
         resume_from = find_latest_checkpoint(output_dir)
     else:
         resume_from = resolve_resume(resume, output_dir, run_id=current)
-    dist.barrier()  # every rank has read run.json before the main rank replaces it
-    if dist.is_main:
-        run_id = (run_id_of(resume_from) if resume_from is not None else None) or current or new_run_id()
-        _write_run_file(output_dir, run_id)
-        others = [p for p in existing if run_id_of(p) != run_id]
-        if others and resume_from is None:
-            why = "overwrite_output_dir" if resume == "none" else "checkpoint.resume auto: no checkpoint of the " \
-                                                                    "current run, starting fresh;"
-            print(f"{why} run {run_id} ignores the {len(others)} checkpoint(s) of other runs in "
-                  f"{checkpoints_root(output_dir)} (keep_last and resume auto leave them alone; a step this run "
-                  f"publishes replaces the directory of the same name)")
-    dist.barrier()
-    run_id = json.loads((output_dir / RUN_FILE).read_text(encoding="utf-8"))["run_id"]
-    return resume_from, run_id
+    run_id = (run_id_of(resume_from) if resume_from is not None else None) or current or new_run_id()
+    return resume_from, dist.broadcast_object(run_id)
+
+
+def record_run(output_dir: str | Path, run_id: str, *, resume_from: Optional[Path], resume: str, dist) -> None:
+    """Name `run_id` in `<output_dir>/run.json` (main rank), once the job has built, and say what the run does
+    with the checkpoints of other runs in the directory."""
+    output_dir = Path(output_dir)
+    if not dist.is_main:
+        return
+    _write_run_file(output_dir, run_id)
+    others = [p for p in _step_dirs(output_dir) if run_id_of(p) != run_id]
+    if others and resume_from is None:
+        why = "overwrite_output_dir" if resume == "none" else "checkpoint.resume auto: no checkpoint of the " \
+                                                                "current run, starting fresh;"
+        print(f"{why} run {run_id} ignores the {len(others)} checkpoint(s) of other runs in "
+              f"{checkpoints_root(output_dir)} (keep_last and resume auto leave them alone; a step this run "
+              f"publishes replaces the directory of the same name)")
