@@ -42,6 +42,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="this process's rank on its node, as the deepspeed launcher passes it (LOCAL_RANK in "
                              "the environment wins)")
+    parser.add_argument("--check", action="store_true",
+                        help="check the job (config, launch mode, step sizes, output directory, model limits, data) "
+                             "in this process without training; exit 0 when it would start, 2 with one line when "
+                             "not. The number of ranks is WORLD_SIZE (default 1)")
     return parser.parse_known_args(argv)
 
 
@@ -66,21 +70,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     with job:  # and restored when the job ends
-        return _run(config)
+        return _check(config) if args.check else _run(config)
+
+
+def _bad_input_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that mean bad input (exit 2 with their one-line message)."""
+    from astrai.checkpoint import CheckpointError
+    from astrai.data import DataError
+    from astrai.kernels import BackendUnavailableError
+
+    return FileNotFoundError, NotADirectoryError, DataError, CheckpointError, ValueError, BackendUnavailableError
+
+
+def _check(config) -> int:
+    """`--check`: `build.check_job` for WORLD_SIZE ranks; returns the exit code."""
+    from astrai.trainer.build import check_job
+
+    try:
+        print(check_job(config, world_size=int(os.environ.get("WORLD_SIZE", "1"))))
+    except _bad_input_errors() as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
 
 
 def _run(config) -> int:
     """Build and fit the trainer for a loaded `Config`; returns the exit code."""
-    from astrai.checkpoint import CheckpointError
-    from astrai.data import DataError
-    from astrai.kernels import BackendUnavailableError
     from astrai.trainer.build import build_trainer
 
     start = time.perf_counter()
     try:
         trainer = build_trainer(config)
-    except (FileNotFoundError, NotADirectoryError, DataError, CheckpointError, ValueError,
-            BackendUnavailableError) as err:
+    except _bad_input_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     state = trainer.fit()

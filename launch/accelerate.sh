@@ -14,7 +14,9 @@
 #   --mixed_precision no|fp16|bf16, --gpu_ids LIST, --same_network, --cpu   passed through to accelerate
 # Everything after JOB.yaml goes to `python -m astrai.train` as config overrides.
 #
-# Runs: accelerate launch [options] [--multi_gpu] -m astrai.train --config JOB.yaml [overrides]
+# Runs: accelerate launch [options] [--multi_gpu] -m astrai.train --config JOB.yaml [overrides], after checking the
+# job in one process with the environment the ranks would get (python -m astrai.distributed.preflight; a refusal
+# is one line and exit 2; TRAIN_CHECK=0 skips it, TRAIN_PYTHON picks the python)
 # (--multi_gpu is added when more than one process is asked for without --config_file or --cpu).
 # Multi-node: run the same command on every machine with its own --machine_rank.
 set -euo pipefail
@@ -74,4 +76,5 @@ if [[ -z $config_file ]] && ((cpu == 0)) && [[ -n $num_processes ]] && ((num_pro
   args+=(--multi_gpu)
 fi
 require_command accelerate "it comes with astrai: pip install -e ."
+preflight accelerate -m astrai.distributed.preflight "${args[@]}" -m astrai.train --config "$job" "$@"
 exec accelerate launch "${args[@]}" -m astrai.train --config "$job" "$@"

@@ -11,6 +11,7 @@
 # Everything after JOB.yaml goes to `python -m astrai.train` as config overrides.
 #
 # Runs: deepspeed [options] --no_local_rank --module astrai.train --config JOB.yaml [overrides]
+# after checking the job in one process (python -m astrai.train --check; TRAIN_CHECK=0 skips it)
 # (--no_local_rank: astrai reads LOCAL_RANK from the environment; it also accepts --local_rank=N).
 # Run it on the first node of the hostfile; DeepSpeed starts the other nodes over ssh.
 set -euo pipefail
@@ -40,4 +41,5 @@ job=${1:-}
 require_job_file "$job"
 shift
 require_command deepspeed "pip install 'astrai[deepspeed]'"
+preflight deepspeed -m astrai.train --check --config "$job" "$@"
 exec deepspeed "${args[@]}" --no_local_rank --module astrai.train --config "$job" "$@"

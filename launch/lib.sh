@@ -44,6 +44,21 @@ gpu_count() {  # GPUs this node may use: CUDA_VISIBLE_DEVICES, else nvidia-smi -
   fi
 }
 
+preflight() {  # preflight LAUNCHER ARGS...: check the job in one process before LAUNCHER starts the ranks
+  # ARGS are `python` arguments (-m astrai.distributed.preflight ... or -m astrai.train --check ...). A refusal
+  # is its one-line error and exit 2, instead of one error per rank and the launcher's traceback. The python is
+  # TRAIN_PYTHON, else the one installed beside LAUNCHER, else python3. TRAIN_CHECK=0 skips the check.
+  [[ ${TRAIN_CHECK:-1} == 0 ]] && return 0
+  local launcher=$1 py=${TRAIN_PYTHON:-} rc=0
+  shift
+  if [[ -z $py ]]; then
+    py=$(dirname "$(command -v "$launcher")")/python
+    [[ -x $py ]] || py=python3
+  fi
+  "$py" "$@" || rc=$?
+  ((rc == 0)) || exit "$rc"
+}
+
 usage_from_header() {  # print the script's leading comment block (after the shebang) as its help
   sed -n '2,/^[^#]/{/^#/!q;s/^# \{0,1\}//;p}' "$1"
 }

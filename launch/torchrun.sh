@@ -13,6 +13,7 @@
 # Everything after JOB.yaml goes to `python -m astrai.train` as config overrides.
 #
 # Runs: torchrun --nnodes N --nproc_per_node P [rendezvous] -m astrai.train --config JOB.yaml [overrides]
+# after checking the job in one process (python -m astrai.train --check; TRAIN_CHECK=0 skips it)
 # Multi-node: run the same command on every node (launch/slurm.sbatch does that under Slurm).
 set -euo pipefail
 PROG=torchrun.sh
@@ -58,4 +59,5 @@ elif [[ -n $backend || -n $rdzv_id ]]; then
   args+=(${backend:+--rdzv_backend "$backend"} ${rdzv_id:+--rdzv_id "$rdzv_id"})
 fi
 require_command torchrun "it comes with torch"
+WORLD_SIZE=$((nnodes * nproc)) preflight torchrun -m astrai.train --check --config "$job" "$@"
 exec torchrun --nnodes "$nnodes" --nproc_per_node "$nproc" "${args[@]}" -m astrai.train --config "$job" "$@"

@@ -70,7 +70,8 @@ def fake(tmp_path):
             log.mkdir()
             base = {k: v for k, v in os.environ.items() if not k.startswith(("TRAIN_", "SERVE_", "SLURM_"))}
             base.pop("CUDA_VISIBLE_DEVICES", None)
-            full = {**base, "PATH": path or f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log), **(env or {})}
+            full = {**base, "PATH": path or f"{bindir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+                    "TRAIN_CHECK": "0", **(env or {})}  # the pre-flight has its own tests (real python)
             out = subprocess.run(["bash", str(LAUNCH / script), *map(str, args)], env=full, cwd=cwd or tmp_path,
                                  capture_output=True, text=True, timeout=120)
             calls = Calls()
@@ -152,6 +153,70 @@ def test_accelerate_bad_input_fails_fast(fake, job, args, needle):
 
 
 # ------------------------------------------------------------------------------------- deepspeed / torchrun
+def sft_job(tmp_path, tiny_model_dir, data_line):
+    """A tiny sft job file whose data file holds `data_line`."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text(data_line + "\n")
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({"train": {"type": "sft", "output_dir": str(tmp_path / "out"),
+                                              "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1},
+                                    "model": {"path": str(tiny_model_dir)},
+                                    "data": {"path": str(data), "max_length": 32}}))
+    return path
+
+
+GOOD_CHAT = '{"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}'
+
+
+def test_preflight_refuses_in_one_line_before_any_rank_starts(fake, tmp_path, tiny_model_dir):
+    """A job the ranks would refuse is refused by the pre-flight, in one process: one line, exit 2, and the
+    launcher is never called (no per-rank errors, no ChildFailedError traceback)."""
+    real = {"TRAIN_CHECK": "1", "TRAIN_PYTHON": sys.executable}
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    fsdp1.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n"
+                     "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\n")
+    good = sft_job(tmp_path, tiny_model_dir, GOOD_CHAT)
+    out, calls = fake.run("accelerate.sh", "--config_file", fsdp1, good, env=real)
+    one_line_error(out, "fsdp_version 1 is not supported")
+    assert not calls.of("accelerate")
+    zero2 = REPO / "configs/zero/zero2.yaml"  # a DeepSpeed micro-batch size that contradicts the job's (1)
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}')
+    ds_launch = tmp_path / "zero2.yaml"
+    ds_launch.write_text(zero2.read_text().replace("  gradient_clipping: auto\n",
+                                                   f"  deepspeed_config_file: {ds_json}\n"))
+    out, calls = fake.run("accelerate.sh", "--config_file", ds_launch, good, env=real)
+    one_line_error(out, "train_micro_batch_size_per_gpu 4 contradicts the job (1)")
+    bad = sft_job(tmp_path, tiny_model_dir, GOOD_CHAT[:-3])
+    for script, args in (("accelerate.sh", ("--config_file", zero2)), ("torchrun.sh", ("--nproc_per_node", "2")),
+                         ("deepspeed.sh", ())):
+        out, calls = fake.run(script, *args, bad, env=real)
+        one_line_error(out, f"{tmp_path / 'chats.jsonl'} line 1: invalid JSON")
+        assert not calls.of(script.removesuffix(".sh")), script
+
+
+def test_preflight_passes_a_good_job_to_the_launcher(fake, tmp_path, tiny_model_dir):
+    job = sft_job(tmp_path, tiny_model_dir, GOOD_CHAT)
+    out, calls = fake.run("accelerate.sh", "--config_file", REPO / "configs/zero/zero3.yaml", job,
+                          env={"TRAIN_CHECK": "1", "TRAIN_PYTHON": sys.executable})
+    assert out.returncode == 0, out.stderr
+    assert "check passed: sft on 2 process(es) with zero3" in out.stdout
+    assert calls.of("accelerate")[0]["args"][-2:] == ["--config", str(job)]
+    assert not (tmp_path / "out").exists()  # the check writes nothing
+
+
+def test_launch_environment_is_accelerates_own():
+    from astrai.distributed.preflight import launch_environment
+
+    env, script_args = launch_environment(["--config_file", str(REPO / "configs/zero/zero3.yaml"), "-m",
+                                           "astrai.train", "--config", "job.yaml", "--max_steps", "2"])
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert env["WORLD_SIZE"] == "2" and script_args == ["--config", "job.yaml", "--max_steps", "2"]
+    env, _ = launch_environment(["--config_file", str(REPO / "configs/zero/fsdp2.yaml"), "--num_processes", "4",
+                                 "-m", "astrai.train"])
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2" and env["WORLD_SIZE"] == "4"
+
+
 def test_deepspeed_with_hostfile(fake, job):
     hostfile = LAUNCH / "hostfile.example"
     out, calls = fake.run("deepspeed.sh", "--hostfile", hostfile, "--num_gpus", "8", "--master_port=29600", job,

@@ -15,7 +15,7 @@ from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_ch
 from astrai.config import Config, config_to_dict, dump_config
 from astrai.data.limits import check_model_limits
 from astrai.distributed import setup_distributed
-from astrai.distributed.launch import check_step_sizes, optimizer_step_sizes
+from astrai.distributed.launch import check_step_sizes, optimizer_step_sizes, resolve_launch
 from astrai.models import load_pretrained
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.evaluation import build_evaluation
@@ -23,7 +23,7 @@ from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
 from astrai.trainer.resume import restore
 from astrai.trainer.runs import record_run, resolve_run
-from astrai.trainer.strategies import TRAIN_TYPES
+from astrai.trainer.strategies import TRAIN_DATA, TRAIN_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,3 +127,37 @@ def build_trainer(config: Config) -> Trainer:
         if resized is not None:
             print(resized)
     return trainer
+
+
+def check_job(config: Config, *, world_size: int) -> str:
+    """Pre-flight: every check `build_trainer` makes before it trains, without creating a process group, an engine
+    or an optimizer, in this one process: the launch mode (`distributed.strategy` against the accelerate launch
+    environment in `os.environ`) and its precision, DeepSpeed step sizes for `world_size` ranks, `train.report_to`,
+    the output directory and `checkpoint.resume` (read only: nothing is written), the model (loaded on CPU) and its
+    length and vocabulary limits, and the data as the train type will train on it. Launch scripts run it before
+    they start the ranks, so a refusal is one line with exit 2 instead of one line per rank followed by the
+    launcher's traceback.
+
+    Returns: a one-line summary of what was checked.
+    Raises: the errors `build_trainer` raises for bad input (ValueError and its subclasses LaunchError,
+        DataError; FileNotFoundError, NotADirectoryError, CheckpointError).
+    """
+    plan = resolve_launch(config.distributed.strategy, mixed_precision=config.train.mixed_precision, env=os.environ)
+    micro_batch_size, accumulation_steps = optimizer_step_sizes(config)
+    check_step_sizes(os.environ, strategy=plan.strategy, deepspeed_config=plan.deepspeed_config,
+                     micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
+                     max_grad_norm=config.optim.max_grad_norm, world_size=world_size)
+    build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config), enabled=False)
+    output_dir = Path(config.train.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NotADirectoryError(f"train.output_dir: not a directory: {output_dir}")
+    resume_from, _ = resolve_run(config.checkpoint.resume, output_dir, overwrite=config.train.overwrite_output_dir,
+                                 dist=None)
+    policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
+    check_model_limits(config, policy.config, tokenizer)
+    data = TRAIN_DATA[config.train.type](config, policy.config, tokenizer, main=True)
+    params = sum(p.numel() for p in policy.parameters())
+    start = f"resumes {resume_from}" if resume_from is not None else "starts fresh"
+    return (f"check passed: {config.train.type} on {world_size} process(es) with {plan.strategy} "
+            f"({plan.mixed_precision} mixed precision); model {config.model.path} ({params / 1e6:.1f}M parameters); "
+            f"{len(data)} training examples from {config.data.path}; {start} in {output_dir}")

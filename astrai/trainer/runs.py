@@ -74,7 +74,7 @@ def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -
     Reads the directory only: nothing is written, so a job that fails later while it builds (a bad data path, a
     corrupt checkpoint) leaves `run.json` naming the run that last started there. `record_run` writes it once
     the job has built. Every rank reads the directory (so a refusal is raised everywhere); the main rank's run
-    id is broadcast to the others.
+    id is broadcast to the others (`dist` None: this process only, as `python -m astrai.train --check` does).
 
     Raises:
         CheckpointError: a fresh start in a directory holding checkpoints without `overwrite`, or a
@@ -94,7 +94,7 @@ def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -
     else:
         resume_from = resolve_resume(resume, output_dir, run_id=current)
     run_id = (run_id_of(resume_from) if resume_from is not None else None) or current or new_run_id()
-    return resume_from, dist.broadcast_object(run_id)
+    return resume_from, (dist.broadcast_object(run_id) if dist is not None else run_id)
 
 
 def record_run(output_dir: str | Path, run_id: str, *, resume_from: Optional[Path], resume: str, dist) -> None:

@@ -100,14 +100,21 @@ def _quiet(message: str) -> None:
     """A log that prints nothing (ranks other than the main one)."""
 
 
-def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
-    """dpo from `data.path` records with prompt / chosen / rejected fields. Raises DataError for bad data."""
+def dpo_data(config, model_config, tokenizer, *, main: bool = True) -> list:
+    """The dpo preference triples of `data.path` (prompt, chosen, rejected fields), tokenised; the main rank
+    reports rows dropped by the length policy. Raises DataError for bad data."""
     d = config.data
     rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
                                  "data.rejected_field": d.rejected_field})
-    end_id = response_end_id(tokenizer, stop_token_ids(policy.config, tokenizer))
+    end_id = response_end_id(tokenizer, stop_token_ids(model_config, tokenizer))
     triples = preference_triples(rows, tokenizer, config, end_id=end_id)
-    report_dropped(len(triples), len(rows), source=d.path, log=print if dist.is_main else _quiet)
+    report_dropped(len(triples), len(rows), source=d.path, log=print if main else _quiet)
+    return triples
+
+
+def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
+    """dpo from `data.path` records with prompt / chosen / rejected fields. Raises DataError for bad data."""
+    triples = dpo_data(config, policy.config, tokenizer, main=dist.is_main)
     policy = policy.to(dist.device)
     ref_model = reference_model(dist, policy)
     trained = build_trained_model(config, dist, policy, name="policy")

@@ -148,18 +148,27 @@ def _quiet(message: str) -> None:
     """A log that prints nothing (ranks other than the main one)."""
 
 
-def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
-    """Offline grpo from `data.path` groups. Raises DataError for bad data."""
-    d, g = config.data, config.grpo
+def grpo_data(config, model_config, tokenizer, *, main: bool = True) -> list:
+    """The offline grpo groups of `data.path` (prompt, responses, rewards and optional logprobs / response_ids
+    fields), tokenised and checked against the vocabulary; the main rank reports dropped rows. Raises DataError
+    for bad data."""
+    d = config.data
     rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.responses_field": d.responses_field,
                                  "data.rewards_field": d.rewards_field},
                         optional={"data.logprobs_field": d.logprobs_field, "response_ids": "response_ids"})
-    end_id = response_end_id(tokenizer, stop_token_ids(policy.config, tokenizer))
-    vocab_size = min(tokenizer.vocab_size, policy.config.vocab_size)
+    end_id = response_end_id(tokenizer, stop_token_ids(model_config, tokenizer))
+    vocab_size = min(tokenizer.vocab_size, model_config.vocab_size)
     records = [group_record(row, tokenizer, config, f"{d.path} row {i + 1}", end_id=end_id, vocab_size=vocab_size)
                for i, row in enumerate(rows)]
     records = [r for r in records if r is not None]
-    report_dropped(len(records), len(rows), source=d.path, log=print if dist.is_main else _quiet)
+    report_dropped(len(records), len(rows), source=d.path, log=print if main else _quiet)
+    return records
+
+
+def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
+    """Offline grpo from `data.path` groups. Raises DataError for bad data."""
+    d, g = config.data, config.grpo
+    records = grpo_data(config, policy.config, tokenizer, main=dist.is_main)
     policy = policy.to(dist.device)
     ref_model = reference_model(dist, policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
     trained = build_trained_model(config, dist, policy, name="policy")

@@ -14,12 +14,17 @@ from astrai.data.records import load_records, require_str
 from astrai.trainer.strategies.sft import NextTokenStrategy, build_examples, build_next_token
 
 
-def build_seq(config, dist, policy, tokenizer) -> NextTokenStrategy:
-    """seq from `data.path` records holding `data.text_field`. Raises DataError for bad data."""
+def seq_data(config, model_config, tokenizer, *, main: bool = True) -> list:
+    """The seq examples of `data.path` (records holding `data.text_field`), tokenised and packed or cut as
+    `data.packing` / `data.max_length` say. Raises DataError for bad data."""
     d = config.data
     rows = load_records(d.path, {"data.text_field": d.text_field})
-    examples = build_examples(
+    return build_examples(
         rows, lambda row, where: text_example(require_str(row, d.text_field, "data.text_field", where), tokenizer,
                                               max_length=None if d.packing else d.max_length),
         packing=d.packing, max_length=d.max_length, source=d.path)
-    return build_next_token(config, dist, policy, tokenizer, examples)
+
+
+def build_seq(config, dist, policy, tokenizer) -> NextTokenStrategy:
+    """seq from `data.path` records holding `data.text_field` (`seq_data`). Raises DataError for bad data."""
+    return build_next_token(config, dist, policy, tokenizer, seq_data(config, policy.config, tokenizer))

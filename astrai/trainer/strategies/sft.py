@@ -117,17 +117,23 @@ def build_next_token(config, dist, policy, tokenizer, examples: list) -> NextTok
                              pad_token_id=tokenizer.pad_token_id)
 
 
-def build_sft(config, dist, policy, tokenizer) -> NextTokenStrategy:
-    """sft from `data.path` records with a `data.messages_field` chat. Raises DataError for bad data."""
+def sft_data(config, model_config, tokenizer, *, main: bool = True) -> list:
+    """The sft examples of `data.path` (records with a `data.messages_field` chat), tokenised, labelled and
+    packed or cut as `data.packing` / `data.max_length` say. Raises DataError for bad data."""
     d = config.data
     rows = load_records(d.path, {"data.messages_field": d.messages_field})
-    stops = stop_token_ids(policy.config, tokenizer)
-    examples = build_examples(
+    stops = stop_token_ids(model_config, tokenizer)
+    return build_examples(
         rows, lambda row, where: chat_example(_with_system(row[d.messages_field], d.system_prompt), tokenizer,
                                               max_length=None if d.packing else d.max_length, stops=stops,
                                               where=where),
         packing=d.packing, max_length=d.max_length, source=d.path)
-    return build_next_token(config, dist, policy, tokenizer, examples)
+
+
+def build_sft(config, dist, policy, tokenizer) -> NextTokenStrategy:
+    """sft from `data.path` records with a `data.messages_field` chat (`sft_data`). Raises DataError for bad
+    data."""
+    return build_next_token(config, dist, policy, tokenizer, sft_data(config, policy.config, tokenizer))
 
 
 def _with_system(messages, system_prompt: Optional[str]):
