@@ -19,6 +19,7 @@ the sharded engines), which is how the colocated rollout engine takes new weight
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
@@ -27,6 +28,19 @@ from astrai.checkpoint import Part
 
 __all__ = ["DeepSpeedModel", "FSDP2Model", "FullModelState", "TrainedModel", "prepare_reference", "prepare_trained",
            "shard_blocks"]
+
+
+def _deepspeed():
+    """The `deepspeed` module, imported on first use (it is an optional extra). DeepSpeed 0.19's ZeRO gathers and
+    reductions call `torch.distributed.all_gather_into_tensor` / `reduce_scatter_tensor`, which torch 2.13 marks
+    deprecated: one FutureWarning per call (about a hundred per 2-rank run) that says nothing to an astrai user,
+    so exactly those two warnings are silenced."""
+    import deepspeed
+
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning)
+    return deepspeed
 
 
 class TrainedModel:
@@ -243,7 +257,7 @@ class DeepSpeedModel(TrainedModel):
         if self.stage < 3:
             yield from self.model.state_dict().items()
             return
-        import deepspeed
+        deepspeed = _deepspeed()
 
         for name, param in self.model.named_parameters(remove_duplicate=False):
             with deepspeed.zero.GatheredParameters([param]):
@@ -262,7 +276,7 @@ class DeepSpeedModel(TrainedModel):
 
     def _load_zero3(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy full tensors into the ZeRO-3 partitions (each parameter gathered, overwritten, re-partitioned)."""
-        import deepspeed
+        deepspeed = _deepspeed()
 
         with torch.no_grad():
             for name, param in self.model.named_parameters():
@@ -353,7 +367,7 @@ def prepare_trained(dist, name: str, model: torch.nn.Module, *,
         opt = optimizer(model)
         return FSDP2Model(name=name, module=model, optimizer=opt, scheduler=scheduler(opt), dist=dist)
     if strategy in ("zero1", "zero2", "zero3"):
-        import deepspeed
+        deepspeed = _deepspeed()
 
         _allow_deepspeed_state()
         stage = int(strategy[-1])
@@ -407,7 +421,7 @@ def prepare_reference(dist, model: torch.nn.Module) -> torch.nn.Module:
     if strategy == "fsdp2":
         return shard_blocks(model, **_fsdp_precision(getattr(dist, "mixed_precision", "no")))
     if strategy == "zero3":
-        import deepspeed
+        deepspeed = _deepspeed()
 
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                   "steps_per_print": 2**31 - 1}
