@@ -169,3 +169,43 @@ def test_learning_rate_logged_is_the_one_applied(tiny_model_dir, tmp_path):
     after = load_file(str(out / "checkpoints" / "step-00000001" / "model.safetensors"))
     moved = max(float((after[k] - before[k]).abs().max()) for k in before)
     assert moved == pytest.approx(5e-4, rel=0.01)
+
+
+def test_resume_refusals_come_from_the_manifest_before_anything_loads(tiny_model_dir, tmp_path, monkeypatch,
+                                                                      capsys):
+    """`check_resume` refuses from the manifest alone (another train type, another engine, ZeRO partitions of
+    another world size), so `build_trainer` and `--check` refuse before the model loads or an engine is built."""
+    from astrai.checkpoint import CheckpointError, Part, publish_checkpoint
+    from astrai.models import load_pretrained
+    from astrai.train import main
+    from astrai.trainer.resume import check_resume
+
+    policy, tokenizer = load_pretrained(tiny_model_dir)
+    parts = {"policy": Part(policy, "hf_model")}
+    zero = publish_checkpoint(tmp_path / "z", 1, parts, metadata={"policy_version": 1, "train_type": "sft",
+                                                                   "distributed_strategy": "zero2"})
+    fsdp = publish_checkpoint(tmp_path / "f", 1, parts, metadata={"policy_version": 1, "train_type": "sft",
+                                                                   "distributed_strategy": "fsdp2"})
+    assert check_resume(zero, train_type="sft", world_size=1, strategy="zero2").world_size == 1
+    assert check_resume(fsdp, train_type="sft", world_size=2, strategy="fsdp2").world_size == 1  # reshardable
+    for path, kwargs, needle in (
+            (zero, dict(train_type="sft", world_size=2, strategy="zero2"),
+             "written by 1 ranks, this job has 2: the DeepSpeed ZeRO optimizer partitions cannot be resharded"),
+            (zero, dict(train_type="sft", world_size=1, strategy="fsdp2"), "written under distributed.strategy zero2"),
+            (fsdp, dict(train_type="dpo", world_size=1, strategy="fsdp2"), "checkpoint of train type 'sft'")):
+        with pytest.raises(CheckpointError, match=needle):
+            check_resume(path, **kwargs)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr("astrai.trainer.build.load_pretrained", no_model)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "1?"}, {"role": "assistant", "content": "1"}]}\n')
+    code = main(["--check", "--config", str(Path(__file__).resolve().parents[1] / "configs/examples/sft.yaml"), "--model.path", str(tiny_model_dir),
+                 "--data.path", str(chats), "--distributed.strategy", "zero2", "--train.output_dir",
+                 str(tmp_path / "out"), "--checkpoint.resume", str(zero)])
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "the DeepSpeed ZeRO optimizer partitions cannot be resharded" in line

@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 STRATEGIES = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+RESHARDABLE = ("ddp", "fsdp2")
+"""Engines whose checkpoints resume on another world size (per-rank state resized, dcp optimizer state resharded);
+DeepSpeed's ZeRO optimizer partitions are not (docs/distributed.md)."""
 """The engines astrai trains with; `distributed.strategy` also takes "auto" (the launch config's, else ddp)."""
 MIXED_PRECISION = ("no", "bf16", "fp16")
 """Mixed-precision modes (`train.bf16` / `train.fp16` of the job config)."""

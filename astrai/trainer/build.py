@@ -21,7 +21,7 @@ from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, Progress
 from astrai.trainer.evaluation import build_evaluation
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
-from astrai.trainer.resume import restore
+from astrai.trainer.resume import check_resume, restore
 from astrai.trainer.runs import record_run, resolve_run
 from astrai.trainer.strategies import TRAIN_DATA, TRAIN_TYPES
 
@@ -85,6 +85,8 @@ def build_trainer(config: Config) -> Trainer:
     dist.barrier()
     resume_from, run_id = resolve_run(config.checkpoint.resume, output_dir,
                                       overwrite=config.train.overwrite_output_dir, dist=dist)
+    if resume_from is not None:  # refused before anything loads (restore() checks again, with sha256 if asked)
+        check_resume(resume_from, train_type=config.train.type, world_size=dist.world_size, strategy=dist.strategy)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
     policy.train()
@@ -153,6 +155,9 @@ def check_job(config: Config, *, world_size: int) -> str:
         raise NotADirectoryError(f"train.output_dir: not a directory: {output_dir}")
     resume_from, _ = resolve_run(config.checkpoint.resume, output_dir, overwrite=config.train.overwrite_output_dir,
                                  dist=None)
+    if resume_from is not None:
+        check_resume(resume_from, train_type=config.train.type, world_size=world_size, strategy=plan.strategy,
+                     verify=config.checkpoint.verify_on_load)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
     data = TRAIN_DATA[config.train.type](config, policy.config, tokenizer, main=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from astrai.checkpoint import CheckpointError, Part, find_latest_checkpoint, load_checkpoint
+from astrai.distributed.launch import RESHARDABLE
 
 
 def resolve_resume(resume: str, output_dir: str | Path, *, run_id: Optional[str] = None) -> Optional[Path]:
@@ -33,6 +34,32 @@ def resolve_resume(resume: str, output_dir: str | Path, *, run_id: Optional[str]
     return path
 
 
+def check_resume(path: Path, *, train_type: str, world_size: int, strategy: Optional[str], verify: bool = False):
+    """The checkpoint at `path` opened (`load_checkpoint`), after the checks that need only its manifest: the
+    train type, the engine that wrote it, and a world size the engine's state cannot be resharded to. Cheap with
+    `verify=False` (file presence and sizes), so the job refuses before it loads or builds anything.
+
+    Returns: the `LoadedCheckpoint`.
+    Raises:
+        CheckpointError: one line: another train type; another `distributed.strategy` than `strategy` (the
+            engines keep optimizer state in different layouts); ZeRO partitions of another world size.
+    """
+    ckpt = load_checkpoint(path, verify=verify)
+    if ckpt.train_type is not None and ckpt.train_type != train_type:
+        raise CheckpointError(f"{path}: checkpoint of train type {ckpt.train_type!r}, job is {train_type!r}")
+    written = (ckpt.manifest or {}).get("distributed_strategy")
+    if strategy is not None and written is not None and written != strategy:
+        raise CheckpointError(f"{path}: written under distributed.strategy {written}, this job runs {strategy} (the "
+                              f"engines keep optimizer state in different layouts); resume with "
+                              f"--distributed.strategy {written}, or start a new run from its weights "
+                              f"(--model.path {path})")
+    if written is not None and written not in RESHARDABLE and ckpt.world_size != world_size:
+        raise CheckpointError(f"{path}: written by {ckpt.world_size} ranks, this job has {world_size}: the DeepSpeed "
+                              f"ZeRO optimizer partitions cannot be resharded; resume with {ckpt.world_size} "
+                              f"processes, or start a new run from its weights (--model.path {path})")
+    return ckpt
+
+
 def restore(parts: Mapping[str, Part], path: Path, *, rank: int, train_type: str, verify: bool,
             world_size: int = 1, strategy: Optional[str] = None) -> Optional[str]:
     """Load the checkpoint at `path` into `parts` (this rank's copies of per-rank parts), in their order.
@@ -51,15 +78,7 @@ def restore(parts: Mapping[str, Part], path: Path, *, rank: int, train_type: str
             optimizer state in different layouts), or state that cannot be resharded to `world_size` (ZeRO
             optimizer partitions, a rollout in progress).
     """
-    ckpt = load_checkpoint(path, verify=verify)
-    if ckpt.train_type is not None and ckpt.train_type != train_type:
-        raise CheckpointError(f"{path}: checkpoint of train type {ckpt.train_type!r}, job is {train_type!r}")
-    written = (ckpt.manifest or {}).get("distributed_strategy")
-    if strategy is not None and written is not None and written != strategy:
-        raise CheckpointError(f"{path}: written under distributed.strategy {written}, this job runs {strategy} (the "
-                              f"engines keep optimizer state in different layouts); resume with "
-                              f"--distributed.strategy {written}, or start a new run from its weights "
-                              f"(--model.path {path})")
+    ckpt = check_resume(path, train_type=train_type, world_size=world_size, strategy=strategy, verify=verify)
     ckpt.restore(parts, rank, world_size)
     if ckpt.world_size == world_size:
         return None
