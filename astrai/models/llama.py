@@ -155,17 +155,20 @@ class AutoRegressiveLM(nn.Module):
         *,
         logits_to_keep: int = 0,
         document_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Next-token logits (B, S, V) in the parameter dtype; `logits[:, i]` scores token i + 1.
 
         Arguments as `LlamaTrunk.forward` (`document_ids` included). `logits_to_keep` > 0 computes only the last
-        that many positions, returning (B, logits_to_keep, V) (e.g. 1 for decoding). Raises what
+        that many positions, returning (B, logits_to_keep, V) (e.g. 1 for decoding). `return_hidden`: skip the
+        LM head and return the final hidden states (B, S, H) (or their last `logits_to_keep` positions), for
+        callers that apply `lm_head.weight` themselves in chunks (`algos.logprobs_from_hidden`). Raises what
         `LlamaTrunk.forward` raises.
         """
         hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, document_ids)
         if logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
-        return self.lm_head(hidden)
+        return hidden if return_hidden else self.lm_head(hidden)
 
 
 def _fill_tied_lm_head(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
