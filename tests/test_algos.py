@@ -14,6 +14,7 @@ from astrai.algos import (
     group_advantages,
     kl_estimate,
     last_token_index,
+    logprobs_from_hidden,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
@@ -143,6 +144,38 @@ def test_logprobs_gradient_bf16_input_and_errors():
         logprobs_from_logits(logits, labels[:, :3])
     with pytest.raises(ValueError):
         logprobs_from_logits(logits, labels, temperature=0.0)
+
+
+def test_logprobs_from_hidden_matches_the_full_logits():
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(3, 5, 8, generator=g, requires_grad=True)
+    weight = torch.randn(13, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 13, (3, 5), generator=g)
+    mask = right_padded_mask([5, 2, 0], 5)
+    for temperature in (1.0, 0.6, 1.7):
+        full = logprobs_from_logits(torch.nn.functional.linear(hidden, weight), labels, temperature=temperature)
+        for chunk_rows in (1, 4, 256):
+            out = logprobs_from_hidden(hidden, weight, labels, temperature=temperature, chunk_rows=chunk_rows)
+            assert out.shape == (3, 5) and out.dtype == torch.float32
+            torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+            masked = logprobs_from_hidden(hidden, weight, labels, temperature=temperature, chunk_rows=chunk_rows,
+                                          mask=mask)
+            torch.testing.assert_close(masked[mask], full[mask], rtol=1e-5, atol=1e-5)
+            assert bool((masked[~mask] == 0).all())
+    # gradients (through the chunks and the masked scatter) equal the full computation's
+    full = logprobs_from_logits(torch.nn.functional.linear(hidden, weight), labels, temperature=0.6)
+    expected = torch.autograd.grad(full[mask].sum(), (hidden, weight))
+    got = torch.autograd.grad(logprobs_from_hidden(hidden, weight, labels, temperature=0.6, chunk_rows=3,
+                                                   mask=mask).sum(), (hidden, weight))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert logprobs_from_hidden(hidden, weight, labels, mask=torch.zeros(3, 5, dtype=torch.bool)).abs().sum() == 0
+    with pytest.raises(ValueError):
+        logprobs_from_hidden(hidden, weight[:, :7], labels)
+    with pytest.raises(ValueError):
+        logprobs_from_hidden(hidden, weight, labels, mask=mask[:, :4])
+    with pytest.raises(ValueError):
+        logprobs_from_hidden(hidden, weight, labels, chunk_rows=0)
 
 
 def test_entropy_from_logits_matches_naive():

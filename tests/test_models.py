@@ -331,3 +331,22 @@ def test_wrong_attention_mask_length_is_rejected():
     model = _model()
     with pytest.raises(ValueError, match="attention_mask"):
         model(torch.tensor([[5, 6, 7]]), torch.ones(1, 4, dtype=torch.long))
+
+
+def test_selected_logits_and_hidden_states_equal_the_full_forward():
+    model = _model()
+    ids, mask = _left_pad([[5, 6, 7, 8], [9, 10]])
+    kwargs = dict(attention_mask=mask, position_ids=_positions(mask))
+    with torch.no_grad():
+        full = model(ids, **kwargs)
+        hidden = model(ids, **kwargs, return_hidden=True)
+        assert hidden.shape == (2, 4, model.config.hidden_size)
+        torch.testing.assert_close(model.lm_head(hidden), full)
+        torch.testing.assert_close(model(ids, **kwargs, logits_to_keep=2, return_hidden=True), hidden[:, -2:])
+        at = mask.bool() & (torch.arange(4) % 2 == 1)
+        torch.testing.assert_close(model(ids, **kwargs, logits_at=at), full[at])
+        torch.testing.assert_close(model(ids, **kwargs, logits_at=at, return_hidden=True), hidden[at])
+    with pytest.raises(ValueError, match="logits_at"):
+        model(ids, **kwargs, logits_at=at[:, :3])
+    with pytest.raises(ValueError, match="logits_at"):
+        model(ids, **kwargs, logits_at=at, logits_to_keep=1)

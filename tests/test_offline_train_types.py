@@ -183,6 +183,45 @@ def test_token_and_pair_means_are_invariant_to_the_micro_batch_split(kind):
             torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_sft_lm_head_at_labelled_positions_only_equals_the_full_logits(packing):
+    """The sft/seq loss computes the LM head only where a label is not ignored; loss and gradients equal the
+    cross-entropy of the full (B, S, V) logits."""
+    from astrai.trainer.strategies.sft import NextTokenStrategy
+
+    g = torch.Generator().manual_seed(3)
+    data = [(ids, [IGNORE_INDEX] * (len(ids) // 2) + ids[len(ids) // 2:])
+            for ids in (torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 9, 5, 2, 7, 4))]
+    if packing:
+        data = pack_examples(data, max_length=8)
+    rows = 4 if packing else len(data)  # one micro-batch with every row of the step
+    data = data[:rows]
+    batch = collate_lm(data, pad_token_id=2)
+    # the untouched path: logits at every position
+    model = _model()
+    logits = model(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                   document_ids=batch.document_ids)
+    logprobs = logprobs_from_logits(logits[:, :-1], batch.labels[:, 1:].clamp(min=0))
+    loss, _ = token_cross_entropy(logprobs, batch.loss_mask)
+    loss.backward()
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    # the strategy's path, on the same initial weights
+    model2, dist, head_rows = _model(), setup_distributed("cpu"), []
+    model2.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(tuple(args[0].shape)))
+    opt = build_optimizer(model2.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    policy = TrainedModel(name="policy", module=model2, optimizer=opt, dist=dist,
+                          scheduler=build_scheduler(opt, name="constant", warmup_steps=0, total_steps=1))
+    capture = GradCapture(model2)
+    strategy = NextTokenStrategy(policy=policy, sampler=PromptSampler(data, shuffle=False), micro_batch_size=rows,
+                                 accumulation_steps=1, pad_token_id=2)
+    metrics = strategy.train_step(Trainer(strategy, dist=dist, max_steps=1, max_grad_norm=1e9, callbacks=[capture]))
+    assert head_rows == [(int(batch.loss_mask.sum()), 32)]  # (N, H): no logits at ignored labels or padding
+    assert int(batch.loss_mask.sum()) < batch.loss_mask.numel()
+    torch.testing.assert_close(metrics["train/loss"], loss.detach(), rtol=1e-5, atol=1e-7)
+    for name, grad in expected.items():
+        torch.testing.assert_close(capture.grads[name], grad, rtol=1e-4, atol=1e-4 * float(grad.abs().max()))
+
+
 # ------------------------------------------------------------------------------------------ offline grpo
 def test_offline_grpo_uses_given_logprobs_else_the_old_policy(tiny_model_dir, tmp_path):
     from astrai.models import load_pretrained

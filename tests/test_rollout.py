@@ -4,8 +4,8 @@ import pytest
 import torch
 from reference_engine import GenerationEngine
 
-from astrai.data.sequences import left_pad, position_ids_from_mask
-from astrai.models import AutoRegressiveLM, tiny_config
+from astrai.data.sequences import Sequences, left_pad, position_ids_from_mask
+from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
 from astrai.rollout.sampling import SamplingParams, sample_next_token, truncation_mask
 from astrai.rollout.scoring import response_logprobs
 
@@ -99,6 +99,32 @@ def test_behaviour_logprobs_equal_trainer_recomputation(model):
     mask = gen.action_mask
     assert float((logprobs - gen.old_logprobs)[mask].abs().max()) < 1e-5
     assert bool((gen.old_logprobs[~mask] == 0).all())
+
+
+def test_no_grad_scoring_uses_hidden_states_and_equals_the_logits_path(model):
+    """Reference scoring (no grad) takes the hidden states and applies the LM head in chunks at the real response
+    tokens; it equals the training path (logits, with grad) there, at temperature 1 and 0.6. The critic never
+    applies an LM head."""
+    responses = [[7, 8, 9, 10, 11, EOS], [12, 13], [14, 15, 16, 17]]
+    seqs = Sequences.from_tokens(PROMPTS, responses, pad_token_id=EOS)
+    mask = seqs.action_mask
+    head_calls = []
+    hook = model.lm_head.register_forward_hook(lambda *args: head_calls.append(1))
+    try:
+        for temperature in (1.0, 0.6):
+            full, _ = response_logprobs(model, seqs, temperature=temperature)  # grad enabled: the logits path
+            assert len(head_calls) == 1
+            with torch.no_grad():
+                scored, _ = response_logprobs(model, seqs, temperature=temperature)
+            assert len(head_calls) == 1  # no LM head module call, hence no (B, T, V) logits
+            torch.testing.assert_close(scored[mask], full.detach()[mask], rtol=1e-5, atol=1e-5)
+            assert bool((scored[~mask] == 0).all())
+            head_calls.clear()
+    finally:
+        hook.remove()
+    critic = ValueModel.from_policy(model)
+    assert [name for name, _ in critic.named_children()] == ["model", "value_head"]  # trunk + Linear(H, 1)
+    assert "lm_head" not in dict(critic.named_modules()) and critic.value_head.out_features == 1
 
 
 def test_stop_token_ends_a_row_and_pads_after():

@@ -10,7 +10,7 @@ logits), ``kl`` (k1/k2/k3 estimators), ``advantages`` (PPO rewards, GAE, GRPO gr
 
 from .advantages import gae, group_advantages, last_token_index, ppo_token_rewards
 from .kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
-from .logprobs import entropy_from_logits, logprobs_from_logits
+from .logprobs import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
 from .losses import (
     explained_variance,
     kl_penalty_loss,
@@ -36,6 +36,7 @@ __all__ = [
     "kl_penalty_loss",
     "last_token_index",
     "logprob_gap",
+    "logprobs_from_hidden",
     "logprobs_from_logits",
     "masked_entropy",
     "masked_mean",

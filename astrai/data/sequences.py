@@ -108,6 +108,29 @@ class Sequences:
                                    position_ids=self.position_ids[index],
                                    action_mask=self.action_mask[index])
 
+    def trim_padding(self) -> tuple[slice, "Sequences"]:
+        """The columns some row uses: leading columns that are padding in every row (prompt padding) and trailing
+        columns that are padding in every row (response padding) are dropped. At least one prompt column and (when
+        T > 0) one response column are kept, so the layout above still holds.
+
+        Returns:
+            `(columns, trimmed)`: `columns` the kept slice of the S columns, `trimmed` those columns of every
+            tensor, with `prompt_length` P' = P - (leading columns dropped) and `action_mask` (B, T') its first T'
+            response columns (response column t is the same token in both, so per-token (B, T) tensors are cut
+            with `[:, :T']`). `position_ids` are sliced, not recomputed: a dropped column is padding in every row,
+            so it adds nothing to `cumsum(attention_mask)` and the kept positions are unchanged.
+        """
+        p, s = self.prompt_length, self.input_ids.shape[1]
+        used = self.attention_mask.any(dim=0).nonzero().squeeze(-1).tolist()  # ascending column indices
+        start = min([c for c in used if c < p][:1] + [max(p - 1, 0)])
+        stop = max([c + 1 for c in used if c >= p][-1:] + [min(p + 1, s)])
+        columns = slice(start, stop)
+        trimmed = dataclasses.replace(self, input_ids=self.input_ids[:, columns],
+                                      attention_mask=self.attention_mask[:, columns],
+                                      position_ids=self.position_ids[:, columns], prompt_length=p - start,
+                                      action_mask=self.action_mask[:, :stop - p])
+        return columns, trimmed
+
     def to(self, device: torch.device | str) -> "Sequences":
         """Every tensor moved to `device`."""
         return dataclasses.replace(self, input_ids=self.input_ids.to(device),

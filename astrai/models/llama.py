@@ -155,17 +155,28 @@ class AutoRegressiveLM(nn.Module):
         *,
         logits_to_keep: int = 0,
         document_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Next-token logits (B, S, V) in the parameter dtype; `logits[:, i]` scores token i + 1.
 
         Arguments as `LlamaTrunk.forward` (`document_ids` included). `logits_to_keep` > 0 computes only the last
-        that many positions, returning (B, logits_to_keep, V) (e.g. 1 for decoding). Raises what
-        `LlamaTrunk.forward` raises.
+        that many positions, returning (B, logits_to_keep, V) (e.g. 1 for decoding). `logits_at` (B, S) bool
+        computes only the positions where it is True, returning (N, V) with N = `logits_at.sum()`, in row-major
+        order (`hidden[logits_at]`; e.g. the labelled positions of a supervised loss). `return_hidden`: skip the
+        LM head and return the final hidden states, (B, S, H) or as selected above, for callers that apply
+        `lm_head.weight` themselves in chunks (`algos.logprobs_from_hidden`). Raises `ValueError` for
+        `logits_at` of another shape or with `logits_to_keep`, and what `LlamaTrunk.forward` raises.
         """
+        if logits_at is not None and (logits_to_keep > 0 or logits_at.shape != input_ids.shape):
+            raise ValueError(f"AutoRegressiveLM.forward: logits_at must be (B, S) = {tuple(input_ids.shape)} and "
+                             f"excludes logits_to_keep, got {tuple(logits_at.shape)} and {logits_to_keep}")
         hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, document_ids)
         if logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
-        return self.lm_head(hidden)
+        if logits_at is not None:
+            hidden = hidden[logits_at]
+        return hidden if return_hidden else self.lm_head(hidden)
 
 
 def _fill_tied_lm_head(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:

@@ -13,6 +13,9 @@ import torch
 
 from astrai.data.sequences import Sequences
 
+PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "values", "kl", "rewards", "advantages", "returns")
+"""The (B, T) per-token fields of a `RolloutResult` (None where the train type has none)."""
+
 
 @dataclass(frozen=True)
 class RolloutResult:
@@ -50,7 +53,7 @@ class RolloutResult:
     responses: tuple[str, ...]
 
     def __post_init__(self):
-        for field in ("old_logprobs", "ref_logprobs", "values", "kl", "rewards", "advantages", "returns"):
+        for field in PER_TOKEN_FIELDS:
             tensor = getattr(self, field)
             if tensor is None:
                 continue
@@ -84,6 +87,34 @@ class RolloutResult:
             raise ValueError(f"RolloutResult.split: rows must be >= 1, got {rows}")
         return [self.select(torch.arange(start, min(len(self), start + rows)))
                 for start in range(0, len(self), rows)]
+
+    def trim_padding(self) -> "RolloutResult":
+        """The same rows without the columns that are padding in every row (`Sequences.trim_padding`): the
+        sequences lose their all-padding leading and trailing columns, every per-token (B, T) tensor its trailing
+        response columns beyond the T' kept. Masked sums and means over real tokens are unchanged."""
+        _, sequences = self.sequences.trim_padding()
+        width = sequences.action_mask.shape[1]
+        cut = {f: (getattr(self, f)[:, :width] if getattr(self, f) is not None else None) for f in PER_TOKEN_FIELDS}
+        return dataclasses.replace(self, sequences=sequences, **cut)
+
+    def micro_batches(self, rows: int) -> list["RolloutResult"]:
+        """The micro-batches a minibatch is trained in: its rows ordered by real length (prompt + response tokens,
+        a stable sort, so the order is a pure function of the data), cut into chunks of at most `rows` rows, each
+        trimmed to the columns its rows use (`trim_padding`). Rows of similar length share a micro-batch, so less
+        padding is computed. The minibatch's rows are exactly the same; with a loss that is a token sum over the
+        step's global token count (`Trainer.accumulate_and_step`) the result equals `split(rows)`'s up to float
+        rounding. Per-token tensors of different micro-batches may differ in width T'. (An MoE model's
+        load-balancing loss is a per-forward mean over every position, padding included, so it does change: it
+        sees fewer padding positions and other row groupings.)
+
+        Raises:
+            ValueError: when `rows < 1`.
+        """
+        if rows < 1:
+            raise ValueError(f"RolloutResult.micro_batches: rows must be >= 1, got {rows}")
+        lengths = self.sequences.attention_mask.sum(dim=1)
+        order = torch.sort(lengths, stable=True).indices
+        return [self.select(index).trim_padding() for index in order.split(rows)]
 
     def to_state(self) -> dict:
         """Plain dict of tensors / ints / strings (loadable with `torch.load(weights_only=True)`)."""

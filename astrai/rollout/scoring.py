@@ -2,7 +2,8 @@
 
 One implementation serves rollout-time scoring (no grad, chunked) and the training forward (with grad), so
 `logprobs` and `old_logprobs` are computed by the same function and the same temperature (docs/conventions.md
-section 2).
+section 2). Without grad, a whole `AutoRegressiveLM` is scored from its final hidden states with the LM head
+applied chunk by chunk at the real response tokens only (`algos.logprobs_from_hidden`): no (B, T, V) logits.
 """
 
 from __future__ import annotations
@@ -11,8 +12,18 @@ from typing import Callable, Optional
 
 import torch
 
-from astrai.algos import entropy_from_logits, logprobs_from_logits
+from astrai.algos import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
 from astrai.data.sequences import Sequences
+from astrai.models.llama import AutoRegressiveLM
+
+
+def whole_lm_head(model: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The LM head weight (V, H) of an unwrapped `AutoRegressiveLM` whose parameters are whole tensors, else None:
+    a wrapper (DDP, a DeepSpeed engine) or FSDP2 shards (DTensors) apply their LM head only inside the forward."""
+    if not isinstance(model, AutoRegressiveLM):
+        return None
+    weight = model.lm_head.weight
+    return None if hasattr(weight, "full_tensor") else weight
 
 
 def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperature: float,
@@ -26,10 +37,20 @@ def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperatu
         with_entropy: also return the per-token entropy of the scaled distribution.
 
     Returns:
-        logprobs (B, T) float32 (nats; values at padding are meaningless, mask them), and entropy (B, T)
-        float32 or None.
+        logprobs (B, T) float32 (nats; values at padding are meaningless, mask them: 0 on the no-grad path
+        below), and entropy (B, T) float32 or None.
+
+    Without grad and without entropy, a model with a `whole_lm_head` returns its final hidden states and the
+    log-probs come from `logprobs_from_hidden` at the real response tokens; otherwise from the logits. The two
+    agree up to matmul rounding.
     """
     num_actions = sequences.action_mask.shape[1]
+    head = None if with_entropy or torch.is_grad_enabled() else whole_lm_head(model)
+    if head is not None:
+        hidden = model(sequences.input_ids, attention_mask=sequences.attention_mask,
+                       position_ids=sequences.position_ids, logits_to_keep=num_actions + 1, return_hidden=True)
+        return logprobs_from_hidden(hidden[:, :-1], head, sequences.response_ids, temperature=temperature,
+                                    mask=sequences.action_mask), None
     # Only the T positions that score a response token go through the LM head (P - 1 ... S - 2).
     logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
                    position_ids=sequences.position_ids, logits_to_keep=num_actions + 1)

@@ -22,14 +22,18 @@ __all__ = ["TrainedModel", "apply_model_options", "build_trained_model", "frozen
 
 def build_trained_model(config, dist, model: torch.nn.Module, *, name: str,
                         lr: Optional[float] = None) -> TrainedModel:
-    """`model` under the run's engine (`dist.strategy`: ddp, fsdp2, zero1-3), with AdamW and the LR schedule of
+    """`model` under the run's engine (`dist.strategy`: ddp, fsdp2, zero1-3), with AdamW (fused where
+    `optim.fused_supported`, never under DeepSpeed) and the LR schedule of
     `config.optim` (peak `lr`, default `optim.learning_rate`) over `config.train.max_steps` optimizer steps. Copies
     of the model that must stay whole (the rollout engine's, the reference) are made before this call."""
     o = config.optim
+    # DeepSpeed steps the torch optimizer over its own flat fp32 partitions: keep torch's default implementation
+    # there. Elsewhere fused AdamW where every parameter allows it (not FSDP2's DTensor shards).
+    fused = False if getattr(dist, "strategy", "ddp").startswith("zero") else None
 
     def optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(module.parameters(), lr=lr or o.learning_rate, betas=(o.adam_beta1, o.adam_beta2),
-                               eps=o.adam_epsilon, weight_decay=o.weight_decay)
+                               eps=o.adam_epsilon, weight_decay=o.weight_decay, fused=fused)
 
     def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         return build_scheduler(opt, name=o.lr_scheduler_type, warmup_steps=o.warmup_steps,

@@ -9,7 +9,7 @@ until the last `decay_ratio` share of the post-warmup steps, then linear decay t
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -28,9 +28,32 @@ def _wsd(progress: float, decay_ratio: float) -> float:
     return max(0.0, min(1.0, (1.0 - progress) / decay_ratio))
 
 
+def _fused_devices() -> set[str]:
+    """Device types with torch's fused AdamW kernel (torch >= 2.4 includes "cpu"; "cuda" before that)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a torch without the helper
+        return {"cuda"}
+    return set(_get_fused_kernels_supported_devices())
+
+
+def fused_supported(params: Sequence[torch.Tensor]) -> bool:
+    """True when torch's fused AdamW can step every tensor of `params`: plain dense floating tensors (not a
+    subclass such as FSDP2's DTensor shards), all on one device type that has the fused kernel."""
+    devices = {p.device.type for p in params}
+    return bool(params) and len(devices) == 1 and devices <= _fused_devices() and all(
+        type(p) in (torch.Tensor, torch.nn.Parameter) and p.layout == torch.strided and p.is_floating_point()
+        for p in params)
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
-                    eps: float, weight_decay: float) -> torch.optim.AdamW:
+                    eps: float, weight_decay: float, fused: Optional[bool] = None) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter 2019) over the trainable `params` (requires_grad only).
+
+    `fused`: None (default) uses torch's fused kernel (one kernel over all parameters; the same update as the
+    default multi-tensor "foreach" implementation up to float rounding) when `fused_supported(trainable)`, else the
+    default implementation; False always the default; True requires the fused kernel (torch raises where it cannot
+    run). A checkpointed state restores the implementation it was saved with (`fused` is a parameter-group entry).
 
     Raises:
         ValueError: when no parameter is trainable.
@@ -38,7 +61,10 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], *, lr: float, betas: t
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("build_optimizer: the model has no trainable parameter")
-    return torch.optim.AdamW(trainable, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if fused is None:
+        fused = fused_supported(trainable)
+    return torch.optim.AdamW(trainable, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             fused=fused or None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, name: str, warmup_steps: int,

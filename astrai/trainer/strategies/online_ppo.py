@@ -127,19 +127,21 @@ class OnlinePPOStrategy(RolloutStrategy):
         """One critic optimizer step of `vf_coef` times the value loss; explained variance over the minibatch."""
         s = self.settings
         start = time.perf_counter()
-        new_values = []
+        width = minibatch.sequences.action_mask.shape[1]
+        seen: list[tuple[torch.Tensor, ...]] = []  # (values, returns, mask) of each micro-batch, padded to `width`
 
         def loss_fn(micro: RolloutResult, num_tokens: torch.Tensor):
+            mask = micro.sequences.action_mask
             values = response_values(self.critic.module, micro.sequences)
-            loss, metrics = value_loss(values, micro.values, micro.returns, micro.sequences.action_mask,
+            loss, metrics = value_loss(values, micro.values, micro.returns, mask,
                                        clip_range=s.value_clip, num_tokens=num_tokens)
-            new_values.append(values.detach())
+            pad = (0, width - mask.shape[1])  # micro-batches are trimmed to their own width
+            seen.append(tuple(torch.nn.functional.pad(x, pad) for x in (values.detach(), micro.returns, mask)))
             return s.vf_coef * loss, dict(metrics, **{"critic/loss": loss.detach()})
 
-        metrics = trainer.accumulate_and_step(self.critic, minibatch.split(self.micro_batch_size), loss_fn,
+        metrics = trainer.accumulate_and_step(self.critic, minibatch.micro_batches(self.micro_batch_size), loss_fn,
                                               count=action_tokens)
-        metrics["critic/explained_variance"] = explained_variance(
-            torch.cat(new_values), minibatch.returns, minibatch.sequences.action_mask)
+        metrics["critic/explained_variance"] = explained_variance(*(torch.cat(parts) for parts in zip(*seen)))
         metrics["time/critic_update_seconds"] = torch.tensor(time.perf_counter() - start)
         return metrics
 

@@ -93,7 +93,8 @@ class RolloutStrategy:
 
     def policy_update(self, trainer, minibatch: RolloutResult, first: bool,
                       objective: Objective) -> dict[str, torch.Tensor]:
-        """One policy optimizer step of `objective` over `minibatch`, in micro-batches of `micro_batch_size` rows.
+        """One policy optimizer step of `objective` over `minibatch`, in micro-batches of `micro_batch_size` rows
+        (`RolloutResult.micro_batches`: rows grouped by length, all-padding columns trimmed).
 
         Returns:
             detached 0-dim metrics of `Trainer.accumulate_and_step` plus `rollout/logprob_gap` (mean |logprobs -
@@ -114,7 +115,7 @@ class RolloutStrategy:
                 metrics.update(masked_entropy(entropy.detach(), mask, num_tokens=num_tokens)[1])
             return loss, metrics
 
-        metrics = trainer.accumulate_and_step(self.policy, minibatch.split(self.micro_batch_size), loss_fn,
+        metrics = trainer.accumulate_and_step(self.policy, minibatch.micro_batches(self.micro_batch_size), loss_fn,
                                               count=action_tokens)
         if first:  # the gap is only meaningful before the rollout's first update
             self.replay.metrics["rollout/logprob_gap"] = metrics["rollout/logprob_gap"]

@@ -6,7 +6,9 @@ as text. Longer chats keep their first `data.max_length` tokens; optional packin
 cuts them into `data.max_length` rows whose documents do not attend to each other. The step is shared with `seq`
 (pre-training): `NextTokenStrategy` draws `gradient_accumulation_steps` micro-batches of
 `per_device_train_batch_size` examples, divides the summed token cross-entropy by the GLOBAL number of labelled
-tokens of the step (all micro-batches, all ranks), and makes one policy optimizer step.
+tokens of the step (all micro-batches, all ranks), and makes one policy optimizer step. The LM head runs only at
+the labelled positions (`AutoRegressiveLM.forward(logits_at=...)`), which gives the same loss and gradients as the
+full logits.
 """
 
 from __future__ import annotations
@@ -84,10 +86,14 @@ class NextTokenStrategy(SupervisedStrategy):
 
         def loss_fn(batch: LMBatch, num_tokens: torch.Tensor):
             seen["train/tokens"] = num_tokens.float()
+            mask = batch.loss_mask  # (B, S - 1): the logits at position s score labels[:, s + 1]
+            # the LM head only at the labelled positions: logits (N, V), N = mask.sum()
             logits = self.policy.module(batch.input_ids, attention_mask=batch.attention_mask,
-                                        position_ids=batch.position_ids, document_ids=batch.document_ids)
-            logprobs = logprobs_from_logits(logits[:, :-1], batch.labels[:, 1:].clamp(min=0))
-            return token_cross_entropy(logprobs, batch.loss_mask, num_tokens=num_tokens)
+                                        position_ids=batch.position_ids, document_ids=batch.document_ids,
+                                        logits_at=torch.nn.functional.pad(mask, (0, 1)))
+            picked = logprobs_from_logits(logits, batch.labels[:, 1:][mask])
+            logprobs = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
+            return token_cross_entropy(logprobs, mask, num_tokens=num_tokens)
 
         metrics = trainer.accumulate_and_step(self.policy, batches, loss_fn,
                                               count=lambda batch: batch.loss_mask.sum())
