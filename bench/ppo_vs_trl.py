@@ -274,9 +274,9 @@ def main() -> None:
         parser.error("--iters, --threads, --batch, --minibatch, --max-new-tokens and --rate-rows must be >= 1")
     if args.batch % args.minibatch:
         parser.error("--batch must be a multiple of --minibatch")
+    args.trl_python = check_trl_python(args.trl_python)
     if not args.data.is_file():
         parser.error(f"{args.data} not found: expected a GSM8K-format jsonl (question, answer per line)")
-    args.trl_python = check_trl_python(args.trl_python)
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     print(f"threads: {args.threads}  batch {args.batch}  minibatch {args.minibatch}  max_new_tokens "
