@@ -50,7 +50,8 @@ What cannot be aligned:
 Floors (bench/floors.py): matmul FLOPs of each phase's real tokens (generation with a KV cache: prefill of the
 prompts, then one token per row per step; reference: a forward scoring the response tokens; critic scoring: the
 critic's forward; update: 3 x (policy forward + critic forward)), divided by the float32 GEMM rate of the model's
-own shapes measured in this run at the same thread count (at `--rate-rows` rows, and at B rows for decode steps).
+own shapes measured in this run at the same thread count (at `--rate-rows` rows, and at B rows for decode steps),
+between the two sides, and once more after TRL as a check that the machine's load did not change meanwhile.
 Ends with `ratio: X.XX` = TRL median seconds per iteration / astrai median seconds per iteration.
 """
 
@@ -296,6 +297,9 @@ def main() -> None:
               f"{decode_rate / 1e9:.1f} GFLOP/s at {args.batch} rows (decode)", flush=True)
         trl_result = run_trl(args, config, workdir, hf_dir)
         trl = [add_other(it) for it in trl_result["iterations"]]
+        print(f"the same rates after TRL (a drift here means the machine's load changed): "
+              f"{floors.measure_gemm_rate(dims, args.rate_rows) / 1e9:.1f} and "
+              f"{floors.measure_gemm_rate(dims, args.batch) / 1e9:.1f} GFLOP/s", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if len(trl) != args.iters + 1:

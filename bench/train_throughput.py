@@ -19,7 +19,8 @@ constant schedule), gradient clipping at norm 1.
 The first step of each side is a warm-up and is not counted. Tokens/s = real (unpadded) tokens of the timed steps /
 their seconds. Achieved FLOP/s = the training FLOPs of those real tokens (bench/floors.py: 3 x a forward with the LM
 head on every real token, causal attention within each row) / seconds, shown as a fraction of the float32 GEMM rate
-of the model's shapes measured in the same run at the same thread count (`--rate-rows` rows). Prints both sides'
+of the model's shapes measured in the same run at the same thread count (`--rate-rows` rows; measured before
+astrai's steps and after transformers' ones, the higher taken as the peak). Prints both sides'
 first-step losses (equal weights and batch: they should agree) and ends with `ratio: X.XX` = astrai tokens/s /
 transformers tokens/s.
 
@@ -172,18 +173,22 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="astrai-train-throughput-"))
     try:
         hf_dir = export_hf(MODEL)
+        from astrai.models.config import ModelConfig
+
+        dims = floors.Dims.of(ModelConfig.from_hf_dict(json.loads((hf_dir / "config.json").read_text())))
+        rate_before = floors.measure_gemm_rate(dims, args.rate_rows)
         chats = write_chats(args.data, args.batch * (args.steps + 1), workdir)
         a_seconds, batches, a_loss = run_astrai(args, chats, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     h_seconds, h_loss = run_transformers(args, hf_dir, batches)
-    from astrai.models.config import ModelConfig
-
-    dims = floors.Dims.of(ModelConfig.from_hf_dict(json.loads((hf_dir / "config.json").read_text())))
-    rate = floors.measure_gemm_rate(dims, args.rate_rows)
+    rate_after = floors.measure_gemm_rate(dims, args.rate_rows)
     work = [batch_work(dims, records, pad_id) for records, pad_id in batches[1:]]
     tokens, flops = sum(w[0] for w in work), sum(w[1] for w in work)
-    print(f"fp32 GEMM rate of the model's shapes ({args.rate_rows} rows): {rate / 1e9:.1f} GFLOP/s")
+    rate = max(rate_before, rate_after)
+    print(f"fp32 GEMM rate of the model's shapes ({args.rate_rows} rows): {rate / 1e9:.1f} GFLOP/s (the higher of "
+          f"before astrai and after transformers: {rate_before / 1e9:.1f}, {rate_after / 1e9:.1f}; a gap means the "
+          "machine's load changed)")
     print(f"timed: {args.steps} steps, {tokens} real tokens ({tokens / args.steps:.0f} per step), "
           f"{flops / 1e12:.2f} TFLOP; first-step loss astrai {a_loss:.4f}, transformers {h_loss:.4f}")
     results = {}
