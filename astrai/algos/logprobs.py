@@ -25,6 +25,15 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
 
 
+def _check_scoring_args(temperature: float, chunk_rows: int, labels: torch.Tensor) -> None:
+    """ValueError for ``temperature <= 0``, ``chunk_rows < 1`` or labels that are not int64."""
+    _check_temperature(temperature)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows!r}")
+    if labels.dtype != torch.long:
+        raise ValueError(f"labels must be int64 (torch.long), got {labels.dtype}")
+
+
 def _scaled(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
     chunk = chunk.float()
     return chunk if temperature == 1.0 else chunk / temperature
@@ -47,11 +56,7 @@ def logprobs_from_logits(
     Source: sampler-aligned behaviour log-probs, docs/conventions.md section 2.
     Raises: ValueError on a shape mismatch, non-int64 labels, ``temperature <= 0`` or ``chunk_rows < 1``.
     """
-    _check_temperature(temperature)
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows!r}")
-    if labels.dtype != torch.long:
-        raise ValueError(f"labels must be int64 (torch.long), got {labels.dtype}")
+    _check_scoring_args(temperature, chunk_rows, labels)
     if logits.dim() < 1 or logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits (*, V) and labels (*) must agree, got {tuple(logits.shape)} and {tuple(labels.shape)}"
@@ -92,11 +97,7 @@ def logprobs_from_hidden(
     Source: sampler-aligned behaviour log-probs, docs/conventions.md section 2.
     Raises: ValueError on a shape mismatch, non-int64 labels, ``temperature <= 0`` or ``chunk_rows < 1``.
     """
-    _check_temperature(temperature)
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows!r}")
-    if labels.dtype != torch.long:
-        raise ValueError(f"labels must be int64 (torch.long), got {labels.dtype}")
+    _check_scoring_args(temperature, chunk_rows, labels)
     if hidden.dim() < 1 or hidden.shape[:-1] != labels.shape or lm_head_weight.dim() != 2 or (
             lm_head_weight.shape[1] != hidden.shape[-1]):
         raise ValueError(f"hidden (*, H), lm_head_weight (V, H) and labels (*) must agree, got "
