@@ -217,6 +217,16 @@ def test_launch_environment_is_accelerates_own():
     assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2" and env["WORLD_SIZE"] == "4"
 
 
+def test_preflight_bad_launch_options_are_one_line(capsys):
+    """argparse's usage text (about a hundred lines) is swallowed; its error becomes the one line."""
+    from astrai.distributed.preflight import main as preflight
+
+    assert preflight(["--bogus_opt", "3", "-m", "astrai.train"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        "error: accelerate launch options: unrecognized arguments: --bogus_opt"], err
+
+
 def test_deepspeed_with_hostfile(fake, job):
     hostfile = LAUNCH / "hostfile.example"
     out, calls = fake.run("deepspeed.sh", "--hostfile", hostfile, "--num_gpus", "8", "--master_port=29600", job,

@@ -108,6 +108,9 @@ def test_records_through_datasets_jsonl_and_parquet(tmp_path):
     with pytest.raises(DataError) as err:  # the broken line is named by its number, in one line
         load_records(tmp_path / "bad.jsonl", {"data.text_field": "text"})
     assert f"{tmp_path / 'bad.jsonl'} line 3: invalid JSON" in str(err.value) and "\n" not in str(err.value)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="empty.jsonl: no records"):
+        load_records(tmp_path / "empty.jsonl", {"data.text_field": "text"})
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DataError, match="cannot read as json"):
         load_records(tmp_path / "bad.json", {"data.text_field": "text"})

@@ -130,3 +130,13 @@ def test_a_start_that_fails_while_building_leaves_the_run_as_it_was(tiny_model_d
     assert main(sft_args(tiny_model_dir, out, "--max_steps", "3", "--checkpoint.resume", "auto")) == 0
     assert "resuming from " + str(checkpoints_root(out) / "step-00000002") in capsys.readouterr().out
     assert steps(out) == [2, 3] and run_id_of(checkpoints_root(out) / "step-00000003") == run
+
+
+def test_an_output_dir_under_a_file_is_refused_by_the_check_and_the_run(tiny_model_dir, tmp_path, capsys):
+    in_the_way = tmp_path / "afile"
+    in_the_way.write_text("x")
+    for extra in (("--check",), ()):
+        assert main([*extra, *sft_args(tiny_model_dir, tmp_path / "run", "--max_steps", "1", "--train.output_dir",
+                                        str(in_the_way / "sub"))]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert f"train.output_dir: {in_the_way} is a file, not a directory" in line

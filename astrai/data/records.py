@@ -61,9 +61,8 @@ def _read(builder: str, path: Path) -> Any:
     only that the build failed)."""
     import datasets
 
-    if path.suffix.lower() == ".jsonl":
-        for _ in jsonl_objects(path):
-            pass
+    if path.suffix.lower() == ".jsonl" and sum(1 for _ in jsonl_objects(path)) == 0:  # every line parsed
+        raise DataError(f"{path}: no records (the file is empty or holds only blank lines)")
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()

@@ -14,6 +14,8 @@ options and config file (`accelerate.commands.launch`), and `WORLD_SIZE` is the 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 from typing import Optional, Sequence
@@ -43,12 +45,15 @@ def launch_environment(launch_args: Sequence[str]) -> tuple[dict[str, str], list
     )
 
     parser = launch_command_parser()
+    said = io.StringIO()
     try:
-        args = parser.parse_args(list(launch_args))
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):  # argparse's usage and help text
+            args = parser.parse_args(list(launch_args))
         args, defaults, mixed_precision_from_config = _validate_launch_command(args)
-    except SystemExit as exit_:  # argparse already printed its usage line
-        raise ValueError(f"accelerate launch options: {' '.join(launch_args)} (argparse exit {exit_.code})") \
-            from None
+    except SystemExit:
+        lines = [line for line in said.getvalue().splitlines() if "error: " in line]
+        why = lines[-1].split("error: ", 1)[1] if lines else "see accelerate launch --help"
+        raise ValueError(f"accelerate launch options: {why}") from None
     except (ValueError, OSError, KeyError) as err:
         raise ValueError(f"accelerate launch: {' '.join(str(err).split())}") from None
     if args.use_deepspeed and not args.cpu:

@@ -45,6 +45,19 @@ def apply_runtime(config: Config) -> None:
     seed_everything(config.train.seed)
 
 
+def checked_output_dir(path: str) -> Path:
+    """`train.output_dir` as a Path, when it is a directory or can become one (its nearest existing ancestor is a
+    directory). Raises NotADirectoryError naming the field and the file in the way."""
+    output_dir = Path(path)
+    for place in (output_dir, *output_dir.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise NotADirectoryError(f"train.output_dir: {place} is a file, not a directory"
+                                         + (f" (needed for {output_dir})" if place != output_dir else ""))
+            break
+    return output_dir
+
+
 def job_parts(trainer: Trainer, tokenizer, config_text: str) -> dict[str, Part]:
     """Every checkpoint part of the job, in restore order: the strategy's parts, the tokenizer (export), the
     resolved job config (`config.yaml`, export), the counters (`trainer_state`) and, last, this process's global
@@ -77,9 +90,7 @@ def build_trainer(config: Config) -> Trainer:
                      max_grad_norm=config.optim.max_grad_norm, world_size=dist.world_size)
     reporters = build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config),
                                 enabled=dist.is_main)  # train.report_to; fails before the model loads
-    output_dir = Path(config.train.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise NotADirectoryError(f"train.output_dir: not a directory: {output_dir}")
+    output_dir = checked_output_dir(config.train.output_dir)
     if dist.is_main and checkpoints_root(output_dir).is_dir():
         recover(output_dir)
     dist.barrier()
@@ -150,9 +161,7 @@ def check_job(config: Config, *, world_size: int) -> str:
                      micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
                      max_grad_norm=config.optim.max_grad_norm, world_size=world_size)
     build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config), enabled=False)
-    output_dir = Path(config.train.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise NotADirectoryError(f"train.output_dir: not a directory: {output_dir}")
+    output_dir = checked_output_dir(config.train.output_dir)
     resume_from, _ = resolve_run(config.checkpoint.resume, output_dir, overwrite=config.train.overwrite_output_dir,
                                  dist=None)
     if resume_from is not None:
