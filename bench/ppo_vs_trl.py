@@ -73,12 +73,11 @@ from pathlib import Path
 import torch
 
 import floors
+import gsm8k
 from hf_export import export_hf
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K_PATH = Path("shared", "data", "gsm8k", "test.jsonl")
-# ../shared beside the repository (a git worktree deeper down finds the nearest one above it)
-GSM8K = next((p / GSM8K_PATH for p in ROOT.parents if (p / GSM8K_PATH).is_file()), ROOT.parent / GSM8K_PATH)
+GSM8K = gsm8k.DEFAULT
 MODEL = "smollm2-135m-instruct"
 TRL_PAD = "<|endoftext|>"
 VENV_HINT = ("create it with: python3 -m venv /work/trl-venv && /work/trl-venv/bin/pip install torch==2.13.0 && "
@@ -108,17 +107,9 @@ def check_trl_python(path: str | None) -> str:
 
 def write_subset(data: Path, count: int, directory: Path) -> Path:
     """The first `count` records of `data` (GSM8K jsonl) as a file of their own."""
-    lines = []
-    with open(data, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                lines.append(line.rstrip("\n"))
-            if len(lines) == count:
-                break
-    if len(lines) < count:
-        sys.exit(f"{data} holds {len(lines)} records; {count} are needed (batch x (iters + 1))")
+    records = gsm8k.first_records(data, count, "batch x (iters + 1)")
     path = directory / "prompts.jsonl"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
 
 

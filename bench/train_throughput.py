@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,30 +44,21 @@ from pathlib import Path
 import torch
 
 import floors
+import gsm8k
 from hf_export import export_hf
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K_PATH = Path("shared", "data", "gsm8k", "test.jsonl")
-GSM8K = next((p / GSM8K_PATH for p in ROOT.parents if (p / GSM8K_PATH).is_file()), ROOT.parent / GSM8K_PATH)
+GSM8K = gsm8k.DEFAULT
 MODEL = "smollm2-135m-instruct"
 
 
 def write_chats(data: Path, count: int, directory: Path) -> Path:
-    """The first `count` GSM8K records of `data` as chat records (`messages`: user question, assistant answer)."""
-    out = []
-    with open(data, encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            out.append(json.dumps({"messages": [{"role": "user", "content": rec["question"]},
-                                                {"role": "assistant", "content": rec["answer"]}]}))
-            if len(out) == count:
-                break
-    if len(out) < count:
-        sys.exit(f"{data} holds {len(out)} records; {count} are needed (batch x (steps + 1))")
+    """The first `count` GSM8K records of `data` as one-turn chats (question -> answer), a jsonl of its own."""
+    records = gsm8k.first_records(data, count, "batch x (steps + 1)")
     path = directory / "chats.jsonl"
-    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["question"]},
+                                                      {"role": "assistant", "content": r["answer"]}]}) + "\n"
+                            for r in records), encoding="utf-8")
     return path
 
 
