@@ -45,6 +45,15 @@ def apply_runtime(config: Config) -> None:
     seed_everything(config.train.seed)
 
 
+def check_job_step_sizes(config: Config, strategy: str, deepspeed_config, world_size: int) -> None:
+    """The job's optimizer step (`launch.optimizer_step_sizes`) against the DeepSpeed launch settings in
+    `os.environ` and `deepspeed_config` for `world_size` ranks (`launch.check_step_sizes`; raises LaunchError)."""
+    micro_batch_size, accumulation_steps = optimizer_step_sizes(config)
+    check_step_sizes(os.environ, strategy=strategy, deepspeed_config=deepspeed_config,
+                     micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
+                     max_grad_norm=config.optim.max_grad_norm, world_size=world_size)
+
+
 def checked_output_dir(path: str) -> Path:
     """`train.output_dir` as a Path, when it is a directory or can become one (its nearest existing ancestor is a
     directory). Raises NotADirectoryError naming the field and the file in the way."""
@@ -84,10 +93,7 @@ def build_trainer(config: Config) -> Trainer:
     apply_runtime(config)
     dist = setup_distributed(config.runtime.device, config.distributed.strategy,
                              mixed_precision=config.train.mixed_precision)
-    micro_batch_size, accumulation_steps = optimizer_step_sizes(config)
-    check_step_sizes(os.environ, strategy=dist.strategy, deepspeed_config=dist.deepspeed_config,
-                     micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
-                     max_grad_norm=config.optim.max_grad_norm, world_size=dist.world_size)
+    check_job_step_sizes(config, dist.strategy, dist.deepspeed_config, dist.world_size)
     reporters = build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config),
                                 enabled=dist.is_main)  # train.report_to; fails before the model loads
     output_dir = checked_output_dir(config.train.output_dir)
@@ -156,10 +162,7 @@ def check_job(config: Config, *, world_size: int) -> str:
         DataError; FileNotFoundError, NotADirectoryError, CheckpointError).
     """
     plan = resolve_launch(config.distributed.strategy, mixed_precision=config.train.mixed_precision, env=os.environ)
-    micro_batch_size, accumulation_steps = optimizer_step_sizes(config)
-    check_step_sizes(os.environ, strategy=plan.strategy, deepspeed_config=plan.deepspeed_config,
-                     micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
-                     max_grad_norm=config.optim.max_grad_norm, world_size=world_size)
+    check_job_step_sizes(config, plan.strategy, plan.deepspeed_config, world_size)
     build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config), enabled=False)
     output_dir = checked_output_dir(config.train.output_dir)
     resume_from, _ = resolve_run(config.checkpoint.resume, output_dir, overwrite=config.train.overwrite_output_dir,
