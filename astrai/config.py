@@ -122,6 +122,10 @@ class GRPOSection(Section, name="grpo"):
     kl_reward_coef: float = field_spec(0.0, "reference-KL weight subtracted from the reward instead", GE0)
     std_eps: float = field_spec(1e-6, "epsilon added to the group std", GT0)
     std_floor: Optional[float] = field_spec(None, "lower bound on the group std; null = none", GT0)
+    dynamic_sampling: bool = field_spec(False, "online_grpo: resample prompts whose G rewards are all equal "
+                                               "(DAPO dynamic sampling) until rollout.batch_size groups differ")
+    max_sampling_rounds: int = field_spec(4, "dynamic_sampling: generation rounds per batch at most; then the "
+                                             "batch is filled up with all-equal groups", GT0)
 
 
 @dataclass
@@ -247,6 +251,8 @@ class Config:
         if kind in ("online_grpo", "grpo") and self.grpo.kl_coef > 0 and self.grpo.kl_reward_coef > 0:
             raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are "
                               "mutually exclusive; set one of them to 0")
+        if self.grpo.dynamic_sampling and kind != "online_grpo":
+            raise ConfigError(f"grpo.dynamic_sampling: only online_grpo samples its groups, got train.type {kind}")
         if self.train.bf16 and self.train.fp16:
             raise ConfigError("train.fp16: train.bf16 and train.fp16 are mutually exclusive; set one to false")
         if self.train.eval_steps and self.data.eval_path is None:

@@ -209,3 +209,36 @@ def test_resume_refusals_come_from_the_manifest_before_anything_loads(tiny_model
     assert code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "the DeepSpeed ZeRO optimizer partitions cannot be resharded" in line
+
+
+def test_online_grpo_with_dynamic_sampling_resumes_bitwise_exact(tiny_model_dir, tmp_path, monkeypatch):
+    """Several sampling rounds per rollout (a reward on the response's length parity, so some groups differ and
+    some do not): the data position and sampling RNG after them resume exactly, mid-rollout."""
+    from astrai.rollout import rewards
+    monkeypatch.setitem(rewards.REWARDS, "math_exact_match",
+                        lambda responses, answers, format_bonus=0.0: torch.tensor([len(r) % 2 for r in responses],
+                                                                                dtype=torch.float32))
+    grpo = ("--max_steps", "4", "--train.type", "online_grpo", "--rollout.batch_size", "2", "--grpo.group_size", "2",
+            "--grpo.minibatch_size", "2", "--grpo.micro_batch_size", "1", "--grpo.dynamic_sampling", "true",
+            "--grpo.max_sampling_rounds", "3")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(tiny_model_dir, straight, *grpo)
+    fit = Trainer.fit
+
+    def short_fit(self):
+        self.state.max_steps = 1
+        return fit(self)
+
+    monkeypatch.setattr(Trainer, "fit", short_fit)
+    run(tiny_model_dir, split, *grpo)
+    monkeypatch.setattr(Trainer, "fit", fit)
+    run(tiny_model_dir, split, *grpo, "--checkpoint.resume", "auto")
+    a, b = final_state(straight, 4, critic=False), final_state(split, 4, critic=False)
+    for key in ("policy", "optimizer"):
+        assert_same(a[key], b[key], key)
+    def records(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    assert [r["rollout/reward_mean"] for r in records(straight)] == [r["rollout/reward_mean"] for r in records(split)]
+    rounds = [r["rollout/sampling_rounds"] for r in records(straight)]
+    assert all(1 <= n <= 3 for n in rounds) and max(rounds) > 1, rounds

@@ -131,6 +131,30 @@ class Sequences:
                                       action_mask=self.action_mask[:, :stop - p])
         return columns, trimmed
 
+    @classmethod
+    def concat(cls, parts: Sequence["Sequences"], pad_token_id: int) -> "Sequences":
+        """The rows of `parts`, in order, in one batch: each part's prompts left-padded with `pad_token_id` to the
+        widest prompt width P and its responses right-padded to the widest response width T; `position_ids` from
+        the joined mask, so each real token keeps its position.
+
+        Raises:
+            ValueError: for no parts.
+        """
+        if not parts:
+            raise ValueError("Sequences.concat: no parts")
+        p = max(part.prompt_length for part in parts)
+        t = max(part.action_mask.shape[1] for part in parts)
+
+        def widen(x: torch.Tensor, part: "Sequences", value) -> torch.Tensor:
+            left, right = p - part.prompt_length, t - part.action_mask.shape[1]
+            return torch.nn.functional.pad(x, (left, right), value=value)
+
+        attention_mask = torch.cat([widen(s.attention_mask, s, False) for s in parts])
+        return cls(input_ids=torch.cat([widen(s.input_ids, s, pad_token_id) for s in parts]),
+                   attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), prompt_length=p,
+                   action_mask=torch.cat([torch.nn.functional.pad(s.action_mask, (0, t - s.action_mask.shape[1]),
+                                                                  value=False) for s in parts]))
+
     def to(self, device: torch.device | str) -> "Sequences":
         """Every tensor moved to `device`."""
         return dataclasses.replace(self, input_ids=self.input_ids.to(device),

@@ -6,11 +6,13 @@ group advantages for GRPO).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from astrai.data.sequences import Sequences
 from astrai.rollout.sampling import SamplingParams
@@ -32,6 +34,7 @@ class Experience:
         responses: decoded responses (B strings, special tokens skipped).
         policy_version: version of the weights that sampled.
         timings: wall seconds of the phases that produced it, by phase name (e.g. "generate", "reference").
+        stats: how it was collected, by name (e.g. "sampling_rounds"), logged as `rollout/<name>`.
     """
 
     sequences: Sequences
@@ -41,6 +44,49 @@ class Experience:
     responses: tuple[str, ...]
     policy_version: int
     timings: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def select(self, rows: Sequence[int]) -> "Experience":
+        """The samples at `rows` (indices into B, in that order), with the same widths P and T, timings and stats."""
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.scores.device)
+        return dataclasses.replace(
+            self, sequences=self.sequences.select(index), old_logprobs=self.old_logprobs[index],
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[index], scores=self.scores[index],
+            responses=tuple(self.responses[i] for i in rows))
+
+
+def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experience:
+    """The samples of `parts` (same `policy_version`) as one batch, in order: prompts re-left-padded and responses
+    re-right-padded to the widest part (`Sequences.concat`), per-token tensors (B_i, T_i) right-padded with 0, the
+    timings of the phases summed. Its stats are empty (the caller sets them).
+
+    Raises:
+        ValueError: for no parts, parts of different policy versions, or some parts with reference log-probs and
+            some without.
+    """
+    if not parts:
+        raise ValueError("concat_experiences: no parts")
+    versions = {p.policy_version for p in parts}
+    if len(versions) != 1:
+        raise ValueError(f"concat_experiences: parts of several policy versions {sorted(versions)}")
+    if len({p.ref_logprobs is None for p in parts}) != 1:
+        raise ValueError("concat_experiences: some parts have ref_logprobs and some do not")
+    width = max(p.old_logprobs.shape[1] for p in parts)
+
+    def per_token(tensors):
+        return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
+
+    timings: dict[str, float] = {}
+    for part in parts:
+        for phase, seconds in part.timings.items():
+            timings[phase] = timings.get(phase, 0.0) + seconds
+    return Experience(sequences=Sequences.concat([p.sequences for p in parts], pad_token_id),
+                      old_logprobs=per_token([p.old_logprobs for p in parts]),
+                      ref_logprobs=(None if parts[0].ref_logprobs is None
+                                    else per_token([p.ref_logprobs for p in parts])),
+                      scores=torch.cat([p.scores for p in parts]),
+                      responses=tuple(r for p in parts for r in p.responses),
+                      policy_version=parts[0].policy_version, timings=timings)
 
 
 class RolloutRunner:
@@ -67,7 +113,17 @@ class RolloutRunner:
 
     def collect(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str],
                 generator: Optional[torch.Generator] = None) -> Experience:
-        """Sample one response per prompt, decode, score, and compute reference log-probs.
+        """Sample one response per prompt, decode, score (`sample`), and compute reference log-probs
+        (`add_reference`).
+
+        Raises:
+            ValueError: as `sample`.
+        """
+        return self.add_reference(self.sample(prompt_ids, answers, generator))
+
+    def sample(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str],
+               generator: Optional[torch.Generator] = None) -> Experience:
+        """Sample one response per prompt, decode and score it; `ref_logprobs` stay None (`add_reference`).
 
         Raises:
             ValueError: when `prompt_ids` and `answers` differ in length, or the score function returns a
@@ -86,14 +142,19 @@ class RolloutRunner:
                                  dtype=torch.float32)
         if scores.shape != (len(answers),) or not bool(torch.isfinite(scores).all()):
             raise ValueError(f"reward: expected {len(answers)} finite scores, got {tuple(scores.shape)}")
-        ref_logprobs = None
-        if self.ref_model is not None:
-            start = time.perf_counter()
-            ref_logprobs = score_in_chunks(
-                lambda chunk: response_logprobs(self.ref_model, chunk,
-                                                temperature=self.sampling.temperature)[0],
-                sequences, self.chunk_size)
-            timings["reference"] = time.perf_counter() - start
-        return Experience(sequences=sequences, old_logprobs=generation.old_logprobs,
-                          ref_logprobs=ref_logprobs, scores=scores.to(generation.old_logprobs.device),
-                          responses=responses, policy_version=generation.policy_version, timings=timings)
+        return Experience(sequences=sequences, old_logprobs=generation.old_logprobs, ref_logprobs=None,
+                          scores=scores.to(generation.old_logprobs.device), responses=responses,
+                          policy_version=generation.policy_version, timings=timings)
+
+    def add_reference(self, experience: Experience) -> Experience:
+        """`experience` with the reference model's log-probs (B, T) float32 of its responses at the sampling
+        temperature, scored `chunk_size` rows per no-grad forward (timing "reference"); unchanged without a
+        reference model."""
+        if self.ref_model is None:
+            return experience
+        start = time.perf_counter()
+        ref_logprobs = score_in_chunks(
+            lambda chunk: response_logprobs(self.ref_model, chunk, temperature=self.sampling.temperature)[0],
+            experience.sequences, self.chunk_size)
+        timings = {**experience.timings, "reference": time.perf_counter() - start}
+        return dataclasses.replace(experience, ref_logprobs=ref_logprobs, timings=timings)

@@ -19,7 +19,7 @@ from astrai.data.truncation import EncodedPrompt, encode_prompt_records
 from astrai.models.special_tokens import stop_token_ids, strip_stop
 from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.rewards import get_reward, unscorable_answers
-from astrai.rollout.runner import Experience, RolloutRunner
+from astrai.rollout.runner import Experience, RolloutRunner, concat_experiences
 from astrai.rollout.sampling import SamplingParams
 from astrai.trainer.models import TrainedModel
 
@@ -71,12 +71,31 @@ class OnlineExperience:
             budget) and `.answer` (`PromptSampler` over `data.truncation.EncodedPrompt`s).
         batch_size: B, prompts per batch; group_size: G, samples per prompt (rows b * G ... b * G + G - 1).
         seed: seeds the sampling RNG (on `device`).
+        dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2): a group whose G rewards
+            are all equal has zero group advantage everywhere, so it is dropped and B more prompts are drawn and
+            sampled, round after round, until B groups with unequal rewards are kept (later surplus groups are
+            dropped). Needs G >= 2.
+        max_sampling_rounds: the cap on generation rounds per batch with `dynamic_sampling`; when it is reached,
+            the batch is filled up with dropped groups (in the order they were sampled), so a step never stalls.
+
+    With `dynamic_sampling` each round consumes B records of the sampler; reference log-probs are computed once,
+    for the B * G kept samples. The experience's stats hold `sampling_rounds` and `sampled_zero_std_groups` (the
+    fraction of all groups sampled for the batch whose rewards were all equal).
+
+    Raises:
+        ValueError: for `dynamic_sampling` with G < 2 or `max_sampling_rounds` < 1.
     """
 
     def __init__(self, *, policy: TrainedModel, runner: RolloutRunner, sampler, batch_size: int,
-                 group_size: int = 1, seed: int, device: torch.device):
+                 group_size: int = 1, seed: int, device: torch.device, dynamic_sampling: bool = False,
+                 max_sampling_rounds: int = 1):
+        if dynamic_sampling and group_size < 2:
+            raise ValueError(f"dynamic_sampling needs groups of at least 2 samples, got group_size={group_size}")
+        if max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds: expected >= 1, got {max_sampling_rounds}")
         self.policy, self.runner, self.data_sampler = policy, runner, sampler
         self.batch_size, self.group_size = batch_size, group_size
+        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @property
@@ -93,14 +112,38 @@ class OnlineExperience:
         start = time.perf_counter()
         sync_engine(engine, self.policy, policy_version)
         synced = time.perf_counter() - start
-        records = self.data_sampler.next_batch(self.batch_size)
-        repeated = [record.prompt_ids for record in records for _ in range(self.group_size)]
-        answers = [record.answer for record in records for _ in range(self.group_size)]
         try:
-            experience = self.runner.collect(repeated, answers, self.generator)
+            if self.dynamic_sampling:
+                experience = self.runner.add_reference(self._sample_dynamically(engine.pad_token_id))
+            else:
+                experience = self.runner.collect(*self._next_prompts(), self.generator)
         finally:
             engine.sleep()
         experience.timings["weight_sync"] = synced
+        return experience
+
+    def _next_prompts(self) -> tuple[list[list[int]], list[str]]:
+        """The next B records' prompt ids and answers, each repeated G times."""
+        records = self.data_sampler.next_batch(self.batch_size)
+        return ([record.prompt_ids for record in records for _ in range(self.group_size)],
+                [record.answer for record in records for _ in range(self.group_size)])
+
+    def _sample_dynamically(self, pad_token_id: int) -> Experience:
+        """B groups without reference log-probs (see the class docstring): the first B groups of unequal rewards,
+        or at the round cap all of those filled up with the first dropped ones; in the order they were sampled."""
+        g, rounds, kept, dropped = self.group_size, [], [], []
+        while len(kept) < self.batch_size and len(rounds) < self.max_sampling_rounds:
+            part = self.runner.sample(*self._next_prompts(), self.generator)
+            spread = part.scores.reshape(-1, g).amax(dim=1) > part.scores.reshape(-1, g).amin(dim=1)
+            for group, useful in enumerate(spread.tolist()):
+                (kept if useful else dropped).append((len(rounds), group))
+            rounds.append(part)
+        chosen = (kept + dropped)[:self.batch_size]
+        parts = [rounds[r].select([group * g + i for (rr, group) in chosen if rr == r for i in range(g)])
+                 for r in range(len(rounds)) if any(rr == r for rr, _ in chosen)]
+        experience = concat_experiences(parts, pad_token_id)
+        experience.stats.update(sampling_rounds=float(len(rounds)),
+                                sampled_zero_std_groups=len(dropped) / (len(kept) + len(dropped)))
         return experience
 
     def state_dict(self) -> dict:
@@ -119,13 +162,14 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer) -> PagedGen
 
 
 def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: PagedGenerationEngine,
-                            ref_model: Optional[torch.nn.Module], chunk_size: int,
-                            group_size: int = 1) -> OnlineExperience:
+                            ref_model: Optional[torch.nn.Module], chunk_size: int, group_size: int = 1,
+                            dynamic_sampling: bool = False, max_sampling_rounds: int = 1) -> OnlineExperience:
     """The online experience source of a validated config: the rollout engine (`build_rollout_engine`), sampling
     settings (stop on every id of `special_tokens.stop_token_ids`: the tokenizer's EOS
     and the model config's eos list), reward (it sees the response text without a final stop token), runner, the
     prompts (`load_online_prompts`) and their sampler (seed `train.seed` on every rank, each rank drawing its
-    own share), and the sampling RNG (seed `train.seed + 1000 * rank`).
+    own share), and the sampling RNG (seed `train.seed + 1000 * rank`); `dynamic_sampling` and
+    `max_sampling_rounds` as `OnlineExperience`'s.
 
     Raises:
         DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
@@ -146,7 +190,8 @@ def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, en
     sampler = PromptSampler(prompts, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
                             world_size=dist.world_size)
     return OnlineExperience(policy=policy, runner=runner, sampler=sampler, batch_size=r.batch_size,
-                            group_size=group_size, seed=config.train.seed + 1000 * dist.rank, device=dist.device)
+                            group_size=group_size, seed=config.train.seed + 1000 * dist.rank, device=dist.device,
+                            dynamic_sampling=dynamic_sampling, max_sampling_rounds=max_sampling_rounds)
 
 
 def _quiet(message: str) -> None:

@@ -82,13 +82,15 @@ class RolloutStrategy:
 
     def make_rollout(self, policy_version: int) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
         """Collect experience of the weights of `policy_version` and pin the targets: `(rollout, metrics)`, the
-        metrics with the phase timings (`time/<phase>_seconds`, `time/rollout_seconds` for the whole)."""
+        metrics with the phase timings (`time/<phase>_seconds`, `time/rollout_seconds` for the whole) and the
+        experience's stats (`rollout/<name>`)."""
         start = time.perf_counter()
         experience = self.experience.collect(policy_version)
         rollout, metrics = self.pin_targets(experience)
         metrics["time/rollout_seconds"] = torch.tensor(time.perf_counter() - start)
         metrics.update({f"time/{phase}_seconds": torch.tensor(seconds)
                         for phase, seconds in experience.timings.items()})
+        metrics.update({f"rollout/{name}": torch.tensor(value) for name, value in experience.stats.items()})
         return rollout, metrics
 
     def policy_update(self, trainer, minibatch: RolloutResult, first: bool,

@@ -1,0 +1,156 @@
+"""DAPO dynamic sampling in the online experience source (Yu et al. 2025, section 3.2): groups whose rewards are all
+equal are dropped and replaced by newly sampled ones, up to a cap on rounds; the batch re-padding it needs
+(`Sequences.concat`, `concat_experiences`) against building the same rows in one go."""
+
+import pytest
+import torch
+from reference_engine import GenerationEngine
+from toy_rl import RandomPrompts, online_experience, trained
+
+from astrai.config import ConfigError, load_config
+from astrai.data.sequences import Sequences
+from astrai.models import AutoRegressiveLM, tiny_config
+from astrai.rollout.runner import Experience, RolloutRunner, concat_experiences
+from astrai.rollout.sampling import SamplingParams
+from astrai.trainer.experience import OnlineExperience
+
+VOCAB, EOS, B, G = 16, 2, 2, 4
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return AutoRegressiveLM(tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_attention_heads=2, num_key_value_heads=1, eos_token_id=EOS,
+                                        pad_token_id=EOS, bos_token_id=1))
+
+
+def test_sequences_concat_equals_building_all_rows_at_once():
+    prompts_a, responses_a = [[5, 6], [7, 8, 9]], [[3], [4, 5, 6, 2]]
+    prompts_b, responses_b = [[3, 4, 5, 6, 7]], [[9, 9]]
+    whole = Sequences.from_tokens(prompts_a + prompts_b, responses_a + responses_b, pad_token_id=0)
+    parts = [Sequences.from_tokens(prompts_a, responses_a, pad_token_id=0),
+             Sequences.from_tokens(prompts_b, responses_b, pad_token_id=0)]
+    joined = Sequences.concat(parts, pad_token_id=0)
+    assert joined.prompt_length == whole.prompt_length == 5
+    for name in ("input_ids", "attention_mask", "position_ids", "action_mask"):
+        assert torch.equal(getattr(joined, name), getattr(whole, name)), name
+    with pytest.raises(ValueError, match="no parts"):
+        Sequences.concat([], pad_token_id=0)
+
+
+def _experience(prompts, responses, scores, version=3, ref=True):
+    seqs = Sequences.from_tokens(prompts, responses, pad_token_id=0)
+    t = seqs.action_mask.shape[1]
+    old = torch.arange(len(prompts) * t, dtype=torch.float32).reshape(len(prompts), t).neg() * seqs.action_mask
+    return Experience(sequences=seqs, old_logprobs=old, ref_logprobs=old * 2 if ref else None,
+                      scores=torch.tensor(scores), responses=tuple(str(r) for r in responses),
+                      policy_version=version, timings={"generate": 1.5})
+
+
+def test_concat_experiences_pads_per_token_tensors_with_zero_and_sums_timings():
+    a = _experience([[5, 6], [7]], [[3], [4, 5, 6]], [0.0, 1.0])
+    b = _experience([[3, 4, 5]], [[9, 9]], [0.5])
+    joined = concat_experiences([a.select([1]), b], pad_token_id=0)
+    assert joined.scores.tolist() == [1.0, 0.5]
+    assert joined.responses == (a.responses[1], b.responses[0])
+    assert torch.equal(joined.old_logprobs, torch.tensor([[-3.0, -4.0, -5.0], [0.0, -1.0, 0.0]]))
+    assert torch.equal(joined.ref_logprobs, joined.old_logprobs * 2)
+    assert joined.timings == {"generate": 3.0} and joined.policy_version == 3
+    with pytest.raises(ValueError, match="policy versions"):
+        concat_experiences([a, _experience([[1]], [[1]], [0.0], version=4)], pad_token_id=0)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        concat_experiences([a, _experience([[1]], [[1]], [0.0], ref=False)], pad_token_id=0)
+
+
+class ScriptedScores:
+    """A reward that returns the next scripted score vector on each call, and records the texts it scored."""
+
+    def __init__(self, script):
+        self.script, self.calls = list(script), []
+
+    def __call__(self, texts, answers, response_ids):
+        self.calls.append(list(texts))
+        return torch.tensor(self.script[len(self.calls) - 1])
+
+
+class RowCounter(torch.nn.Module):
+    """A reference model wrapper that counts the rows it scores."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.rows = model, 0
+
+    def forward(self, *args, **kwargs):
+        self.rows += kwargs.get("input_ids", args[0] if args else None).shape[0]
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.model, name)
+
+
+def _source(script, *, max_rounds, ref=None):
+    policy = small_model()
+    runner = RolloutRunner(GenerationEngine(policy, pad_token_id=EOS),
+                           SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(EOS,)),
+                           decode=lambda ids: " ".join(map(str, ids)), score_fn=ScriptedScores(script),
+                           ref_model=ref, chunk_size=3)
+    source = online_experience(trained(policy), runner, vocab=VOCAB, batch_size=B, group_size=G)
+    source.dynamic_sampling, source.max_sampling_rounds = True, max_rounds
+    return source
+
+
+def test_dynamic_sampling_keeps_the_first_groups_with_unequal_rewards():
+    script = [[0, 0, 0, 0, 1, 0, 1, 0],   # round 1: group 0 all equal (dropped), group 1 kept
+              [1, 1, 0, 1, 0, 0, 1, 0]]  # round 2: both kept; the second is surplus
+    ref = RowCounter(small_model(1)).eval().requires_grad_(False)
+    source = _source(script, max_rounds=4, ref=ref)
+    exp = source.collect(policy_version=0)
+    texts = source.runner.score_fn.calls
+    assert len(texts) == 2  # stopped once B groups differ
+    assert exp.responses == tuple(texts[0][G:2 * G] + texts[1][:G])
+    assert exp.scores.tolist() == [1, 0, 1, 0, 1, 1, 0, 1]
+    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.25}
+    assert ref.rows == B * G  # reference log-probs only for the kept samples
+    assert exp.ref_logprobs.shape == exp.old_logprobs.shape == exp.sequences.action_mask.shape
+    # each kept row is the sampled row: its response tokens decode to the text scored for it
+    for row, text in enumerate(exp.responses):
+        ids = exp.sequences.response_ids[row][exp.sequences.action_mask[row]].tolist()
+        assert " ".join(map(str, ids)) == text
+    assert bool((exp.old_logprobs[~exp.sequences.action_mask] == 0).all())
+    assert source.data_sampler.drawn == 2 * B  # each round drew B prompts
+
+
+def test_dynamic_sampling_fills_the_batch_with_dropped_groups_at_the_round_cap():
+    script = [[1, 1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1, 0, 0]]
+    source = _source(script, max_rounds=2)
+    exp = source.collect(policy_version=0)
+    texts = source.runner.score_fn.calls
+    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.75}
+    # the one group of unequal rewards (round 2, group 1), then the first dropped one (round 1, group 0)
+    assert exp.responses == tuple(texts[0][:G] + texts[1][G:])
+    assert exp.scores.tolist() == [1, 1, 1, 1, 0, 1, 0, 0]
+
+
+def test_without_dynamic_sampling_one_round_and_no_stats():
+    source = _source([[0] * (B * G)], max_rounds=4)
+    source.dynamic_sampling = False
+    exp = source.collect(policy_version=0)
+    assert len(source.runner.score_fn.calls) == 1 and exp.stats == {} and exp.scores.shape == (B * G,)
+
+
+def test_dynamic_sampling_arguments_and_config_are_checked():
+    kwargs = dict(policy=None, runner=None, sampler=RandomPrompts(VOCAB, 0), batch_size=2, seed=0,
+                  device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="group_size=1"):
+        OnlineExperience(group_size=1, dynamic_sampling=True, **kwargs)
+    with pytest.raises(ValueError, match="max_sampling_rounds"):
+        OnlineExperience(group_size=2, dynamic_sampling=True, max_sampling_rounds=0, **kwargs)
+    with pytest.raises(ConfigError, match="grpo.dynamic_sampling: only online_grpo"):
+        load_config(None, ["--train.type", "grpo", "--grpo.dynamic_sampling", "true"])
+    with pytest.raises(ConfigError, match="grpo.max_sampling_rounds"):
+        load_config(None, ["--train.type", "online_grpo", "--grpo.max_sampling_rounds", "0"])
+    config = load_config(None, ["--train.type", "online_grpo", "--grpo.dynamic_sampling", "true"])
+    assert config.grpo.dynamic_sampling and config.grpo.max_sampling_rounds == 4
