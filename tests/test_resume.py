@@ -242,3 +242,14 @@ def test_online_grpo_with_dynamic_sampling_resumes_bitwise_exact(tiny_model_dir,
     assert [r["rollout/reward_mean"] for r in records(straight)] == [r["rollout/reward_mean"] for r in records(split)]
     rounds = [r["rollout/sampling_rounds"] for r in records(straight)]
     assert all(1 <= n <= 3 for n in rounds) and max(rounds) > 1, rounds
+
+
+def test_resume_at_max_steps_says_there_is_nothing_to_train(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    run(tiny_model_dir, out, "--max_steps", "1")
+    before = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    run(tiny_model_dir, out, "--max_steps", "1", "--checkpoint.resume", "auto")
+    printed = capsys.readouterr().out
+    assert "nothing to train: the checkpoint is at step 1 and train.max_steps is 1" in printed
+    assert (out / "metrics.jsonl").read_text() == before

@@ -145,6 +145,9 @@ def build_trainer(config: Config) -> Trainer:
               f"policy_version {trainer.state.policy_version})")
         if resized is not None:
             print(resized)
+        if trainer.state.global_step >= config.train.max_steps:
+            print(f"nothing to train: the checkpoint is at step {trainer.state.global_step} and train.max_steps is "
+                  f"{config.train.max_steps}; raise --train.max_steps to train on")
     return trainer
 
 
