@@ -92,10 +92,17 @@ class RolloutSection(Section, name="rollout"):
         None, "dtype of the rollout engine's weight copy and KV cache; null = model.dtype (bfloat16 with an fp32 "
               "policy: faster rollouts, and rollout/logprob_gap then shows the rounding drift)",
         Choices(("float32", "bfloat16", "float16")))
+    dynamic_sampling: bool = field_spec(False, "online_grpo / online_ppo with groups: resample prompts whose "
+                                               "rewards are all equal (DAPO dynamic sampling) until "
+                                               "rollout.batch_size groups differ")
+    max_sampling_rounds: int = field_spec(4, "dynamic_sampling: generation rounds per rollout at most; then the "
+                                             "batch is filled up with all-equal groups", GT0)
 
 
 @dataclass
 class PPOSection(Section, name="ppo"):
+    group_size: int = field_spec(1, "responses sampled per prompt (each its own PPO sample); >= 2 for "
+                                    "rollout.dynamic_sampling", GT0)
     epochs: int = field_spec(1, "passes over each rollout", GT0)
     minibatch_size: int = field_spec(8, "samples per policy optimizer step", GT0)
     micro_batch_size: int = field_spec(4, "samples per forward/backward (gradient accumulation unit)", GT0)
@@ -122,10 +129,6 @@ class GRPOSection(Section, name="grpo"):
     kl_reward_coef: float = field_spec(0.0, "reference-KL weight subtracted from the reward instead", GE0)
     std_eps: float = field_spec(1e-6, "epsilon added to the group std", GT0)
     std_floor: Optional[float] = field_spec(None, "lower bound on the group std; null = none", GT0)
-    dynamic_sampling: bool = field_spec(False, "online_grpo: resample prompts whose G rewards are all equal "
-                                               "(DAPO dynamic sampling) until rollout.batch_size groups differ")
-    max_sampling_rounds: int = field_spec(4, "dynamic_sampling: generation rounds per batch at most; then the "
-                                             "batch is filled up with all-equal groups", GT0)
 
 
 @dataclass
@@ -240,7 +243,7 @@ class Config:
         kind = self.train.type
         if kind == "online_ppo":
             _check_divides(("ppo.minibatch_size", self.ppo.minibatch_size),
-                           ("rollout.batch_size", self.rollout.batch_size))
+                           ("rollout.batch_size * ppo.group_size", self.rollout.batch_size * self.ppo.group_size))
             _check_divides(("ppo.micro_batch_size", self.ppo.micro_batch_size),
                            ("ppo.minibatch_size", self.ppo.minibatch_size))
         if kind in ("online_grpo", "grpo"):
@@ -251,8 +254,13 @@ class Config:
         if kind in ("online_grpo", "grpo") and self.grpo.kl_coef > 0 and self.grpo.kl_reward_coef > 0:
             raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are "
                               "mutually exclusive; set one of them to 0")
-        if self.grpo.dynamic_sampling and kind != "online_grpo":
-            raise ConfigError(f"grpo.dynamic_sampling: only online_grpo samples its groups, got train.type {kind}")
+        if self.rollout.dynamic_sampling:
+            if kind not in ("online_grpo", "online_ppo"):
+                raise ConfigError(f"rollout.dynamic_sampling: only online_grpo and online_ppo sample their groups, "
+                                  f"got train.type {kind}")
+            if kind == "online_ppo" and self.ppo.group_size < 2:
+                raise ConfigError("rollout.dynamic_sampling: online_ppo needs ppo.group_size >= 2 (responses per "
+                                  f"prompt whose rewards can differ), got {self.ppo.group_size}")
         if self.train.bf16 and self.train.fp16:
             raise ConfigError("train.fp16: train.bf16 and train.fp16 are mutually exclusive; set one to false")
         if self.train.eval_steps and self.data.eval_path is None:

@@ -205,8 +205,8 @@ def test_bad_override_keys(tokens, expected):
 
 # ------------------------------------------------------------------------------------------- cross-field
 @pytest.mark.parametrize("tokens,expected", [
-    (["--ppo.minibatch_size", "16"], "ppo.minibatch_size: expected <= rollout.batch_size (8), got 16"),
-    (["--rollout.batch_size", "12"], "ppo.minibatch_size: expected a divisor of rollout.batch_size (12), got 8"),
+    (["--ppo.minibatch_size", "16"], "ppo.minibatch_size: expected <= rollout.batch_size * ppo.group_size (8), got 16"),
+    (["--rollout.batch_size", "12"], "ppo.minibatch_size: expected a divisor of rollout.batch_size * ppo.group_size (12), got 8"),
     (["--ppo.micro_batch_size", "16", "--ppo.minibatch_size", "8"],
      "ppo.micro_batch_size: expected <= ppo.minibatch_size (8), got 16"),
     (["--ppo.micro_batch_size", "3"], "ppo.micro_batch_size: expected a divisor of ppo.minibatch_size (8), got 3"),

@@ -148,9 +148,41 @@ def test_dynamic_sampling_arguments_and_config_are_checked():
         OnlineExperience(group_size=1, dynamic_sampling=True, **kwargs)
     with pytest.raises(ValueError, match="max_sampling_rounds"):
         OnlineExperience(group_size=2, dynamic_sampling=True, max_sampling_rounds=0, **kwargs)
-    with pytest.raises(ConfigError, match="grpo.dynamic_sampling: only online_grpo"):
-        load_config(None, ["--train.type", "grpo", "--grpo.dynamic_sampling", "true"])
-    with pytest.raises(ConfigError, match="grpo.max_sampling_rounds"):
-        load_config(None, ["--train.type", "online_grpo", "--grpo.max_sampling_rounds", "0"])
-    config = load_config(None, ["--train.type", "online_grpo", "--grpo.dynamic_sampling", "true"])
-    assert config.grpo.dynamic_sampling and config.grpo.max_sampling_rounds == 4
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling: only online_grpo and online_ppo"):
+        load_config(None, ["--train.type", "grpo", "--rollout.dynamic_sampling", "true"])
+    with pytest.raises(ConfigError, match=r"online_ppo needs ppo.group_size >= 2 .*, got 1"):
+        load_config(None, ["--train.type", "online_ppo", "--rollout.dynamic_sampling", "true"])
+    with pytest.raises(ConfigError, match="rollout.max_sampling_rounds"):
+        load_config(None, ["--train.type", "online_grpo", "--rollout.max_sampling_rounds", "0"])
+    with pytest.raises(ConfigError, match=r"ppo.minibatch_size: expected a divisor of rollout.batch_size \* "
+                                          r"ppo.group_size \(24\), got 16"):
+        load_config(None, ["--train.type", "online_ppo", "--rollout.batch_size", "8", "--ppo.group_size", "3",
+                           "--ppo.minibatch_size", "16"])
+    config = load_config(None, ["--train.type", "online_grpo", "--rollout.dynamic_sampling", "true"])
+    assert config.rollout.dynamic_sampling and config.rollout.max_sampling_rounds == 4
+    config = load_config(None, ["--train.type", "online_ppo", "--rollout.dynamic_sampling", "true",
+                                "--ppo.group_size", "4"])
+    assert config.ppo.group_size == 4
+
+
+def test_online_ppo_with_groups_and_dynamic_sampling_trains(tiny_model_dir, tmp_path, monkeypatch):
+    """online_ppo with ppo.group_size 2 and dynamic sampling: each rollout holds rollout.batch_size * 2 samples,
+    critic values and GAE for every one, and the sampling stats are logged."""
+    import json
+
+    from test_train_e2e import tiny_args
+
+    from astrai.rollout import rewards
+    from astrai.train import main
+    monkeypatch.setitem(rewards.REWARDS, "math_exact_match",
+                        lambda responses, answers, format_bonus=0.0: torch.tensor([len(r) % 2 for r in responses],
+                                                                                dtype=torch.float32))
+    out = tmp_path / "run"
+    assert main(tiny_args(tiny_model_dir, out, "--max_steps", "2", "--rollout.batch_size", "2", "--ppo.group_size",
+                          "2", "--ppo.minibatch_size", "4", "--ppo.micro_batch_size", "2",
+                          "--rollout.dynamic_sampling", "true", "--rollout.max_sampling_rounds", "3")) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 1 <= r["rollout/sampling_rounds"] <= 3 and 0 <= r["rollout/sampled_zero_std_groups"] <= 1
+        assert "critic/explained_variance" in r or "critic/value_loss" in r

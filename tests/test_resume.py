@@ -219,8 +219,8 @@ def test_online_grpo_with_dynamic_sampling_resumes_bitwise_exact(tiny_model_dir,
                         lambda responses, answers, format_bonus=0.0: torch.tensor([len(r) % 2 for r in responses],
                                                                                 dtype=torch.float32))
     grpo = ("--max_steps", "4", "--train.type", "online_grpo", "--rollout.batch_size", "2", "--grpo.group_size", "2",
-            "--grpo.minibatch_size", "2", "--grpo.micro_batch_size", "1", "--grpo.dynamic_sampling", "true",
-            "--grpo.max_sampling_rounds", "3")
+            "--grpo.minibatch_size", "2", "--grpo.micro_batch_size", "1", "--rollout.dynamic_sampling", "true",
+            "--rollout.max_sampling_rounds", "3")
     straight, split = tmp_path / "straight", tmp_path / "split"
     run(tiny_model_dir, straight, *grpo)
     fit = Trainer.fit

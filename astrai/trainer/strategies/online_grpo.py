@@ -205,6 +205,6 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                          chunk_size=g.micro_batch_size, group_size=g.group_size,
-                                         dynamic_sampling=g.dynamic_sampling,
-                                         max_sampling_rounds=g.max_sampling_rounds)
+                                         dynamic_sampling=config.rollout.dynamic_sampling,
+                                         max_sampling_rounds=config.rollout.max_sampling_rounds)
     return grpo_strategy(config, dist, trained, experience)

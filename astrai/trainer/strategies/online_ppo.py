@@ -1,6 +1,7 @@
 """online_ppo: PPO with a learned critic on freshly sampled rollouts (Schulman et al. 2017; Ouyang et al. 2022).
 
-Each rollout: sync the policy weights into the engine, sample one response per prompt, score them, compute
+Each rollout: sync the policy weights into the engine, sample `ppo.group_size` responses per prompt (each its own
+sample; `rollout.dynamic_sampling` can drop prompts whose responses all score the same), score them, compute
 reference log-probs, critic values, k-estimated KL, per-token rewards and GAE once, and pin the targets on a
 `RolloutResult`. Then `ppo.epochs` passes of shuffled minibatches replay those fixed targets; every
 `train_step` is one minibatch: one policy optimizer step and one critic optimizer step.
@@ -55,7 +56,7 @@ class OnlinePPOStrategy(RolloutStrategy):
 
     Args:
         policy, critic: the trained policy (`AutoRegressiveLM`) and critic (`ValueModel`).
-        experience: the online experience source (engine, runner, prompts; G = 1).
+        experience: the online experience source (engine, runner, prompts; G = `ppo.group_size`).
         replay: the rollout replay (`ppo.minibatch_size`, `ppo.epochs`).
         settings: PPO scalars; temperature: the sampling temperature; log_entropy: log `policy/entropy`.
     """
@@ -169,7 +170,9 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
                                  lr=config.optim.critic_learning_rate)
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
-                                         chunk_size=p.micro_batch_size)
+                                         chunk_size=p.micro_batch_size, group_size=p.group_size,
+                                         dynamic_sampling=r.dynamic_sampling,
+                                         max_sampling_rounds=r.max_sampling_rounds)
     settings = PPOSettings(micro_batch_size=p.micro_batch_size, clip_eps=p.clip_eps, value_clip=p.value_clip,
                            gamma=p.gamma, gae_lambda=p.gae_lambda, vf_coef=p.vf_coef, kl_coef=p.kl_coef,
                            kl_estimator=p.kl_estimator, whiten_advantages=p.whiten_advantages)
