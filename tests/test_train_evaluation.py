@@ -65,6 +65,11 @@ def test_eval_logged_at_steps_and_end_matches_cli_and_leaves_training_bitwise_eq
     assert summary["accuracy"] == pytest.approx(logged[-1]["eval/accuracy"])
     assert (summary["ci_low"], summary["ci_high"]) == pytest.approx(
         (logged[-1]["eval/accuracy_ci_low"], logged[-1]["eval/accuracy_ci_high"]))
+    # the per-question results of each evaluation sit beside the metrics, equal to the evaluator's
+    assert sorted(p.name for p in (with_eval / "eval").iterdir()) == ["step-00000002.jsonl", "step-00000003.jsonl"]
+    written = [json.loads(line) for line in (with_eval / "eval" / "step-00000003.jsonl").read_text().splitlines()]
+    cli = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert written == cli and sum(ex["num_correct"] for ex in written) == logged[-1]["eval/accuracy"] * 5
 
 
 def test_offline_train_type_evaluates_with_its_own_synced_engine(tiny_model_dir, tmp_path):

@@ -81,6 +81,14 @@ class DistributedContext:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (any picklable value), in rank order, on every rank; `[obj]` with one process."""
+        if self.world_size == 1:
+            return [obj]
+        box = [None] * self.world_size
+        torch.distributed.all_gather_object(box, obj)
+        return box
+
     def barrier(self) -> None:
         """Block until every rank arrives (no-op with one process)."""
         self.accelerator.wait_for_everyone()

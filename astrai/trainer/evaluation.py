@@ -4,7 +4,9 @@ With `train.eval_steps: N` (0 = off) and `data.eval_path` (+ `data.eval_limit`),
 after every N-th step and after the last step, and adds to that step's metrics (so they land in its
 metrics.jsonl record): `eval/accuracy`, `eval/accuracy_ci_low`, `eval/accuracy_ci_high` (95% Wilson score
 interval), `eval/num_questions` and `time/eval_seconds`. It must run before the metrics logger; its time is part
-of the step's `time/step_seconds` when it comes before the step timer.
+of the step's `time/step_seconds` when it comes before the step timer. The per-question results (question, answer,
+response, extracted answer, correct ..., as `python -m astrai.evaluate` writes them) go to
+`<train.output_dir>/eval/step-<N>.jsonl`, so what the model answers can be read as it learns.
 
 What is measured is exactly what `python -m astrai.evaluate` measures (`astrai.rollout.evaluation.evaluate`):
 prompts built as for training (`data.system_prompt`, `data.max_prompt_length`), greedy decoding with
@@ -20,7 +22,10 @@ With several ranks, each evaluates every world_size-th question and the counts a
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -59,6 +64,7 @@ class EvaluationCallback(Callback):
         seed: seed of the dedicated sampling generator.
         printer: prints one line per evaluation on the main process.
         progress: show a progress bar over the questions on the main process.
+        output_dir: where `eval/step-<N>.jsonl` goes (written by the main process); None = not written.
 
     Raises:
         ValueError: for `eval_steps < 1` or no records.
@@ -67,7 +73,7 @@ class EvaluationCallback(Callback):
     def __init__(self, *, records: Sequence, tokenizer, reward, settings: EvalSettings, eval_steps: int,
                  strategy, dist, max_prompt_length: int, system_prompt: Optional[str] = None,
                  truncation: str = "error", source: str = "data.eval_path", seed: int = 0,
-                 printer=tqdm.write, progress: bool = True):
+                 printer=tqdm.write, progress: bool = True, output_dir: Optional[Path] = None):
         if eval_steps < 1:
             raise ValueError(f"train.eval_steps: expected >= 1 for an evaluation callback, got {eval_steps}")
         if len(records) == 0:
@@ -79,6 +85,7 @@ class EvaluationCallback(Callback):
         self.max_prompt_length, self.system_prompt = max_prompt_length, system_prompt
         self.truncation, self.source = truncation, source
         self.progress = progress and dist.is_main
+        self.output_dir = output_dir
         self._own_engine = None
 
     def engine(self, policy_version: int):
@@ -107,7 +114,7 @@ class EvaluationCallback(Callback):
         asleep = getattr(engine, "asleep", False)
         if asleep:
             engine.wake()
-        correct, count = 0.0, 0
+        correct, count, examples = 0.0, 0, []
         try:
             if self.records:
                 generator = torch.Generator(device=self.dist.device).manual_seed(self.seed)
@@ -117,7 +124,7 @@ class EvaluationCallback(Callback):
                                   stop_token_ids=stop_token_ids(self.strategy.policy.model.config, self.tokenizer),
                                   generator=generator, progress=self.progress, leave=False,
                                   desc=f"eval step {step}", log=_quiet)
-                correct, count = result.correct, result.num_questions
+                correct, count, examples = result.correct, result.num_questions, result.examples
         finally:
             if getattr(engine, "prefix_cache", None) is not None:
                 engine.prefix_cache.clear()
@@ -127,6 +134,8 @@ class EvaluationCallback(Callback):
                                                        device=self.dist.device)).tolist()
         accuracy = totals[0] / totals[1]
         low, high = wilson_interval(totals[0], int(totals[1]))
+        if self.output_dir is not None:
+            self.write_examples(step, examples)
         seconds = time.perf_counter() - start
         if self.dist.is_main:
             self.printer(f"eval step {step}: accuracy {accuracy:.4f} (95% Wilson [{low:.4f}, {high:.4f}]) on "
@@ -134,6 +143,21 @@ class EvaluationCallback(Callback):
         return {"eval/accuracy": torch.tensor(accuracy), "eval/accuracy_ci_low": torch.tensor(low),
                 "eval/accuracy_ci_high": torch.tensor(high), "eval/num_questions": torch.tensor(totals[1]),
                 "time/eval_seconds": torch.tensor(seconds)}
+
+
+    def write_examples(self, step: int, examples: list[dict]) -> None:
+        """Gather every rank's per-question results and write them, in question order, to
+        `output_dir/eval/step-<step>.jsonl` on the main process (a hidden temporary file renamed into place)."""
+        gathered = [ex for part in self.dist.gather_objects(examples) for ex in part]
+        if not self.dist.is_main:
+            return
+        path = Path(self.output_dir) / "eval" / f"step-{step:08d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for ex in sorted(gathered, key=lambda ex: ex["index"]):
+                f.write(json.dumps(ex, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
 
 
 def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCallback]:
@@ -159,4 +183,4 @@ def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCa
         settings=EvalSettings(max_new_tokens=config.rollout.max_new_tokens), eval_steps=config.train.eval_steps,
         strategy=strategy, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
         truncation=d.truncation, source=str(d.eval_path),
-        seed=config.train.seed, progress=config.train.progress_bar)
+        seed=config.train.seed, progress=config.train.progress_bar, output_dir=Path(config.train.output_dir))
