@@ -186,3 +186,19 @@ def test_online_ppo_with_groups_and_dynamic_sampling_trains(tiny_model_dir, tmp_
     for r in records:
         assert 1 <= r["rollout/sampling_rounds"] <= 3 and 0 <= r["rollout/sampled_zero_std_groups"] <= 1
         assert "critic/explained_variance" in r or "critic/value_loss" in r
+
+
+def test_dynamic_sampling_counts_the_generation_time_of_every_round():
+    script = [[0] * 8, [1, 0, 0, 0, 0, 0, 1, 1]]  # round 1 keeps nothing
+    source = _source(script, max_rounds=4)
+    sample, seen = source.runner.sample, []
+
+    def recorded(*args):
+        part = sample(*args)
+        seen.append(part.timings["generate"])
+        return part
+
+    source.runner.sample = recorded
+    exp = source.collect(policy_version=0)
+    assert len(seen) == 2 and exp.timings["generate"] == pytest.approx(sum(seen))
+    assert exp.responses == tuple(source.runner.score_fn.calls[1])

@@ -142,6 +142,10 @@ class OnlineExperience:
         parts = [rounds[r].select([group * g + i for (rr, group) in chosen if rr == r for i in range(g)])
                  for r in range(len(rounds)) if any(rr == r for rr, _ in chosen)]
         experience = concat_experiences(parts, pad_token_id)
+        experience.timings.clear()  # every round's time, also of the rounds none of whose groups were kept
+        for part in rounds:
+            for phase, seconds in part.timings.items():
+                experience.timings[phase] = experience.timings.get(phase, 0.0) + seconds
         experience.stats.update(sampling_rounds=float(len(rounds)),
                                 sampled_zero_std_groups=len(dropped) / (len(kept) + len(dropped)))
         return experience
