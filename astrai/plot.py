@@ -1,6 +1,6 @@
 """`python -m astrai.plot RUN_DIR [--output FILE]`: a PNG of a run's training curves from its metrics.jsonl.
 
-One panel per quantity, against the optimizer step: reward, KL, policy loss, value loss, explained variance,
+One panel per quantity, against the optimizer step: held-out accuracy (`train.eval_steps`), reward, KL, policy loss, value loss, explained variance,
 response length and learning rate (`PANELS`). A panel whose metric never appears in the file (e.g. value loss
 for GRPO) is left out. Needs matplotlib (`pip install 'astrai[plot]'`); drawing uses the non-interactive Agg
 backend. Exit codes: 0 written, 2 bad input (no such run directory, no metrics.jsonl, nothing to plot,
@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 EXIT_BAD_INPUT = 2
 
 PANELS: tuple[tuple[str, str], ...] = (
+    ("eval/accuracy", "held-out accuracy"),
     ("rollout/reward_mean", "reward"),
     ("rollout/kl", "KL"),
     ("policy/loss", "policy loss"),

@@ -114,7 +114,8 @@ def test_plot_main_job_png_size_and_titles(tiny_ppo_run, tmp_path, capsys):
     assert plot.main([str(tiny_ppo_run), "--output", str(out)]) == 0
     records = read_metrics(tiny_ppo_run)
     expected = [title for key, title in plot.PANELS if any(key in r for r in records)]
-    assert expected == [title for _, title in plot.PANELS]  # online_ppo logs every panel's metric
+    # online_ppo logs every panel's metric (held-out accuracy only with train.eval_steps)
+    assert expected == [title for key, title in plot.PANELS if key != "eval/accuracy"]
     fig = plot.draw(records)
     assert [ax.get_title() for ax in fig.axes] == expected
     assert all(ax.get_xlabel() == "step" for ax in fig.axes)
@@ -137,6 +138,15 @@ def test_plot_skips_absent_panels_and_torn_lines(tmp_path):
     assert plot.main([str(tmp_path), "--output", str(tmp_path / "p.png")]) == 0
     with Image.open(tmp_path / "p.png") as image:
         assert image.size == (1200, 300)
+
+
+def test_plot_draws_held_out_accuracy_at_the_evaluated_steps_first(tmp_path):
+    records = [{"step": s, "rollout/reward_mean": s / 10, **({"eval/accuracy": s / 20} if s % 2 == 0 else {})}
+               for s in (1, 2, 3, 4)]
+    fig = plot.draw(records)
+    assert [ax.get_title() for ax in fig.axes] == ["held-out accuracy", "reward"]
+    line = fig.axes[0].lines[0]
+    assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [0.1, 0.2]
 
 
 @pytest.mark.parametrize("content, needle", [
