@@ -1,10 +1,10 @@
 """`python -m astrai.plot RUN_DIR [--output FILE]`: a PNG of a run's training curves from its metrics.jsonl.
 
-One panel per quantity, against the optimizer step: held-out accuracy (`train.eval_steps`), reward, KL, policy loss, value loss, explained variance,
-response length and learning rate (`PANELS`). A panel whose metric never appears in the file (e.g. value loss
-for GRPO) is left out. Needs matplotlib (`pip install 'astrai[plot]'`); drawing uses the non-interactive Agg
-backend. Exit codes: 0 written, 2 bad input (no such run directory, no metrics.jsonl, nothing to plot,
-matplotlib missing).
+One panel per quantity, against the optimizer step: held-out accuracy (`train.eval_steps`), reward, KL, policy
+loss, value loss, explained variance, response length and learning rate (`PANELS`). A panel whose metric never
+appears in the file (e.g. value loss for GRPO) is left out. Needs matplotlib (`pip install 'astrai[plot]'`);
+drawing uses the non-interactive Agg backend. Exit codes: 0 written, 2 bad input (no such run directory, no
+metrics.jsonl, nothing to plot, matplotlib missing).
 """
 
 from __future__ import annotations

@@ -76,17 +76,22 @@ def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experi
     def per_token(tensors):
         return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
 
-    timings: dict[str, float] = {}
-    for part in parts:
-        for phase, seconds in part.timings.items():
-            timings[phase] = timings.get(phase, 0.0) + seconds
     return Experience(sequences=Sequences.concat([p.sequences for p in parts], pad_token_id),
                       old_logprobs=per_token([p.old_logprobs for p in parts]),
                       ref_logprobs=(None if parts[0].ref_logprobs is None
                                     else per_token([p.ref_logprobs for p in parts])),
                       scores=torch.cat([p.scores for p in parts]),
                       responses=tuple(r for p in parts for r in p.responses),
-                      policy_version=parts[0].policy_version, timings=timings)
+                      policy_version=parts[0].policy_version, timings=summed_timings(parts))
+
+
+def summed_timings(experiences: Sequence[Experience]) -> dict[str, float]:
+    """The wall seconds of each phase summed over `experiences` (phases in first-seen order)."""
+    timings: dict[str, float] = {}
+    for experience in experiences:
+        for phase, seconds in experience.timings.items():
+            timings[phase] = timings.get(phase, 0.0) + seconds
+    return timings
 
 
 class RolloutRunner:

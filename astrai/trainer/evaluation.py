@@ -144,7 +144,6 @@ class EvaluationCallback(Callback):
                 "eval/accuracy_ci_high": torch.tensor(high), "eval/num_questions": torch.tensor(totals[1]),
                 "time/eval_seconds": torch.tensor(seconds)}
 
-
     def write_examples(self, step: int, examples: list[dict]) -> None:
         """Gather every rank's per-question results and write them, in question order, to
         `output_dir/eval/step-<step>.jsonl` on the main process (a hidden temporary file renamed into place)."""

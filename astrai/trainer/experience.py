@@ -8,6 +8,7 @@ then pins its targets on them (GAE, group advantages) and replays them (`replay.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from typing import Any, Optional, Protocol
@@ -19,7 +20,7 @@ from astrai.data.truncation import EncodedPrompt, encode_prompt_records
 from astrai.models.special_tokens import stop_token_ids, strip_stop
 from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.rewards import get_reward, unscorable_answers
-from astrai.rollout.runner import Experience, RolloutRunner, concat_experiences
+from astrai.rollout.runner import Experience, RolloutRunner, concat_experiences, summed_timings
 from astrai.rollout.sampling import SamplingParams
 from astrai.trainer.models import TrainedModel
 
@@ -141,11 +142,8 @@ class OnlineExperience:
         chosen = (kept + dropped)[:self.batch_size]
         parts = [rounds[r].select([group * g + i for (rr, group) in chosen if rr == r for i in range(g)])
                  for r in range(len(rounds)) if any(rr == r for rr, _ in chosen)]
-        experience = concat_experiences(parts, pad_token_id)
-        experience.timings.clear()  # every round's time, also of the rounds none of whose groups were kept
-        for part in rounds:
-            for phase, seconds in part.timings.items():
-                experience.timings[phase] = experience.timings.get(phase, 0.0) + seconds
+        # every round's time counts, also that of the rounds none of whose groups were kept
+        experience = dataclasses.replace(concat_experiences(parts, pad_token_id), timings=summed_timings(rounds))
         experience.stats.update(sampling_rounds=float(len(rounds)),
                                 sampled_zero_std_groups=len(dropped) / (len(kept) + len(dropped)))
         return experience
