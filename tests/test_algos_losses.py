@@ -146,6 +146,10 @@ def test_explained_variance_hand_and_zero_variance_cases():
     assert explained_variance(const - 1.0, const, mask).item() == 1.0  # Var(ret) = Var(res) = 0
     wobble = torch.tensor([[1.0, 2.0, 1.0, 2.0, 0.0, 0.0]], dtype=D64)
     assert explained_variance(wobble, const, mask).item() == 0.0  # Var(ret) = 0 < Var(res)
+    # returns equal up to rounding (all rewards 0, a KL term of ~1e-12): constant, not an explained variance of -1e10
+    noise = torch.tensor([[1e-12, -2e-12, 3e-12], [0.0, 1e-12, 2e-12]])
+    critic = torch.tensor([[0.1, -0.2, 0.3], [0.0, 0.2, -0.1]])
+    assert explained_variance(critic, noise, torch.ones(2, 3)).item() == 0.0
     assert explained_variance(returns, returns, mask).item() == 1.0
     assert explained_variance(values, returns, torch.zeros_like(mask)).item() == 0.0
 

@@ -96,8 +96,26 @@ def test_offline_train_type_evaluates_with_its_own_synced_engine(tiny_model_dir,
     (("--train.eval_steps", "2"), "data.eval_path"),
     (("--train.eval_steps", "2", "--data.eval_path", "/nonexistent/eval.jsonl"), "data.eval_path: file not found"),
     (("--data.eval_limit", "0"), "data.eval_limit"),
+    (EVAL, "eval is a file, not a directory"),
 ])
-def test_bad_eval_settings_exit_2(tiny_model_dir, tmp_path, capsys, extra, needle):
-    assert main(tiny_args(tiny_model_dir, tmp_path / "run", *extra)) == 2
+@pytest.mark.parametrize("check", [False, True], ids=["run", "check"])
+def test_bad_eval_settings_exit_2(tiny_model_dir, tmp_path, capsys, extra, needle, check):
+    """Refused at start-up in one line, by the run and by --check alike (an `eval` file where the job writes its
+    eval/ directory included), with nothing written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    in_the_way = needle.startswith("eval is a file")
+    if in_the_way:
+        (run / "eval").write_text("not a directory")
+    assert main(tiny_args(tiny_model_dir, run, *extra) + (["--check"] if check else [])) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in run.iterdir()) == (["eval"] if in_the_way else [])
+
+
+def test_in_training_evaluation_reports_the_rewards_extracted_answers(tiny_model_dir, tmp_path):
+    from astrai.rollout.rewards import extract_final_number
+    args = tiny_args(tiny_model_dir, tmp_path / "run", "--max_steps", "1", *EVAL)
+    callback = next(c for c in build_trainer(load_config(args[1], args[2:])).callbacks
+                    if isinstance(c, EvaluationCallback))
+    assert callback.extract_answer is extract_final_number

@@ -137,7 +137,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     ratio is the same with Bessel's correction). 1 is a perfect critic, 0 no better than a constant, < 0 worse.
     Zero-variance case (the scikit-learn ``explained_variance_score`` convention): if ``Var(returns) == 0``, the
     result is 1.0 when ``Var(returns - values) == 0`` too (the critic matches the returns up to a constant) and
-    0.0 otherwise. A mask with no real token gives 0.0 (nothing explained).
+    0.0 otherwise; a variance at or below ``(eps * max(1, max|returns|))^2`` (eps of the dtype: rounding noise)
+    counts as 0. A mask with no real token gives 0.0 (nothing explained).
     Raises: ValueError on shape mismatches.
     """
     m = mask.bool()
@@ -145,10 +146,14 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     residual = ret - _real(values.to(returns.dtype), m)
     var_ret = masked_var(ret, m, unbiased=False)
     var_res = masked_var(residual, m, unbiased=False)
-    one = torch.ones((), dtype=ret.dtype, device=ret.device)
     zero = torch.zeros((), dtype=ret.dtype, device=ret.device)
-    degenerate = torch.where(var_res > 0, zero, one)
-    ev = torch.where(var_ret > 0, 1.0 - var_res / torch.where(var_ret > 0, var_ret, one), degenerate)
+    # returns that differ only by rounding (e.g. all rewards equal and a KL term of ~1e-10) count as constant:
+    # otherwise their ~1e-24 variance would turn any critic error into an explained variance of -1e10
+    one = torch.ones((), dtype=ret.dtype, device=ret.device)
+    floor = (torch.finfo(ret.dtype).eps * torch.cat([ret.abs().flatten(), one.reshape(1)]).max()) ** 2
+    spread = var_ret > floor
+    degenerate = torch.where(var_res > floor, zero, one)
+    ev = torch.where(spread, 1.0 - var_res / torch.where(spread, var_ret, one), degenerate)
     return torch.where(m.any(), ev, zero)
 
 

@@ -18,7 +18,7 @@ from astrai.distributed import setup_distributed
 from astrai.distributed.launch import check_step_sizes, optimizer_step_sizes, resolve_launch
 from astrai.models import load_pretrained
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
-from astrai.trainer.evaluation import build_evaluation
+from astrai.trainer.evaluation import build_evaluation, load_eval_records
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
 from astrai.trainer.resume import check_resume, restore
@@ -54,10 +54,15 @@ def check_job_step_sizes(config: Config, strategy: str, deepspeed_config, world_
                      max_grad_norm=config.optim.max_grad_norm, world_size=world_size)
 
 
-def checked_output_dir(path: str) -> Path:
+def checked_output_dir(path: str, subdirs: tuple[str, ...] = ()) -> Path:
     """`train.output_dir` as a Path, when it is a directory or can become one (its nearest existing ancestor is a
-    directory). Raises NotADirectoryError naming the field and the file in the way."""
+    directory) and each of its `subdirs` the job writes into (e.g. "eval") is a directory or absent. Raises
+    NotADirectoryError naming the field and the file in the way."""
     output_dir = Path(path)
+    for sub in subdirs:
+        if (output_dir / sub).exists() and not (output_dir / sub).is_dir():
+            raise NotADirectoryError(f"train.output_dir: {output_dir / sub} is a file, not a directory (the job "
+                                     f"writes its {sub}/ files there)")
     for place in (output_dir, *output_dir.parents):
         if place.exists():
             if not place.is_dir():
@@ -65,6 +70,11 @@ def checked_output_dir(path: str) -> Path:
                                          + (f" (needed for {output_dir})" if place != output_dir else ""))
             break
     return output_dir
+
+
+def output_subdirs(config: Config) -> tuple[str, ...]:
+    """The directories under `train.output_dir` the job writes files into, besides `checkpoints/`."""
+    return ("eval",) if config.train.eval_steps else ()
 
 
 def job_parts(trainer: Trainer, tokenizer, config_text: str) -> dict[str, Part]:
@@ -96,7 +106,7 @@ def build_trainer(config: Config) -> Trainer:
     check_job_step_sizes(config, dist.strategy, dist.deepspeed_config, dist.world_size)
     reporters = build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config),
                                 enabled=dist.is_main)  # train.report_to; fails before the model loads
-    output_dir = checked_output_dir(config.train.output_dir)
+    output_dir = checked_output_dir(config.train.output_dir, output_subdirs(config))
     if dist.is_main and checkpoints_root(output_dir).is_dir():
         recover(output_dir)
     dist.barrier()
@@ -156,7 +166,8 @@ def check_job(config: Config, *, world_size: int) -> str:
     or an optimizer, in this one process: the launch mode (`distributed.strategy` against the accelerate launch
     environment in `os.environ`) and its precision, DeepSpeed step sizes for `world_size` ranks, `train.report_to`,
     the output directory and `checkpoint.resume` (read only: nothing is written), the model (loaded on CPU) and its
-    length and vocabulary limits, and the data as the train type will train on it. Launch scripts run it before
+    length and vocabulary limits, the data as the train type will train on it and the held-out data of
+    `train.eval_steps`. Launch scripts run it before
     they start the ranks, so a refusal is one line with exit 2 instead of one line per rank followed by the
     launcher's traceback.
 
@@ -167,7 +178,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     plan = resolve_launch(config.distributed.strategy, mixed_precision=config.train.mixed_precision, env=os.environ)
     check_job_step_sizes(config, plan.strategy, plan.deepspeed_config, world_size)
     build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config), enabled=False)
-    output_dir = checked_output_dir(config.train.output_dir)
+    output_dir = checked_output_dir(config.train.output_dir, output_subdirs(config))
     resume_from, _ = resolve_run(config.checkpoint.resume, output_dir, overwrite=config.train.overwrite_output_dir,
                                  dist=None)
     if resume_from is not None:
@@ -176,6 +187,8 @@ def check_job(config: Config, *, world_size: int) -> str:
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
     data = TRAIN_DATA[config.train.type](config, policy.config, tokenizer, main=True)
+    if config.train.eval_steps:
+        load_eval_records(config, tokenizer)
     params = sum(p.numel() for p in policy.parameters())
     start = f"resumes {resume_from}" if resume_from is not None else "starts fresh"
     return (f"check passed: {config.train.type} on {world_size} process(es) with {plan.strategy} "

@@ -38,7 +38,7 @@ from astrai.models.loading import empty_model
 from astrai.models.special_tokens import stop_token_ids
 from astrai.rollout.evaluation import EvalSettings, evaluate
 from astrai.rollout.paged_engine import PagedGenerationEngine
-from astrai.rollout.rewards import get_reward
+from astrai.rollout.rewards import ANSWER_EXTRACTORS, get_reward
 from astrai.trainer.experience import sync_engine
 from astrai.trainer.loop import Callback
 
@@ -65,6 +65,7 @@ class EvaluationCallback(Callback):
         printer: prints one line per evaluation on the main process.
         progress: show a progress bar over the questions on the main process.
         output_dir: where `eval/step-<N>.jsonl` goes (written by the main process); None = not written.
+        extract_answer: response text -> the answer it states, reported per question (`ANSWER_EXTRACTORS`).
 
     Raises:
         ValueError: for `eval_steps < 1` or no records.
@@ -73,7 +74,8 @@ class EvaluationCallback(Callback):
     def __init__(self, *, records: Sequence, tokenizer, reward, settings: EvalSettings, eval_steps: int,
                  strategy, dist, max_prompt_length: int, system_prompt: Optional[str] = None,
                  truncation: str = "error", source: str = "data.eval_path", seed: int = 0,
-                 printer=tqdm.write, progress: bool = True, output_dir: Optional[Path] = None):
+                 printer=tqdm.write, progress: bool = True, output_dir: Optional[Path] = None,
+                 extract_answer=None):
         if eval_steps < 1:
             raise ValueError(f"train.eval_steps: expected >= 1 for an evaluation callback, got {eval_steps}")
         if len(records) == 0:
@@ -85,7 +87,7 @@ class EvaluationCallback(Callback):
         self.max_prompt_length, self.system_prompt = max_prompt_length, system_prompt
         self.truncation, self.source = truncation, source
         self.progress = progress and dist.is_main
-        self.output_dir = output_dir
+        self.output_dir, self.extract_answer = output_dir, extract_answer
         self._own_engine = None
 
     def engine(self, policy_version: int):
@@ -122,7 +124,8 @@ class EvaluationCallback(Callback):
                                   max_prompt_length=self.max_prompt_length, system_prompt=self.system_prompt,
                                   truncation=self.truncation, source=self.source,
                                   stop_token_ids=stop_token_ids(self.strategy.policy.model.config, self.tokenizer),
-                                  generator=generator, progress=self.progress, leave=False,
+                                  generator=generator, extract_answer=self.extract_answer,
+                                  progress=self.progress, leave=False,
                                   desc=f"eval step {step}", log=_quiet)
                 correct, count, examples = result.correct, result.num_questions, result.examples
         finally:
@@ -169,17 +172,29 @@ def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCa
     if not config.train.eval_steps:
         return None
     d = config.data
-    dataset = PromptDataset(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field,
-                            field="data.eval_path")
-    records = dataset.records[:d.eval_limit]
-    # once at start-up: an overlong prompt under data.truncation=error stops the job now, and what filter/left do
-    # is said once (each evaluation then encodes the same way, quietly)
-    encode_prompt_records([r.prompt for r in records], tokenizer, system_prompt=d.system_prompt,
-                          limit=d.max_prompt_length, limit_name="data.max_prompt_length", policy=d.truncation,
-                          source=str(d.eval_path), log=print if dist.is_main else _quiet)
+    records = load_eval_records(config, tokenizer, main=dist.is_main)
     return EvaluationCallback(
         records=records, tokenizer=tokenizer, reward=get_reward(config.reward.name),
         settings=EvalSettings(max_new_tokens=config.rollout.max_new_tokens), eval_steps=config.train.eval_steps,
         strategy=strategy, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
         truncation=d.truncation, source=str(d.eval_path),
-        seed=config.train.seed, progress=config.train.progress_bar, output_dir=Path(config.train.output_dir))
+        seed=config.train.seed, progress=config.train.progress_bar, output_dir=Path(config.train.output_dir),
+        extract_answer=ANSWER_EXTRACTORS.get(config.reward.name))
+
+
+def load_eval_records(config, tokenizer, *, main: bool = True) -> list:
+    """The held-out records of `data.eval_path` (the first `data.eval_limit`), with their prompts encoded once as
+    training encodes them, so an overlong prompt under `data.truncation=error` stops the job at start-up and what
+    filter/left do is said once (on the `main` process).
+
+    Raises:
+        DataError: `data.eval_path` missing or malformed (naming `data.eval_path`), or an overlong prompt.
+    """
+    d = config.data
+    dataset = PromptDataset(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field,
+                            field="data.eval_path")
+    records = dataset.records[:d.eval_limit]
+    encode_prompt_records([r.prompt for r in records], tokenizer, system_prompt=d.system_prompt,
+                          limit=d.max_prompt_length, limit_name="data.max_prompt_length", policy=d.truncation,
+                          source=str(d.eval_path), log=print if main else _quiet)
+    return records
