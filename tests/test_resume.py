@@ -248,8 +248,11 @@ def test_resume_at_max_steps_says_there_is_nothing_to_train(tiny_model_dir, tmp_
     out = tmp_path / "run"
     run(tiny_model_dir, out, "--max_steps", "1")
     before = (out / "metrics.jsonl").read_text()
+    manifest = (out / "checkpoints" / "step-00000001" / "manifest.json").read_text()
     capsys.readouterr()
     run(tiny_model_dir, out, "--max_steps", "1", "--checkpoint.resume", "auto")
     printed = capsys.readouterr().out
     assert "nothing to train: the checkpoint is at step 1 and train.max_steps is 1" in printed
     assert (out / "metrics.jsonl").read_text() == before
+    # the checkpoint it resumed from is not published again
+    assert (out / "checkpoints" / "step-00000001" / "manifest.json").read_text() == manifest

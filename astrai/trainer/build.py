@@ -143,7 +143,8 @@ def build_trainer(config: Config) -> Trainer:
         *([evaluation] if evaluation is not None else []),  # first: its eval/* metrics reach the logger
         StepTimer(), logger, ProgressBar(enabled=dist.is_main and config.train.progress_bar),
         CheckpointCallback(save, save_steps=config.checkpoint.save_steps,
-                           save_at_end=config.checkpoint.save_at_end, before_save=logger.flush),
+                           save_at_end=config.checkpoint.save_at_end, before_save=logger.flush,
+                           saved_step=-1 if resume_from is None else trainer.state.global_step),
         *reporters,
     ]
     if dist.is_main:

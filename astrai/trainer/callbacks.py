@@ -138,13 +138,15 @@ class CheckpointCallback(Callback):
     Args:
         save: called with the trainer; does the publishing (`astrai.checkpoint`).
         before_save: called first (e.g. `MetricsLogger.flush`), so metrics never lag behind a checkpoint.
+        saved_step: the step of the checkpoint the run resumed from (-1: none), so a run that trains no further
+            step does not publish it again.
     """
 
     def __init__(self, save: Callable, *, save_steps: int, save_at_end: bool,
-                 before_save: Callable[[], None] = lambda: None):
+                 before_save: Callable[[], None] = lambda: None, saved_step: int = -1):
         self.save, self.before_save = save, before_save
         self.save_steps, self.save_at_end = save_steps, save_at_end
-        self._last_saved = -1
+        self._last_saved = saved_step
 
     def _publish(self, trainer) -> None:
         self.before_save()
