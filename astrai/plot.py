@@ -112,8 +112,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_dir = Path(args.run_dir)
     output = Path(args.output) if args.output else run_dir / "metrics.png"
     try:
+        if args.dpi < 1:
+            raise ValueError(f"--dpi: expected an integer >= 1, got {args.dpi}")
+        if run_dir.exists() and not run_dir.is_dir():
+            raise FileNotFoundError(f"run directory expected, got a file: {run_dir}")
         if not run_dir.is_dir():
             raise FileNotFoundError(f"run directory not found: {run_dir}")
+        blocker = next((p for p in (output.parent, *output.parent.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise FileNotFoundError(f"--output: {blocker} is a file, not a directory (needed for {output})")
+        if output.is_dir():
+            raise FileNotFoundError(f"--output: {output} is a directory; give a .png file path")
         fig = draw(read_records(run_dir / "metrics.jsonl"), title=str(run_dir))
     except ImportError:
         print("error: astrai.plot needs matplotlib: pip install 'astrai[plot]'", file=sys.stderr)

@@ -149,6 +149,19 @@ def test_plot_draws_held_out_accuracy_at_the_evaluated_steps_first(tmp_path):
     assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [0.1, 0.2]
 
 
+def test_plot_bad_options_are_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")
+    (tmp_path / "afile").write_text("x")
+    for argv, needle in (([str(tmp_path), "--dpi", "0"], "--dpi: expected an integer >= 1, got 0"),
+                         ([str(tmp_path), "--output", str(tmp_path / "afile" / "x.png")], "afile is a file"),
+                         ([str(tmp_path), "--output", str(tmp_path)], "is a directory"),
+                         ([str(tmp_path / "afile")], "run directory expected, got a file")):
+        assert plot.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "metrics.png").exists()
+
+
 @pytest.mark.parametrize("content, needle", [
     (None, "run directory not found"),
     ("", "no metrics file"),
