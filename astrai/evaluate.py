@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -134,20 +133,11 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--output_dir: not a directory: {out}")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to a hidden sibling, fsync it, and rename it over `path` (no half-written file is seen)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def run(args: argparse.Namespace) -> dict:
     """Load, evaluate, write the files; returns the summary. Raises the errors `main` maps to exit code 2."""
     import torch
 
+    from astrai.checkpoint.fsutil import write_atomic
     from astrai.data import PromptDataset
     from astrai.models import load_pretrained
     from astrai.models.special_tokens import stop_token_ids

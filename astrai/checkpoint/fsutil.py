@@ -1,4 +1,5 @@
-"""Durable-filesystem helpers for the checkpoint publisher: fsync, hashing, atomic directory exchange."""
+"""Durable-filesystem helpers for the checkpoint publisher (fsync, hashing, atomic directory exchange) and for the
+small files written beside checkpoints (atomic text writes)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,21 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to a hidden sibling of `path`, fsync it and rename it over `path`, so a reader sees the
+    old file or the whole new one, never half of it.
+
+    Raises:
+        OSError: when the sibling cannot be written or renamed (the parent directory must exist).
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def fsync_dir(path: Path) -> None:

@@ -23,7 +23,6 @@ With several ranks, each evaluates every world_size-th question and the counts a
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -32,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from astrai.algos.stats import wilson_interval
+from astrai.checkpoint.fsutil import write_atomic
 from astrai.data import PromptDataset
 from astrai.data.truncation import encode_prompt_records
 from astrai.models.loading import empty_model
@@ -149,17 +149,14 @@ class EvaluationCallback(Callback):
 
     def write_examples(self, step: int, examples: list[dict]) -> None:
         """Gather every rank's per-question results and write them, in question order, to
-        `output_dir/eval/step-<step>.jsonl` on the main process (a hidden temporary file renamed into place)."""
+        `output_dir/eval/step-<step>.jsonl` on the main process (`fsutil.write_atomic`)."""
         gathered = [ex for part in self.dist.gather_objects(examples) for ex in part]
         if not self.dist.is_main:
             return
         path = Path(self.output_dir) / "eval" / f"step-{step:08d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for ex in sorted(gathered, key=lambda ex: ex["index"]):
-                f.write(json.dumps(ex, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(ex, ensure_ascii=False) + "\n"
+                                   for ex in sorted(gathered, key=lambda ex: ex["index"])))
 
 
 def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCallback]:

@@ -16,13 +16,13 @@ alone and ignored, and a step the new run publishes replaces the old directory o
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from pathlib import Path
 from typing import Optional
 
 from astrai.checkpoint import CheckpointError, checkpoints_root, find_latest_checkpoint, list_checkpoints, parse_step
+from astrai.checkpoint.fsutil import write_atomic
 from astrai.checkpoint.layout import run_id_of
 from astrai.trainer.resume import resolve_resume
 
@@ -63,9 +63,7 @@ def _step_dirs(output_dir: Path) -> list[Path]:
 def _write_run_file(output_dir: Path, run_id: str) -> None:
     """Atomically replace `<output_dir>/run.json`."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir / f".{RUN_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps({"run_id": run_id}) + "\n", encoding="utf-8")
-    os.replace(tmp, output_dir / RUN_FILE)
+    write_atomic(output_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
 
 
 def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -> tuple[Optional[Path], str]:
