@@ -7,9 +7,11 @@ scripts then stop with their own message).
 
 from __future__ import annotations
 
-import json
+import itertools
 import sys
 from pathlib import Path
+
+from astrai.data.prompts import DataError, jsonl_objects
 
 ROOT = Path(__file__).resolve().parents[1]
 RELATIVE = Path("shared", "data", "gsm8k", "test.jsonl")
@@ -17,19 +19,13 @@ DEFAULT = next((p / RELATIVE for p in ROOT.parents if (p / RELATIVE).is_file()),
 
 
 def first_records(data: Path, count: int, needed_for: str) -> list[dict]:
-    """The first `count` records (non-blank lines, parsed) of the jsonl file `data`; exits with a one-line message
-    naming the file when it holds fewer (`needed_for` says why that many are needed) or a line is not JSON."""
-    records = []
-    with open(data, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                sys.exit(f"{data} line {number}: invalid JSON: {err.msg}")
-            if len(records) == count:
-                break
+    """The first `count` records (non-blank lines, parsed by astrai's own `jsonl_objects`) of the jsonl file
+    `data`; exits with a one-line message naming the file when it holds fewer (`needed_for` says why that many are
+    needed) or a line is not a JSON object (the line named by number)."""
+    try:
+        records = [obj for _, obj in itertools.islice(jsonl_objects(Path(data)), count)]
+    except DataError as err:
+        sys.exit(str(err))
     if len(records) < count:
         sys.exit(f"{data} holds {len(records)} records; {count} are needed ({needed_for})")
     return records
