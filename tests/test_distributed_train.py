@@ -113,3 +113,23 @@ def test_deepspeed_launcher_passes_local_rank_and_trains(tiny_model_dir, chats, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     assert json.loads((out / "checkpoints" / "step-00000001" / "manifest.json").read_text())["world_size"] == 2
+
+
+def test_two_rank_online_grpo_with_dynamic_sampling_writes_every_ranks_eval_answers(tiny_model_dir, tmp_path):
+    """2 ranks (ddp, gloo): each samples its own groups for up to the round cap, and the in-training evaluation
+    gathers both ranks' shares of the held-out questions into one eval file, in question order."""
+    from test_train_e2e import tiny_args
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model_dir, out, "--max_steps", "1", "--train.type", "online_grpo",
+                     "--rollout.batch_size", "2", "--grpo.group_size", "2", "--grpo.minibatch_size", "4",
+                     "--grpo.micro_batch_size", "2", "--rollout.dynamic_sampling", "true",
+                     "--rollout.max_sampling_rounds", "2", "--train.eval_steps", "1",
+                     "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "5")
+    proc = launched({}, sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO / "ddp.yaml",
+                    "--main_process_port", free_port(), "-m", "astrai.train", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["eval/num_questions"] == 5 and 1 <= record["rollout/sampling_rounds"] <= 2
+    rows = [json.loads(line) for line in (out / "eval" / "step-00000001.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2, 3, 4]
+    assert sum(r["num_correct"] for r in rows) == record["eval/accuracy"] * 5
