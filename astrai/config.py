@@ -78,6 +78,9 @@ class DataSection(Section, name="data"):
 class RewardSection(Section, name="reward"):
     name: str = field_spec("math_exact_match", "reward function name in the reward registry")
     format_bonus: float = field_spec(0.0, "reward added when the response has the expected answer format", GE0)
+    partial_credit: float = field_spec(0.0, "math_exact_match: a wrong answer scores this times its closeness "
+                                            "max(0, 1 - |answer - gold| / max(|gold|, 1)); 0 = exact match only",
+                                       Range(0, 1, hi_open=True))
 
 
 @dataclass
@@ -261,6 +264,9 @@ class Config:
             if kind == "online_ppo" and self.ppo.group_size < 2:
                 raise ConfigError("rollout.dynamic_sampling: online_ppo needs ppo.group_size >= 2 (responses per "
                                   f"prompt whose rewards can differ), got {self.ppo.group_size}")
+            if self.rollout.max_sampling_rounds < 2:
+                raise ConfigError("rollout.max_sampling_rounds: rollout.dynamic_sampling needs >= 2 rounds (one "
+                                  f"round keeps every group, as without it), got {self.rollout.max_sampling_rounds}")
         if self.train.bf16 and self.train.fp16:
             raise ConfigError("train.fp16: train.bf16 and train.fp16 are mutually exclusive; set one to false")
         if self.train.eval_steps and self.data.eval_path is None:

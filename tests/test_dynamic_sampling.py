@@ -154,6 +154,9 @@ def test_dynamic_sampling_arguments_and_config_are_checked():
         load_config(None, ["--train.type", "online_ppo", "--rollout.dynamic_sampling", "true"])
     with pytest.raises(ConfigError, match="rollout.max_sampling_rounds"):
         load_config(None, ["--train.type", "online_grpo", "--rollout.max_sampling_rounds", "0"])
+    with pytest.raises(ConfigError, match=r"rollout.max_sampling_rounds: rollout.dynamic_sampling needs >= 2 "):
+        load_config(None, ["--train.type", "online_grpo", "--rollout.dynamic_sampling", "true",
+                           "--rollout.max_sampling_rounds", "1"])
     with pytest.raises(ConfigError, match=r"ppo.minibatch_size: expected a divisor of rollout.batch_size \* "
                                           r"ppo.group_size \(24\), got 16"):
         load_config(None, ["--train.type", "online_ppo", "--rollout.batch_size", "8", "--ppo.group_size", "3",
@@ -175,7 +178,7 @@ def test_online_ppo_with_groups_and_dynamic_sampling_trains(tiny_model_dir, tmp_
     from astrai.rollout import rewards
     from astrai.train import main
     monkeypatch.setitem(rewards.REWARDS, "math_exact_match",
-                        lambda responses, answers, format_bonus=0.0: torch.tensor([len(r) % 2 for r in responses],
+                        lambda responses, answers, **_: torch.tensor([len(r) % 2 for r in responses],
                                                                                 dtype=torch.float32))
     out = tmp_path / "run"
     assert main(tiny_args(tiny_model_dir, out, "--max_steps", "2", "--rollout.batch_size", "2", "--ppo.group_size",
