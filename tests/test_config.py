@@ -106,6 +106,7 @@ def test_unknown_section(tmp_path):
     ("rollout:\n  top_p: 0\n", "rollout.top_p: expected a number in (0, 1], got 0"),
     ("rollout:\n  top_k: -1\n", "rollout.top_k: expected an integer >= 0, got -1"),
     ("optim:\n  adam_beta2: 1.0\n", "optim.adam_beta2: expected a number in [0, 1), got 1.0"),
+    ("reward:\n  partial_credit: 1\n", "reward.partial_credit: expected a number in [0, 1), got 1"),
     ("ppo:\n  value_clip: 0\n", "ppo.value_clip: expected null or a number > 0, got 0"),
     ("checkpoint:\n  keep_last: 0\n", "checkpoint.keep_last: expected null or an integer > 0, got 0"),
     ("runtime:\n  device: gpu\n", "runtime.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),

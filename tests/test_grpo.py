@@ -226,7 +226,7 @@ def test_online_grpo_end_to_end_changes_every_parameter(tiny_model_dir, tmp_path
     from astrai.train import main
 
     monkeypatch.setitem(rewards.REWARDS, "toy_length",
-                        lambda texts, answers, format_bonus=0.0: torch.tensor([len(t) % 5 / 4 for t in texts]))
+                        lambda texts, answers, **_: torch.tensor([len(t) % 5 / 4 for t in texts]))
     out = tmp_path / "run"
     code = main(["--config", "configs/examples/grpo.yaml", "--model.path", str(tiny_model_dir),
                  "--train.output_dir", str(out), "--max_steps", "2", "--rollout.batch_size", "2",

@@ -301,7 +301,7 @@ def test_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypat
     from astrai.rollout import rewards
 
     monkeypatch.setitem(rewards.REWARDS, "toy_length",
-                        lambda texts, answers, format_bonus=0.0: torch.tensor([len(t) % 5 / 4 for t in texts]))
+                        lambda texts, answers, **_: torch.tensor([len(t) % 5 / 4 for t in texts]))
     base = ["--config", str(REPO / f"configs/examples/{name}.yaml"), "--model.path", str(tiny_model_dir),
             "--train.progress_bar", "false", *extra]
     assert main([*base, "--train.output_dir", str(tmp_path / "a"), "--max_steps", "3"]) == 0

@@ -216,7 +216,7 @@ def test_online_grpo_with_dynamic_sampling_resumes_bitwise_exact(tiny_model_dir,
     some do not): the data position and sampling RNG after them resume exactly, mid-rollout."""
     from astrai.rollout import rewards
     monkeypatch.setitem(rewards.REWARDS, "math_exact_match",
-                        lambda responses, answers, format_bonus=0.0: torch.tensor([len(r) % 2 for r in responses],
+                        lambda responses, answers, **_: torch.tensor([len(r) % 2 for r in responses],
                                                                                 dtype=torch.float32))
     grpo = ("--max_steps", "4", "--train.type", "online_grpo", "--rollout.batch_size", "2", "--grpo.group_size", "2",
             "--grpo.minibatch_size", "2", "--grpo.micro_batch_size", "1", "--rollout.dynamic_sampling", "true",

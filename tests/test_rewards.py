@@ -10,6 +10,7 @@ import torch
 
 from astrai.rollout.rewards import (
     REWARDS,
+    closeness,
     extract_final_number,
     get_reward,
     has_marked_answer,
@@ -87,6 +88,38 @@ def test_format_bonus():
     assert has_marked_answer("a\n#### $1,000") and not has_marked_answer("####") and not has_marked_answer("42")
 
 
+@pytest.mark.parametrize(
+    "predicted, gold, expected",
+    [
+        ("22", "20", 0.9),  # 1 - 2/20
+        ("97", "20", 0.0),  # an error as large as the answer itself scores nothing
+        ("129", "119", 1 - 10 / 119),
+        ("20", "20", 1.0),
+        ("20.0", "20", 1.0),
+        ("1", "0", 0.0),  # |gold| < 1 counts as 1
+        ("0.5", "0", 0.5),
+        ("-5", "5", 0.0),
+        ("1/2", "1", 0.5),
+        (None, "20", 0.0),
+        ("12", "twelve", 0.0),  # a gold answer that is not a number: no credit
+    ],
+)
+def test_closeness(predicted, gold, expected):
+    assert closeness(predicted, gold) == pytest.approx(expected, abs=1e-12)
+
+
+def test_partial_credit_scores_near_misses_below_a_right_answer():
+    answers = ["63 - 43 = 20\n#### 20"] * 4 + ["#### 119"]
+    responses = ["63 - 43 = 22.", "To add 63 and 43: 63 + 43 = 97.", "63 - 43 = 20", "I do not know.", "#### 129"]
+    assert math_exact_match(responses, answers).tolist() == [0.0, 0.0, 1.0, 0.0, 0.0]
+    shaped = math_exact_match(responses, answers, partial_credit=0.5)
+    assert shaped.dtype == torch.float32
+    assert shaped.tolist() == pytest.approx([0.45, 0.0, 1.0, 0.0, 0.5 * (1 - 10 / 119)])
+    # with the format bonus on top, a marked near miss gets both; a right answer never gets partial credit
+    both = math_exact_match(["#### 22", "#### 20"], ["#### 20"] * 2, partial_credit=0.5, format_bonus=0.1)
+    assert both.tolist() == pytest.approx([0.55, 1.1])
+
+
 def test_batch_shape_and_length_mismatch():
     out = math_exact_match(["1", "2", "3"], ["1", "5", "3"])
     assert out.dtype == torch.float32 and out.shape == (3,) and out.tolist() == [1.0, 0.0, 1.0]
@@ -121,3 +154,21 @@ def test_gsm8k_gold_solutions_score_one():
     # the stated final answer alone, as a model would phrase it, also matches
     finals = [f"The answer is {g.rpartition('####')[2].strip()}." for g in golds]
     assert math_exact_match(finals, golds).tolist() == [1.0] * len(golds)
+
+
+def test_training_scores_with_the_configured_partial_credit(tiny_model_dir, tmp_path, monkeypatch):
+    """reward.partial_credit (and reward.format_bonus) reach the reward function the rollouts are scored with."""
+    from test_train_e2e import tiny_args
+
+    from astrai.rollout import rewards
+    from astrai.train import main
+    seen = []
+
+    def recording(responses, answers, **kwargs):
+        seen.append(kwargs)
+        return math_exact_match(responses, answers, **kwargs)
+
+    monkeypatch.setitem(rewards.REWARDS, "math_exact_match", recording)
+    assert main(tiny_args(tiny_model_dir, tmp_path / "run", "--max_steps", "1", "--reward.partial_credit", "0.3",
+                          "--reward.format_bonus", "0.1")) == 0
+    assert seen and all(kw == {"partial_credit": 0.3, "format_bonus": 0.1} for kw in seen)

@@ -2,7 +2,8 @@
 
 A reward function scores decoded responses against reference answers::
 
-    fn(responses: list[str], answers: list[str], *, format_bonus: float = 0.0) -> torch.Tensor  # (B,) float32
+    fn(responses: list[str], answers: list[str], *, format_bonus: float = 0.0,
+       partial_credit: float = 0.0) -> torch.Tensor  # (B,) float32
 
 ``answers`` are the dataset's reference answers as stored (a GSM8K solution ending in
 ``#### N``, or a bare ``N``); each function extracts what it needs. The score goes to the last real
@@ -11,7 +12,9 @@ response token (see docs/architecture.md). Nothing here evaluates model text as 
 ``math_exact_match``: 1.0 when the response's final number equals the gold final number, else
 0.0; plus ``format_bonus`` when the response states its answer as ``#### <number>`` (the format
 of the GSM8K references), whether or not that answer is right. How the final number is found is
-described in ``extract_final_number``.
+described in ``extract_final_number``. With ``partial_credit`` c > 0 a wrong number earns
+``c * closeness`` (see ``closeness``), so near misses score above far ones: a dense signal where
+exact answers are rare. Evaluation always scores with ``format_bonus = partial_credit = 0``.
 """
 
 from __future__ import annotations
@@ -142,6 +145,20 @@ def numbers_equal(predicted: str | None, gold: str) -> bool:
     return parse_number(predicted) == gold_value
 
 
+def closeness(predicted: str | None, gold: str) -> float:
+    """How near ``predicted`` is to ``gold`` on the number line, in [0, 1]:
+    ``max(0, 1 - |p - g| / max(|g|, 1))`` with exact (``Fraction``) arithmetic, so 1.0 only when equal and
+    0.0 once the error reaches the gold value's magnitude (e.g. gold 20: 22 -> 0.9, 97 -> 0.0; gold 119:
+    129 -> 0.916). 0.0 when either side is not a number. Never raises for strings.
+    """
+    if predicted is None:
+        return 0.0
+    p, g = parse_number(predicted), parse_number(gold)
+    if p is None or g is None:
+        return 0.0
+    return float(max(Fraction(0), 1 - abs(p - g) / max(abs(g), Fraction(1))))
+
+
 def has_marked_answer(text: str) -> bool:
     """True when ``text`` states a number after its last ``####`` (the GSM8K answer format)."""
     return _after_marker(text) is not None
@@ -152,8 +169,9 @@ def _check_lengths(responses: list[str], answers: list[str]) -> None:
         raise ValueError(f"reward: got {len(responses)} responses but {len(answers)} answers")
 
 
-def math_exact_match(responses: list[str], answers: list[str], *, format_bonus: float = 0.0) -> torch.Tensor:
-    """Exact-match reward for math word problems.
+def math_exact_match(responses: list[str], answers: list[str], *, format_bonus: float = 0.0,
+                     partial_credit: float = 0.0) -> torch.Tensor:
+    """Exact-match reward for math word problems, with optional partial credit for near misses.
 
     Args:
         responses: B decoded model responses.
@@ -161,9 +179,14 @@ def math_exact_match(responses: list[str], answers: list[str], *, format_bonus: 
             ``extract_gsm8k_answer(answer)``.
         format_bonus: added to a response's score when it contains ``#### <number>``
             (``has_marked_answer``), right or wrong.
+        partial_credit: c in [0, 1): a response whose final number is wrong scores ``c * closeness(number,
+            gold)`` (``closeness``), below the 1.0 of a right one. A shaped reward in the sense of Ng et al.
+            1999 only loosely (not potential-based): it rewards being nearer, and the best score is still only
+            for the exact answer.
 
     Returns:
-        ``(B,)`` float32 tensor on CPU: ``1.0 * correct + format_bonus * marked``.
+        ``(B,)`` float32 tensor on CPU: ``1.0 * correct + partial_credit * closeness * (not correct) +
+        format_bonus * marked``.
 
     Raises:
         ValueError: if ``responses`` and ``answers`` differ in length.
@@ -171,15 +194,18 @@ def math_exact_match(responses: list[str], answers: list[str], *, format_bonus: 
     _check_lengths(responses, answers)
     scores = []
     for response, answer in zip(responses, answers):
-        correct = numbers_equal(extract_final_number(response), extract_gsm8k_answer(answer))
-        scores.append(float(correct) + (format_bonus if has_marked_answer(response) else 0.0))
+        predicted, gold = extract_final_number(response), extract_gsm8k_answer(answer)
+        correct = numbers_equal(predicted, gold)
+        near = partial_credit * closeness(predicted, gold) if partial_credit and not correct else 0.0
+        scores.append(float(correct) + near + (format_bonus if has_marked_answer(response) else 0.0))
     return torch.tensor(scores, dtype=torch.float32)
 
 
 class RewardFn(Protocol):
-    """``(responses, answers, *, format_bonus=0.0) -> Tensor (B,) float32``."""
+    """``(responses, answers, *, format_bonus=0.0, partial_credit=0.0) -> Tensor (B,) float32``."""
 
-    def __call__(self, responses: list[str], answers: list[str], *, format_bonus: float = 0.0) -> torch.Tensor: ...
+    def __call__(self, responses: list[str], answers: list[str], *, format_bonus: float = 0.0,
+                 partial_credit: float = 0.0) -> torch.Tensor: ...
 
 
 REWARDS: dict[str, RewardFn] = {
@@ -220,5 +246,5 @@ def get_reward(name: str) -> RewardFn:
         raise ValueError(f"reward.name: unknown reward {name!r}; choices: {choices}") from None
 
 
-__all__ = ["ANSWER_CHECKS", "ANSWER_EXTRACTORS", "REWARDS", "RewardFn", "extract_final_number", "get_reward",
+__all__ = ["ANSWER_CHECKS", "ANSWER_EXTRACTORS", "REWARDS", "RewardFn", "closeness", "extract_final_number", "get_reward",
            "has_marked_answer", "math_exact_match", "numbers_equal", "parse_number", "unscorable_answers"]

@@ -186,7 +186,8 @@ def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, en
     reward = get_reward(config.reward.name)
     runner = RolloutRunner(
         engine, sampling, decode=lambda ids: tokenizer.decode(strip_stop(ids, stops), skip_special_tokens=True),
-        score_fn=lambda texts, answers, ids: reward(texts, answers, format_bonus=config.reward.format_bonus),
+        score_fn=lambda texts, answers, ids: reward(texts, answers, format_bonus=config.reward.format_bonus,
+                                                    partial_credit=config.reward.partial_credit),
         ref_model=ref_model, chunk_size=chunk_size)
     prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
     sampler = PromptSampler(prompts, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
