@@ -246,5 +246,6 @@ def get_reward(name: str) -> RewardFn:
         raise ValueError(f"reward.name: unknown reward {name!r}; choices: {choices}") from None
 
 
-__all__ = ["ANSWER_CHECKS", "ANSWER_EXTRACTORS", "REWARDS", "RewardFn", "closeness", "extract_final_number", "get_reward",
-           "has_marked_answer", "math_exact_match", "numbers_equal", "parse_number", "unscorable_answers"]
+__all__ = ["ANSWER_CHECKS", "ANSWER_EXTRACTORS", "REWARDS", "RewardFn", "closeness", "extract_final_number",
+           "get_reward", "has_marked_answer", "math_exact_match", "numbers_equal", "parse_number",
+           "unscorable_answers"]
