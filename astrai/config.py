@@ -78,8 +78,8 @@ class DataSection(Section, name="data"):
 class RewardSection(Section, name="reward"):
     name: str = field_spec("math_exact_match", "reward function name in the reward registry")
     format_bonus: float = field_spec(0.0, "reward added when the response has the expected answer format", GE0)
-    partial_credit: float = field_spec(0.0, "math_exact_match: a wrong answer scores this times its closeness "
-                                            "max(0, 1 - |answer - gold| / max(|gold|, 1)); 0 = exact match only",
+    partial_credit: float = field_spec(0.0, "math_exact_match, in [0, 1): a wrong answer scores this times its "
+                                            "closeness max(0, 1 - |answer - gold| / max(|gold|, 1)); 0 = exact only",
                                        Range(0, 1, hi_open=True))
 
 
