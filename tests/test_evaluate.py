@@ -83,12 +83,12 @@ def naive_greedy(model, tokenizer, question: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
-def exact_text(responses, answers, *, format_bonus=0.0):
+def exact_text(responses, answers, *, format_bonus=0.0, partial_credit=0.0):
     """Stub reward: 1 when the response is exactly the stored answer."""
     return torch.tensor([float(r == a) for r, a in zip(responses, answers)])
 
 
-def even_length(responses, answers, *, format_bonus=0.0):
+def even_length(responses, answers, *, format_bonus=0.0, partial_credit=0.0):
     """Stub reward: 1 when the response has an even number of characters."""
     return torch.tensor([float(len(r) % 2 == 0) for r in responses])
 

@@ -22,7 +22,7 @@ EVAL = ("--train.eval_steps", "2", "--data.eval_path", "builtin:arithmetic_test"
 KEYS = ("eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high", "eval/num_questions", "time/eval_seconds")
 
 
-def even_length(responses, answers, *, format_bonus=0.0):
+def even_length(responses, answers, *, format_bonus=0.0, partial_credit=0.0):
     """Stub reward with mixed outcomes on a random tiny model: 1 for an even number of characters."""
     return torch.tensor([float(len(r) % 2 == 0) for r in responses])
 
