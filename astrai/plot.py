@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from astrai.checkpoint.fsutil import nearest_existing
+
 EXIT_BAD_INPUT = 2
 
 PANELS: tuple[tuple[str, str], ...] = (
@@ -118,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise FileNotFoundError(f"run directory expected, got a file: {run_dir}")
         if not run_dir.is_dir():
             raise FileNotFoundError(f"run directory not found: {run_dir}")
-        blocker = next((p for p in (output.parent, *output.parent.parents) if p.exists()), None)
+        blocker = nearest_existing(output.parent)
         if blocker is not None and not blocker.is_dir():
             raise FileNotFoundError(f"--output: {blocker} is a file, not a directory (needed for {output})")
         if output.is_dir():

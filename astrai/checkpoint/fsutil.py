@@ -9,6 +9,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 HASH_CHUNK_BYTES = 4 << 20
 
@@ -47,6 +48,12 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def nearest_existing(path: Path) -> Optional[Path]:
+    """`path` itself if it exists, else its nearest existing ancestor, else None: the place that decides whether
+    `path` can be created as a directory (it can when that place is a directory)."""
+    return next((place for place in (path, *path.parents) if place.exists()), None)
 
 
 def fsync_dir(path: Path) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_checkpoint, recover
+from astrai.checkpoint.fsutil import nearest_existing
 from astrai.config import Config, config_to_dict, dump_config
 from astrai.data.limits import check_model_limits
 from astrai.distributed import setup_distributed
@@ -63,12 +64,10 @@ def checked_output_dir(path: str, subdirs: tuple[str, ...] = ()) -> Path:
         if (output_dir / sub).exists() and not (output_dir / sub).is_dir():
             raise NotADirectoryError(f"train.output_dir: {output_dir / sub} is a file, not a directory (the job "
                                      f"writes its {sub}/ files there)")
-    for place in (output_dir, *output_dir.parents):
-        if place.exists():
-            if not place.is_dir():
-                raise NotADirectoryError(f"train.output_dir: {place} is a file, not a directory"
-                                         + (f" (needed for {output_dir})" if place != output_dir else ""))
-            break
+    place = nearest_existing(output_dir)
+    if place is not None and not place.is_dir():
+        raise NotADirectoryError(f"train.output_dir: {place} is a file, not a directory"
+                                 + (f" (needed for {output_dir})" if place != output_dir else ""))
     return output_dir
 
 
