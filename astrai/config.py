@@ -100,6 +100,9 @@ class RolloutSection(Section, name="rollout"):
                                                "rollout.batch_size groups differ")
     max_sampling_rounds: int = field_spec(4, "dynamic_sampling: generation rounds per rollout at most; then the "
                                              "batch is filled up with all-equal groups", GT0)
+    generation_batch_size: Optional[int] = field_spec(
+        None, "dynamic_sampling: prompts drawn and sampled per generation round; null = rollout.batch_size. Larger "
+              "rounds decode faster per token and fill the batch in fewer rounds; surplus groups are dropped", GT0)
 
 
 @dataclass
@@ -264,9 +267,15 @@ class Config:
             if kind == "online_ppo" and self.ppo.group_size < 2:
                 raise ConfigError("rollout.dynamic_sampling: online_ppo needs ppo.group_size >= 2 (responses per "
                                   f"prompt whose rewards can differ), got {self.ppo.group_size}")
-            if self.rollout.max_sampling_rounds < 2:
-                raise ConfigError("rollout.max_sampling_rounds: rollout.dynamic_sampling needs >= 2 rounds (one "
-                                  f"round keeps every group, as without it), got {self.rollout.max_sampling_rounds}")
+            r = self.rollout
+            if r.max_sampling_rounds < 2 and (r.generation_batch_size or r.batch_size) <= r.batch_size:
+                raise ConfigError("rollout.max_sampling_rounds: rollout.dynamic_sampling needs >= 2 rounds, or "
+                                  "rollout.generation_batch_size > rollout.batch_size (one round of "
+                                  "rollout.batch_size prompts keeps every group, as without it), got "
+                                  f"{r.max_sampling_rounds}")
+        elif self.rollout.generation_batch_size is not None:
+            raise ConfigError("rollout.generation_batch_size: only used with rollout.dynamic_sampling (without it "
+                              "each rollout samples rollout.batch_size prompts once); set it to null")
         if self.train.bf16 and self.train.fp16:
             raise ConfigError("train.fp16: train.bf16 and train.fp16 are mutually exclusive; set one to false")
         if self.train.eval_steps and self.data.eval_path is None:

@@ -134,6 +134,20 @@ def test_dynamic_sampling_fills_the_batch_with_dropped_groups_at_the_round_cap()
     assert exp.scores.tolist() == [1, 1, 1, 1, 0, 1, 0, 0]
 
 
+def test_a_larger_generation_batch_fills_the_batch_in_one_round():
+    # B = 2 groups kept from rounds of 4 prompts: group 0 all equal, groups 1-3 unequal (group 3 surplus)
+    script = [[0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0, 1, 0, 1, 1, 1]]
+    source = _source(script, max_rounds=1)
+    source.generation_batch_size = 2 * B
+    exp = source.collect(policy_version=0)
+    texts = source.runner.score_fn.calls
+    assert len(texts) == 1 and len(texts[0]) == 2 * B * G  # one round of 4 prompts x G responses
+    assert exp.responses == tuple(texts[0][G:3 * G])
+    assert exp.scores.tolist() == [1, 0, 0, 0, 1, 1, 0, 1]
+    assert exp.stats == {"sampling_rounds": 1.0, "sampled_zero_std_groups": 0.25}
+    assert source.data_sampler.drawn == 2 * B
+
+
 def test_without_dynamic_sampling_one_round_and_no_stats():
     source = _source([[0] * (B * G)], max_rounds=4)
     source.dynamic_sampling = False
@@ -161,8 +175,22 @@ def test_dynamic_sampling_arguments_and_config_are_checked():
                                           r"ppo.group_size \(24\), got 16"):
         load_config(None, ["--train.type", "online_ppo", "--rollout.batch_size", "8", "--ppo.group_size", "3",
                            "--ppo.minibatch_size", "16"])
+    with pytest.raises(ValueError, match="generation_batch_size: expected >= 1 or None, got 0"):
+        OnlineExperience(group_size=2, dynamic_sampling=True, generation_batch_size=0, **kwargs)
+    with pytest.raises(ConfigError, match=r"rollout.generation_batch_size: only used with rollout.dynamic_sampling"):
+        load_config(None, ["--train.type", "online_grpo", "--rollout.generation_batch_size", "16"])
+    with pytest.raises(ConfigError, match="rollout.generation_batch_size"):
+        load_config(None, ["--train.type", "online_grpo", "--rollout.dynamic_sampling", "true",
+                           "--rollout.generation_batch_size", "0"])
+    with pytest.raises(ConfigError, match=r"rollout.max_sampling_rounds: .* or rollout.generation_batch_size > "):
+        load_config(None, ["--train.type", "online_grpo", "--rollout.dynamic_sampling", "true",
+                           "--rollout.max_sampling_rounds", "1", "--rollout.generation_batch_size", "8"])
+    config = load_config(None, ["--train.type", "online_grpo", "--rollout.dynamic_sampling", "true",
+                                "--rollout.max_sampling_rounds", "1", "--rollout.generation_batch_size", "9"])
+    assert config.rollout.generation_batch_size == 9  # one round of 9 prompts picks the batch's 8 groups
     config = load_config(None, ["--train.type", "online_grpo", "--rollout.dynamic_sampling", "true"])
     assert config.rollout.dynamic_sampling and config.rollout.max_sampling_rounds == 4
+    assert config.rollout.generation_batch_size is None
     config = load_config(None, ["--train.type", "online_ppo", "--rollout.dynamic_sampling", "true",
                                 "--ppo.group_size", "4"])
     assert config.ppo.group_size == 4
@@ -205,3 +233,31 @@ def test_dynamic_sampling_counts_the_generation_time_of_every_round():
     exp = source.collect(policy_version=0)
     assert len(seen) == 2 and exp.timings["generate"] == pytest.approx(sum(seen))
     assert exp.responses == tuple(source.runner.score_fn.calls[1])
+
+
+def test_the_config_sets_the_generation_batch(tiny_model_dir, tmp_path):
+    """rollout.generation_batch_size reaches the experience source: each round draws that many prompts."""
+    import json
+    from pathlib import Path
+
+    from astrai.distributed import setup_distributed
+    from astrai.models import load_pretrained
+    from astrai.trainer.experience import build_online_experience, build_rollout_engine
+    from astrai.trainer.models import build_trained_model
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                            for i in range(20)))
+    config = load_config(str(Path(__file__).resolve().parents[1] / "configs/examples/grpo.yaml"),
+                         ["--model.path", str(tiny_model_dir), "--data.path", str(data), "--rollout.batch_size", "2",
+                          "--grpo.group_size", "2", "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2",
+                          "--rollout.max_new_tokens", "2", "--rollout.dynamic_sampling",
+                          "true", "--rollout.max_sampling_rounds", "2", "--rollout.generation_batch_size", "3"])
+    policy, tokenizer = load_pretrained(tiny_model_dir)
+    dist = setup_distributed("cpu")
+    experience = build_online_experience(config, dist, build_trained_model(config, dist, policy, name="policy"),
+                                         tokenizer, engine=build_rollout_engine(config, policy, tokenizer),
+                                         ref_model=None, chunk_size=2, group_size=2)
+    exp = experience.collect(policy_version=0)
+    rounds = int(exp.stats["sampling_rounds"])
+    assert experience.data_sampler.drawn == 3 * rounds and exp.scores.shape == (4,)

@@ -73,30 +73,35 @@ class OnlineExperience:
         batch_size: B, prompts per batch; group_size: G, samples per prompt (rows b * G ... b * G + G - 1).
         seed: seeds the sampling RNG (on `device`).
         dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2): a group whose G rewards
-            are all equal has zero group advantage everywhere, so it is dropped and B more prompts are drawn and
+            are all equal has zero group advantage everywhere, so it is dropped and more prompts are drawn and
             sampled, round after round, until B groups with unequal rewards are kept (later surplus groups are
             dropped). Needs G >= 2.
         max_sampling_rounds: the cap on generation rounds per batch with `dynamic_sampling`; when it is reached,
             the batch is filled up with dropped groups (in the order they were sampled), so a step never stalls.
+        generation_batch_size: prompts drawn and sampled per round with `dynamic_sampling` (None = B). More than B
+            makes fewer, larger rounds: a decode step over more rows runs its GEMMs nearer the matmul peak.
 
-    With `dynamic_sampling` each round consumes B records of the sampler; reference log-probs are computed once,
-    for the B * G kept samples. The experience's stats hold `sampling_rounds` and `sampled_zero_std_groups` (the
-    fraction of all groups sampled for the batch whose rewards were all equal).
+    With `dynamic_sampling` each round consumes `generation_batch_size` records of the sampler; reference
+    log-probs are computed once, for the B * G kept samples. The experience's stats hold `sampling_rounds` and
+    `sampled_zero_std_groups` (the fraction of all groups sampled for the batch whose rewards were all equal).
 
     Raises:
-        ValueError: for `dynamic_sampling` with G < 2 or `max_sampling_rounds` < 1.
+        ValueError: for `dynamic_sampling` with G < 2, `max_sampling_rounds` < 1 or `generation_batch_size` < 1.
     """
 
     def __init__(self, *, policy: TrainedModel, runner: RolloutRunner, sampler, batch_size: int,
                  group_size: int = 1, seed: int, device: torch.device, dynamic_sampling: bool = False,
-                 max_sampling_rounds: int = 1):
+                 max_sampling_rounds: int = 1, generation_batch_size: Optional[int] = None):
         if dynamic_sampling and group_size < 2:
             raise ValueError(f"dynamic_sampling needs groups of at least 2 samples, got group_size={group_size}")
         if max_sampling_rounds < 1:
             raise ValueError(f"max_sampling_rounds: expected >= 1, got {max_sampling_rounds}")
+        if generation_batch_size is not None and generation_batch_size < 1:
+            raise ValueError(f"generation_batch_size: expected >= 1 or None, got {generation_batch_size}")
         self.policy, self.runner, self.data_sampler = policy, runner, sampler
         self.batch_size, self.group_size = batch_size, group_size
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        self.generation_batch_size = generation_batch_size or batch_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @property
@@ -117,15 +122,15 @@ class OnlineExperience:
             if self.dynamic_sampling:
                 experience = self.runner.add_reference(self._sample_dynamically(engine.pad_token_id))
             else:
-                experience = self.runner.collect(*self._next_prompts(), self.generator)
+                experience = self.runner.collect(*self._next_prompts(self.batch_size), self.generator)
         finally:
             engine.sleep()
         experience.timings["weight_sync"] = synced
         return experience
 
-    def _next_prompts(self) -> tuple[list[list[int]], list[str]]:
-        """The next B records' prompt ids and answers, each repeated G times."""
-        records = self.data_sampler.next_batch(self.batch_size)
+    def _next_prompts(self, count: int) -> tuple[list[list[int]], list[str]]:
+        """The next `count` records' prompt ids and answers, each repeated G times."""
+        records = self.data_sampler.next_batch(count)
         return ([record.prompt_ids for record in records for _ in range(self.group_size)],
                 [record.answer for record in records for _ in range(self.group_size)])
 
@@ -134,7 +139,7 @@ class OnlineExperience:
         or at the round cap all of those filled up with the first dropped ones; in the order they were sampled."""
         g, rounds, kept, dropped = self.group_size, [], [], []
         while len(kept) < self.batch_size and len(rounds) < self.max_sampling_rounds:
-            part = self.runner.sample(*self._next_prompts(), self.generator)
+            part = self.runner.sample(*self._next_prompts(self.generation_batch_size), self.generator)
             spread = part.scores.reshape(-1, g).amax(dim=1) > part.scores.reshape(-1, g).amin(dim=1)
             for group, useful in enumerate(spread.tolist()):
                 (kept if useful else dropped).append((len(rounds), group))
@@ -164,14 +169,14 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer) -> PagedGen
 
 
 def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: PagedGenerationEngine,
-                            ref_model: Optional[torch.nn.Module], chunk_size: int, group_size: int = 1,
-                            dynamic_sampling: bool = False, max_sampling_rounds: int = 1) -> OnlineExperience:
+                            ref_model: Optional[torch.nn.Module], chunk_size: int,
+                            group_size: int = 1) -> OnlineExperience:
     """The online experience source of a validated config: the rollout engine (`build_rollout_engine`), sampling
     settings (stop on every id of `special_tokens.stop_token_ids`: the tokenizer's EOS
     and the model config's eos list), reward (it sees the response text without a final stop token), runner, the
     prompts (`load_online_prompts`) and their sampler (seed `train.seed` on every rank, each rank drawing its
-    own share), and the sampling RNG (seed `train.seed + 1000 * rank`); `dynamic_sampling` and
-    `max_sampling_rounds` as `OnlineExperience`'s.
+    own share), and the sampling RNG (seed `train.seed + 1000 * rank`); `rollout.dynamic_sampling`,
+    `rollout.max_sampling_rounds` and `rollout.generation_batch_size` as `OnlineExperience`'s.
 
     Raises:
         DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
@@ -194,7 +199,8 @@ def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, en
                             world_size=dist.world_size)
     return OnlineExperience(policy=policy, runner=runner, sampler=sampler, batch_size=r.batch_size,
                             group_size=group_size, seed=config.train.seed + 1000 * dist.rank, device=dist.device,
-                            dynamic_sampling=dynamic_sampling, max_sampling_rounds=max_sampling_rounds)
+                            dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
+                            generation_batch_size=r.generation_batch_size)
 
 
 def _quiet(message: str) -> None:

@@ -204,7 +204,5 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
-                                         chunk_size=g.micro_batch_size, group_size=g.group_size,
-                                         dynamic_sampling=config.rollout.dynamic_sampling,
-                                         max_sampling_rounds=config.rollout.max_sampling_rounds)
+                                         chunk_size=g.micro_batch_size, group_size=g.group_size)
     return grpo_strategy(config, dist, trained, experience)

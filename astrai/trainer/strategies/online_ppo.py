@@ -170,9 +170,7 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
                                  lr=config.optim.critic_learning_rate)
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
-                                         chunk_size=p.micro_batch_size, group_size=p.group_size,
-                                         dynamic_sampling=r.dynamic_sampling,
-                                         max_sampling_rounds=r.max_sampling_rounds)
+                                         chunk_size=p.micro_batch_size, group_size=p.group_size)
     settings = PPOSettings(micro_batch_size=p.micro_batch_size, clip_eps=p.clip_eps, value_clip=p.value_clip,
                            gamma=p.gamma, gae_lambda=p.gae_lambda, vf_coef=p.vf_coef, kl_coef=p.kl_coef,
                            kl_estimator=p.kl_estimator, whiten_advantages=p.whiten_advantages)
