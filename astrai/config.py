@@ -173,6 +173,8 @@ class TrainSection(Section, name="train"):
     metrics: list[str] = field_spec([], "extra costly metrics to compute: " + ", ".join(OPTIONAL_METRICS))
     progress_bar: bool = field_spec(True, "show a progress bar on rank 0")
     eval_steps: int = field_spec(0, "greedy accuracy on data.eval_path every N steps and at the end; 0 = off", GE0)
+    eval_on_start: bool = field_spec(False, "train.eval_steps: also evaluate before the first step of a fresh run "
+                                            "(logged as step 0: the curve starts from the starting model)")
     report_to: list[str] = field_spec(DEFAULT_REPORT_TO, "where metrics also go besides metrics.jsonl: "
                                       "'tensorboard' (event files in output_dir), 'wandb', or 'none'",
                                       SubsetOf(REPORT_TO, alone=("none",)))
@@ -278,6 +280,8 @@ class Config:
                               "each rollout samples rollout.batch_size prompts once); set it to null")
         if self.train.bf16 and self.train.fp16:
             raise ConfigError("train.fp16: train.bf16 and train.fp16 are mutually exclusive; set one to false")
+        if self.train.eval_on_start and not self.train.eval_steps:
+            raise ConfigError("train.eval_on_start: needs train.eval_steps > 0 (and data.eval_path), got eval_steps 0")
         if self.train.eval_steps and self.data.eval_path is None:
             raise ConfigError("data.eval_path: train.eval_steps > 0 needs a held-out set "
                               "(e.g. builtin:arithmetic_test or a GSM8K-format .jsonl)")

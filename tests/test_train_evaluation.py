@@ -72,6 +72,36 @@ def test_eval_logged_at_steps_and_end_matches_cli_and_leaves_training_bitwise_eq
     assert written == cli and sum(ex["num_correct"] for ex in written) == logged[-1]["eval/accuracy"] * 5
 
 
+def test_eval_on_start_logs_the_starting_model_at_step_0_once(tiny_model_dir, tmp_path, monkeypatch):
+    """train.eval_on_start: a step-0 record (metrics.jsonl, TensorBoard) and answers of the starting model, equal to
+    the evaluator's on the model the run started from; training unchanged; a resume does not evaluate step 0 again."""
+    from test_reporting import read_events
+
+    monkeypatch.setitem(REWARDS, "even_length", even_length)
+    common = ("--runtime.deterministic", "true", "--reward.name", "even_length", "--data.path", "builtin:arithmetic",
+              *EVAL)
+    plain, start = tmp_path / "plain", tmp_path / "start"
+    assert main(tiny_args(tiny_model_dir, plain, *common)) == 0
+    assert main(tiny_args(tiny_model_dir, start, *common, "--train.eval_on_start", "true")) == 0
+    logged = records(start)
+    assert [r["step"] for r in logged] == [0, 1, 2, 3]
+    assert [all(k in r for k in KEYS) for r in logged] == [True, False, True, True]
+    assert set(logged[0]) == {"step", "policy_version", *KEYS} and logged[0]["policy_version"] == 0
+    assert [r["rollout/reward_mean"] for r in logged[1:]] == [r["rollout/reward_mean"] for r in records(plain)]
+    assert read_events(start)["eval/accuracy"][0] == pytest.approx(logged[0]["eval/accuracy"])
+    out = tmp_path / "cli"
+    assert evaluate.main(["--model", str(tiny_model_dir), "--config", str(start / "config.yaml"), "--data",
+                          "builtin:arithmetic_test", "--limit", "5", "--output_dir", str(out),
+                          "--no_progress_bar"]) == 0
+    written = [json.loads(line) for line in (start / "eval" / "step-00000000.jsonl").read_text().splitlines()]
+    cli = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert written == cli
+    assert json.loads((out / "summary.json").read_text())["accuracy"] == pytest.approx(logged[0]["eval/accuracy"])
+    assert main(tiny_args(tiny_model_dir, start, *common, "--train.eval_on_start", "true", "--max_steps", "4",
+                          "--checkpoint.resume", "auto")) == 0
+    assert [r["step"] for r in records(start)] == [0, 1, 2, 3, 4]
+
+
 def test_offline_train_type_evaluates_with_its_own_synced_engine(tiny_model_dir, tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i} + {i}?"},
@@ -97,6 +127,7 @@ def test_offline_train_type_evaluates_with_its_own_synced_engine(tiny_model_dir,
     (("--train.eval_steps", "2", "--data.eval_path", "/nonexistent/eval.jsonl"), "data.eval_path: file not found"),
     (("--data.eval_limit", "0"), "data.eval_limit"),
     (EVAL, "eval is a file, not a directory"),
+    (("--train.eval_on_start", "true"), "train.eval_on_start: needs train.eval_steps > 0"),
 ])
 @pytest.mark.parametrize("check", [False, True], ids=["run", "check"])
 def test_bad_eval_settings_exit_2(tiny_model_dir, tmp_path, capsys, extra, needle, check):

@@ -75,18 +75,27 @@ class MetricsLogger(Callback):
                 self._prepare_existing()
             self._file = open(self.path, "a", encoding="utf-8", buffering=1)
 
+    def on_log(self, trainer, metrics) -> None:
+        """Write `metrics` (the step-0 record) as the record of the current step, without a console line."""
+        self._write(trainer, metrics)
+
     def on_step_end(self, trainer, metrics) -> None:
+        record = self._write(trainer, metrics)
+        if record is not None and (trainer.state.global_step % self.logging_steps == 0 or
+                                   trainer.state.global_step == trainer.state.max_steps):
+            parts = [f"{short} {record[key]:.4g}" for key, short in CONSOLE_KEYS if key in record]
+            self.printer(f"step {trainer.state.global_step}/{trainer.state.max_steps} | " + " | ".join(parts))
+
+    def _write(self, trainer, metrics) -> Optional[dict]:
+        """Append one record (step, the metrics as floats, policy_version); None when disabled."""
         if not self.enabled:
-            return
+            return None
         names = sorted(metrics)
         values = torch.stack([metrics[k].detach().float().cpu().reshape(()) for k in names]).tolist()
         record = {"step": trainer.state.global_step, **dict(zip(names, values))}
         record["policy_version"] = trainer.state.policy_version
         self._file.write(json.dumps(record) + "\n")
-        if trainer.state.global_step % self.logging_steps == 0 or \
-                trainer.state.global_step == trainer.state.max_steps:
-            parts = [f"{short} {record[key]:.4g}" for key, short in CONSOLE_KEYS if key in record]
-            self.printer(f"step {trainer.state.global_step}/{trainer.state.max_steps} | " + " | ".join(parts))
+        return record
 
     def flush(self) -> None:
         """Flush and fsync metrics.jsonl (called before a checkpoint covering these steps is published)."""

@@ -66,6 +66,8 @@ class EvaluationCallback(Callback):
         progress: show a progress bar over the questions on the main process.
         output_dir: where `eval/step-<N>.jsonl` goes (written by the main process); None = not written.
         extract_answer: response text -> the answer it states, reported per question (`ANSWER_EXTRACTORS`).
+        eval_on_start: also evaluate before the first step of a fresh run (logged as step 0, answers in
+            `eval/step-00000000.jsonl`).
 
     Raises:
         ValueError: for `eval_steps < 1` or no records.
@@ -75,7 +77,7 @@ class EvaluationCallback(Callback):
                  strategy, dist, max_prompt_length: int, system_prompt: Optional[str] = None,
                  truncation: str = "error", source: str = "data.eval_path", seed: int = 0,
                  printer=tqdm.write, progress: bool = True, output_dir: Optional[Path] = None,
-                 extract_answer=None):
+                 extract_answer=None, eval_on_start: bool = False):
         if eval_steps < 1:
             raise ValueError(f"train.eval_steps: expected >= 1 for an evaluation callback, got {eval_steps}")
         if len(records) == 0:
@@ -88,6 +90,7 @@ class EvaluationCallback(Callback):
         self.truncation, self.source = truncation, source
         self.progress = progress and dist.is_main
         self.output_dir, self.extract_answer = output_dir, extract_answer
+        self.eval_on_start = eval_on_start
         self._own_engine = None
 
     def engine(self, policy_version: int):
@@ -100,6 +103,11 @@ class EvaluationCallback(Callback):
             self._own_engine = PagedGenerationEngine(model, pad_token_id=self.tokenizer.pad_token_id,
                                                      policy_version=-1)
         return self._own_engine
+
+    def before_first_step(self, trainer, metrics) -> None:
+        """With `eval_on_start`, evaluate the starting policy (step 0 of a fresh run), adding `eval/*` in place."""
+        if self.eval_on_start:
+            metrics.update(self.run(trainer.state.policy_version, 0))
 
     def on_step_end(self, trainer, metrics) -> None:
         """Evaluate after every `eval_steps`-th and after the last step, adding the `eval/*` metrics in place."""
@@ -176,7 +184,7 @@ def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCa
         strategy=strategy, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
         truncation=d.truncation, source=str(d.eval_path),
         seed=config.train.seed, progress=config.train.progress_bar, output_dir=Path(config.train.output_dir),
-        extract_answer=ANSWER_EXTRACTORS.get(config.reward.name))
+        extract_answer=ANSWER_EXTRACTORS.get(config.reward.name), eval_on_start=config.train.eval_on_start)
 
 
 def load_eval_records(config, tokenizer, *, main: bool = True) -> list:

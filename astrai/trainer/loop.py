@@ -99,10 +99,14 @@ class Callback:
 
     `before_optimizer_step` / `after_optimizer_step` fire around each optimizer step with the trained model's
     name ("policy" or "critic"); `on_step_end` receives the step's metrics as detached tensors (convert them only
-    there).
+    there). On a fresh run (global_step 0), after every `on_train_begin`, `before_first_step` lets callbacks add
+    metrics measured before training (the step-0 evaluation of `train.eval_on_start`) in place; when any were
+    added, `on_log` receives them (plus `policy_version`) as the record of step 0.
     """
 
     def on_train_begin(self, trainer: "Trainer") -> None: ...
+    def before_first_step(self, trainer: "Trainer", metrics: dict[str, torch.Tensor]) -> None: ...
+    def on_log(self, trainer: "Trainer", metrics: dict[str, torch.Tensor]) -> None: ...
     def before_optimizer_step(self, trainer: "Trainer", name: str) -> None: ...
     def after_optimizer_step(self, trainer: "Trainer", name: str) -> None: ...
     def on_step_end(self, trainer: "Trainer", metrics: dict[str, torch.Tensor]) -> None: ...
@@ -140,6 +144,12 @@ class Trainer:
         """Run the loop to `max_steps`; returns the final state. Callbacks receive each step's metrics averaged
         over ranks (`mean_over_ranks`), plus `policy_version`."""
         self._emit("on_train_begin")
+        if self.state.global_step == 0:
+            start: dict[str, torch.Tensor] = {}
+            self._emit("before_first_step", start)
+            if start:
+                start["policy_version"] = torch.tensor(self.state.policy_version)
+                self._emit("on_log", start)
         while self.state.global_step < self.state.max_steps:
             drawn = self.strategy.data_sampler.drawn
             metrics = mean_over_ranks(self.strategy.train_step(self), self.dist)

@@ -64,6 +64,10 @@ class TensorBoardLogger(Callback):
         if step % self.flush_steps == 0:
             self.writer.flush()
 
+    def on_log(self, trainer, metrics) -> None:
+        """The step-0 record, as a step's."""
+        self.on_step_end(trainer, metrics)
+
     def on_train_end(self, trainer) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -99,6 +103,10 @@ class WandbLogger(Callback):
     def on_step_end(self, trainer, metrics) -> None:
         if self.run is not None:
             self.run.log(scalar_record(metrics), step=trainer.state.global_step)
+
+    def on_log(self, trainer, metrics) -> None:
+        """The step-0 record, as a step's."""
+        self.on_step_end(trainer, metrics)
 
     def on_train_end(self, trainer) -> None:
         if self.run is not None:
