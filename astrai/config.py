@@ -275,6 +275,11 @@ class Config:
                                   "rollout.generation_batch_size > rollout.batch_size (one round of "
                                   "rollout.batch_size prompts keeps every group, as without it), got "
                                   f"{r.max_sampling_rounds}")
+            if r.generation_batch_size is not None and r.generation_batch_size * r.max_sampling_rounds < r.batch_size:
+                raise ConfigError(f"rollout.generation_batch_size: {r.generation_batch_size} prompts per round x "
+                                  f"rollout.max_sampling_rounds {r.max_sampling_rounds} cannot fill "
+                                  f"rollout.batch_size {r.batch_size}; expected at least "
+                                  f"{-(-r.batch_size // r.max_sampling_rounds)}")
         elif self.rollout.generation_batch_size is not None:
             raise ConfigError("rollout.generation_batch_size: only used with rollout.dynamic_sampling (without it "
                               "each rollout samples rollout.batch_size prompts once); set it to null")

@@ -177,6 +177,19 @@ def test_dynamic_sampling_arguments_and_config_are_checked():
                            "--ppo.minibatch_size", "16"])
     with pytest.raises(ValueError, match="generation_batch_size: expected >= 1 or None, got 0"):
         OnlineExperience(group_size=2, dynamic_sampling=True, generation_batch_size=0, **kwargs)
+    with pytest.raises(ValueError, match="cannot fill a batch of 2"):  # kwargs: batch_size 2
+        OnlineExperience(group_size=2, dynamic_sampling=True, generation_batch_size=1, max_sampling_rounds=1,
+                         **kwargs)
+    with pytest.raises(ConfigError, match=r"rollout.generation_batch_size: 1 prompts per round x "
+                                          r"rollout.max_sampling_rounds 2 cannot fill rollout.batch_size 4; "
+                                          r"expected at least 2"):
+        load_config(None, ["--train.type", "online_grpo", "--rollout.dynamic_sampling", "true",
+                           "--rollout.batch_size", "4", "--grpo.minibatch_size", "8", "--rollout.max_sampling_rounds",
+                           "2", "--rollout.generation_batch_size", "1"])
+    config = load_config(None, ["--train.type", "online_grpo", "--rollout.dynamic_sampling", "true",
+                                "--rollout.batch_size", "4", "--grpo.minibatch_size", "8",
+                                "--rollout.max_sampling_rounds", "2", "--rollout.generation_batch_size", "2"])
+    assert config.rollout.generation_batch_size == 2  # two rounds of 2 can fill 4
     with pytest.raises(ConfigError, match=r"rollout.generation_batch_size: only used with rollout.dynamic_sampling"):
         load_config(None, ["--train.type", "online_grpo", "--rollout.generation_batch_size", "16"])
     with pytest.raises(ConfigError, match="rollout.generation_batch_size"):

@@ -139,7 +139,8 @@ class RolloutResult:
             ValueError: when the batch size is not a multiple of `minibatch_size`.
         """
         if len(self) % minibatch_size:
-            raise ValueError(f"ppo.minibatch_size={minibatch_size} must divide the rollout batch {len(self)}")
+            raise ValueError(f"minibatch_size={minibatch_size} must divide the rollout batch {len(self)} "
+                             "(ppo.minibatch_size / grpo.minibatch_size)")
         out = []
         for _ in range(epochs):
             order = torch.randperm(len(self), generator=generator)

@@ -86,7 +86,8 @@ class OnlineExperience:
     `sampled_zero_std_groups` (the fraction of all groups sampled for the batch whose rewards were all equal).
 
     Raises:
-        ValueError: for `dynamic_sampling` with G < 2, `max_sampling_rounds` < 1 or `generation_batch_size` < 1.
+        ValueError: for `dynamic_sampling` with G < 2, `max_sampling_rounds` < 1, `generation_batch_size` < 1, or
+            `generation_batch_size * max_sampling_rounds` < B (the batch could not be filled).
     """
 
     def __init__(self, *, policy: TrainedModel, runner: RolloutRunner, sampler, batch_size: int,
@@ -98,6 +99,9 @@ class OnlineExperience:
             raise ValueError(f"max_sampling_rounds: expected >= 1, got {max_sampling_rounds}")
         if generation_batch_size is not None and generation_batch_size < 1:
             raise ValueError(f"generation_batch_size: expected >= 1 or None, got {generation_batch_size}")
+        if dynamic_sampling and (generation_batch_size or batch_size) * max_sampling_rounds < batch_size:
+            raise ValueError(f"generation_batch_size {generation_batch_size} x max_sampling_rounds "
+                             f"{max_sampling_rounds} prompts cannot fill a batch of {batch_size}")
         self.policy, self.runner, self.data_sampler = policy, runner, sampler
         self.batch_size, self.group_size = batch_size, group_size
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
