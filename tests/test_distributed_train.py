@@ -133,3 +133,29 @@ def test_two_rank_online_grpo_with_dynamic_sampling_writes_every_ranks_eval_answ
     rows = [json.loads(line) for line in (out / "eval" / "step-00000001.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1, 2, 3, 4]
     assert sum(r["num_correct"] for r in rows) == record["eval/accuracy"] * 5
+
+
+def test_two_rank_online_grpo_with_a_generation_batch_and_a_step_0_evaluation(tiny_model_dir, tmp_path):
+    """2 ranks (ddp, gloo): rollout.generation_batch_size sets the prompts each rank draws per sampling round
+    (consumed_samples = rank 0's draws, 3 prompts per round, times the 2 ranks), and train.eval_on_start evaluates
+    on both ranks before the first step, gathered into one step-0 record and one eval file."""
+    from test_train_e2e import tiny_args
+    out = tmp_path / "run"
+    args = tiny_args(tiny_model_dir, out, "--max_steps", "1", "--train.type", "online_grpo",
+                     "--rollout.batch_size", "2", "--grpo.group_size", "2", "--grpo.minibatch_size", "4",
+                     "--grpo.micro_batch_size", "2", "--rollout.dynamic_sampling", "true",
+                     "--rollout.max_sampling_rounds", "2", "--rollout.generation_batch_size", "3",
+                     "--train.eval_steps", "1", "--train.eval_on_start", "true",
+                     "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "5")
+    proc = launched({}, sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO / "ddp.yaml",
+                    "--main_process_port", free_port(), "-m", "astrai.train", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    start, step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert start["step"] == 0 and start["eval/num_questions"] == 5 and start["policy_version"] == 0
+    assert step["step"] == 1 and 1 <= step["rollout/sampling_rounds"] <= 2
+    rows = [json.loads(line) for line in (out / "eval" / "step-00000000.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2, 3, 4]
+    assert sum(r["num_correct"] for r in rows) == start["eval/accuracy"] * 5
+    state = json.loads((out / "checkpoints" / "step-00000001" / "trainer_state.json").read_text())
+    rounds = step["rollout/sampling_rounds"]  # the mean over ranks: 1, 1.5 or 2
+    assert state["consumed_samples"] in ({6 * rounds} if rounds in (1, 2) else {6, 12})
