@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Sequences", "left_pad", "position_ids_from_mask", "right_pad"]
+__all__ = ["PackedSequences", "Sequences", "left_pad", "position_ids_from_mask", "right_pad"]
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str = "cpu"):
@@ -155,8 +155,56 @@ class Sequences:
                    action_mask=torch.cat([torch.nn.functional.pad(s.action_mask, (0, t - s.action_mask.shape[1]),
                                                                   value=False) for s in parts]))
 
+    def packed(self) -> "PackedSequences":
+        """The same batch without padding: the real tokens of every row, in row order, in one row (1, N), each row
+        a segment with its own positions (`PackedSequences`). A model scores it with `seq_lengths` (each token
+        attends only within its own row, causally), which gives the padded batch's outputs at every real token up
+        to float rounding, and computes nothing for padding.
+
+        Raises:
+            ValueError: when a real response token follows a padding column (the position that scores it would be
+                padding); never for the layout above.
+        """
+        mask = self.attention_mask.bool()
+        p, t = self.prompt_length, self.action_mask.shape[1]
+        actions = self.action_mask.bool()
+        scorers = torch.zeros_like(mask)
+        scorers[:, p - 1:p - 1 + t] = actions  # response token t is scored at column P - 1 + t
+        if t and p < 1 or bool((scorers & ~mask).any()):
+            raise ValueError("Sequences.packed: a real response token follows a padding column")
+        return PackedSequences(input_ids=self.input_ids[mask][None], position_ids=self.position_ids[mask][None],
+                               seq_lengths=tuple(mask.sum(dim=1).tolist()), score_at=scorers[mask][None],
+                               labels=self.response_ids[actions], action_mask=actions)
+
     def to(self, device: torch.device | str) -> "Sequences":
         """Every tensor moved to `device`."""
         return dataclasses.replace(self, input_ids=self.input_ids.to(device),
                                    attention_mask=self.attention_mask.to(device),
                                    position_ids=self.position_ids.to(device), action_mask=self.action_mask.to(device))
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """A `Sequences` batch without padding (`Sequences.packed`): N = its real tokens, A = its real response tokens.
+
+    Attributes:
+        input_ids: (1, N) int64, row 0's real tokens, then row 1's ...
+        position_ids: (1, N) int64, each row's own positions (0, 1, ... for a row without holes).
+        seq_lengths: (B,) Python ints, the real tokens of each row (the segments of the packed row).
+        score_at: (1, N) bool, True at the A positions whose next-token logits score a real response token, in
+            row-major order of the (B, T) response tokens.
+        labels: (A,) int64, those response tokens (row-major).
+        action_mask: (B, T) bool, the batch's, to put per-token results back in (B, T) (`unpack`).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    seq_lengths: tuple[int, ...]
+    score_at: torch.Tensor
+    labels: torch.Tensor
+    action_mask: torch.Tensor
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """values (A,) at the real response tokens -> (B, T) float32 with 0 at padding (differentiable)."""
+        full = torch.zeros(self.action_mask.shape, dtype=torch.float32, device=values.device)
+        return full.masked_scatter(self.action_mask, values.float())

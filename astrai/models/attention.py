@@ -7,20 +7,22 @@ keys/values go and which keys each query sees, so the same module code serves
 - training and scoring (`MaskedAttention` without a cache: causal self-attention over the batch, with a padding
   mask),
 - incremental decoding with a contiguous cache (`MaskedAttention` over a `KVCache`: the test oracle's engine),
+- padding-free training and scoring (`SegmentedCausalAttention`: several sequences packed into one row, each
+  attending causally within itself),
 - the rollout engine (`astrai.rollout.model_runner.PagedAttention`: a packed ragged batch against the paged KV
   cache, through the kernels of `astrai.kernels`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
 
-__all__ = ["AttentionInterface", "MaskedAttention"]
+__all__ = ["AttentionInterface", "MaskedAttention", "SegmentedCausalAttention"]
 
 
 class AttentionInterface(Protocol):
@@ -62,4 +64,34 @@ class MaskedAttention:
             k = k.repeat_interleave(groups, dim=1)  # (B, Nh, K, D); head h uses kv head h // groups
             v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None)
+        return out.transpose(1, 2)
+
+
+class SegmentedCausalAttention:
+    """Causal attention within each segment of packed rows: a row (B = 1) holds several sequences back to back, and
+    a query sees only the keys of its own sequence up to itself (a block-diagonal causal mask), computed segment by
+    segment with `scaled_dot_product_attention(is_causal=True)`, so no (S, S) mask is built and no score between two
+    sequences is computed. Padding-free training and scoring use it (`Sequences.packed`).
+
+    Args:
+        seq_lengths: the segments' lengths in tokens, in order, each >= 1, summing to S (Python ints: the split
+            points are needed on the host).
+    """
+
+    def __init__(self, seq_lengths: Sequence[int]):
+        self.seq_lengths = [int(n) for n in seq_lengths]
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """See `AttentionInterface.__call__` (no cache: the keys and values are this forward's)."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, S, D)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if len(self.seq_lengths) == 1:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(qs, ks, vs, is_causal=True) for qs, ks, vs in
+                             zip(q.split(self.seq_lengths, dim=2), k.split(self.seq_lengths, dim=2),
+                                 v.split(self.seq_lengths, dim=2))], dim=2)
         return out.transpose(1, 2)

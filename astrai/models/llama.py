@@ -13,11 +13,13 @@ freeze the EOS embedding, so astrai does not), one explicit boolean mask instead
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .attention import AttentionInterface, MaskedAttention
+from .attention import AttentionInterface, MaskedAttention, SegmentedCausalAttention
 from .cache import KVCache
 from .config import ModelConfig, tiny_config
 from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, build_attention_mask
@@ -71,6 +73,7 @@ class LlamaTrunk(nn.Module):
         document_ids: torch.Tensor | None = None,
         *,
         attention: AttentionInterface | None = None,
+        seq_lengths: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm.
 
@@ -80,11 +83,25 @@ class LlamaTrunk(nn.Module):
         advances by S here, once); document_ids (B, S) long for packed rows (attention stays within each document,
         see `build_attention_mask`; no cache). `attention`: an `AttentionInterface` that replaces the
         mask-and-cache attention (the rollout engine's paged one); it excludes `attention_mask`, `kv_cache` and
-        `document_ids`, and then `position_ids` is required. Returns (B, S, H) in the parameter dtype.
-        Raises `ValueError` for a mask of the wrong length, a cache without room, or `attention` combined with a
-        mask, cache or document ids (or without position_ids).
+        `document_ids`, and then `position_ids` is required. `seq_lengths`: padding-free packed input, B = 1 and
+        the row holds sequences of these lengths (Python ints summing to S) back to back, each attending causally
+        within itself (`SegmentedCausalAttention`); `position_ids` should restart at 0 in each (default: the row's
+        arange); it excludes `attention_mask`, `kv_cache`, `document_ids` and `attention`. Returns (B, S, H) in the
+        parameter dtype. Raises `ValueError` for a mask of the wrong length, a cache without room, `attention` or
+        `seq_lengths` combined with a mask, cache or document ids (`attention` without position_ids), or
+        `seq_lengths` with B != 1 or another sum than S.
         """
         b, s = input_ids.shape
+        if seq_lengths is not None:
+            if attention is not None or attention_mask is not None or kv_cache is not None or document_ids is not None:
+                raise ValueError("LlamaTrunk.forward: seq_lengths takes no attention_mask, kv_cache, document_ids or "
+                                 "attention")
+            if b != 1 or sum(seq_lengths) != s:
+                raise ValueError(f"LlamaTrunk.forward: seq_lengths needs one packed row of their total length, got "
+                                 f"input_ids {tuple(input_ids.shape)} and lengths summing to {sum(seq_lengths)}")
+            attention = SegmentedCausalAttention(seq_lengths)
+            if position_ids is None:
+                position_ids = _default_position_ids(input_ids, 0)
         if attention is not None:
             if attention_mask is not None or kv_cache is not None or document_ids is not None or position_ids is None:
                 raise ValueError("LlamaTrunk.forward: `attention` takes position_ids and no attention_mask, kv_cache "
@@ -157,13 +174,15 @@ class AutoRegressiveLM(nn.Module):
         document_ids: torch.Tensor | None = None,
         return_hidden: bool = False,
         logits_at: torch.Tensor | None = None,
+        seq_lengths: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Next-token logits (B, S, V) in the parameter dtype; `logits[:, i]` scores token i + 1.
 
-        Arguments as `LlamaTrunk.forward` (`document_ids` included). `logits_to_keep` > 0 computes only the last
-        that many positions, returning (B, logits_to_keep, V) (e.g. 1 for decoding). `logits_at` (B, S) bool
-        computes only the positions where it is True, returning (N, V) with N = `logits_at.sum()`, in row-major
-        order (`hidden[logits_at]`; e.g. the labelled positions of a supervised loss). `return_hidden`: skip the
+        Arguments as `LlamaTrunk.forward` (`document_ids` and `seq_lengths` included). `logits_to_keep` > 0
+        computes only the last that many positions, returning (B, logits_to_keep, V) (e.g. 1 for decoding).
+        `logits_at` (B, S) bool computes only the positions where it is True, returning (N, V) with N =
+        `logits_at.sum()`, in row-major order (`hidden[logits_at]`; e.g. the labelled positions of a supervised
+        loss, or the scoring positions of a packed row). `return_hidden`: skip the
         LM head and return the final hidden states, (B, S, H) or as selected above, for callers that apply
         `lm_head.weight` themselves in chunks (`algos.logprobs_from_hidden`). Raises `ValueError` for
         `logits_at` of another shape or with `logits_to_keep`, and what `LlamaTrunk.forward` raises.
@@ -171,7 +190,7 @@ class AutoRegressiveLM(nn.Module):
         if logits_at is not None and (logits_to_keep > 0 or logits_at.shape != input_ids.shape):
             raise ValueError(f"AutoRegressiveLM.forward: logits_at must be (B, S) = {tuple(input_ids.shape)} and "
                              f"excludes logits_to_keep, got {tuple(logits_at.shape)} and {logits_to_keep}")
-        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, document_ids)
+        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, document_ids, seq_lengths=seq_lengths)
         if logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
         if logits_at is not None:

@@ -8,6 +8,7 @@ values are exactly 0 (as in docs/conventions.md section 3). The policy class is 
 from __future__ import annotations
 
 import copy
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -53,10 +54,12 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
+        seq_lengths: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """input_ids (B, S) long, attention_mask (B, S) 0/1, position_ids (B, S) long (as the policy takes them)
-        -> values (B, S) float32; `values[:, i]` is the value of the state after token i. Raises what
-        `LlamaTrunk.forward` raises."""
-        hidden = self.model(input_ids, attention_mask, position_ids)
+        """input_ids (B, S) long, attention_mask (B, S) 0/1, position_ids (B, S) long, seq_lengths (padding-free
+        packed rows) as the policy takes them -> values (B, S) float32; `values[:, i]` is the value of the state
+        after token i. Raises what `LlamaTrunk.forward` raises."""
+        hidden = self.model(input_ids, attention_mask, position_ids, seq_lengths=seq_lengths)
         values = self.value_head(hidden.to(self.value_head.weight.dtype))
         return values.squeeze(-1).float()

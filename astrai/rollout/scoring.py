@@ -4,6 +4,11 @@ One implementation serves rollout-time scoring (no grad, chunked) and the traini
 `logprobs` and `old_logprobs` are computed by the same function and the same temperature (docs/conventions.md
 section 2). Without grad, a whole `AutoRegressiveLM` is scored from its final hidden states with the LM head
 applied chunk by chunk at the real response tokens only (`algos.logprobs_from_hidden`): no (B, T, V) logits.
+
+Padding-free: an `AutoRegressiveLM` or `ValueModel` (wrapped or not) is run on the batch's real tokens packed into
+one row (`Sequences.packed`, each sequence attending within itself), so no padded position costs a matmul, and the
+LM head or value head sees only the positions that score a real response token; the results are put back in the
+(B, T) layout with 0 at padding. Other models (and `packed=False`) get the padded batch.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from astrai.algos import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
 from astrai.data.sequences import Sequences
 from astrai.models.llama import AutoRegressiveLM
+from astrai.models.value_model import ValueModel
 
 
 def whole_lm_head(model: torch.nn.Module) -> Optional[torch.Tensor]:
@@ -26,8 +32,22 @@ def whole_lm_head(model: torch.nn.Module) -> Optional[torch.Tensor]:
     return None if hasattr(weight, "full_tensor") else weight
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside data-parallel wrappers (`.module` of DDP or a DeepSpeed engine, repeatedly); FSDP2 shards
+    in place, so its model is itself."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def supports_packing(model: torch.nn.Module) -> bool:
+    """True when `model` (possibly wrapped) takes padding-free packed rows (`seq_lengths`): astrai's
+    `AutoRegressiveLM` and `ValueModel`."""
+    return isinstance(unwrapped(model), (AutoRegressiveLM, ValueModel))
+
+
 def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperature: float,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      with_entropy: bool = False, packed: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of the response tokens under `model`.
 
     Args:
@@ -35,17 +55,31 @@ def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperatu
         sequences: the batch; response token t is scored by the logits at position P - 1 + t.
         temperature: logits are divided by it before the log-softmax (> 0).
         with_entropy: also return the per-token entropy of the scaled distribution.
+        packed: run a model that `supports_packing` padding-free (the default; see the module docstring).
 
     Returns:
-        logprobs (B, T) float32 (nats; values at padding are meaningless, mask them: 0 on the no-grad path
-        below), and entropy (B, T) float32 or None.
+        logprobs (B, T) float32 (nats; values at padding are meaningless, mask them: 0 when packed and on the
+        no-grad path below), and entropy (B, T) float32 or None (0 at padding when packed).
 
     Without grad and without entropy, a model with a `whole_lm_head` returns its final hidden states and the
-    log-probs come from `logprobs_from_hidden` at the real response tokens; otherwise from the logits. The two
-    agree up to matmul rounding.
+    log-probs come from `logprobs_from_hidden` at the real response tokens; otherwise from the logits. The two,
+    and the packed and padded paths, agree up to matmul rounding.
+
+    Raises:
+        ValueError: what `Sequences.packed` raises.
     """
     num_actions = sequences.action_mask.shape[1]
     head = None if with_entropy or torch.is_grad_enabled() else whole_lm_head(model)
+    if packed and supports_packing(model):
+        batch = sequences.packed()
+        inputs = dict(position_ids=batch.position_ids, seq_lengths=batch.seq_lengths, logits_at=batch.score_at)
+        if head is not None:
+            hidden = model(batch.input_ids, return_hidden=True, **inputs)  # (A, H)
+            return batch.unpack(logprobs_from_hidden(hidden, head, batch.labels, temperature=temperature)), None
+        logits = model(batch.input_ids, **inputs)  # (A, V): the LM head only where a response token is scored
+        logprobs = batch.unpack(logprobs_from_logits(logits, batch.labels, temperature=temperature))
+        entropy = batch.unpack(entropy_from_logits(logits, temperature=temperature)) if with_entropy else None
+        return logprobs, entropy
     if head is not None:
         hidden = model(sequences.input_ids, attention_mask=sequences.attention_mask,
                        position_ids=sequences.position_ids, logits_to_keep=num_actions + 1, return_hidden=True)
@@ -60,8 +94,14 @@ def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperatu
     return logprobs, entropy
 
 
-def response_values(value_model: torch.nn.Module, sequences: Sequences) -> torch.Tensor:
-    """Critic values V(s_t) (B, T) float32 of the state before each response token (position P - 1 + t)."""
+def response_values(value_model: torch.nn.Module, sequences: Sequences, *, packed: bool = True) -> torch.Tensor:
+    """Critic values V(s_t) (B, T) float32 of the state before each response token (position P - 1 + t); padding-free
+    for a `ValueModel` unless `packed=False` (packed: 0 at padding; padded: meaningless there, mask them).
+    Raises: ValueError, what `Sequences.packed` raises."""
+    if packed and supports_packing(value_model):
+        batch = sequences.packed()
+        values = value_model(batch.input_ids, position_ids=batch.position_ids, seq_lengths=batch.seq_lengths)
+        return batch.unpack(values[batch.score_at])
     values = value_model(sequences.input_ids, attention_mask=sequences.attention_mask,
                          position_ids=sequences.position_ids)
     p = sequences.prompt_length
