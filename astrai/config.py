@@ -117,7 +117,7 @@ class PPOSection(Section, name="ppo"):
     gamma: float = field_spec(1.0, "discount per response token", UNIT)
     gae_lambda: float = field_spec(0.95, "GAE lambda", UNIT)
     vf_coef: float = field_spec(0.1, "value-loss scale", GT0)
-    kl_coef: float = field_spec(0.05, "reference-KL penalty per token in the reward", GE0)
+    kl_coef: float = field_spec(0.05, "reference-KL penalty per token in the reward; 0 = no reference model", GE0)
     kl_estimator: str = field_spec("k3", "KL estimator (Schulman 2020)", Choices(("k1", "k2", "k3")))
     whiten_advantages: bool = field_spec(True, "masked mean/std normalisation of advantages per rollout")
 

@@ -2,18 +2,25 @@
 `RolloutResult.micro_batches`); a hand case with known shapes, and PPO policy and critic losses and gradients
 equal to the untrimmed full-batch computation."""
 
+import dataclasses
+from pathlib import Path
+
 import torch
 from toy_rl import trained
+
+from astrai.config import load_config
 
 from astrai.algos import explained_variance, ppo_policy_loss, value_loss
 from astrai.data.sequences import Sequences, position_ids_from_mask
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
 from astrai.rollout.runner import Experience
 from astrai.rollout.scoring import response_logprobs, response_values
+from astrai.trainer.build import build_trainer
 from astrai.trainer.loop import Callback, Trainer
 from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.online_ppo import OnlinePPOStrategy, PPOSettings
 
+REPO = Path(__file__).resolve().parents[1]
 VOCAB, EOS = 16, 2
 PROMPTS = [[3], [4, 5, 6], [7, 8], [9, 10, 11, 12], [13, 14], [5, 6, 7]]
 RESPONSES = [[3, 4], [5, 6, 7, 8, 2], [9], [10, 11, 2], [12, 13, 14, 15], [3]]
@@ -101,11 +108,11 @@ def test_trimmed_grouped_micro_batches_give_the_full_batch_losses_and_gradients(
     rollout = reference.pin_targets(experience())[0]
     policy, critic = reference.policy.module, reference.critic.module
     mask = rollout.sequences.action_mask
-    # the untouched path: one forward over the whole untrimmed minibatch
-    logprobs, _ = response_logprobs(policy, rollout.sequences, temperature=0.7)
+    # the untouched path: one padded forward over the whole untrimmed minibatch
+    logprobs, _ = response_logprobs(policy, rollout.sequences, temperature=0.7, packed=False)
     pg, _ = ppo_policy_loss(logprobs, rollout.old_logprobs, rollout.advantages, mask, clip_eps=0.2)
     pg.backward()
-    values = response_values(critic, rollout.sequences)
+    values = response_values(critic, rollout.sequences, packed=False)
     vl, _ = value_loss(values, rollout.values, rollout.returns, mask, clip_range=0.2)
     (0.5 * vl).backward()
     expected = {"policy": {n: p.grad for n, p in policy.named_parameters()},
@@ -127,3 +134,28 @@ def test_trimmed_grouped_micro_batches_give_the_full_batch_losses_and_gradients(
                 torch.testing.assert_close(capture.grads[name][param], grad, rtol=1e-4,
                                            atol=1e-4 * float(grad.abs().max()),
                                            msg=lambda m: f"{name} {param} micro={micro}: {m}")
+
+
+def test_ppo_without_kl_needs_no_reference_and_learns_the_same_targets():
+    # kl_coef 0: the rollout carries no reference log-probs, and advantages and returns are those of a rollout
+    # that has them (their KL term is multiplied by 0)
+    with_ref = strategy(micro=2)
+    with_ref.settings = dataclasses.replace(with_ref.settings, kl_coef=0.0)
+    without_ref = strategy(micro=2)
+    without_ref.settings = with_ref.settings
+    exp = experience()
+    expected, metrics = with_ref.pin_targets(exp)
+    result, no_ref_metrics = without_ref.pin_targets(dataclasses.replace(exp, ref_logprobs=None))
+    assert result.ref_logprobs is None and result.kl is None
+    for name in ("rewards", "advantages", "returns", "values"):
+        torch.testing.assert_close(getattr(result, name), getattr(expected, name), msg=name)
+    assert "rollout/kl" in metrics and set(no_ref_metrics) == set(metrics) - {"rollout/kl"}
+
+
+def test_ppo_kl_coef_zero_builds_no_reference_model(tiny_model_dir, tmp_path):
+    config = load_config(str(REPO / "configs/examples/ppo.yaml"),
+                         ["--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "run"),
+                          "--ppo.kl_coef", "0", "--data.truncation", "left"])
+    assert build_trainer(config).strategy.experience.runner.ref_model is None
+    config.ppo.kl_coef = 0.05
+    assert build_trainer(config).strategy.experience.runner.ref_model is not None

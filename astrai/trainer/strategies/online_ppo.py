@@ -71,7 +71,9 @@ class OnlinePPOStrategy(RolloutStrategy):
     @torch.no_grad()
     def pin_targets(self, exp: Experience) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
         """Critic values, k-estimated KL, per-token rewards, GAE advantages (whitened when configured) and returns
-        (docs/conventions.md section 2), computed once; with the rollout's metrics."""
+        (docs/conventions.md section 2), computed once; with the rollout's metrics. Without reference log-probs
+        (`ppo.kl_coef` 0: no reference model) the rewards carry no KL term and `kl`, `ref_logprobs` and the
+        `rollout/kl` metric are absent."""
         s = self.settings
         mask = exp.sequences.action_mask
         start = time.perf_counter()
@@ -79,25 +81,31 @@ class OnlinePPOStrategy(RolloutStrategy):
         values = score_in_chunks(lambda chunk: response_values(critic, chunk), exp.sequences,
                                  s.micro_batch_size) * mask
         scored = time.perf_counter() - start
-        kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, estimator=s.kl_estimator) * mask
-        rewards = ppo_token_rewards(exp.scores, kl, mask, kl_coef=s.kl_coef)
+        if exp.ref_logprobs is None:  # kl_coef 0: no reference model, no KL term
+            ref_logprobs, kl = None, None
+            rewards = ppo_token_rewards(exp.scores, torch.zeros_like(exp.old_logprobs), mask, kl_coef=0.0)
+        else:
+            ref_logprobs = exp.ref_logprobs * mask
+            kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, estimator=s.kl_estimator) * mask
+            rewards = ppo_token_rewards(exp.scores, kl, mask, kl_coef=s.kl_coef)
         advantages, returns = gae(rewards, values, mask, gamma=s.gamma, lam=s.gae_lambda)
         if s.whiten_advantages:  # over the whole batch: the real tokens of every rank
             advantages = masked_whiten(advantages, mask, moments=self._global_moments(advantages, mask))
         result = RolloutResult(sequences=exp.sequences, old_logprobs=exp.old_logprobs * mask,
-                               ref_logprobs=exp.ref_logprobs * mask, values=values, scores=exp.scores,
+                               ref_logprobs=ref_logprobs, values=values, scores=exp.scores,
                                kl=kl, rewards=rewards, advantages=advantages, returns=returns,
                                policy_version=exp.policy_version, responses=exp.responses)
         metrics = {
             "rollout/reward_mean": exp.scores.mean(),
             "rollout/reward_std": exp.scores.std(unbiased=False),
-            "rollout/kl": kl.sum(-1).mean(),
             "rollout/response_length": mask.sum(-1).float().mean(),
             "rollout/values_mean": masked_mean(values, mask),
             "rollout/returns_mean": masked_mean(returns, mask),
             "rollout/policy_version": torch.tensor(float(exp.policy_version)),
             "time/critic_scoring_seconds": torch.tensor(scored),
         }
+        if kl is not None:
+            metrics["rollout/kl"] = kl.sum(-1).mean()
         return result, metrics
 
     def _global_moments(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -156,15 +164,16 @@ class OnlinePPOStrategy(RolloutStrategy):
 def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
     """Assemble the online_ppo strategy from a validated `astrai.config.Config`.
 
-    Builds the frozen reference model, the critic (warm-started from the policy), one AdamW optimizer + schedule
-    for each of policy and critic, the online experience source (engine, runner, prompt sampler) and the replay.
+    Builds the frozen reference model (none when `ppo.kl_coef` is 0: nothing would use it), the critic
+    (warm-started from the policy), one AdamW optimizer + schedule for each of policy and critic, the online
+    experience source (engine, runner, prompt sampler) and the replay.
 
     Raises:
         DataError: for a missing or malformed prompt file.
     """
     r, p = config.rollout, config.ppo
     policy = policy.to(dist.device)
-    ref_model = reference_model(dist, policy)
+    ref_model = reference_model(dist, policy) if p.kl_coef > 0 else None
     engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
     critic = build_trained_model(config, dist, ValueModel.from_policy(policy), name="critic",
                                  lr=config.optim.critic_learning_rate)
