@@ -100,6 +100,14 @@ def test_eval_on_start_logs_the_starting_model_at_step_0_once(tiny_model_dir, tm
     assert main(tiny_args(tiny_model_dir, start, *common, "--train.eval_on_start", "true", "--max_steps", "4",
                           "--checkpoint.resume", "auto")) == 0
     assert [r["step"] for r in records(start)] == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in (start / "eval").iterdir()) == [f"step-{s:08d}.jsonl" for s in (0, 2, 3, 4)]
+    # a fresh run in the same folder keeps the earlier run's answers (as it keeps its metrics.jsonl)
+    earlier = {p.name: p.read_text() for p in (start / "eval").iterdir()}
+    assert main(tiny_args(tiny_model_dir, start, *common, "--max_steps", "2",
+                          "--train.overwrite_output_dir", "true")) == 0
+    kept = [p for p in start.iterdir() if p.name.startswith("eval.")]
+    assert len(kept) == 1 and {p.name: p.read_text() for p in kept[0].iterdir()} == earlier
+    assert sorted(p.name for p in (start / "eval").iterdir()) == ["step-00000002.jsonl"]
 
 
 def test_offline_train_type_evaluates_with_its_own_synced_engine(tiny_model_dir, tmp_path):

@@ -104,6 +104,18 @@ class EvaluationCallback(Callback):
                                                      policy_version=-1)
         return self._own_engine
 
+    def on_train_begin(self, trainer) -> None:
+        """A fresh run (global_step 0) keeps an earlier run's answers: an `eval/` folder with `step-*.jsonl` files is
+        renamed to `eval.<timestamp>/` (main process), as `MetricsLogger` keeps an old metrics.jsonl. A resumed run
+        keeps `eval/` as it is (evaluations after the checkpoint are redone and rewritten)."""
+        if self.output_dir is None or not self.dist.is_main or trainer.state.global_step != 0:
+            return
+        folder = Path(self.output_dir) / "eval"
+        if folder.is_dir() and any(folder.glob("step-*.jsonl")):
+            kept = folder.with_name(f"eval.{time.strftime('%Y%m%d-%H%M%S')}")
+            folder.rename(kept)
+            self.printer(f"kept the previous run's evaluation answers in {kept}")
+
     def before_first_step(self, trainer, metrics) -> None:
         """With `eval_on_start`, evaluate the starting policy (step 0 of a fresh run), adding `eval/*` in place."""
         if self.eval_on_start:
