@@ -397,8 +397,9 @@ def _parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, Any]]:
 def config_from_dict(data: Any, overrides: Iterable[str] = (), source: Optional[str] = None) -> Config:
     """Build a validated Config from a sectioned mapping plus CLI override tokens (CLI wins).
 
-    `source` (a file name) prefixes errors about `data`. Raises ConfigError (one line) for a non-mapping,
-    unknown sections/keys, wrong types, out-of-range values, bad overrides and failed cross-field checks.
+    `source` (a file name) prefixes errors about `data` and ends those of cross-field checks. Raises ConfigError
+    (one line) for a non-mapping, unknown sections/keys, wrong types, out-of-range values, bad overrides and failed
+    cross-field checks.
     """
     where = f"{source}: " if source else ""
     if data is None:
@@ -423,9 +424,16 @@ def config_from_dict(data: Any, overrides: Iterable[str] = (), source: Optional[
                 values[section][name] = convert_value(f"{section}.{name}", *specs[name], value)
             except ConfigError as e:
                 raise ConfigError(f"{where}{e}") from None
-    for section, name, value in _parse_overrides(overrides):
+    parsed = list(_parse_overrides(overrides))
+    for section, name, value in parsed:
         values[section][name] = value
-    return Config(**{s: cls(**values[s]) for s, cls in SECTIONS.items()})
+    sections = {s: cls(**values[s]) for s, cls in SECTIONS.items()}
+    try:
+        return Config(**sections)
+    except ConfigError as e:  # a cross-field check: say where the values came from
+        if not source:
+            raise
+        raise ConfigError(f"{e} (in {source}{' with the command-line overrides' if parsed else ''})") from None
 
 
 def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> Config:

@@ -278,3 +278,18 @@ def test_example_configs_load_and_write_floats_without_a_point_zero_mantissa():
         assert not re.search(r"\d\.0+e", text, re.IGNORECASE), f"{path.name} writes a float as N.0eX"
         config = load_config(str(path), [])
         assert isinstance(config.optim.learning_rate, float) and config.optim.learning_rate < 1e-3
+
+
+def test_cross_field_errors_say_where_the_values_came_from(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("train:\n  type: online_grpo\nrollout:\n  generation_batch_size: 8\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(job))
+    message = str(err.value)
+    assert message.startswith("rollout.generation_batch_size: only used with rollout.dynamic_sampling")
+    assert message.endswith(f"(in {job})") and "\n" not in message
+    job.write_text("train:\n  type: online_grpo\nrollout:\n  dynamic_sampling: true\n  generation_batch_size: 8\n")
+    with pytest.raises(ConfigError, match=r"\(in .*job\.yaml with the command-line overrides\)$"):
+        load_config(str(job), ["--rollout.dynamic_sampling", "false"])
+    with pytest.raises(ConfigError, match=r"generation_batch_size: only used .*null$"):  # no file: nothing added
+        load_config(None, ["--train.type", "online_grpo", "--rollout.generation_batch_size", "8"])
