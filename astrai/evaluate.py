@@ -197,8 +197,9 @@ def report(summary: dict, out: Path) -> None:
           f"95% Wilson interval [{summary['ci_low']:.4f}, {summary['ci_high']:.4f}]")
     if summary["num_samples"] > 1:
         print("  ".join(f"pass@{k} {v:.4f}" for k, v in summary["pass_at_k"].items()))
+    threads = f"{s['threads']} thread{'' if s['threads'] == 1 else 's'}"
     print(f"{summary['generated_tokens']} tokens in {summary['generation_seconds']:.1f} s "
-          f"({summary['tokens_per_second']:.1f} tok/s, {s['threads']} threads); wall {summary['wall_seconds']:.1f} s")
+          f"({summary['tokens_per_second']:.1f} tok/s, {threads}); wall {summary['wall_seconds']:.1f} s")
     print(f"wrote {out / RESULTS_FILE} and {out / SUMMARY_FILE}")
 
 

@@ -106,7 +106,8 @@ def _run(config) -> int:
         return EXIT_BAD_INPUT
     state = trainer.fit()
     if trainer.dist.is_main:
-        print(f"done: {state.global_step} steps, policy_version {state.policy_version}, "
+        steps = f"{state.global_step} step{'' if state.global_step == 1 else 's'}"
+        print(f"done: {steps}, policy_version {state.policy_version}, "
               f"{time.perf_counter() - start:.1f} s; outputs in {config.train.output_dir}")
     return 0
 
