@@ -2,6 +2,7 @@
 each phase's matmul floor.
 
     python bench/ppo_vs_trl.py [--iters 3] [--threads 1] [--data GSM8K.jsonl] [--trl-python PATH] [--stop-at-eos]
+                               [--trl-first]
 
 TRL dropped its PPO trainer after 1.12, so it runs in its own virtual environment (`--trl-python`, default the
 TRL_PYTHON environment variable):
@@ -51,7 +52,8 @@ Floors (bench/floors.py): matmul FLOPs of each phase's real tokens (generation w
 prompts, then one token per row per step; reference: a forward scoring the response tokens; critic scoring: the
 critic's forward; update: 3 x (policy forward + critic forward)), divided by the float32 GEMM rate of the model's
 own shapes measured in this run at the same thread count (at `--rate-rows` rows, and at B rows for decode steps),
-between the two sides, and once more after TRL as a check that the machine's load did not change meanwhile.
+between the two sides, and once more after the second as a check that the machine's speed did not change meanwhile.
+astrai runs first unless `--trl-first`: alternate the order between runs, so that a drift favours neither side.
 Ends with `ratio: X.XX` = TRL median seconds per iteration / astrai median seconds per iteration.
 """
 
@@ -261,6 +263,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per response")
     parser.add_argument("--stop-at-eos", action="store_true", help="stop responses at EOS on both sides")
     parser.add_argument("--rate-rows", type=int, default=256, help="token rows of the GEMM-rate measurement")
+    parser.add_argument("--trl-first", action="store_true",
+                        help="run TRL's iterations before astrai's (alternate between runs: a machine whose speed "
+                             "drifts during a run then favours neither side)")
     args = parser.parse_args()
     if min(args.iters, args.threads, args.batch, args.minibatch, args.max_new_tokens, args.rate_rows) < 1:
         parser.error("--iters, --threads, --batch, --minibatch, --max-new-tokens and --rate-rows must be >= 1")
@@ -278,19 +283,25 @@ def main() -> None:
     try:
         hf_dir = export_hf(MODEL)
         config = astrai_config(args, write_subset(args.data, args.batch * (args.iters + 1), workdir), workdir)
-        astrai = [add_other(it) for it in run_astrai(args, config)]
         from astrai.models.config import ModelConfig
 
         dims = floors.Dims.of(ModelConfig.from_hf_dict(json.loads((hf_dir / "config.json").read_text())))
-        rate = floors.measure_gemm_rate(dims, args.rate_rows)
-        decode_rate = floors.measure_gemm_rate(dims, args.batch)
-        print(f"fp32 GEMM rate of the model's shapes: {rate / 1e9:.1f} GFLOP/s at {args.rate_rows} rows, "
-              f"{decode_rate / 1e9:.1f} GFLOP/s at {args.batch} rows (decode)", flush=True)
-        trl_result = run_trl(args, config, workdir, hf_dir)
-        trl = [add_other(it) for it in trl_result["iterations"]]
-        print(f"the same rates after TRL (a drift here means the machine's load changed): "
+        sides = ("TRL", "astrai") if args.trl_first else ("astrai", "TRL")
+        results: dict[str, list[dict]] = {}
+        for index, side in enumerate(sides):
+            if side == "astrai":
+                results[side] = [add_other(it) for it in run_astrai(args, config)]
+            else:
+                results[side] = [add_other(it) for it in run_trl(args, config, workdir, hf_dir)["iterations"]]
+            if index == 0:  # the floors' rates, measured between the two sides
+                rate = floors.measure_gemm_rate(dims, args.rate_rows)
+                decode_rate = floors.measure_gemm_rate(dims, args.batch)
+                print(f"fp32 GEMM rate of the model's shapes: {rate / 1e9:.1f} GFLOP/s at {args.rate_rows} rows, "
+                      f"{decode_rate / 1e9:.1f} GFLOP/s at {args.batch} rows (decode)", flush=True)
+        print(f"the same rates after {sides[1]} (a drift here means the machine's speed changed during the run): "
               f"{floors.measure_gemm_rate(dims, args.rate_rows) / 1e9:.1f} and "
               f"{floors.measure_gemm_rate(dims, args.batch) / 1e9:.1f} GFLOP/s", flush=True)
+        astrai, trl = results["astrai"], results["TRL"]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if len(trl) != args.iters + 1:
