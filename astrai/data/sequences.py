@@ -170,7 +170,7 @@ class Sequences:
         actions = self.action_mask.bool()
         scorers = torch.zeros_like(mask)
         scorers[:, p - 1:p - 1 + t] = actions  # response token t is scored at column P - 1 + t
-        if t and p < 1 or bool((scorers & ~mask).any()):
+        if (t and p < 1) or bool((scorers & ~mask).any()):
             raise ValueError("Sequences.packed: a real response token follows a padding column")
         return PackedSequences(input_ids=self.input_ids[mask][None], position_ids=self.position_ids[mask][None],
                                seq_lengths=tuple(mask.sum(dim=1).tolist()), score_at=scorers[mask][None],
