@@ -276,7 +276,8 @@ class Config:
                                   "rollout.batch_size prompts keeps every group, as without it), got "
                                   f"{r.max_sampling_rounds}")
             if r.generation_batch_size is not None and r.generation_batch_size * r.max_sampling_rounds < r.batch_size:
-                raise ConfigError(f"rollout.generation_batch_size: {r.generation_batch_size} prompts per round x "
+                prompts = "1 prompt" if r.generation_batch_size == 1 else f"{r.generation_batch_size} prompts"
+                raise ConfigError(f"rollout.generation_batch_size: {prompts} per round x "
                                   f"rollout.max_sampling_rounds {r.max_sampling_rounds} cannot fill "
                                   f"rollout.batch_size {r.batch_size}; expected at least "
                                   f"{-(-r.batch_size // r.max_sampling_rounds)}")

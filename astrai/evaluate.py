@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The command's options (None defaults are filled from the run's or `--config`'s settings)."""
     p = _Parser(prog="python -m astrai.evaluate", allow_abbrev=False,
-                description="Accuracy of a model on question/answer data (greedy by default), with a 95%% Wilson "
+                description="Accuracy of a model on question/answer data (greedy by default), with a 95% Wilson "
                             "interval; writes per-example results and a summary.")
     p.add_argument("--model", required=True, help="model name, .gguf, HF-format directory, checkpoint directory "
                    "or training output_dir (latest checkpoint)")

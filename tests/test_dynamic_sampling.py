@@ -180,7 +180,7 @@ def test_dynamic_sampling_arguments_and_config_are_checked():
     with pytest.raises(ValueError, match="cannot fill a batch of 2"):  # kwargs: batch_size 2
         OnlineExperience(group_size=2, dynamic_sampling=True, generation_batch_size=1, max_sampling_rounds=1,
                          **kwargs)
-    with pytest.raises(ConfigError, match=r"rollout.generation_batch_size: 1 prompts per round x "
+    with pytest.raises(ConfigError, match=r"rollout.generation_batch_size: 1 prompt per round x "
                                           r"rollout.max_sampling_rounds 2 cannot fill rollout.batch_size 4; "
                                           r"expected at least 2"):
         load_config(None, ["--train.type", "online_grpo", "--rollout.dynamic_sampling", "true",
