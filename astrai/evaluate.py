@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sampling temperature")
     p.add_argument("--num_samples", type=int, default=1, help="responses per question (k); reports pass@k")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--output_dir", default="outputs/eval", help="where results.jsonl and summary.json go")
+    p.add_argument("--output_dir", default="outputs/eval",
+                   help="where results.jsonl and summary.json go (default: outputs/eval)")
     p.add_argument("--system_prompt", default=None, help="system message (default: the config's data.system_prompt)")
     p.add_argument("--max_prompt_length", type=int, default=None, help="prompt token budget (default: the config's)")
     p.add_argument("--truncation", default=None, choices=("error", "filter", "left"),
@@ -67,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answer_field", default=None, help="record field of the reference answer (default: answer)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (default: float32; bfloat16 is much slower on CPUs without AVX-512/AMX)")
     p.add_argument("--num_threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no_progress_bar", action="store_true", help="hide the progress bar")
     return p
