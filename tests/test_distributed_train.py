@@ -115,19 +115,25 @@ def test_deepspeed_launcher_passes_local_rank_and_trains(tiny_model_dir, chats, 
     assert json.loads((out / "checkpoints" / "step-00000001" / "manifest.json").read_text())["world_size"] == 2
 
 
-def test_two_rank_online_grpo_with_dynamic_sampling_writes_every_ranks_eval_answers(tiny_model_dir, tmp_path):
-    """2 ranks (ddp, gloo): each samples its own groups for up to the round cap, and the in-training evaluation
-    gathers both ranks' shares of the held-out questions into one eval file, in question order."""
+def run_two_rank_online_grpo(tiny_model_dir, out, *extra) -> None:
+    """Launch a 1-step online_grpo run with dynamic sampling (at most 2 rounds) and evaluation on 5 held-out
+    questions after every step on 2 ranks (ddp, gloo) into `out`, plus `extra` overrides; asserts it exits 0."""
     from test_train_e2e import tiny_args
-    out = tmp_path / "run"
     args = tiny_args(tiny_model_dir, out, "--max_steps", "1", "--train.type", "online_grpo",
                      "--rollout.batch_size", "2", "--grpo.group_size", "2", "--grpo.minibatch_size", "4",
                      "--grpo.micro_batch_size", "2", "--rollout.dynamic_sampling", "true",
                      "--rollout.max_sampling_rounds", "2", "--train.eval_steps", "1",
-                     "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "5")
+                     "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "5", *extra)
     proc = launched({}, sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO / "ddp.yaml",
                     "--main_process_port", free_port(), "-m", "astrai.train", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_two_rank_online_grpo_with_dynamic_sampling_writes_every_ranks_eval_answers(tiny_model_dir, tmp_path):
+    """2 ranks (ddp, gloo): each samples its own groups for up to the round cap, and the in-training evaluation
+    gathers both ranks' shares of the held-out questions into one eval file, in question order."""
+    out = tmp_path / "run"
+    run_two_rank_online_grpo(tiny_model_dir, out)
     (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["eval/num_questions"] == 5 and 1 <= record["rollout/sampling_rounds"] <= 2
     rows = [json.loads(line) for line in (out / "eval" / "step-00000001.jsonl").read_text().splitlines()]
@@ -139,17 +145,9 @@ def test_two_rank_online_grpo_with_a_generation_batch_and_a_step_0_evaluation(ti
     """2 ranks (ddp, gloo): rollout.generation_batch_size sets the prompts each rank draws per sampling round
     (consumed_samples = rank 0's draws, 3 prompts per round, times the 2 ranks), and train.eval_on_start evaluates
     on both ranks before the first step, gathered into one step-0 record and one eval file."""
-    from test_train_e2e import tiny_args
     out = tmp_path / "run"
-    args = tiny_args(tiny_model_dir, out, "--max_steps", "1", "--train.type", "online_grpo",
-                     "--rollout.batch_size", "2", "--grpo.group_size", "2", "--grpo.minibatch_size", "4",
-                     "--grpo.micro_batch_size", "2", "--rollout.dynamic_sampling", "true",
-                     "--rollout.max_sampling_rounds", "2", "--rollout.generation_batch_size", "3",
-                     "--train.eval_steps", "1", "--train.eval_on_start", "true",
-                     "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "5")
-    proc = launched({}, sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO / "ddp.yaml",
-                    "--main_process_port", free_port(), "-m", "astrai.train", *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_two_rank_online_grpo(tiny_model_dir, out, "--rollout.generation_batch_size", "3",
+                             "--train.eval_on_start", "true")
     start, step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert start["step"] == 0 and start["eval/num_questions"] == 5 and start["policy_version"] == 0
     assert step["step"] == 1 and 1 <= step["rollout/sampling_rounds"] <= 2
