@@ -108,12 +108,7 @@ def test_packed_values_and_gradients_equal_the_padded_batch():
 
 
 def test_packing_is_used_through_wrappers_only_for_astrai_models():
-    class Wrapper(torch.nn.Module):
-        def __init__(self, module):
-            super().__init__()
-            self.module = module
-
-    assert supports_packing(Wrapper(model())) and supports_packing(ValueModel.from_policy(model()))
+    assert supports_packing(torch.nn.DataParallel(model())) and supports_packing(ValueModel.from_policy(model()))
     assert not supports_packing(torch.nn.Linear(2, 2))
 
 

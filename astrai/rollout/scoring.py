@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 
 from astrai.algos import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
 from astrai.data.sequences import Sequences
@@ -32,18 +33,11 @@ def whole_lm_head(model: torch.nn.Module) -> Optional[torch.Tensor]:
     return None if hasattr(weight, "full_tensor") else weight
 
 
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside data-parallel wrappers (`.module` of DDP or a DeepSpeed engine, repeatedly); FSDP2 shards
-    in place, so its model is itself."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
 def supports_packing(model: torch.nn.Module) -> bool:
-    """True when `model` (possibly wrapped) takes padding-free packed rows (`seq_lengths`): astrai's
-    `AutoRegressiveLM` and `ValueModel`."""
-    return isinstance(unwrapped(model), (AutoRegressiveLM, ValueModel))
+    """True when `model` takes padding-free packed rows (`seq_lengths`): astrai's `AutoRegressiveLM` and
+    `ValueModel`, bare or under a data-parallel wrapper (DDP, a DeepSpeed engine; unwrapped as
+    `DistributedContext.unwrap` does, by accelerate); FSDP2 shards in place, so its model is itself."""
+    return isinstance(extract_model_from_parallel(model), (AutoRegressiveLM, ValueModel))
 
 
 def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperature: float,
