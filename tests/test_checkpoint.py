@@ -194,6 +194,22 @@ def test_before_publish_hook_runs_first(tmp_path, objects):
     assert seen == [[]]
 
 
+def test_tokenizer_files_exclude_other_ranks_files(tmp_path):
+    """Rank 0 saves the tokenizer while the other ranks write their files into the same staging directory: only the
+    tokenizer's own files are recorded as its part (a listing of the directory before and after would also take a
+    file another rank was writing, and hashing it fails once that rank renames it)."""
+    from astrai.checkpoint.parts import write_parts
+
+    class SavingBesideAnotherRank:
+        def save(self, directory):
+            tiny_tokenizer().save(directory)
+            (tmp_path / ".rank-00001.done.tmp").write_text("{}")  # another rank, meanwhile
+
+    names = write_parts(tmp_path, {"tokenizer": Part(SavingBesideAnotherRank(), "hf_tokenizer")}, 0)
+    assert names == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".rank-00001.done.tmp", *names]  # no private dir left
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_policy_dir_loads_in_transformers(tmp_path, objects, tied):
     transformers = pytest.importorskip("transformers")

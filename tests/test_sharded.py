@@ -40,6 +40,13 @@ def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
+def why(done: subprocess.CompletedProcess) -> str:
+    """A failed launch's story: every rank's own error lines (rank 0's come first in stderr and would be cut from
+    its tail), then the tail."""
+    ranks = [line for line in done.stderr.splitlines() if line.startswith("[rank")]
+    return "\n".join(ranks[-60:]) + "\n...\n" + done.stderr[-1500:]
+
+
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory):
     path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
@@ -80,13 +87,13 @@ def run_and_resume(make_args, tmp_path, engine, *, critic: bool) -> tuple[dict, 
     """4 steps straight; then a copy of its step-3 checkpoint resumed to step 4. Returns both final states."""
     straight, resumed = tmp_path / f"{engine}-straight", tmp_path / f"{engine}-resumed"
     done = torchrun(*make_args(straight, engine))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why(done)
     manifest = json.loads((straight / "checkpoints/step-00000003/manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["parts"]["rng_state"]["per_rank"]
     (resumed / "checkpoints").mkdir(parents=True)
     os.system(f"cp -r {straight}/checkpoints/step-00000003 {resumed}/checkpoints/")
     done = torchrun(*make_args(resumed, engine, "--checkpoint.resume", "auto"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why(done)
     assert "resuming from" in done.stdout
     return final(straight, critic), final(resumed, critic)
 
@@ -119,7 +126,7 @@ def test_engines_agree_with_ddp(tiny_model_dir, chats, tmp_path, kind):
         out = tmp_path / engine
         args = sft_args(tiny_model_dir, chats, out, engine) if kind == "sft" else ppo_args(tiny_model_dir, out, engine)
         done = torchrun(*args)
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.returncode == 0, why(done)
         states[engine] = final(out, critic=kind == "ppo")
     for engine in ENGINES[1:]:
         assert max_diff(states[engine], states["ddp"]) < 1e-6, engine
@@ -145,11 +152,11 @@ def test_online_ppo_resumes_on_another_world_size_at_a_rollout_boundary(tiny_mod
     and the checkpoint is untouched."""
     straight = tmp_path / "straight"
     done = torchrun(*ppo_args(tiny_model_dir, straight, "ddp"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why(done)
 
     boundary = copy_step(straight, 2, tmp_path / "boundary")  # steps 1-2: the first rollout's two minibatches
     done = one_process(*ppo_args(tiny_model_dir, boundary, "ddp", "--checkpoint.resume", "auto"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why(done)
     assert "resharded a checkpoint of 2 ranks to 1: the data position carries over" in done.stdout
     sampler = json.loads((boundary / "checkpoints/step-00000004/data_sampler.json").read_text())
     assert sampler["position"] == 2 * 4 + 4  # 2 ranks x 4 prompts, then this process's 4
@@ -173,10 +180,10 @@ def test_online_ppo_resumes_on_another_world_size_at_a_rollout_boundary(tiny_mod
 def test_zero_optimizer_partitions_of_another_world_size_are_refused(tiny_model_dir, chats, tmp_path):
     straight = tmp_path / "straight"
     done = torchrun(*sft_args(tiny_model_dir, chats, straight, "zero2", "--max_steps", "1"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why(done)
     done = one_process(*sft_args(tiny_model_dir, chats, tmp_path / "again", "zero2", "--checkpoint.resume",
                                  str(straight / "checkpoints/step-00000001")))
-    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.returncode == 2, why(done)
     (line,) = done.stderr.strip().splitlines()
     assert "written by 2 ranks, this job has 1: the DeepSpeed ZeRO optimizer partitions cannot be resharded" in line
 
@@ -207,7 +214,7 @@ def test_bf16_sharded_engines_build_and_step(tiny_model_dir, chats, tmp_path, en
     assert torchrun(*sft_args(tiny_model_dir, chats, fp32, "ddp", "--max_steps", "2")).returncode == 0
     done = torchrun(*sft_args(tiny_model_dir, chats, tmp_path / engine, engine, "--max_steps", "2",
                               "--train.bf16", "true"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why(done)
     assert abs(first_loss(tmp_path / engine) - first_loss(fp32)) < 0.05 * abs(first_loss(fp32))
 
 
@@ -231,7 +238,7 @@ def test_global_token_mean_is_independent_of_ranks_and_accumulation(tiny_model_d
     runs = {"2x1x4": torchrun(*args(tmp_path / "2x1x4", 1, 4)), "2x4x1": torchrun(*args(tmp_path / "2x4x1", 4, 1)),
             "1x8x1": one_process(*args(tmp_path / "1x8x1", 8, 1))}
     for name, done in runs.items():
-        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+        assert done.returncode == 0, f"{name}: {why(done)}"
     states = {name: policy_after(tmp_path / name, 2) for name in runs}
     start = {"policy": load_file(str(tiny_model_dir / "model.safetensors"))}
     assert max_diff(states["1x8x1"], start) > 1e-3  # it trained (AdamW moves each weight by about the rate)

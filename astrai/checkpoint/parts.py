@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -130,10 +131,14 @@ def _write_part(directory: Path, name: str, part: Part, rank: int) -> list[str]:
         _use_default_mode(directory / "model.safetensors")
         write_json(directory / "config.json", part.obj.config.to_hf_dict())
         return list(HF_MODEL_FILES)
-    if part.kind == "hf_tokenizer":
-        before = set(os.listdir(directory))
-        part.obj.save(directory)
-        return sorted(set(os.listdir(directory)) - before)
+    if part.kind == "hf_tokenizer":  # saved apart first: other ranks write into `directory` meanwhile
+        private = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=directory))
+        part.obj.save(private)
+        names = sorted(os.listdir(private))
+        for file in names:
+            os.replace(private / file, directory / file)
+        private.rmdir()
+        return names
     if part.kind == "dcp":
         import torch.distributed.checkpoint as dcp
 
