@@ -120,6 +120,9 @@ class PPOSection(Section, name="ppo"):
     kl_coef: float = field_spec(0.05, "reference-KL penalty per token in the reward; 0 = no reference model", GE0)
     kl_estimator: str = field_spec("k3", "KL estimator (Schulman 2020)", Choices(("k1", "k2", "k3")))
     whiten_advantages: bool = field_spec(True, "masked mean/std normalisation of advantages per rollout")
+    critic_layers: Optional[int] = field_spec(
+        None, "critic = the policy's first N decoder layers + final norm + value head (a smaller, faster critic); "
+              "null = all layers", GT0)
 
 
 @dataclass

@@ -5,6 +5,7 @@ equal to the untrimmed full-batch computation."""
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 from toy_rl import trained
 
@@ -159,3 +160,28 @@ def test_ppo_kl_coef_zero_builds_no_reference_model(tiny_model_dir, tmp_path):
     assert build_trainer(config).strategy.experience.runner.ref_model is None
     config.ppo.kl_coef = 0.05
     assert build_trainer(config).strategy.experience.runner.ref_model is not None
+
+
+def test_ppo_critic_from_the_policys_first_layers_trains_and_resumes(tiny_model_dir, tmp_path, capsys):
+    # ppo.critic_layers 1 on the 2-layer tiny model: a 1-layer critic is built, trained, checkpointed and resumed;
+    # resuming it with a full critic, and more layers than the model has, are refused with one line
+    from astrai.config_schema import ConfigError
+    from astrai.train import main
+
+    out = tmp_path / "run"
+    args = ["--config", str(REPO / "configs/examples/ppo.yaml"), "--model.path", str(tiny_model_dir),
+            "--train.output_dir", str(out), "--rollout.batch_size", "4", "--ppo.minibatch_size", "2",
+            "--ppo.micro_batch_size", "1", "--rollout.max_new_tokens", "6", "--train.progress_bar", "false",
+            "--data.truncation", "left", "--checkpoint.save_steps", "1"]
+    assert main([*args, "--ppo.critic_layers", "1", "--max_steps", "2"]) == 0
+    assert main([*args, "--ppo.critic_layers", "1", "--max_steps", "3", "--checkpoint.resume", "auto"]) == 0
+    critic = torch.load(out / "checkpoints/step-00000003/value_model.pt", weights_only=True)
+    assert {k.split(".")[2] for k in critic if k.startswith("model.layers.")} == {"0"}
+    assert main([*args, "--max_steps", "4", "--checkpoint.resume", "auto"]) == 2  # a 2-layer critic now
+    err = capsys.readouterr().err
+    assert "part 'value_model' does not fit the model this config builds: it lacks 9 tensor(s)" in err
+    config = load_config(str(REPO / "configs/examples/ppo.yaml"),
+                         ["--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "bad"),
+                          "--ppo.critic_layers", "3", "--data.truncation", "left"])
+    with pytest.raises(ConfigError, match=r"^ppo\.critic_layers \(3\) exceeds the 2 decoder layers of model [^\n]*$"):
+        build_trainer(config)

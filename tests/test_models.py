@@ -296,6 +296,27 @@ def test_value_model_starts_at_zero_matches_policy_trunk_and_trains():
     assert all(p.grad is None for p in policy.parameters())
 
 
+def test_value_model_from_the_first_layers_of_the_policy():
+    """`num_layers` = N: the critic's trunk is the policy's embeddings, first N decoder layers and final norm (its
+    hidden states equal those of an N-layer model loaded with those weights); the policy keeps all its layers;
+    N outside 1..L is refused."""
+    policy = _model(num_hidden_layers=3)
+    critic = ValueModel.from_policy(policy, num_layers=2)
+    assert critic.config.num_hidden_layers == 2 and len(critic.model.layers) == 2
+    assert len(policy.model.layers) == 3 and policy.config.num_hidden_layers == 3
+    shorter = _model(seed=1, num_hidden_layers=2)
+    kept = {k: v for k, v in policy.state_dict().items() if ".layers.2." not in k}
+    shorter.load_state_dict(kept)  # strict: exactly the 2-layer model's names
+    ids, mask = _left_pad([[5, 6, 7, 8], [9, 10]])
+    pos = _positions(mask)
+    with torch.no_grad():
+        assert torch.equal(critic.model(ids, mask, pos), shorter.model(ids, mask, pos))
+    assert not {p.data_ptr() for p in policy.parameters()} & {p.data_ptr() for p in critic.parameters()}
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match=r"num_layers: expected 1\.\.3"):
+            ValueModel.from_policy(policy, num_layers=bad)
+
+
 def _one_line(exc: BaseException) -> str:
     message = str(exc)
     assert "\n" not in message

@@ -194,7 +194,23 @@ class LoadedCheckpoint:
                 dcp.load(state, checkpoint_id=str(self.path / name))
                 part.obj.load_state_dict(state)
                 continue
-            part.obj.load_state_dict(self.part_state(name, part.kind, own))
+            state = self.part_state(name, part.kind, own)
+            if isinstance(part.obj, torch.nn.Module):
+                self._refuse_misfit(name, part.obj, state)
+            part.obj.load_state_dict(state)
+
+    def _refuse_misfit(self, name: str, module: torch.nn.Module, state: Mapping[str, Any]) -> None:
+        """Raise CheckpointError when `state` does not have exactly `module`'s parameter names and shapes (a
+        checkpoint written with other model settings, e.g. another `ppo.critic_layers`)."""
+        own = module.state_dict()
+        missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+        resized = sorted(k for k in own.keys() & state.keys()
+                         if hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape))
+        for what, keys in (("lacks", missing), ("has extra", unexpected), ("has other shapes for", resized)):
+            if keys:
+                raise CheckpointError(f"{self.path}: part {name!r} does not fit the model this config builds: it "
+                                      f"{what} {len(keys)} tensor(s), e.g. {keys[0]!r}; was it written with other "
+                                      f"model settings?")
 
     def _refuse_missing(self, missing: list[str]) -> None:
         """Raise CheckpointError naming the first of `missing` (files of required parts), if any."""

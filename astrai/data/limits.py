@@ -36,6 +36,10 @@ def check_model_limits(config, model_config, tokenizer) -> None:
     elif d.max_length > limit:
         raise ConfigError(f"data.max_length ({d.max_length}) exceeds max_position_embeddings ({limit}) of "
                           f"model {source}")
+    critic_layers = config.ppo.critic_layers if config.train.type == "online_ppo" else None
+    if critic_layers is not None and critic_layers > model_config.num_hidden_layers:
+        raise ConfigError(f"ppo.critic_layers ({critic_layers}) exceeds the {model_config.num_hidden_layers} "
+                          f"decoder layers of model {source}")
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ConfigError(f"model.path {source}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                           f"embedding has vocab_size={model_config.vocab_size} rows (ids >= "

@@ -8,6 +8,7 @@ values are exactly 0 (as in docs/conventions.md section 3). The policy class is 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -37,12 +38,30 @@ class ValueModel(nn.Module):
             self.value_head.bias.zero_()
 
     @classmethod
-    def from_policy(cls, policy: AutoRegressiveLM) -> "ValueModel":
+    def from_policy(cls, policy: AutoRegressiveLM, num_layers: int | None = None) -> "ValueModel":
         """Critic warm-started from `policy`: its trunk is deep-copied (no parameter is shared with the policy,
-        including `gradient_checkpointing`'s setting), the head is zero. Raises `TypeError` for other models."""
+        including `gradient_checkpointing`'s setting), the head is zero. With `num_layers` = N, only the
+        embeddings, the first N decoder layers and the final norm are copied (`config.num_hidden_layers` = N): a
+        smaller critic whose forward and backward cost about N / L of the full one's.
+
+        Raises:
+            TypeError: for a policy that is not an `AutoRegressiveLM`.
+            ValueError: `num_layers` outside 1..L.
+        """
         if not isinstance(policy, AutoRegressiveLM):
             raise TypeError(f"ValueModel.from_policy expects an AutoRegressiveLM, got {type(policy).__name__}")
-        return cls(copy.deepcopy(policy.model))
+        total = policy.config.num_hidden_layers
+        if num_layers is None or num_layers == total:
+            return cls(copy.deepcopy(policy.model))
+        if not 1 <= num_layers <= total:
+            raise ValueError(f"num_layers: expected 1..{total} (the policy's decoder layers), got {num_layers}")
+        kept, policy.model.layers = policy.model.layers, policy.model.layers[:num_layers]
+        try:  # copy only what the critic keeps
+            trunk = copy.deepcopy(policy.model)
+        finally:
+            policy.model.layers = kept
+        trunk.config = dataclasses.replace(trunk.config, num_hidden_layers=num_layers)
+        return cls(trunk)
 
     @property
     def trunk(self) -> LlamaTrunk:

@@ -175,7 +175,7 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
     policy = policy.to(dist.device)
     ref_model = reference_model(dist, policy) if p.kl_coef > 0 else None
     engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
-    critic = build_trained_model(config, dist, ValueModel.from_policy(policy), name="critic",
+    critic = build_trained_model(config, dist, ValueModel.from_policy(policy, p.critic_layers), name="critic",
                                  lr=config.optim.critic_learning_rate)
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
