@@ -94,7 +94,7 @@ def test_builtin_names_and_datasets():
         PromptDataset("builtin:arithmetic_test", prompt_field="prompt")
     with pytest.raises(DataError, match="data.path: builtin:arithmetic is a generated question/answer prompt set"):
         load_records("builtin:arithmetic", {"data.messages_field": "messages"})
-    with pytest.raises(DataError, match=r"data.eval_path: file not found: builtin:nope .*builtin:arithmetic_test"):
+    with pytest.raises(DataError, match=r"data.eval_path: unknown built-in prompt set: builtin:nope .*builtin:arithmetic_test"):
         PromptDataset("builtin:nope", field="data.eval_path")
 
 

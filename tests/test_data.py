@@ -110,7 +110,7 @@ def test_invalid_utf8_names_line(tmp_path):
 def test_missing_paths(tmp_path):
     with pytest.raises(DataError, match=r"^data.path: file not found: .*nope.jsonl$"):
         PromptDataset(tmp_path / "nope.jsonl")
-    with pytest.raises(DataError, match=r"data.path: file not found: builtin:nope .*builtin:math_prompts"):
+    with pytest.raises(DataError, match=r"data.path: unknown built-in prompt set: builtin:nope .*builtin:math_prompts"):
         PromptDataset("builtin:nope")
     with pytest.raises(DataError, match=r"data.path: not a file"):
         PromptDataset(tmp_path)

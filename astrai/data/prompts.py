@@ -88,7 +88,7 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
         The path of an existing regular file.
 
     Raises:
-        DataError: ``<field>: file not found: X`` (also for an unknown builtin name, listing
+        DataError: ``<field>: file not found: X``, ``<field>: unknown built-in prompt set: builtin:X`` (listing
             the available ones), ``<field>: not a file: X`` for a directory, or, for a generated set
             (which has no file), ``<field>: builtin:X is a generated question/answer prompt set ...``.
     """
@@ -101,7 +101,7 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
         resolved = Path(str(resources.files("astrai.data") / "assets" / f"{name}.jsonl"))
         if not resolved.is_file():
             choices = ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) or "none"
-            raise DataError(f"{field}: file not found: {text} (built-in prompt sets: {choices})")
+            raise DataError(f"{field}: unknown built-in prompt set: {text} (the built-in ones: {choices})")
         return resolved
     resolved = Path(text).expanduser()
     if not resolved.exists():
