@@ -104,9 +104,12 @@ def _run(config) -> int:
     except _bad_input_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    first = trainer.state.global_step  # > 0 on a resume
     state = trainer.fit()
     if trainer.dist.is_main:
-        steps = f"{state.global_step} step{'' if state.global_step == 1 else 's'}"
+        ran = state.global_step - first
+        steps = f"{ran} step{'' if ran == 1 else 's'}"
+        steps += f" (resumed at step {first}, now at {state.global_step})" if first else ""
         print(f"done: {steps}, policy_version {state.policy_version}, "
               f"{time.perf_counter() - start:.1f} s; outputs in {config.train.output_dir}")
     return 0

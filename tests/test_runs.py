@@ -64,7 +64,9 @@ def test_new_run_in_a_used_directory_keeps_its_own_checkpoints(tiny_model_dir, t
     capsys.readouterr()
 
     assert main(sft_args(tiny_model_dir, out, "--max_steps", "4", "--checkpoint.resume", "auto")) == 0
-    assert "resuming from " + str(checkpoints_root(out) / "step-00000003") in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resuming from " + str(checkpoints_root(out) / "step-00000003") in printed
+    assert "done: 1 step (resumed at step 3, now at 4)" in printed  # the steps this run made, not the global step
     assert steps(out) == [3, 4, 10] and run_id_of(checkpoints_root(out) / "step-00000004") == run
 
 
