@@ -201,7 +201,7 @@ def report(summary: dict, out: Path) -> None:
         print("  ".join(f"pass@{k} {v:.4f}" for k, v in summary["pass_at_k"].items()))
     threads = f"{s['threads']} thread{'' if s['threads'] == 1 else 's'}"
     print(f"{summary['generated_tokens']} tokens in {summary['generation_seconds']:.1f} s "
-          f"({summary['tokens_per_second']:.1f} tok/s, {threads}); wall {summary['wall_seconds']:.1f} s")
+          f"({summary['tokens_per_second']:.1f} tok/s, {threads}); evaluation {summary['wall_seconds']:.1f} s in all")
     print(f"wrote {out / RESULTS_FILE} and {out / SUMMARY_FILE}")
 
 
@@ -218,7 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print(f"done in {time.perf_counter() - start:.1f} s (model loading included)", file=sys.stderr)
     return 0
 
 
