@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -208,6 +209,24 @@ def test_tokenizer_files_exclude_other_ranks_files(tmp_path):
     names = write_parts(tmp_path, {"tokenizer": Part(SavingBesideAnotherRank(), "hf_tokenizer")}, 0)
     assert names == ["tokenizer.json", "tokenizer_config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".rank-00001.done.tmp", *names]  # no private dir left
+
+
+def test_a_model_part_that_does_not_fit_is_refused_with_one_line(tmp_path):
+    """A checkpoint's model state with other tensor names or shapes than the model built is refused before it
+    loads (torch's own error lists every key over many lines)."""
+    def critic(**overrides):
+        torch.manual_seed(0)
+        return ValueModel(AutoRegressiveLM(tiny_config(**overrides)).model)
+
+    path = publish_checkpoint(tmp_path, 1, {"value_model": Part(critic(num_hidden_layers=2))})
+    ckpt = load_checkpoint(path)
+    for model, said in ((critic(num_hidden_layers=1), "has extra 9 tensor(s), e.g. 'model.layers.1."),
+                        (critic(num_hidden_layers=3), "lacks 9 tensor(s), e.g. 'model.layers.2."),
+                        (critic(num_hidden_layers=2, intermediate_size=64), "has other shapes for 6 tensor(s)")):
+        with pytest.raises(CheckpointError, match=rf"part 'value_model' does not fit the model this config builds: "
+                                                  rf"it {re.escape(said)}[^\n]*$"):
+            ckpt.restore({"value_model": Part(model)})
+    ckpt.restore({"value_model": Part(critic(num_hidden_layers=2))})
 
 
 @pytest.mark.parametrize("tied", [False, True])

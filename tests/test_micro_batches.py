@@ -178,8 +178,12 @@ def test_ppo_critic_from_the_policys_first_layers_trains_and_resumes(tiny_model_
     critic = torch.load(out / "checkpoints/step-00000003/value_model.pt", weights_only=True)
     assert {k.split(".")[2] for k in critic if k.startswith("model.layers.")} == {"0"}
     assert main([*args, "--max_steps", "4", "--checkpoint.resume", "auto"]) == 2  # a 2-layer critic now
-    err = capsys.readouterr().err
-    assert "part 'value_model' does not fit the model this config builds: it lacks 9 tensor(s)" in err
+    err = capsys.readouterr().err  # refused from the manifest, before the model loads
+    assert ("step-00000003: its critic has ppo.critic_layers 1, this job builds 2 (all the policy's); resume with "
+            "--ppo.critic_layers 1\n") in err
+    assert main([*args, "--max_steps", "4", "--checkpoint.resume", "auto", "--ppo.critic_layers", "2", "--check"]) == 2
+    assert "its critic has ppo.critic_layers 1, this job builds 2" in capsys.readouterr().err  # the pre-flight too
+    assert main([*args, "--max_steps", "4", "--checkpoint.resume", "auto", "--ppo.critic_layers", "1", "--check"]) == 0
     config = load_config(str(REPO / "configs/examples/ppo.yaml"),
                          ["--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "bad"),
                           "--ppo.critic_layers", "3", "--data.truncation", "left"])

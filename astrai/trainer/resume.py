@@ -60,6 +60,31 @@ def check_resume(path: Path, *, train_type: str, world_size: int, strategy: Opti
     return ckpt
 
 
+def critic_metadata(critic_layers: Optional[int], policy_layers: int) -> dict[str, int]:
+    """Manifest fields of an online_ppo checkpoint that say which critic it holds: `critic_layers` (its decoder
+    layers: `ppo.critic_layers`, or all of the policy's) and `policy_layers`."""
+    return {"critic_layers": critic_layers or policy_layers, "policy_layers": policy_layers}
+
+
+def check_critic_layers(path: Path, manifest: Optional[Mapping], critic_layers: Optional[int]) -> None:
+    """Refuse to resume an online_ppo checkpoint whose critic has another number of decoder layers than the job's
+    `ppo.critic_layers` (None: all the policy's) would build, from its manifest alone (`critic_metadata`; a
+    checkpoint without those fields is not checked here: its parts are checked when they load).
+
+    Raises:
+        CheckpointError: one line with both numbers and the option that resumes it.
+    """
+    held = (manifest or {}).get("critic_layers")
+    if held is None:
+        return
+    policy_layers = (manifest or {}).get("policy_layers")
+    want = critic_layers if critic_layers is not None else policy_layers
+    if want != held:
+        said = lambda n: f"{n} (all the policy's)" if n == policy_layers else str(n)  # noqa: E731
+        raise CheckpointError(f"{path}: its critic has ppo.critic_layers {said(held)}, this job builds "
+                              f"{said(want)}; resume with --ppo.critic_layers {held}")
+
+
 def restore(parts: Mapping[str, Part], path: Path, *, rank: int, train_type: str, verify: bool,
             world_size: int = 1, strategy: Optional[str] = None) -> Optional[str]:
     """Load the checkpoint at `path` into `parts` (this rank's copies of per-rank parts), in their order.
