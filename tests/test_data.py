@@ -112,6 +112,9 @@ def test_missing_paths(tmp_path):
         PromptDataset(tmp_path / "nope.jsonl")
     with pytest.raises(DataError, match=r"data.path: unknown built-in prompt set: builtin:nope .*builtin:math_prompts"):
         PromptDataset("builtin:nope")
+    for name in ("builtin:../assets/math_prompts", "builtin:"):  # a name, never a path
+        with pytest.raises(DataError, match=r"data.path: unknown built-in prompt set: "):
+            PromptDataset(name)
     with pytest.raises(DataError, match=r"data.path: not a file"):
         PromptDataset(tmp_path)
 

@@ -99,7 +99,7 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
             raise DataError(f"{field}: {text} is a generated question/answer prompt set, usable by online_ppo, "
                             "online_grpo and evaluation, not as a training-record file")
         resolved = Path(str(resources.files("astrai.data") / "assets" / f"{name}.jsonl"))
-        if not resolved.is_file():
+        if name not in builtin_names() or not resolved.is_file():  # not a path: "builtin:../x" names nothing
             choices = ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) or "none"
             raise DataError(f"{field}: unknown built-in prompt set: {text} (the built-in ones: {choices})")
         return resolved
