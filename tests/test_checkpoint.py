@@ -227,6 +227,11 @@ def test_a_model_part_that_does_not_fit_is_refused_with_one_line(tmp_path):
                                                   rf"it {re.escape(said)}[^\n]*$"):
             ckpt.restore({"value_model": Part(model)})
     ckpt.restore({"value_model": Part(critic(num_hidden_layers=2))})
+    # a tied LM head is stored once (under the embedding's name): not a missing tensor
+    tied = AutoRegressiveLM(tiny_config(tie_word_embeddings=True))
+    path = publish_checkpoint(tmp_path, 2, {"policy": Part(tied, "hf_model")})
+    load_checkpoint(path).restore({"policy": Part(AutoRegressiveLM(tiny_config(tie_word_embeddings=True)),
+                                                  "hf_model")})
 
 
 @pytest.mark.parametrize("tied", [False, True])

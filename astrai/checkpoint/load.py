@@ -202,8 +202,10 @@ class LoadedCheckpoint:
     def _refuse_misfit(self, name: str, module: torch.nn.Module, state: Mapping[str, Any]) -> None:
         """Raise CheckpointError when `state` does not have exactly `module`'s parameter names and shapes (a
         checkpoint written with other model settings, e.g. another `ppo.critic_layers`)."""
-        own = module.state_dict()
-        missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+        own = module.state_dict(keep_vars=True)
+        stored = {id(own[k]) for k in own.keys() & state.keys()}  # a tied weight is stored under one of its names
+        missing = sorted(k for k in own.keys() - state.keys() if id(own[k]) not in stored)
+        unexpected = sorted(state.keys() - own.keys())
         resized = sorted(k for k in own.keys() & state.keys()
                          if hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape))
         for what, keys in (("lacks", missing), ("has extra", unexpected), ("has other shapes for", resized)):
