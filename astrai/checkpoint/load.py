@@ -32,6 +32,7 @@ from astrai.checkpoint.manifest import (
     safe_member,
 )
 from astrai.checkpoint.parts import Part
+from astrai.models import state_mismatch
 
 
 class LoadedCheckpoint:
@@ -204,10 +205,8 @@ class LoadedCheckpoint:
         checkpoint written with other model settings, e.g. another `ppo.critic_layers`)."""
         own = module.state_dict(keep_vars=True)
         stored = {id(own[k]) for k in own.keys() & state.keys()}  # a tied weight is stored under one of its names
-        missing = sorted(k for k in own.keys() - state.keys() if id(own[k]) not in stored)
-        unexpected = sorted(state.keys() - own.keys())
-        resized = sorted(k for k in own.keys() & state.keys()
-                         if hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(own[k].shape))
+        expected = {k: v.shape for k, v in own.items() if k in state or id(v) not in stored}
+        missing, unexpected, resized = state_mismatch(expected, state)
         for what, keys in (("lacks", missing), ("has extra", unexpected), ("has other shapes for", resized)):
             if keys:
                 raise CheckpointError(f"{self.path}: part {name!r} does not fit the model this config builds: it "

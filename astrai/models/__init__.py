@@ -4,7 +4,7 @@ of pretrained weights (Hugging Face directories and GGUF files). See docs/archit
 from .cache import KVCache
 from .config import ModelConfig, tiny_config
 from .llama import AutoRegressiveLM, LlamaTrunk, hf_state_dict
-from .loading import MODEL_ALIASES, load_pretrained, resolve_model_path
+from .loading import MODEL_ALIASES, load_pretrained, resolve_model_path, state_mismatch
 from .tokenizer import TINY_VOCAB_SIZE, Tokenizer, tiny_tokenizer
 from .value_model import ValueModel
 
@@ -20,6 +20,7 @@ __all__ = [
     "hf_state_dict",
     "load_pretrained",
     "resolve_model_path",
+    "state_mismatch",
     "tiny_config",
     "tiny_tokenizer",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from .config import ModelConfig, merge_eos_ids
 from .llama import AutoRegressiveLM, hf_state_dict
 from .tokenizer import Tokenizer
 
-__all__ = ["resolve_model_path", "load_pretrained", "hf_state_dict", "MODEL_ALIASES"]
+__all__ = ["resolve_model_path", "load_pretrained", "hf_state_dict", "state_mismatch", "MODEL_ALIASES"]
 
 # name -> (package holding the file, file name, pip requirement)
 MODEL_ALIASES = {
@@ -114,6 +114,18 @@ def empty_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, devi
     return model.eval()
 
 
+def state_mismatch(expected: Mapping[str, Sequence[int]],
+                   state: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:
+    """How a state dict differs from the tensors a model expects (name -> shape): the expected names it lacks
+    (sorted), the names it has beyond them (sorted), and the shared names whose shapes differ (in `expected`'s
+    order; entries of `state` without a `shape` are not compared). All three empty: it fits."""
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    resized = [k for k, shape in expected.items()
+               if k in state and hasattr(state[k], "shape") and tuple(state[k].shape) != tuple(shape)]
+    return missing, unexpected, resized
+
+
 def _build_model(
     config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: Any, path: Path
 ) -> AutoRegressiveLM:
@@ -128,13 +140,13 @@ def _build_model(
     expected = {k: v.shape for k, v in hf_state_dict(model).items()}
     if config.tie_word_embeddings:  # some tied checkpoints also store the head; the embedding is the weight
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    missing, unexpected, resized = state_mismatch(expected, state)
     if missing or unexpected:
         raise ValueError(f"{path}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != tuple(shape):
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
+    if resized:
+        name = resized[0]
+        raise ValueError(f"{path}: tensor {name} has shape {tuple(state[name].shape)}, expected "
+                         f"{tuple(expected[name])}")
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
