@@ -22,7 +22,7 @@ from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, Progress
 from astrai.trainer.evaluation import build_evaluation, load_eval_records
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
-from astrai.trainer.resume import check_critic_layers, check_resume, critic_metadata, restore
+from astrai.trainer.resume import check_resume, critic_metadata, restore
 from astrai.trainer.runs import record_run, resolve_run
 from astrai.trainer.strategies import TRAIN_DATA, TRAIN_TYPES
 
@@ -112,9 +112,8 @@ def build_trainer(config: Config) -> Trainer:
     resume_from, run_id = resolve_run(config.checkpoint.resume, output_dir,
                                       overwrite=config.train.overwrite_output_dir, dist=dist)
     if resume_from is not None:  # refused before anything loads (restore() checks again, with sha256 if asked)
-        ckpt = check_resume(resume_from, train_type=config.train.type, world_size=dist.world_size,
-                            strategy=dist.strategy)
-        check_critic_layers(resume_from, ckpt.manifest, config.ppo.critic_layers)
+        check_resume(resume_from, train_type=config.train.type, world_size=dist.world_size, strategy=dist.strategy,
+                     critic_layers=config.ppo.critic_layers)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
     policy.train()
@@ -127,7 +126,7 @@ def build_trainer(config: Config) -> Trainer:
     if resume_from is not None:
         resized = restore(job_parts(trainer, tokenizer, config_text), resume_from, rank=dist.rank,
                           train_type=config.train.type, verify=config.checkpoint.verify_on_load,
-                          world_size=dist.world_size, strategy=dist.strategy)
+                          world_size=dist.world_size, strategy=dist.strategy, critic_layers=config.ppo.critic_layers)
     logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main,
                            resume_step=None if resume_from is None else trainer.state.global_step)
 
@@ -187,9 +186,8 @@ def check_job(config: Config, *, world_size: int) -> str:
     resume_from, _ = resolve_run(config.checkpoint.resume, output_dir, overwrite=config.train.overwrite_output_dir,
                                  dist=None)
     if resume_from is not None:
-        ckpt = check_resume(resume_from, train_type=config.train.type, world_size=world_size,
-                            strategy=plan.strategy, verify=config.checkpoint.verify_on_load)
-        check_critic_layers(resume_from, ckpt.manifest, config.ppo.critic_layers)
+        check_resume(resume_from, train_type=config.train.type, world_size=world_size, strategy=plan.strategy,
+                     verify=config.checkpoint.verify_on_load, critic_layers=config.ppo.critic_layers)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
     data = TRAIN_DATA[config.train.type](config, policy.config, tokenizer, main=True)

@@ -34,15 +34,18 @@ def resolve_resume(resume: str, output_dir: str | Path, *, run_id: Optional[str]
     return path
 
 
-def check_resume(path: Path, *, train_type: str, world_size: int, strategy: Optional[str], verify: bool = False):
+def check_resume(path: Path, *, train_type: str, world_size: int, strategy: Optional[str], verify: bool = False,
+                 critic_layers: Optional[int] = None):
     """The checkpoint at `path` opened (`load_checkpoint`), after the checks that need only its manifest: the
-    train type, the engine that wrote it, and a world size the engine's state cannot be resharded to. Cheap with
-    `verify=False` (file presence and sizes), so the job refuses before it loads or builds anything.
+    train type, the engine that wrote it, a world size the engine's state cannot be resharded to, and (online_ppo)
+    the critic's size against the job's `ppo.critic_layers` (`critic_layers`; None: all the policy's layers). Cheap
+    with `verify=False` (file presence and sizes), so the job refuses before it loads or builds anything.
 
     Returns: the `LoadedCheckpoint`.
     Raises:
         CheckpointError: one line: another train type; another `distributed.strategy` than `strategy` (the
-            engines keep optimizer state in different layouts); ZeRO partitions of another world size.
+            engines keep optimizer state in different layouts); ZeRO partitions of another world size; a critic
+            of another number of layers (`check_critic_layers`).
     """
     ckpt = load_checkpoint(path, verify=verify)
     if ckpt.train_type is not None and ckpt.train_type != train_type:
@@ -57,6 +60,7 @@ def check_resume(path: Path, *, train_type: str, world_size: int, strategy: Opti
         raise CheckpointError(f"{path}: written by {ckpt.world_size} ranks, this job has {world_size}: the DeepSpeed "
                               f"ZeRO optimizer partitions cannot be resharded; resume with {ckpt.world_size} "
                               f"processes, or start a new run from its weights (--model.path {path})")
+    check_critic_layers(path, ckpt.manifest, critic_layers)
     return ckpt
 
 
@@ -86,7 +90,7 @@ def check_critic_layers(path: Path, manifest: Optional[Mapping], critic_layers: 
 
 
 def restore(parts: Mapping[str, Part], path: Path, *, rank: int, train_type: str, verify: bool,
-            world_size: int = 1, strategy: Optional[str] = None) -> Optional[str]:
+            world_size: int = 1, strategy: Optional[str] = None, critic_layers: Optional[int] = None) -> Optional[str]:
     """Load the checkpoint at `path` into `parts` (this rank's copies of per-rank parts), in their order.
 
     A checkpoint written by another number of ranks is resharded (`LoadedCheckpoint.restore`): the data position is
@@ -101,9 +105,11 @@ def restore(parts: Mapping[str, Part], path: Path, *, rank: int, train_type: str
         CheckpointError: on a missing file of a required part (named), a manifest/sha256 failure, a train-type
             mismatch, a checkpoint written under another `distributed.strategy` than `strategy` (the engines keep
             optimizer state in different layouts), or state that cannot be resharded to `world_size` (ZeRO
-            optimizer partitions, a rollout in progress).
+            optimizer partitions, a rollout in progress); a critic of another size than `critic_layers` (the
+            job's `ppo.critic_layers`, as `check_resume`).
     """
-    ckpt = check_resume(path, train_type=train_type, world_size=world_size, strategy=strategy, verify=verify)
+    ckpt = check_resume(path, train_type=train_type, world_size=world_size, strategy=strategy, verify=verify,
+                        critic_layers=critic_layers)
     ckpt.restore(parts, rank, world_size)
     if ckpt.world_size == world_size:
         return None
