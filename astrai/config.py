@@ -294,6 +294,9 @@ class Config:
         if self.train.eval_steps and self.data.eval_path is None:
             raise ConfigError("data.eval_path: train.eval_steps > 0 needs a held-out set "
                               "(e.g. builtin:arithmetic_test or a GSM8K-format .jsonl)")
+        if self.data.eval_limit is not None and self.data.eval_path is None:
+            raise ConfigError(f"data.eval_limit: set to {self.data.eval_limit} but there is no data.eval_path to "
+                              "take questions from; set data.eval_path (and train.eval_steps) or drop eval_limit")
         for name in self.train.metrics:
             if name not in OPTIONAL_METRICS:
                 raise ConfigError("train.metrics: " + _unknown("metric", name, OPTIONAL_METRICS)
@@ -305,6 +308,28 @@ class Config:
         if m.moe_num_experts and m.moe_top_k > m.moe_num_experts:
             raise ConfigError(f"model.moe_top_k: expected <= model.moe_num_experts ({m.moe_num_experts}), "
                               f"got {m.moe_top_k}")
+
+
+SECTION_READERS: dict[str, tuple[str, ...]] = {
+    "ppo": ("online_ppo",),
+    "grpo": ("online_grpo", "grpo"),
+    "dpo": ("dpo",),
+}
+"""Algorithm section -> the train types that read it; every other train type ignores it."""
+
+
+def ignored_settings(config: Config) -> list[str]:
+    """``section.field`` names set away from their defaults in algorithm sections (`SECTION_READERS`) that
+    ``config.train.type`` does not read, in declaration order: settings that have no effect on this job (e.g.
+    ``ppo.critic_layers`` in an ``online_grpo`` job). Empty when there are none."""
+    names = []
+    for section, readers in SECTION_READERS.items():
+        if config.train.type in readers:
+            continue
+        current, default = getattr(config, section), SECTIONS[section]()
+        names += [f"{section}.{f.name}" for f in dataclasses.fields(current)
+                  if getattr(current, f.name) != getattr(default, f.name)]
+    return names
 
 
 def _check_divides(small: tuple[str, int], big: tuple[str, int]) -> None:

@@ -51,7 +51,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one training job; returns the process exit code."""
-    from astrai.config import ConfigError, load_config
+    from astrai.config import ConfigError, ignored_settings, load_config
 
     from astrai.runtime_env import job_runtime
 
@@ -63,6 +63,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    ignored = ignored_settings(config)
+    if ignored and os.environ.get("RANK", "0") == "0":
+        print(f"warning: train.type {config.train.type} does not read {', '.join(ignored)}: "
+              f"{'it has' if len(ignored) == 1 else 'they have'} no effect on this job", file=sys.stderr)
     job = contextlib.ExitStack()
     try:  # runtime.environment is exported before build_trainer creates the process group
         job.enter_context(job_runtime(config.runtime.environment))

@@ -293,3 +293,40 @@ def test_cross_field_errors_say_where_the_values_came_from(tmp_path):
         load_config(str(job), ["--rollout.dynamic_sampling", "false"])
     with pytest.raises(ConfigError, match=r"generation_batch_size: only used .*null$"):  # no file: nothing added
         load_config(None, ["--train.type", "online_grpo", "--rollout.generation_batch_size", "8"])
+
+
+# ------------------------------------------------------------------------------------------- ignored settings
+def test_ignored_settings_name_algorithm_fields_the_train_type_does_not_read():
+    from astrai.config import ignored_settings
+
+    assert ignored_settings(Config()) == []
+    grpo_job = load_config(None, ["--train.type", "online_grpo", "--ppo.critic_layers", "6", "--ppo.vf_coef", "0.5",
+                                  "--grpo.group_size", "8", "--dpo.beta", "0.2"])
+    assert ignored_settings(grpo_job) == ["ppo.vf_coef", "ppo.critic_layers", "dpo.beta"]
+    assert ignored_settings(load_config(None, ["--train.type", "grpo", "--grpo.group_size", "8"])) == []
+    sft_job = load_config(None, ["--train.type", "sft", "--grpo.kl_coef", "0"])
+    assert ignored_settings(sft_job) == ["grpo.kl_coef"]
+    assert ignored_settings(load_config(None, ["--train.type", "dpo", "--dpo.beta", "0.2"])) == []
+    # a value equal to the default is not reported: nothing tells it apart from an unset one
+    assert ignored_settings(load_config(None, ["--train.type", "sft", "--ppo.gamma", "1.0"])) == []
+
+
+def test_example_configs_set_nothing_their_train_type_ignores():
+    from pathlib import Path
+
+    from astrai.config import ignored_settings
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "configs" / "examples").glob("*.yaml")):
+        assert ignored_settings(load_config(str(path), [])) == [], path.name
+
+
+def test_the_cli_warns_in_one_line_about_ignored_settings(tiny_model_dir, tmp_path, capsys):
+    from astrai.train import main
+
+    code = main(["--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "o"), "--train.type",
+                 "online_grpo", "--grpo.group_size", "2", "--rollout.batch_size", "2", "--grpo.minibatch_size", "4",
+                 "--grpo.micro_batch_size", "4", "--ppo.critic_layers", "1", "--data.truncation", "left",
+                 "--rollout.max_new_tokens", "8", "--data.max_prompt_length", "64", "--check"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 0, err
+    assert err == ["warning: train.type online_grpo does not read ppo.critic_layers: it has no effect on this job"]

@@ -134,6 +134,7 @@ def test_offline_train_type_evaluates_with_its_own_synced_engine(tiny_model_dir,
     (("--train.eval_steps", "2"), "data.eval_path"),
     (("--train.eval_steps", "2", "--data.eval_path", "/nonexistent/eval.jsonl"), "data.eval_path: file not found"),
     (("--data.eval_limit", "0"), "data.eval_limit"),
+    (("--data.eval_limit", "5"), "data.eval_limit: set to 5 but there is no data.eval_path"),
     (EVAL, "eval is a file, not a directory"),
     (("--train.eval_on_start", "true"), "train.eval_on_start: needs train.eval_steps > 0"),
 ])
