@@ -137,7 +137,11 @@ class GRPOSection(Section, name="grpo"):
     kl_coef: float = field_spec(0.04, "reference-KL (k3) weight in the loss; 0 = no reference model", GE0)
     kl_reward_coef: float = field_spec(0.0, "reference-KL weight subtracted from the reward instead", GE0)
     std_eps: float = field_spec(1e-6, "epsilon added to the group std", GT0)
-    std_floor: Optional[float] = field_spec(None, "lower bound on the group std; null = none", GT0)
+    std_floor: Optional[float] = field_spec(None, "lower bound on the std the rewards are divided by; null = none", GT0)
+    scale_rewards: str = field_spec(
+        "group", "what the group-centred rewards are divided by: the group's std (GRPO), the std of the whole "
+                 "rollout's rewards ('batch', Lite PPO) or nothing ('none', Dr. GRPO)",
+        Choices(("group", "batch", "none")))  # = astrai.algos.SCALE_REWARDS (config does not import torch)
 
 
 @dataclass

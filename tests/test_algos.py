@@ -333,6 +333,38 @@ def test_group_advantages_hand_values_identical_groups_and_floor():
     assert group_advantages(torch.tensor([1, 0]), group_size=2).dtype == torch.float32
 
 
+def test_group_advantages_scale_batch_and_none_hand_values():
+    """scale="batch": group mean, std of all B*G scores (Lite PPO); scale="none": group-centred only (Dr. GRPO)."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=D64)
+    # groups of 4: means 0.25 and 0.75; all 8 scores: mean 0.5, unbiased variance 8 * 0.25 / 7
+    centered = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, -0.75, 0.25], dtype=D64)
+    torch.testing.assert_close(group_advantages(scores, group_size=4, scale="none"), centered)
+    batch_std = math.sqrt(2.0 / 7.0)
+    torch.testing.assert_close(group_advantages(scores, group_size=4, scale="batch", eps=0.0), centered / batch_std)
+    pop = group_advantages(scores, group_size=4, scale="batch", eps=0.0, unbiased=False)
+    torch.testing.assert_close(pop, centered / 0.5)
+    # the group scale divides a 1-of-4 group by its own std (sqrt(0.25)), the batch scale by the rollout's
+    grouped = group_advantages(scores, group_size=4, eps=0.0)
+    torch.testing.assert_close(grouped[:4], centered[:4] / 0.5)
+    # std_floor bounds the batch std too; identical groups stay at 0 under every scale
+    floored = group_advantages(scores, group_size=4, scale="batch", eps=0.0, std_floor=1.0)
+    torch.testing.assert_close(floored, centered)
+    same = torch.tensor([2.0, 2.0, 5.0, 5.0])
+    for scale in ("group", "batch", "none"):
+        assert group_advantages(same, group_size=2, scale=scale).abs().max().item() == 0.0
+    with pytest.raises(ValueError, match="scale must be one of group, batch, none, got 'std'"):
+        group_advantages(scores, group_size=4, scale="std")
+
+
+def test_scale_rewards_choices_match_the_config():
+    from astrai.algos import SCALE_REWARDS
+    from astrai.config import GRPOSection
+    from astrai.config_schema import field_specs
+
+    _, check = field_specs(GRPOSection)["scale_rewards"]
+    assert tuple(check.values) == SCALE_REWARDS
+
+
 def test_group_advantages_errors():
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(6), group_size=4)

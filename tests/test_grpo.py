@@ -71,6 +71,16 @@ def test_group_advantages_hand_computed():
     torch.testing.assert_close(floored.advantages[:, 0], torch.tensor([-0.0005, 0.0005]) / 0.1)
 
 
+def test_scale_rewards_reaches_the_pinned_advantages():
+    exp = make_experience([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0], lengths=[3, 2, 1, 3, 3, 3, 2, 1])
+    mask = exp.sequences.action_mask
+    centered = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75])
+    none = group_rollout(exp, group_size=4, std_eps=0.0, scale_rewards="none")
+    torch.testing.assert_close(none.advantages, centered[:, None] * mask)
+    batch = group_rollout(exp, group_size=4, std_eps=0.0, scale_rewards="batch")
+    torch.testing.assert_close(batch.advantages, centered[:, None] * mask / math.sqrt(2.0 / 7.0))
+
+
 def test_identical_rewards_give_zero_advantages_and_finite_loss():
     exp = make_experience([0.5] * 4)
     result = group_rollout(exp, group_size=4)

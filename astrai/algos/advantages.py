@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ppo_token_rewards", "gae", "group_advantages", "last_token_index"]
+__all__ = ["ppo_token_rewards", "gae", "group_advantages", "last_token_index", "SCALE_REWARDS"]
 
 
 def _check_same(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
@@ -106,6 +106,10 @@ def gae(
     return advantages, returns
 
 
+SCALE_REWARDS = ("group", "batch", "none")
+"""`group_advantages` scale modes (`grpo.scale_rewards`): what the group-centred rewards are divided by."""
+
+
 def group_advantages(
     scores: torch.Tensor,
     *,
@@ -113,19 +117,27 @@ def group_advantages(
     eps: float = 1e-6,
     std_floor: float | None = None,
     unbiased: bool = True,
+    scale: str = "group",
 ) -> torch.Tensor:
     """GRPO group-normalised advantages (Shao et al. 2024, DeepSeekMath, outcome supervision).
 
     Shapes: ``scores`` (B*G,) with the G samples of a prompt contiguous, or (B, G); floating (integers are
     converted to float32). Returns the same shape, floating. Broadcast over the response tokens by the caller,
     e.g. ``adv[:, None] * action_mask``.
-    Formula: per group, ``A_i = (r_i - mean_G) / (max(std_G, std_floor) + eps)`` with ``std_G`` the unbiased
-    (Bessel, n - 1; the convention of common GRPO implementations) or, if not ``unbiased``, the population
-    standard deviation. A group of identical scores gives A = 0 (never NaN); ``std_floor`` keeps near-identical
-    groups from being blown up into +-1 advantages. A group of size 1 has std 0 and A = 0.
+    Formula: per group, ``A_i = (r_i - mean_G) / (max(std, std_floor) + eps)``, where ``std`` depends on ``scale``:
+    ``"group"`` (GRPO) the group's own ``std_G``; ``"batch"`` the std of all B*G scores together (group mean,
+    batch std: Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning", Lite PPO), so a group
+    whose G rewards are nearly all equal is not scaled up to the same magnitude as a split one; ``"none"`` no
+    division at all, ``A_i = r_i - mean_G`` (Liu et al. 2025, "Understanding R1-Zero-Like Training", Dr. GRPO,
+    section 3.1: the std divisor weights prompts that are almost always or almost never solved most). Each std is
+    the unbiased (Bessel, n - 1; the convention of common GRPO implementations) or, if not ``unbiased``, the
+    population standard deviation. A group of identical scores gives A = 0 (never NaN); ``std_floor`` keeps
+    near-identical groups from being blown up into +-1 advantages. A group of size 1 has std 0 and A = 0.
     Raises: ValueError if ``group_size < 1``, the length is not a multiple of ``group_size``, a 2-D input's second
-    dimension differs from ``group_size``, or ``scores`` is not 1-D/2-D.
+    dimension differs from ``group_size``, ``scores`` is not 1-D/2-D, or ``scale`` is not one of the three.
     """
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale must be one of {', '.join(SCALE_REWARDS)}, got {scale!r}")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size!r}")
     if scores.dim() == 1:
@@ -140,8 +152,14 @@ def group_advantages(
     groups = x.reshape(-1, group_size)
     mean = groups.mean(dim=1, keepdim=True)
     centered = groups - mean
-    denom = max(group_size - 1, 1) if unbiased else group_size
-    std = ((centered * centered).sum(dim=1, keepdim=True) / denom).sqrt()
+    if scale == "none":
+        return centered.reshape(scores.shape)
+    if scale == "batch":
+        flat = x.reshape(-1)
+        std = flat.std(unbiased=unbiased) if flat.numel() > 1 else flat.new_zeros(())
+    else:
+        denom = max(group_size - 1, 1) if unbiased else group_size
+        std = ((centered * centered).sum(dim=1, keepdim=True) / denom).sqrt()
     if std_floor is not None:
         std = std.clamp(min=std_floor)
     return (centered / (std + eps)).reshape(scores.shape)

@@ -2,7 +2,8 @@
 
 Each rollout: sync the policy weights into the engine, repeat each of B prompts G times (contiguously) through
 the shared `RolloutRunner`, score the B*G responses, and pin group-normalised advantages
-`A_i = (r_i - mean_G) / (max(std_G, std_floor) + eps)` broadcast over each response's real tokens. The loss is
+`A_i = (r_i - mean_G) / (max(std_G, std_floor) + eps)` (`grpo.scale_rewards`: or divided by the std of the whole
+rollout's rewards, or not divided) broadcast over each response's real tokens. The loss is
 the PPO-clip surrogate against the sampler-aligned `old_logprobs` of the engine (what it simplifies: no second
 "old policy" model is allocated, synchronised or run) plus `kl_coef` times the k3 reference KL
 (Schulman 2020) in the loss; alternatively `kl_reward_coef` subtracts the per-sequence k3 KL from the reward
@@ -37,6 +38,7 @@ class GRPOSettings:
     kl_reward_coef: float
     std_eps: float
     std_floor: Optional[float]
+    scale_rewards: str = "group"
 
 
 def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
@@ -83,12 +85,13 @@ def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
 
 @torch.no_grad()
 def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0.0, std_eps: float = 1e-6,
-                  std_floor: Optional[float] = None) -> RolloutResult:
+                  std_floor: Optional[float] = None, scale_rewards: str = "group") -> RolloutResult:
     """Pin GRPO targets on sampled experience (the G samples of a prompt contiguous).
 
     Shapes: N = B * G rows, T response tokens. `kl` = k3(old_logprobs, ref_logprobs) per real token (N, T)
     when reference log-probs exist; rewards r = scores - kl_reward_coef * kl.sum(-1) (N,);
-    advantages = `group_advantages(r)` (N,) broadcast to (N, T) and zeroed at padding (float32).
+    advantages = `group_advantages(r, scale=scale_rewards)` (N,) broadcast to (N, T) and zeroed at padding
+    (float32); with "batch" the std is that of this rollout's N rewards (this rank's rows).
     `values` and `returns` are None (no critic); `rewards` holds r broadcast over real tokens.
 
     Raises:
@@ -104,7 +107,7 @@ def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0
         if kl is None:
             raise ValueError("grpo.kl_reward_coef > 0 needs reference log-probs")
         rewards = rewards - kl_reward_coef * kl.sum(-1)
-    adv = group_advantages(rewards, group_size=group_size, eps=std_eps, std_floor=std_floor)
+    adv = group_advantages(rewards, group_size=group_size, eps=std_eps, std_floor=std_floor, scale=scale_rewards)
     result = RolloutResult(sequences=exp.sequences, old_logprobs=old, ref_logprobs=ref, values=None,
                            scores=exp.scores, kl=kl, rewards=rewards[:, None] * mask,
                            advantages=adv[:, None] * mask, returns=None, policy_version=exp.policy_version,
@@ -156,7 +159,7 @@ class GRPOStrategy(RolloutStrategy):
         """Group advantages (`group_rollout`) and the rollout's metrics."""
         s = self.settings
         result = group_rollout(exp, group_size=s.group_size, kl_reward_coef=s.kl_reward_coef,
-                               std_eps=s.std_eps, std_floor=s.std_floor)
+                               std_eps=s.std_eps, std_floor=s.std_floor, scale_rewards=s.scale_rewards)
         mask = result.sequences.action_mask
         groups = exp.scores.reshape(-1, s.group_size)
         metrics = {
@@ -182,7 +185,7 @@ def grpo_settings(config) -> GRPOSettings:
     g = config.grpo
     return GRPOSettings(group_size=g.group_size, micro_batch_size=g.micro_batch_size, clip_eps=g.clip_eps,
                         kl_coef=g.kl_coef, kl_reward_coef=g.kl_reward_coef, std_eps=g.std_eps,
-                        std_floor=g.std_floor)
+                        std_floor=g.std_floor, scale_rewards=g.scale_rewards)
 
 
 def grpo_strategy(config, dist, policy: TrainedModel, experience: ExperienceSource) -> GRPOStrategy:
