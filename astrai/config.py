@@ -323,16 +323,18 @@ SECTION_READERS: dict[str, tuple[str, ...]] = {
 
 
 def ignored_settings(config: Config) -> list[str]:
-    """``section.field`` names set away from their defaults in algorithm sections (`SECTION_READERS`) that
-    ``config.train.type`` does not read, in declaration order: settings that have no effect on this job (e.g.
-    ``ppo.critic_layers`` in an ``online_grpo`` job). Empty when there are none."""
+    """``section.field`` names set away from their defaults that have no effect on this job, in declaration order:
+    every field of an algorithm section (`SECTION_READERS`) that ``config.train.type`` does not read (e.g.
+    ``ppo.critic_layers`` in an ``online_grpo`` job), and ``grpo.std_eps`` / ``grpo.std_floor`` when
+    ``grpo.scale_rewards`` is ``none`` (nothing is divided). Empty when there are none."""
     names = []
     for section, readers in SECTION_READERS.items():
-        if config.train.type in readers:
-            continue
         current, default = getattr(config, section), SECTIONS[section]()
-        names += [f"{section}.{f.name}" for f in dataclasses.fields(current)
-                  if getattr(current, f.name) != getattr(default, f.name)]
+        if config.train.type in readers:
+            unread = ("std_eps", "std_floor") if section == "grpo" and current.scale_rewards == "none" else ()
+        else:
+            unread = tuple(f.name for f in dataclasses.fields(current))
+        names += [f"{section}.{name}" for name in unread if getattr(current, name) != getattr(default, name)]
     return names
 
 

@@ -307,6 +307,12 @@ def test_ignored_settings_name_algorithm_fields_the_train_type_does_not_read():
     sft_job = load_config(None, ["--train.type", "sft", "--grpo.kl_coef", "0"])
     assert ignored_settings(sft_job) == ["grpo.kl_coef"]
     assert ignored_settings(load_config(None, ["--train.type", "dpo", "--dpo.beta", "0.2"])) == []
+    # with nothing to divide by, the std settings of a GRPO job are unread too
+    none_job = load_config(None, ["--train.type", "online_grpo", "--grpo.scale_rewards", "none",
+                                  "--grpo.std_floor", "0.1", "--grpo.std_eps", "0.5"])
+    assert ignored_settings(none_job) == ["grpo.std_eps", "grpo.std_floor"]
+    assert ignored_settings(load_config(None, ["--train.type", "online_grpo", "--grpo.scale_rewards", "batch",
+                                               "--grpo.std_floor", "0.1"])) == []
     # a value equal to the default is not reported: nothing tells it apart from an unset one
     assert ignored_settings(load_config(None, ["--train.type", "sft", "--ppo.gamma", "1.0"])) == []
 
