@@ -9,7 +9,7 @@ set of sequences changes (a row joins or stops) or a row outgrows the buffer's c
 paged cache, which stays the source of truth (prefix cache, copy-on-write sharing and later rebuilds read it).
 
 Layout per layer: keys, values (B, Nkv, capacity, D), row b = the step's b-th sequence, position p = its p-th
-token. Head-major, so each (row, kv head) is one contiguous (positions, D) matrix: attention read it about 25% faster
+token. Head-major, so each (row, kv head) is one contiguous (positions, D) matrix: attention reads it about 25% faster
 than the token-major paged layout (SDPA, 30 layers at B = 32, 250 positions, one thread: 59 vs 77 ms). Buffers come
 from the `InferenceWorkspace` scratch space, so they are reused across steps and released with the workspace.
 """
