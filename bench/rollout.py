@@ -7,7 +7,9 @@ SmolLM2-135M-Instruct (GGUF, float32), GSM8K test questions (chat-templated, mix
 at EOS. Counts generated tokens (EOS included) per second of wall time. Batch B = all prompts in one call;
 batch 1 = one call per prompt on the first `--batch1-prompts` prompts. The engine runs with its defaults (prefix
 cache on, cleared after the warm-up call). It also times the workload's GEMMs alone (the float32 matmul floor
-that no engine computing the same products can go below) and prints the ratio that floor allows. Ends with
+that no engine computing the same products can go below) and prints the ratio that floor allows, then that floor
+plus the time to read, once, the keys/values every decode step attends over (bench/floors.py: `decode_kv_bytes` at
+`measure_read_bandwidth`), which one query per row makes memory-bound rather than FLOP-bound. Ends with
 `ratio: X.XX` = astrai / transformers tokens/s at batch B.
 """
 
@@ -19,6 +21,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import floors
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -146,6 +150,13 @@ def main() -> None:
           f"decode steps of {len(prompts)} rows, float32, no attention/sampling): {floor:.1f} s; astrai "
           f"{results['astrai_seconds'] / floor:.2f}x the floor; ratio ceiling for any engine doing these GEMMs: "
           f"{results['transformers_seconds'] / floor:.2f}")
+    dims = floors.Dims.of(engine.model.config)
+    kv_bytes = floors.decode_kv_bytes(dims, [len(p) for p in prompts], [args.max_new_tokens] * len(prompts))
+    bandwidth = floors.measure_read_bandwidth()
+    kv_floor = floor + kv_bytes / bandwidth
+    print(f"with the decode attention's reads of the cached keys/values ({kv_bytes / 1e9:.2f} GB at the "
+          f"{bandwidth / 1e9:.1f} GB/s a torch.sum reads memory here): {kv_floor:.1f} s; astrai "
+          f"{results['astrai_seconds'] / kv_floor:.2f}x that floor")
     for name, fn, target in (("astrai", run_astrai, engine), ("transformers", run_hf, hf))[:2 * bool(
             args.batch1_prompts)]:
         total_tokens, total_secs = 0, 0.0
