@@ -140,7 +140,7 @@ class GRPOSection(Section, name="grpo"):
     std_floor: Optional[float] = field_spec(None, "lower bound on the std the rewards are divided by; null = none", GT0)
     scale_rewards: str = field_spec(
         "group", "what the group-centred rewards are divided by: the group's std (GRPO), the std of the whole "
-                 "rollout's rewards ('batch', Lite PPO) or nothing ('none', Dr. GRPO)",
+                 "rollout's rewards on all ranks ('batch', Lite PPO) or nothing ('none', Dr. GRPO)",
         Choices(("group", "batch", "none")))  # = astrai.algos.SCALE_REWARDS (config does not import torch)
 
 

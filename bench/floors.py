@@ -18,6 +18,9 @@ V vocab):
 - backward = 2 x forward, so a training pass = 3 x its forward.
 
 Embedding lookups, norms, rotary, softmax, sampling and optimizer updates are not matmuls and are not counted.
+A decode step's attention is a matmul of one query per row, bound by reading the cached keys and values rather
+than by FLOPs: `decode_kv_bytes` counts those bytes, and `measure_read_bandwidth` the rate at which this machine
+reads memory, for a floor of the attention's memory traffic.
 `measure_gemm_rate` times every linear layer's GEMM and the LM head of one forward (weights of the model's shapes,
 random, float32) for `rows` token rows at the current torch thread count: large `rows` approach the machine's
 matmul peak; `rows` = the batch size gives the rate of a decode step, which streams all weights for a few rows.
@@ -109,6 +112,33 @@ def generation_flops(d: Dims, prompt_lengths: Sequence[int], response_lengths: S
         if r > 1:
             decode += forward_flops(d, tokens=r - 1, pairs=causal_pairs(p + r - 1, p), lm_head_tokens=r - 1)
     return prefill, decode
+
+
+def decode_kv_bytes(d: Dims, prompt_lengths: Sequence[int], response_lengths: Sequence[int], *,
+                    element_size: int = 4) -> int:
+    """Bytes of keys and values that the decode steps of `generation_flops` must read at least once: the step that
+    feeds back a row's j-th response token (j = 1 .. R - 1) attends over its P + j cached positions, each holding
+    a key and a value of Nkv * D elements of `element_size` bytes in every layer. Real tokens only (an engine that
+    pads a batch's rows to the longest reads more)."""
+    positions = 0
+    for p, r in zip(prompt_lengths, response_lengths, strict=True):
+        if r > 1:
+            positions += (r - 1) * p + (r - 1) * r // 2
+    return positions * d.layers * 2 * d.kv_heads * d.head_dim * element_size
+
+
+def measure_read_bandwidth(nbytes: int = 256 * 2**20, *, repeats: int = 3) -> float:
+    """Bytes/s of reading a float32 tensor of `nbytes` (far larger than the caches) once with `torch.sum` at the
+    current torch thread count: the best of `repeats` timed passes after one untimed pass. A memory-bound kernel
+    that reads that many bytes cannot run faster."""
+    data = torch.ones(max(nbytes // 4, 1))
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        start = time.perf_counter()
+        data.sum()
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
 
 
 def measure_gemm_rate(d: Dims, rows: int, *, repeats: int = 3, lm_head: bool = True, seed: int = 0) -> float:

@@ -356,6 +356,31 @@ def test_group_advantages_scale_batch_and_none_hand_values():
         group_advantages(scores, group_size=4, scale="std")
 
 
+def test_global_std_hand_values_and_batch_std_override():
+    """One process: the two-pass std of all elements (Bessel or population); fewer than two elements give 0. A
+    given batch_std replaces the std of the scores under scale="batch" only."""
+    from astrai.algos import global_std
+
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=D64)  # mean 2.5, squared deviations 5
+    torch.testing.assert_close(global_std(x), torch.tensor(math.sqrt(5 / 3), dtype=D64))
+    torch.testing.assert_close(global_std(x, unbiased=False), torch.tensor(math.sqrt(5 / 4), dtype=D64))
+    assert global_std(torch.tensor([7.0])).item() == 0.0 and global_std(torch.tensor([7.0]), unbiased=False) == 0
+    calls = []
+
+    def summed_twice(t):  # as if a second rank held an identical copy: sums double, the mean stays
+        calls.append(t.shape)
+        return 2 * t
+
+    torch.testing.assert_close(global_std(x, all_reduce_sum=summed_twice), torch.tensor(math.sqrt(10 / 7), dtype=D64))
+    assert calls == [(2,), ()]  # (sum, count), then the squared deviations
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D64)
+    given = torch.tensor(2.0, dtype=D64)
+    torch.testing.assert_close(group_advantages(scores, group_size=2, scale="batch", eps=0.0, batch_std=given),
+                               torch.tensor([0.25, -0.25, 0.0, 0.0], dtype=D64))
+    torch.testing.assert_close(group_advantages(scores, group_size=2, batch_std=given),
+                               group_advantages(scores, group_size=2))  # scale "group": ignored
+
+
 def test_scale_rewards_choices_match_the_config():
     from astrai.algos import SCALE_REWARDS
     from astrai.config import GRPOSection

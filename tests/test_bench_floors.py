@@ -73,3 +73,15 @@ def test_linear_and_head_flops_match_torch_flop_counter():
     counts = counter.get_flop_counts()["Global"]
     counted = sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm))
     assert counted == floors.forward_flops(d, tokens=20, pairs=0, lm_head_tokens=5)
+
+
+def test_decode_kv_bytes_by_hand_and_a_measured_read_bandwidth():
+    d = floors.Dims.of(TINY)
+    # Prompt 3, response 3: decode steps attend over 4 and 5 positions = 9; per position 2 layers * (key + value)
+    # * Nkv 1 * D 4 * 4 bytes = 64 bytes.
+    assert floors.decode_kv_bytes(d, [3], [3]) == 9 * 64
+    assert floors.decode_kv_bytes(d, [3, 5], [1, 2], element_size=2) == 6 * 32  # R = 1: no decode step
+    assert floors.decode_kv_bytes(d, [], []) == 0
+    with pytest.raises(ValueError):
+        floors.decode_kv_bytes(d, [3], [])
+    assert 1e8 < floors.measure_read_bandwidth(8 * 2**20, repeats=1) < 1e13  # bytes/s: 0.1 GB/s .. 10 TB/s

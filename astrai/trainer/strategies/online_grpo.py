@@ -3,7 +3,7 @@
 Each rollout: sync the policy weights into the engine, repeat each of B prompts G times (contiguously) through
 the shared `RolloutRunner`, score the B*G responses, and pin group-normalised advantages
 `A_i = (r_i - mean_G) / (max(std_G, std_floor) + eps)` (`grpo.scale_rewards`: or divided by the std of the whole
-rollout's rewards, or not divided) broadcast over each response's real tokens. The loss is
+rollout's rewards on all ranks, or not divided) broadcast over each response's real tokens. The loss is
 the PPO-clip surrogate against the sampler-aligned `old_logprobs` of the engine (what it simplifies: no second
 "old policy" model is allocated, synchronised or run) plus `kl_coef` times the k3 reference KL
 (Schulman 2020) in the loss; alternatively `kl_reward_coef` subtracts the per-sequence k3 KL from the reward
@@ -14,11 +14,11 @@ policy optimizer step; `grpo.epochs` passes of shuffled minibatches replay each 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from astrai.algos import group_advantages, kl_k3, kl_penalty_loss, masked_mean, ppo_policy_loss
+from astrai.algos import global_std, group_advantages, kl_k3, kl_penalty_loss, masked_mean, ppo_policy_loss
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
 from astrai.trainer.experience import ExperienceSource, build_online_experience, build_rollout_engine
@@ -85,13 +85,15 @@ def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
 
 @torch.no_grad()
 def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0.0, std_eps: float = 1e-6,
-                  std_floor: Optional[float] = None, scale_rewards: str = "group") -> RolloutResult:
+                  std_floor: Optional[float] = None, scale_rewards: str = "group",
+                  all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> RolloutResult:
     """Pin GRPO targets on sampled experience (the G samples of a prompt contiguous).
 
     Shapes: N = B * G rows, T response tokens. `kl` = k3(old_logprobs, ref_logprobs) per real token (N, T)
     when reference log-probs exist; rewards r = scores - kl_reward_coef * kl.sum(-1) (N,);
     advantages = `group_advantages(r, scale=scale_rewards)` (N,) broadcast to (N, T) and zeroed at padding
-    (float32); with "batch" the std is that of this rollout's N rewards (this rank's rows).
+    (float32); with "batch" the std is that of the rewards of every rank's rollout together (`global_std` through
+    `all_reduce_sum`, which sums a tensor over the data-parallel ranks; None: this rank's N rewards only).
     `values` and `returns` are None (no critic); `rewards` holds r broadcast over real tokens.
 
     Raises:
@@ -107,7 +109,9 @@ def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0
         if kl is None:
             raise ValueError("grpo.kl_reward_coef > 0 needs reference log-probs")
         rewards = rewards - kl_reward_coef * kl.sum(-1)
-    adv = group_advantages(rewards, group_size=group_size, eps=std_eps, std_floor=std_floor, scale=scale_rewards)
+    batch_std = global_std(rewards, all_reduce_sum=all_reduce_sum) if scale_rewards == "batch" else None
+    adv = group_advantages(rewards, group_size=group_size, eps=std_eps, std_floor=std_floor, scale=scale_rewards,
+                           batch_std=batch_std)
     result = RolloutResult(sequences=exp.sequences, old_logprobs=old, ref_logprobs=ref, values=None,
                            scores=exp.scores, kl=kl, rewards=rewards[:, None] * mask,
                            advantages=adv[:, None] * mask, returns=None, policy_version=exp.policy_version,
@@ -159,7 +163,8 @@ class GRPOStrategy(RolloutStrategy):
         """Group advantages (`group_rollout`) and the rollout's metrics."""
         s = self.settings
         result = group_rollout(exp, group_size=s.group_size, kl_reward_coef=s.kl_reward_coef,
-                               std_eps=s.std_eps, std_floor=s.std_floor, scale_rewards=s.scale_rewards)
+                               std_eps=s.std_eps, std_floor=s.std_floor, scale_rewards=s.scale_rewards,
+                               all_reduce_sum=self.policy.dist.all_reduce_sum)
         mask = result.sequences.action_mask
         groups = exp.scores.reshape(-1, s.group_size)
         metrics = {
