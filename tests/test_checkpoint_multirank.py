@@ -1,12 +1,12 @@
 """Multi-rank publishing (issue 3 part 7): 2 processes, gloo on CPU, one shared staging directory."""
 
 import json
-import multiprocessing as mp
 import os
 import traceback
 
 import pytest
 import torch
+from spawn_ranks import spawn_ranks
 
 WORLD = 2
 
@@ -67,17 +67,7 @@ def _worker(rank, tmp, results):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multirank")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(rank, tmp, results)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    outs = dict(results.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    for rank, out in outs.items():
-        assert "error" not in out, f"rank {rank}:\n{out['error']}"
+    outs = spawn_ranks(_worker, tmp, WORLD)
     return tmp, outs
 
 

@@ -1,11 +1,11 @@
 """grpo.scale_rewards batch with data parallelism (2 processes, gloo on CPU): every rank divides by the std of all
 ranks' rewards, as one process holding the whole rollout would."""
 
-import multiprocessing as mp
 import os
 import traceback
 
 import torch
+from spawn_ranks import spawn_ranks
 
 WORLD = 2
 
@@ -44,17 +44,7 @@ def test_scale_rewards_batch_uses_every_ranks_rewards(tmp_path):
 
     from astrai.trainer.strategies.online_grpo import group_rollout
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(rank, tmp_path, results)) for rank in range(WORLD)]
-    for p in procs:
-        p.start()
-    outs = dict(results.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    for rank, out in outs.items():
-        assert "error" not in out, f"rank {rank}:\n{out['error']}"
+    outs = spawn_ranks(_worker, tmp_path, WORLD)
     # one process with both ranks' rows: rank 0's eight, then rank 1's
     whole = [make_experience(s, seed=r) for r, s in enumerate(
         [[1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0]])]
