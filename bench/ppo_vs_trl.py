@@ -51,8 +51,9 @@ What cannot be aligned:
 Floors (bench/floors.py): matmul FLOPs of each phase's real tokens (generation with a KV cache: prefill of the
 prompts, then one token per row per step; reference: a forward scoring the response tokens; critic scoring: the
 critic's forward; update: 3 x (policy forward + critic forward)), divided by the float32 GEMM rate of the model's
-own shapes measured in this run at the same thread count (at `--rate-rows` rows, and at B rows for decode steps),
-between the two sides, and once more after the second as a check that the machine's speed did not change meanwhile.
+own shapes measured in this run at the same thread count (at `--rate-rows` rows, and at B rows for decode steps)
+before the first side, between the two and after the second; each side's floors use the faster of the two
+measurements around its own run (the machine's speed drifts by up to a sixth within minutes on the 2-core machine).
 astrai runs first unless `--trl-first`: alternate the order between runs, so that a drift favours neither side.
 Ends with `ratio: X.XX` = TRL median seconds per iteration / astrai median seconds per iteration.
 """
@@ -287,35 +288,40 @@ def main() -> None:
 
         dims = floors.Dims.of(ModelConfig.from_hf_dict(json.loads((hf_dir / "config.json").read_text())))
         sides = ("TRL", "astrai") if args.trl_first else ("astrai", "TRL")
+
+        def rates(when: str) -> tuple[float, float]:
+            measured = floors.measure_gemm_rate(dims, args.rate_rows), floors.measure_gemm_rate(dims, args.batch)
+            print(f"fp32 GEMM rate of the model's shapes {when}: {measured[0] / 1e9:.1f} GFLOP/s at "
+                  f"{args.rate_rows} rows, {measured[1] / 1e9:.1f} GFLOP/s at {args.batch} rows (decode)", flush=True)
+            return measured
+
+        # The machine's speed drifts within minutes: each side's floors use the faster of the two measurements
+        # that bracket its run (the lower floor), and a change between them is visible in the output.
+        bracket = [rates(f"before {sides[0]}")]
         results: dict[str, list[dict]] = {}
-        for index, side in enumerate(sides):
+        side_rates: dict[str, tuple[float, float]] = {}
+        for side in sides:
             if side == "astrai":
                 results[side] = [add_other(it) for it in run_astrai(args, config)]
             else:
                 results[side] = [add_other(it) for it in run_trl(args, config, workdir, hf_dir)["iterations"]]
-            if index == 0:  # the floors' rates, measured between the two sides
-                rate = floors.measure_gemm_rate(dims, args.rate_rows)
-                decode_rate = floors.measure_gemm_rate(dims, args.batch)
-                print(f"fp32 GEMM rate of the model's shapes: {rate / 1e9:.1f} GFLOP/s at {args.rate_rows} rows, "
-                      f"{decode_rate / 1e9:.1f} GFLOP/s at {args.batch} rows (decode)", flush=True)
-        print(f"the same rates after {sides[1]} (a drift here means the machine's speed changed during the run): "
-              f"{floors.measure_gemm_rate(dims, args.rate_rows) / 1e9:.1f} and "
-              f"{floors.measure_gemm_rate(dims, args.batch) / 1e9:.1f} GFLOP/s", flush=True)
+            bracket.append(rates(f"after {side}"))
+            side_rates[side] = (max(bracket[-2][0], bracket[-1][0]), max(bracket[-2][1], bracket[-1][1]))
         astrai, trl = results["astrai"], results["TRL"]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if len(trl) != args.iters + 1:
         sys.exit(f"TRL ran {len(trl)} iterations, expected {args.iters + 1}")
     astrai, trl = astrai[1:], trl[1:]
-    a_floor = [phase_floors(dims, it, rate, decode_rate) for it in astrai]
-    t_floor = [phase_floors(dims, it, rate, decode_rate) for it in trl]
+    a_floor = [phase_floors(dims, it, *side_rates["astrai"]) for it in astrai]
+    t_floor = [phase_floors(dims, it, *side_rates["TRL"]) for it in trl]
     for name, rows in (("astrai", astrai), ("TRL", trl)):
         lengths = [n for it in rows for n in it["response_lengths"]]
         prompts = [n for it in rows for n in it["prompt_lengths"]]
         print(f"{name} tokens per iteration: prompts {sum(prompts) / len(rows):.0f}, responses "
               f"{sum(lengths) / len(rows):.0f} (mean response {statistics.mean(lengths):.1f})")
-    print(f"seconds per PPO iteration ({args.iters} timed; floors = matmul FLOPs / measured rate; TRL/fl uses the "
-          "floor of TRL's own tokens):")
+    print(f"seconds per PPO iteration ({args.iters} timed; floors = matmul FLOPs / measured rate; 'floor' is "
+          "astrai's; TRL/fl uses the floor of TRL's own tokens at the rates measured around TRL's run):")
     print_table(astrai, trl, a_floor, t_floor)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     ratio = statistics.median(it["total"] for it in trl) / statistics.median(it["total"] for it in astrai)
