@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .paged_attention import gather_kv
 from .workspace import InferenceWorkspace
@@ -133,9 +134,11 @@ class DenseDecodeCache:
         """q (B, Nh, D), one query per row -> (B, Nh, D): softmax attention over each row's kv_lens[b] keys
         (grouped-query when Nh > Nkv), reading the dense buffers in place.
 
-        Computed as two batched matmuls around a softmax (scores (B, Nkv, G, K), G = Nh / Nkv) rather than through
+        In float32, two batched matmuls around a softmax (scores (B, Nkv, G, K), G = Nh / Nkv) rather than
         `scaled_dot_product_attention`: with one query per row the fused CPU kernel gains nothing from its tiling
-        and was about 20% slower (30 layers at B = 32, 200 positions, two threads: 22.5 vs 17.5 ms per step)."""
+        and was about 20% slower (30 layers at B = 32, 200 positions, two threads: 22.5 vs 17.5 ms per step).
+        Other dtypes go through SDPA, which accumulates and normalises in float32 as the paged path does (a bf16
+        softmax would change sampled tokens)."""
         longest = self._bias.shape[-1]
         keys = self._keys[layer][..., :longest].to(q.dtype)  # (B, Nkv, D, K) view
         values = self._values[layer][:, :, :longest].to(q.dtype)
@@ -143,6 +146,10 @@ class DenseDecodeCache:
         # The G = Nh / Nkv query heads of a kv head act as G query positions of that head (no causal mask in
         # decode), so each kv head's keys/values are read once rather than once per query head.
         grouped = q.view(rows, keys.shape[1], heads // keys.shape[1], dim)
+        if q.dtype != torch.float32:
+            keys = keys.transpose(-1, -2).contiguous()  # SDPA's fused kernel wants D contiguous
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self._bias == 0, scale=self._scale)
+            return out.reshape(rows, heads, dim)
         scores = torch.matmul(grouped, keys)  # (B, Nkv, G, K)
-        scores.mul_(self._scale).add_(self._bias.to(scores.dtype))  # -inf past each row's length
+        scores.mul_(self._scale).add_(self._bias)  # -inf past each row's length
         return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(rows, heads, dim)

@@ -235,10 +235,11 @@ def test_fuse_projections_keeps_parameters_and_outputs(model):
     assert torch.all(mlp.gate_up_weight[mlp.gate_proj.weight.shape[0]:] == -2.0)
 
 
-@pytest.mark.parametrize("budget", [{}, {"max_batch_tokens": 3, "max_num_seqs": 3}])
+@pytest.mark.parametrize("budget", [{}, {"max_batch_tokens": 3, "max_num_seqs": 3}, {"dtype": "bfloat16"}])
 def test_dense_decode_cache_gives_same_samples(model, budget):
     """The torch backend's dense decode cache changes nothing: same tokens and log-probs as gathering the blocks
-    every step, with rows stopping early (EOS) and, under a tight budget, prefill chunks mixed into decode steps."""
+    every step, with rows stopping early (EOS) and, under a tight budget, prefill chunks mixed into decode steps;
+    in bfloat16 too (where a softmax in bf16 would have flipped tokens)."""
     params = SamplingParams(max_new_tokens=14, temperature=1.0, stop_token_ids=(EOS,))
     on = engine_for(model, **budget)
     off = engine_for(model, dense_decode=False, **budget)
