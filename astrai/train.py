@@ -110,6 +110,7 @@ def _run(config) -> int:
         return EXIT_BAD_INPUT
     first = trainer.state.global_step  # > 0 on a resume
     state = trainer.fit()
+    trainer.dist.shutdown()
     if trainer.dist.is_main:
         ran = state.global_step - first
         steps = f"{ran} step{'' if ran == 1 else 's'}"

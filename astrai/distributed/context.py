@@ -93,6 +93,14 @@ class DistributedContext:
         """Block until every rank arrives (no-op with one process)."""
         self.accelerator.wait_for_everyone()
 
+    def shutdown(self) -> None:
+        """End of the job: wait for every rank, then destroy the default process group (no-op with one process).
+        Leaving it to interpreter exit let a gloo rank abort after its last step ("terminate called without an
+        active exception", exit -6) in about one 2-rank CPU run in ten."""
+        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.barrier()
+            torch.distributed.destroy_process_group()
+
 
 def setup_distributed(device: str = "auto", strategy: str = "auto", *,
                       mixed_precision: str = "no") -> DistributedContext:
