@@ -17,24 +17,30 @@ plus the time to read, once, the keys/values every decode step attends over (ben
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 import floors
+import gsm8k
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K = gsm8k.DEFAULT
 
 
 def load_prompts(tokenizer, count: int) -> list[list[int]]:
-    """`count` chat-templated GSM8K questions as token ids."""
-    with open(GSM8K) as fh:
-        questions = [json.loads(line)["question"] for _, line in zip(range(count), fh)]
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
+    """The first `count` GSM8K questions of `GSM8K`, chat-templated, as token ids; exits with one line naming the file
+    when it holds fewer records or a record has no string 'question'."""
+    records = gsm8k.first_records(GSM8K, count, "--prompts")
+    for number, record in enumerate(records, 1):
+        if not isinstance(record.get("question"), str):
+            sys.exit(f"{GSM8K}: record {number} has no string 'question'")
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": r["question"]}]))
+            for r in records]
 
 
 def run_astrai(engine, prompts, max_new: int, seed: int) -> int:
@@ -126,7 +132,7 @@ def main() -> None:
                                                            gguf_file=GGUF, dtype=torch.float32).eval()
     prompts = load_prompts(tokenizer, args.prompts)
     lengths = sorted(len(p) for p in prompts)
-    print(f"prompts: {len(prompts)}, lengths {lengths[0]}..{lengths[-1]} (median {lengths[len(lengths) // 2]}), "
+    print(f"prompts: {len(prompts)}, lengths {lengths[0]}..{lengths[-1]} (median {statistics.median(lengths):g}), "
           f"max_new_tokens {args.max_new_tokens}, sampling T=1")
     engine = PagedGenerationEngine(model, pad_token_id=2)
     print(f"astrai backend: {engine.backend.name}, block_size {engine.block_size}")
@@ -172,7 +178,7 @@ def main() -> None:
             tokens, secs = timed(fn, target, [prompt], args.max_new_tokens, 100 + i)
             total_tokens, total_secs = total_tokens + tokens, total_secs + secs
         print(f"{name:12s} batch   1: {total_tokens:6d} tokens in {total_secs:7.1f} s = "
-              f"{total_tokens / total_secs:8.1f} tok/s ({args.batch1_prompts} prompts)")
+              f"{total_tokens / total_secs:8.1f} tok/s ({len(prompts[:args.batch1_prompts])} prompts)")
     print(f"ratio: {results['astrai'] / results['transformers']:.2f}")
 
 
