@@ -175,10 +175,10 @@ def global_std(x: torch.Tensor, *, all_reduce_sum: Callable[[torch.Tensor], torc
 
     ``x``: any shape, floating; each rank passes its own share. ``all_reduce_sum`` sums a tensor over the ranks
     (e.g. `astrai.distributed.DistributedContext.all_reduce_sum`; None = one process; this module makes no
-    distributed call of its own). Two passes, as a two-pass
-    variance is computed on one host: the global mean from the summed (sum, count), then the summed squared
-    deviations from it, so no rank's share is gathered. ``unbiased``: divide by n - 1 (Bessel) instead of n. Fewer
-    than two elements in all (one, without ``unbiased``) give 0.
+    distributed call of its own). Two passes, as a two-pass variance is computed on one host: the global mean from
+    the summed (sum, count), then the summed squared deviations from it, so no rank's share is gathered.
+    ``unbiased``: divide by n - 1 (Bessel) instead of n. Fewer than two elements in all (none, without
+    ``unbiased``) give 0.
     """
     reduce = all_reduce_sum or (lambda t: t)
     flat = x.reshape(-1)
