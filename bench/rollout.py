@@ -8,9 +8,10 @@ at EOS. Counts generated tokens (EOS included) per second of wall time. Batch B 
 batch 1 = one call per prompt on the first `--batch1-prompts` prompts. The engine runs with its defaults (prefix
 cache on, cleared after the warm-up call). It also times the workload's GEMMs alone (the float32 matmul floor
 that no engine computing the same products can go below; measured before and after the astrai run, the lower
-counts) and prints the ratio that floor allows, then that floor
-plus the time to read, once, the keys/values every decode step attends over (bench/floors.py: `decode_kv_bytes` at
-`measure_read_bandwidth`), which one query per row makes memory-bound rather than FLOP-bound. Ends with
+counts) and prints the ratio that floor allows, then that floor plus the time to read, once, the keys/values every
+decode step attends over (bench/floors.py: `decode_kv_bytes` at `measure_read_bandwidth`), which one query per row
+makes memory-bound rather than FLOP-bound. Both floors assume every row runs all `--max-new-tokens` steps, so rows
+that stop at EOS earlier make them slightly high (the token count line shows how many were generated). Ends with
 `ratio: X.XX` = astrai / transformers tokens/s at batch B.
 """
 
