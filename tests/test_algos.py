@@ -356,22 +356,33 @@ def test_group_advantages_scale_batch_and_none_hand_values():
         group_advantages(scores, group_size=4, scale="std")
 
 
-def test_global_std_hand_values_and_batch_std_override():
-    """One process: the two-pass std of all elements (Bessel or population); fewer than two elements give 0. A
-    given batch_std replaces the std of the scores under scale="batch" only."""
-    from astrai.algos import global_std
+def test_global_moments_hand_values_and_batch_std_override():
+    """One process: the two-pass mean and variance of the real positions (Bessel or population), as masked_mean /
+    masked_var; fewer than two elements give variance 0; the ranks' sums go through the given reduce. A given
+    batch_std replaces the std of the scores under scale="batch" only."""
+    from astrai.algos import global_moments
+
+    def std(*args, **kwargs):
+        return global_moments(*args, **kwargs)[1].sqrt()
 
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=D64)  # mean 2.5, squared deviations 5
-    torch.testing.assert_close(global_std(x), torch.tensor(math.sqrt(5 / 3), dtype=D64))
-    torch.testing.assert_close(global_std(x, unbiased=False), torch.tensor(math.sqrt(5 / 4), dtype=D64))
-    assert global_std(torch.tensor([7.0])).item() == 0.0 and global_std(torch.tensor([7.0]), unbiased=False) == 0
+    torch.testing.assert_close(global_moments(x)[0], torch.tensor(2.5, dtype=D64))
+    torch.testing.assert_close(std(x), torch.tensor(math.sqrt(5 / 3), dtype=D64))
+    torch.testing.assert_close(std(x, unbiased=False), torch.tensor(math.sqrt(5 / 4), dtype=D64))
+    assert std(torch.tensor([7.0])).item() == 0.0 and std(torch.tensor([7.0]), unbiased=False) == 0
+    # a mask: only 1, 3 (and NaN at a masked position never reaches the arithmetic)
+    garbage = torch.tensor([[1.0, float("nan")], [3.0, 5.0]], dtype=D64)
+    mask = torch.tensor([[True, False], [True, False]])
+    mean, var = global_moments(garbage, mask)
+    assert mean.item() == 2.0 and var.item() == 2.0
+    torch.testing.assert_close(var, masked_var(garbage, mask))
     calls = []
 
     def summed_twice(t):  # as if a second rank held an identical copy: sums double, the mean stays
         calls.append(t.shape)
         return 2 * t
 
-    torch.testing.assert_close(global_std(x, all_reduce_sum=summed_twice), torch.tensor(math.sqrt(10 / 7), dtype=D64))
+    torch.testing.assert_close(std(x, all_reduce_sum=summed_twice), torch.tensor(math.sqrt(10 / 7), dtype=D64))
     assert calls == [(2,), ()]  # (sum, count), then the squared deviations
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D64)
     given = torch.tensor(2.0, dtype=D64)

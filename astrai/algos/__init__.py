@@ -8,7 +8,7 @@ logits), ``kl`` (k1/k2/k3 estimators), ``advantages`` (PPO rewards, GAE, GRPO gr
 ``stats`` (evaluation statistics of counts: Wilson interval, pass@k, exact McNemar test).
 """
 
-from .advantages import SCALE_REWARDS, gae, global_std, group_advantages, last_token_index, ppo_token_rewards
+from .advantages import SCALE_REWARDS, gae, group_advantages, last_token_index, ppo_token_rewards
 from .kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
 from .logprobs import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
 from .losses import (
@@ -19,7 +19,7 @@ from .losses import (
     ppo_policy_loss,
     value_loss,
 )
-from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .masked import global_moments, masked_mean, masked_sum, masked_var, masked_whiten
 from .preference import dpo_loss, token_cross_entropy
 
 __all__ = [
@@ -29,7 +29,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "group_advantages",
-    "global_std",
+    "global_moments",
     "SCALE_REWARDS",
     "kl_estimate",
     "kl_k1",

@@ -14,11 +14,11 @@ fixed targets once per rollout, so GAE runs under ``torch.no_grad``.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-__all__ = ["ppo_token_rewards", "gae", "group_advantages", "global_std", "last_token_index", "SCALE_REWARDS"]
+from .masked import global_moments
+
+__all__ = ["ppo_token_rewards", "gae", "group_advantages", "last_token_index", "SCALE_REWARDS"]
 
 
 def _check_same(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
@@ -136,8 +136,9 @@ def group_advantages(
     the unbiased (Bessel, n - 1; the convention of common GRPO implementations) or, if not ``unbiased``, the
     population standard deviation. A group of identical scores gives A = 0 (never NaN); ``std_floor`` keeps
     near-identical groups from being blown up into +-1 advantages. A group of size 1 has std 0 and A = 0.
-    ``batch_std`` (0-dim, ``"batch"`` only): the std to use instead of that of ``scores``, e.g. `global_std` over
-    the scores of every data-parallel rank (the batch is then all ranks' samples, as in TRL); ignored otherwise.
+    ``batch_std`` (0-dim, ``"batch"`` only): the std to use instead of that of ``scores``, e.g. the square root of
+    the variance from `global_moments` over the scores of every data-parallel rank (the batch is then all ranks'
+    samples, as in TRL); ignored otherwise.
     Raises: ValueError if ``group_size < 1``, the length is not a multiple of ``group_size``, a 2-D input's second
     dimension differs from ``group_size``, ``scores`` is not 1-D/2-D, or ``scale`` is not one of the three.
     """
@@ -160,7 +161,7 @@ def group_advantages(
     if scale == "none":
         return centered.reshape(scores.shape)
     if scale == "batch":
-        std = global_std(x, unbiased=unbiased) if batch_std is None else batch_std.to(x.dtype)
+        std = global_moments(x, unbiased=unbiased)[1].sqrt() if batch_std is None else batch_std.to(x.dtype)
     else:
         denom = max(group_size - 1, 1) if unbiased else group_size
         std = ((centered * centered).sum(dim=1, keepdim=True) / denom).sqrt()
@@ -168,23 +169,3 @@ def group_advantages(
         std = std.clamp(min=std_floor)
     return (centered / (std + eps)).reshape(scores.shape)
 
-
-def global_std(x: torch.Tensor, *, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               unbiased: bool = True) -> torch.Tensor:
-    """Standard deviation (0-dim, x's floating dtype) of every element of ``x`` on every rank together.
-
-    ``x``: any shape, floating; each rank passes its own share. ``all_reduce_sum`` sums a tensor over the ranks
-    (e.g. `astrai.distributed.DistributedContext.all_reduce_sum`; None = one process; this module makes no
-    distributed call of its own). Two passes, as a two-pass variance is computed on one host: the global mean from
-    the summed (sum, count), then the summed squared deviations from it, so no rank's share is gathered.
-    ``unbiased``: divide by n - 1 (Bessel) instead of n. Fewer than two elements in all (none, without
-    ``unbiased``) give 0.
-    """
-    reduce = all_reduce_sum or (lambda t: t)
-    flat = x.reshape(-1)
-    totals = reduce(torch.stack([flat.sum(), flat.new_tensor(float(flat.numel()))]))
-    count = totals[1]
-    mean = totals[0] / count.clamp(min=1)
-    squares = reduce((flat - mean).pow(2).sum())
-    denominator = count - 1 if unbiased else count
-    return torch.where(denominator > 0, (squares / denominator.clamp(min=1)).sqrt(), 0.0)

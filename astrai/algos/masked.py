@@ -16,9 +16,11 @@ Conventions (all functions):
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "global_moments"]
 
 
 def _check_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -92,6 +94,31 @@ def masked_var(
     count = (m.sum() if dim is None else m.sum(dim=dim)).to(x.dtype)
     denom = count - 1 if unbiased else count
     return sq / denom.clamp(min=1)
+
+
+def global_moments(
+    x: torch.Tensor, mask: torch.Tensor | None = None, *,
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None, unbiased: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, variance), each 0-dim in x's dtype, of the real positions of ``x`` on every rank together.
+
+    Shapes: ``x`` any shape, floating, this rank's share; ``mask`` same shape, bool or 0/1 (None: every position
+    is real). ``all_reduce_sum`` sums a tensor over the data-parallel ranks (e.g.
+    `astrai.distributed.DistributedContext.all_reduce_sum`; None: one process; this module makes no distributed
+    call of its own). Formula: two passes, as `masked_mean` / `masked_var` on one host: the global mean from the
+    summed (sum, count), then ``sum (x - mean)^2 [mask]`` summed over the ranks and divided by ``n - 1`` (Bessel)
+    when ``unbiased`` else by ``n``, the denominator clamped to >= 1 (one real position, or none, gives 0). No
+    rank's values are gathered: two all-reduces of one and two numbers.
+    Raises: ValueError if the shapes differ.
+    """
+    m = torch.ones_like(x, dtype=torch.bool) if mask is None else _check_mask(x, mask)
+    reduce = all_reduce_sum or (lambda t: t)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    totals = reduce(torch.stack([torch.where(m, x, zero).sum(), m.sum().to(x.dtype)]))
+    mean = totals[0] / totals[1].clamp(min=1)
+    squares = reduce(torch.where(m, (x - mean) ** 2, zero).sum())
+    denominator = totals[1] - 1 if unbiased else totals[1]
+    return mean, squares / denominator.clamp(min=1)
 
 
 def masked_whiten(

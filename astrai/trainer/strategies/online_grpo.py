@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from astrai.algos import global_std, group_advantages, kl_k3, kl_penalty_loss, masked_mean, ppo_policy_loss
+from astrai.algos import global_moments, group_advantages, kl_k3, kl_penalty_loss, masked_mean, ppo_policy_loss
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
 from astrai.trainer.experience import ExperienceSource, build_online_experience, build_rollout_engine
@@ -92,8 +92,8 @@ def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0
     Shapes: N = B * G rows, T response tokens. `kl` = k3(old_logprobs, ref_logprobs) per real token (N, T)
     when reference log-probs exist; rewards r = scores - kl_reward_coef * kl.sum(-1) (N,);
     advantages = `group_advantages(r, scale=scale_rewards)` (N,) broadcast to (N, T) and zeroed at padding
-    (float32); with "batch" the std is that of the rewards of every rank's rollout together (`global_std` through
-    `all_reduce_sum`, which sums a tensor over the data-parallel ranks; None: this rank's N rewards only).
+    (float32); with "batch" the std is that of the rewards of every rank's rollout together (`global_moments`
+    through `all_reduce_sum`, which sums a tensor over the data-parallel ranks; None: this rank's N rewards only).
     `values` and `returns` are None (no critic); `rewards` holds r broadcast over real tokens.
 
     Raises:
@@ -109,7 +109,8 @@ def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0
         if kl is None:
             raise ValueError("grpo.kl_reward_coef > 0 needs reference log-probs")
         rewards = rewards - kl_reward_coef * kl.sum(-1)
-    batch_std = global_std(rewards, all_reduce_sum=all_reduce_sum) if scale_rewards == "batch" else None
+    batch_std = (global_moments(rewards, all_reduce_sum=all_reduce_sum)[1].sqrt() if scale_rewards == "batch"
+                 else None)
     adv = group_advantages(rewards, group_size=group_size, eps=std_eps, std_floor=std_floor, scale=scale_rewards,
                            batch_std=batch_std)
     result = RolloutResult(sequences=exp.sequences, old_logprobs=old, ref_logprobs=ref, values=None,

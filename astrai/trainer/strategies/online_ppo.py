@@ -18,6 +18,7 @@ import torch
 from astrai.algos import (
     explained_variance,
     gae,
+    global_moments,
     kl_estimate,
     masked_mean,
     masked_whiten,
@@ -114,11 +115,7 @@ class OnlinePPOStrategy(RolloutStrategy):
         dist = self.policy.dist
         if dist.world_size == 1:
             return None
-        m = mask.bool()
-        totals = dist.all_reduce_sum(torch.stack([torch.where(m, x, 0.0).sum(), m.sum().to(x.dtype)]))
-        mean = totals[0] / totals[1].clamp(min=1)
-        squares = dist.all_reduce_sum(torch.where(m, (x - mean) ** 2, 0.0).sum())
-        return mean, squares / (totals[1] - 1).clamp(min=1)
+        return global_moments(x, mask, all_reduce_sum=dist.all_reduce_sum)
 
     def update(self, trainer, minibatch: RolloutResult, first: bool) -> dict[str, torch.Tensor]:
         """The PPO-clip policy step, then the (clipped) value-loss critic step."""
