@@ -56,7 +56,7 @@ class DenseDecodeCache:
         self.rebuilds = 0
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
-        self._rows = self._positions = self._bias = None
+        self._rows = self._positions = self._mask = self._bias = None
         self._scale = 1.0
 
     def invalidate(self) -> None:
@@ -99,6 +99,7 @@ class DenseDecodeCache:
         lens = torch.tensor(kv_lens, device=device)
         self._positions = lens - 1
         past = torch.arange(longest, device=device)[None, :] >= lens[:, None]
+        self._mask = ~past[:, None, None, :]  # (B, 1, 1, K): True = real key (SDPA's mask)
         self._bias = torch.zeros(past.shape, device=device).masked_fill_(past, float("-inf"))[:, None, None, :]
         return True
 
@@ -148,7 +149,7 @@ class DenseDecodeCache:
         grouped = q.view(rows, keys.shape[1], heads // keys.shape[1], dim)
         if q.dtype != torch.float32:
             keys = keys.transpose(-1, -2).contiguous()  # SDPA's fused kernel wants D contiguous
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self._bias == 0, scale=self._scale)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self._mask, scale=self._scale)
             return out.reshape(rows, heads, dim)
         scores = torch.matmul(grouped, keys)  # (B, Nkv, G, K)
         scores.mul_(self._scale).add_(self._bias)  # -inf past each row's length
