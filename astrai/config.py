@@ -18,12 +18,13 @@ from typing import Any, Iterable, Optional, Union, get_origin
 
 import yaml
 
+from astrai import train_types
 from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, EnvMap, Pattern, Range, Section,
                                   SubsetOf, YamlDumper, YamlLoader, convert_value, field_spec, field_specs,
                                   split_optional)
 
-TRAIN_TYPES = ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq")
-"""Valid ``train.type`` values; each new train type (strategy) is added here."""
+TRAIN_TYPES = train_types.names()
+"""Valid ``train.type`` values: the registered train types (`astrai.train_types`)."""
 DISTRIBUTED_STRATEGIES = ("auto", "ddp", "fsdp2", "zero1", "zero2", "zero3")
 """Valid ``distributed.strategy`` values ("auto": the accelerate launch config's engine, else ddp)."""
 REPORT_TO = ("tensorboard", "wandb", "none")
@@ -32,8 +33,9 @@ DEFAULT_REPORT_TO = ["tensorboard"] if importlib.util.find_spec("tensorboard") i
 """TensorBoard event files by default when the `tensorboard` package is installed, nothing otherwise."""
 TRUNCATION_POLICIES = ("error", "filter", "left")
 """Valid ``data.truncation`` values (see ``astrai.data.truncation``)."""
-OPTIONAL_METRICS = {"policy/entropy": ("online_ppo", "online_grpo", "grpo")}
-"""Valid ``train.metrics`` names -> the train types that compute them."""
+OPTIONAL_METRICS = {name: tuple(t.name for t in train_types.all_train_types() if name in t.metrics)
+                    for name in dict.fromkeys(m for t in train_types.all_train_types() for m in t.metrics)}
+"""Valid ``train.metrics`` names -> the train types that compute them (`TrainType.metrics`)."""
 
 
 # ----------------------------------------------------------------------------------------- sections
@@ -95,7 +97,7 @@ class RolloutSection(Section, name="rollout"):
         None, "dtype of the rollout engine's weight copy and KV cache; null = model.dtype (bfloat16 with an fp32 "
               "policy: faster rollouts, and rollout/logprob_gap then shows the rounding drift)",
         Choices(("float32", "bfloat16", "float16")))
-    dynamic_sampling: bool = field_spec(False, "online_grpo / online_ppo with groups: resample prompts whose "
+    dynamic_sampling: bool = field_spec(False, "online train types with groups: resample prompts whose "
                                                "rewards are all equal (DAPO dynamic sampling) until "
                                                "rollout.batch_size groups differ")
     max_sampling_rounds: int = field_spec(4, "dynamic_sampling: generation rounds per rollout at most; then the "
@@ -169,7 +171,8 @@ class OptimSection(Section, name="optim"):
 
 @dataclass
 class TrainSection(Section, name="train"):
-    type: str = field_spec("online_ppo", "train type (strategy)", Choices(TRAIN_TYPES))
+    type: str = field_spec(train_types.DEFAULT, "train type (strategy): "
+                           + ", ".join(TRAIN_TYPES), Choices(TRAIN_TYPES))
     output_dir: str = field_spec("outputs/ppo", "directory for config.yaml, metrics and checkpoints",
                                  Pattern(r"\s*\S.*", "a non-empty directory path"))
     max_steps: int = field_spec(4, "policy optimizer steps to run", GT0)
@@ -256,26 +259,16 @@ class Config:
 
     def __post_init__(self) -> None:
         kind = self.train.type
-        if kind == "online_ppo":
-            _check_divides(("ppo.minibatch_size", self.ppo.minibatch_size),
-                           ("rollout.batch_size * ppo.group_size", self.rollout.batch_size * self.ppo.group_size))
-            _check_divides(("ppo.micro_batch_size", self.ppo.micro_batch_size),
-                           ("ppo.minibatch_size", self.ppo.minibatch_size))
-        if kind in ("online_grpo", "grpo"):
-            g = self.grpo
-            _check_divides(("grpo.minibatch_size", g.minibatch_size),
-                           ("rollout.batch_size * grpo.group_size", self.rollout.batch_size * g.group_size))
-            _check_divides(("grpo.micro_batch_size", g.micro_batch_size), ("grpo.minibatch_size", g.minibatch_size))
-        if kind in ("online_grpo", "grpo") and self.grpo.kl_coef > 0 and self.grpo.kl_reward_coef > 0:
-            raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are "
-                              "mutually exclusive; set one of them to 0")
+        spec = train_types.get(kind)
+        spec.check(self)
         if self.rollout.dynamic_sampling:
-            if kind not in ("online_grpo", "online_ppo"):
-                raise ConfigError(f"rollout.dynamic_sampling: only online_grpo and online_ppo sample their groups, "
+            if spec.group_size(self) is None or not spec.online:
+                samplers = [t.name for t in train_types.all_train_types() if t.online and t.group_size_field]
+                raise ConfigError(f"rollout.dynamic_sampling: only {' and '.join(samplers)} sample their groups, "
                                   f"got train.type {kind}")
-            if kind == "online_ppo" and self.ppo.group_size < 2:
-                raise ConfigError("rollout.dynamic_sampling: online_ppo needs ppo.group_size >= 2 (responses per "
-                                  f"prompt whose rewards can differ), got {self.ppo.group_size}")
+            if spec.group_size(self) < 2:
+                raise ConfigError(f"rollout.dynamic_sampling: {kind} needs {spec.group_size_field} >= 2 (responses "
+                                  f"per prompt whose rewards can differ), got {spec.group_size(self)}")
             r = self.rollout
             if r.max_sampling_rounds < 2 and (r.generation_batch_size or r.batch_size) <= r.batch_size:
                 raise ConfigError("rollout.max_sampling_rounds: rollout.dynamic_sampling needs >= 2 rounds, or "
@@ -314,37 +307,20 @@ class Config:
                               f"got {m.moe_top_k}")
 
 
-SECTION_READERS: dict[str, tuple[str, ...]] = {
-    "ppo": ("online_ppo",),
-    "grpo": ("online_grpo", "grpo"),
-    "dpo": ("dpo",),
-}
-"""Algorithm section -> the train types that read it; every other train type ignores it."""
-
-
 def ignored_settings(config: Config) -> list[str]:
     """``section.field`` names set away from their defaults that have no effect on this job, in declaration order:
-    every field of an algorithm section (`SECTION_READERS`) that ``config.train.type`` does not read (e.g.
-    ``ppo.critic_layers`` in an ``online_grpo`` job), and ``grpo.std_eps`` / ``grpo.std_floor`` when
-    ``grpo.scale_rewards`` is ``none`` (nothing is divided). Empty when there are none."""
+    every field of an algorithm section (a `TrainType.section`) that ``config.train.type`` does not read (e.g.
+    ``ppo.critic_layers`` in an ``online_grpo`` job), and the fields of its own section that the job leaves unread
+    (`TrainType.unread`: ``grpo.std_eps`` / ``grpo.std_floor`` when ``grpo.scale_rewards`` is ``none``). Empty
+    when there are none."""
+    spec = train_types.get(config.train.type)
+    sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
-    for section, readers in SECTION_READERS.items():
+    for section in sections:
         current, default = getattr(config, section), SECTIONS[section]()
-        if config.train.type in readers:
-            unread = ("std_eps", "std_floor") if section == "grpo" and current.scale_rewards == "none" else ()
-        else:
-            unread = tuple(f.name for f in dataclasses.fields(current))
+        unread = spec.unread(config) if section == spec.section else tuple(f.name for f in dataclasses.fields(current))
         names += [f"{section}.{name}" for name in unread if getattr(current, name) != getattr(default, name)]
     return names
-
-
-def _check_divides(small: tuple[str, int], big: tuple[str, int]) -> None:
-    """Raise ConfigError unless `small`'s value is <= and a divisor of `big`'s value (each (name, value))."""
-    (name, s), (big_name, b) = small, big
-    if s > b:
-        raise ConfigError(f"{name}: expected <= {big_name} ({b}), got {s}")
-    if b % s:
-        raise ConfigError(f"{name}: expected a divisor of {big_name} ({b}), got {s}")
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}

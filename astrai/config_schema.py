@@ -183,6 +183,15 @@ class Section:
 
 
 
+def check_divides(small: tuple[str, int], big: tuple[str, int]) -> None:
+    """Raise ConfigError unless `small`'s value is <= and a divisor of `big`'s value (each (name, value))."""
+    (name, s), (big_name, b) = small, big
+    if s > b:
+        raise ConfigError(f"{name}: expected <= {big_name} ({b}), got {s}")
+    if b % s:
+        raise ConfigError(f"{name}: expected a divisor of {big_name} ({b}), got {s}")
+
+
 # ----------------------------------------------------------------------------------------- validation
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
 

@@ -33,11 +33,13 @@ def fields_help() -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace, list[str]]:
     """`--config FILE` plus free-form overrides (`--ppo_gamma 0.99`, `--ppo.gamma=0.99`, `--max_steps 2`)."""
+    from astrai import train_types
+
     parser = argparse.ArgumentParser(
         prog="python -m astrai.train", allow_abbrev=False, epilog=fields_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train a decoder-only LM (online_ppo, online_grpo, grpo, sft, dpo, seq). Any config field "
-                    "can be overridden with --section.key VALUE, --section_key VALUE or a unique --key VALUE.")
+        description=f"Train a decoder-only LM ({', '.join(train_types.names())}). Any config field can be "
+                    "overridden with --section.key VALUE, --section_key VALUE or a unique --key VALUE.")
     parser.add_argument("--config", default=None, help="YAML job file (default: built-in defaults)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help="this process's rank on its node, as the deepspeed launcher passes it (LOCAL_RANK in "

@@ -180,8 +180,10 @@ def test_one_process_metrics_pass_through_and_step_sizes_follow_the_train_type()
     assert out == metrics and all(out[k] is metrics[k] for k in metrics)
     ppo = load_config(str(REPO / "configs/examples/ppo.yaml"), ["--ppo.minibatch_size", "8", "--ppo.micro_batch_size",
                                                                 "2"])
-    assert launch.optimizer_step_sizes(ppo) == (2, 4)
-    assert launch.optimizer_step_sizes(load_config(str(SFT))) == (4, 2)
+    from astrai import train_types
+    assert train_types.get("online_ppo").step_sizes(ppo) == (2, 4)
+    sft = load_config(str(SFT))
+    assert train_types.get(sft.train.type).step_sizes(sft) == (4, 2)
 
 
 def _probe(config: str, tmp_path) -> dict[int, dict]:

@@ -13,7 +13,7 @@ import torch
 from astrai.config import load_config
 from astrai.models import load_pretrained
 from astrai.trainer.loop import Trainer
-from astrai.trainer.strategies import TRAIN_TYPES
+from astrai import train_types
 from astrai.train import main
 from test_distributed import ZERO, chats, free_port, launched, sft_args  # noqa: F401 (chats: a fixture)
 
@@ -47,7 +47,7 @@ class OneRankOf:
 def own_step(config, model_dir, rank: int, world_size: int) -> dict[str, float]:
     """Rank `rank`'s own metrics of the job's first step."""
     policy, tokenizer = load_pretrained(model_dir)
-    strategy = TRAIN_TYPES["sft"](config, OneRankOf(rank, world_size), policy.train(), tokenizer)
+    strategy = train_types.get("sft").build(config, OneRankOf(rank, world_size), policy.train(), tokenizer)
     metrics = strategy.train_step(Trainer(strategy, dist=strategy.policy.dist, max_steps=1,
                                           max_grad_norm=config.optim.max_grad_norm))
     return {k: float(v) for k, v in metrics.items()}
@@ -97,7 +97,7 @@ def test_every_train_type_samples_its_rank_share_with_the_job_seed(name, extra, 
     config = load_config(str(ZERO.parents[1] / "configs" / "examples" / f"{name}.yaml"),
                          ["--model.path", str(tiny_model_dir), *extra])
     policy, tokenizer = load_pretrained(tiny_model_dir)
-    sampler = TRAIN_TYPES[config.train.type](config, OneRankOf(1, 3), policy.train(), tokenizer).data_sampler
+    sampler = train_types.get(config.train.type).build(config, OneRankOf(1, 3), policy.train(), tokenizer).data_sampler
     assert (sampler.rank, sampler.world_size, sampler.seed) == (1, 3, config.train.seed)
     dataset = list(sampler.dataset)
     order = epoch_order(len(dataset), seed=config.train.seed, epoch=0, shuffle=config.data.shuffle)

@@ -162,7 +162,7 @@ def test_dynamic_sampling_arguments_and_config_are_checked():
         OnlineExperience(group_size=1, dynamic_sampling=True, **kwargs)
     with pytest.raises(ValueError, match="max_sampling_rounds"):
         OnlineExperience(group_size=2, dynamic_sampling=True, max_sampling_rounds=0, **kwargs)
-    with pytest.raises(ConfigError, match="rollout.dynamic_sampling: only online_grpo and online_ppo"):
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling: only online_ppo and online_grpo sample their groups"):
         load_config(None, ["--train.type", "grpo", "--rollout.dynamic_sampling", "true"])
     with pytest.raises(ConfigError, match=r"online_ppo needs ppo.group_size >= 2 .*, got 1"):
         load_config(None, ["--train.type", "online_ppo", "--rollout.dynamic_sampling", "true"])

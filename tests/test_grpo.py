@@ -11,7 +11,7 @@ from reference_engine import GenerationEngine
 from toy_rl import online_experience, trained
 
 from astrai.algos import kl_penalty_loss, ppo_policy_loss
-from astrai.config import ConfigError, load_config
+from astrai.config import ConfigError, GRPOSection, load_config
 from astrai.data.sequences import Sequences
 from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.rollout.runner import Experience, RolloutRunner
@@ -20,7 +20,6 @@ from astrai.rollout.scoring import response_logprobs
 from astrai.trainer.loop import Callback, Trainer
 from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.online_grpo import (
-    GRPOSettings,
     GRPOStrategy,
     group_rollout,
     grpo_loss_fn,
@@ -147,7 +146,7 @@ class GradCapture(Callback):
 
 
 def _helper_grads(policy, rollout, micro):
-    settings = GRPOSettings(group_size=3, micro_batch_size=micro, clip_eps=0.2, kl_coef=0.3, kl_reward_coef=0.0,
+    settings = GRPOSection(group_size=3, micro_batch_size=micro, clip_eps=0.2, kl_coef=0.3, kl_reward_coef=0.0,
                             std_eps=1e-6, std_floor=None)
     strategy = GRPOStrategy(policy=trained(policy, lr=0.0), experience=None, settings=settings, temperature=0.7,
                             replay=RolloutReplay(minibatch_size=len(rollout), epochs=1, seed=0))
@@ -194,7 +193,7 @@ def make_strategy(max_steps, *, seed=0, lr=3e-3, prompts=4, group=4, kl_coef=0.0
     trained_policy = trained(policy, lr=lr, max_steps=max_steps)
     experience = online_experience(trained_policy, runner, vocab=VOCAB, batch_size=prompts, group_size=group,
                                    seed=seed)
-    settings = GRPOSettings(group_size=group, micro_batch_size=prompts * group // 4, clip_eps=0.2, kl_coef=kl_coef,
+    settings = GRPOSection(group_size=group, micro_batch_size=prompts * group // 4, clip_eps=0.2, kl_coef=kl_coef,
                             kl_reward_coef=0.0, std_eps=1e-6, std_floor=None)
     replay = RolloutReplay(minibatch_size=prompts * group // 2, epochs=1, seed=seed)
     strategy = GRPOStrategy(policy=trained_policy, experience=experience, replay=replay, settings=settings,

@@ -19,7 +19,8 @@ from astrai.rollout.scoring import response_logprobs, response_values
 from astrai.trainer.build import build_trainer
 from astrai.trainer.loop import Callback, Trainer
 from astrai.trainer.replay import RolloutReplay
-from astrai.trainer.strategies.online_ppo import OnlinePPOStrategy, PPOSettings
+from astrai.config import PPOSection
+from astrai.trainer.strategies.online_ppo import OnlinePPOStrategy
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, EOS = 16, 2
@@ -97,7 +98,7 @@ def models(seed=0):
 
 def strategy(micro: int, seed=0) -> OnlinePPOStrategy:
     policy, critic = models(seed)
-    settings = PPOSettings(micro_batch_size=micro, clip_eps=0.2, value_clip=0.2, gamma=1.0, gae_lambda=0.95,
+    settings = PPOSection(micro_batch_size=micro, clip_eps=0.2, value_clip=0.2, gamma=1.0, gae_lambda=0.95,
                            vf_coef=0.5, kl_coef=0.05, kl_estimator="k3", whiten_advantages=True)
     return OnlinePPOStrategy(policy=trained(policy, lr=0.0), critic=trained(critic, name="critic", lr=0.0),
                              experience=None, replay=RolloutReplay(minibatch_size=6, epochs=1, seed=0),

@@ -10,7 +10,8 @@ from astrai.rollout.runner import RolloutRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.trainer.loop import Callback, Trainer
 from astrai.trainer.replay import RolloutReplay
-from astrai.trainer.strategies.online_ppo import OnlinePPOStrategy, PPOSettings
+from astrai.config import PPOSection
+from astrai.trainer.strategies.online_ppo import OnlinePPOStrategy
 
 VOCAB, EOS, TARGET = 16, 2, 7
 
@@ -51,7 +52,7 @@ def make_strategy(max_steps, *, seed=0, lr=3e-3, batch=16):
     dist = setup_distributed("cpu")
     trained_policy = trained(policy, lr=lr, max_steps=max_steps, dist=dist)
     trained_critic = trained(critic, name="critic", lr=lr, max_steps=max_steps, dist=dist)
-    settings = PPOSettings(micro_batch_size=batch // 4, clip_eps=0.2, value_clip=0.2, gamma=1.0, gae_lambda=0.95,
+    settings = PPOSection(micro_batch_size=batch // 4, clip_eps=0.2, value_clip=0.2, gamma=1.0, gae_lambda=0.95,
                            vf_coef=0.5, kl_coef=0.01, kl_estimator="k3", whiten_advantages=True)
     strategy = OnlinePPOStrategy(policy=trained_policy, critic=trained_critic,
                                  experience=online_experience(trained_policy, runner, vocab=VOCAB, batch_size=batch,

@@ -186,13 +186,15 @@ def test_resume_refusals_come_from_the_manifest_before_anything_loads(tiny_model
                                                                    "distributed_strategy": "zero2"})
     fsdp = publish_checkpoint(tmp_path / "f", 1, parts, metadata={"policy_version": 1, "train_type": "sft",
                                                                    "distributed_strategy": "fsdp2"})
-    assert check_resume(zero, train_type="sft", world_size=1, strategy="zero2").world_size == 1
-    assert check_resume(fsdp, train_type="sft", world_size=2, strategy="fsdp2").world_size == 1  # reshardable
+    from astrai.config import config_from_dict
+    sft, dpo = (config_from_dict({"train": {"type": kind}}) for kind in ("sft", "dpo"))
+    assert check_resume(zero, config=sft, world_size=1, strategy="zero2").world_size == 1
+    assert check_resume(fsdp, config=sft, world_size=2, strategy="fsdp2").world_size == 1  # reshardable
     for path, kwargs, needle in (
-            (zero, dict(train_type="sft", world_size=2, strategy="zero2"),
+            (zero, dict(config=sft, world_size=2, strategy="zero2"),
              "written by 1 ranks, this job has 2: the DeepSpeed ZeRO optimizer partitions cannot be resharded"),
-            (zero, dict(train_type="sft", world_size=1, strategy="fsdp2"), "written under distributed.strategy zero2"),
-            (fsdp, dict(train_type="dpo", world_size=1, strategy="fsdp2"), "checkpoint of train type 'sft'")):
+            (zero, dict(config=sft, world_size=1, strategy="fsdp2"), "written under distributed.strategy zero2"),
+            (fsdp, dict(config=dpo, world_size=1, strategy="fsdp2"), "checkpoint of train type 'sft'")):
         with pytest.raises(CheckpointError, match=needle):
             check_resume(path, **kwargs)
 

@@ -6,7 +6,7 @@ A legacy directory (no manifest) still loads, with a `CheckpointWarning`.
 
 Checkpoints written before parts were recorded (a manifest without "parts") still load: their rank-0 data
 sampler state sits inside trainer_state.json, and the parts they need to resume are implied by their train type
-(`manifest.LEGACY_REQUIRED_FILES`).
+(`astrai.train_types.legacy_required_files`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Mapping
 import torch
 
 from astrai.checkpoint.layout import CheckpointWarning
+from astrai.train_types import legacy_required_files
 from astrai.checkpoint.manifest import (
-    LEGACY_REQUIRED_FILES,
     POLICY_FILES,
     CheckpointError,
     NotACheckpointError,
@@ -159,7 +159,7 @@ class LoadedCheckpoint:
     def declared_required_files(self) -> list[str]:
         """The files the checkpoint itself says it needs to resume (`manifest.declared_required_files`)."""
         if self.manifest is None:
-            return list(LEGACY_REQUIRED_FILES.get(self.train_type, LEGACY_REQUIRED_FILES[None]))
+            return list(legacy_required_files(self.train_type))
         return declared_required_files(dict(self.manifest, train_type=self.train_type))
 
     def restore(self, parts: Mapping[str, Part], rank: int = 0, world_size: int | None = None) -> None:

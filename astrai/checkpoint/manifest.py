@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from astrai.checkpoint.fsutil import fsync_dir, fsync_file, sha256_file
+from astrai.train_types import legacy_required_files
 
 FORMAT_NAME = "astrai-checkpoint"
 FORMAT_VERSION = 1
@@ -33,10 +34,6 @@ POLICY_FILES = ("model.safetensors", "config.json")  # make a directory without 
 KINDS = ("hf_model", "hf_tokenizer", "torch", "json", "yaml", "dcp")  # kinds of parts, see parts.py
 HF_MODEL_FILES = POLICY_FILES
 _SUFFIX = {"torch": ".pt", "json": ".json", "yaml": ".yaml"}
-LEGACY_REQUIRED_FILES = {None: (), "online_ppo": ("value_model.pt", "value_optimizer.pt")}
-"""Files a checkpoint without recorded parts must list beyond the policy to be complete, by its recorded train type
-(others: the None row): the critic extras of online_ppo, as `verify --require-critic` has always checked them. The
-one place this package names a train type, frozen with that older layout."""
 HASH_THREADS = min(8, os.cpu_count() or 1)
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -66,10 +63,11 @@ def part_files(name: str, kind: str, rank: int = 0) -> tuple[str, ...]:
 
 def declared_required_files(manifest: dict) -> list[str]:
     """The files a checkpoint says it needs to resume: every rank's files of the parts its manifest records as
-    required (`LEGACY_REQUIRED_FILES` by train type when it records no parts)."""
+    required (when it records no parts, the files its train type's record names:
+    `astrai.train_types.legacy_required_files`)."""
     parts = manifest.get("parts")
     if parts is None:
-        return list(LEGACY_REQUIRED_FILES.get(manifest.get("train_type"), LEGACY_REQUIRED_FILES[None]))
+        return list(legacy_required_files(manifest.get("train_type")))
     world = manifest.get("world_size", 1)
     return [f for name, p in parts.items() if p["required"]
             for rank in (range(world) if p["per_rank"] else (0,)) for f in part_files(name, p["kind"], rank)]

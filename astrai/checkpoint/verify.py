@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrai.checkpoint.manifest import (
-    LEGACY_REQUIRED_FILES,
     MANIFEST_NAME,
     POLICY_FILES,
     CheckpointError,
@@ -18,6 +17,7 @@ from astrai.checkpoint.manifest import (
     list_files,
     read_manifest,
 )
+from astrai.train_types import legacy_required_files
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_A_CHECKPOINT = 0, 1, 2
 
@@ -100,6 +100,6 @@ def _verify_legacy(path: Path, require_complete: bool) -> VerifyReport:
     statuses = [FileStatus(n, "UNVERIFIED", "legacy checkpoint: no manifest") for n in present]
     required = list(POLICY_FILES)
     if require_complete:
-        required += LEGACY_REQUIRED_FILES.get(train_type, LEGACY_REQUIRED_FILES[None])
+        required += legacy_required_files(train_type)
     statuses += [FileStatus(n, "MISSING", "required file") for n in required if n not in present]
     return VerifyReport(path, "legacy", statuses, train_type=train_type)

@@ -96,8 +96,8 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
     if text.startswith(BUILTIN_PREFIX):
         name = text[len(BUILTIN_PREFIX):]
         if name in GENERATED:
-            raise DataError(f"{field}: {text} is a generated question/answer prompt set, usable by online_ppo, "
-                            "online_grpo and evaluation, not as a training-record file")
+            raise DataError(f"{field}: {text} is a generated question/answer prompt set, usable by the train types "
+                            "that sample online and by evaluation, not as a training-record file")
         resolved = Path(str(resources.files("astrai.data") / "assets" / f"{name}.jsonl"))
         if name not in builtin_names() or not resolved.is_file():  # not a path: "builtin:../x" names nothing
             choices = ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) or "none"

@@ -245,18 +245,6 @@ def resolve_launch(strategy: str, *, mixed_precision: str = "no", env: Mapping[s
                       source=source, deepspeed_config=ds_config)
 
 
-def optimizer_step_sizes(config) -> tuple[int, int]:
-    """(micro-batch size per rank, micro-batches per optimizer step) of a job config, by train type: online_ppo
-    `ppo.micro_batch_size` and `ppo.minibatch_size / ppo.micro_batch_size`; online_grpo and grpo the same from
-    `grpo`; sft, dpo and seq `train.per_device_train_batch_size` and `train.gradient_accumulation_steps`.
-    DeepSpeed's `train_micro_batch_size_per_gpu` and `gradient_accumulation_steps` are these numbers."""
-    kind = config.train.type
-    section = config.ppo if kind == "online_ppo" else config.grpo if kind in ("online_grpo", "grpo") else None
-    if section is not None:
-        return section.micro_batch_size, section.minibatch_size // section.micro_batch_size
-    return config.train.per_device_train_batch_size, config.train.gradient_accumulation_steps
-
-
 def check_step_sizes(env: Mapping[str, str], *, strategy: str, deepspeed_config: Optional[dict],
                      micro_batch_size: int, accumulation_steps: int, max_grad_norm: float, world_size: int) -> None:
     """Refuse DeepSpeed launch settings that contradict the job's optimizer step ("auto" or absent is fine:

@@ -1,6 +1,7 @@
 """Build a ready-to-fit `Trainer` from a validated config: runtime, process state, model, strategy,
 callbacks, and the checkpoint parts of the job (saved by the checkpoint callback, restored on resume). The train
-type's own pieces come from `TRAIN_TYPES`."""
+type's own pieces (builder, data, step sizes, manifest fields, resume rule) come from its record in the registry
+(`astrai.train_types`)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from astrai import train_types
 from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_checkpoint, recover
 from astrai.checkpoint.fsutil import nearest_existing
 from astrai.config import Config, config_to_dict, dump_config
 from astrai.data.limits import check_model_limits
 from astrai.distributed import setup_distributed
-from astrai.distributed.launch import check_step_sizes, optimizer_step_sizes, resolve_launch
+from astrai.distributed.launch import check_step_sizes, resolve_launch
 from astrai.models import load_pretrained
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.evaluation import build_evaluation, load_eval_records
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
-from astrai.trainer.resume import check_resume, critic_metadata, restore
+from astrai.trainer.models import apply_model_options
+from astrai.trainer.resume import check_resume, restore
 from astrai.trainer.runs import record_run, resolve_run
-from astrai.trainer.strategies import TRAIN_DATA, TRAIN_TYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,9 +49,9 @@ def apply_runtime(config: Config) -> None:
 
 
 def check_job_step_sizes(config: Config, strategy: str, deepspeed_config, world_size: int) -> None:
-    """The job's optimizer step (`launch.optimizer_step_sizes`) against the DeepSpeed launch settings in
+    """The job's optimizer step (its train type's `TrainType.step_sizes`) against the DeepSpeed launch settings in
     `os.environ` and `deepspeed_config` for `world_size` ranks (`launch.check_step_sizes`; raises LaunchError)."""
-    micro_batch_size, accumulation_steps = optimizer_step_sizes(config)
+    micro_batch_size, accumulation_steps = train_types.get(config.train.type).step_sizes(config)
     check_step_sizes(os.environ, strategy=strategy, deepspeed_config=deepspeed_config,
                      micro_batch_size=micro_batch_size, accumulation_steps=accumulation_steps,
                      max_grad_norm=config.optim.max_grad_norm, world_size=world_size)
@@ -112,32 +114,29 @@ def build_trainer(config: Config) -> Trainer:
     resume_from, run_id = resolve_run(config.checkpoint.resume, output_dir,
                                       overwrite=config.train.overwrite_output_dir, dist=dist)
     if resume_from is not None:  # refused before anything loads (restore() checks again, with sha256 if asked)
-        check_resume(resume_from, train_type=config.train.type, world_size=dist.world_size, strategy=dist.strategy,
-                     critic_layers=config.ppo.critic_layers)
+        check_resume(resume_from, config=config, world_size=dist.world_size, strategy=dist.strategy)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
     policy.train()
     policy.gradient_checkpointing = config.model.gradient_checkpointing
-    strategy = TRAIN_TYPES[config.train.type](config, dist, policy, tokenizer)
+    spec = train_types.get(config.train.type)
+    strategy = spec.build(config, dist, apply_model_options(config, policy), tokenizer)
     trainer = Trainer(strategy, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm,
                       state=TrainerState(run_id=run_id))
     config_text = dump_config(config)
     resized = None
     if resume_from is not None:
-        resized = restore(job_parts(trainer, tokenizer, config_text), resume_from, rank=dist.rank,
-                          train_type=config.train.type, verify=config.checkpoint.verify_on_load,
-                          world_size=dist.world_size, strategy=dist.strategy, critic_layers=config.ppo.critic_layers)
+        resized = restore(job_parts(trainer, tokenizer, config_text), resume_from, rank=dist.rank, config=config,
+                          verify=config.checkpoint.verify_on_load, world_size=dist.world_size, strategy=dist.strategy)
     logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main,
                            resume_step=None if resume_from is None else trainer.state.global_step)
-
-    critic = (critic_metadata(config.ppo.critic_layers, policy.config.num_hidden_layers)
-              if config.train.type == "online_ppo" else {})
+    manifest_fields = spec.manifest_fields(config, policy.config)  # e.g. the critic's size (resume_problem)
 
     def save(trainer: Trainer) -> None:
         publish_checkpoint(
             output_dir, trainer.state.global_step, job_parts(trainer, tokenizer, config_text),
             metadata={"policy_version": trainer.state.policy_version, "train_type": config.train.type,
-                      "distributed_strategy": dist.strategy, **critic},
+                      "distributed_strategy": dist.strategy, **manifest_fields},
             world_size=dist.world_size, dist=dist if dist.world_size > 1 else None,
             keep_last=config.checkpoint.keep_last, run_id=run_id)
 
@@ -186,11 +185,11 @@ def check_job(config: Config, *, world_size: int) -> str:
     resume_from, _ = resolve_run(config.checkpoint.resume, output_dir, overwrite=config.train.overwrite_output_dir,
                                  dist=None)
     if resume_from is not None:
-        check_resume(resume_from, train_type=config.train.type, world_size=world_size, strategy=plan.strategy,
-                     verify=config.checkpoint.verify_on_load, critic_layers=config.ppo.critic_layers)
+        check_resume(resume_from, config=config, world_size=world_size, strategy=plan.strategy,
+                     verify=config.checkpoint.verify_on_load)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
-    data = TRAIN_DATA[config.train.type](config, policy.config, tokenizer, main=True)
+    data = train_types.get(config.train.type).load_data(config, policy.config, tokenizer, main=True)
     if config.train.eval_steps:
         load_eval_records(config, tokenizer)
     params = sum(p.numel() for p in policy.parameters())

@@ -211,6 +211,12 @@ def _quiet(message: str) -> None:
     """A log that prints nothing (ranks other than the main one)."""
 
 
+def online_data(config, model_config, tokenizer, *, main: bool = True) -> list[EncodedPrompt]:
+    """The data of a train type that samples online: the `data.path` prompts, chat-templated
+    (`load_online_prompts`; `model_config` is not needed). Raises DataError for bad data."""
+    return load_online_prompts(config, tokenizer, main=main)
+
+
 def load_online_prompts(config, tokenizer, *, main: bool = True) -> list[EncodedPrompt]:
     """The `data.path` prompts, chat-templated once at load time with overlong ones handled by `data.truncation`
     against `data.max_prompt_length`. On the `main` rank, prints what `filter` / `left` did and warns (count and

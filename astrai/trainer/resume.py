@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Optional
 
+from astrai import train_types
 from astrai.checkpoint import CheckpointError, Part, find_latest_checkpoint, load_checkpoint
 from astrai.distributed.launch import RESHARDABLE
 
@@ -34,19 +35,19 @@ def resolve_resume(resume: str, output_dir: str | Path, *, run_id: Optional[str]
     return path
 
 
-def check_resume(path: Path, *, train_type: str, world_size: int, strategy: Optional[str], verify: bool = False,
-                 critic_layers: Optional[int] = None):
+def check_resume(path: Path, *, config, world_size: int, strategy: Optional[str], verify: bool = False):
     """The checkpoint at `path` opened (`load_checkpoint`), after the checks that need only its manifest: the
-    train type, the engine that wrote it, a world size the engine's state cannot be resharded to, and (online_ppo)
-    the critic's size against the job's `ppo.critic_layers` (`critic_layers`; None: all the policy's layers). Cheap
-    with `verify=False` (file presence and sizes), so the job refuses before it loads or builds anything.
+    train type against the job's (`config.train.type`), the engine that wrote it, a world size the engine's state
+    cannot be resharded to, and the train type's own rule (`TrainType.resume_problem`, e.g. the critic's size).
+    Cheap with `verify=False` (file presence and sizes), so the job refuses before it loads or builds anything.
 
     Returns: the `LoadedCheckpoint`.
     Raises:
         CheckpointError: one line: another train type; another `distributed.strategy` than `strategy` (the
-            engines keep optimizer state in different layouts); ZeRO partitions of another world size; a critic
-            of another number of layers (`check_critic_layers`).
+            engines keep optimizer state in different layouts); ZeRO partitions of another world size; the train
+            type's own refusal (e.g. a critic of another number of layers).
     """
+    train_type = config.train.type
     ckpt = load_checkpoint(path, verify=verify)
     if ckpt.train_type is not None and ckpt.train_type != train_type:
         raise CheckpointError(f"{path}: checkpoint of train type {ckpt.train_type!r}, job is {train_type!r}")
@@ -60,37 +61,14 @@ def check_resume(path: Path, *, train_type: str, world_size: int, strategy: Opti
         raise CheckpointError(f"{path}: written by {ckpt.world_size} ranks, this job has {world_size}: the DeepSpeed "
                               f"ZeRO optimizer partitions cannot be resharded; resume with {ckpt.world_size} "
                               f"processes, or start a new run from its weights (--model.path {path})")
-    check_critic_layers(path, ckpt.manifest, critic_layers)
+    problem = train_types.get(train_type).resume_problem(ckpt.manifest or {}, config)
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem}")
     return ckpt
 
 
-def critic_metadata(critic_layers: Optional[int], policy_layers: int) -> dict[str, int]:
-    """Manifest fields of an online_ppo checkpoint that say which critic it holds: `critic_layers` (its decoder
-    layers: `ppo.critic_layers`, or all of the policy's) and `policy_layers`."""
-    return {"critic_layers": critic_layers or policy_layers, "policy_layers": policy_layers}
-
-
-def check_critic_layers(path: Path, manifest: Optional[Mapping], critic_layers: Optional[int]) -> None:
-    """Refuse to resume an online_ppo checkpoint whose critic has another number of decoder layers than the job's
-    `ppo.critic_layers` (None: all the policy's) would build, from its manifest alone (`critic_metadata`; a
-    checkpoint without those fields is not checked here: its parts are checked when they load).
-
-    Raises:
-        CheckpointError: one line with both numbers and the option that resumes it.
-    """
-    held = (manifest or {}).get("critic_layers")
-    if held is None:
-        return
-    policy_layers = (manifest or {}).get("policy_layers")
-    want = critic_layers if critic_layers is not None else policy_layers
-    if want != held:
-        said = lambda n: f"{n} (all the policy's)" if n == policy_layers else str(n)  # noqa: E731
-        raise CheckpointError(f"{path}: its critic has ppo.critic_layers {said(held)}, this job builds "
-                              f"{said(want)}; resume with --ppo.critic_layers {held}")
-
-
-def restore(parts: Mapping[str, Part], path: Path, *, rank: int, train_type: str, verify: bool,
-            world_size: int = 1, strategy: Optional[str] = None, critic_layers: Optional[int] = None) -> Optional[str]:
+def restore(parts: Mapping[str, Part], path: Path, *, rank: int, config, verify: bool, world_size: int = 1,
+            strategy: Optional[str] = None) -> Optional[str]:
     """Load the checkpoint at `path` into `parts` (this rank's copies of per-rank parts), in their order.
 
     A checkpoint written by another number of ranks is resharded (`LoadedCheckpoint.restore`): the data position is
@@ -105,11 +83,9 @@ def restore(parts: Mapping[str, Part], path: Path, *, rank: int, train_type: str
         CheckpointError: on a missing file of a required part (named), a manifest/sha256 failure, a train-type
             mismatch, a checkpoint written under another `distributed.strategy` than `strategy` (the engines keep
             optimizer state in different layouts), or state that cannot be resharded to `world_size` (ZeRO
-            optimizer partitions, a rollout in progress); a critic of another size than `critic_layers` (the
-            job's `ppo.critic_layers`, as `check_resume`).
+            optimizer partitions, a rollout in progress); the train type's own refusal (as `check_resume`).
     """
-    ckpt = check_resume(path, train_type=train_type, world_size=world_size, strategy=strategy, verify=verify,
-                        critic_layers=critic_layers)
+    ckpt = check_resume(path, config=config, world_size=world_size, strategy=strategy, verify=verify)
     ckpt.restore(parts, rank, world_size)
     if ckpt.world_size == world_size:
         return None

@@ -13,32 +13,18 @@ policy optimizer step; `grpo.epochs` passes of shuffled minibatches replay each 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from astrai.algos import global_moments, group_advantages, kl_k3, kl_penalty_loss, masked_mean, ppo_policy_loss
+from astrai.config import GRPOSection
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
 from astrai.trainer.experience import ExperienceSource, build_online_experience, build_rollout_engine
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.policy_gradient import RolloutStrategy
-
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    """Scalars of the GRPO update (see `astrai.config.GRPOSection`)."""
-
-    group_size: int
-    micro_batch_size: int
-    clip_eps: float
-    kl_coef: float
-    kl_reward_coef: float
-    std_eps: float
-    std_floor: Optional[float]
-    scale_rewards: str = "group"
 
 
 def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
@@ -149,11 +135,12 @@ class GRPOStrategy(RolloutStrategy):
         policy: the trained policy.
         experience: B * G scored samples per batch, the G samples of a prompt contiguous.
         replay: the rollout replay (`grpo.minibatch_size`, `grpo.epochs`; sizes count samples).
-        settings: GRPO scalars; temperature: the sampling temperature; log_entropy: log `policy/entropy`.
+        settings: the job's `grpo` section (`astrai.config.GRPOSection`: group size, clipping, KL, reward scaling);
+        temperature: the sampling temperature; log_entropy: log `policy/entropy`.
     """
 
     def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
-                 settings: GRPOSettings, temperature: float, log_entropy: bool = False):
+                 settings: GRPOSection, temperature: float, log_entropy: bool = False):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
                          log_entropy=log_entropy)
@@ -186,19 +173,11 @@ class GRPOStrategy(RolloutStrategy):
         return self.policy_update(trainer, minibatch, first, self.objective)
 
 
-def grpo_settings(config) -> GRPOSettings:
-    """`GRPOSettings` from a validated `astrai.config.Config`."""
-    g = config.grpo
-    return GRPOSettings(group_size=g.group_size, micro_batch_size=g.micro_batch_size, clip_eps=g.clip_eps,
-                        kl_coef=g.kl_coef, kl_reward_coef=g.kl_reward_coef, std_eps=g.std_eps,
-                        std_floor=g.std_floor, scale_rewards=g.scale_rewards)
-
-
 def grpo_strategy(config, dist, policy: TrainedModel, experience: ExperienceSource) -> GRPOStrategy:
     """The GRPO strategy of a validated config over `experience` (online or offline)."""
     g = config.grpo
     replay = RolloutReplay(minibatch_size=g.minibatch_size, epochs=g.epochs, seed=config.train.seed + 1000 * dist.rank)
-    return GRPOStrategy(policy=policy, experience=experience, replay=replay, settings=grpo_settings(config),
+    return GRPOStrategy(policy=policy, experience=experience, replay=replay, settings=g,
                         temperature=config.rollout.temperature,
                         log_entropy="policy/entropy" in config.train.metrics)
 

@@ -10,9 +10,6 @@ reference log-probs, critic values, k-estimated KL, per-token rewards and GAE on
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from astrai.algos import (
@@ -27,6 +24,7 @@ from astrai.algos import (
     value_loss,
 )
 from astrai.checkpoint import Part
+from astrai.config import PPOSection
 from astrai.models import ValueModel
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
@@ -37,21 +35,6 @@ from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.policy_gradient import RolloutStrategy, action_tokens
 
 
-@dataclass(frozen=True)
-class PPOSettings:
-    """Scalars of the PPO update (see `astrai.config.PPOConfig` for meanings)."""
-
-    micro_batch_size: int
-    clip_eps: float
-    value_clip: Optional[float]
-    gamma: float
-    gae_lambda: float
-    vf_coef: float
-    kl_coef: float
-    kl_estimator: str
-    whiten_advantages: bool
-
-
 class OnlinePPOStrategy(RolloutStrategy):
     """One `train_step` = one PPO minibatch update of the policy and of the critic.
 
@@ -59,11 +42,12 @@ class OnlinePPOStrategy(RolloutStrategy):
         policy, critic: the trained policy (`AutoRegressiveLM`) and critic (`ValueModel`).
         experience: the online experience source (engine, runner, prompts; G = `ppo.group_size`).
         replay: the rollout replay (`ppo.minibatch_size`, `ppo.epochs`).
-        settings: PPO scalars; temperature: the sampling temperature; log_entropy: log `policy/entropy`.
+        settings: the job's `ppo` section (`astrai.config.PPOSection`: clipping, GAE, KL, value loss);
+        temperature: the sampling temperature; log_entropy: log `policy/entropy`.
     """
 
     def __init__(self, *, policy: TrainedModel, critic: TrainedModel, experience: ExperienceSource,
-                 replay: RolloutReplay, settings: PPOSettings, temperature: float, log_entropy: bool = False):
+                 replay: RolloutReplay, settings: PPOSection, temperature: float, log_entropy: bool = False):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
                          log_entropy=log_entropy)
@@ -177,9 +161,6 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                          chunk_size=p.micro_batch_size, group_size=p.group_size)
-    settings = PPOSettings(micro_batch_size=p.micro_batch_size, clip_eps=p.clip_eps, value_clip=p.value_clip,
-                           gamma=p.gamma, gae_lambda=p.gae_lambda, vf_coef=p.vf_coef, kl_coef=p.kl_coef,
-                           kl_estimator=p.kl_estimator, whiten_advantages=p.whiten_advantages)
     replay = RolloutReplay(minibatch_size=p.minibatch_size, epochs=p.epochs, seed=config.train.seed + 1000 * dist.rank)
-    return OnlinePPOStrategy(policy=trained, critic=critic, experience=experience, replay=replay, settings=settings,
+    return OnlinePPOStrategy(policy=trained, critic=critic, experience=experience, replay=replay, settings=p,
                              temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics)

@@ -1,0 +1,19 @@
+"""grpo (offline): GRPO on stored groups of responses with their rewards (strategy: `trainer/strategies/grpo.py`);
+the `grpo` rules of online_grpo (`online_grpo.check_grpo`)."""
+
+from __future__ import annotations
+
+from astrai.train_types.online_grpo import check_grpo, grpo_step_sizes, grpo_unread
+from astrai.train_types.spec import TrainType
+
+TRAIN_TYPE = TrainType(
+    name="grpo",
+    summary="GRPO on stored groups of responses and rewards (offline)",
+    builder="astrai.trainer.strategies.grpo:build_grpo",
+    data="astrai.trainer.strategies.grpo:grpo_data",
+    section="grpo",
+    metrics=("policy/entropy",),
+    step_sizes=grpo_step_sizes,
+    check=check_grpo,
+    unread=grpo_unread,
+)

@@ -1,0 +1,43 @@
+"""online_grpo: GRPO on groups sampled by the colocated engine (strategy: `trainer/strategies/online_grpo.py`).
+
+Its rules, shared with offline `grpo`: the `grpo` minibatch sizes divide the rollout, and the reference KL goes
+in the loss (`grpo.kl_coef`) or in the reward (`grpo.kl_reward_coef`), not both.
+"""
+
+from __future__ import annotations
+
+from astrai.config_schema import ConfigError
+from astrai.train_types.spec import TrainType, check_rollout_minibatches, rollout_step_sizes
+
+
+def check_grpo(config) -> None:
+    """The GRPO rules of online_grpo and grpo (ConfigError, one line)."""
+    check_rollout_minibatches(config, "grpo", "group_size")
+    if config.grpo.kl_coef > 0 and config.grpo.kl_reward_coef > 0:
+        raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are mutually "
+                          "exclusive; set one of them to 0")
+
+
+def grpo_unread(config) -> tuple[str, ...]:
+    """`grpo.std_eps` and `grpo.std_floor` when `grpo.scale_rewards` is none (nothing is divided)."""
+    return ("std_eps", "std_floor") if config.grpo.scale_rewards == "none" else ()
+
+
+def grpo_step_sizes(config) -> tuple[int, int]:
+    """The `grpo` section's micro-batch size and micro-batches per optimizer step."""
+    return rollout_step_sizes(config.grpo)
+
+
+TRAIN_TYPE = TrainType(
+    name="online_grpo",
+    summary="GRPO on groups sampled by the colocated engine (no critic)",
+    builder="astrai.trainer.strategies.online_grpo:build_online_grpo",
+    data="astrai.trainer.experience:online_data",
+    section="grpo",
+    online=True,
+    group_size_field="grpo.group_size",
+    metrics=("policy/entropy",),
+    step_sizes=grpo_step_sizes,
+    check=check_grpo,
+    unread=grpo_unread,
+)

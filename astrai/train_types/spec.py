@@ -1,0 +1,133 @@
+"""`TrainType`: the record a train type declares, and the small torch-free rules several records share.
+
+A record's callables take the validated job configuration (`astrai.config.Config`, duck-typed: this module imports
+neither it nor torch) and, where said, the loaded model's `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from astrai.config_schema import check_divides
+
+__all__ = ["TrainType", "rollout_step_sizes", "check_rollout_minibatches", "supervised_step_sizes"]
+
+
+def _nothing(config) -> None:
+    """The default `check`: no rule of its own."""
+
+
+def _no_model_rule(config, model_config) -> None:
+    """The default `check_model`: no limit of its own."""
+
+
+def _no_fields(config, model_config) -> dict:
+    """The default `manifest_fields`: nothing recorded."""
+    return {}
+
+
+def _no_resume_rule(manifest: Mapping, config) -> Optional[str]:
+    """The default `resume_problem`: every checkpoint of the train type fits."""
+    return None
+
+
+def _all_read(config) -> tuple[str, ...]:
+    """The default `unread`: the job reads every field of its section."""
+    return ()
+
+
+def supervised_step_sizes(config) -> tuple[int, int]:
+    """(`train.per_device_train_batch_size`, `train.gradient_accumulation_steps`): the optimizer step of the train
+    types that draw examples (sft, dpo, seq)."""
+    return config.train.per_device_train_batch_size, config.train.gradient_accumulation_steps
+
+
+def rollout_step_sizes(section) -> tuple[int, int]:
+    """(micro-batch size, micro-batches per optimizer step) of a rollout-replaying section (`micro_batch_size`,
+    `minibatch_size / micro_batch_size`)."""
+    return section.micro_batch_size, section.minibatch_size // section.micro_batch_size
+
+
+def check_rollout_minibatches(config, section: str, group_field: str) -> None:
+    """The minibatch rules of a rollout-replaying train type reading section `section`: its `minibatch_size`
+    divides the rollout's samples (`rollout.batch_size` times `<group_field>`) and its `micro_batch_size` divides
+    `minibatch_size`.
+
+    Raises:
+        ConfigError: one line naming the fields and their values.
+    """
+    s = getattr(config, section)
+    group = getattr(s, group_field)
+    check_divides((f"{section}.minibatch_size", s.minibatch_size),
+                  (f"rollout.batch_size * {section}.{group_field}", config.rollout.batch_size * group))
+    check_divides((f"{section}.micro_batch_size", s.micro_batch_size), (f"{section}.minibatch_size", s.minibatch_size))
+
+
+def _resolve(reference: str) -> Callable:
+    """The function named by `reference` ("package.module:function"), imported now."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class TrainType:
+    """Everything the rest of astrai needs to know about one train type.
+
+    Attributes:
+        name: the `train.type` value.
+        summary: one line for `--help` and docs.
+        builder: "module:function" of `(config, dist, policy, tokenizer) -> Strategy` (see
+            `astrai.trainer.loop.Strategy`); the policy arrives with the model options applied.
+        data: "module:function" of `(config, model_config, tokenizer, *, main) -> list`: the job's data as the
+            strategy will train on it (the builder loads it the same way; `--check` loads it alone). Raises
+            `astrai.data.DataError` for bad data.
+        section: the algorithm section of the config it reads ("ppo", "grpo", "dpo"), or None.
+        online: it samples its responses with the colocated rollout engine (its longest sequence is
+            `data.max_prompt_length + rollout.max_new_tokens`; it can use `rollout.dynamic_sampling`).
+        group_size_field: "section.field" of its responses per prompt, for train types that sample groups.
+        metrics: the optional costly metrics it can compute (`train.metrics`).
+        step_sizes: config -> (micro-batch size per rank, micro-batches per optimizer step), the numbers DeepSpeed's
+            `train_micro_batch_size_per_gpu` and `gradient_accumulation_steps` must equal.
+        check: its cross-field rules, run when a `Config` is constructed; raises `ConfigError` (one line).
+        check_model: (config, model_config) -> None, its limits against the loaded model; raises `ConfigError`.
+        manifest_fields: (config, model_config) -> dict recorded in each checkpoint's manifest (e.g. the critic's
+            size), read back by `resume_problem`.
+        resume_problem: (manifest, config) -> None when a checkpoint of this train type fits the job, else the
+            reason, one line (the caller names the checkpoint).
+        unread: config -> the fields of its section that this job leaves unread (warned about when set).
+        legacy_required_files: files beyond the policy that its checkpoints written before parts were recorded
+            must hold to resume.
+    """
+
+    name: str
+    summary: str
+    builder: str
+    data: str
+    section: Optional[str] = None
+    online: bool = False
+    group_size_field: Optional[str] = None
+    metrics: tuple[str, ...] = ()
+    step_sizes: Callable[[Any], tuple[int, int]] = supervised_step_sizes
+    check: Callable[[Any], None] = _nothing
+    check_model: Callable[[Any, Any], None] = _no_model_rule
+    manifest_fields: Callable[[Any, Any], dict] = _no_fields
+    resume_problem: Callable[[Mapping, Any], Optional[str]] = _no_resume_rule
+    unread: Callable[[Any], tuple[str, ...]] = _all_read
+    legacy_required_files: tuple[str, ...] = ()
+
+    def build(self, config, dist, policy, tokenizer):
+        """The strategy of this train type for a validated job (the `builder`, imported now)."""
+        return _resolve(self.builder)(config, dist, policy, tokenizer)
+
+    def load_data(self, config, model_config, tokenizer, *, main: bool = True) -> list:
+        """The job's data as the strategy trains on it (the `data` function, imported now)."""
+        return _resolve(self.data)(config, model_config, tokenizer, main=main)
+
+    def group_size(self, config) -> Optional[int]:
+        """Its responses per prompt in `config` (`group_size_field`), or None when it samples no groups."""
+        if self.group_size_field is None:
+            return None
+        section, _, name = self.group_size_field.partition(".")
+        return getattr(getattr(config, section), name)
