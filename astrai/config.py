@@ -97,6 +97,12 @@ class RolloutSection(Section, name="rollout"):
         None, "dtype of the rollout engine's weight copy and KV cache; null = model.dtype (bfloat16 with an fp32 "
               "policy: faster rollouts, and rollout/logprob_gap then shows the rounding drift)",
         Choices(("float32", "bfloat16", "float16")))
+    engine: str = field_spec("paged", "rollout engine by registered name (astrai.rollout.engine: 'paged', the paged "
+                                      "continuous-batching engine)", Pattern(r"[A-Za-z_][A-Za-z0-9_.-]*", "an engine name"))
+    attention_backend: str = field_spec(
+        "auto", "the engine's attention kernels: torch, triton, flash_attn or auto (the fastest available); the "
+                "ASTR_BACKEND environment variable overrides it (docs/kernels.md)",
+        Choices(("auto", "torch", "triton", "flash_attn")))
     dynamic_sampling: bool = field_spec(False, "online train types with groups: resample prompts whose "
                                                "rewards are all equal (DAPO dynamic sampling) until "
                                                "rollout.batch_size groups differ")

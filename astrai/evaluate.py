@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
     from astrai.models import load_pretrained
     from astrai.models.special_tokens import stop_token_ids
     from astrai.rollout.evaluation import EvalSettings, evaluate
-    from astrai.rollout.paged_engine import PagedGenerationEngine
+    from astrai.rollout.engine import attention_backend, build_engine
     from astrai.rollout.rewards import ANSWER_EXTRACTORS, REWARDS
 
     check_options(args)
@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> dict:
     if config_path is not None:
         print(f"prompt settings from {config_path}", file=sys.stderr)
     model, tokenizer = load_pretrained(model_path, dtype=getattr(torch, args.dtype), device=device)
-    engine = PagedGenerationEngine(model, pad_token_id=tokenizer.pad_token_id)
+    engine = build_engine("paged", model, pad_token_id=tokenizer.pad_token_id,
+                          attention_backend=attention_backend(None))
     stops = stop_token_ids(model.config, tokenizer)
     del model
     generator = torch.Generator(device=device).manual_seed(args.seed)

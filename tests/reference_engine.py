@@ -14,12 +14,14 @@ import torch
 
 from astrai.data.sequences import left_pad, position_ids_from_mask
 from astrai.models import AutoRegressiveLM, KVCache
+from astrai.rollout.engine import EngineCapacity, register_engine
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.sampling import SamplingParams, sample_next_token
 
 
-class GenerationEngine:
-    """Colocated rollout engine holding its own inference copy of the policy.
+class ReferenceEngine:
+    """Colocated rollout engine holding its own inference copy of the policy (an `astrai.rollout.engine.
+    GenerationEngine`; `register()` makes it buildable as `rollout.engine: reference`).
 
     Args:
         model: the policy; the engine deep-copies it (eval mode, no gradients), so training steps never
@@ -52,6 +54,11 @@ class GenerationEngine:
             self.policy_version = policy_version
             return self.policy_version
 
+    @property
+    def capacity(self) -> EngineCapacity:
+        """No limit of its own but the model's rotary table."""
+        return EngineCapacity(max_position_embeddings=self.model.config.max_position_embeddings)
+
     def sleep(self) -> None:
         """Nothing to release: the contiguous cache lives only during `generate`."""
 
@@ -60,13 +67,16 @@ class GenerationEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> Generation:
-        """Sample one response per prompt.
+                 generator: torch.Generator | None = None, *, n: int = 1, penalties=None,
+                 on_token=None) -> Generation:
+        """Sample `n` responses per prompt (rows b * n + g), all rows in one batch.
 
         Args:
             prompts: B lists of prompt token ids (each non-empty).
             params: sampling settings; generation stops at `params.stop_token_ids` or `max_new_tokens`.
             generator: torch RNG on the engine's device, for reproducible sampling.
+            n: samples per prompt; penalties: must be None (not supported here).
+            on_token: optional `(row, token id) -> None` after each sampled token of a live row.
 
         Returns:
             A `Generation` (see its fields for shapes).
@@ -74,10 +84,12 @@ class GenerationEngine:
         Raises:
             ValueError: on an empty prompt list or an empty prompt.
         """
+        if penalties is not None:
+            raise ValueError("the reference engine samples without penalties")
         with self._lock:
-            return self._generate(prompts, params, generator)
+            return self._generate([list(p) for p in prompts for _ in range(n)], params, generator, on_token)
 
-    def _generate(self, prompts, params: SamplingParams, generator) -> Generation:
+    def _generate(self, prompts, params: SamplingParams, generator, on_token=None) -> Generation:
         device = self.device
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, device)
         batch, prompt_len = prompt_ids.shape
@@ -98,6 +110,9 @@ class GenerationEngine:
             tokens.append(token)
             logprobs.append(torch.where(alive, logprob, torch.zeros_like(logprob)))
             alive_steps.append(alive.clone())
+            if on_token is not None:
+                for row in alive.nonzero().flatten().tolist():
+                    on_token(row, int(token[row]))
             hit_stop = torch.isin(token, stop) & alive
             finished |= hit_stop
             alive &= ~hit_stop
@@ -112,3 +127,18 @@ class GenerationEngine:
             response_ids=torch.stack(tokens, dim=1), action_mask=torch.stack(alive_steps, dim=1),
             old_logprobs=torch.stack(logprobs, dim=1).float(), finished=finished,
             policy_version=self.policy_version)
+
+
+def reference_engine(model, *, pad_token_id: int, policy_version: int = 0, dtype=None, attention_backend=None,
+                     **options) -> ReferenceEngine:
+    """The `reference` engine factory (`astrai.rollout.engine.build_engine`): fp32 SDPA over a contiguous cache,
+    so it refuses another dtype, an attention backend other than torch/auto, and engine sizes."""
+    if dtype not in (None, "float32", torch.float32) or attention_backend not in (None, "auto", "torch") or options:
+        raise ValueError(f"the reference engine takes no dtype {dtype!r}, backend {attention_backend!r} or "
+                         f"options {sorted(options)}")
+    return ReferenceEngine(model, pad_token_id=pad_token_id, policy_version=policy_version)
+
+
+def register() -> None:
+    """Register `reference_engine` as the engine `reference`."""
+    register_engine("reference", reference_engine)

@@ -4,7 +4,7 @@ equal are dropped and replaced by newly sampled ones, up to a cap on rounds; the
 
 import pytest
 import torch
-from reference_engine import GenerationEngine
+from reference_engine import ReferenceEngine
 from toy_rl import RandomPrompts, online_experience, trained
 
 from astrai.config import ConfigError, load_config
@@ -93,7 +93,7 @@ class RowCounter(torch.nn.Module):
 
 def _source(script, *, max_rounds, ref=None):
     policy = small_model()
-    runner = RolloutRunner(GenerationEngine(policy, pad_token_id=EOS),
+    runner = RolloutRunner(ReferenceEngine(policy, pad_token_id=EOS),
                            SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(EOS,)),
                            decode=lambda ids: " ".join(map(str, ids)), score_fn=ScriptedScores(script),
                            ref_model=ref, chunk_size=3)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from reference_engine import GenerationEngine
+from reference_engine import ReferenceEngine
 from toy_rl import online_experience, trained
 
 from astrai.algos import kl_penalty_loss, ppo_policy_loss
@@ -186,7 +186,7 @@ def make_strategy(max_steps, *, seed=0, lr=3e-3, prompts=4, group=4, kl_coef=0.0
     ref = small_model(seed)
     ref.load_state_dict(policy.state_dict())
     ref.eval().requires_grad_(False)
-    engine = GenerationEngine(policy, pad_token_id=EOS)
+    engine = ReferenceEngine(policy, pad_token_id=EOS)
     sampling = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=(EOS,))
     runner = RolloutRunner(engine, sampling, decode=lambda ids: " ".join(map(str, ids)),
                            score_fn=target_fraction, ref_model=ref, chunk_size=prompts * group)

@@ -165,7 +165,7 @@ def evaluate(engine, tokenizer, records: Sequence, *, reward: Callable, settings
     """Generate `settings.num_samples` responses per record with `engine`, score them, collect the results.
 
     Args:
-        engine: a rollout engine (`PagedGenerationEngine` or `GenerationEngine`) holding the weights to evaluate;
+        engine: a rollout engine (`astrai.rollout.engine.GenerationEngine`) holding the weights to evaluate;
             its weights are used as they are (the caller syncs them).
         tokenizer: the model's tokenizer (chat template, decode, eos).
         records: `astrai.data.PromptRecord`s (prompt, answer, index).

@@ -26,13 +26,14 @@ import torch
 from astrai.data.sequences import left_pad
 from astrai.kernels import InferenceWorkspace, select_backend
 from astrai.rollout.block_pool import BlockPool, PrefixCache
+from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
 
-__all__ = ["PagedGenerationEngine"]
+__all__ = ["PagedGenerationEngine", "paged_engine"]
 
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
 PenaltyArg = Union[None, FrequencyPenaltyStrategy, Sequence[Optional[FrequencyPenaltyStrategy]]]
@@ -124,6 +125,13 @@ class PagedGenerationEngine:
     def dtype(self) -> torch.dtype:
         """Parameter (and KV cache) dtype."""
         return next(self.model.parameters()).dtype
+
+    @property
+    def capacity(self) -> EngineCapacity:
+        """Rows, KV tokens and step tokens it holds at once, and the model's position limit."""
+        return EngineCapacity(max_num_seqs=self.max_num_seqs, max_kv_tokens=self.max_kv_blocks * self.block_size,
+                              max_batch_tokens=self.max_batch_tokens,
+                              max_position_embeddings=self.model.config.max_position_embeddings)
 
     @torch.no_grad()
     def load_weights(self, state_dict: Union[Mapping[str, torch.Tensor], Iterable], policy_version: int) -> int:
@@ -319,3 +327,12 @@ class PagedGenerationEngine:
         return Generation(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response.to(device),
                           action_mask=mask.to(device), old_logprobs=logprobs.to(device), finished=finished.to(device),
                           policy_version=self.policy_version)
+
+
+def paged_engine(model, *, pad_token_id: int, policy_version: int = 0, dtype=None,
+                 attention_backend: Optional[str] = None, **options) -> PagedGenerationEngine:
+    """The `paged` entry of the engine factory (`astrai.rollout.engine.build_engine`): a `PagedGenerationEngine`
+    with `attention_backend` as its `backend` and `options` as its sizes (`max_num_seqs`, `max_kv_tokens`,
+    `max_batch_tokens`, `block_size`, `prefix_cache`, `dense_decode`)."""
+    return PagedGenerationEngine(model, pad_token_id=pad_token_id, policy_version=policy_version, dtype=dtype,
+                                 backend=attention_backend, **options)

@@ -98,7 +98,7 @@ class RolloutRunner:
     """Turns prompt token ids into scored `Experience` with the colocated engine.
 
     Args:
-        engine: a `PagedGenerationEngine` (or anything with its `generate`); its weights are synced by the caller.
+        engine: a `GenerationEngine` (`astrai.rollout.engine`); its weights are synced by the caller.
         sampling: sampling settings (temperature is also used to score, docs/conventions.md section 2).
         decode: token ids -> text (special tokens skipped).
         score_fn: the reward, see `ScoreFn`.

@@ -85,7 +85,7 @@ def build_engine(args: argparse.Namespace):
     import torch
 
     from astrai.models import load_pretrained
-    from astrai.rollout.paged_engine import PagedGenerationEngine
+    from astrai.rollout.engine import attention_backend, build_engine
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
@@ -96,8 +96,9 @@ def build_engine(args: argparse.Namespace):
     model, tokenizer = load_pretrained(str(path), dtype=getattr(torch, dtype_name), device=device)
     if tokenizer.pad_token_id is None:
         raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
-    engine = PagedGenerationEngine(model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
-                                   max_kv_tokens=args.max_kv_tokens, policy_version=checkpoint_version(path))
+    engine = build_engine("paged", model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
+                          max_kv_tokens=args.max_kv_tokens, policy_version=checkpoint_version(path),
+                          attention_backend=attention_backend(None))
     name = args.served_model_name or (path.name if path.exists() else str(args.checkpoint))
     return engine, tokenizer, name
 

@@ -189,7 +189,7 @@ def _engine_error(err: Exception) -> APIError:
 
 def create_app(engine, tokenizer, *, model_name: str, max_batch: int = 32, batch_window_ms: float = 5.0,
                max_tokens: int = 512) -> FastAPI:
-    """The OpenAI-compatible app over `engine` (a `PagedGenerationEngine`) and its `tokenizer`.
+    """The OpenAI-compatible app over `engine` (a `GenerationEngine`) and its `tokenizer`.
 
     Args:
         model_name: the id served by `/v1/models`; requests naming another model get 404.

@@ -63,7 +63,7 @@ class Batcher:
     """Collects `Job`s and runs them through `engine.generate` in batches of at most `max_batch` rows.
 
     Args:
-        engine: a `PagedGenerationEngine` (or anything with its `generate` signature and `on_token` hook).
+        engine: a `GenerationEngine` (`astrai.rollout.engine`; its `generate` with the `on_token` hook).
         max_batch: most rows per engine call (set the engine's `max_num_seqs` to at least this).
         window_s: how long to wait for more jobs after the first one arrives (seconds).
 

@@ -20,6 +20,7 @@ from astrai.data.limits import check_model_limits
 from astrai.distributed import setup_distributed
 from astrai.distributed.launch import check_step_sizes, resolve_launch
 from astrai.models import load_pretrained
+from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.evaluation import build_evaluation, load_eval_records
 from astrai.trainer.loop import Trainer, TrainerState
@@ -115,6 +116,7 @@ def build_trainer(config: Config) -> Trainer:
                                       overwrite=config.train.overwrite_output_dir, dist=dist)
     if resume_from is not None:  # refused before anything loads (restore() checks again, with sha256 if asked)
         check_resume(resume_from, config=config, world_size=dist.world_size, strategy=dist.strategy)
+    engine_factory(config.rollout.engine)  # an unknown rollout.engine, before the model loads
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
     policy.train()
@@ -169,7 +171,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     or an optimizer, in this one process: the launch mode (`distributed.strategy` against the accelerate launch
     environment in `os.environ`) and its precision, DeepSpeed step sizes for `world_size` ranks, `train.report_to`,
     the output directory and `checkpoint.resume` (read only: nothing is written), the model (loaded on CPU) and its
-    length and vocabulary limits, the data as the train type will train on it and the held-out data of
+    length and vocabulary limits, `rollout.engine`, the data as the train type will train on it and the held-out data of
     `train.eval_steps`. Launch scripts run it before
     they start the ranks, so a refusal is one line with exit 2 instead of one line per rank followed by the
     launcher's traceback.
@@ -187,6 +189,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     if resume_from is not None:
         check_resume(resume_from, config=config, world_size=world_size, strategy=plan.strategy,
                      verify=config.checkpoint.verify_on_load)
+    engine_factory(config.rollout.engine)  # an unknown rollout.engine, before the model loads
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
     data = train_types.get(config.train.type).load_data(config, policy.config, tokenizer, main=True)

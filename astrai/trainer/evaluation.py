@@ -36,10 +36,10 @@ from astrai.data import PromptDataset
 from astrai.data.truncation import encode_prompt_records
 from astrai.models.loading import empty_model
 from astrai.models.special_tokens import stop_token_ids
+from astrai.rollout.engine import build_engine
 from astrai.rollout.evaluation import EvalSettings, evaluate
-from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.rewards import ANSWER_EXTRACTORS, get_reward
-from astrai.trainer.experience import sync_engine
+from astrai.trainer.experience import build_rollout_engine, sync_engine
 from astrai.trainer.loop import Callback
 
 __all__ = ["EvaluationCallback", "build_evaluation"]
@@ -68,6 +68,8 @@ class EvaluationCallback(Callback):
         extract_answer: response text -> the answer it states, reported per question (`ANSWER_EXTRACTORS`).
         eval_on_start: also evaluate before the first step of a fresh run (logged as step 0, answers in
             `eval/step-00000000.jsonl`).
+        make_engine: model -> the callback's own `GenerationEngine` for train types without a rollout engine
+            (tagged policy_version -1 until the first sync); None: the default `paged` engine.
 
     Raises:
         ValueError: for `eval_steps < 1` or no records.
@@ -77,7 +79,7 @@ class EvaluationCallback(Callback):
                  strategy, dist, max_prompt_length: int, system_prompt: Optional[str] = None,
                  truncation: str = "error", source: str = "data.eval_path", seed: int = 0,
                  printer=tqdm.write, progress: bool = True, output_dir: Optional[Path] = None,
-                 extract_answer=None, eval_on_start: bool = False):
+                 extract_answer=None, eval_on_start: bool = False, make_engine=None):
         if eval_steps < 1:
             raise ValueError(f"train.eval_steps: expected >= 1 for an evaluation callback, got {eval_steps}")
         if len(records) == 0:
@@ -92,6 +94,8 @@ class EvaluationCallback(Callback):
         self.output_dir, self.extract_answer = output_dir, extract_answer
         self.eval_on_start = eval_on_start
         self._own_engine = None
+        self.make_engine = make_engine or (lambda model: build_engine("paged", model, policy_version=-1,
+                                                                      pad_token_id=tokenizer.pad_token_id))
 
     def engine(self, policy_version: int):
         """The strategy's rollout engine, or (offline train types) this callback's own copy of the policy."""
@@ -100,8 +104,7 @@ class EvaluationCallback(Callback):
             return engine
         if self._own_engine is None:  # a skeleton filled by the first sync (the policy may be sharded)
             model = empty_model(self.strategy.policy.model.config, device=self.dist.device)
-            self._own_engine = PagedGenerationEngine(model, pad_token_id=self.tokenizer.pad_token_id,
-                                                     policy_version=-1)
+            self._own_engine = self.make_engine(model)
         return self._own_engine
 
     def on_train_begin(self, trainer) -> None:
@@ -196,7 +199,8 @@ def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCa
         strategy=strategy, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
         truncation=d.truncation, source=str(d.eval_path),
         seed=config.train.seed, progress=config.train.progress_bar, output_dir=Path(config.train.output_dir),
-        extract_answer=ANSWER_EXTRACTORS.get(config.reward.name), eval_on_start=config.train.eval_on_start)
+        extract_answer=ANSWER_EXTRACTORS.get(config.reward.name), eval_on_start=config.train.eval_on_start,
+        make_engine=lambda model: build_rollout_engine(config, model, tokenizer, policy_version=-1))
 
 
 def load_eval_records(config, tokenizer, *, main: bool = True) -> list:

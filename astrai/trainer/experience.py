@@ -18,7 +18,7 @@ import torch
 from astrai.data import PromptDataset, PromptSampler
 from astrai.data.truncation import EncodedPrompt, encode_prompt_records
 from astrai.models.special_tokens import stop_token_ids, strip_stop
-from astrai.rollout.paged_engine import PagedGenerationEngine
+from astrai.rollout.engine import GenerationEngine, attention_backend, build_engine
 from astrai.rollout.rewards import get_reward, unscorable_answers
 from astrai.rollout.runner import Experience, RolloutRunner, concat_experiences, summed_timings
 from astrai.rollout.sampling import SamplingParams
@@ -67,7 +67,7 @@ class OnlineExperience:
 
     Args:
         policy: the trained policy (its current weights go to the engine before each batch).
-        runner: the rollout runner (its `engine` is the colocated `PagedGenerationEngine`).
+        runner: the rollout runner (its `engine` is the colocated `GenerationEngine`).
         sampler: endless resumable sampler of records with `.prompt_ids` (chat-templated, within the prompt
             budget) and `.answer` (`PromptSampler` over `data.truncation.EncodedPrompt`s).
         batch_size: B, prompts per batch; group_size: G, samples per prompt (rows b * G ... b * G + G - 1).
@@ -109,7 +109,7 @@ class OnlineExperience:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @property
-    def engine(self) -> PagedGenerationEngine:
+    def engine(self) -> GenerationEngine:
         """The runner's rollout engine."""
         return self.runner.engine
 
@@ -166,13 +166,16 @@ class OnlineExperience:
         self.generator.set_state(state["sampling_rng"])
 
 
-def build_rollout_engine(config, policy: torch.nn.Module, tokenizer) -> PagedGenerationEngine:
-    """The colocated rollout engine: an inference copy of `policy` (made before the policy is sharded) in
-    `rollout.dtype`."""
-    return PagedGenerationEngine(policy, pad_token_id=tokenizer.pad_token_id, dtype=config.rollout.dtype)
+def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_version: int = 0) -> GenerationEngine:
+    """The colocated rollout engine `rollout.engine` (`astrai.rollout.engine.build_engine`): an inference copy of
+    `policy` (made before the policy is sharded) in `rollout.dtype`, attending with `rollout.attention_backend`
+    (`ASTR_BACKEND` overrides it). Raises ValueError / BackendUnavailableError (one line) for what it refuses."""
+    r = config.rollout
+    return build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
+                        dtype=r.dtype, attention_backend=attention_backend(r.attention_backend))
 
 
-def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: PagedGenerationEngine,
+def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: GenerationEngine,
                             ref_model: Optional[torch.nn.Module], chunk_size: int,
                             group_size: int = 1) -> OnlineExperience:
     """The online experience source of a validated config: the rollout engine (`build_rollout_engine`), sampling
