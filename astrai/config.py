@@ -19,8 +19,8 @@ from typing import Any, Iterable, Optional, Union, get_origin
 import yaml
 
 from astrai import train_types
-from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, EnvMap, Pattern, Range, Section,
-                                  SubsetOf, YamlDumper, YamlLoader, convert_value, field_spec, field_specs,
+from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, EnvMap, Pattern, Range, Records,
+                                  Section, SubsetOf, YamlDumper, YamlLoader, convert_value, field_spec, field_specs,
                                   split_optional)
 
 TRAIN_TYPES = train_types.names()
@@ -74,11 +74,34 @@ class DataSection(Section, name="data"):
     eval_path: Optional[str] = field_spec(None, "held-out question/answer set for train.eval_steps: "
                                           "'builtin:<name>' or a GSM8K-format .jsonl")
     eval_limit: Optional[int] = field_spec(None, "evaluate only the first N questions of data.eval_path", GT0)
+    mixture: list[dict] = field_spec([], "online prompts blended from several files instead of data.path: "
+                                         "[{path, weight}], each file contributing in proportion to its weight",
+                                     Records((("path", (str,), True), ("weight", (float,), False)),
+                                             describe_item="file"))
+
+
+REWARD_FUNCTION_KEYS = Records((("function", (str,), True), ("weight", (float,), False), ("name", (str,), False),
+                                ("path", (str,), False), ("kwargs", (dict,), False)), describe_item="function")
+"""The keys of one `reward.functions` item (docs/rewards.md)."""
 
 
 @dataclass
 class RewardSection(Section, name="reward"):
-    name: str = field_spec("math_exact_match", "reward function name in the reward registry")
+    name: str = field_spec("math_exact_match", "the built-in reward used when reward.functions is empty")
+    functions: list[dict] = field_spec(
+        [], "reward functions, each {function: 'package.module:name' or a built-in name, weight (1), name, path "
+            "(a .py file holding it), kwargs}: called as fn(prompts, completions, **columns) (TRL's convention), "
+            "the total is the weighted sum (docs/rewards.md)", REWARD_FUNCTION_KEYS)
+    num_workers: int = field_spec(1, "worker processes that run the reward.functions given by import path or file "
+                                     "(with reward.timeout_seconds); 0 = in the trainer's process, no timeout", GE0)
+    timeout_seconds: float = field_spec(60.0, "hard limit per reward call in a worker process: a call that does not "
+                                              "return in time is killed and counts as an error", GT0)
+    on_error: str = field_spec("score", "a reward call that raises or times out: 'score' gives its samples "
+                                        "reward.error_score, 'skip' leaves them out of that reward (as None)",
+                               Choices(("score", "skip")))
+    error_score: float = field_spec(0.0, "the score of a sample whose reward call failed (reward.on_error score)")
+    max_error_fraction: float = field_spec(0.5, "stop the job when more than this fraction of a rollout's reward "
+                                                "calls' samples fail", UNIT)
     format_bonus: float = field_spec(0.0, "reward added when the response has the expected answer format", GE0)
     partial_credit: float = field_spec(0.0, "math_exact_match, in [0, 1): a wrong answer scores this times its "
                                             "closeness max(0, 1 - |answer - gold| / max(|gold|, 1)); 0 = exact only",
@@ -290,6 +313,17 @@ class Config:
         elif self.rollout.generation_batch_size is not None:
             raise ConfigError("rollout.generation_batch_size: only used with rollout.dynamic_sampling (without it "
                               "each rollout samples rollout.batch_size prompts once); set it to null")
+        if self.data.mixture and self.data.path != DataSection().path:
+            raise ConfigError(f"data.mixture: set together with data.path {self.data.path!r}; the mixture replaces "
+                              "data.path, so set only one of them")
+        if self.reward.functions and self.reward.name != RewardSection().name:
+            raise ConfigError(f"reward.name: {self.reward.name!r} is set together with reward.functions; list it "
+                              f"there instead ({{function: {self.reward.name}}})")
+        names = [f.get("name") or f["function"].rpartition(":")[2] for f in self.reward.functions]
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ConfigError(f"reward.functions: two functions are named {twice!r}; give each its own name "
+                              "(their metrics are logged as rewards/<name>/...)")
         if self.train.bf16 and self.train.fp16:
             raise ConfigError("train.fp16: train.bf16 and train.fp16 are mutually exclusive; set one to false")
         if self.train.eval_on_start and not self.train.eval_steps:

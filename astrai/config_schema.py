@@ -6,6 +6,7 @@ raises `ConfigError` with a one-line message naming the field and what was expec
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -157,6 +158,52 @@ class EnvMap:
         return "a mapping of environment variable names to scalars or null"
 
 
+@dataclass(frozen=True)
+class Records:
+    """A list of mappings, each with the keys of `fields`: name -> (accepted types, required). Numbers given for a
+    float key are stored as floats; `describe_item` names what one item is (for messages)."""
+
+    fields: tuple[tuple[str, tuple[type, ...], bool], ...]
+    describe_item: str = "item"
+
+    def problem(self, v: list) -> Optional[str]:
+        """One-line description of the first bad item of `v`, or None when every item is fine."""
+        names = [name for name, _, _ in self.fields]
+        for i, item in enumerate(v, start=1):
+            if not isinstance(item, dict):
+                return f"{self.describe_item} {i}: expected a mapping with keys {', '.join(names)}, got {item!r}"
+            for key in item:
+                if key not in names:
+                    close = difflib.get_close_matches(str(key), names, n=1)
+                    hint = f" (did you mean '{close[0]}'?)" if close else f"; keys: {', '.join(names)}"
+                    return f"{self.describe_item} {i}: unknown key {key!r}{hint}"
+            for name, types, required in self.fields:
+                if name not in item or item[name] is None:
+                    if required:
+                        return f"{self.describe_item} {i}: missing key {name!r}"
+                    continue
+                value = item[name]
+                number = float in types and isinstance(value, (int, float)) and not isinstance(value, bool)
+                if not number and not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                    kinds = " or ".join(_KINDS.get(t, "a mapping" if t is dict else t.__name__) for t in types)
+                    return f"{self.describe_item} {i}: {name}: expected {kinds}, got {value!r}"
+                if number and not math.isfinite(value):
+                    return f"{self.describe_item} {i}: {name}: expected a finite number, got {value!r}"
+        return None
+
+    def normalise(self, v: list) -> list:
+        """`v` with every number of a float key as a float (a new list of new dicts)."""
+        floats = {name for name, types, _ in self.fields if float in types}
+        return [{k: float(x) if k in floats and isinstance(x, int) and not isinstance(x, bool) else x
+                 for k, x in item.items()} for item in v]
+
+    def ok(self, v: list) -> bool:
+        return self.problem(v) is None
+
+    def describe(self, kind: str) -> str:
+        return f"a list of mappings with keys {', '.join(name for name, _, _ in self.fields)}"
+
+
 GT0, GE0, UNIT, BETA = Range(0, lo_open=True), Range(0), Range(0, 1), Range(0, 1, hi_open=True)
 
 
@@ -215,6 +262,8 @@ def _coerce(base: Any, v: Any) -> Any:
         return float(v) if base is float else (v if isinstance(v, int) else _coerce)
     if base in (str, bool) and isinstance(v, base):
         return v
+    if get_origin(base) is list and isinstance(v, list) and get_args(base) == (dict,):
+        return [dict(x) if isinstance(x, dict) else x for x in v]  # items are checked by the field's `Records`
     if get_origin(base) is list and isinstance(v, list) and all(isinstance(x, str) for x in v):
         return list(v)
     if get_origin(base) is dict and isinstance(v, dict):
@@ -232,8 +281,9 @@ def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
     if detail:
         raise ConfigError(f"{name}: {detail}")
     if out is _coerce or (check is not None and not check.ok(out)):
-        kind = _KINDS.get(base, "a mapping" if get_origin(base) is dict else "a list of strings")
+        kind = _KINDS.get(base, "a mapping" if get_origin(base) is dict else
+                          "a list of mappings" if get_args(base) == (dict,) else "a list of strings")
         wrong_type = out is _coerce
         expected = kind if check is None or (wrong_type and isinstance(check, Pattern)) else check.describe(kind)
         raise ConfigError(f"{name}: expected {'null or ' if optional else ''}{expected}, got {value!r}")
-    return out
+    return getattr(check, "normalise", lambda v: v)(out)

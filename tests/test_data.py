@@ -115,7 +115,7 @@ def test_missing_paths(tmp_path):
     for name in ("builtin:../assets/math_prompts", "builtin:"):  # a name, never a path
         with pytest.raises(DataError, match=r"data.path: unknown built-in prompt set: "):
             PromptDataset(name)
-    with pytest.raises(DataError, match=r"data.path: not a file"):
+    with pytest.raises(DataError, match=r"data.path: .* is a directory but not one written by datasets' save_to_disk"):
         PromptDataset(tmp_path)
 
 

@@ -101,9 +101,11 @@ def test_records_through_datasets_jsonl_and_parquet(tmp_path):
     with pytest.raises(DataError) as err:
         load_records(path, {"data.messages_field": "messages"})
     assert "'messages' (data.messages_field)" in str(err.value) and "\n" not in str(err.value)
-    (tmp_path / "x.csv").write_text("a\n1\n")
-    with pytest.raises(DataError, match="unsupported file type"):
-        load_records(tmp_path / "x.csv", {"data.text_field": "a"})
+    (tmp_path / "x.csv").write_text("a\nhello\n")
+    assert load_records(tmp_path / "x.csv", {"data.text_field": "a"}) == [{"a": "hello"}]
+    (tmp_path / "x.txt").write_text("a\n1\n")
+    with pytest.raises(DataError, match="unsupported file type '.txt'"):
+        load_records(tmp_path / "x.txt", {"data.text_field": "a"})
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n\n{"text": "cut off\n')
     with pytest.raises(DataError) as err:  # the broken line is named by its number, in one line
         load_records(tmp_path / "bad.jsonl", {"data.text_field": "text"})

@@ -48,7 +48,8 @@ def built_online_experience(config, policy, tokenizer, *, chunk_size: int = 2) -
                                    engine=engine, ref_model=None, chunk_size=chunk_size)
 
 
-def next_prompts(experience: OnlineExperience, n: int) -> tuple[list[list[int]], list[str]]:
-    """The prompt ids and answers of the next `n` records of an experience source's sampler."""
+def next_prompts(experience: OnlineExperience, n: int) -> tuple[list[list[int]], list]:
+    """The prompt ids and the records (the score function's targets) of the next `n` records of an experience
+    source's sampler."""
     records = experience.data_sampler.next_batch(n)
-    return [r.prompt_ids for r in records], [r.answer for r in records]
+    return [r.prompt_ids for r in records], list(records)

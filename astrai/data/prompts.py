@@ -1,14 +1,18 @@
-"""Prompt datasets for online RL (online_ppo, online_grpo): jsonl loading and deterministic sampling.
+"""Prompt datasets for online RL (online_ppo, online_grpo): loading and deterministic sampling.
 
-A prompt file is jsonl, one JSON object per line (GSM8K layout by default: ``question`` and
-``answer``, the answer ending in ``#### <final answer>``). Blank lines are skipped. The path may be
+A prompt file is jsonl (one JSON object per line; blank lines are skipped), json, parquet, csv, or a directory
+written by `datasets.Dataset.save_to_disk` (the non-jsonl ones are read through `datasets`, `data.records`). The
+GSM8K layout is the default: ``question`` and ``answer``, the answer ending in ``#### <final answer>``. The prompt
+field holds a plain string or a chat, a list of ``{"role", "content"}`` messages (rendered with the model's chat
+template); the answer field is optional (reward functions may need none); every other field of a record travels
+with it as a column (``PromptRecord.columns``: the reward functions receive them by name). The path may be
 ``builtin:<name>``, which resolves to ``astrai/data/assets/<name>.jsonl`` shipped with the package
 (``builtin:math_prompts``: 400 generated grade-school problems, see ``tools/make_math_prompts.py``), or to a set
 made in memory by a generator (``builtin:arithmetic`` and ``builtin:arithmetic_test``, see
-``astrai.data.arithmetic``).
+``astrai.data.arithmetic``). ``mixture_records`` blends several such files by weight.
 
 Every loading error is a ``DataError`` (a ``ValueError``) with a one-line message naming the file,
-the 1-based line number and the field concerned.
+the 1-based line (jsonl) or row number and the field concerned.
 
 ``PromptSampler`` walks the dataset in epochs. The order of epoch ``e`` is a pure function of
 ``(seed, e)``; its state is just ``(epoch, position)``, so a resumed run draws exactly the batches
@@ -20,10 +24,10 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
 
 from astrai.data.arithmetic import GENERATED
 
@@ -34,19 +38,26 @@ class DataError(ValueError):
     """A prompt file is missing or malformed, or a sampler state does not fit its dataset."""
 
 
+Prompt = Union[str, list]
+"""A stored prompt: the question text, or a chat (a list of {"role": str, "content": str} messages)."""
+
+
 @dataclass(frozen=True)
 class PromptRecord:
-    """One prompt with its reference answer.
+    """One prompt with its reference answer and the rest of its record.
 
     Attributes:
-        prompt: the question text, as stored (no chat template applied).
+        prompt: the question text or chat messages, as stored (no chat template applied).
         answer: the reference answer text ("" when the dataset has no answer field).
         index: 0-based position of the record in its dataset (stable across epochs and resumes).
+        columns: every field of the record but the prompt field, by name (the answer field included), as
+            stored (JSON values); what reward functions receive as keyword arguments.
     """
 
-    prompt: str
+    prompt: Prompt
     answer: str
     index: int
+    columns: Mapping[str, Any] = field(default_factory=dict)
 
 
 def extract_gsm8k_answer(answer: str) -> str:
@@ -122,6 +133,27 @@ def _field(obj: dict[str, Any], name: str, where: str) -> str:
     return value
 
 
+def _prompt(obj: dict[str, Any], name: str, where: str) -> Prompt:
+    """``obj[name]`` as a prompt: a string, or a non-empty list of messages with string ``role`` and ``content``
+    (other keys dropped) whose last message is the user's; DataError naming the field and location otherwise."""
+    value = obj.get(name)
+    if not isinstance(value, list):
+        return _field(obj, name, where)
+    if not value:
+        raise DataError(f"{where}: field {name!r} is an empty list of messages")
+    messages = []
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DataError(f"{where}: field {name!r} message {i}: expected {{'role': str, 'content': str}}, got "
+                            f"{message!r}"[:300])
+        messages.append({"role": message["role"], "content": message["content"]})
+    if messages[-1]["role"] != "user":
+        raise DataError(f"{where}: field {name!r}: the last message must be the user's (the model answers it), "
+                        f"got role {messages[-1]['role']!r}")
+    return messages
+
+
 def read_prompt_records(
     path: Path, *, prompt_field: str = "question", answer_field: str | None = "answer"
 ) -> list[PromptRecord]:
@@ -167,14 +199,20 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, dict]]:
 
 
 def objects_to_records(objects: Iterable[tuple[str, dict]], *, prompt_field: str,
-                       answer_field: str | None) -> list[PromptRecord]:
-    """``PromptRecord`` of each ``(location, object)``, indexed in order; DataError naming the location for a
-    missing or non-string field."""
+                       answer_field: str | None, require_answers: bool = True) -> list[PromptRecord]:
+    """``PromptRecord`` of each ``(location, object)``, indexed in order, every other field kept as a column.
+
+    Without `require_answers` the answer field is optional as a whole: when no record holds it every answer is
+    "" (as with `answer_field` None). DataError naming the location for a missing or malformed prompt, an answer
+    that is not a string, or a missing answer field (when required, or when some records hold it)."""
+    pairs = list(objects)
+    has_answers = answer_field is not None and (require_answers or any(answer_field in obj for _, obj in pairs))
     records: list[PromptRecord] = []
-    for where, obj in objects:
-        prompt = _field(obj, prompt_field, where)
-        answer = _field(obj, answer_field, where) if answer_field is not None else ""
-        records.append(PromptRecord(prompt=prompt, answer=answer, index=len(records)))
+    for where, obj in pairs:
+        prompt = _prompt(obj, prompt_field, where)
+        answer = _field(obj, answer_field, where) if has_answers else ""
+        columns = {k: v for k, v in obj.items() if k != prompt_field}
+        records.append(PromptRecord(prompt=prompt, answer=answer, index=len(records), columns=columns))
     return records
 
 
@@ -186,6 +224,8 @@ class PromptDataset:
         prompt_field: key of the prompt text in each object (default ``question``).
         answer_field: key of the reference answer (default ``answer``), or ``None``.
         field: the config key or option named in errors about the path.
+        require_answers: every record must hold `answer_field` (else the field may be absent from all records:
+            answers are then "").
 
     Attributes:
         path: the resolved file, or None for a generated built-in set.
@@ -195,7 +235,7 @@ class PromptDataset:
     """
 
     def __init__(self, path: str | Path, *, prompt_field: str = "question", answer_field: str | None = "answer",
-                 field: str = "data.path") -> None:
+                 field: str = "data.path", require_answers: bool = True) -> None:
         self.source = str(path)
         self.prompt_field = prompt_field
         self.answer_field = answer_field
@@ -203,10 +243,16 @@ class PromptDataset:
         if generated is not None:
             self.path = None
             self.records = objects_to_records(((f"{path} row {i + 1}", obj) for i, obj in enumerate(generated)),
-                                              prompt_field=prompt_field, answer_field=answer_field)
+                                              prompt_field=prompt_field, answer_field=answer_field,
+                                              require_answers=require_answers)
         else:
-            self.path = resolve_prompt_path(path, field=field)
-            self.records = read_prompt_records(self.path, prompt_field=prompt_field, answer_field=answer_field)
+            from astrai.data.records import read_rows  # datasets-backed formats (records imports this module)
+
+            self.path, rows = read_rows(path, field=field)
+            self.records = objects_to_records(rows, prompt_field=prompt_field, answer_field=answer_field,
+                                              require_answers=require_answers)
+            if not self.records:
+                raise DataError(f"{self.path}: no records")
 
     def __len__(self) -> int:
         """Number of records (always >= 1)."""
@@ -222,6 +268,39 @@ class PromptDataset:
 
     def __repr__(self) -> str:
         return f"PromptDataset({self.source!r}, records={len(self)})"
+
+    @property
+    def has_answers(self) -> bool:
+        """Whether its records hold the answer field (else every answer is "")."""
+        return self.answer_field is not None and any(self.answer_field in r.columns for r in self.records)
+
+
+def mixture_records(datasets: Sequence[PromptDataset], weights: Sequence[float], *, seed: int) -> list[PromptRecord]:
+    """One epoch's worth of records blended from several datasets by weight (re-indexed 0..N-1).
+
+    N is the datasets' total size; dataset i contributes ``round(N * w_i / sum(w))`` records (at least one): its
+    records in a seeded shuffle (``random.Random(f"astrai-mixture:{seed}:{i}")``), cycled when it must contribute
+    more than it has, cut when fewer. The blend is a fixed list, so `PromptSampler` shuffles and resumes it as any
+    dataset. Each record's columns gain ``source`` (the dataset's path) unless the record already has one.
+
+    Raises:
+        DataError: for mismatched lengths, no datasets, or a weight that is not a positive finite number.
+    """
+    if not datasets or len(datasets) != len(weights):
+        raise DataError(f"data.mixture: {len(datasets)} datasets but {len(weights)} weights")
+    if any(not (w > 0 and w < float("inf")) for w in weights):
+        raise DataError(f"data.mixture: weights must be positive numbers, got {list(weights)}")
+    total, mass = sum(len(d) for d in datasets), sum(weights)
+    out: list[PromptRecord] = []
+    for i, (dataset, weight) in enumerate(zip(datasets, weights)):
+        want = max(1, round(total * weight / mass))
+        order = list(range(len(dataset)))
+        random.Random(f"astrai-mixture:{seed}:{i}").shuffle(order)
+        for k in range(want):
+            rec = dataset[order[k % len(order)]]
+            columns = dict(rec.columns) if "source" in rec.columns else {**rec.columns, "source": dataset.source}
+            out.append(PromptRecord(prompt=rec.prompt, answer=rec.answer, index=len(out), columns=columns))
+    return out
 
 
 def epoch_order(num_records: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:

@@ -1,6 +1,7 @@
-"""Training records from local jsonl / json / parquet files through the `datasets` library.
+"""Records from local jsonl / json / parquet / csv files or `datasets.save_to_disk` directories, through the
+`datasets` library (jsonl is parsed line by line first, so a broken line is named by its number).
 
-Used by the offline train types (sft, dpo, seq, grpo). `builtin:<name>` resolves to
+Used by the offline train types (sft, dpo, seq, grpo) (`load_records`) and by the prompt sets (`read_rows`). `builtin:<name>` resolves to
 ``astrai/data/assets/<name>.jsonl`` shipped with the package (small example sets for the example configs).
 Every problem is a `DataError` with a one-line message naming the file and, for a missing field, the config
 key that names it and the fields that are present.
@@ -13,15 +14,56 @@ from typing import Any, Mapping
 
 from astrai.data.prompts import DataError, jsonl_objects, resolve_prompt_path
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-"""File suffix -> `datasets` builder name."""
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""File suffix -> `datasets` builder name (a directory is read with `datasets.load_from_disk`)."""
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json")
+"""What `datasets.Dataset.save_to_disk` writes into its directory (a `DatasetDict` writes dataset_dict.json)."""
+
+
+def _resolve(path: str | Path, field: str) -> Path:
+    """A data file (`resolve_prompt_path`) or a saved dataset directory; DataError naming `field` otherwise."""
+    text = str(path)
+    if not text.startswith("builtin:") and Path(text).expanduser().is_dir():
+        directory = Path(text).expanduser()
+        if not any((directory / name).is_file() for name in SAVED_DATASET_FILES + ("dataset_dict.json",)):
+            raise DataError(f"{field}: {directory} is a directory but not one written by datasets' save_to_disk "
+                            f"(no {' / '.join(SAVED_DATASET_FILES)})")
+        return directory
+    resolved = resolve_prompt_path(path, field=field)
+    if resolved.suffix.lower() not in BUILDERS:
+        raise DataError(f"{field}: unsupported file type {resolved.suffix!r} of {resolved} "
+                        f"(expected one of {', '.join(BUILDERS)}, or a save_to_disk directory)")
+    return resolved
+
+
+def _dataset(resolved: Path) -> Any:
+    """The `datasets.Dataset` of a resolved file or directory (a `DatasetDict` directory: its train split)."""
+    if resolved.is_dir():
+        return _read_saved(resolved)
+    return _read(BUILDERS[resolved.suffix.lower()], resolved)
+
+
+def read_rows(path: str | Path, *, field: str = "data.path") -> tuple[Path, list[tuple[str, dict]]]:
+    """(resolved path, [(location, row)]) of a data file or saved dataset, rows in order, every column kept.
+
+    Locations are "<file> line N" for jsonl (blank lines are skipped and not counted as rows) and
+    "<file> row N" otherwise.
+
+    Raises:
+        DataError: one line naming `field` or the file: not found, unsupported type, unreadable content.
+    """
+    resolved = _resolve(path, field)
+    if resolved.is_file() and resolved.suffix.lower() == ".jsonl":
+        return resolved, list(jsonl_objects(resolved))
+    rows = _dataset(resolved).to_list()
+    return resolved, [(f"{resolved} row {i}", row) for i, row in enumerate(rows, start=1)]
 
 
 def load_records(path: str | Path, fields: Mapping[str, str], *, optional: Mapping[str, str] = {}) -> list[dict]:
     """Rows of a local data file as dicts holding the requested fields.
 
     Args:
-        path: a .jsonl / .json / .parquet file, or ``builtin:<name>``.
+        path: a .jsonl / .json / .parquet / .csv file, a `save_to_disk` directory, or ``builtin:<name>``.
         fields: config key -> field name that every row must hold non-null (e.g.
             ``{"data.messages_field": "messages"}``).
         optional: config key -> field name kept when the file has that column (rows may hold null).
@@ -33,12 +75,8 @@ def load_records(path: str | Path, fields: Mapping[str, str], *, optional: Mappi
         DataError: file not found / unsupported suffix / unreadable or malformed content / no rows / a missing
             column or a null value in a required field (naming the config key and 1-based row).
     """
-    resolved = resolve_prompt_path(path)
-    builder = BUILDERS.get(resolved.suffix.lower())
-    if builder is None:
-        raise DataError(f"data.path: unsupported file type {resolved.suffix!r} of {resolved} "
-                        f"(expected one of {', '.join(BUILDERS)})")
-    dataset = _read(builder, resolved)
+    resolved = _resolve(path, "data.path")
+    dataset = _dataset(resolved)
     present = list(dataset.column_names)
     for key, name in fields.items():
         if name not in present:
@@ -71,6 +109,24 @@ def _read(builder: str, path: Path) -> Any:
     except Exception as err:  # datasets/pyarrow raise many types; the message is what the user needs
         text = " ".join(str(err).split())[:300]
         raise DataError(f"{path}: cannot read as {builder}: {type(err).__name__}: {text}") from None
+
+
+def _read_saved(directory: Path) -> Any:
+    """`datasets.load_from_disk(directory)` (a `DatasetDict`: its "train" split), errors as one-line DataError."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        loaded = datasets.load_from_disk(str(directory), keep_in_memory=True)
+    except Exception as err:  # datasets/pyarrow raise many types
+        text = " ".join(str(err).split())[:300]
+        raise DataError(f"{directory}: cannot read as a saved dataset: {type(err).__name__}: {text}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(f"{directory}: a saved DatasetDict without a 'train' split (splits: "
+                            f"{', '.join(loaded)})")
+        loaded = loaded["train"]
+    return loaded
 
 
 def require_str(row: Mapping[str, Any], name: str, key: str, where: str) -> str:

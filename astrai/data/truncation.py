@@ -16,8 +16,8 @@ turn and the `<|im_start|>` of the user turn; astrai never does that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from astrai.config import TRUNCATION_POLICIES
 from astrai.data.chat import encode_rendered, render_chat
@@ -35,24 +35,35 @@ class EncodedPrompt:
         prompt_ids: chat-templated token ids (P,), within the budget.
         answer: the record's reference answer ("" when none).
         index: 0-based row of the record in its file.
+        prompt: the prompt as stored (text or chat messages), what reward functions receive as `prompts`.
+        columns: the record's other fields by name (`data.prompts.PromptRecord.columns`).
     """
 
     prompt_ids: list[int]
     answer: str
     index: int
+    prompt: Any = ""
+    columns: Mapping[str, Any] = field(default_factory=dict)
 
 
-def prompt_messages(question: str, system_prompt: Optional[str]) -> list[dict]:
-    """The chat of a prompt: an optional system turn, then the question as the user turn."""
+def prompt_messages(question, system_prompt: Optional[str]) -> list[dict]:
+    """The chat of a prompt: an optional system turn, then the question as the user turn; a stored chat (a list
+    of messages, the last the user's: `data.prompts.PromptRecord.prompt`) as it is, behind the system turn unless
+    it starts with one of its own."""
+    if isinstance(question, list):
+        own = bool(question) and question[0].get("role") == "system"
+        head = [{"role": "system", "content": system_prompt}] if system_prompt and not own else []
+        return head + [dict(m) for m in question]
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return messages + [{"role": "user", "content": question}]
 
 
-def encode_prompt(tokenizer, question: str, *, system_prompt: Optional[str] = None,
+def encode_prompt(tokenizer, question, *, system_prompt: Optional[str] = None,
                   where: str = "prompt") -> tuple[list[int], Optional[tuple[int, int]]]:
     """(ids, (a, b)): the chat-templated ids of a prompt (generation prompt included) and the token range
     `ids[a:b]` that holds only the question's text (None when the template rewrote the question, so its tokens
-    cannot be told apart)."""
+    cannot be told apart). `question` is a string or a chat whose last message is the user's (its content is the
+    part `data.truncation=left` may cut)."""
     messages = prompt_messages(question, system_prompt)
     chat = render_chat(tokenizer, messages, add_generation_prompt=True, where=where)
     ids, starts = encode_rendered(tokenizer, chat)
@@ -93,7 +104,7 @@ def fit_prompt(ids: Sequence[int], question: Optional[tuple[int, int]], *, limit
     return ids[:a] + ids[a + excess:]
 
 
-def encode_prompt_records(questions: Sequence[str], tokenizer, *, system_prompt: Optional[str], limit: int,
+def encode_prompt_records(questions: Sequence, tokenizer, *, system_prompt: Optional[str], limit: int,
                           limit_name: str, policy: str, source: str,
                           log: Callable[[str], None] = print) -> list[Optional[list[int]]]:
     """Encode and fit every question (row i of `source` is `questions[i]`); None marks a dropped row.

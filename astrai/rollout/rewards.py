@@ -201,6 +201,51 @@ def math_exact_match(responses: list[str], answers: list[str], *, format_bonus: 
     return torch.tensor(scores, dtype=torch.float32)
 
 
+def completion_text(completion) -> str:
+    """The text of a completion as reward functions receive it: a string, or (chat prompts) a list of messages
+    whose last one holds the text."""
+    if isinstance(completion, list):
+        return completion[-1]["content"] if completion else ""
+    return completion
+
+
+REWARD_FUNCTIONS: dict[str, Callable[..., list]] = {}
+"""Built-in rewards written with the reward-function calling convention (`reward_functions`: ``fn(prompts,
+completions, **columns) -> list[float | None]``), by name; run in the trainer's process."""
+
+
+def answer_reward_function(reward: "RewardFn") -> Callable[..., list]:
+    """An answer-matching reward of `REWARDS` with the reward-function calling convention: the reference answers
+    are the column `answer_field` (the job's `data.answer_field`), `format_bonus` and `partial_credit` its
+    options, one float per completion.
+
+    The returned function raises KeyError naming the column when the prompts have no such column."""
+
+    def fn(prompts: list, completions: list, *, answer_field: str = "answer", format_bonus: float = 0.0,
+           partial_credit: float = 0.0, **columns) -> list[float]:
+        if answer_field not in columns:
+            raise KeyError(f"the reward needs the reference-answer column {answer_field!r} (data.answer_field); "
+                           f"the prompts have {', '.join(sorted(columns)) or 'no other columns'}")
+        answers = [a if isinstance(a, str) else str(a) for a in columns[answer_field]]
+        texts = [completion_text(c) for c in completions]
+        return reward(texts, answers, format_bonus=format_bonus, partial_credit=partial_credit).tolist()
+
+    return fn
+
+
+def builtin_reward_function(name: str) -> Optional[Callable[..., list]]:
+    """The built-in reward `name` with the reward-function calling convention (`REWARD_FUNCTIONS`, or an
+    answer-matching `REWARDS` entry through `answer_reward_function`), or None when there is none."""
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    return answer_reward_function(REWARDS[name]) if name in REWARDS else None
+
+
+def builtin_reward_names() -> list[str]:
+    """Every built-in reward name (`reward.name`, `reward.functions[].function`)."""
+    return sorted(set(REWARD_FUNCTIONS) | set(REWARDS))
+
+
 class RewardFn(Protocol):
     """``(responses, answers, *, format_bonus=0.0, partial_credit=0.0) -> Tensor (B,) float32``."""
 
@@ -246,6 +291,7 @@ def get_reward(name: str) -> RewardFn:
         raise ValueError(f"reward.name: unknown reward {name!r}; choices: {choices}") from None
 
 
-__all__ = ["ANSWER_CHECKS", "ANSWER_EXTRACTORS", "REWARDS", "RewardFn", "closeness", "extract_final_number",
+__all__ = ["ANSWER_CHECKS", "ANSWER_EXTRACTORS", "REWARDS", "REWARD_FUNCTIONS", "RewardFn", "answer_reward_function",
+           "builtin_reward_function", "builtin_reward_names", "completion_text", "closeness", "extract_final_number",
            "get_reward", "has_marked_answer", "math_exact_match", "numbers_equal", "parse_number",
            "unscorable_answers"]

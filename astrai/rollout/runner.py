@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +18,9 @@ from astrai.data.sequences import Sequences
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.scoring import response_logprobs, score_in_chunks
 
-ScoreFn = Callable[[list[str], list[str], list[list[int]]], torch.Tensor]
-"""(responses, answers, response_ids) -> scores (B,) float32."""
+ScoreFn = Callable[[list[str], list[Any], list[list[int]]], Any]
+"""(responses, targets, response_ids) -> scores (B,) float32, or a `reward_functions.ScoredRewards` (its `total`
+and per-function values). `targets` are what the caller passed per sample (answers, prompt records ...)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Experience:
         policy_version: version of the weights that sampled.
         timings: wall seconds of the phases that produced it, by phase name (e.g. "generate", "reference").
         stats: how it was collected, by name (e.g. "sampling_rounds"), logged as `rollout/<name>`.
+        reward_components: reward function name -> (B,) float32 values (NaN where it does not apply).
+        reward_failed: reward function name -> (B,) bool, the samples whose reward call failed.
     """
 
     sequences: Sequences
@@ -45,6 +48,8 @@ class Experience:
     policy_version: int
     timings: dict[str, float] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    reward_failed: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def select(self, rows: Sequence[int]) -> "Experience":
         """The samples at `rows` (indices into B, in that order), with the same widths P and T, timings and stats."""
@@ -52,7 +57,9 @@ class Experience:
         return dataclasses.replace(
             self, sequences=self.sequences.select(index), old_logprobs=self.old_logprobs[index],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[index], scores=self.scores[index],
-            responses=tuple(self.responses[i] for i in rows))
+            responses=tuple(self.responses[i] for i in rows),
+            reward_components={k: v[index.cpu()] for k, v in self.reward_components.items()},
+            reward_failed={k: v[index.cpu()] for k, v in self.reward_failed.items()})
 
 
 def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experience:
@@ -82,7 +89,10 @@ def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experi
                                     else per_token([p.ref_logprobs for p in parts])),
                       scores=torch.cat([p.scores for p in parts]),
                       responses=tuple(r for p in parts for r in p.responses),
-                      policy_version=parts[0].policy_version, timings=summed_timings(parts))
+                      policy_version=parts[0].policy_version, timings=summed_timings(parts),
+                      reward_components={k: torch.cat([p.reward_components[k] for p in parts])
+                                         for k in parts[0].reward_components},
+                      reward_failed={k: torch.cat([p.reward_failed[k] for p in parts]) for k in parts[0].reward_failed})
 
 
 def summed_timings(experiences: Sequence[Experience]) -> dict[str, float]:
@@ -116,7 +126,7 @@ class RolloutRunner:
         self.ref_model = ref_model
         self.chunk_size = chunk_size
 
-    def collect(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str],
+    def collect(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[Any],
                 generator: Optional[torch.Generator] = None) -> Experience:
         """Sample one response per prompt, decode, score (`sample`), and compute reference log-probs
         (`add_reference`).
@@ -126,9 +136,10 @@ class RolloutRunner:
         """
         return self.add_reference(self.sample(prompt_ids, answers, generator))
 
-    def sample(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[str],
+    def sample(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[Any],
                generator: Optional[torch.Generator] = None) -> Experience:
         """Sample one response per prompt, decode and score it; `ref_logprobs` stay None (`add_reference`).
+        `answers` are the score function's per-sample targets (reference answers, or the prompt records).
 
         Raises:
             ValueError: when `prompt_ids` and `answers` differ in length, or the score function returns a
@@ -143,13 +154,17 @@ class RolloutRunner:
         response_ids = [row[mask].tolist() for row, mask in
                         zip(generation.response_ids.cpu(), generation.action_mask.cpu())]
         responses = tuple(self.decode(ids) for ids in response_ids)
-        scores = torch.as_tensor(self.score_fn(list(responses), list(answers), response_ids),
-                                 dtype=torch.float32)
+        start = time.perf_counter()
+        scored = self.score_fn(list(responses), list(answers), response_ids)
+        timings["reward"] = time.perf_counter() - start
+        components, failed = getattr(scored, "components", {}), getattr(scored, "failed", {})
+        scores = torch.as_tensor(getattr(scored, "total", scored), dtype=torch.float32)
         if scores.shape != (len(answers),) or not bool(torch.isfinite(scores).all()):
             raise ValueError(f"reward: expected {len(answers)} finite scores, got {tuple(scores.shape)}")
         return Experience(sequences=sequences, old_logprobs=generation.old_logprobs, ref_logprobs=None,
                           scores=scores.to(generation.old_logprobs.device), responses=responses,
-                          policy_version=generation.policy_version, timings=timings)
+                          policy_version=generation.policy_version, timings=timings,
+                          reward_components=dict(components), reward_failed=dict(failed))
 
     def add_reference(self, experience: Experience) -> Experience:
         """`experience` with the reference model's log-probs (B, T) float32 of its responses at the sampling

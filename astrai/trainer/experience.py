@@ -11,15 +11,17 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
 from astrai.data import PromptDataset, PromptSampler
+from astrai.data.prompts import mixture_records
 from astrai.data.truncation import EncodedPrompt, encode_prompt_records
 from astrai.models.special_tokens import stop_token_ids, strip_stop
 from astrai.rollout.engine import GenerationEngine, attention_backend, build_engine
-from astrai.rollout.rewards import get_reward, unscorable_answers
+from astrai.rollout.reward_functions import RewardFunctions, RewardFunctionSpec, resolve_specs
+from astrai.rollout.rewards import unscorable_answers
 from astrai.rollout.runner import Experience, RolloutRunner, concat_experiences, summed_timings
 from astrai.rollout.sampling import SamplingParams
 from astrai.trainer.models import TrainedModel
@@ -69,7 +71,7 @@ class OnlineExperience:
         policy: the trained policy (its current weights go to the engine before each batch).
         runner: the rollout runner (its `engine` is the colocated `GenerationEngine`).
         sampler: endless resumable sampler of records with `.prompt_ids` (chat-templated, within the prompt
-            budget) and `.answer` (`PromptSampler` over `data.truncation.EncodedPrompt`s).
+            budget), `.answer`, `.prompt` and `.columns` (`PromptSampler` over `data.truncation.EncodedPrompt`s).
         batch_size: B, prompts per batch; group_size: G, samples per prompt (rows b * G ... b * G + G - 1).
         seed: seeds the sampling RNG (on `device`).
         dynamic_sampling: DAPO's dynamic sampling (Yu et al. 2025, "DAPO", section 3.2): a group whose G rewards
@@ -132,11 +134,12 @@ class OnlineExperience:
         experience.timings["weight_sync"] = synced
         return experience
 
-    def _next_prompts(self, count: int) -> tuple[list[list[int]], list[str]]:
-        """The next `count` records' prompt ids and answers, each repeated G times."""
+    def _next_prompts(self, count: int) -> tuple[list[list[int]], list]:
+        """The next `count` records' prompt ids and the records themselves (the score function's targets), each
+        repeated G times."""
         records = self.data_sampler.next_batch(count)
         return ([record.prompt_ids for record in records for _ in range(self.group_size)],
-                [record.answer for record in records for _ in range(self.group_size)])
+                [record for record in records for _ in range(self.group_size)])
 
     def _sample_dynamically(self, pad_token_id: int) -> Experience:
         """B groups without reference log-probs (see the class docstring): the first B groups of unequal rewards,
@@ -187,6 +190,7 @@ def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, en
 
     Raises:
         DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
+        RewardFunctionError: a reward function that cannot be loaded or served (`build_rewards`).
     """
     r = config.rollout
     stops = stop_token_ids(policy.model.config, tokenizer)
@@ -195,13 +199,12 @@ def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, en
     if sampling.truncates:
         warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
                       "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
-    reward = get_reward(config.reward.name)
+    prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
+    rewards = build_rewards(config, prompts)
     runner = RolloutRunner(
         engine, sampling, decode=lambda ids: tokenizer.decode(strip_stop(ids, stops), skip_special_tokens=True),
-        score_fn=lambda texts, answers, ids: reward(texts, answers, format_bonus=config.reward.format_bonus,
-                                                    partial_credit=config.reward.partial_credit),
+        score_fn=lambda texts, records, ids: score_records(rewards, texts, records, ids),
         ref_model=ref_model, chunk_size=chunk_size)
-    prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
     sampler = PromptSampler(prompts, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
                             world_size=dist.world_size)
     return OnlineExperience(policy=policy, runner=runner, sampler=sampler, batch_size=r.batch_size,
@@ -220,25 +223,72 @@ def online_data(config, model_config, tokenizer, *, main: bool = True) -> list[E
     return load_online_prompts(config, tokenizer, main=main)
 
 
+def reward_specs(config) -> list[RewardFunctionSpec]:
+    """The job's reward functions (`reward.functions`, or the single `reward.name`), resolved."""
+    return resolve_specs(config.reward, answer_field=config.data.answer_field)
+
+
+def build_rewards(config, prompts: Sequence[EncodedPrompt]) -> RewardFunctions:
+    """The job's `RewardFunctions`, checked against the columns its prompt records offer.
+
+    Raises:
+        RewardFunctionError: one line naming the function (import, signature, unknown built-in).
+    """
+    columns = dict.fromkeys(name for p in prompts for name in p.columns)
+    r = config.reward
+    return RewardFunctions(reward_specs(config), columns=list(columns), num_workers=r.num_workers,
+                           timeout_seconds=r.timeout_seconds, on_error=r.on_error, error_score=r.error_score,
+                           max_error_fraction=r.max_error_fraction)
+
+
+def score_records(rewards: RewardFunctions, texts: list[str], records: Sequence[EncodedPrompt],
+                  ids: list[list[int]]):
+    """`rewards` of B completions of `records` (one per completion): their stored prompts and every column (a
+    column a record lacks is None for it). Returns the `ScoredRewards`."""
+    names = dict.fromkeys(name for record in records for name in record.columns)
+    columns = {name: [record.columns.get(name) for record in records] for name in names}
+    return rewards([record.prompt for record in records], texts, ids, columns)
+
+
+def _prompt_datasets(config, *, require_answers: bool) -> tuple[list[PromptDataset], str]:
+    """The prompt datasets of the job (`data.mixture`'s files, else `data.path`) and how to name them."""
+    d = config.data
+    if not d.mixture:
+        return [PromptDataset(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field,
+                              require_answers=require_answers)], d.path
+    return [PromptDataset(item["path"], prompt_field=d.prompt_field, answer_field=d.answer_field,
+                          field=f"data.mixture[{i}].path", require_answers=require_answers)
+            for i, item in enumerate(d.mixture, start=1)], "data.mixture"
+
+
 def load_online_prompts(config, tokenizer, *, main: bool = True) -> list[EncodedPrompt]:
-    """The `data.path` prompts, chat-templated once at load time with overlong ones handled by `data.truncation`
-    against `data.max_prompt_length`. On the `main` rank, prints what `filter` / `left` did and warns (count and
-    first rows) about reference answers the reward can never match (GSM8K answers without `#### N`); those rows
+    """The prompts of `data.path` (or the blend of `data.mixture`, `data.prompts.mixture_records`), chat-templated
+    once at load time with overlong ones handled by `data.truncation` against `data.max_prompt_length`, each with
+    its stored prompt and columns for the reward functions. The answer field is required only when a reward reads
+    it (`math_exact_match`). On the `main` rank, prints what `filter` / `left` did and warns (count and first
+    rows) about reference answers such a reward can never match (GSM8K answers without `#### N`); those rows
     are kept: the data needs fixing, and the warning says where.
 
     Raises:
         DataError: for a missing or malformed prompt file, or from `data.truncation.encode_prompt_records`.
     """
     d = config.data
-    dataset = PromptDataset(d.path, prompt_field=d.prompt_field, answer_field=d.answer_field)
-    bad = unscorable_answers(config.reward.name, [rec.answer for rec in dataset]) if d.answer_field else []
-    if bad and main:
-        rows = ", ".join(str(i + 1) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
-        warnings.warn(f"{dataset.path}: {len(bad)} of {len(dataset)} answers ({d.answer_field!r}) have no final "
-                      f"number ('#### N' or a bare number), so {config.reward.name} scores every response to "
-                      f"them 0 (rows {rows})", stacklevel=2)
-    ids = encode_prompt_records([rec.prompt for rec in dataset], tokenizer, system_prompt=d.system_prompt,
+    specs = reward_specs(config)
+    readers = [s for s in specs if "answer_field" in s.kwargs]
+    datasets, source = _prompt_datasets(config, require_answers=bool(readers))
+    if d.mixture:
+        records = mixture_records(datasets, [item.get("weight") or 1.0 for item in d.mixture], seed=config.train.seed)
+    else:
+        records, source = list(datasets[0]), str(datasets[0].path or d.path)
+    for spec in readers if main else ():
+        bad = unscorable_answers(spec.function, [rec.answer for rec in records])
+        if bad:
+            rows = ", ".join(str(i + 1) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+            warnings.warn(f"{source}: {len(bad)} of {len(records)} answers ({d.answer_field!r}) have no final number "
+                          f"('#### N' or a bare number), so {spec.function} scores every response to them 0 "
+                          f"(rows {rows})", stacklevel=2)
+    ids = encode_prompt_records([rec.prompt for rec in records], tokenizer, system_prompt=d.system_prompt,
                                 limit=d.max_prompt_length, limit_name="data.max_prompt_length",
-                                policy=d.truncation, source=str(dataset.path), log=print if main else _quiet)
-    return [EncodedPrompt(prompt_ids=p, answer=rec.answer, index=rec.index)
-            for p, rec in zip(ids, dataset) if p is not None]
+                                policy=d.truncation, source=source, log=print if main else _quiet)
+    return [EncodedPrompt(prompt_ids=p, answer=rec.answer, index=rec.index, prompt=rec.prompt, columns=rec.columns)
+            for p, rec in zip(ids, records) if p is not None]

@@ -17,6 +17,7 @@ import torch
 from astrai.algos import logprob_gap, masked_entropy
 from astrai.checkpoint import CheckpointError, Part
 from astrai.rollout.result import RolloutResult
+from astrai.rollout.reward_functions import reward_metrics
 from astrai.rollout.runner import Experience
 from astrai.rollout.scoring import response_logprobs
 from astrai.trainer.experience import ExperienceSource
@@ -82,8 +83,9 @@ class RolloutStrategy:
 
     def make_rollout(self, policy_version: int) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
         """Collect experience of the weights of `policy_version` and pin the targets: `(rollout, metrics)`, the
-        metrics with the phase timings (`time/<phase>_seconds`, `time/rollout_seconds` for the whole) and the
-        experience's stats (`rollout/<name>`)."""
+        metrics with the phase timings (`time/<phase>_seconds`, `time/rollout_seconds` for the whole), the
+        experience's stats (`rollout/<name>`) and each reward function's (`rewards/<name>/mean`, `std`, `applies`,
+        `failed`: `reward_functions.reward_metrics`)."""
         start = time.perf_counter()
         experience = self.experience.collect(policy_version)
         rollout, metrics = self.pin_targets(experience)
@@ -91,6 +93,7 @@ class RolloutStrategy:
         metrics.update({f"time/{phase}_seconds": torch.tensor(seconds)
                         for phase, seconds in experience.timings.items()})
         metrics.update({f"rollout/{name}": torch.tensor(value) for name, value in experience.stats.items()})
+        metrics.update(reward_metrics(experience.reward_components, experience.reward_failed))
         return rollout, metrics
 
     def policy_update(self, trainer, minibatch: RolloutResult, first: bool,

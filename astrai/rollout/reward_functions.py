@@ -1,0 +1,260 @@
+"""Reward functions by import path, TRL's calling convention, weighted and logged one by one (`reward.functions`).
+
+Each function is called as ``fn(prompts=[...], completions=[...], completion_ids=[...], **columns)``: the prompts
+as stored (a string, or a chat: a list of messages), the completions as text (for chat prompts, as TRL does, a
+one-message list ``[{"role": "assistant", "content": text}]``), the sampled token ids, and every other column of
+the prompt records as a list by name (TRL's ``reward_funcs`` convention, so reward code written for TRL ports as
+is), plus its configured ``kwargs``. A function that takes ``**kwargs`` receives everything; otherwise only the
+names it declares, and a required parameter that is neither is refused at start-up. It returns one float or None
+per completion (None: the reward does not apply to that sample; it is left out of that reward's sum and metrics).
+
+The total reward of a sample is the weighted sum of the values that apply (0 when none does), as TRL's
+``nansum(rewards * reward_weights)``. Built-in rewards (`rewards.builtin_reward_function`) run in the trainer's process;
+functions given by import path or file run in `reward_workers.RewardWorkerPool` processes (``reward.num_workers``)
+with a hard ``reward.timeout_seconds``; with ``num_workers`` 0 they run in the trainer's process without one. A
+call that raises, times out or kills its worker gives its samples ``reward.error_score`` (``on_error: score``) or
+no value (``skip``), is counted (``rewards/<name>/failed``), and stops the job only when more than
+``reward.max_error_fraction`` of a rollout's samples failed. A function that returns the wrong number of values,
+a value that is not a number or None, or a non-finite number is a bug: a one-line `RewardFunctionError` naming
+it, at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
+
+import torch
+
+from astrai.rollout.reward_workers import (RewardFunctionError, RewardFunctionSpec, RewardWorkerPool, as_list,
+                                           load_reward_function)
+from astrai.rollout.rewards import REWARDS, builtin_reward_function, builtin_reward_names
+
+__all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardFunctions", "ScoredRewards", "resolve_specs",
+           "reward_metrics"]
+
+STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""What every call offers besides the columns and the configured kwargs."""
+
+
+def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None = None) -> list[RewardFunctionSpec]:
+    """The `reward.functions` of a config's `reward` section, resolved; without any, the one built-in
+    `reward.name` with `reward.format_bonus` / `reward.partial_credit` (the single-reward form). A built-in that
+    reads the reference answer (`math_exact_match`) is told its column: `answer_field`. A relative `path` is taken
+    from `base_dir` (default: the working directory)."""
+    base = Path.cwd() if base_dir is None else base_dir
+    entries = section.functions or [{"function": section.name, "name": section.name,
+                                     "kwargs": {"format_bonus": section.format_bonus,
+                                                "partial_credit": section.partial_credit}}]
+    specs = []
+    for i, entry in enumerate(entries, start=1):
+        function = entry["function"]
+        kwargs = dict(entry.get("kwargs") or {})
+        if function in REWARDS:  # an answer-matching built-in reads the reference answers' column
+            kwargs.setdefault("answer_field", answer_field)
+        path = entry.get("path")
+        specs.append(RewardFunctionSpec(
+            name=entry.get("name") or function.rpartition(":")[2], function=function, index=i,
+            path=None if path is None else str((base / Path(path).expanduser()).resolve()),
+            weight=float(entry.get("weight", 1.0) if entry.get("weight") is not None else 1.0), kwargs=kwargs))
+    return specs
+
+
+def _argument_picker(fn: Callable, spec: RewardFunctionSpec, offered: Collection[str]) -> Optional[set[str]]:
+    """The argument names to pass `fn` (None: all, it takes **kwargs), after checking its signature.
+
+    Raises:
+        RewardFunctionError: a positional-only parameter, a required parameter nothing offers, or a configured
+            kwarg the function does not take.
+    """
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None  # a builtin or C callable without a signature: offer everything
+    if any(p.kind is p.POSITIONAL_ONLY for p in params):
+        raise RewardFunctionError(f"{spec.label}: {spec.function} has positional-only parameters; reward functions "
+                                  "are called with keyword arguments (prompts=, completions=, ...)")
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for p in params:
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in offered:
+            raise RewardFunctionError(f"{spec.label}: parameter {p.name!r} of {spec.function} is neither a column of "
+                                      f"the prompts nor one of {', '.join(STANDARD_ARGUMENTS)} nor a configured "
+                                      f"kwarg (columns: {', '.join(sorted(set(offered) - set(STANDARD_ARGUMENTS)))})")
+    unknown = sorted(set(spec.kwargs) - names)
+    if unknown:
+        raise RewardFunctionError(f"{spec.label}: {spec.function} takes no argument {unknown[0]!r} (reward.functions "
+                                  f"kwargs)")
+    return names
+
+
+@dataclass(frozen=True)
+class ScoredRewards:
+    """The rewards of B samples.
+
+    Attributes:
+        total: (B,) float32, the weighted sum of the values that apply.
+        components: function name -> (B,) float32 values, NaN where it returned None (or skipped a failure).
+        failed: function name -> (B,) bool, the samples whose call raised, timed out or lost its worker.
+    """
+
+    total: torch.Tensor
+    components: dict[str, torch.Tensor]
+    failed: dict[str, torch.Tensor]
+
+
+class RewardFunctions:
+    """The job's reward: its functions, loaded and checked once, called per rollout.
+
+    Args:
+        specs: `resolve_specs`; columns: the column names every prompt record offers.
+        num_workers, timeout_seconds, on_error, error_score, max_error_fraction: as `reward.*` (module docstring).
+
+    Raises:
+        RewardFunctionError: an unknown built-in, an import that fails, or a signature that cannot be served.
+    """
+
+    def __init__(self, specs: Sequence[RewardFunctionSpec], *, columns: Collection[str], num_workers: int = 1,
+                 timeout_seconds: float = 60.0, on_error: str = "score", error_score: float = 0.0,
+                 max_error_fraction: float = 0.5):
+        if not specs:
+            raise RewardFunctionError("reward.functions: no reward function")
+        self.specs, self.on_error, self.error_score = list(specs), on_error, error_score
+        self.max_error_fraction = max_error_fraction
+        offered = set(STANDARD_ARGUMENTS) | set(columns)
+        self._functions, self._pickers, remote = [], [], []
+        for spec in self.specs:
+            clash = sorted(set(spec.kwargs) & offered)
+            if clash:
+                raise RewardFunctionError(f"{spec.label}: kwargs key {clash[0]!r} is also an argument every call "
+                                          "passes (a column or a standard argument); rename it")
+            builtin = builtin_reward_function(spec.function) if spec.path is None else None
+            if builtin is not None:
+                fn = builtin
+            elif ":" not in spec.function and spec.path is None:
+                raise RewardFunctionError(f"{spec.label}: unknown built-in reward {spec.function!r} (built-in: "
+                                          f"{', '.join(builtin_reward_names())}; or 'package.module:function')")
+            else:
+                fn = load_reward_function(spec)
+                remote.append(len(self._functions))
+            self._functions.append(fn)
+            self._pickers.append(_argument_picker(fn, spec, offered | set(spec.kwargs)))
+        self._remote = set(remote) if num_workers > 0 else set()
+        self.pool = (RewardWorkerPool(self.specs, num_workers=num_workers, timeout_seconds=timeout_seconds)
+                     if self._remote else None)
+
+    @property
+    def names(self) -> list[str]:
+        """The functions' metric names, in order."""
+        return [spec.name for spec in self.specs]
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], completion_ids: Sequence[list[int]],
+                 columns: Mapping[str, Sequence[Any]]) -> ScoredRewards:
+        """Score B completions (see the module docstring for what each function receives).
+
+        Raises:
+            RewardFunctionError: a function returned the wrong number of values, a non-number or a non-finite
+                number; or more than `max_error_fraction` of the samples' calls failed (naming the first failure).
+        """
+        n = len(completions)
+        chat = [isinstance(p, list) for p in prompts]
+        shown = [[{"role": "assistant", "content": c}] if is_chat else c for c, is_chat in zip(completions, chat)]
+        offered = {"prompts": list(prompts), "completions": shown, "completion_ids": [list(i) for i in completion_ids],
+                   **{name: list(values) for name, values in columns.items()}}
+        total = torch.zeros(n, dtype=torch.float32)
+        components, failed, first_error, failures = {}, {}, None, 0
+        for i, spec in enumerate(self.specs):
+            values, errors = self._call(i, offered, n)
+            failed[spec.name] = torch.tensor([e is not None for e in errors], dtype=torch.bool)
+            failures += int(failed[spec.name].sum())
+            first_error = first_error or next((f"{spec.label}: {e}" for e in errors if e is not None), None)
+            if self.on_error == "score":
+                values = [self.error_score if e is not None else v for v, e in zip(values, errors)]
+            column = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
+            components[spec.name] = column
+            total += torch.nan_to_num(column, nan=0.0) * spec.weight
+        if failures > self.max_error_fraction * n * len(self.specs):
+            raise RewardFunctionError(f"{failures} of {n * len(self.specs)} reward calls' samples failed in this "
+                                      f"rollout, more than reward.max_error_fraction {self.max_error_fraction:g} "
+                                      f"(first: {first_error})")
+        return ScoredRewards(total=total, components=components, failed=failed)
+
+    def _call(self, i: int, offered: Mapping[str, list], n: int) -> tuple[list, list[Optional[str]]]:
+        """(values, per-sample error text or None) of function `i` over all n samples."""
+        spec, picker = self.specs[i], self._pickers[i]
+        kwargs = {k: v for k, v in offered.items() if picker is None or k in picker}
+        kwargs.update(spec.kwargs)
+        if i not in self._remote:
+            try:
+                return self._check(spec, as_list(self._functions[i](**kwargs)), n), [None] * n
+            except RewardFunctionError:
+                raise
+            except Exception as err:  # the reward's own failure: counted, as in a worker
+                text = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+                return [None] * n, [text] * n
+        chunks = _chunks(n, self.pool.num_workers)
+        calls = [{k: (v[a:b] if k in offered else v) for k, v in kwargs.items()} for a, b in chunks]
+        values, errors = [], []
+        for (a, b), (status, result) in zip(chunks, self.pool.run(i, calls)):
+            if status == "ok":
+                values += self._check(spec, result, b - a)
+                errors += [None] * (b - a)
+            else:
+                values += [None] * (b - a)
+                errors += [result] * (b - a)
+        return values, errors
+
+    @staticmethod
+    def _check(spec: RewardFunctionSpec, result: Any, n: int) -> list[Optional[float]]:
+        """`result` as n floats or None; RewardFunctionError naming `spec` otherwise."""
+        if not isinstance(result, list):
+            raise RewardFunctionError(f"{spec.label}: expected a list of {n} floats or None, got "
+                                      f"{type(result).__name__}")
+        if len(result) != n:
+            raise RewardFunctionError(f"{spec.label}: returned {len(result)} values for {n} completions")
+        out = []
+        for j, value in enumerate(result):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise RewardFunctionError(f"{spec.label}: value {j} is {value!r}, expected a float or None")
+            if value is not None and not math.isfinite(value):
+                raise RewardFunctionError(f"{spec.label}: value {j} is {value!r}; rewards must be finite (None "
+                                          "marks a sample the reward does not apply to)")
+            out.append(None if value is None else float(value))
+        return out
+
+    def close(self) -> None:
+        """End the worker processes (idempotent)."""
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    """Up to `parts` contiguous (start, end) ranges covering range(n), sizes differing by at most one."""
+    parts = max(1, min(parts, n))
+    size, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        end = start + size + (k < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def reward_metrics(components: Mapping[str, torch.Tensor], failed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`rewards/<name>/mean` and `/std` (population) over the samples each function applies to (0 when none),
+    `rewards/<name>/applies` (the fraction it applies to) and `rewards/<name>/failed` (failed samples)."""
+    out = {}
+    for name, values in components.items():
+        real = values[torch.isfinite(values)]
+        zero = torch.zeros((), dtype=torch.float32)
+        out[f"rewards/{name}/mean"] = real.mean() if real.numel() else zero
+        out[f"rewards/{name}/std"] = real.std(unbiased=False) if real.numel() else zero
+        out[f"rewards/{name}/applies"] = torch.tensor(real.numel() / max(values.numel(), 1))
+        if name in failed:
+            out[f"rewards/{name}/failed"] = failed[name].sum().float()
+    return out

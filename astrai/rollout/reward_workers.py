@@ -1,0 +1,300 @@
+"""Loading user reward functions, and the worker processes that run them with a hard timeout.
+
+A reward function is named by ``"package.module:function"`` (imported from `sys.path`, the job's working
+directory included) or by ``"module:function"`` plus ``path`` (a ``.py`` file, loaded under a private module name,
+so a file outside the package works). `load_reward_function` imports it; `RewardWorkerPool` runs calls in
+``num_workers`` processes, each a fresh interpreter (``python -m astrai.rollout.reward_workers``: no forked trainer
+threads or CUDA state) in a session of its own, so a call that does not return within ``timeout_seconds`` is ended by
+killing the worker's whole process group (anything it started included) and the worker is started again for the
+next call. A worker that dies (a crash, an out-of-memory kill) is replaced the same way. This module imports no
+torch, so a worker starts in about the time its reward module takes to import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+__all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardWorkerPool", "load_reward_function"]
+
+
+class RewardFunctionError(ValueError):
+    """A reward function cannot be loaded or called, or returned something that is not one score per sample; the
+    message is one line naming the function (`reward.functions[i]` and its name)."""
+
+
+@dataclass(frozen=True)
+class RewardFunctionSpec:
+    """One entry of `reward.functions`, resolved.
+
+    Attributes:
+        name: its metric name (`rewards/<name>/...`): the configured name, else the function's.
+        function: "module:function", or a built-in name (`rewards.REWARD_FUNCTIONS`).
+        index: its 1-based position in `reward.functions`, for messages.
+        path: the absolute path of the .py file holding it, or None (imported from `sys.path`).
+        weight: its weight in the total reward.
+        kwargs: extra keyword arguments it is called with.
+    """
+
+    name: str
+    function: str
+    index: int = 1
+    path: Optional[str] = None
+    weight: float = 1.0
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``reward.functions[1] (name)``."""
+        return f"reward.functions[{self.index}] ({self.name})"
+
+
+def load_reward_function(spec: RewardFunctionSpec) -> Callable:
+    """The callable `spec` names, imported now (a built-in name is not resolved here).
+
+    Raises:
+        RewardFunctionError: no ":" in the reference, a missing file, an import that fails (with its exception's
+            one-line text), no such attribute, or an attribute that is not callable.
+    """
+    module_name, sep, attr = spec.function.partition(":")
+    if not sep or not module_name or not attr:
+        raise RewardFunctionError(f"{spec.label}: function {spec.function!r}: expected 'package.module:function' "
+                                  "or a built-in reward name")
+    try:
+        if spec.path is not None:
+            path = Path(spec.path)
+            if not path.is_file():
+                raise RewardFunctionError(f"{spec.label}: path {path}: file not found")
+            private = f"astrai_reward_{abs(hash(str(path)))}_{module_name.replace('.', '_')}"
+            module = sys.modules.get(private)
+            if module is None:
+                loader_spec = importlib.util.spec_from_file_location(private, path)
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[private] = module
+                try:
+                    loader_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[private]
+                    raise
+        else:
+            module = importlib.import_module(module_name)
+    except RewardFunctionError:
+        raise
+    except Exception as err:
+        raise RewardFunctionError(f"{spec.label}: cannot import {spec.path or module_name}: "
+                                  f"{type(err).__name__}: {_one_line(err)}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise RewardFunctionError(f"{spec.label}: {spec.path or module_name} has no attribute {attr!r}")
+    if not callable(fn):
+        raise RewardFunctionError(f"{spec.label}: {spec.function} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    """An exception's text on one line, at most `limit` characters."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def as_list(result: Any) -> Any:
+    """A reward's return value as a plain list when it is a sequence-like (list, tuple, numpy array, tensor)."""
+    if hasattr(result, "tolist"):
+        return result.tolist()
+    if isinstance(result, tuple):
+        return list(result)
+    return result
+
+
+def _worker_main(conn_in: Connection, conn_out: Connection) -> None:
+    """A worker: take `(sys.path, specs)`, then serve `(spec index, kwargs)` calls until the pipe closes, replying
+    ("ok", value) or ("error", text)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which ends the workers
+    try:
+        path, specs = conn_in.recv()
+    except (EOFError, OSError):
+        return
+    sys.path[:] = path  # what the trainer can import, the worker can
+    conn_out.send(("ready", None))  # the interpreter's start-up does not count against a call's timeout
+    loaded: dict[int, Callable] = {}
+    while True:
+        try:
+            index, kwargs = conn_in.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if index not in loaded:
+                loaded[index] = load_reward_function(specs[index])
+            reply = ("ok", as_list(loaded[index](**kwargs)))
+        except BaseException as err:  # the user's code: anything it raises is reported, never kills the loop
+            reply = ("error", f"{type(err).__name__}: {_one_line(err)}")
+        try:
+            conn_out.send(reply)
+        except Exception as err:  # e.g. an unpicklable return value
+            conn_out.send(("error", f"cannot send the result back: {type(err).__name__}: {_one_line(err)}"))
+
+
+STARTUP_SECONDS = 120.0
+"""How long a new worker may take to start (a fresh interpreter on a loaded machine) before it counts as dead."""
+
+
+class _Worker:
+    """One worker process (`python -m astrai.rollout.reward_workers`, a session of its own) and two pipes to it;
+    `ready()` waits for its start-up message. A plain subprocess, not `multiprocessing`: it never re-imports the
+    trainer's `__main__` module, so a user script without an `if __name__ == "__main__"` guard works too."""
+
+    def __init__(self, specs):
+        to_child, from_parent = os.pipe()
+        from_child, to_parent = os.pipe()
+        self.process = subprocess.Popen([sys.executable, "-m", "astrai.rollout.reward_workers", str(to_child),
+                                         str(to_parent)], pass_fds=(to_child, to_parent), start_new_session=True,
+                                        stdin=subprocess.DEVNULL)
+        os.close(to_child)
+        os.close(to_parent)
+        self.conn = Connection(from_child, writable=False)
+        self.send_conn = Connection(from_parent, readable=False)
+        self.send_conn.send((list(sys.path), list(specs)))
+        self.started = False
+
+    def ready(self) -> bool:
+        """Wait (at most `STARTUP_SECONDS`) until the worker has started; False when it died or did not start."""
+        if not self.started:
+            try:
+                self.started = self.conn.poll(STARTUP_SECONDS) and self.conn.recv()[0] == "ready"
+            except (EOFError, OSError):
+                self.started = False
+        return self.started
+
+    def alive(self) -> bool:
+        """Whether the process still runs."""
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """End the worker and everything in its session, and reap it."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.conn.close()
+        self.send_conn.close()
+
+
+class RewardWorkerPool:
+    """`num_workers` processes that run reward calls with a hard `timeout_seconds` each.
+
+    Args:
+        specs: the functions the workers may be asked to run (by index; each worker imports one on first use).
+        num_workers: processes (>= 1); timeout_seconds: the limit of one call, wall clock.
+    """
+
+    def __init__(self, specs: Sequence[RewardFunctionSpec], *, num_workers: int, timeout_seconds: float):
+        if num_workers < 1:
+            raise ValueError(f"reward.num_workers: a worker pool needs >= 1 workers, got {num_workers}")
+        self.specs, self.timeout_seconds = list(specs), timeout_seconds
+        self._workers: list[Optional[_Worker]] = [None] * num_workers
+        self.restarts = 0
+        _POOLS.add(self)
+
+    @property
+    def num_workers(self) -> int:
+        """The number of worker processes."""
+        return len(self._workers)
+
+    def _worker(self, slot: int) -> _Worker:
+        if self._workers[slot] is None or not self._workers[slot].alive():
+            if self._workers[slot] is not None:
+                self._workers[slot].kill()
+                self.restarts += 1
+            self._workers[slot] = _Worker(self.specs)
+        return self._workers[slot]
+
+    def run(self, index: int, calls: Sequence[Mapping[str, Any]]) -> list[tuple[str, Any]]:
+        """Run function `index` once per kwargs of `calls` (at most `num_workers` of them, in parallel).
+
+        Returns: per call ("ok", the returned value as a list when sequence-like) or ("error", one-line text:
+        the exception, "timed out after N s" or "the worker process died (exit code C)").
+        """
+        if len(calls) > self.num_workers:
+            raise ValueError(f"RewardWorkerPool.run: {len(calls)} calls for {self.num_workers} workers")
+        pending: dict[Connection, int] = {}
+        results: list[tuple[str, Any]] = [("error", "not run")] * len(calls)
+        workers = [self._worker(slot) for slot in range(len(calls))]  # new ones start in parallel
+        for slot, kwargs in enumerate(calls):
+            worker = workers[slot]
+            if not worker.ready():
+                results[slot] = ("error", f"the worker process did not start within {STARTUP_SECONDS:g} s")
+                worker.kill()
+                self._workers[slot] = None
+                continue
+            try:
+                worker.send_conn.send((index, dict(kwargs)))
+            except Exception as err:  # an unpicklable argument
+                results[slot] = ("error", f"cannot send the call: {type(err).__name__}: {_one_line(err)}")
+                continue
+            pending[worker.conn] = slot
+        deadline = time.monotonic() + self.timeout_seconds
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                slot = pending.pop(conn)
+                try:
+                    results[slot] = conn.recv()
+                except (EOFError, OSError):
+                    try:
+                        code = self._workers[slot].process.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    results[slot] = ("error", f"the worker process died (exit code {code})")
+                    self._workers[slot].kill()
+                    self._workers[slot] = None
+                    self.restarts += 1
+        for slot in pending.values():  # past the deadline: kill and start afresh on the next call
+            results[slot] = ("error", f"timed out after {self.timeout_seconds:g} s (reward.timeout_seconds)")
+            self._workers[slot].kill()
+            self._workers[slot] = None
+            self.restarts += 1
+        return results
+
+    def close(self) -> None:
+        """End every worker (idempotent)."""
+        for slot, worker in enumerate(self._workers):
+            if worker is not None:
+                worker.kill()
+                self._workers[slot] = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_POOLS: "weakref.WeakSet[RewardWorkerPool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_pools() -> None:
+    """At interpreter exit, end every pool's workers (a worker busy in a call would not see its pipe close)."""
+    for pool in list(_POOLS):
+        pool.close()
+
+
+if __name__ == "__main__":  # a worker process: python -m astrai.rollout.reward_workers IN_FD OUT_FD
+    _worker_main(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
