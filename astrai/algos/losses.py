@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .kl import kl_estimate
-from .masked import _real, masked_mean, masked_var
+from .masked import _denominator, _real, masked_mean, masked_var
 from .policy_losses import ppo_clip
 
 __all__ = [
@@ -55,6 +55,8 @@ def ppo_policy_loss(
     """
     if not clip_eps > 0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps!r}")
+    if num_tokens is not None and not isinstance(num_tokens, torch.Tensor):
+        _denominator(torch.ones(()), num_tokens, logprobs.dtype)  # raises naming num_tokens
     return ppo_clip(logprobs, old_logprobs, advantages, action_mask, clip_ratio_low=clip_eps,
                     clip_ratio_high=clip_eps, loss_agg_mode="token-mean", num_units=num_tokens)
 
