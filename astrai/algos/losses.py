@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from .kl import kl_estimate
-from .masked import masked_mean, masked_var
+from .masked import _denominator, _real, masked_mean, masked_var
+from .policy_losses import ppo_clip
 
 __all__ = [
     "ppo_policy_loss",
@@ -29,13 +30,6 @@ __all__ = [
     "kl_penalty_loss",
     "logprob_gap",
 ]
-
-
-def _real(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x`` with masked positions replaced by 0 (so NaN/inf there cannot reach values or gradients)."""
-    if x.shape != mask.shape:
-        raise ValueError(f"expected shape {tuple(mask.shape)} (action_mask), got {tuple(x.shape)}")
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def ppo_policy_loss(
@@ -57,30 +51,14 @@ def ppo_policy_loss(
     Metrics: ``policy/clipfrac`` share of real tokens where the clipped term is strictly larger (active);
     ``policy/approx_kl`` masked mean of k3 with ``d = old_logprobs - logprobs``; ``policy/ratio_mean``.
     Raises: ValueError on shape mismatches, ``clip_eps <= 0`` or an int ``num_tokens < 1``.
+    Implemented as `policy_losses.ppo_clip` with ``clip_ratio_low = clip_ratio_high = clip_eps``, ``token-mean``.
     """
     if not clip_eps > 0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps!r}")
-    mask = action_mask.bool()
-    lp = _real(logprobs, mask)
-    old = _real(old_logprobs.to(logprobs.dtype), mask)
-    log_ratio = lp - old  # 0 at masked positions: ratio 1 there, finite gradients
-    adv = _real(advantages.to(logprobs.dtype), mask)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    per_token = torch.maximum(unclipped, clipped)
-    loss = masked_mean(per_token, mask, num_tokens=num_tokens)
-    with torch.no_grad():
-        metrics = {
-            "policy/clipfrac": masked_mean((clipped > unclipped).to(logprobs.dtype), mask, num_tokens=num_tokens),
-            "policy/approx_kl": masked_mean(
-                kl_estimate(lp.detach(), old, estimator="k3"),
-                mask,
-                num_tokens=num_tokens,
-            ),
-            "policy/ratio_mean": masked_mean(ratio.detach(), mask, num_tokens=num_tokens),
-        }
-    return loss, metrics
+    if num_tokens is not None and not isinstance(num_tokens, torch.Tensor):
+        _denominator(torch.ones(()), num_tokens, logprobs.dtype)  # raises naming num_tokens
+    return ppo_clip(logprobs, old_logprobs, advantages, action_mask, clip_ratio_low=clip_eps,
+                    clip_ratio_high=clip_eps, loss_agg_mode="token-mean", num_units=num_tokens)
 
 
 def value_loss(

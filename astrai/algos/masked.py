@@ -29,13 +29,22 @@ def _check_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask.bool()
 
 
-def _denominator(count: torch.Tensor, num_tokens: int | torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _real(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with masked positions replaced by 0 (so NaN/inf there cannot reach values or gradients); ``mask`` is
+    bool of the same shape. Raises ValueError naming the expected shape."""
+    if x.shape != mask.shape:
+        raise ValueError(f"expected shape {tuple(mask.shape)} (action_mask), got {tuple(x.shape)}")
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _denominator(count: torch.Tensor, num_tokens: int | torch.Tensor | None, dtype: torch.dtype,
+                 name: str = "num_tokens") -> torch.Tensor:
     if num_tokens is None:
         return count.to(dtype).clamp(min=1)
     if isinstance(num_tokens, torch.Tensor):
         return num_tokens.to(dtype).clamp(min=1)
     if isinstance(num_tokens, bool) or int(num_tokens) != num_tokens or num_tokens < 1:
-        raise ValueError(f"num_tokens must be an integer >= 1 or a tensor, got {num_tokens!r}")
+        raise ValueError(f"{name} must be an integer >= 1 or a tensor, got {num_tokens!r}")
     return torch.tensor(float(num_tokens), dtype=dtype, device=count.device)
 
 

@@ -1,0 +1,274 @@
+"""Advantage estimators by name: GAE, GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline, one calling convention.
+
+Methods (exact definitions: docs/conventions.md section 2):
+- ``gae``: Generalised Advantage Estimation with a critic (Schulman et al. 2016), `advantages.gae`, optionally
+  whitened over the whole batch.
+- ``grpo``: group-normalised outcome advantages (Shao et al. 2024, DeepSeekMath), `advantages.group_advantages`
+  with its scale modes (group / batch / none).
+- ``rloo``: REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
+  Optimization for Learning from Human Feedback in LLMs", section 3): ``A_i = R_i - mean of the other G - 1
+  returns of its group = G / (G - 1) * (R_i - mean_G)``, no std scaling: as verl's
+  ``compute_rloo_outcome_advantage`` and TRL's ``RLOOTrainer`` (whose optional ``normalize_advantages``, off by
+  default, astrai does not provide). A group of one gives 0 (TRL; verl's vectorised variant).
+- ``reinforce_pp``: REINFORCE++ (Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both
+  Prompt and Reward Models", section 3): per-token rewards, discounted reward-to-go ``G_t = r_t + gamma G_{t+1}``
+  restarted at every masked position, then whitened over the real tokens of the WHOLE batch (every data-parallel
+  rank: `masked.global_moments` through ``all_reduce_sum``), as verl's ``compute_reinforce_plus_plus_outcome_
+  advantage`` (unbiased variance, ``(x - mean) / sqrt(var + whiten_eps)``).
+- ``reinforce_pp_baseline``: REINFORCE++-baseline (same paper): the group mean of the SCORES is subtracted from the
+  reward at each response's last real token, then reward-to-go with ``gamma`` and global whitening as above. This
+  is OpenRLHF's order (``reinforce_baseline``: ``r - mean_G(r)`` before the per-token KL is added and the returns
+  accumulated). verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage`` centres the SUM of the token
+  rewards and broadcasts it to every token (no reward-to-go); both agree when the token rewards carry no KL term
+  and ``gamma = 1`` (tested against both loops).
+
+Calling convention (every estimator, `AdvantageEstimatorFn`): keyword-only ``scores`` (N,), ``action_mask`` (N, T),
+optional ``token_rewards`` (N, T) and ``values`` (N, T), and scalars; returns ``(advantages (N, T), returns (N, T)
+or None)`` in float, both exactly 0 at padding, without grad. ``token_rewards`` are the full per-token rewards
+(KL penalty on every real token plus the score on the last one, `advantages.ppo_token_rewards`); when None they
+are the score on the last real token only. Outcome estimators (grpo, rloo) use the per-response return
+``R_i = sum_t token_rewards[i, t]`` (= score minus the KL sum; the KL-in-reward of verl and TRL) or ``scores`` when
+no token rewards are given. Rows of a group are contiguous (G = ``group_size``). Masked positions (even NaN)
+influence nothing. An estimator that reduces over ranks (reinforce_pp*, grpo with ``scale="batch"``, gae with
+``whiten_advantages``) must be called on every rank together. Adding an estimator is one function with this
+signature plus one `ADVANTAGE_ESTIMATORS` entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from .advantages import gae as _gae
+from .advantages import group_advantages, last_token_index
+from .masked import _real, global_moments, masked_whiten
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageEstimatorFn", "advantage_estimator",
+           "estimate_gae", "estimate_grpo", "estimate_reinforce_pp", "estimate_reinforce_pp_baseline",
+           "estimate_rloo"]
+
+Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
+Result = tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+class AdvantageEstimatorFn(Protocol):
+    """The uniform estimator signature (module docstring)."""
+
+    def __call__(self, *, scores: torch.Tensor, action_mask: torch.Tensor,
+                 token_rewards: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                 group_size: int = 1, gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6,
+                 std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
+                 whiten_advantages: bool = False, whiten_eps: float = 1e-8,
+                 all_reduce_sum: Reduce = None) -> Result: ...
+
+
+def _check(scores: torch.Tensor, action_mask: torch.Tensor, token_rewards: torch.Tensor | None,
+           values: torch.Tensor | None) -> torch.Tensor:
+    """Shape checks shared by every estimator; returns the bool mask."""
+    if action_mask.dim() != 2:
+        raise ValueError(f"action_mask must be (N, T), got shape {tuple(action_mask.shape)}")
+    if tuple(scores.shape) != (action_mask.shape[0],):
+        raise ValueError(f"scores must be ({action_mask.shape[0]},) for action_mask {tuple(action_mask.shape)}, "
+                         f"got {tuple(scores.shape)}")
+    for name, x in (("token_rewards", token_rewards), ("values", values)):
+        if x is not None and x.shape != action_mask.shape:
+            raise ValueError(f"{name} must have the shape of action_mask {tuple(action_mask.shape)}, "
+                             f"got {tuple(x.shape)}")
+    return action_mask.bool()
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_floating_point() else x.float()
+
+
+def _per_token(scores: torch.Tensor, token_rewards: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """The per-token rewards, 0 at padding: ``token_rewards``, or the score on the last real token of each row
+    (a row without a real token gets nothing: no host-side check)."""
+    if token_rewards is not None:
+        return _real(_float(token_rewards), mask)
+    s = _float(scores)
+    placed = torch.zeros(mask.shape, dtype=s.dtype, device=s.device).scatter(
+        1, last_token_index(mask).unsqueeze(1), s.unsqueeze(1))
+    return _real(placed, mask)
+
+
+def _outcome(scores: torch.Tensor, token_rewards: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """Per-response return R (N,): the sum of the token rewards, or the scores."""
+    return _float(scores) if token_rewards is None else _real(_float(token_rewards), mask).sum(dim=1)
+
+
+def _broadcast(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _real(per_row.unsqueeze(1).expand(mask.shape), mask)
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool, whiten_eps: float,
+            all_reduce_sum: Reduce) -> torch.Tensor:
+    """Whitening over the real tokens of every rank: ``(x - mean) / sqrt(var + whiten_eps)``, 0 at padding."""
+    moments = global_moments(x, mask, all_reduce_sum=all_reduce_sum, unbiased=unbiased)
+    return masked_whiten(x, mask, moments=moments, eps=whiten_eps)
+
+
+def _reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = (r_t + gamma G_{t+1}) m_t``, restarted at masked positions: GAE with V = 0 and lambda = 1."""
+    return _gae(rewards, torch.zeros_like(rewards), mask, gamma=gamma, lam=1.0)[0]
+
+
+@torch.no_grad()
+def estimate_gae(*, scores: torch.Tensor, action_mask: torch.Tensor, token_rewards: torch.Tensor | None = None,
+                 values: torch.Tensor | None = None, group_size: int = 1, gamma: float = 1.0, lam: float = 1.0,
+                 eps: float = 1e-6, std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
+                 whiten_advantages: bool = False, whiten_eps: float = 1e-8, all_reduce_sum: Reduce = None) -> Result:
+    """``gae``: `advantages.gae` of the per-token rewards against the critic's ``values`` (Schulman et al. 2016).
+
+    Reads: ``scores`` or ``token_rewards``, ``values`` (required), ``gamma``, ``lam``; with ``whiten_advantages``
+    also ``unbiased``, ``whiten_eps`` and ``all_reduce_sum`` (whitening over every rank's real tokens). Returns
+    ``(advantages, returns)``, ``returns = A + V`` computed before any whitening.
+    Raises: ValueError if ``values`` is None or on shape mismatches.
+    """
+    mask = _check(scores, action_mask, token_rewards, values)
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs the critic's values")
+    rewards = _per_token(scores, token_rewards, mask)
+    advantages, returns = _gae(rewards, _real(values.to(rewards.dtype), mask), mask, gamma=gamma, lam=lam)
+    if whiten_advantages:
+        advantages = _whiten(advantages, mask, unbiased=unbiased, whiten_eps=whiten_eps,
+                             all_reduce_sum=all_reduce_sum)
+    return advantages, returns
+
+
+@torch.no_grad()
+def estimate_grpo(*, scores: torch.Tensor, action_mask: torch.Tensor, token_rewards: torch.Tensor | None = None,
+                  values: torch.Tensor | None = None, group_size: int = 1, gamma: float = 1.0, lam: float = 1.0,
+                  eps: float = 1e-6, std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
+                  whiten_advantages: bool = False, whiten_eps: float = 1e-8,
+                  all_reduce_sum: Reduce = None) -> Result:
+    """``grpo``: `advantages.group_advantages` of the returns R (N,), broadcast to the real tokens.
+
+    Reads: ``scores`` or ``token_rewards`` (R = their row sum), ``group_size``, ``eps``, ``std_floor``, ``scale``,
+    ``unbiased``; with ``scale="batch"`` the std is that of every rank's R together (``all_reduce_sum``). Returns
+    ``(advantages, None)``. Raises: ValueError from `group_advantages` or on shape mismatches.
+    """
+    mask = _check(scores, action_mask, token_rewards, values)
+    r = _outcome(scores, token_rewards, mask)
+    batch_std = (global_moments(r, all_reduce_sum=all_reduce_sum, unbiased=unbiased)[1].sqrt()
+                 if scale == "batch" else None)
+    adv = group_advantages(r, group_size=group_size, eps=eps, std_floor=std_floor, unbiased=unbiased,
+                           scale=scale, batch_std=batch_std)
+    return _broadcast(adv, mask), None
+
+
+def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    if group_size < 1 or x.shape[0] % group_size != 0:
+        raise ValueError(f"{x.shape[0]} rows are not whole groups of group_size={group_size!r}")
+    return x.reshape(-1, group_size)
+
+
+@torch.no_grad()
+def estimate_rloo(*, scores: torch.Tensor, action_mask: torch.Tensor, token_rewards: torch.Tensor | None = None,
+                  values: torch.Tensor | None = None, group_size: int = 1, gamma: float = 1.0, lam: float = 1.0,
+                  eps: float = 1e-6, std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
+                  whiten_advantages: bool = False, whiten_eps: float = 1e-8,
+                  all_reduce_sum: Reduce = None) -> Result:
+    """``rloo``: ``A_i = R_i - (sum_G R - R_i) / (G - 1)`` (Ahmadian et al. 2024), broadcast to the real tokens.
+
+    Reads: ``scores`` or ``token_rewards`` (R = their row sum), ``group_size`` (G; G = 1 gives A = 0). Returns
+    ``(advantages, None)``. Raises: ValueError if the rows are not whole groups or on shape mismatches.
+    """
+    mask = _check(scores, action_mask, token_rewards, values)
+    groups = _groups(_outcome(scores, token_rewards, mask), group_size)
+    if group_size == 1:
+        return _broadcast(torch.zeros_like(groups.flatten()), mask), None
+    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return _broadcast((groups - others).flatten(), mask), None
+
+
+@torch.no_grad()
+def estimate_reinforce_pp(*, scores: torch.Tensor, action_mask: torch.Tensor,
+                          token_rewards: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                          group_size: int = 1, gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6,
+                          std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
+                          whiten_advantages: bool = False, whiten_eps: float = 1e-8,
+                          all_reduce_sum: Reduce = None) -> Result:
+    """``reinforce_pp``: REINFORCE++ (Hu 2025): discounted reward-to-go, whitened over the whole batch.
+
+    Reads: ``scores`` or ``token_rewards``, ``gamma``, ``unbiased``, ``whiten_eps``, ``all_reduce_sum``.
+    Formula: ``G_t = (r_t + gamma G_{t+1}) m_t`` (``G_T = 0``); ``A = (G - mean) / sqrt(var + whiten_eps)`` with
+    the mean and variance of G over the real tokens of every rank. Returns ``(advantages, G)``.
+    Raises: ValueError on shape mismatches.
+    """
+    mask = _check(scores, action_mask, token_rewards, values)
+    returns = _reward_to_go(_per_token(scores, token_rewards, mask), mask, gamma)
+    advantages = _whiten(returns, mask, unbiased=unbiased, whiten_eps=whiten_eps, all_reduce_sum=all_reduce_sum)
+    return advantages, returns
+
+
+@torch.no_grad()
+def estimate_reinforce_pp_baseline(*, scores: torch.Tensor, action_mask: torch.Tensor,
+                                   token_rewards: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                                   group_size: int = 1, gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6,
+                                   std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
+                                   whiten_advantages: bool = False, whiten_eps: float = 1e-8,
+                                   all_reduce_sum: Reduce = None) -> Result:
+    """``reinforce_pp_baseline``: REINFORCE++-baseline (Hu 2025; OpenRLHF's order, module docstring).
+
+    Reads: ``scores`` (their group mean is the baseline), ``token_rewards`` (None: the score on the last real
+    token), ``group_size``, ``gamma``, ``unbiased``, ``whiten_eps``, ``all_reduce_sum``. Formula:
+    ``r'_t = r_t - [t = last real token] * mean_G(scores)``, ``G_t = (r'_t + gamma G_{t+1}) m_t``,
+    ``A = (G - mean) / sqrt(var + whiten_eps)`` over the real tokens of every rank. Returns ``(advantages, G)``.
+    Raises: ValueError if the rows are not whole groups or on shape mismatches.
+    """
+    mask = _check(scores, action_mask, token_rewards, values)
+    s = _float(scores)
+    baseline = _groups(s, group_size).mean(dim=1, keepdim=True).expand(-1, group_size).flatten()
+    rewards = _per_token(scores, token_rewards, mask) - _per_token(baseline, None, mask)
+    returns = _reward_to_go(rewards, mask, gamma)
+    advantages = _whiten(returns, mask, unbiased=unbiased, whiten_eps=whiten_eps, all_reduce_sum=all_reduce_sum)
+    return advantages, returns
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered advantage estimator.
+
+    Fields: ``fn`` the estimator (`AdvantageEstimatorFn`); ``needs_values`` it reads a critic's ``values`` (the
+    train type must build a critic); ``needs_groups`` it reads ``group_size`` (G >= 2 samples per prompt,
+    contiguous); ``per_token_rewards`` the layout of ``token_rewards`` matters (KL per token, reward-to-go), not
+    only their row sum; ``gives_returns`` the second output is a tensor (critic targets / returns), not None;
+    ``source`` the paper.
+    """
+
+    fn: AdvantageEstimatorFn
+    needs_values: bool
+    needs_groups: bool
+    per_token_rewards: bool
+    gives_returns: bool
+    source: str
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "gae": AdvantageEstimator(estimate_gae, needs_values=True, needs_groups=False, per_token_rewards=True,
+                              gives_returns=True, source="Schulman et al. 2016, GAE"),
+    "grpo": AdvantageEstimator(estimate_grpo, needs_values=False, needs_groups=True, per_token_rewards=False,
+                               gives_returns=False, source="Shao et al. 2024, DeepSeekMath (GRPO)"),
+    "rloo": AdvantageEstimator(estimate_rloo, needs_values=False, needs_groups=True, per_token_rewards=False,
+                               gives_returns=False, source="Ahmadian et al. 2024, Back to Basics (RLOO)"),
+    "reinforce_pp": AdvantageEstimator(estimate_reinforce_pp, needs_values=False, needs_groups=False,
+                                       per_token_rewards=True, gives_returns=True,
+                                       source="Hu 2025, REINFORCE++"),
+    "reinforce_pp_baseline": AdvantageEstimator(estimate_reinforce_pp_baseline, needs_values=False,
+                                                needs_groups=True, per_token_rewards=True, gives_returns=True,
+                                                source="Hu 2025, REINFORCE++-baseline"),
+}
+"""Advantage estimators by name (`advantage_estimator` looks them up); every ``fn`` has the same signature."""
+
+
+def advantage_estimator(name: str) -> AdvantageEstimator:
+    """The `ADVANTAGE_ESTIMATORS` record called ``name``.
+    Raises: ValueError naming the unknown estimator and the choices."""
+    try:
+        return ADVANTAGE_ESTIMATORS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown advantage estimator {name!r}; choices: {', '.join(ADVANTAGE_ESTIMATORS)}"
+                         ) from None
