@@ -33,6 +33,16 @@ DEFAULT_REPORT_TO = ["tensorboard"] if importlib.util.find_spec("tensorboard") i
 """TensorBoard event files by default when the `tensorboard` package is installed, nothing otherwise."""
 TRUNCATION_POLICIES = ("error", "filter", "left")
 """Valid ``data.truncation`` values (see ``astrai.data.truncation``)."""
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+"""`grpo.advantage_estimator` choices: the critic-free estimators of `astrai.algos.ADVANTAGE_ESTIMATORS` (online_ppo
+uses `gae`, which needs its critic). The config imports no torch, so the names are repeated here (a test holds them
+equal)."""
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
+"""`ppo.policy_loss` / `grpo.policy_loss` choices (`astrai.algos.POLICY_LOSSES`)."""
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""`loss_agg_mode` choices (`astrai.algos.LOSS_AGG_MODES`, verl's names)."""
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis", "seq_mask", "icepop")
+"""`rollout.correction` choices (`astrai.algos.ROLLOUT_CORRECTIONS` plus none)."""
 OPTIONAL_METRICS = {name: tuple(t.name for t in train_types.all_train_types() if name in t.metrics)
                     for name in dict.fromkeys(m for t in train_types.all_train_types() for m in t.metrics)}
 """Valid ``train.metrics`` names -> the train types that compute them (`TrainType.metrics`)."""
@@ -129,6 +139,15 @@ class RolloutSection(Section, name="rollout"):
     dynamic_sampling: bool = field_spec(False, "online train types with groups: resample prompts whose "
                                                "rewards are all equal (DAPO dynamic sampling) until "
                                                "rollout.batch_size groups differ")
+    correction: str = field_spec(
+        "none", "training-inference mismatch correction (docs/conventions.md section 7): token_tis (weight "
+                "min(rho_t, token cap)), seq_tis, seq_mask (drop sequences whose ratio exceeds the sequence cap) or "
+                "icepop (drop tokens outside [icepop_low, icepop_high]); on, the trainer rescores each rollout once "
+                "before its first update", Choices(ROLLOUT_CORRECTIONS))
+    correction_token_cap: float = field_spec(2.0, "token_tis: the cap C of the token weight", Range(1))
+    correction_seq_cap: float = field_spec(3.0, "seq_tis / seq_mask: the cap C of the sequence ratio", Range(1))
+    icepop_low: float = field_spec(0.5, "icepop: the lowest ratio kept", Range(0, 1, lo_open=True))
+    icepop_high: float = field_spec(5.0, "icepop: the highest ratio kept", Range(1))
     max_sampling_rounds: int = field_spec(4, "dynamic_sampling: generation rounds per rollout at most; then the "
                                              "batch is filled up with all-equal groups", GT0)
     generation_batch_size: Optional[int] = field_spec(
@@ -144,6 +163,18 @@ class PPOSection(Section, name="ppo"):
     minibatch_size: int = field_spec(8, "samples per policy optimizer step", GT0)
     micro_batch_size: int = field_spec(4, "samples per forward/backward (gradient accumulation unit)", GT0)
     clip_eps: float = field_spec(0.2, "PPO ratio clip: ratio kept in [1 - eps, 1 + eps]", GT0)
+    policy_loss: str = field_spec("ppo_clip", "policy loss: ppo_clip (PPO-clip, decoupled range, optional dual clip), gspo "
+                                              "(sequence-level ratio, Zheng et al. 2025) or cispo (clipped IS weight, "
+                                              "MiniMax-M1)", Choices(POLICY_LOSSES))
+    loss_agg_mode: Optional[str] = field_spec(
+        None, "how per-token losses become the step's loss (verl's names); null = the loss's own: token-mean, "
+              "seq-mean-token-mean for gspo; -norm divides by rollout.max_new_tokens", Choices(LOSS_AGG_MODES))
+    clip_ratio_low: Optional[float] = field_spec(None, "ratio kept >= 1 - clip_ratio_low; null = clip_eps "
+                                                       "(gspo: 3e-4, the paper's)", GT0)
+    clip_ratio_high: Optional[float] = field_spec(None, "ratio kept <= 1 + clip_ratio_high (DAPO clip-higher: "
+                                                        "0.28); null = clip_eps (gspo: 4e-4)", GT0)
+    clip_ratio_c: Optional[float] = field_spec(None, "ppo_clip dual clip: for A < 0 the loss is at most -A * c "
+                                                     "(Ye et al. 2020; 3 is usual); null = off", Range(1, lo_open=True))
     value_clip: Optional[float] = field_spec(0.2, "value clip around rollout values; null = unclipped", GT0)
     gamma: float = field_spec(1.0, "discount per response token", UNIT)
     gae_lambda: float = field_spec(0.95, "GAE lambda", UNIT)
@@ -165,6 +196,22 @@ class GRPOSection(Section, name="grpo"):
     minibatch_size: int = field_spec(8, "samples (responses) per policy optimizer step", GT0)
     micro_batch_size: int = field_spec(4, "samples per forward/backward (gradient accumulation unit)", GT0)
     clip_eps: float = field_spec(0.2, "ratio clip: ratio kept in [1 - eps, 1 + eps]", GT0)
+    policy_loss: str = field_spec("ppo_clip", "policy loss: ppo_clip (PPO-clip, decoupled range, optional dual clip), gspo "
+                                              "(sequence-level ratio, Zheng et al. 2025) or cispo (clipped IS weight, "
+                                              "MiniMax-M1)", Choices(POLICY_LOSSES))
+    loss_agg_mode: Optional[str] = field_spec(
+        None, "how per-token losses become the step's loss (verl's names); null = the loss's own: token-mean, "
+              "seq-mean-token-mean for gspo; -norm divides by rollout.max_new_tokens", Choices(LOSS_AGG_MODES))
+    clip_ratio_low: Optional[float] = field_spec(None, "ratio kept >= 1 - clip_ratio_low; null = clip_eps "
+                                                       "(gspo: 3e-4, the paper's)", GT0)
+    clip_ratio_high: Optional[float] = field_spec(None, "ratio kept <= 1 + clip_ratio_high (DAPO clip-higher: "
+                                                        "0.28); null = clip_eps (gspo: 4e-4)", GT0)
+    clip_ratio_c: Optional[float] = field_spec(None, "ppo_clip dual clip: for A < 0 the loss is at most -A * c "
+                                                     "(Ye et al. 2020; 3 is usual); null = off", Range(1, lo_open=True))
+    advantage_estimator: str = field_spec(
+        "grpo", "grpo (group mean/std), rloo (leave-one-out baseline), reinforce_pp (REINFORCE++: returns whitened "
+                "over the batch) or reinforce_pp_baseline (group mean subtracted first)", Choices(ADVANTAGE_ESTIMATORS))
+    gamma: float = field_spec(1.0, "reinforce_pp / reinforce_pp_baseline: discount of the reward-to-go per token", UNIT)
     kl_coef: float = field_spec(0.04, "reference-KL (k3) weight in the loss; 0 = no reference model", GE0)
     kl_reward_coef: float = field_spec(0.0, "reference-KL weight subtracted from the reward instead", GE0)
     std_eps: float = field_spec(1e-6, "epsilon added to the group std", GT0)
@@ -313,6 +360,9 @@ class Config:
         elif self.rollout.generation_batch_size is not None:
             raise ConfigError("rollout.generation_batch_size: only used with rollout.dynamic_sampling (without it "
                               "each rollout samples rollout.batch_size prompts once); set it to null")
+        if self.rollout.correction != "none" and not spec.online:
+            raise ConfigError(f"rollout.correction: corrects rollouts sampled by the engine; train.type {kind} samples "
+                              "none; set it to none")
         if self.data.mixture and self.data.path != DataSection().path:
             raise ConfigError(f"data.mixture: set together with data.path {self.data.path!r}; the mixture replaces "
                               "data.path, so set only one of them")
@@ -359,7 +409,8 @@ def ignored_settings(config: Config) -> list[str]:
     for section in sections:
         current, default = getattr(config, section), SECTIONS[section]()
         unread = spec.unread(config) if section == spec.section else tuple(f.name for f in dataclasses.fields(current))
-        names += [f"{section}.{name}" for name in unread if getattr(current, name) != getattr(default, name)]
+        names += [f"{section}.{f.name}" for f in dataclasses.fields(current)
+                  if f.name in unread and getattr(current, f.name) != getattr(default, f.name)]
     return names
 
 

@@ -56,6 +56,10 @@ def test_layers_point_one_way():
 REGISTRY_OWNED = (ASTRAI / "train_types", ASTRAI / "trainer" / "strategies")
 
 
+ESTIMATOR_NAMES = ("ADVANTAGE_ESTIMATORS", "advantage_estimator")
+"""Config names whose values are advantage-estimator names (one of which, `grpo`, is also a train type's)."""
+
+
 def _owned(path: Path) -> bool:
     return any(path.is_relative_to(owner) for owner in REGISTRY_OWNED)
 
@@ -72,6 +76,10 @@ def _string_constants(tree: ast.AST) -> list[ast.Constant]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
             docstrings.update(id(k.value) for k in node.keywords if k.arg == "name")
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                   if isinstance(node, ast.AnnAssign) else [])
+        if any(getattr(t, "id", None) in ESTIMATOR_NAMES for t in targets):  # "grpo" the estimator, not the type
+            docstrings.update(id(c) for c in ast.walk(node) if isinstance(c, ast.Constant))
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
@@ -88,7 +96,7 @@ def test_only_the_registry_names_train_types():
     assert names >= {"online_ppo", "online_grpo", "sft"}  # the check below is not vacuous
     offenders = []
     for path in ASTRAI.rglob("*.py"):
-        if _owned(path):
+        if _owned(path) or path.is_relative_to(ASTRAI / "algos"):  # algos imports nothing: it cannot know them
             continue
         for node in _string_constants(ast.parse(path.read_text())):
             if node.value in names:

@@ -86,7 +86,7 @@ def test_identical_rewards_give_zero_advantages_and_finite_loss():
     assert torch.equal(result.advantages, torch.zeros_like(result.advantages))
     policy = small_model()
     logprobs, _ = response_logprobs(policy, result.sequences, temperature=1.0)
-    loss, metrics = grpo_loss_fn(clip_eps=0.2, kl_coef=0.1)(logprobs, result, torch.tensor(12))
+    loss, metrics = grpo_loss_fn(GRPOSection(clip_eps=0.2, kl_coef=0.1))(logprobs, result, torch.tensor(12))
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
     assert all(torch.isfinite(p.grad).all() for p in policy.parameters() if p.grad is not None)

@@ -62,6 +62,14 @@ class DistributedContext:
             return tensor
         return self.accelerator.reduce(tensor.clone(), reduction="sum")
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum of `tensor` over all ranks (the tensor itself with one process)."""
+        if self.world_size == 1:
+            return tensor
+        out = tensor.clone()
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
+        return out
+
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move `model` to the device and wrap it for data parallelism when there is more than one rank."""
         model = model.to(self.device)

@@ -13,7 +13,8 @@ import torch
 
 from astrai.data.sequences import Sequences
 
-PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "values", "kl", "rewards", "advantages", "returns")
+PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "values", "kl", "rewards", "advantages", "returns",
+                    "rollout_logprobs", "correction_weights")
 """The (B, T) per-token fields of a `RolloutResult` (None where the train type has none)."""
 
 
@@ -38,6 +39,10 @@ class RolloutResult:
         returns: (B, T) GAE returns, the critic's regression target; None for critic-free train types.
         policy_version: version of the weights that generated the responses.
         responses: decoded response texts (B strings).
+        rollout_logprobs: (B, T) the engine's log-probs when `old_logprobs` were rescored by the trainer (rollout
+            correction, docs/conventions.md section 7), else None.
+        correction_weights: (B, T) detached importance weights of the rollout correction (0 at dropped tokens),
+            multiplied into the policy loss; None without a correction.
     """
 
     sequences: Sequences
@@ -51,6 +56,8 @@ class RolloutResult:
     returns: Optional[torch.Tensor]
     policy_version: int
     responses: tuple[str, ...]
+    rollout_logprobs: Optional[torch.Tensor] = None
+    correction_weights: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         for field in PER_TOKEN_FIELDS:
@@ -71,8 +78,7 @@ class RolloutResult:
     def select(self, index: torch.Tensor) -> "RolloutResult":
         """Rows `index` (1-D int64) of every per-sample tensor, as a new (still pinned) result."""
         picked = {f: (getattr(self, f)[index] if getattr(self, f) is not None else None)
-                  for f in ("old_logprobs", "ref_logprobs", "values", "scores", "kl", "rewards",
-                            "advantages", "returns")}
+                  for f in PER_TOKEN_FIELDS + ("scores",)}
         responses = tuple(self.responses[i] for i in index.tolist())
         return dataclasses.replace(self, sequences=self.sequences.select(index), responses=responses,
                                    **picked)

@@ -7,20 +7,26 @@ in the loss (`grpo.kl_coef`) or in the reward (`grpo.kl_reward_coef`), not both.
 from __future__ import annotations
 
 from astrai.config_schema import ConfigError
-from astrai.train_types.spec import TrainType, check_rollout_minibatches, rollout_step_sizes
+from astrai.train_types.spec import TrainType, check_policy_loss, check_rollout_minibatches, rollout_step_sizes
 
 
 def check_grpo(config) -> None:
     """The GRPO rules of online_grpo and grpo (ConfigError, one line)."""
     check_rollout_minibatches(config, "grpo", "group_size")
+    check_policy_loss(config, "grpo")
     if config.grpo.kl_coef > 0 and config.grpo.kl_reward_coef > 0:
         raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are mutually "
                           "exclusive; set one of them to 0")
 
 
 def grpo_unread(config) -> tuple[str, ...]:
-    """`grpo.std_eps` and `grpo.std_floor` when `grpo.scale_rewards` is none (nothing is divided)."""
-    return ("std_eps", "std_floor") if config.grpo.scale_rewards == "none" else ()
+    """The `grpo` fields its advantage estimator does not read: `std_eps` and `std_floor` when
+    `grpo.scale_rewards` is none (nothing is divided) or the estimator is not grpo (with `scale_rewards` then),
+    `gamma` unless it is reinforce_pp or reinforce_pp_baseline."""
+    g = config.grpo
+    unread = ("std_eps", "std_floor") if g.scale_rewards == "none" or g.advantage_estimator != "grpo" else ()
+    unread += ("scale_rewards",) if g.advantage_estimator != "grpo" else ()
+    return unread + (("gamma",) if not g.advantage_estimator.startswith("reinforce_pp") else ())
 
 
 def grpo_step_sizes(config) -> tuple[int, int]:

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from astrai.config_schema import ConfigError
-from astrai.train_types.spec import TrainType, check_rollout_minibatches, rollout_step_sizes
+from astrai.train_types.spec import TrainType, check_policy_loss, check_rollout_minibatches, rollout_step_sizes
 
 
 def _check(config) -> None:
     check_rollout_minibatches(config, "ppo", "group_size")
+    check_policy_loss(config, "ppo")
 
 
 def _check_model(config, model_config) -> None:

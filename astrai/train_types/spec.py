@@ -10,9 +10,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from astrai.config_schema import check_divides
+from astrai.config_schema import ConfigError, check_divides
 
-__all__ = ["TrainType", "rollout_step_sizes", "check_rollout_minibatches", "supervised_step_sizes"]
+__all__ = ["TrainType", "check_policy_loss", "check_rollout_minibatches", "rollout_step_sizes",
+           "supervised_step_sizes"]
 
 
 def _nothing(config) -> None:
@@ -63,6 +64,18 @@ def check_rollout_minibatches(config, section: str, group_field: str) -> None:
     check_divides((f"{section}.minibatch_size", s.minibatch_size),
                   (f"rollout.batch_size * {section}.{group_field}", config.rollout.batch_size * group))
     check_divides((f"{section}.micro_batch_size", s.micro_batch_size), (f"{section}.minibatch_size", s.minibatch_size))
+
+
+def check_policy_loss(config, section: str) -> None:
+    """The policy-loss rules of a section with `policy_loss`: dual clip (`clip_ratio_c`) only with ppo_clip.
+
+    Raises:
+        ConfigError: one line naming the fields.
+    """
+    s = getattr(config, section)
+    if s.clip_ratio_c is not None and s.policy_loss != "ppo_clip":
+        raise ConfigError(f"{section}.clip_ratio_c: dual clip applies to {section}.policy_loss ppo_clip, got "
+                          f"{s.policy_loss!r}; set clip_ratio_c to null")
 
 
 def _resolve(reference: str) -> Callable:

@@ -177,4 +177,4 @@ def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     source = StoredGroups(sampler=sampler, batch_size=config.rollout.batch_size, policy=trained, ref_model=ref_model,
                           pad_token_id=tokenizer.pad_token_id, device=dist.device,
                           temperature=config.rollout.temperature, chunk_size=g.micro_batch_size)
-    return grpo_strategy(config, dist, trained, source)
+    return grpo_strategy(config, dist, trained, source, online=False)

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from astrai.algos import global_moments, group_advantages, kl_k3, kl_penalty_loss, masked_mean, ppo_policy_loss
+from astrai.algos import advantage_estimator, aggregate_loss, kl_k3, masked_mean, ppo_token_rewards
 from astrai.config import GRPOSection
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.runner import Experience
@@ -25,6 +25,7 @@ from astrai.trainer.experience import ExperienceSource, build_online_experience,
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.policy_gradient import RolloutStrategy
+from astrai.trainer.strategies.policy_loss import RolloutCorrection, loss_agg_mode, policy_objective
 
 
 def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
@@ -71,16 +72,19 @@ def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
 
 @torch.no_grad()
 def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0.0, std_eps: float = 1e-6,
-                  std_floor: Optional[float] = None, scale_rewards: str = "group",
-                  all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> RolloutResult:
-    """Pin GRPO targets on sampled experience (the G samples of a prompt contiguous).
+                  std_floor: Optional[float] = None, scale_rewards: str = "group", estimator: str = "grpo",
+                  gamma: float = 1.0, all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                  ) -> RolloutResult:
+    """Pin the targets of a critic-free estimator on sampled experience (the G samples of a prompt contiguous).
 
     Shapes: N = B * G rows, T response tokens. `kl` = k3(old_logprobs, ref_logprobs) per real token (N, T)
-    when reference log-probs exist; rewards r = scores - kl_reward_coef * kl.sum(-1) (N,);
-    advantages = `group_advantages(r, scale=scale_rewards)` (N,) broadcast to (N, T) and zeroed at padding
-    (float32); with "batch" the std is that of the rewards of every rank's rollout together (`global_moments`
-    through `all_reduce_sum`, which sums a tensor over the data-parallel ranks; None: this rank's N rewards only).
-    `values` and `returns` are None (no critic); `rewards` holds r broadcast over real tokens.
+    when reference log-probs exist; per-token rewards = the score on the last real token minus
+    `kl_reward_coef * kl` on every real token (`algos.ppo_token_rewards`; their row sum is GRPO's
+    r = scores - kl_reward_coef * kl.sum(-1)); advantages (N, T) from `algos.ADVANTAGE_ESTIMATORS[estimator]`
+    (`grpo`: `group_advantages(r, scale=scale_rewards)` broadcast over the real tokens; `rloo`, `reinforce_pp`
+    with `gamma`, `reinforce_pp_baseline`), zeroed at padding (float32). `all_reduce_sum` sums a tensor over the
+    data-parallel ranks for the batch statistics (`scale_rewards` batch, the REINFORCE++ whitening); None: this
+    rank's N rows only. `values` and `returns` are None (no critic); `rewards` holds r broadcast over real tokens.
 
     Raises:
         ValueError: from `validate_group_rollout`, or `kl_reward_coef > 0` without reference log-probs.
@@ -90,38 +94,38 @@ def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0
     old = exp.old_logprobs * mask
     ref = exp.ref_logprobs * mask if exp.ref_logprobs is not None else None
     kl = kl_k3(old, ref) * mask if ref is not None else None
-    rewards = exp.scores.float()
-    if kl_reward_coef > 0:
-        if kl is None:
-            raise ValueError("grpo.kl_reward_coef > 0 needs reference log-probs")
-        rewards = rewards - kl_reward_coef * kl.sum(-1)
-    batch_std = (global_moments(rewards, all_reduce_sum=all_reduce_sum)[1].sqrt() if scale_rewards == "batch"
-                 else None)
-    adv = group_advantages(rewards, group_size=group_size, eps=std_eps, std_floor=std_floor, scale=scale_rewards,
-                           batch_std=batch_std)
+    if kl_reward_coef > 0 and kl is None:
+        raise ValueError("grpo.kl_reward_coef > 0 needs reference log-probs")
+    token_rewards = ppo_token_rewards(exp.scores.float(), kl if kl_reward_coef > 0 else torch.zeros_like(old), mask,
+                                      kl_coef=kl_reward_coef)
+    adv, _ = advantage_estimator(estimator).fn(
+        scores=exp.scores, action_mask=mask, token_rewards=token_rewards, group_size=group_size, gamma=gamma,
+        eps=std_eps, std_floor=std_floor, scale=scale_rewards, all_reduce_sum=all_reduce_sum)
+    rewards = token_rewards.sum(-1)
     result = RolloutResult(sequences=exp.sequences, old_logprobs=old, ref_logprobs=ref, values=None,
                            scores=exp.scores, kl=kl, rewards=rewards[:, None] * mask,
-                           advantages=adv[:, None] * mask, returns=None, policy_version=exp.policy_version,
+                           advantages=adv * mask, returns=None, policy_version=exp.policy_version,
                            responses=tuple(exp.responses))
     validate_group_rollout(result, group_size=group_size, need_ref=ref is not None)
     return result
 
 
-def grpo_loss_fn(*, clip_eps: float, kl_coef: float):
-    """The GRPO micro-batch loss: PPO-clip vs `old_logprobs` + `kl_coef` * k3 reference KL (both token-means
-    over the step's global token count). Returns a `policy_gradient.Objective`; metrics `policy/pg_loss`, clip
+def grpo_loss_fn(section, *, loss_scale_factor: Optional[float] = None):
+    """The GRPO micro-batch loss: the section's policy loss (`policy_loss.policy_objective`: PPO-clip against
+    `old_logprobs` by default) + `kl_coef` * k3 reference KL, aggregated as the policy loss is (`loss_agg_mode`, over
+    the step's global units). Returns a `policy_gradient.Objective`; metrics `policy/pg_loss`, the loss's clip
     metrics, and `policy/ref_kl` when `kl_coef > 0`."""
+    base, mode = policy_objective(section, loss_scale_factor=loss_scale_factor), loss_agg_mode(section)
+    kl_coef = section.kl_coef
 
-    def loss_fn(logprobs: torch.Tensor, micro: RolloutResult, num_tokens: torch.Tensor):
-        mask = micro.sequences.action_mask
-        loss, metrics = ppo_policy_loss(logprobs, micro.old_logprobs, micro.advantages, mask,
-                                        clip_eps=clip_eps, num_tokens=num_tokens)
-        metrics["policy/pg_loss"] = loss.detach()
+    def loss_fn(logprobs: torch.Tensor, micro: RolloutResult, num_units: torch.Tensor):
+        loss, metrics = base(logprobs, micro, num_units)
         if kl_coef > 0:
-            kl, kl_metrics = kl_penalty_loss(logprobs, micro.ref_logprobs, mask, estimator="k3",
-                                             num_tokens=num_tokens)
+            mask = micro.sequences.action_mask
+            kl = aggregate_loss(kl_k3(logprobs, micro.ref_logprobs.to(logprobs.dtype)), mask, loss_agg_mode=mode,
+                                num_units=num_units, loss_scale_factor=loss_scale_factor)
             loss = loss + kl_coef * kl
-            metrics.update(kl_metrics)
+            metrics["policy/ref_kl"] = kl.detach()
         return loss, metrics
 
     return loss_fn
@@ -135,23 +139,27 @@ class GRPOStrategy(RolloutStrategy):
         policy: the trained policy.
         experience: B * G scored samples per batch, the G samples of a prompt contiguous.
         replay: the rollout replay (`grpo.minibatch_size`, `grpo.epochs`; sizes count samples).
-        settings: the job's `grpo` section (`astrai.config.GRPOSection`: group size, clipping, KL, reward scaling);
-        temperature: the sampling temperature; log_entropy: log `policy/entropy`.
+        settings: the job's `grpo` section (`astrai.config.GRPOSection`: group size, estimator, policy loss,
+            clipping, KL, reward scaling); temperature: the sampling temperature; log_entropy: log `policy/entropy`.
+        loss_scale_factor: L of `loss_agg_mode: seq-mean-token-sum-norm` (the response-length cap).
+        correction: the rollout correction, or None.
     """
 
     def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
-                 settings: GRPOSection, temperature: float, log_entropy: bool = False):
+                 settings: GRPOSection, temperature: float, log_entropy: bool = False,
+                 loss_scale_factor: Optional[float] = None, correction: Optional[RolloutCorrection] = None):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
-                         log_entropy=log_entropy)
+                         log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction)
         self.settings = settings
-        self.objective = grpo_loss_fn(clip_eps=settings.clip_eps, kl_coef=settings.kl_coef)
+        self.objective = grpo_loss_fn(settings, loss_scale_factor=loss_scale_factor)
 
     def pin_targets(self, exp: Experience) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
         """Group advantages (`group_rollout`) and the rollout's metrics."""
         s = self.settings
         result = group_rollout(exp, group_size=s.group_size, kl_reward_coef=s.kl_reward_coef,
                                std_eps=s.std_eps, std_floor=s.std_floor, scale_rewards=s.scale_rewards,
+                               estimator=s.advantage_estimator, gamma=s.gamma,
                                all_reduce_sum=self.policy.dist.all_reduce_sum)
         mask = result.sequences.action_mask
         groups = exp.scores.reshape(-1, s.group_size)
@@ -173,13 +181,16 @@ class GRPOStrategy(RolloutStrategy):
         return self.policy_update(trainer, minibatch, first, self.objective)
 
 
-def grpo_strategy(config, dist, policy: TrainedModel, experience: ExperienceSource) -> GRPOStrategy:
-    """The GRPO strategy of a validated config over `experience` (online or offline)."""
-    g = config.grpo
+def grpo_strategy(config, dist, policy: TrainedModel, experience: ExperienceSource, *,
+                  online: bool = True) -> GRPOStrategy:
+    """The GRPO strategy of a validated config over `experience`: online (the response-length cap is
+    `rollout.max_new_tokens`, and `rollout.correction` applies) or offline (the cap is `data.max_length`)."""
+    g, r = config.grpo, config.rollout
     replay = RolloutReplay(minibatch_size=g.minibatch_size, epochs=g.epochs, seed=config.train.seed + 1000 * dist.rank)
-    return GRPOStrategy(policy=policy, experience=experience, replay=replay, settings=g,
-                        temperature=config.rollout.temperature,
-                        log_entropy="policy/entropy" in config.train.metrics)
+    return GRPOStrategy(policy=policy, experience=experience, replay=replay, settings=g, temperature=r.temperature,
+                        log_entropy="policy/entropy" in config.train.metrics,
+                        loss_scale_factor=r.max_new_tokens if online else config.data.max_length,
+                        correction=RolloutCorrection.from_config(r, chunk_size=g.micro_batch_size) if online else None)
 
 
 def build_online_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:

@@ -10,19 +10,11 @@ reference log-probs, critic values, k-estimated KL, per-token rewards and GAE on
 from __future__ import annotations
 
 import time
+from typing import Optional
+
 import torch
 
-from astrai.algos import (
-    explained_variance,
-    gae,
-    global_moments,
-    kl_estimate,
-    masked_mean,
-    masked_whiten,
-    ppo_policy_loss,
-    ppo_token_rewards,
-    value_loss,
-)
+from astrai.algos import advantage_estimator, explained_variance, kl_estimate, masked_mean, ppo_token_rewards, value_loss
 from astrai.checkpoint import Part
 from astrai.config import PPOSection
 from astrai.models import ValueModel
@@ -33,6 +25,7 @@ from astrai.trainer.experience import ExperienceSource, build_online_experience,
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.policy_gradient import RolloutStrategy, action_tokens
+from astrai.trainer.strategies.policy_loss import Objective, RolloutCorrection, loss_agg_mode, policy_objective
 
 
 class OnlinePPOStrategy(RolloutStrategy):
@@ -42,16 +35,20 @@ class OnlinePPOStrategy(RolloutStrategy):
         policy, critic: the trained policy (`AutoRegressiveLM`) and critic (`ValueModel`).
         experience: the online experience source (engine, runner, prompts; G = `ppo.group_size`).
         replay: the rollout replay (`ppo.minibatch_size`, `ppo.epochs`).
-        settings: the job's `ppo` section (`astrai.config.PPOSection`: clipping, GAE, KL, value loss);
-        temperature: the sampling temperature; log_entropy: log `policy/entropy`.
+        settings: the job's `ppo` section (`astrai.config.PPOSection`: clipping, policy loss, GAE, KL, value
+            loss); temperature: the sampling temperature; log_entropy: log `policy/entropy`.
+        objective: the policy objective (default: `policy_loss.policy_objective(settings)`).
+        correction: the rollout correction, or None.
     """
 
     def __init__(self, *, policy: TrainedModel, critic: TrainedModel, experience: ExperienceSource,
-                 replay: RolloutReplay, settings: PPOSection, temperature: float, log_entropy: bool = False):
+                 replay: RolloutReplay, settings: PPOSection, temperature: float, log_entropy: bool = False,
+                 objective: Optional[Objective] = None, correction: Optional[RolloutCorrection] = None):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
-                         log_entropy=log_entropy)
+                         log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction)
         self.critic, self.settings = critic, settings
+        self.objective = objective or policy_objective(settings)
 
     @torch.no_grad()
     def pin_targets(self, exp: Experience) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
@@ -73,9 +70,11 @@ class OnlinePPOStrategy(RolloutStrategy):
             ref_logprobs = exp.ref_logprobs * mask
             kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, estimator=s.kl_estimator) * mask
             rewards = ppo_token_rewards(exp.scores, kl, mask, kl_coef=s.kl_coef)
-        advantages, returns = gae(rewards, values, mask, gamma=s.gamma, lam=s.gae_lambda)
-        if s.whiten_advantages:  # over the whole batch: the real tokens of every rank
-            advantages = masked_whiten(advantages, mask, moments=self._global_moments(advantages, mask))
+        dist = self.policy.dist  # whitening is over the whole batch: the real tokens of every rank
+        advantages, returns = advantage_estimator("gae").fn(
+            scores=exp.scores, action_mask=mask, token_rewards=rewards, values=values, gamma=s.gamma,
+            lam=s.gae_lambda, whiten_advantages=s.whiten_advantages,
+            all_reduce_sum=dist.all_reduce_sum if dist.world_size > 1 else None)
         result = RolloutResult(sequences=exp.sequences, old_logprobs=exp.old_logprobs * mask,
                                ref_logprobs=ref_logprobs, values=values, scores=exp.scores,
                                kl=kl, rewards=rewards, advantages=advantages, returns=returns,
@@ -93,23 +92,9 @@ class OnlinePPOStrategy(RolloutStrategy):
             metrics["rollout/kl"] = kl.sum(-1).mean()
         return result, metrics
 
-    def _global_moments(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(mean, unbiased variance) of `x` (B, T) over the real tokens of all ranks (two all-reduces); None with one
-        process (`masked_whiten` then uses this batch's own, the same numbers)."""
-        dist = self.policy.dist
-        if dist.world_size == 1:
-            return None
-        return global_moments(x, mask, all_reduce_sum=dist.all_reduce_sum)
-
     def update(self, trainer, minibatch: RolloutResult, first: bool) -> dict[str, torch.Tensor]:
-        """The PPO-clip policy step, then the (clipped) value-loss critic step."""
-        s = self.settings
-
-        def objective(logprobs, micro: RolloutResult, num_tokens):
-            return ppo_policy_loss(logprobs, micro.old_logprobs, micro.advantages, micro.sequences.action_mask,
-                                   clip_eps=s.clip_eps, num_tokens=num_tokens)
-
-        metrics = self.policy_update(trainer, minibatch, first, objective)
+        """The policy step (`ppo.policy_loss`, PPO-clip by default), then the (clipped) value-loss critic step."""
+        metrics = self.policy_update(trainer, minibatch, first, self.objective)
         metrics.update(self._critic_update(trainer, minibatch))
         return metrics
 
@@ -163,4 +148,6 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
                                          chunk_size=p.micro_batch_size, group_size=p.group_size)
     replay = RolloutReplay(minibatch_size=p.minibatch_size, epochs=p.epochs, seed=config.train.seed + 1000 * dist.rank)
     return OnlinePPOStrategy(policy=trained, critic=critic, experience=experience, replay=replay, settings=p,
-                             temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics)
+                             temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics,
+                             objective=policy_objective(p, loss_scale_factor=r.max_new_tokens),
+                             correction=RolloutCorrection.from_config(r, chunk_size=p.micro_batch_size))

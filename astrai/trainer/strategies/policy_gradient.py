@@ -10,11 +10,13 @@ engine's `old_logprobs` are aligned with (`rollout.scoring.response_logprobs`, d
 from __future__ import annotations
 
 import time
-from typing import Callable
+import dataclasses
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from astrai.algos import logprob_gap, masked_entropy
+from astrai.algos import MAX_METRICS, aggregate_loss, loss_units, metric_agg_mode, mismatch_metrics
 from astrai.checkpoint import CheckpointError, Part
 from astrai.rollout.result import RolloutResult
 from astrai.rollout.reward_functions import reward_metrics
@@ -23,9 +25,7 @@ from astrai.rollout.scoring import response_logprobs
 from astrai.trainer.experience import ExperienceSource
 from astrai.trainer.models import TrainedModel
 from astrai.trainer.replay import RolloutReplay
-
-Objective = Callable[[torch.Tensor, RolloutResult, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""(logprobs (b, T) float32 with grad, micro-batch, global token count 0-dim) -> (loss share, metric shares)."""
+from astrai.trainer.strategies.policy_loss import Objective, RolloutCorrection
 
 
 def action_tokens(micro: RolloutResult) -> torch.Tensor:
@@ -42,14 +42,19 @@ class RolloutStrategy:
         replay: the rollout replay (minibatch size, epochs, shuffling RNG).
         micro_batch_size: rows per forward/backward; temperature: the sampling temperature (scoring uses it too).
         log_entropy: also log `policy/entropy` (an extra softmax pass over the logits).
+        loss_agg_mode: how the policy objective aggregates (`algos.LOSS_AGG_MODES`): it sets the loss units the
+            step counts (`algos.loss_units`: tokens, or sequences for the seq-mean modes).
+        correction: the rollout correction (`policy_loss.RolloutCorrection`) or None.
 
     Subclasses implement `pin_targets` and `update`.
     """
 
     def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
-                 micro_batch_size: int, temperature: float, log_entropy: bool = False):
+                 micro_batch_size: int, temperature: float, log_entropy: bool = False,
+                 loss_agg_mode: str = "token-mean", correction: Optional[RolloutCorrection] = None):
         self.policy, self.experience, self.replay = policy, experience, replay
         self.micro_batch_size, self.temperature, self.log_entropy = micro_batch_size, temperature, log_entropy
+        self.loss_agg_mode, self.correction = loss_agg_mode, correction
 
     @property
     def data_sampler(self):
@@ -88,7 +93,13 @@ class RolloutStrategy:
         `failed`: `reward_functions.reward_metrics`)."""
         start = time.perf_counter()
         experience = self.experience.collect(policy_version)
+        engine_logprobs = weights = None
+        if self.correction is not None:  # the trainer's own old log-probs, before any update from this rollout
+            experience, engine_logprobs, weights, rescored = self.correction.rescore(self.policy.module, experience)
         rollout, metrics = self.pin_targets(experience)
+        if self.correction is not None:
+            rollout = dataclasses.replace(rollout, rollout_logprobs=engine_logprobs, correction_weights=weights)
+            metrics.update(self._max_over_ranks(rescored))
         metrics["time/rollout_seconds"] = torch.tensor(time.perf_counter() - start)
         metrics.update({f"time/{phase}_seconds": torch.tensor(seconds)
                         for phase, seconds in experience.timings.items()})
@@ -99,33 +110,58 @@ class RolloutStrategy:
     def policy_update(self, trainer, minibatch: RolloutResult, first: bool,
                       objective: Objective) -> dict[str, torch.Tensor]:
         """One policy optimizer step of `objective` over `minibatch`, in micro-batches of `micro_batch_size` rows
-        (`RolloutResult.micro_batches`: rows grouped by length, all-padding columns trimmed).
+        (`RolloutResult.micro_batches`: rows grouped by length, all-padding columns trimmed); the step counts the
+        loss units of `loss_agg_mode`.
 
         Returns:
             detached 0-dim metrics of `Trainer.accumulate_and_step` plus `rollout/logprob_gap` (mean |logprobs -
             old_logprobs| over this rank's real tokens of the rollout's FIRST minibatch, measured before any update
-            from it: ~0 unless the engine held stale weights; repeated on the rollout's later minibatches),
+            from it: ~0 unless the engine held stale weights; repeated on the rollout's later minibatches), without
+            a rollout correction the mismatch metrics of that minibatch (`rollout/mismatch_*`, against the
+            engine's log-probs: `algos.mismatch_metrics`; with one they cover the whole rollout, from its rescore),
             `policy/entropy` with `log_entropy`, and `time/policy_update_seconds`.
         """
         start = time.perf_counter()
+        shares = metric_agg_mode(self.loss_agg_mode)
+        seen: list[tuple[torch.Tensor, ...]] = []  # first minibatch: (logprobs, engine log-probs, mask), padded
+        width = minibatch.sequences.action_mask.shape[1]
 
-        def loss_fn(micro: RolloutResult, num_tokens: torch.Tensor):
+        def loss_fn(micro: RolloutResult, num_units: torch.Tensor):
             mask = micro.sequences.action_mask
             logprobs, entropy = response_logprobs(self.policy.module, micro.sequences, temperature=self.temperature,
                                                   with_entropy=self.log_entropy)
-            loss, metrics = objective(logprobs, micro, num_tokens)
+            loss, metrics = objective(logprobs, micro, num_units)
             metrics["policy/loss"] = loss.detach()
-            metrics["rollout/logprob_gap"] = logprob_gap(logprobs, micro.old_logprobs, mask, num_tokens=num_tokens)
+            gap = (logprobs.detach() - micro.old_logprobs).abs()
+            metrics["rollout/logprob_gap"] = aggregate_loss(gap, mask, loss_agg_mode=shares, num_units=num_units)
             if entropy is not None:
-                metrics.update(masked_entropy(entropy.detach(), mask, num_tokens=num_tokens)[1])
+                metrics["policy/entropy"] = aggregate_loss(entropy.detach(), mask, loss_agg_mode=shares,
+                                                           num_units=num_units)
+            if first and self.correction is None:
+                pad = (0, width - mask.shape[1])
+                seen.append(tuple(F.pad(x, pad) for x in (logprobs.detach(), micro.old_logprobs, mask)))
             return loss, metrics
 
         metrics = trainer.accumulate_and_step(self.policy, minibatch.micro_batches(self.micro_batch_size), loss_fn,
-                                              count=action_tokens)
+                                              count=lambda micro: loss_units(micro.sequences.action_mask,
+                                                                             self.loss_agg_mode))
         if first:  # the gap is only meaningful before the rollout's first update
             self.replay.metrics["rollout/logprob_gap"] = metrics["rollout/logprob_gap"]
+            if seen:
+                mismatch = self._max_over_ranks(mismatch_metrics(*(torch.cat(parts) for parts in zip(*seen))))
+                self.replay.metrics.update(mismatch)  # repeated on the rollout's later minibatches
+                metrics.update(mismatch)
         metrics["rollout/logprob_gap"] = self.replay.metrics["rollout/logprob_gap"]
         metrics["time/policy_update_seconds"] = torch.tensor(time.perf_counter() - start)
+        return metrics
+
+    def _max_over_ranks(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`metrics` with those of `algos.MAX_METRICS` replaced by their maximum over the data-parallel ranks (so
+        the loop's mean over ranks keeps the maximum)."""
+        dist = self.policy.dist
+        for name in MAX_METRICS & set(metrics):
+            if dist.world_size > 1:
+                metrics[name] = dist.all_reduce_max(metrics[name].reshape(()).to(dist.device))
         return metrics
 
     def state_dict(self) -> dict:

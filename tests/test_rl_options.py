@@ -1,0 +1,164 @@
+"""The RL options wired through the registries: advantage estimator, policy loss, loss aggregation and the rollout
+correction of the training-inference mismatch, chosen by config, in the GRPO and PPO updates."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from test_grpo import GradCapture, make_experience, small_model
+from toy_rl import trained
+
+from astrai import algos
+from astrai.config import (ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS, ConfigError,
+                           GRPOSection, config_from_dict, ignored_settings)
+from astrai.rollout.scoring import response_logprobs
+from astrai.trainer.loop import Trainer
+from astrai.trainer.replay import RolloutReplay
+from astrai.trainer.strategies.online_grpo import GRPOStrategy, group_rollout
+from astrai.trainer.strategies.policy_loss import GSPO_CLIP, RolloutCorrection, clip_range, loss_agg_mode
+
+
+def test_config_choices_are_the_registries():
+    assert set(ADVANTAGE_ESTIMATORS) == {n for n, e in algos.ADVANTAGE_ESTIMATORS.items() if not e.needs_values}
+    assert set(POLICY_LOSSES) == set(algos.POLICY_LOSSES)
+    assert LOSS_AGG_MODES == algos.LOSS_AGG_MODES
+    assert set(ROLLOUT_CORRECTIONS) == set(algos.ROLLOUT_CORRECTIONS) | {"none"}
+
+
+def test_clip_ranges_and_aggregation_defaults():
+    assert clip_range(GRPOSection(clip_eps=0.2)) == (0.2, 0.2)
+    assert clip_range(GRPOSection(clip_eps=0.2, clip_ratio_high=0.28)) == (0.2, 0.28)  # DAPO clip-higher
+    assert clip_range(GRPOSection(policy_loss="gspo")) == GSPO_CLIP
+    assert loss_agg_mode(GRPOSection(policy_loss="gspo")) == "seq-mean-token-mean"
+    assert loss_agg_mode(GRPOSection(policy_loss="gspo", loss_agg_mode="token-mean")) == "token-mean"
+    with pytest.raises(ConfigError, match="grpo.clip_ratio_c: dual clip applies to grpo.policy_loss ppo_clip"):
+        config_from_dict({"train": {"type": "online_grpo"}, "grpo": {"policy_loss": "cispo", "clip_ratio_c": 3}})
+    with pytest.raises(ConfigError, match="rollout.correction: corrects rollouts sampled by the engine; train.type sft"):
+        config_from_dict({"train": {"type": "sft"}, "rollout": {"correction": "token_tis"}})
+    unread = ignored_settings(config_from_dict({"train": {"type": "online_grpo"},
+                                                "grpo": {"advantage_estimator": "rloo", "gamma": 0.9,
+                                                         "std_floor": 0.1}}))
+    assert unread == ["grpo.gamma", "grpo.std_floor"]
+
+
+def _grads(policy, rollout, settings, micro):
+    strategy = GRPOStrategy(policy=trained(policy, lr=0.0), experience=None, settings=dataclasses.replace(
+        settings, micro_batch_size=micro), temperature=0.7, loss_scale_factor=8.0,
+                            replay=RolloutReplay(minibatch_size=len(rollout), epochs=1, seed=0))
+    capture = GradCapture(policy)
+    trainer = Trainer(strategy, dist=strategy.policy.dist, max_steps=1, max_grad_norm=1e9, callbacks=[capture])
+    metrics = strategy.update(trainer, rollout, first=True)
+    return capture.grads, metrics
+
+
+@pytest.mark.parametrize("loss, mode", [("ppo_clip", "seq-mean-token-mean"), ("ppo_clip", "seq-mean-token-sum-norm"),
+                                        ("gspo", None), ("cispo", "token-mean"), ("ppo_clip", "seq-mean-token-sum")])
+def test_every_loss_and_mode_is_split_invariant_and_equals_the_direct_formula(loss, mode):
+    """The step's gradient does not depend on the micro-batch split (units counted per mode over the step), and
+    equals the registry loss + k3 KL written out on the whole batch."""
+    policy = small_model()
+    exp = make_experience([1.0, 0.0, 0.5, 2.0, 0.0, 0.0], t=4, lengths=[4, 1, 3, 2, 4, 1])
+    rollout = group_rollout(exp, group_size=3)
+    settings = GRPOSection(group_size=3, kl_coef=0.3, policy_loss=loss, loss_agg_mode=mode, clip_ratio_high=0.28,
+                           clip_ratio_low=0.1)
+    grads = [_grads(policy, rollout, settings, micro)[0] for micro in (1, 4, 6)]
+    mask = rollout.sequences.action_mask
+    agg = mode or algos.POLICY_LOSSES[loss].loss_agg_mode
+    low, high = clip_range(settings)
+    logprobs, _ = response_logprobs(policy, rollout.sequences, temperature=0.7)
+    pg, _ = algos.POLICY_LOSSES[loss].fn(logprobs, rollout.old_logprobs, rollout.advantages, mask,
+                                         clip_ratio_low=low, clip_ratio_high=high, loss_agg_mode=agg,
+                                         loss_scale_factor=8.0)
+    kl = algos.aggregate_loss(algos.kl_k3(logprobs, rollout.ref_logprobs), mask, loss_agg_mode=agg,
+                              loss_scale_factor=8.0)
+    (pg + 0.3 * kl).backward()
+    for name, p in policy.named_parameters():
+        for g in grads:
+            torch.testing.assert_close(g[name], p.grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_group_rollout_pins_the_registry_estimator(estimator):
+    exp = make_experience([1.0, 0.0, 0.5, 2.0, 0.0, 0.0], t=4, lengths=[4, 1, 3, 2, 4, 1])
+    pinned = group_rollout(exp, group_size=3, estimator=estimator, gamma=0.9, kl_reward_coef=0.2)
+    mask = exp.sequences.action_mask
+    kl = algos.kl_k3(exp.old_logprobs * mask, exp.ref_logprobs * mask) * mask
+    rewards = algos.ppo_token_rewards(exp.scores, kl, mask, kl_coef=0.2)
+    want, _ = algos.ADVANTAGE_ESTIMATORS[estimator].fn(scores=exp.scores, action_mask=mask, token_rewards=rewards,
+                                                        group_size=3, gamma=0.9)
+    torch.testing.assert_close(pinned.advantages, want * mask)
+    if estimator == "rloo":  # hand value, first group rewards r = scores - 0.2 * KL sum: A_0 = r_0 - mean(r_1, r_2)
+        r = rewards.sum(-1)
+        assert pinned.advantages[0, 0] == pytest.approx(float(r[0] - (r[1] + r[2]) / 2), abs=1e-6)
+
+
+class _StaticExperience:
+    """An experience source that hands out one fixed experience."""
+
+    def __init__(self, exp):
+        self.exp, self.engine, self.data_sampler = exp, None, None
+
+    def collect(self, policy_version):
+        return self.exp
+
+
+@pytest.mark.parametrize("mode", ["token_tis", "seq_mask", "icepop"])
+def test_the_rollout_correction_rescores_and_weights_the_loss(mode):
+    """With a correction, old_logprobs become the trainer's own (rescored before any update), the engine's are kept
+    as rollout_logprobs, the weights are the registry's, and the loss equals a naive per-token reference."""
+    policy = small_model()
+    exp = make_experience([1.0, 0.0, 0.5, 2.0, 0.0, 0.0], t=4, lengths=[4, 1, 3, 2, 4, 1])
+    settings = GRPOSection(group_size=3, kl_coef=0.0)
+    correction = RolloutCorrection(mode, token_cap=2.0, seq_cap=3.0, icepop_low=0.5, icepop_high=5.0,
+                                   temperature=0.7, chunk_size=2)
+    strategy = GRPOStrategy(policy=trained(policy, lr=0.0), experience=_StaticExperience(exp), settings=settings,
+                            temperature=0.7, correction=correction,
+                            replay=RolloutReplay(minibatch_size=6, epochs=1, seed=0))
+    rollout, metrics = strategy.make_rollout(0)
+    mask = exp.sequences.action_mask
+    with torch.no_grad():
+        train_old = response_logprobs(policy, exp.sequences, temperature=0.7)[0] * mask
+    torch.testing.assert_close(rollout.old_logprobs, train_old)
+    torch.testing.assert_close(rollout.rollout_logprobs, exp.old_logprobs * mask)
+    weights, keep, _ = algos.correction_weights(mode, train_old, exp.old_logprobs * mask, mask)
+    torch.testing.assert_close(rollout.correction_weights, weights * mask)
+    d = (train_old - exp.old_logprobs) * mask
+    assert metrics["rollout/mismatch_max_abs_diff"] == pytest.approx(float(d.abs().max()), rel=1e-5)
+    # the corrected loss, naively: sum over real tokens of w_t * max(-A r, -A clip(r)) / real tokens; r = 1 here
+    logprobs, _ = response_logprobs(policy, rollout.sequences, temperature=0.7)
+    total, count = 0.0, 0
+    for b in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if mask[b, t]:
+                ratio = float(torch.exp(logprobs[b, t].detach() - rollout.old_logprobs[b, t]))
+                a = float(rollout.advantages[b, t])
+                term = max(-a * ratio, -a * min(max(ratio, 0.8), 1.2))
+                total, count = total + float(rollout.correction_weights[b, t]) * term, count + 1
+    loss, _ = strategy.objective(logprobs, rollout, torch.tensor(count))
+    assert float(loss.detach()) == pytest.approx(total / count, rel=1e-5, abs=1e-7)
+
+
+def test_online_grpo_trains_with_rloo_gspo_and_a_correction_logging_the_mismatch(tiny_model_dir, tmp_path):
+    """End to end (tiny model, 2 steps): rloo advantages, the gspo loss, bf16 rollouts with token TIS against fp32
+    training; the mismatch is logged on every step and is nonzero only through the bf16 engine."""
+    from pathlib import Path
+
+    from astrai.train import main
+
+    def run(name, *extra):
+        out = tmp_path / name
+        example = Path(__file__).resolve().parents[1] / "configs/examples/grpo.yaml"
+        code = main(["--config", str(example), "--model.path", str(tiny_model_dir), "--train.output_dir", str(out),
+                     "--max_steps", "2", "--rollout.batch_size", "2", "--grpo.group_size", "2",
+                     "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2", "--rollout.max_new_tokens", "6",
+                     "--train.progress_bar", "false", "--data.truncation", "left", "--train.report_to", "none",
+                     "--checkpoint.save_at_end", "false", *extra])
+        assert code == 0
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    plain = run("plain", "--grpo.advantage_estimator", "rloo", "--grpo.policy_loss", "gspo")
+    assert all(r["rollout/mismatch_max_abs_diff"] < 1e-4 for r in plain)  # fp32 engine = the trainer's forward
+    corrected = run("bf16", "--rollout.dtype", "bfloat16", "--rollout.correction", "token_tis")
+    assert all(r["rollout/mismatch_max_abs_diff"] > 1e-4 for r in corrected)
+    assert all(0 < r["rollout/correction_weight_mean"] <= 2.0 and "time/rescore_seconds" in r for r in corrected)
