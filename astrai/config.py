@@ -76,6 +76,8 @@ class DataSection(Section, name="data"):
     text_field: str = field_spec("text", "seq: record field holding the raw text")
     chosen_field: str = field_spec("chosen", "dpo: record field holding the preferred response")
     rejected_field: str = field_spec("rejected", "dpo: record field holding the dispreferred response")
+    margin_field: Optional[str] = field_spec(None, "rm: optional record field holding each pair's margin (Llama 2's "
+                                                   "margin loss); null = no margin")
     responses_field: str = field_spec("responses", "grpo: record field holding the G sampled responses")
     rewards_field: str = field_spec("rewards", "grpo: record field holding the G scalar rewards")
     logprobs_field: str = field_spec("logprobs", "grpo: optional field with per-token behaviour log-probs")
@@ -102,6 +104,11 @@ class RewardSection(Section, name="reward"):
         [], "reward functions, each {function: 'package.module:name' or a built-in name, weight (1), name, path "
             "(a .py file holding it), kwargs}: called as fn(prompts, completions, **columns) (TRL's convention), "
             "the total is the weighted sum (docs/rewards.md)", REWARD_FUNCTION_KEYS)
+    model_path: Optional[str] = field_spec(
+        None, "a reward model (a ...ForSequenceClassification directory, e.g. an rm checkpoint) whose score joins "
+              "reward.functions in the total, or alone when there are none", Pattern(r"\s*\S.*", "a directory path"))
+    model_weight: float = field_spec(1.0, "weight of reward.model_path's score in the total reward")
+    model_batch_size: int = field_spec(8, "rows per reward-model forward", GT0)
     num_workers: int = field_spec(1, "worker processes that run the reward.functions given by import path or file "
                                      "(with reward.timeout_seconds); 0 = in the trainer's process, no timeout", GE0)
     timeout_seconds: float = field_spec(60.0, "hard limit per reward call in a worker process: a call that does not "
@@ -366,6 +373,9 @@ class Config:
         if self.data.mixture and self.data.path != DataSection().path:
             raise ConfigError(f"data.mixture: set together with data.path {self.data.path!r}; the mixture replaces "
                               "data.path, so set only one of them")
+        if self.reward.model_path and not self.reward.functions and self.reward.name != RewardSection().name:
+            raise ConfigError(f"reward.name: {self.reward.name!r} with reward.model_path: to add a built-in to the "
+                              f"reward model's score, list it in reward.functions ({{function: {self.reward.name}}})")
         if self.reward.functions and self.reward.name != RewardSection().name:
             raise ConfigError(f"reward.name: {self.reward.name!r} is set together with reward.functions; list it "
                               f"there instead ({{function: {self.reward.name}}})")

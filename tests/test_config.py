@@ -100,7 +100,7 @@ def test_unknown_section(tmp_path):
     ("train:\n  progress_bar: 1\n", "train.progress_bar: expected a boolean, got 1"),
     ("train:\n  output_dir: 5\n", "train.output_dir: expected a string, got 5"),
     ("train:\n  metrics: [1]\n", "train.metrics: expected a list of strings, got [1]"),
-    ("train:\n  type: rlhf\n", "train.type: expected one of 'online_ppo', 'online_grpo', 'grpo', 'sft', 'dpo', 'seq', got 'rlhf'"),
+    ("train:\n  type: rlhf\n", "train.type: expected one of 'online_ppo', 'online_grpo', 'grpo', 'sft', 'dpo', 'seq', 'rm', got 'rlhf'"),
     ("ppo:\n  gamma: 1.5\n", "ppo.gamma: expected a number in [0, 1], got 1.5"),
     ("rollout:\n  temperature: 0\n", "rollout.temperature: expected a number >= 0.0001, got 0"),
     ("rollout:\n  top_p: 0\n", "rollout.top_p: expected a number in (0, 1], got 0"),

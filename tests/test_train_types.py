@@ -11,7 +11,7 @@ from astrai.config_schema import ConfigError as SchemaConfigError
 def test_every_record_names_a_builder_and_a_data_loader_that_exist():
     from astrai.train_types.spec import _resolve
 
-    assert train_types.names() == TRAIN_TYPES == ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq")
+    assert train_types.names() == TRAIN_TYPES == ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq", "rm")
     assert train_types.DEFAULT == "online_ppo" == config_from_dict({}).train.type
     for record in train_types.all_train_types():
         assert callable(_resolve(record.builder)) and callable(_resolve(record.data)), record.name
@@ -25,7 +25,7 @@ def test_every_record_names_a_builder_and_a_data_loader_that_exist():
 
 
 def test_unknown_train_type_is_one_line():
-    with pytest.raises(ConfigError, match=r"train.type: expected one of 'online_ppo', .*'seq', got 'ppo'"):
+    with pytest.raises(ConfigError, match=r"train.type: expected one of 'online_ppo', .*'rm', got 'ppo'"):
         config_from_dict({"train": {"type": "ppo"}})
     with pytest.raises(SchemaConfigError, match="train.type: unknown train type 'ppo'; expected one of: online_ppo"):
         train_types.get("ppo")

@@ -26,10 +26,11 @@ from .losses import (
 from .estimators import ADVANTAGE_ESTIMATORS, AdvantageEstimator, AdvantageEstimatorFn, advantage_estimator
 from .masked import global_moments, masked_mean, masked_sum, masked_var, masked_whiten
 from .policy_losses import POLICY_LOSSES, PolicyLoss, PolicyLossFn, cispo, gspo, policy_loss, ppo_clip
-from .preference import dpo_loss, token_cross_entropy
+from .preference import bradley_terry_loss, dpo_loss, token_cross_entropy
 from .rollout_correction import MAX_METRICS, ROLLOUT_CORRECTIONS, correction_weights, mismatch_metrics
 
 __all__ = [
+    "bradley_terry_loss",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
     "AdvantageEstimatorFn",

@@ -6,6 +6,7 @@ from .config import ModelConfig, tiny_config
 from .llama import AutoRegressiveLM, LlamaTrunk, hf_state_dict
 from .loading import MODEL_ALIASES, load_pretrained, resolve_model_path, state_mismatch
 from .tokenizer import TINY_VOCAB_SIZE, Tokenizer, tiny_tokenizer
+from .reward_model import RewardModel, RewardModelConfig, load_reward_model
 from .value_model import ValueModel
 
 __all__ = [
@@ -16,9 +17,12 @@ __all__ = [
     "ModelConfig",
     "TINY_VOCAB_SIZE",
     "Tokenizer",
+    "RewardModel",
+    "RewardModelConfig",
     "ValueModel",
     "hf_state_dict",
     "load_pretrained",
+    "load_reward_model",
     "resolve_model_path",
     "state_mismatch",
     "tiny_config",

@@ -44,12 +44,14 @@ STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
 def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None = None) -> list[RewardFunctionSpec]:
     """The `reward.functions` of a config's `reward` section, resolved; without any, the one built-in
     `reward.name` with `reward.format_bonus` / `reward.partial_credit` (the single-reward form). A built-in that
-    reads the reference answer (`math_exact_match`) is told its column: `answer_field`. A relative `path` is taken
-    from `base_dir` (default: the working directory)."""
+    reads the reference answer (`math_exact_match`) is told its column: `answer_field`. With `reward.model_path`
+    and no functions there is none (the reward model alone scores). A relative `path` is taken from `base_dir`
+    (default: the working directory)."""
     base = Path.cwd() if base_dir is None else base_dir
-    entries = section.functions or [{"function": section.name, "name": section.name,
-                                     "kwargs": {"format_bonus": section.format_bonus,
-                                                "partial_credit": section.partial_credit}}]
+    default = [] if getattr(section, "model_path", None) else [
+        {"function": section.name, "name": section.name,
+         "kwargs": {"format_bonus": section.format_bonus, "partial_credit": section.partial_credit}}]
+    entries = section.functions or default
     specs = []
     for i, entry in enumerate(entries, start=1):
         function = entry["function"]
@@ -113,6 +115,7 @@ class RewardFunctions:
 
     Args:
         specs: `resolve_specs`; columns: the column names every prompt record offers.
+        extra: (spec, callable) pairs of rewards built in the trainer (the reward model), run in its process.
         num_workers, timeout_seconds, on_error, error_score, max_error_fraction: as `reward.*` (module docstring).
 
     Raises:
@@ -121,8 +124,8 @@ class RewardFunctions:
 
     def __init__(self, specs: Sequence[RewardFunctionSpec], *, columns: Collection[str], num_workers: int = 1,
                  timeout_seconds: float = 60.0, on_error: str = "score", error_score: float = 0.0,
-                 max_error_fraction: float = 0.5):
-        if not specs:
+                 max_error_fraction: float = 0.5, extra: Sequence[tuple[RewardFunctionSpec, Callable]] = ()):
+        if not specs and not extra:
             raise RewardFunctionError("reward.functions: no reward function")
         self.specs, self.on_error, self.error_score = list(specs), on_error, error_score
         self.max_error_fraction = max_error_fraction
@@ -142,6 +145,10 @@ class RewardFunctions:
             else:
                 fn = load_reward_function(spec)
                 remote.append(len(self._functions))
+            self._functions.append(fn)
+            self._pickers.append(_argument_picker(fn, spec, offered | set(spec.kwargs)))
+        for spec, fn in extra:
+            self.specs.append(spec)
             self._functions.append(fn)
             self._pickers.append(_argument_picker(fn, spec, offered | set(spec.kwargs)))
         self._remote = set(remote) if num_workers > 0 else set()

@@ -25,7 +25,7 @@ from astrai.train_types.spec import TrainType
 
 __all__ = ["DEFAULT", "TrainType", "all_train_types", "get", "legacy_required_files", "names"]
 
-_MODULES = ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq")
+_MODULES = ("online_ppo", "online_grpo", "grpo", "sft", "dpo", "seq", "rm")
 """The record modules of this package, in the order the train types are listed (help, docs, errors)."""
 
 _REGISTRY: dict[str, TrainType] = {}

@@ -20,7 +20,10 @@ from astrai.data.prompts import mixture_records
 from astrai.data.truncation import EncodedPrompt, encode_prompt_records
 from astrai.models.special_tokens import stop_token_ids, strip_stop
 from astrai.rollout.engine import GenerationEngine, attention_backend, build_engine
+from astrai.distributed.engines import prepare_reference
+from astrai.models import load_reward_model
 from astrai.rollout.reward_functions import RewardFunctions, RewardFunctionSpec, resolve_specs
+from astrai.rollout.reward_model_scorer import RewardModelScorer
 from astrai.rollout.rewards import unscorable_answers
 from astrai.rollout.runner import Experience, RolloutRunner, concat_experiences, summed_timings
 from astrai.rollout.sampling import SamplingParams
@@ -200,7 +203,7 @@ def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, en
         warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
                       "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
     prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
-    rewards = build_rewards(config, prompts)
+    rewards = build_rewards(config, prompts, dist)
     runner = RolloutRunner(
         engine, sampling, decode=lambda ids: tokenizer.decode(strip_stop(ids, stops), skip_special_tokens=True),
         score_fn=lambda texts, records, ids: score_records(rewards, texts, records, ids),
@@ -228,17 +231,30 @@ def reward_specs(config) -> list[RewardFunctionSpec]:
     return resolve_specs(config.reward, answer_field=config.data.answer_field)
 
 
-def build_rewards(config, prompts: Sequence[EncodedPrompt]) -> RewardFunctions:
-    """The job's `RewardFunctions`, checked against the columns its prompt records offer.
+def build_rewards(config, prompts: Sequence[EncodedPrompt], dist=None) -> RewardFunctions:
+    """The job's `RewardFunctions`, checked against the columns its prompt records offer, with the reward model of
+    `reward.model_path` (loaded on `dist.device` and prepared for inference like the reference model: partitioned
+    under fsdp2 / zero3) as the reward named `reward_model`.
 
     Raises:
         RewardFunctionError: one line naming the function (import, signature, unknown built-in).
+        FileNotFoundError / ValueError: a `reward.model_path` that is not a one-label sequence-classification model.
     """
     columns = dict.fromkeys(name for p in prompts for name in p.columns)
     r = config.reward
+    extra = []
+    if r.model_path:
+        device = dist.device if dist is not None else torch.device("cpu")
+        model, rm_tokenizer = load_reward_model(r.model_path, dtype=getattr(torch, config.model.dtype), device=device)
+        scorer = RewardModelScorer(prepare_reference(dist, model) if dist is not None else model, model.config,
+                                   rm_tokenizer, batch_size=r.model_batch_size, device=device,
+                                   system_prompt=config.data.system_prompt)
+        spec = RewardFunctionSpec(name="reward_model", function="reward_model", index=len(r.functions) + 1,
+                                  weight=r.model_weight)
+        extra.append((spec, scorer))
     return RewardFunctions(reward_specs(config), columns=list(columns), num_workers=r.num_workers,
                            timeout_seconds=r.timeout_seconds, on_error=r.on_error, error_score=r.error_score,
-                           max_error_fraction=r.max_error_fraction)
+                           max_error_fraction=r.max_error_fraction, extra=extra)
 
 
 def score_records(rewards: RewardFunctions, texts: list[str], records: Sequence[EncodedPrompt],

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from astrai.algos import dpo_loss, masked_sum
-from astrai.data import PromptSampler
+from astrai.data import DataError, PromptSampler
 from astrai.data.examples import response_tokens
 from astrai.data.records import load_records, require_str
 from astrai.data.sequences import Sequences
@@ -72,16 +72,21 @@ class DPOStrategy(SupervisedStrategy):
                             count=lambda triples: torch.tensor(len(triples), device=device))
 
 
-def preference_triples(rows, tokenizer, config, *, end_id: int) -> list[tuple[list[int], list[int], list[int]]]:
-    """(prompt ids, chosen ids, rejected ids) per record; responses are their text's tokens plus `end_id`,
-    truncated to fit `data.max_length`; records whose prompt `data.truncation=filter` drops are left out.
+def preference_triples(rows, tokenizer, config, *, end_id: int, keep_index: bool = False, log=print) -> list[tuple]:
+    """(prompt ids, chosen ids, rejected ids) per record (with `keep_index`, (row index, prompt ids, chosen ids,
+    rejected ids)); responses are their text's tokens plus `end_id`, truncated to fit `data.max_length`; records
+    whose prompt `data.truncation=filter` drops are left out.
+
+    A pair whose chosen and rejected tokens are identical after truncation (their difference lies beyond the
+    response budget, or the texts are equal) would train on no preference at all (loss ln 2, accuracy 0): such pairs
+    are counted and refused, or dropped (and reported through `log`) under `data.truncation=filter`.
 
     Raises:
-        DataError: a non-string field (naming the row and config key) or an overlong prompt
-            (`prompt_ids_and_budget`).
+        DataError: a non-string field (naming the row and config key), an overlong prompt
+            (`prompt_ids_and_budget`), or degenerate pairs (their count and first row).
     """
     d = config.data
-    out = []
+    out, degenerate = [], []
     for i, row in enumerate(rows):
         where = f"{d.path} row {i + 1}"
         prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
@@ -91,8 +96,20 @@ def preference_triples(rows, tokenizer, config, *, end_id: int) -> list[tuple[li
         if fitted is None:
             continue
         ids, budget = fitted
-        out.append((ids, response_tokens(chosen, tokenizer, budget=budget, end_id=end_id),
-                    response_tokens(rejected, tokenizer, budget=budget, end_id=end_id)))
+        pair = (ids, response_tokens(chosen, tokenizer, budget=budget, end_id=end_id),
+                response_tokens(rejected, tokenizer, budget=budget, end_id=end_id))
+        if pair[1] == pair[2]:
+            degenerate.append(i + 1)
+            continue
+        out.append((i, *pair) if keep_index else pair)
+    if degenerate and d.truncation != "filter":
+        raise DataError(f"{d.path}: {len(degenerate)} of {len(rows)} pairs have identical chosen and rejected tokens "
+                        f"within data.max_length={d.max_length} (equal texts, or their difference lies beyond the "
+                        f"response budget; first row {degenerate[0]}): they would train on nothing; raise "
+                        "data.max_length, fix the data, or set data.truncation filter to drop them")
+    if degenerate:
+        log(f"data.truncation=filter: dropped {len(degenerate)} pairs of {d.path} whose chosen and rejected tokens "
+              f"are identical within data.max_length={d.max_length}")
     return out
 
 
@@ -107,7 +124,7 @@ def dpo_data(config, model_config, tokenizer, *, main: bool = True) -> list:
     rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
                                  "data.rejected_field": d.rejected_field})
     end_id = response_end_id(tokenizer, stop_token_ids(model_config, tokenizer))
-    triples = preference_triples(rows, tokenizer, config, end_id=end_id)
+    triples = preference_triples(rows, tokenizer, config, end_id=end_id, log=print if main else _quiet)
     report_dropped(len(triples), len(rows), source=d.path, log=print if main else _quiet)
     return triples
 

@@ -22,7 +22,7 @@ def seq_data(config, model_config, tokenizer, *, main: bool = True) -> list:
     return build_examples(
         rows, lambda row, where: text_example(require_str(row, d.text_field, "data.text_field", where), tokenizer,
                                               max_length=None if d.packing else d.max_length),
-        packing=d.packing, max_length=d.max_length, source=d.path)
+        packing=d.packing, max_length=d.max_length, source=d.path, truncation=d.truncation)
 
 
 def build_seq(config, dist, policy, tokenizer) -> NextTokenStrategy:

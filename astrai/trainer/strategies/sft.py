@@ -100,14 +100,31 @@ class NextTokenStrategy(SupervisedStrategy):
         return dict(metrics, **seen)
 
 
-def build_examples(rows: Sequence, make, *, packing: bool, max_length: int, source: str) -> list:
+def build_examples(rows: Sequence, make, *, packing: bool, max_length: int, source: str,
+                   truncation: str = "error", log=print) -> list:
     """(ids, labels) examples from `rows` via `make(row, where)` (whole examples when `packing`, which then cuts
-    their concatenation into `max_length` rows with document ids); drops examples without a labelled token.
-    Raises DataError when none is left."""
+    their concatenation into `max_length` rows with document ids, and drops the rows left without a labelled
+    token). Without packing, an example whose labelled tokens all lie beyond `max_length` would train on nothing:
+    such examples are counted and refused, or dropped and reported (through `log`) when `truncation` is filter.
+
+    Raises:
+        DataError: examples cut to no labelled token (their count and first row, unless `truncation` is filter),
+            or none left at all.
+    """
     examples = [make(row, f"{source} row {i + 1}") for i, row in enumerate(rows)]
+    labelled = lambda e: any(t != IGNORE_INDEX for t in e[1][1:])  # noqa: E731
     if packing:
-        examples = pack_examples(examples, max_length=max_length)
-    examples = [e for e in examples if any(t != IGNORE_INDEX for t in e[1][1:])]
+        examples = [e for e in pack_examples(examples, max_length=max_length) if labelled(e)]
+    else:
+        empty = [i + 1 for i, e in enumerate(examples) if not labelled(e)]
+        if empty and truncation != "filter" and len(empty) < len(examples):
+            raise DataError(f"{source}: {len(empty)} of {len(examples)} examples keep no labelled token within "
+                            f"data.max_length={max_length} (first row {empty[0]}): they would train on nothing; "
+                            "raise data.max_length, fix the data, or set data.truncation filter to drop them")
+        if empty and len(empty) < len(examples):
+            log(f"data.truncation=filter: dropped {len(empty)} of {len(examples)} examples of {source} that keep no "
+                f"labelled token within data.max_length={max_length}")
+        examples = [e for e in examples if labelled(e)]
     if not examples:
         raise DataError(f"{source}: no example keeps a labelled token within data.max_length={max_length}")
     return examples
@@ -133,13 +150,15 @@ def sft_data(config, model_config, tokenizer, *, main: bool = True) -> list:
         rows, lambda row, where: chat_example(_with_system(row[d.messages_field], d.system_prompt), tokenizer,
                                               max_length=None if d.packing else d.max_length, stops=stops,
                                               where=where),
-        packing=d.packing, max_length=d.max_length, source=d.path)
+        packing=d.packing, max_length=d.max_length, source=d.path, truncation=d.truncation,
+        log=print if main else _quiet)
 
 
 def build_sft(config, dist, policy, tokenizer) -> NextTokenStrategy:
     """sft from `data.path` records with a `data.messages_field` chat (`sft_data`). Raises DataError for bad
     data."""
-    return build_next_token(config, dist, policy, tokenizer, sft_data(config, policy.config, tokenizer))
+    return build_next_token(config, dist, policy, tokenizer, sft_data(config, policy.config, tokenizer,
+                                                                      main=dist.is_main))
 
 
 def _with_system(messages, system_prompt: Optional[str]):
@@ -148,3 +167,7 @@ def _with_system(messages, system_prompt: Optional[str]):
                                                                and messages[0].get("role") == "system"):
         return messages
     return [{"role": "system", "content": system_prompt}] + list(messages)
+
+
+def _quiet(message: str) -> None:
+    """A log that prints nothing (ranks other than the main one)."""

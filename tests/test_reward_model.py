@@ -1,0 +1,102 @@
+"""Reward models: the Bradley-Terry loss, the `rm` train type, its checkpoints as transformers'
+`LlamaForSequenceClassification`, `reward.model_path` scoring online rollouts, and the sft -> rm -> online_ppo
+pipeline end to end on a tiny model. Also: degenerate pairs and examples found at load time."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from astrai.algos import bradley_terry_loss
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bradley_terry_hand_values():
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 1.0])
+    loss, metrics = bradley_terry_loss(chosen, rejected)
+    # -log sigmoid(2) = 0.126928, -log sigmoid(-1) = 1.313262; mean 0.720095
+    assert float(loss) == pytest.approx((0.126928 + 1.313262) / 2, abs=1e-5)
+    assert metrics["rm/accuracy"] == 0.5 and metrics["rm/margin"] == pytest.approx(0.5)
+    with_margin, _ = bradley_terry_loss(chosen, rejected, margin=torch.tensor([1.0, 0.0]), num_pairs=4)
+    # -log sigmoid(2 - 1) = 0.313262; shares over 4 pairs
+    assert float(with_margin) == pytest.approx((0.313262 + 1.313262) / 4, abs=1e-5)
+
+
+def _train(args):
+    from astrai.train import main
+
+    assert main([*args, "--train.progress_bar", "false", "--train.report_to", "none"]) == 0
+
+
+def test_sft_then_rm_then_online_ppo_with_the_reward_model(tiny_model_dir, tmp_path):
+    """The InstructGPT pipeline, each step one command: sft on chats, rm on preference pairs from the sft weights,
+    online_ppo from the sft weights scored by the rm checkpoint; the rm checkpoint loads in transformers as
+    LlamaForSequenceClassification with the same scores."""
+    import transformers
+
+    from astrai.models import load_reward_model
+
+    sft, rm, ppo = tmp_path / "sft", tmp_path / "rm", tmp_path / "ppo"
+    _train(["--config", str(REPO / "configs/examples/sft.yaml"), "--model.path", str(tiny_model_dir),
+            "--train.output_dir", str(sft), "--max_steps", "2", "--data.max_length", "128"])
+    sft_ckpt = next((sft / "checkpoints").glob("step-*"))
+    _train(["--config", str(REPO / "configs/examples/rm.yaml"), "--model.path", str(sft_ckpt),
+            "--train.output_dir", str(rm), "--max_steps", "3", "--data.max_length", "128",
+            "--data.truncation", "filter", "--optim.learning_rate", "1e-3"])
+    records = [json.loads(line) for line in (rm / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-4)  # the zero head: every reward 0
+    assert records[-1]["train/loss"] < records[0]["train/loss"]
+    rm_ckpt = next((rm / "checkpoints").glob("step-*"))
+    config = json.loads((rm_ckpt / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
+
+    ours, _ = load_reward_model(rm_ckpt)
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(str(rm_ckpt)).eval()
+    ids = torch.tensor([[5, 9, 12, 7, 3], [8, 4, 6, 11, 10]])  # no pad id inside: both pool at the last token
+    with torch.no_grad():
+        want = theirs(input_ids=ids).logits.squeeze(-1)
+        got = ours(ids, torch.ones_like(ids))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(got, torch.zeros_like(got))  # trained: the head moved
+
+    _train(["--config", str(REPO / "configs/examples/ppo.yaml"), "--model.path", str(sft_ckpt),
+            "--reward.model_path", str(rm_ckpt), "--train.output_dir", str(ppo), "--max_steps", "2",
+            "--rollout.batch_size", "2", "--ppo.minibatch_size", "2", "--ppo.micro_batch_size", "1",
+            "--rollout.max_new_tokens", "6", "--data.truncation", "left", "--checkpoint.save_at_end", "false"])
+    steps = [json.loads(line) for line in (ppo / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rewards/reward_model/applies"] == 1.0 for r in steps)
+    assert all(r["rollout/reward_mean"] == pytest.approx(r["rewards/reward_model/mean"], abs=1e-5) for r in steps)
+    assert len({round(r["rollout/reward_mean"], 6) for r in steps}) >= 1 and steps[0]["rollout/reward_mean"] != 0
+
+
+def test_degenerate_pairs_and_examples_are_found_at_load_time(tiny_model_dir, tmp_path):
+    from astrai.config import load_config
+    from astrai.data import DataError
+    from astrai.models import load_pretrained
+    from astrai.trainer.strategies.dpo import dpo_data
+    from astrai.trainer.strategies.sft import sft_data
+
+    policy, tokenizer = load_pretrained(tiny_model_dir)
+    pairs = tmp_path / "pairs.jsonl"
+    same_start = "a" * 200  # the difference lies beyond the response budget
+    pairs.write_text(json.dumps({"prompt": "q", "chosen": same_start + "good", "rejected": same_start + "bad"}) + "\n"
+                     + json.dumps({"prompt": "q", "chosen": "yes", "rejected": "no"}) + "\n")
+    base = ["--train.type", "dpo", "--data.path", str(pairs), "--data.max_length", "64", "--data.prompt_field", "prompt"]
+    with pytest.raises(DataError, match=r"1 of 2 pairs have identical chosen and rejected tokens within "
+                                        r"data.max_length=64 .*first row 1"):
+        dpo_data(load_config(None, base), policy.config, tokenizer)
+    kept = dpo_data(load_config(None, base + ["--data.truncation", "filter"]), policy.config, tokenizer)
+    assert len(kept) == 1 and kept[0][1] != kept[0][2]
+
+    chats = tmp_path / "chats.jsonl"
+    long_user = {"messages": [{"role": "user", "content": "x " * 300}, {"role": "assistant", "content": "ok"}]}
+    fine = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    chats.write_text(json.dumps(long_user) + "\n" + json.dumps(fine) + "\n")
+    sft = ["--train.type", "sft", "--data.path", str(chats), "--data.max_length", "64"]
+    with pytest.raises(DataError, match=r"1 of 2 examples keep no labelled token within data.max_length=64 "
+                                        r"\(first row 1\)"):
+        sft_data(load_config(None, sft), policy.config, tokenizer)
+    assert len(sft_data(load_config(None, sft + ["--data.truncation", "filter"]), policy.config, tokenizer)) == 1
