@@ -163,13 +163,10 @@ class RolloutSection(Section, name="rollout"):
 
 
 @dataclass
-class PPOSection(Section, name="ppo"):
-    group_size: int = field_spec(1, "responses sampled per prompt (each its own PPO sample); >= 2 for "
-                                    "rollout.dynamic_sampling", GT0)
-    epochs: int = field_spec(1, "passes over each rollout", GT0)
-    minibatch_size: int = field_spec(8, "samples per policy optimizer step", GT0)
-    micro_batch_size: int = field_spec(4, "samples per forward/backward (gradient accumulation unit)", GT0)
-    clip_eps: float = field_spec(0.2, "PPO ratio clip: ratio kept in [1 - eps, 1 + eps]", GT0)
+class PolicyLossFields:
+    """The policy-loss fields of the sections of the rollout-replaying train types (`ppo`, `grpo`): the loss by
+    name, its aggregation and clip range (`astrai.trainer.strategies.policy_loss`)."""
+
     policy_loss: str = field_spec("ppo_clip", "policy loss: ppo_clip (PPO-clip, decoupled range, optional dual clip), gspo "
                                               "(sequence-level ratio, Zheng et al. 2025) or cispo (clipped IS weight, "
                                               "MiniMax-M1)", Choices(POLICY_LOSSES))
@@ -182,6 +179,16 @@ class PPOSection(Section, name="ppo"):
                                                         "0.28); null = clip_eps (gspo: 4e-4)", GT0)
     clip_ratio_c: Optional[float] = field_spec(None, "ppo_clip dual clip: for A < 0 the loss is at most -A * c "
                                                      "(Ye et al. 2020; 3 is usual); null = off", Range(1, lo_open=True))
+
+
+@dataclass
+class PPOSection(PolicyLossFields, Section, name="ppo"):
+    group_size: int = field_spec(1, "responses sampled per prompt (each its own PPO sample); >= 2 for "
+                                    "rollout.dynamic_sampling", GT0)
+    epochs: int = field_spec(1, "passes over each rollout", GT0)
+    minibatch_size: int = field_spec(8, "samples per policy optimizer step", GT0)
+    micro_batch_size: int = field_spec(4, "samples per forward/backward (gradient accumulation unit)", GT0)
+    clip_eps: float = field_spec(0.2, "PPO ratio clip: ratio kept in [1 - eps, 1 + eps]", GT0)
     value_clip: Optional[float] = field_spec(0.2, "value clip around rollout values; null = unclipped", GT0)
     gamma: float = field_spec(1.0, "discount per response token", UNIT)
     gae_lambda: float = field_spec(0.95, "GAE lambda", UNIT)
@@ -195,7 +202,7 @@ class PPOSection(Section, name="ppo"):
 
 
 @dataclass
-class GRPOSection(Section, name="grpo"):
+class GRPOSection(PolicyLossFields, Section, name="grpo"):
     """GRPO (online_grpo, grpo): group size, clipping, reference KL in the loss XOR in the reward (Shao 2024)."""
 
     group_size: int = field_spec(4, "G: responses sampled (or stored) per prompt", Range(2))
@@ -203,18 +210,6 @@ class GRPOSection(Section, name="grpo"):
     minibatch_size: int = field_spec(8, "samples (responses) per policy optimizer step", GT0)
     micro_batch_size: int = field_spec(4, "samples per forward/backward (gradient accumulation unit)", GT0)
     clip_eps: float = field_spec(0.2, "ratio clip: ratio kept in [1 - eps, 1 + eps]", GT0)
-    policy_loss: str = field_spec("ppo_clip", "policy loss: ppo_clip (PPO-clip, decoupled range, optional dual clip), gspo "
-                                              "(sequence-level ratio, Zheng et al. 2025) or cispo (clipped IS weight, "
-                                              "MiniMax-M1)", Choices(POLICY_LOSSES))
-    loss_agg_mode: Optional[str] = field_spec(
-        None, "how per-token losses become the step's loss (verl's names); null = the loss's own: token-mean, "
-              "seq-mean-token-mean for gspo; -norm divides by rollout.max_new_tokens", Choices(LOSS_AGG_MODES))
-    clip_ratio_low: Optional[float] = field_spec(None, "ratio kept >= 1 - clip_ratio_low; null = clip_eps "
-                                                       "(gspo: 3e-4, the paper's)", GT0)
-    clip_ratio_high: Optional[float] = field_spec(None, "ratio kept <= 1 + clip_ratio_high (DAPO clip-higher: "
-                                                        "0.28); null = clip_eps (gspo: 4e-4)", GT0)
-    clip_ratio_c: Optional[float] = field_spec(None, "ppo_clip dual clip: for A < 0 the loss is at most -A * c "
-                                                     "(Ye et al. 2020; 3 is usual); null = off", Range(1, lo_open=True))
     advantage_estimator: str = field_spec(
         "grpo", "grpo (group mean/std), rloo (leave-one-out baseline), reinforce_pp (REINFORCE++: returns whitened "
                 "over the batch) or reinforce_pp_baseline (group mean subtracted first)", Choices(ADVANTAGE_ESTIMATORS))
