@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Union, get_origin
 import yaml
 
 from astrai import train_types
-from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, EnvMap, Pattern, Range, Records,
+from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, EnvMap, Keys, Pattern, Range, Records,
                                   Section, SubsetOf, YamlDumper, YamlLoader, convert_value, field_spec, field_specs,
                                   split_optional)
 
@@ -33,6 +33,9 @@ DEFAULT_REPORT_TO = ["tensorboard"] if importlib.util.find_spec("tensorboard") i
 """TensorBoard event files by default when the `tensorboard` package is installed, nothing otherwise."""
 TRUNCATION_POLICIES = ("error", "filter", "left")
 """Valid ``data.truncation`` values (see ``astrai.data.truncation``)."""
+LORA_KEYS = (("r", (int,), True), ("alpha", (float,), False), ("dropout", (float,), False),
+             ("target_modules", (list,), False), ("use_rslora", (bool,), False))
+"""The keys of `model.lora` (name, accepted types, required)."""
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 """`grpo.advantage_estimator` choices: the critic-free estimators of `astrai.algos.ADVANTAGE_ESTIMATORS` (online_ppo
 uses `gae`, which needs its critic). The config imports no torch, so the names are repeated here (a test holds them
@@ -59,6 +62,10 @@ class ModelSection(Section, name="model"):
     moe_top_k: int = field_spec(2, "routed experts per token", GT0)
     moe_num_shared_experts: int = field_spec(0, "always-active shared experts per MoE feed-forward", GE0)
     moe_aux_loss_coef: float = field_spec(0.01, "weight of the load-balancing auxiliary loss", GE0)
+    lora: dict[str, Any] = field_spec(
+        {}, "LoRA adapters instead of full training (through peft): {r, alpha (default 2 r), dropout (0), "
+            "target_modules (default the attention and MLP projections), use_rslora (false)}; {} = off "
+            "(docs/lora.md)", Keys(LORA_KEYS))
 
 
 @dataclass
@@ -397,6 +404,11 @@ class Config:
                 raise ConfigError(f"train.metrics: {name!r} is not computed by train.type {kind} (only by "
                                   f"{', '.join(OPTIONAL_METRICS[name])})")
         m = self.model
+        if m.lora and (m.lora["r"] < 1 or not 0 <= m.lora.get("dropout", 0.0) < 1 or m.lora.get("alpha", 1.0) <= 0):
+            raise ConfigError(f"model.lora: expected r >= 1, alpha > 0 and dropout in [0, 1), got {m.lora}")
+        if m.lora and m.moe_num_experts:
+            raise ConfigError("model.lora: LoRA adapters on MoE experts are not supported; set model.moe_num_experts 0 "
+                              "or model.lora {}")
         if m.moe_num_experts and m.moe_top_k > m.moe_num_experts:
             raise ConfigError(f"model.moe_top_k: expected <= model.moe_num_experts ({m.moe_num_experts}), "
                               f"got {m.moe_top_k}")

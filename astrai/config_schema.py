@@ -158,6 +158,44 @@ class EnvMap:
         return "a mapping of environment variable names to scalars or null"
 
 
+def _mapping_problem(item: Any, fields: tuple, where: str) -> Optional[str]:
+    """The first problem of one mapping against `fields` ((name, accepted types, required), ...), or None."""
+    names = [name for name, _, _ in fields]
+    if not isinstance(item, dict):
+        return f"{where}expected a mapping with keys {', '.join(names)}, got {item!r}"
+    for key in item:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f"; keys: {', '.join(names)}"
+            return f"{where}unknown key {key!r}{hint}"
+    for name, types, required in fields:
+        if name not in item or item[name] is None:
+            if required:
+                return f"{where}missing key {name!r}"
+            continue
+        value = item[name]
+        if list in types and isinstance(value, list):
+            if all(isinstance(x, str) for x in value):
+                continue
+            return f"{where}{name}: expected a list of strings, got {value!r}"
+        number = float in types and isinstance(value, (int, float)) and not isinstance(value, bool)
+        exact = int in types and isinstance(value, int) and not isinstance(value, bool)
+        if not (number or exact) and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
+            kinds = " or ".join(_KINDS.get(t, {dict: "a mapping", list: "a list of strings"}.get(t, t.__name__))
+                                for t in types)
+            return f"{where}{name}: expected {kinds}, got {value!r}"
+        if number and not math.isfinite(value):
+            return f"{where}{name}: expected a finite number, got {value!r}"
+    return None
+
+
+def _normalise_mapping(item: dict, fields: tuple) -> dict:
+    """`item` with every number of a float key as a float (a new dict)."""
+    floats = {name for name, types, _ in fields if float in types}
+    return {k: float(x) if k in floats and isinstance(x, int) and not isinstance(x, bool) else x
+            for k, x in item.items()}
+
+
 @dataclass(frozen=True)
 class Records:
     """A list of mappings, each with the keys of `fields`: name -> (accepted types, required). Numbers given for a
@@ -168,40 +206,42 @@ class Records:
 
     def problem(self, v: list) -> Optional[str]:
         """One-line description of the first bad item of `v`, or None when every item is fine."""
-        names = [name for name, _, _ in self.fields]
         for i, item in enumerate(v, start=1):
-            if not isinstance(item, dict):
-                return f"{self.describe_item} {i}: expected a mapping with keys {', '.join(names)}, got {item!r}"
-            for key in item:
-                if key not in names:
-                    close = difflib.get_close_matches(str(key), names, n=1)
-                    hint = f" (did you mean '{close[0]}'?)" if close else f"; keys: {', '.join(names)}"
-                    return f"{self.describe_item} {i}: unknown key {key!r}{hint}"
-            for name, types, required in self.fields:
-                if name not in item or item[name] is None:
-                    if required:
-                        return f"{self.describe_item} {i}: missing key {name!r}"
-                    continue
-                value = item[name]
-                number = float in types and isinstance(value, (int, float)) and not isinstance(value, bool)
-                if not number and not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-                    kinds = " or ".join(_KINDS.get(t, "a mapping" if t is dict else t.__name__) for t in types)
-                    return f"{self.describe_item} {i}: {name}: expected {kinds}, got {value!r}"
-                if number and not math.isfinite(value):
-                    return f"{self.describe_item} {i}: {name}: expected a finite number, got {value!r}"
+            problem = _mapping_problem(item, self.fields, f"{self.describe_item} {i}: ")
+            if problem:
+                return problem
         return None
 
     def normalise(self, v: list) -> list:
         """`v` with every number of a float key as a float (a new list of new dicts)."""
-        floats = {name for name, types, _ in self.fields if float in types}
-        return [{k: float(x) if k in floats and isinstance(x, int) and not isinstance(x, bool) else x
-                 for k, x in item.items()} for item in v]
+        return [_normalise_mapping(item, self.fields) for item in v]
 
     def ok(self, v: list) -> bool:
         return self.problem(v) is None
 
     def describe(self, kind: str) -> str:
         return f"a list of mappings with keys {', '.join(name for name, _, _ in self.fields)}"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """One mapping with the keys of `fields` (as `Records`' items); an empty mapping means the feature is off."""
+
+    fields: tuple[tuple[str, tuple[type, ...], bool], ...]
+
+    def problem(self, v: dict) -> Optional[str]:
+        """One-line description of the first bad key of `v` (an empty `v` is fine), or None."""
+        return _mapping_problem(v, self.fields, "") if v else None
+
+    def normalise(self, v: dict) -> dict:
+        """`v` with every number of a float key as a float (a new dict)."""
+        return _normalise_mapping(v, self.fields)
+
+    def ok(self, v: dict) -> bool:
+        return self.problem(v) is None
+
+    def describe(self, kind: str) -> str:
+        return f"a mapping with keys {', '.join(name for name, _, _ in self.fields)}"
 
 
 GT0, GE0, UNIT, BETA = Range(0, lo_open=True), Range(0), Range(0, 1), Range(0, 1, hi_open=True)

@@ -35,7 +35,8 @@ def _worker(rank, tmp, results):
         out["alone"] = group_rollout(exp, group_size=4, std_eps=0.0, scale_rewards="batch").advantages
     except Exception:  # noqa: BLE001 - reported to the parent
         out["error"] = traceback.format_exc()
-    results.put((rank, out))
+    # plain lists: a tensor crosses the queue as a shared-memory handle that dies with this process
+    results.put((rank, {k: v if isinstance(v, str) else v.tolist() for k, v in out.items()}))
     torch.distributed.destroy_process_group()
 
 
@@ -44,7 +45,8 @@ def test_scale_rewards_batch_uses_every_ranks_rewards(tmp_path):
 
     from astrai.trainer.strategies.online_grpo import group_rollout
 
-    outs = spawn_ranks(_worker, tmp_path, WORLD)
+    outs = {rank: {k: v if isinstance(v, str) else torch.tensor(v) for k, v in out.items()}
+            for rank, out in spawn_ranks(_worker, tmp_path, WORLD).items()}
     # one process with both ranks' rows: rank 0's eight, then rank 1's
     whole = [make_experience(s, seed=r) for r, s in enumerate(
         [[1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0]])]

@@ -8,6 +8,8 @@
     latest OUTPUT_DIR               print the newest complete checkpoint; exit 1 when there is none
     recover OUTPUT_DIR              clean up staging/retired/deleting dirs after a crash (run while no
                                     training writes to OUTPUT_DIR); prints one line per action
+    export --merge DIR OUT          write DIR's model (a LoRA checkpoint: its adapters merged into the base
+                                    model) as a new Hugging Face model directory OUT; exit 2 on bad input
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from typing import Sequence
 
 from astrai.checkpoint.layout import find_latest_checkpoint, recover
+from astrai.checkpoint.manifest import CheckpointError
 from astrai.checkpoint.verify import verify_checkpoint
 
 
@@ -34,6 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     latest.add_argument("--hashes", action="store_true", help="also check sha256 of every candidate")
     rec = commands.add_parser("recover", help="clean up after a crash (no training may be running)")
     rec.add_argument("output_dir")
+    export = commands.add_parser("export", help="write a checkpoint's model (LoRA: merged) as a Hugging Face directory")
+    export.add_argument("--merge", action="store_true", required=True,
+                        help="merge LoRA adapters into the base model (W + s B A)")
+    export.add_argument("--base", default=None, help="the base model (default: the adapter config's)")
+    export.add_argument("dir")
+    export.add_argument("out")
     args = parser.parse_args(argv)
     if args.command == "verify":
         report = verify_checkpoint(args.dir, require_complete=args.require_complete)
@@ -48,6 +57,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"no complete checkpoint under {args.output_dir}/checkpoints", file=sys.stderr)
             return 1
         print(path)
+        return 0
+    if args.command == "export":
+        from astrai.checkpoint.export import export_merged
+
+        try:
+            print(export_merged(args.dir, args.out, base=args.base))
+        except (CheckpointError, FileNotFoundError, ValueError, OSError) as err:
+            print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+            return 2
         return 0
     for action in recover(args.output_dir):
         print(action)

@@ -115,10 +115,14 @@ class LoadedCheckpoint:
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The `hf_model` part's weights from `model.safetensors` (Hugging Face parameter names), on CPU."""
+        return self.safetensors_state("model.safetensors")
+
+    def safetensors_state(self, file: str) -> dict[str, torch.Tensor]:
+        """The tensors of the checkpoint's safetensors file `file`, on CPU (CheckpointError when unreadable)."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        path = self.file("model.safetensors")
+        path = self.file(file)
         try:
             return load_file(str(path))
         except (SafetensorError, OSError, ValueError) as exc:
@@ -132,6 +136,8 @@ class LoadedCheckpoint:
         """
         if kind == "hf_model":
             return self.policy_state_dict()
+        if kind == "peft":
+            return self.safetensors_state("adapter_model.safetensors")
         (file,) = part_files(name, kind, rank)
         if kind == "torch":
             return self.load_pt(file)

@@ -31,8 +31,10 @@ FORMAT_NAME = "astrai-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 POLICY_FILES = ("model.safetensors", "config.json")  # make a directory without a manifest a (legacy) checkpoint
-KINDS = ("hf_model", "hf_tokenizer", "torch", "json", "yaml", "dcp")  # kinds of parts, see parts.py
+KINDS = ("hf_model", "hf_tokenizer", "torch", "json", "yaml", "dcp", "peft")  # kinds of parts, see parts.py
 HF_MODEL_FILES = POLICY_FILES
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+"""The files of a "peft" part (PEFT's adapter layout)."""
 _SUFFIX = {"torch": ".pt", "json": ".json", "yaml": ".yaml"}
 HASH_THREADS = min(8, os.cpu_count() or 1)
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -52,6 +54,8 @@ def part_files(name: str, kind: str, rank: int = 0) -> tuple[str, ...]:
     """
     if kind == "hf_model":
         return HF_MODEL_FILES
+    if kind == "peft":
+        return PEFT_FILES
     if kind == "hf_tokenizer":
         return ()
     if kind == "dcp":  # the shard files are the writer's choice; rank 0's metadata names them

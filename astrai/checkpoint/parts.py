@@ -5,6 +5,8 @@ read, never which parts a train type has.
 
 Kinds and their files (rank R > 0 of a per-rank part: `<name>_rank{R:05d}<suffix>`):
     hf_model       model.safetensors + config.json        an `AutoRegressiveLM`, loadable by `transformers`
+    peft           adapter_model.safetensors +            LoRA adapters in PEFT's layout (`state_dict()` with PEFT's
+                   adapter_config.json                    names, `adapter_config()`): transformers + peft load them
     hf_tokenizer   tokenizer.json, tokenizer_config.json  a `Tokenizer` (written for export; not restored)
     torch          <name>.pt                               `state_dict()` through `torch.save` (read weights_only)
     json           <name>.json                             a plain-JSON `state_dict()`
@@ -40,10 +42,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from astrai.checkpoint.manifest import HF_MODEL_FILES, CheckpointError, part_files
+from astrai.checkpoint.manifest import HF_MODEL_FILES, PEFT_FILES, CheckpointError, part_files
 from astrai.models import hf_state_dict
 
-RESTORABLE_KINDS = ("hf_model", "torch", "json", "dcp")
+RESTORABLE_KINDS = ("hf_model", "torch", "json", "dcp", "peft")
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,10 @@ def check_parts(parts: Mapping[str, Part]) -> None:
             raise CheckpointError(f"checkpoint part {name!r} is required but None")
         if part.per_rank and part.kind not in ("torch", "json"):
             raise CheckpointError(f"checkpoint part {name!r}: kind {part.kind!r} cannot be per rank")
-        models += [name] if part.kind == "hf_model" else []
+        models += [name] if part.kind in ("hf_model", "peft") else []
     if len(models) > 1:
-        raise CheckpointError(f"checkpoint parts {models}: at most one hf_model part (it owns model.safetensors)")
+        raise CheckpointError(f"checkpoint parts {models}: at most one hf_model or peft part (it owns the model "
+                              "files)")
 
 
 def manifest_parts(parts: Mapping[str, Part]) -> dict[str, dict]:
@@ -131,6 +134,12 @@ def _write_part(directory: Path, name: str, part: Part, rank: int) -> list[str]:
         _use_default_mode(directory / "model.safetensors")
         write_json(directory / "config.json", part.obj.config.to_hf_dict())
         return list(HF_MODEL_FILES)
+    if part.kind == "peft":
+        tensors = {k: v.detach().cpu().contiguous() for k, v in part.obj.state_dict().items()}
+        save_file(tensors, str(directory / PEFT_FILES[0]), metadata={"format": "pt"})
+        _use_default_mode(directory / PEFT_FILES[0])
+        write_json(directory / PEFT_FILES[1], part.obj.adapter_config())
+        return list(PEFT_FILES)
     if part.kind == "hf_tokenizer":  # saved apart first: other ranks write into `directory` meanwhile
         private = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=directory))
         part.obj.save(private)

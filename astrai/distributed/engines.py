@@ -58,6 +58,10 @@ class TrainedModel:
                  scheduler: torch.optim.lr_scheduler.LRScheduler, dist):
         self.name, self.module, self.optimizer, self.scheduler, self.dist = name, module, optimizer, scheduler, dist
         self.mixed_precision = getattr(dist, "mixed_precision", "no")
+        self.checkpoint_view: Optional[Callable[[Any, str], tuple[Any, str]]] = None
+        """(model part object, kind) -> (object, kind) to checkpoint instead (LoRA: only the trained tensors)."""
+        self.lora: Any = None
+        """The LoRA settings when it trains adapters (`trainer.lora.LoraSettings`; the engine sync merges them)."""
         self.grad_scaler = (torch.amp.GradScaler(dist.device.type) if self.mixed_precision == "fp16"
                             and type(self) is TrainedModel else None)
 
@@ -128,8 +132,14 @@ class TrainedModel:
         """Its checkpoint parts, all required: the model as `model_part` (`kind` "hf_model" for the policy's Hugging
         Face layout, "torch" for a state dict), `<prefix>optimizer` and `<prefix>scheduler`. Every rank calls it
         (the sharded engines gather the full weights here)."""
-        return {model_part: Part(self.model, kind), f"{prefix}optimizer": Part(self.optimizer),
+        return {model_part: self._model_part(self.model, kind), f"{prefix}optimizer": Part(self.optimizer),
                 f"{prefix}scheduler": Part(self.scheduler)}
+
+    def _model_part(self, obj: Any, kind: str) -> Part:
+        """The model's checkpoint part, through `checkpoint_view` when one is set."""
+        if self.checkpoint_view is not None:
+            obj, kind = self.checkpoint_view(obj, kind)
+        return Part(obj, kind)
 
 
 def _as_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -149,9 +159,9 @@ class FullModelState:
         """The gathered full state (parameter names of the model, tied weights under each name)."""
         return self._state
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Shard `state` (full tensors) into the model."""
-        self._load(state)
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Shard `state` (full tensors) into the model; with `strict` False, `state` may hold only some tensors."""
+        self._load(state, strict)
 
 
 def shard_blocks(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
@@ -194,10 +204,11 @@ class FSDP2Model(TrainedModel):
 
         full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-        def load(state):
-            set_model_state_dict(self.module, dict(state), options=StateDictOptions(full_state_dict=True))
+        def load(state, strict=True):
+            set_model_state_dict(self.module, dict(state), options=StateDictOptions(full_state_dict=True,
+                                                                                  strict=strict))
 
-        return {model_part: Part(FullModelState(self.module.config, full, load), kind),
+        return {model_part: self._model_part(FullModelState(self.module.config, full, load), kind),
                 f"{prefix}optimizer": Part(_FSDP2OptimizerState(self.module, self.optimizer), "dcp"),
                 f"{prefix}scheduler": Part(self.scheduler)}
 
@@ -270,16 +281,19 @@ class DeepSpeedModel(TrainedModel):
         if self.stage == 3:
             full = self.module._zero3_consolidated_16bit_state_dict() or {}
             model = FullModelState(self.model.config, full, self._load_zero3)
-        return {model_part: Part(model, kind),
+        return {model_part: self._model_part(model, kind),
                 f"{prefix}optimizer": Part(_ZeroOptimizerState(self.optimizer, self.dist), per_rank=True),
                 f"{prefix}scheduler": Part(self.scheduler)}
 
-    def _load_zero3(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Copy full tensors into the ZeRO-3 partitions (each parameter gathered, overwritten, re-partitioned)."""
+    def _load_zero3(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy full tensors into the ZeRO-3 partitions (each parameter gathered, overwritten, re-partitioned); with
+        `strict` False only the parameters `state` holds."""
         deepspeed = _deepspeed()
 
         with torch.no_grad():
             for name, param in self.model.named_parameters():
+                if not strict and name not in state:
+                    continue
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                     if self.dist.rank == 0:
                         param.data.copy_(state[name])

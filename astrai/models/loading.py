@@ -67,7 +67,7 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
         return _alias_path(key.lower())
     path = Path(key).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: expected {_EXPECTED}")
         return path
     if path.is_file():
@@ -83,13 +83,20 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
 def load_pretrained(
     name_or_path: str | Path, dtype: torch.dtype = torch.float32, *, device: torch.device | str = "cpu"
 ) -> tuple[AutoRegressiveLM, Tokenizer]:
-    """Load `(AutoRegressiveLM, Tokenizer)` from an alias, an HF directory or a `.gguf` file.
+    """Load `(AutoRegressiveLM, Tokenizer)` from an alias, an HF directory, a `.gguf` file, or an adapter directory
+    (`adapter_config.json` + `adapter_model.safetensors`, e.g. a LoRA checkpoint: merged into its base model,
+    `lora_merge.load_merged`).
 
     All parameters end up in `dtype` on `device`; GGUF tensors are dequantized to float32 first. The model is
     returned in eval mode (call `.train()` to train). Raises what `resolve_model_path` raises, and `ValueError`
     (one line, naming the path) for an unsupported architecture or missing/unexpected/misshapen tensors.
     """
     path = resolve_model_path(name_or_path)
+    if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "model.safetensors").exists():
+        from .lora_merge import load_merged  # a LoRA checkpoint or PEFT adapter: its base with the adapter merged
+
+        model, tokenizer = load_merged(path, dtype=dtype, device=device)
+        return model.eval(), tokenizer
     if path.is_file():
         config, state, tokenizer = _read_gguf(path)
     else:

@@ -27,6 +27,7 @@ from astrai.rollout.reward_model_scorer import RewardModelScorer
 from astrai.rollout.rewards import unscorable_answers
 from astrai.rollout.runner import Experience, RolloutRunner, concat_experiences, summed_timings
 from astrai.rollout.sampling import SamplingParams
+from astrai.trainer.lora import merged_weights
 from astrai.trainer.models import TrainedModel
 
 
@@ -61,7 +62,11 @@ def sync_engine(engine, policy: TrainedModel, policy_version: int) -> None:
         RuntimeError: when the engine acknowledges another version.
     """
     if engine.policy_version != policy_version:
-        acknowledged = engine.load_weights(policy.full_weights(), policy_version)
+        weights = policy.full_weights()
+        lora = getattr(policy, "lora", None)
+        if lora is not None:  # the engine's plain copy takes W + s B A, one layer at a time
+            weights = merged_weights(weights, lora.scaling)
+        acknowledged = engine.load_weights(weights, policy_version)
         if acknowledged != policy_version:
             raise RuntimeError(f"engine acknowledged version {acknowledged}, expected {policy_version}")
 

@@ -14,6 +14,7 @@ import torch
 from astrai.config import ConfigError
 from astrai.distributed.engines import TrainedModel, prepare_reference, prepare_trained
 from astrai.models.moe import collect_aux_loss, convert_to_moe
+from astrai.trainer.lora import HEADS, LoraCheckpointState, LoraSettings, apply_lora, lora_settings, shared_base_model
 from astrai.trainer.optim import build_optimizer, build_scheduler
 
 __all__ = ["TrainedModel", "apply_model_options", "build_trained_model", "frozen_copy", "moe_aux_loss",
@@ -25,22 +26,42 @@ def build_trained_model(config, dist, model: torch.nn.Module, *, name: str,
     """`model` under the run's engine (`dist.strategy`: ddp, fsdp2, zero1-3), with AdamW (fused where
     `optim.fused_supported`, never under DeepSpeed) and the LR schedule of
     `config.optim` (peak `lr`, default `optim.learning_rate`) over `config.train.max_steps` optimizer steps. Copies
-    of the model that must stay whole (the rollout engine's, the reference) are made before this call."""
+    of the model that must stay whole (the rollout engine's, the reference) are made before this call. With
+    `model.lora` the model gets its adapters here (`lora.apply_lora`), the optimizer only the trained parameters,
+    and the trained model a `lora` attribute (its settings; the engine sync merges the adapters) and a
+    `checkpoint_view` that checkpoints only the trained tensors (`lora.LoraCheckpointState`)."""
     o = config.optim
     # DeepSpeed steps the torch optimizer over its own flat fp32 partitions: keep torch's default implementation
     # there. Elsewhere fused AdamW where every parameter allows it (not FSDP2's DTensor shards).
     fused = False if getattr(dist, "strategy", "ddp").startswith("zero") else None
 
     def optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
-        return build_optimizer(module.parameters(), lr=lr or o.learning_rate, betas=(o.adam_beta1, o.adam_beta2),
+        return build_optimizer([p for p in module.parameters() if p.requires_grad], lr=lr or o.learning_rate, betas=(o.adam_beta1, o.adam_beta2),
                                eps=o.adam_epsilon, weight_decay=o.weight_decay, fused=fused)
 
     def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         return build_scheduler(opt, name=o.lr_scheduler_type, warmup_steps=o.warmup_steps,
                                total_steps=config.train.max_steps, decay_ratio=o.decay_ratio)
 
-    return prepare_trained(dist, name, model, optimizer=optimizer, scheduler=scheduler,
-                           max_grad_norm=o.max_grad_norm)
+    lora = lora_settings(config)
+    if lora is not None:  # adapters injected into this model only: the engine and reference copies stay plain
+        apply_lora(model, lora)
+    trained = prepare_trained(dist, name, model, optimizer=optimizer, scheduler=scheduler,
+                              max_grad_norm=o.max_grad_norm)
+    if lora is not None:
+        trained.lora = lora
+        trained.checkpoint_view = lambda obj, kind: _lora_part(obj, kind, lora)
+    return trained
+
+
+def _lora_part(obj, kind: str, lora: LoraSettings):
+    """A LoRA model's checkpoint part: the policy's adapters in PEFT's layout instead of the full model; a critic's
+    or reward model's adapters and head as its torch part."""
+    if kind == "hf_model":
+        heads = [h for h in HEADS if any(k.startswith(h + ".") for k in obj.state_dict())]
+        task = "SEQ_CLS" if heads else "CAUSAL_LM"
+        return LoraCheckpointState(obj, lora, peft_names=True, task_type=task, modules_to_save=heads or None), "peft"
+    return LoraCheckpointState(obj, lora, peft_names=False), kind
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -48,9 +69,17 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
-def reference_model(dist, policy: torch.nn.Module) -> torch.nn.Module:
-    """The frozen reference policy: a copy of `policy` (before it is sharded), prepared for inference only under the
-    run's engine (`engines.prepare_reference`: partitioned under fsdp2 and zero3, never given an optimizer)."""
+SHARED_BASE_STRATEGIES = ("ddp", "zero1", "zero2")
+"""Engines that keep every parameter whole on each rank: a LoRA run's reference can share the policy's base."""
+
+
+def reference_model(dist, policy: torch.nn.Module, config=None) -> torch.nn.Module:
+    """The frozen reference policy, made before `policy` is sharded or given adapters: with LoRA (`model.lora` of
+    `config`) under ddp / zero1 / zero2, the base itself (`lora.shared_base_model`: the policy's own frozen tensors,
+    no copy, since LoRA never changes them); otherwise a copy of `policy` prepared for inference only under the run's
+    engine (`engines.prepare_reference`: partitioned under fsdp2 and zero3, never given an optimizer)."""
+    if config is not None and config.model.lora and getattr(dist, "strategy", "ddp") in SHARED_BASE_STRATEGIES:
+        return shared_base_model(policy.to(dist.device))
     return prepare_reference(dist, frozen_copy(policy))
 
 

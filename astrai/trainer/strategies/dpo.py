@@ -133,7 +133,7 @@ def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
     """dpo from `data.path` records with prompt / chosen / rejected fields. Raises DataError for bad data."""
     triples = dpo_data(config, policy.config, tokenizer, main=dist.is_main)
     policy = policy.to(dist.device)
-    ref_model = reference_model(dist, policy)
+    ref_model = reference_model(dist, policy, config)
     trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(triples, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
                             world_size=dist.world_size)

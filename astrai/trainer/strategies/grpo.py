@@ -170,7 +170,7 @@ def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     d, g = config.data, config.grpo
     records = grpo_data(config, policy.config, tokenizer, main=dist.is_main)
     policy = policy.to(dist.device)
-    ref_model = reference_model(dist, policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
+    ref_model = reference_model(dist, policy, config) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
     trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(records, seed=config.train.seed, shuffle=d.shuffle, rank=dist.rank,
                             world_size=dist.world_size)

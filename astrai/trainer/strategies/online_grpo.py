@@ -199,7 +199,7 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     prompt files."""
     g = config.grpo
     policy = policy.to(dist.device)
-    ref_model = reference_model(dist, policy) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
+    ref_model = reference_model(dist, policy, config) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
     engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,

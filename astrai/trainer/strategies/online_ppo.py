@@ -139,7 +139,7 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
     """
     r, p = config.rollout, config.ppo
     policy = policy.to(dist.device)
-    ref_model = reference_model(dist, policy) if p.kl_coef > 0 else None
+    ref_model = reference_model(dist, policy, config) if p.kl_coef > 0 else None
     engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
     critic = build_trained_model(config, dist, ValueModel.from_policy(policy, p.critic_layers), name="critic",
                                  lr=config.optim.critic_learning_rate)

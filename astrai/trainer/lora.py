@@ -1,0 +1,192 @@
+"""LoRA training (`model.lora`): adapters injected with the `peft` library into astrai's own modules, the base frozen
+(Hu et al. 2022; "LoRA Without Regret", Schulman et al. 2025, for RL at low rank with a ~10x learning rate).
+
+- `apply_lora` injects `peft` LoRA layers (`peft.inject_adapter_in_model`) into the target projections of a policy,
+  critic or reward model and freezes everything but the adapters and the model's scalar head (`value_head`,
+  `score`: trained whole).
+- The rollout engine keeps a plain copy and receives MERGED weights at each sync (`merged_weights`: W + s B A,
+  one layer at a time, streamed as `TrainedModel.full_weights` streams: no second full copy).
+- The reference model is the base with the adapters off: under ddp / zero1 / zero2 a plain model SHARING the
+  policy's frozen base tensors (`shared_base_model`: no memory), under fsdp2 / zero3 (whose parameters are
+  partitioned in place) a frozen partitioned copy as without LoRA.
+- Checkpoints: the policy's adapters in PEFT's format (`LoraCheckpointState`: the part kind "peft",
+  `adapter_config.json` + `adapter_model.safetensors`), a critic's adapters and head as its torch part, each with
+  the optimizer state of what it trains; `models.lora_merge` merges them into a plain model for serving and export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Iterator, Mapping, Optional
+
+import torch
+
+from astrai.checkpoint import CheckpointError
+from astrai.config import ConfigError
+from astrai.models.lora_merge import module_name, peft_name
+
+__all__ = ["DEFAULT_TARGET_MODULES", "LoraSettings", "LoraCheckpointState", "apply_lora", "lora_settings",
+           "merged_weights", "shared_base_model"]
+
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of every decoder block (the issue's and PEFT's usual "all-linear")."""
+HEADS = ("value_head", "score")
+"""The scalar heads of astrai's critic and reward model: trained whole under LoRA."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """`model.lora`, resolved: rank `r`, `alpha` (default 2 r), `dropout`, `target_modules`, `use_rslora`, and the
+    base model's path (`model.path`, recorded in `adapter_config.json`)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool
+    base_model: str
+
+    @property
+    def scaling(self) -> float:
+        """s = alpha / r (alpha / sqrt(r) with rsLoRA)."""
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def adapter_config(self, *, task_type: str = "CAUSAL_LM", modules_to_save: Optional[list[str]] = None) -> dict:
+        """The `adapter_config.json` PEFT writes for these settings (`peft.LoraConfig.to_dict`)."""
+        import peft
+
+        d = peft.LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, bias="none",
+                            target_modules=list(self.target_modules), use_rslora=self.use_rslora,
+                            task_type=task_type, modules_to_save=modules_to_save,
+                            base_model_name_or_path=self.base_model, inference_mode=True).to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in d.items()}
+
+
+def lora_settings(config) -> Optional[LoraSettings]:
+    """The job's LoRA settings, or None when `model.lora` is empty.
+
+    Raises:
+        ConfigError: `model.lora` set but the `peft` package missing (one line with the install command).
+    """
+    lora = config.model.lora
+    if not lora:
+        return None
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError("model.lora: needs the peft package: pip install 'astrai[lora]' (or pip install peft)") from None
+    return LoraSettings(r=lora["r"], alpha=float(lora.get("alpha") or 2 * lora["r"]),
+                        dropout=float(lora.get("dropout") or 0.0),
+                        target_modules=tuple(lora.get("target_modules") or DEFAULT_TARGET_MODULES),
+                        use_rslora=bool(lora.get("use_rslora", False)), base_model=config.model.path)
+
+
+def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+    """Inject LoRA layers into `model`'s target modules (in place; A initialised by peft's Kaiming init from torch's
+    RNG, B zero, so the model's outputs are unchanged) and freeze every parameter but the adapters and the heads.
+    Returns `model`.
+
+    Raises:
+        ConfigError: no module of the model matches `target_modules` (one line listing what was asked).
+    """
+    import peft
+
+    present = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    if not present & set(settings.target_modules):
+        raise ConfigError(f"model.lora: target_modules {list(settings.target_modules)} name no module of the model "
+                          f"(its projections: {', '.join(sorted(p for p in present if p.endswith('_proj')))})")
+    config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout, bias="none",
+                             target_modules=list(settings.target_modules), use_rslora=settings.use_rslora)
+    peft.inject_adapter_in_model(config, model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(trained_by_lora(name))
+    return model
+
+
+def trained_by_lora(name: str) -> bool:
+    """Whether the parameter `name` of a LoRA model is trained: an adapter tensor or a head's."""
+    return ".lora_" in name or name.split(".")[0] in HEADS
+
+
+def shared_base_model(policy: torch.nn.Module) -> torch.nn.Module:
+    """A frozen, eval-mode model of `policy`'s class whose tensors ARE `policy`'s (shared storage, no copy): the
+    reference of a LoRA run, since LoRA never changes the base weights. Call before the adapters are injected."""
+    with torch.device("meta"):
+        view = type(policy)(policy.config)
+    view.load_state_dict(policy.state_dict(), assign=True)
+    if hasattr(view, "tie_weights"):
+        view.tie_weights()
+    rotary = getattr(getattr(view, "model", None), "rotary_emb", None)
+    if rotary is not None:
+        rotary.reset_table(next(policy.parameters()).device)
+    for param in view.parameters():
+        param.requires_grad_(False)
+    return view.eval()
+
+
+@torch.no_grad()
+def merged_weights(named: Iterable[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain model's (name, tensor) of a LoRA model's state stream: ``<m>.base_layer.weight`` with its
+    ``<m>.lora_A.default.weight`` / ``lora_B`` becomes ``<m>.weight = W + scaling * B @ A`` (float32 math, W's
+    dtype), other tensors pass under their names; one module's tensors are held at a time (copied, since a stream
+    may free a tensor after the next item)."""
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        for part in ("base_layer", "lora_A", "lora_B"):
+            marker = f".{part}."
+            if marker in name:
+                module, _, leaf = name.partition(marker)
+                if part == "base_layer" and leaf != "weight":  # a base bias: unchanged
+                    yield f"{module}.{leaf}", tensor
+                    break
+                held.setdefault(module, {})[part] = tensor.detach().clone()
+                pieces = held[module]
+                if len(pieces) == 3:
+                    w, a, b = pieces["base_layer"], pieces["lora_A"], pieces["lora_B"]
+                    yield f"{module}.weight", (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+                    del held[module]
+                break
+        else:
+            if ".lora_" not in name:  # dropout modules hold no tensors; other adapter bookkeeping is skipped
+                yield name, tensor
+
+
+class LoraCheckpointState:
+    """What a LoRA-trained model puts in a checkpoint: only its trained tensors (adapters, heads), under PEFT's names
+    for the "peft" part kind and its own for a "torch" part; loading puts them back and leaves the base (rebuilt
+    from `model.path`) alone.
+
+    Args:
+        obj: the engine's model part object (the module, or a sharded model's `FullModelState`: `state_dict()`,
+            `load_state_dict(state, strict=False)`); settings: the LoRA settings; peft_names: PEFT's names.
+        task_type, modules_to_save: recorded in `adapter_config.json`.
+    """
+
+    def __init__(self, obj: Any, settings: LoraSettings, *, peft_names: bool, task_type: str = "CAUSAL_LM",
+                 modules_to_save: Optional[list[str]] = None):
+        self.obj, self.settings, self.peft_names = obj, settings, peft_names
+        self.task_type, self.modules_to_save = task_type, modules_to_save
+        self.config = getattr(obj, "config", None)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained tensors (PEFT names with `peft_names`)."""
+        return {(peft_name(k) if self.peft_names else k): v for k, v in self.obj.state_dict().items()
+                if trained_by_lora(k)}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Put saved trained tensors back.
+
+        Raises:
+            CheckpointError: tensors that are not this model's trained ones (another `model.lora`)."""
+        own = {(module_name(k) if self.peft_names else k): v for k, v in state.items()}
+        wanted = {k for k in self.obj.state_dict() if trained_by_lora(k)}
+        if set(own) != wanted:
+            missing, extra = sorted(wanted - set(own)), sorted(set(own) - wanted)
+            raise CheckpointError(f"the checkpoint's adapters do not fit this model.lora (missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}); resume with the checkpoint's model.lora")
+        self.obj.load_state_dict(own, strict=False)
+
+    def adapter_config(self) -> dict:
+        """`adapter_config.json` (the "peft" part kind writes it)."""
+        return self.settings.adapter_config(task_type=self.task_type, modules_to_save=self.modules_to_save)
