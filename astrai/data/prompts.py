@@ -3,7 +3,8 @@
 A prompt file is jsonl, one JSON object per line (GSM8K layout by default: ``question`` and
 ``answer``, the answer ending in ``#### <final answer>``). Blank lines are skipped. The path may be
 ``builtin:<name>``, which resolves to ``astrai/data/assets/<name>.jsonl`` shipped with the package
-(``builtin:math_prompts``: 400 generated grade-school problems, see ``tools/make_math_prompts.py``), or to a set
+(``builtin:math_prompts``: 400 generated grade-school problems, see ``tools/make_math_prompts.py``;
+``builtin:code_tasks``: 48 function-writing tasks with unit tests, see ``tools/make_code_tasks.py``), or to a set
 made in memory by a generator (``builtin:arithmetic`` and ``builtin:arithmetic_test``, see
 ``astrai.data.arithmetic``).
 
