@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Sequence
 
 from astrai.rollout.code_tests import UnitTest, parse_tests, verdicts
-from astrai.rollout.sandbox_process import collect, kill_uid, stop
+from astrai.rollout.sandbox_process import collect, kill_marked, kill_uid, stop
 
 LOG = logging.getLogger("astrai.sandbox")
 HARNESS_SOURCE = Path(__file__).with_name("sandbox_harness.py").read_text(encoding="utf-8")
@@ -258,8 +258,10 @@ def _execute(solution: str, setup: str, tests: Sequence[UnitTest], limits: Sandb
         finally:
             stop(proc, graceful=True)
             records = _records(bytes(pipes[res_r][1]), token)
-            if ids is not None and not _header(records).get("pidns"):
-                kill_uid(ids[0])  # what left the process group (os.setsid) where no pid namespace ended it all
+            if not _header(records).get("pidns") and ids is not None:  # forks that left the group (os.setsid)
+                kill_uid(ids[0])
+            elif not _header(records).get("pidns"):
+                kill_marked(b"astrai-sandbox\0" + run_id.encode())
         return records, bytes(pipes[out_r][1][:limits.output_bytes]), overflow, backstop
     finally:
         for fd in (res_r, res_w, out_r, out_w):

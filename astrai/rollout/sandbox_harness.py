@@ -132,8 +132,8 @@ def _hide(paths, workdir, facts):
     prefix = os.path.realpath(sys.base_prefix)
     keep = os.open(prefix, os.O_PATH) if os.access(prefix, os.X_OK) else None
     for path in sorted({os.path.realpath(p) for p in paths if os.path.isdir(p)}, key=len):
-        if path in ("/", workdir):
-            continue
+        if path in ("/", workdir) or any(path.startswith(done + "/") for done in facts["hidden"]):
+            continue  # the root, the working directory itself, or already under a covered directory
         _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
         facts["hidden"].append(path)
         if keep is not None and prefix.startswith(path + "/"):

@@ -90,30 +90,55 @@ def stop(proc: subprocess.Popen, graceful: bool) -> None:
     proc.wait()
 
 
-def kill_uid(uid: int) -> int:
-    """SIGKILL every process whose real uid is ``uid`` (a run's own uid), pass after pass until none is left;
-    the number of processes killed. Root only; used where no pid namespace ended them all."""
+def _matching(want) -> list[int]:
+    """Pids of the processes for which ``want(pid_dir)`` is true (unreadable ones are skipped)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if want(f"/proc/{name}"):
+                    found.append(int(name))
+            except (OSError, StopIteration, ValueError, IndexError):
+                pass
+    return found
+
+
+def _kill_until_gone(want) -> int:
+    """SIGKILL the processes ``want`` selects, pass after pass until none is left; the number killed."""
     killed = 0
     for _ in range(50):
-        found = []
-        for name in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{name}/status", "rb") as f:
-                    uid_line = next(line for line in f if line.startswith(b"Uid:"))
-            except (OSError, StopIteration, ValueError):
-                continue
-            if name.isdigit() and int(uid_line.split()[1]) == uid:
-                found.append(int(name))
+        found = _matching(want)
         if not found:
             break
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed += 1
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.001)
     return killed
 
 
-__all__ = ["STARTUP_GRACE_S", "collect", "kill_uid", "stop", "wait_exit"]
+def _real_uid(proc_dir: str) -> int:
+    with open(f"{proc_dir}/status", "rb") as f:
+        return int(next(line for line in f if line.startswith(b"Uid:")).split()[1])
+
+
+def kill_uid(uid: int) -> int:
+    """SIGKILL every process whose real uid is ``uid`` (a run's own uid, root trainers only) until none is left;
+    the number killed. For runs without a pid namespace, whose forks may have left the process group."""
+    return _kill_until_gone(lambda d: _real_uid(d) == uid)
+
+
+def kill_marked(marker: bytes) -> int:
+    """SIGKILL every process whose command line contains ``marker`` (a run's id: forks keep it) until none is
+    left; the number killed. Best effort, for a non-root trainer without a pid namespace: a process that execs
+    another program or rewrites its argv escapes it."""
+    def marked(d: str) -> bool:
+        with open(f"{d}/cmdline", "rb") as f:
+            return marker in f.read()
+    return _kill_until_gone(marked)
+
+
+__all__ = ["STARTUP_GRACE_S", "collect", "kill_marked", "kill_uid", "stop", "wait_exit"]
