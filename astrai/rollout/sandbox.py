@@ -79,6 +79,7 @@ class SandboxLimits:
         uid, gid: the unprivileged ids a root trainer runs the code as; None (default): a random uid of its own
             for each run, in ``[2**30, 2**30 + 2**29)`` (no account needed), so the process limit counts that run
             alone and every process left behind can be found and killed by its uid. gid None: the same as uid.
+            A uid given here may be shared (e.g. 65534), so leftovers are then found by the run id instead.
         namespaces: try the user/mount/network/pid namespaces (False: the fallback, e.g. to compare).
         python: interpreter to run (default: the trainer's own, symlinks resolved); stdlib only is needed.
         tmp_dir: where the temporary working directory is made (default ``tempfile.gettempdir()``).
@@ -258,10 +259,11 @@ def _execute(solution: str, setup: str, tests: Sequence[UnitTest], limits: Sandb
         finally:
             stop(proc, graceful=True)
             records = _records(bytes(pipes[res_r][1]), token)
-            if not _header(records).get("pidns") and ids is not None:  # forks that left the group (os.setsid)
-                kill_uid(ids[0])
-            elif not _header(records).get("pidns"):
-                kill_marked(b"astrai-sandbox\0" + run_id.encode())
+            if not _header(records).get("pidns"):  # forks that left the process group (os.setsid)
+                if ids is not None and limits.uid is None:  # the run's own random uid: nothing else has it
+                    kill_uid(ids[0])
+                else:
+                    kill_marked(b"astrai-sandbox\0" + run_id.encode())
         return records, bytes(pipes[out_r][1][:limits.output_bytes]), overflow, backstop
     finally:
         for fd in (res_r, res_w, out_r, out_w):
@@ -333,7 +335,8 @@ def _note_isolation(header: dict) -> None:
         _NOTED.append(True)
         missing = missing_isolation(header)
         if missing:
-            LOG.warning("sandbox: weaker isolation on this machine: %s (see docs/rewards.md)", "; ".join(missing))
+            where = "namespaces switched off" if header.get("namespaces_off") else "on this machine"
+            LOG.warning("sandbox: weaker isolation (%s): %s (see docs/rewards.md)", where, "; ".join(missing))
 
 
 @lru_cache(maxsize=1)

@@ -328,6 +328,8 @@ def main():
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         if job["namespaces"]:
             _enter_namespaces(facts)
+        else:
+            facts["namespaces_off"] = True
     except BaseException as e:
         channel.emit(harness_error=f"{_error_name(e)}: {e}"[:300])
         os._exit(3)
