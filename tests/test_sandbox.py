@@ -147,7 +147,7 @@ def test_infinite_loop_times_out_and_cpu_limit_holds():
     assert (loop.status, loop.score, loop.detail) == ("timeout", 0.0, "wall clock")
     assert 1.0 <= time.monotonic() - start < 2.5
     cpu = run_tests("while True:\n    pass\n", ADD_TESTS, limits=limits(timeout_s=10.0, cpu_s=1))
-    assert (cpu.status, cpu.detail) == ("timeout", "cpu time") and cpu.duration_s < 4.0, cpu
+    assert (cpu.status, cpu.detail) == ("timeout", "cpu time") and cpu.duration_s < 6.0, cpu  # 2 busy cores
     sleeper = run_tests("import time\ntime.sleep(30)\n", ADD_TESTS, limits=limits(timeout_s=0.5))
     assert (sleeper.status, sleeper.score) == ("timeout", 0.0) and not survivors(sleeper.run_id)
 

@@ -34,6 +34,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -200,8 +201,9 @@ def _status(records: list[dict], overflow: str | None, backstop: bool, cpu_limit
         return "output_limit", f"{overflow} past its cap"
     trailer = next((r for r in reversed(records) if "exit" in r), {})
     cpu_s = trailer.get("cpu_s") if isinstance(trailer.get("cpu_s"), (int, float)) else 0.0
-    if isinstance(trailer.get("exit"), int) and trailer["exit"] < 0 and cpu_s >= cpu_limit_s - 0.05:
-        return "timeout", "cpu time"  # RLIMIT_CPU's SIGKILL (or SIGXCPU)
+    by_kernel = trailer.get("exit") in (-signal.SIGKILL, -signal.SIGXCPU) and trailer.get("killed") is False
+    if by_kernel and cpu_s >= 0.8 * cpu_limit_s:  # RLIMIT_CPU's kill (rusage is tick-sampled: a little under)
+        return "timeout", "cpu time"
     if backstop or trailer.get("timed_out") is True:
         return "timeout", "wall clock"
     phase = next((r for r in records if "phase" in r), None)

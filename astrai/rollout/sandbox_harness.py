@@ -18,7 +18,8 @@ inner process (pid 1 of the new pid namespace, so every process it starts dies w
 Records are JSON lines on the result pipe (never stdout), each carrying the run's random token:
 ``{"header": {...}}``, ``{"phase": "solution"|"setup", "error": name}``, ``{"i": n, "value": tagged}`` (a value-form
 test's left-hand side, compared by the trainer), ``{"i": n, "ok": true}`` or ``{"i": n, "error": name}``,
-``{"done": true}``, and the outer's ``{"exit": code, "timed_out": bool, "cpu_s": seconds}``.
+``{"done": true}``, and the outer's ``{"exit": code, "timed_out": bool, "killed": bool, "cpu_s": seconds}``
+(``killed``: the supervisor sent the SIGKILL; ``cpu_s``: tick-sampled, so a little under the limit at a kill).
 """
 
 import builtins
@@ -294,7 +295,10 @@ def _inner(job, channel, facts):
 
 def _supervise(pid, timeout_s, channel):
     """Outer: wait for the inner process (pidfd), SIGKILL it at the timeout or on SIGTERM; report; exit."""
+    killed = []
+
     def stop(signum, frame):
+        killed.append(signum)
         os.kill(pid, signal.SIGKILL)  # not yet reaped, so ``pid`` is still ours
 
     signal.signal(signal.SIGTERM, stop)
@@ -309,9 +313,11 @@ def _supervise(pid, timeout_s, channel):
             time.sleep(0.01)
         timed_out = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
     if timed_out:
+        killed.append("timeout")
         os.kill(pid, signal.SIGKILL)
     _, status, usage = os.wait4(pid, 0)
-    channel.emit(exit=os.waitstatus_to_exitcode(status), timed_out=timed_out, cpu_s=usage.ru_utime + usage.ru_stime)
+    channel.emit(exit=os.waitstatus_to_exitcode(status), timed_out=timed_out, killed=bool(killed),
+                 cpu_s=usage.ru_utime + usage.ru_stime)
     os._exit(0)
 
 
