@@ -1,5 +1,8 @@
 """Run untrusted Python (a model's completion) against unit tests in a separate, resource-limited process.
 
+The sandbox of DESIGN.md section 7 ("Rewards": model output never runs in the trainer's process) and of issue 32,
+part 4; used by the ``code_unit_tests`` reward (``astrai/rollout/code_reward.py``).
+
 Model output is never executed in the trainer's process: ``run_tests`` starts a fresh interpreter
 (``python -I -S -B``: isolated mode, no site, no user site, no bytecode files) running
 ``astrai/rollout/sandbox_harness.py``, in its own session, with
@@ -9,8 +12,8 @@ Model output is never executed in the trainer's process: ``run_tests`` starts a 
 - a wall-clock timeout enforced outside the code (the harness's supervisor, backed by the trainer), resource
   limits (``resource.setrlimit``: CPU seconds, address space, file size, open files, processes, no core files),
   and stdout+stderr and the result channel read up to a byte cap (the run is killed past it);
-- when the trainer runs as root: a drop to an unprivileged uid/gid (``nobody``) first, so the process limit
-  holds and the trainer's files and processes are out of reach;
+- when the trainer runs as root: a drop to an unprivileged uid of the run's own (random) first, so the process
+  limit holds, the trainer's files and processes are out of reach, and leftovers can be killed by uid;
 - where the kernel allows unprivileged user namespaces: new user, mount, network and pid namespaces. Then the code
   has no network (only a loopback device that is down), it is pid 1 of its own pid namespace so ALL its processes
   (forks that left the session included) die with it, it sees a private /proc (no other process's environment or
@@ -24,7 +27,7 @@ Tests: assert statements (format in ``astrai/rollout/code_tests.py``). For ``ass
 without knowing the expected values. Results travel on a dedicated pipe, each record carrying a per-run random
 token, never on stdout: printing "all passed" or exiting early (``sys.exit(0)``, ``os._exit(0)``) passes nothing.
 
-Stdlib only: usable without torch.
+Linux only (namespaces, prctl, pidfd). Stdlib only: usable without torch.
 """
 
 from __future__ import annotations

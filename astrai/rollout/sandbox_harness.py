@@ -6,7 +6,7 @@ Never imported by the trainer: ``sandbox.py`` reads this file as text and runs i
 untrusted solution; so every isolation step happens before it:
 
 outer process (the one the trainer started, in its own session):
-    read and delete job.json; if running as root, import ``PRELOAD`` and drop to the unprivileged ``uid``/``gid``;
+    read and delete job.json; if running as root, import ``PRELOAD`` and drop to the run's unprivileged ids;
     no-new-privileges; try a new user + mount + network + pid namespace (``unshare``); fork the inner process; then
     only wait for it, killing it at the wall-clock timeout or on SIGTERM from the trainer, and report its exit.
 inner process (pid 1 of the new pid namespace, so every process it starts dies with it):
@@ -322,6 +322,7 @@ def _supervise(pid, timeout_s, channel):
 
 
 def main():
+    """The outer process: isolate, fork the inner one, supervise it (see the module docstring); never returns."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # until the supervisor's handler is in place
     with open("job.json", encoding="utf-8") as f:
         job = json.load(f)
