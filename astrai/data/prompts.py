@@ -7,7 +7,8 @@ field holds a plain string or a chat, a list of ``{"role", "content"}`` messages
 template); the answer field is optional (reward functions may need none); every other field of a record travels
 with it as a column (``PromptRecord.columns``: the reward functions receive them by name). The path may be
 ``builtin:<name>``, which resolves to ``astrai/data/assets/<name>.jsonl`` shipped with the package
-(``builtin:math_prompts``: 400 generated grade-school problems, see ``tools/make_math_prompts.py``), or to a set
+(``builtin:math_prompts``: 400 generated grade-school problems, see ``tools/make_math_prompts.py``;
+``builtin:code_tasks``: 48 function-writing tasks with unit tests, see ``tools/make_code_tasks.py``), or to a set
 made in memory by a generator (``builtin:arithmetic`` and ``builtin:arithmetic_test``, see
 ``astrai.data.arithmetic``). ``mixture_records`` blends several such files by weight.
 
