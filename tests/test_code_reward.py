@@ -54,7 +54,7 @@ def test_reward_errors_are_one_line_and_name_the_completion():
         code_unit_tests(["p", "q"], ["a", "b"], tests=[ADD_TESTS])
     with pytest.raises(ValueError, match=r"code_unit_tests: tests of completion 1\[0\]: expected only assert"):
         code_unit_tests(["p", "q"], ["a", "b"], tests=[ADD_TESTS, ["print(1)"]])
-    with pytest.raises(ValueError, match="code_unit_tests: a completion must be a string or a list of chat messages"):
+    with pytest.raises(ValueError, match="reward: a completion must be a string or a list of chat messages"):
         code_unit_tests(["p"], [42], tests=[ADD_TESTS])
     with pytest.raises(ValueError, match="max_workers must be a positive int"):
         run_completions(["a"], [ADD_TESTS], max_workers=0)

@@ -54,7 +54,7 @@ def test_adapters_train_alone_and_merge_exactly():
     torch.testing.assert_close(plain(IDS), lora_logits, rtol=1e-4, atol=1e-5)
     # ... and equals the PEFT-file merge (W + s B A) used by export
     from astrai.trainer.lora import LoraCheckpointState
-    adapter = LoraCheckpointState(model, settings, peft_names=True).state_dict()
+    adapter = LoraCheckpointState(model, settings, trained=[], peft_names=True).state_dict()
     assert all(k.startswith("base_model.model.") and ".default." not in k for k in adapter)
     base_state = {k: v for k, v in view.state_dict().items()}
     via_file = merge_adapter(base_state, adapter, scaling=settings.scaling)

@@ -244,3 +244,32 @@ def test_global_token_mean_is_independent_of_ranks_and_accumulation(tiny_model_d
     assert max_diff(states["1x8x1"], start) > 1e-3  # it trained (AdamW moves each weight by about the rate)
     assert max_diff(states["2x1x4"], states["1x8x1"]) < 1e-5
     assert max_diff(states["2x4x1"], states["1x8x1"]) < 1e-5
+
+
+def final_adapter(out: Path) -> dict:
+    return {"adapter": load_file(str(out / "checkpoints" / "step-00000004" / "adapter_model.safetensors"))}
+
+
+LORA = ("--model.lora", "{r: 4, alpha: 8}", "--optim.learning_rate", "1e-3")
+
+
+@pytest.mark.slow  # ~150 s per engine here (three launches); test_lora.py covers LoRA in one process
+@pytest.mark.parametrize("engine", ENGINES)
+def test_lora_sft_trains_resumes_exactly_and_agrees_with_one_process(tiny_model_dir, chats, tmp_path, engine):
+    """LoRA under a 2-rank engine: the adapters train (only they are checkpointed), a resume from step 3 ends
+    bitwise equal, and the adapters match one process trained on the same global batches (float rounding)."""
+    make = lambda out, e, *x: sft_args(tiny_model_dir, chats, out, e, *LORA, *x)  # noqa: E731
+    straight, resumed = tmp_path / f"{engine}-straight", tmp_path / f"{engine}-resumed"
+    done = torchrun(*make(straight, engine))
+    assert done.returncode == 0, why(done)
+    (resumed / "checkpoints").mkdir(parents=True)
+    os.system(f"cp -r {straight}/checkpoints/step-00000003 {resumed}/checkpoints/")
+    done = torchrun(*make(resumed, engine, "--checkpoint.resume", "auto"))
+    assert done.returncode == 0, why(done)
+    a, b = final_adapter(straight), final_adapter(resumed)
+    assert max_diff(a, b) == 0.0
+    assert any(".lora_B." in k and v.abs().max() > 0 for k, v in a["adapter"].items())
+    one = tmp_path / "one"
+    done = torchrun(*make(one, "ddp", "--train.per_device_train_batch_size", "4"), nproc=1)
+    assert done.returncode == 0, why(done)
+    assert max_diff(a, final_adapter(one)) < 1e-4

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from astrai.rollout.code_tests import parse_tests
+from astrai.rollout.rewards import completion_text
 from astrai.rollout.sandbox import SandboxError, SandboxLimits, SandboxResult, run_tests
 
 PYTHON_TAGS = ("python", "py", "python3")
@@ -63,21 +64,6 @@ def extract_code(completion: str) -> str:
         if chosen:
             return chosen[-1] + "\n"
     return completion
-
-
-def completion_text(completion: Any) -> str:
-    """A completion as text: a ``str`` as is, a list of chat messages as its last message's ``content``.
-
-    Raises:
-        ValueError: for anything else.
-    """
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict) \
-            and isinstance(completion[-1].get("content"), str):
-        return completion[-1]["content"]
-    raise ValueError(f"code_unit_tests: a completion must be a string or a list of chat messages, "
-                     f"got {type(completion).__name__}")
 
 
 def run_completions(completions: Sequence[Any], tests: Sequence[Any], *, setups: Sequence[Any] | None = None,

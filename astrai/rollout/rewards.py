@@ -202,16 +202,25 @@ def math_exact_match(responses: list[str], answers: list[str], *, format_bonus: 
 
 
 def completion_text(completion) -> str:
-    """The text of a completion as reward functions receive it: a string, or (chat prompts) a list of messages
-    whose last one holds the text."""
-    if isinstance(completion, list):
-        return completion[-1]["content"] if completion else ""
-    return completion
+    """A completion as reward functions receive it, as text: a ``str`` as is, a list of chat messages (chat prompts)
+    as its last message's ``content``.
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict) \
+            and isinstance(completion[-1].get("content"), str):
+        return completion[-1]["content"]
+    raise ValueError(f"reward: a completion must be a string or a list of chat messages, got "
+                     f"{type(completion).__name__}")
 
 
-REWARD_FUNCTIONS: dict[str, Callable[..., list]] = {}
+REWARD_FUNCTIONS: dict[str, str] = {"code_unit_tests": "astrai.rollout.code_reward:code_unit_tests"}
 """Built-in rewards written with the reward-function calling convention (`reward_functions`: ``fn(prompts,
-completions, **columns) -> list[float | None]``), by name; run in the trainer's process."""
+completions, **columns) -> list[float | None]``), by name -> "module:function" (imported on first use: the code
+sandbox is loaded only by a job that uses it); run in the trainer's process."""
 
 
 def answer_reward_function(reward: "RewardFn") -> Callable[..., list]:
@@ -237,7 +246,10 @@ def builtin_reward_function(name: str) -> Optional[Callable[..., list]]:
     """The built-in reward `name` with the reward-function calling convention (`REWARD_FUNCTIONS`, or an
     answer-matching `REWARDS` entry through `answer_reward_function`), or None when there is none."""
     if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
+        import importlib
+
+        module, _, attr = REWARD_FUNCTIONS[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
     return answer_reward_function(REWARDS[name]) if name in REWARDS else None
 
 

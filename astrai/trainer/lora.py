@@ -159,13 +159,15 @@ class LoraCheckpointState:
 
     Args:
         obj: the engine's model part object (the module, or a sharded model's `FullModelState`: `state_dict()`,
-            `load_state_dict(state, strict=False)`); settings: the LoRA settings; peft_names: PEFT's names.
-        task_type, modules_to_save: recorded in `adapter_config.json`.
+            on rank 0 only, and `load_state_dict(state, strict=False)`); settings: the LoRA settings;
+        trained: the names of the model's trained tensors (every rank knows them; a gathered state only rank 0).
+        peft_names: PEFT's names; task_type, modules_to_save: recorded in `adapter_config.json`.
     """
 
-    def __init__(self, obj: Any, settings: LoraSettings, *, peft_names: bool, task_type: str = "CAUSAL_LM",
-                 modules_to_save: Optional[list[str]] = None):
+    def __init__(self, obj: Any, settings: LoraSettings, *, trained: Iterable[str], peft_names: bool,
+                 task_type: str = "CAUSAL_LM", modules_to_save: Optional[list[str]] = None):
         self.obj, self.settings, self.peft_names = obj, settings, peft_names
+        self.trained = frozenset(trained)
         self.task_type, self.modules_to_save = task_type, modules_to_save
         self.config = getattr(obj, "config", None)
 
@@ -180,9 +182,8 @@ class LoraCheckpointState:
         Raises:
             CheckpointError: tensors that are not this model's trained ones (another `model.lora`)."""
         own = {(module_name(k) if self.peft_names else k): v for k, v in state.items()}
-        wanted = {k for k in self.obj.state_dict() if trained_by_lora(k)}
-        if set(own) != wanted:
-            missing, extra = sorted(wanted - set(own)), sorted(set(own) - wanted)
+        if set(own) != self.trained:
+            missing, extra = sorted(self.trained - set(own)), sorted(set(own) - self.trained)
             raise CheckpointError(f"the checkpoint's adapters do not fit this model.lora (missing {missing[:3]}, "
                              f"unexpected {extra[:3]}); resume with the checkpoint's model.lora")
         self.obj.load_state_dict(own, strict=False)

@@ -46,22 +46,24 @@ def build_trained_model(config, dist, model: torch.nn.Module, *, name: str,
     lora = lora_settings(config)
     if lora is not None:  # adapters injected into this model only: the engine and reference copies stay plain
         apply_lora(model, lora)
+        trained_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        heads = [h for h in HEADS if hasattr(model, h)]
     trained = prepare_trained(dist, name, model, optimizer=optimizer, scheduler=scheduler,
                               max_grad_norm=o.max_grad_norm)
     if lora is not None:
         trained.lora = lora
-        trained.checkpoint_view = lambda obj, kind: _lora_part(obj, kind, lora)
+        trained.checkpoint_view = lambda obj, kind: _lora_part(obj, kind, lora, trained_names, heads)
     return trained
 
 
-def _lora_part(obj, kind: str, lora: LoraSettings):
-    """A LoRA model's checkpoint part: the policy's adapters in PEFT's layout instead of the full model; a critic's
-    or reward model's adapters and head as its torch part."""
+def _lora_part(obj, kind: str, lora: LoraSettings, trained: list[str], heads: list[str]):
+    """A LoRA model's checkpoint part: the policy's (or reward model's) adapters in PEFT's layout instead of the
+    full model; a critic's adapters and head as its torch part."""
     if kind == "hf_model":
-        heads = [h for h in HEADS if any(k.startswith(h + ".") for k in obj.state_dict())]
         task = "SEQ_CLS" if heads else "CAUSAL_LM"
-        return LoraCheckpointState(obj, lora, peft_names=True, task_type=task, modules_to_save=heads or None), "peft"
-    return LoraCheckpointState(obj, lora, peft_names=False), kind
+        return LoraCheckpointState(obj, lora, trained=trained, peft_names=True, task_type=task,
+                                   modules_to_save=heads or None), "peft"
+    return LoraCheckpointState(obj, lora, trained=trained, peft_names=False), kind
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
