@@ -70,6 +70,15 @@ def test_requests_joining_a_running_batch_sample_what_generate_samples(model):
     assert engine.stream_stats()["running"] == 0
 
 
+def test_choices_ending_in_the_same_step_all_report(model):
+    engine = engine_for(model)
+    request = engine.add_request(SHORT, params(4), n=3, seed=base_seed(5))  # no stop token: all end at step 4
+    outputs = drain(engine)
+    expected = generated(engine_for(model), SHORT, params(4), 5, n=3)
+    assert [[t for t, _, _ in outputs[(request, c)]] for c in range(3)] == [tokens for tokens, _ in expected]
+    assert not engine.has_unfinished_requests and held_blocks(engine) == 0
+
+
 def test_a_short_request_finishes_while_a_long_one_runs(model):
     engine = engine_for(model)
     long_id = engine.add_request(LONG, params(60))

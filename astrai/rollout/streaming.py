@@ -128,14 +128,16 @@ class StreamSession:
         """One engine step over the live requests (nothing when none is live); the tokens it sampled."""
         if not self.requests:
             return []
-        out = []
+        out, ended = [], set()
         for event in self.scheduler.step():
             req = event.request
             request_id, choice = self._owner[req.index]
             out.append(StepOutput(request_id, choice, event.token_id, event.logprob, event.top, event.done,
                                   req.finished))
             if event.done:
-                self._forget(request_id)
+                ended.add(request_id)
+        for request_id in ended:  # after the loop: choices of one request may end in the same step
+            self._forget(request_id)
         return out
 
     def abort(self, request_id: int, choice: Optional[int] = None) -> None:

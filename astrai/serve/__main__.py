@@ -26,16 +26,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The server's options (see `--help`)."""
     p = argparse.ArgumentParser(prog="python -m astrai.serve", allow_abbrev=False,
                                 description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
-                                            "/v1/models, /health) over astrai's paged engine.")
+                                            "/v1/models, /health) over astrai's paged engine, batching "
+                                            "continuously (requests join and leave between decode steps).")
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, run output directory (newest checkpoint), HF model dir or .gguf")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served_model_name", default=None,
                    help="model id clients send (default: the checkpoint directory's name)")
-    p.add_argument("--max_batch", type=int, default=32, help="most sequences per engine call (default 32)")
-    p.add_argument("--batch_window_ms", type=float, default=5.0,
-                   help="wait this long for more requests before an engine call (default 5)")
+    p.add_argument("--max_batch", type=int, default=32,
+                   help="most sequences decoded at once, also the most choices per request (default 32)")
     p.add_argument("--max_tokens", type=int, default=512,
                    help="response budget of chat requests that set none (default 512, capped by the context)")
     p.add_argument("--max_kv_tokens", type=int, default=32768, help="KV cache capacity in tokens (default 32768)")
@@ -49,8 +49,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if getattr(args, name) < 1 or (name == "port" and args.port > 65535):
             p.error(f"--{name}: expected a positive integer{' <= 65535' if name == 'port' else ''}, "
                     f"got {getattr(args, name)}")
-    if args.batch_window_ms < 0:
-        p.error(f"--batch_window_ms: expected >= 0, got {args.batch_window_ms}")
     return args
 
 
@@ -125,8 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (FileNotFoundError, NotADirectoryError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    app = create_app(engine, tokenizer, model_name=name, max_batch=args.max_batch,
-                     batch_window_ms=args.batch_window_ms, max_tokens=args.max_tokens)
+    app = create_app(engine, tokenizer, model_name=name, max_tokens=args.max_tokens)
     logger.info("serving %s (%s on %s) at http://%s:%d/v1", name, engine.dtype, engine.device, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
