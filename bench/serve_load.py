@@ -2,14 +2,16 @@
 then transformers' `generate` one request at a time on the same weights and threads.
 
     python bench/serve_load.py [--clients 8] [--requests-per-client 4] [--short-tokens 32] [--long-tokens 256]
-                               [--threads 1] [--sequential-requests 8]
+                               [--think-seconds 0.5] [--threads 1] [--sequential-requests 8] [--server-arg=--X ...]
 
 Model: SmolLM2-135M-Instruct exported to a Hugging Face directory in float32 (`hf_export.py`), which both the server
 and transformers load, so both run the same weights. Prompts: GSM8K test questions, chat-templated. Request j of
 client c is long (`--long-tokens`) when (c + j) % 4 == 0, else short (`--short-tokens`): every client sends one long
 request in four, and the clients start together, so long requests run while short ones arrive. Each client sends
-its requests one after another (closed loop) as streaming chat completions, greedy, with vLLM's `ignore_eos` (and
-transformers' `min_new_tokens`) so every response has exactly its length. Time to first token (TTFT) = from sending
+its requests one after another (closed loop), waiting a random think time before each (exponential, mean
+`--think-seconds`, seeded): without it, requests that started in one step end in one step and come back together,
+so the clients fall into lock-step cohorts that no real traffic has. Requests are streaming chat completions,
+greedy, with vLLM's `ignore_eos` (and transformers' `min_new_tokens`) so every response has exactly its length. Time to first token (TTFT) = from sending
 the request to the first chunk with content; tokens/s = completion tokens (from `usage`) / wall time of the whole
 load. `short while long` covers short requests sent while a long one was in flight. The sequential baseline runs
 the first `--sequential-requests` requests of the same mix (in order of j, then c) through `generate` one at a
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -54,13 +57,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir, port: int, threads: int, max_batch: int) -> subprocess.Popen:
+def start_server(model_dir, port: int, threads: int, max_batch: int, extra: list[str]) -> subprocess.Popen:
     """The server on 127.0.0.1:port, once /health answers (exits naming the log on failure)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     log = open(os.path.join(os.path.dirname(str(model_dir)), "serve_load.log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "astrai.serve", "--checkpoint", str(model_dir), "--port",
                              str(port), "--served_model_name", MODEL, "--max_batch", str(max_batch),
-                             "--max_kv_tokens", "16384", "--log_level", "warning"], env=env, stdout=log,
+                             "--max_kv_tokens", "16384", "--log_level", "warning", *extra], env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -102,14 +105,18 @@ def stream_chat(port: int, question: str, max_tokens: int) -> tuple[float, int]:
     return ttft if ttft is not None else time.perf_counter() - start, tokens
 
 
-def run_load(port: int, plan: dict[int, list[tuple[str, int, bool]]]) -> tuple[list[dict], float]:
-    """Every client's requests (closed loop), all clients at once: (one record per request, wall seconds)."""
+def run_load(port: int, plan: dict[int, list[tuple[str, int, bool]]], think: float) -> tuple[list[dict], float]:
+    """Every client's requests (closed loop, a think time before each), all clients at once: (one record per
+    request, wall seconds)."""
     records, lock, long_in_flight = [], threading.Lock(), [0]
     barrier = threading.Barrier(len(plan))
 
-    def client(requests: list[tuple[str, int, bool]]) -> None:
+    def client(c: int, requests: list[tuple[str, int, bool]]) -> None:
+        rng = random.Random(c)
         barrier.wait()
         for question, max_tokens, is_long in requests:
+            if think > 0:
+                time.sleep(rng.expovariate(1 / think))
             with lock:
                 while_long = long_in_flight[0] > 0
                 long_in_flight[0] += is_long
@@ -118,7 +125,7 @@ def run_load(port: int, plan: dict[int, list[tuple[str, int, bool]]]) -> tuple[l
                 long_in_flight[0] -= is_long
                 records.append({"long": is_long, "while_long": while_long, "ttft": ttft, "tokens": tokens})
 
-    threads = [threading.Thread(target=client, args=(reqs,)) for reqs in plan.values()]
+    threads = [threading.Thread(target=client, args=(c, reqs)) for c, reqs in plan.items()]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -179,12 +186,18 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=4, help="requests each client sends in turn")
     parser.add_argument("--short-tokens", type=int, default=32, help="response length of short requests")
     parser.add_argument("--long-tokens", type=int, default=256, help="response length of long requests")
+    parser.add_argument("--think-seconds", type=float, default=0.5,
+                        help="mean think time of a client before each request (exponential; 0: none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and of transformers")
-    parser.add_argument("--sequential-requests", type=int, default=8, help="requests of the transformers baseline")
+    parser.add_argument("--sequential-requests", type=int, default=8,
+                        help="requests of the transformers baseline (0: skip it, and the ratio)")
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="extra argument for python -m astrai.serve (repeat; e.g. --server-arg=--max_batch)")
     args = parser.parse_args()
-    if min(args.clients, args.requests_per_client, args.short_tokens, args.long_tokens, args.threads,
-           args.sequential_requests) < 1:
+    if min(args.clients, args.requests_per_client, args.short_tokens, args.long_tokens, args.threads) < 1:
         parser.error("every count must be >= 1")
+    if args.sequential_requests < 0 or args.think_seconds < 0:
+        parser.error("--sequential-requests and --think-seconds must be >= 0")
     total = args.clients * args.requests_per_client
     records = gsm8k.first_records(gsm8k.DEFAULT, total, "one question per request")
     model_dir = hf_export.export_hf("smollm2-135m-instruct")
@@ -199,12 +212,13 @@ def main() -> None:
             ordered.append(request)
     print(f"threads: {args.threads} (server and transformers); model: {model_dir}")
     print(f"clients: {args.clients}, requests: {total} ({sum(r[2] for r in ordered)} long of {args.long_tokens} "
-          f"tokens, the rest {args.short_tokens}), greedy, ignore_eos")
+          f"tokens, the rest {args.short_tokens}), greedy, ignore_eos, think time {args.think_seconds} s; "
+          f"server args {args.server_arg}")
     port = free_port()
-    server = start_server(model_dir, port, args.threads, max(args.clients, 8))
+    server = start_server(model_dir, port, args.threads, max(args.clients, 8), args.server_arg)
     try:
         stream_chat(port, ordered[0][0], 4)  # warm-up
-        load, wall = run_load(port, plan)
+        load, wall = run_load(port, plan, args.think_seconds)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -217,6 +231,8 @@ def main() -> None:
     longs = [r["ttft"] for r in load if r["long"]]
     print(f"{'  long':<22} n={len(longs):<3} TTFT p50 {percentile(longs, 50):6.3f} s  p99 {percentile(longs, 99):6.3f} s")
     print(f"astrai serve wall time {wall:.1f} s")
+    if not args.sequential_requests:
+        return
     sequential = [(q, n) for q, n, _ in ordered[:args.sequential_requests]]
     ttfts, seq_tokens, seq_seconds = run_sequential(model_dir, sequential, args.threads)
     print(summary("transformers, one at a time", ttfts, seq_tokens, seq_seconds))

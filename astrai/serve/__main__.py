@@ -39,13 +39,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--max_tokens", type=int, default=512,
                    help="response budget of chat requests that set none (default 512, capped by the context)")
     p.add_argument("--max_kv_tokens", type=int, default=32768, help="KV cache capacity in tokens (default 32768)")
+    p.add_argument("--max_batch_tokens", type=int, default=2048,
+                   help="tokens per engine step: prompt chunks of new requests + one per decoding sequence; smaller "
+                        "spreads simultaneous prefills over steps (default 2048)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--log_level", default=os.environ.get("ASTR_LOG_LEVEL", "info"),
                    help="uvicorn and astrai log level (default: ASTR_LOG_LEVEL, else info)")
     args = p.parse_args(argv)
-    for name in ("port", "max_batch", "max_tokens", "max_kv_tokens"):
+    for name in ("port", "max_batch", "max_tokens", "max_kv_tokens", "max_batch_tokens"):
         if getattr(args, name) < 1 or (name == "port" and args.port > 65535):
             p.error(f"--{name}: expected a positive integer{' <= 65535' if name == 'port' else ''}, "
                     f"got {getattr(args, name)}")
@@ -95,7 +98,8 @@ def build_engine(args: argparse.Namespace):
     if tokenizer.pad_token_id is None:
         raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
     engine = build_engine("paged", model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
-                          max_kv_tokens=args.max_kv_tokens, policy_version=checkpoint_version(path),
+                          max_kv_tokens=args.max_kv_tokens, max_batch_tokens=args.max_batch_tokens,
+                          policy_version=checkpoint_version(path),
                           attention_backend=attention_backend(None))
     name = args.served_model_name or (path.name if path.exists() else str(args.checkpoint))
     return engine, tokenizer, name

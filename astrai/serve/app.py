@@ -50,9 +50,11 @@ class _Server:
         self.created = int(time.time())
 
     def model_card(self) -> dict:
+        """The served model in OpenAI's model object shape."""
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "astrai"}
 
     def check_model(self, name: str) -> None:
+        """APIError 404 (`model_not_found`) unless `name` is the served model."""
         if name != self.model_name:
             raise APIError(f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            status=404, param="model", code="model_not_found")

@@ -99,6 +99,7 @@ class Run:
                 "total_tokens": self.prompt_tokens + completion}
 
     def head(self) -> dict:
+        """The fields every body and chunk of this request starts with (id, object, created, model)."""
         kind = ("chat.completion.chunk" if self.chat else "text_completion")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name}
 
