@@ -101,13 +101,13 @@ def held_blocks(engine):
 
 
 def test_abort_frees_the_blocks_before_the_next_step(model):
-    engine = engine_for(model, max_batch_tokens=6)  # an 11-token prompt prefills over two steps
+    engine = engine_for(model, max_batch_tokens=6, max_num_seqs=5)  # an 11-token prompt prefills over two steps
     running = engine.add_request(SHORT, params(40), n=2)
     for _ in range(4):
         engine.step()
     prefilling = engine.add_request(LONG, params(40), n=3)
     waiting = engine.add_request(LONG + [1], params(40))
-    engine.step()  # LONG is half prefilled; the third request waits for LONG's first block
+    engine.step()  # LONG is half prefilled; the third request waits for a free sequence slot (2 + 3 of 5)
     held = held_blocks(engine)
     assert held > 0 and engine.stream_stats()["waiting"] == 1
     engine.abort(waiting)
@@ -176,3 +176,11 @@ def test_add_request_rejects_bad_input_by_name(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.add_request(args.pop("prompt_ids"), args.pop("params"), **args)
     assert not engine.has_unfinished_requests
+
+
+def test_requests_sharing_a_first_block_both_prefill_at_once(model):
+    engine = engine_for(model)  # generate would let the second wait a step to reuse the first's block
+    first = engine.add_request(LONG, params(3))
+    second = engine.add_request(LONG[:8] + [30, 31], params(3))  # the same first two blocks of 4
+    assert {o.request_id for o in engine.step()} == {first, second}
+    drain(engine)

@@ -107,13 +107,17 @@ class Scheduler:
         max_batch_tokens: most tokens per step (decode tokens count 1 each).
         max_num_seqs: most requests decoding or prefilling at once.
         on_token: optional `(request index, token id) -> None`, called after each sampled token (streaming).
+        wait_for_shared_prefix: let a group whose first prompt block another group is prefilling wait a step to
+            reuse it (a throughput trade that suits a batch of rollouts; a server turns it off: a step of latency
+            costs more than a block of prefill).
     """
 
     def __init__(self, *, pool: BlockPool, prefix_cache: Optional[PrefixCache], workspace: InferenceWorkspace,
                  forward: Callable[[StepBatch], torch.Tensor], policy_version: int, max_batch_tokens: int,
-                 max_num_seqs: int, on_token: Optional[Callable[[int, int], None]] = None):
+                 max_num_seqs: int, on_token: Optional[Callable[[int, int], None]] = None,
+                 wait_for_shared_prefix: bool = True):
         self.pool, self.prefix_cache, self.workspace, self.forward = pool, prefix_cache, workspace, forward
-        self.on_token = on_token
+        self.on_token, self.wait_for_shared_prefix = on_token, wait_for_shared_prefix
         self.block_size = workspace.block_size
         self.policy_version, self.max_batch_tokens, self.max_num_seqs = policy_version, max_batch_tokens, max_num_seqs
         self.reserved = 0
@@ -148,7 +152,7 @@ class Scheduler:
         """True when a group still prefilling starts with the same full first block as `group`'s prompt and that
         block is not cached yet: admitted after that group's prefill, `group` reuses the block from the prefix
         cache instead of recomputing it (e.g. a system prompt shared by every prompt of a batch)."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or not self.wait_for_shared_prefix:
             return False
         bs, prompt = self.block_size, group.leader.prompt
         if len(prompt) <= bs or self.prefix_cache.has_block(prompt[:bs], self.policy_version):

@@ -72,7 +72,8 @@ class StreamSession:
                                        dense_decode=engine.dense_decode)
         self.scheduler = Scheduler(pool=engine.pool, prefix_cache=engine.prefix_cache, workspace=engine.workspace,
                                    forward=self.runner.forward, policy_version=engine.policy_version,
-                                   max_batch_tokens=engine.max_batch_tokens, max_num_seqs=engine.max_num_seqs)
+                                   max_batch_tokens=engine.max_batch_tokens, max_num_seqs=engine.max_num_seqs,
+                                   wait_for_shared_prefix=False)  # serving: a step of latency > a block of prefill
         self.requests: dict[int, list[Request]] = {}  # request id -> its n choices
         self._owner: dict[int, tuple[int, int]] = {}  # row index -> (request id, choice)
         self._next_request = 0
