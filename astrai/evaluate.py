@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     from astrai.models.special_tokens import stop_token_ids
     from astrai.rollout.evaluation import EvalSettings, evaluate
     from astrai.rollout.engine import attention_backend, build_engine
-    from astrai.rollout.rewards import ANSWER_EXTRACTORS, REWARDS
+    from astrai.rollout.rewards import ANSWER_EXTRACTORS, REWARDS, unscorable_warning
 
     check_options(args)
     model_path, run_config = resolve_model(args.model)
@@ -158,6 +159,10 @@ def run(args: argparse.Namespace) -> dict:
     dataset = PromptDataset(args.data, prompt_field=chosen["prompt_field"], answer_field=chosen["answer_field"],
                             field="--data")
     records = dataset.records[:args.limit] if args.limit else dataset.records
+    unscorable = unscorable_warning(chosen["reward"], [r.answer for r in records], source=args.data,
+                                    field=chosen["answer_field"])
+    if unscorable:  # said before the model loads, as training says it before its first rollout
+        warnings.warn(unscorable, stacklevel=2)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

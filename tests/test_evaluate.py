@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -104,6 +105,7 @@ def read_outputs(out):
     return results, json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.filterwarnings("ignore:.*no final number")  # its stub answers are text on purpose
 def test_greedy_accuracy_matches_hand_computed_expectation(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(REWARDS, "exact_text", exact_text)
     model, tokenizer = load_pretrained(tiny_model_dir)
@@ -186,3 +188,24 @@ def test_output_dir_that_is_a_file_is_left_alone(tiny_model_dir, tmp_path, capsy
     target.write_text("keep me")
     assert cli(tiny_model_dir, "builtin:arithmetic_test", target) == 2
     assert target.read_text() == "keep me" and "--output_dir" in capsys.readouterr().err
+
+
+def test_unscorable_answers_are_warned_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    data = tmp_path / "qa.jsonl"
+    answers = ["so 47.\n#### 47", "The answer is twelve", "see the worked solution", "12"]
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    loaded = []
+    import astrai.models
+
+    real = astrai.models.load_pretrained
+    monkeypatch.setattr(astrai.models, "load_pretrained", lambda *a, **k: loaded.append(1) or real(*a, **k))
+    with pytest.warns(UserWarning) as caught:
+        assert cli(tiny_model_dir, data, tmp_path / "eval") == 0  # math_exact_match, the default reward
+    (warning,) = [w for w in caught if "no final number" in str(w.message)]
+    assert str(warning.message) == (f"{data}: 2 of 4 answers ('answer') have no final number ('#### N' or a bare "
+                                    "number), so math_exact_match scores every response to them 0 (rows 2, 3)")
+    assert loaded  # and it still evaluates
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # scorable answers: no warning
+        assert cli(tiny_model_dir, data, tmp_path / "eval", "--limit", "1") == 0
+

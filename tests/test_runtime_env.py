@@ -1,5 +1,6 @@
 """runtime.environment (validation, rendering, export before the process group, no leaks across jobs),
-ASTR_LOG_LEVEL, the host-side `infra:` section, and train.report_to validation."""
+ASTR_LOG_LEVEL, the host-side `infra:` section, train.report_to validation, and the one-line notice before
+DeepSpeed's first op compile."""
 
 import json
 import logging
@@ -140,3 +141,24 @@ def test_report_to_choices():
     for bad in (["mlflow"], ["none", "wandb"]):
         with pytest.raises(ConfigError, match="train.report_to: expected a list of 'tensorboard', 'wandb', 'none'"):
             config_from_dict({"train": {"report_to": bad}})
+
+
+def test_deepspeed_op_build_is_announced_once_with_its_cache(tmp_path, monkeypatch, capsys):
+    deepspeed = pytest.importorskip("deepspeed")
+    from astrai import runtime_env
+    from astrai.runtime_env import announce_deepspeed_op_build
+
+    builder = deepspeed.accelerator.get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        pytest.skip("this accelerator has no op that deepspeed.initialize compiles")
+    capsys.readouterr()  # DeepSpeed's own accelerator line
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(runtime_env, "_ANNOUNCED_OPS", set())
+    line = announce_deepspeed_op_build(deepspeed)
+    assert line.startswith("compiling a DeepSpeed op once (deepspeed_shm_comm), ~2 min; cached in " + str(tmp_path))
+    assert capsys.readouterr().out == line + "\n"
+    assert announce_deepspeed_op_build(deepspeed) is None  # once per process
+    cache = next((tmp_path / "ext").rglob("deepspeed_shm_comm"))  # where torch's extension loader builds it
+    (cache / "deepspeed_shm_comm.so").write_bytes(b"")
+    monkeypatch.setattr(runtime_env, "_ANNOUNCED_OPS", set())
+    assert announce_deepspeed_op_build(deepspeed) is None and capsys.readouterr().out == ""  # built already

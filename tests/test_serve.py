@@ -1,7 +1,9 @@
 """`python -m astrai.serve` on 127.0.0.1 against the tiny main-job run, through the official `openai` client:
-models, completions, chat (template, streaming), sampling parameters, batching of concurrent requests, bad input.
-One server process serves the whole module."""
+models, completions, chat (template, streaming), sampling parameters, continuous batching (a short request ends
+while a long one streams), disconnects (the request is aborted, its KV blocks freed), logprobs, bad input (JSON
+errors, a lone surrogate included). One server process serves the whole module."""
 
+from http.client import HTTPConnection
 import json
 import os
 import socket
@@ -48,7 +50,7 @@ def server(tiny_ppo_run):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "astrai.serve", "--checkpoint", str(tiny_ppo_run), "--port",
-                             str(port), "--batch_window_ms", "50", "--max_batch", "16", "--log_level", "warning"],
+                             str(port), "--max_batch", "16", "--log_level", "warning"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -79,10 +81,11 @@ def reference(tiny_ppo_run):
     model, tokenizer = load_pretrained(str(ckpt))
     engine = PagedGenerationEngine(model, pad_token_id=tokenizer.pad_token_id)
 
-    def greedy(ids, max_new_tokens):
+    def greedy(ids, max_new_tokens, logprobs=False):
         params = SamplingParams(max_new_tokens=max_new_tokens, top_k=1, stop_token_ids=(tokenizer.eos_token_id,))
         out = engine.generate([ids], params, torch.Generator().manual_seed(0))
-        return out.response_ids[0][out.action_mask[0]].tolist()
+        tokens = out.response_ids[0][out.action_mask[0]].tolist()
+        return (tokens, out.old_logprobs[0][out.action_mask[0]].tolist()) if logprobs else tokens
 
     return tokenizer, greedy
 
@@ -147,7 +150,7 @@ def test_completions_n_prompts_seed_and_streaming(server):
     assert ids.usage.prompt_tokens == 3
 
 
-def test_concurrent_requests_are_batched(server):
+def test_concurrent_requests_share_engine_steps(server):
     base, client = server
     before = http("GET", f"{base}/health")[1]
 
@@ -160,8 +163,142 @@ def test_concurrent_requests_are_batched(server):
     assert all(r.choices[0].finish_reason in ("stop", "length") for r in replies)
     after = http("GET", f"{base}/health")[1]
     assert after["requests"] - before["requests"] == 8
-    assert after["rows"] - before["rows"] == 8
-    assert after["engine_calls"] - before["engine_calls"] < 8  # several requests shared an engine call
+    tokens = sum(r.usage.completion_tokens for r in replies)
+    assert after["steps"] - before["steps"] < tokens  # one step sampled tokens of several requests
+
+
+def open_stream(base, path, body):
+    """A streaming POST left open: (connection, response) to read events from with `events`."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    return conn, response
+
+
+def events(response, limit=None):
+    """Parsed `data:` payloads of an open event stream, up to `limit` (all until [DONE] when None)."""
+    out = []
+    while limit is None or len(out) < limit:
+        line = response.readline().decode().strip()
+        if line == "data: [DONE]" or (not line and response.isclosed()):
+            break
+        if line.startswith("data: "):
+            out.append(json.loads(line[6:]))
+    return out
+
+
+LONG = {"model": MODEL, "prompt": "the cat", "max_tokens": 240, "ignore_eos": True, "temperature": 1.0}
+
+
+def wait_health(base, done, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        health = http("GET", f"{base}/health")[1]
+        if done(health) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.02)
+
+
+def test_a_short_request_completes_while_a_long_one_streams(server):
+    base, client = server
+    conn, response = open_stream(base, "/v1/completions", {**LONG, "stream_options": {"include_usage": True}})
+    try:
+        assert events(response, 2)  # the long request is decoding
+        short = client.completions.create(model=MODEL, prompt="a dog", max_tokens=2, temperature=0)
+        assert short.usage.completion_tokens == 2 and short.choices[0].finish_reason == "length"
+        assert http("GET", f"{base}/health")[1]["running"] >= 1  # the long one is still generating
+        rest = events(response)
+    finally:
+        conn.close()
+    assert rest[-1]["usage"]["completion_tokens"] == 240
+    assert [c["choices"][0]["finish_reason"] for c in rest if c["choices"]][-1] == "length"
+
+
+def test_a_disconnected_client_frees_its_request(server):
+    base, _ = server
+    idle = wait_health(base, lambda h: h["running"] == 0)
+    conn, response = open_stream(base, "/v1/completions", LONG)
+    assert len(events(response, 3)) == 3
+    conn.close()  # mid-stream
+    after = wait_health(base, lambda h: h["running"] == 0)
+    assert after["running"] == 0 and after["aborted"] == idle["aborted"] + 1
+    assert after["steps"] - idle["steps"] < 240  # stopped early, not decoded to max_tokens
+    assert after["kv_blocks_free"] + after["kv_blocks_cached"] == after["kv_blocks"]  # every block back
+    # the same for a non-streaming request: the client goes away while it waits
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    payload = json.dumps({**LONG, "max_tokens": 240}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                 + f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+    assert wait_health(base, lambda h: h["running"] == 1)["running"] == 1
+    sock.close()
+    final = wait_health(base, lambda h: h["running"] == 0)
+    assert final["aborted"] == after["aborted"] + 1 and final["steps"] - after["steps"] < 240
+    assert final["kv_blocks_free"] + final["kv_blocks_cached"] == final["kv_blocks"]
+
+
+def test_logprobs_in_openai_shapes(server, reference):
+    _, client = server
+    tokenizer, greedy = reference
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True))
+    tokens, logprobs = greedy(prompt, 8, logprobs=True)
+    if tokens[-1] == tokenizer.eos_token_id:  # the stop token has no entry
+        tokens, logprobs = tokens[:-1], logprobs[:-1]
+    assert len(content) == len(tokens) and len(content) > 0
+    assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == reply.choices[0].message.content
+    assert [e.logprob for e in content] == pytest.approx(logprobs, abs=1e-5)  # the engine's behaviour log-probs
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert entry.top_logprobs[0].bytes == entry.bytes  # greedy: the sampled token is the most likely
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.bytes, e.logprob) for e in streamed] == [(e.bytes, e.logprob) for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    assert plain.choices[0].logprobs is None
+    text = client.completions.create(model=MODEL, prompt="the cat", max_tokens=5, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(value, abs=1e-5)
+               for top, value in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    stream = list(client.completions.create(model=MODEL, prompt="the cat", max_tokens=5, temperature=0, logprobs=2,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert [t for c in stream if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
+
+
+def test_models_by_id_and_json_errors_for_invalid_text(server):
+    base, _ = server
+    status, card = http("GET", f"{base}/v1/models/{MODEL}")
+    assert status == 200 and card["id"] == MODEL and card["object"] == "model"
+    status, body = http("GET", f"{base}/v1/models/other")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    lone = b'"\\ud800"'  # JSON allows the escape; the text is not valid Unicode
+    cases = [(b'{"model": "%s", "messages": [{"role": "user", "content": %s}]}', "/v1/chat/completions",
+              "messages.[0].content"),
+             (b'{"model": "%s", "prompt": %s}', "/v1/completions", "prompt"),
+             (b'{"model": "%s", "prompt": "x", "stop": [%s]}', "/v1/completions", "stop")]
+    for template, path, param in cases:
+        status, body = http("POST", f"{base}{path}", raw=template % (MODEL.encode(), lone))
+        assert status == 400 and body["error"]["param"] == param and "surrogate" in body["error"]["message"]
+    status, body = http("POST", f"{base}/v1/completions", raw=b'{"model": %s, "prompt": "x"}' % lone)
+    assert status == 404 and body["error"]["code"] == "model_not_found"  # the name is echoed, still JSON
+    for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21},
+                                                                  "top_logprobs")):
+        status, body = http("POST", f"{base}/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, **extra})
+        assert status == 400 and body["error"]["param"] == param
+    status, body = http("POST", f"{base}/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 6})
+    assert status == 400 and body["error"]["param"] == "logprobs"
 
 
 @pytest.mark.parametrize("kwargs, status, param, code", [

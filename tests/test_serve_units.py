@@ -1,20 +1,24 @@
 """Server pieces without a server: incremental detokenization with stop strings, the OpenAI -> engine sampling
-mapping, and the batcher (one engine call for concurrent jobs, a failing job isolated, seeds reproducible)."""
+mapping, token bytes and log-prob shapes, and the engine loop over a tiny paged engine (jobs joining between steps,
+aborts applied before the next step, a failing request or step isolated)."""
 
 import asyncio
 
 import pytest
 import torch
 
-from astrai.models import tiny_tokenizer
-from astrai.rollout.generation import Generation
+from astrai.models import AutoRegressiveLM, tiny_config, tiny_tokenizer
+from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.sampling import SamplingParams
-from astrai.serve.batcher import Batcher, Job
 from astrai.serve.detokenize import TextStream
+from astrai.serve.engine_loop import EngineLoop, Job
+from astrai.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from astrai.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    check_text,
+    logprobs_k,
     sampling_for,
     stop_strings,
 )
@@ -78,72 +82,127 @@ def test_sampling_mapping_follows_openai_semantics():
     with pytest.raises(APIError, match="frequency_penalty"):
         sampling_for(CompletionRequest(model="m", prompt="x", frequency_penalty=-1), max_new_tokens=3,
                      stop_token_ids=())
+    params, _ = sampling_for(CompletionRequest(model="m", prompt="x", ignore_eos=True), max_new_tokens=3,
+                             stop_token_ids=(2,))
+    assert params.stop_token_ids == ()
     assert stop_strings("###") == ("###",) and stop_strings(None) == ()
     with pytest.raises(APIError) as info:
         stop_strings(["a", ""])
     assert info.value.body()["error"]["param"] == "stop"
 
 
-class FakeEngine:
-    """Records each generate call; row r answers [prompt[0] + r, stop]; a prompt starting with 999 fails."""
-
-    def __init__(self):
-        self.calls = []
-
-    def generate(self, prompts, params, generator, *, n=1, penalties=None, on_token=None):
-        self.calls.append((list(prompts), int(torch.randint(0, 2**31, (1,), generator=generator))))
-        if any(p[0] == 999 for p in prompts):
-            raise ValueError("bad prompt 999")
-        rows = [[p[0] + r, 0] for r, p in enumerate(prompts)]
-        for r, row in enumerate(rows):
-            for token in row:
-                if on_token is not None:
-                    on_token(r, token)
-        ids = torch.tensor(rows)
-        return Generation(prompt_ids=ids, prompt_mask=torch.ones_like(ids, dtype=torch.bool), response_ids=ids,
-                          action_mask=torch.ones_like(ids, dtype=torch.bool), old_logprobs=torch.zeros(ids.shape),
-                          finished=torch.ones(len(rows), dtype=torch.bool), policy_version=0)
+def test_lone_surrogates_and_logprobs_options_are_named():
+    with pytest.raises(APIError) as info:
+        check_text("ok \ud800", "messages.[0].content")
+    assert info.value.body()["error"]["param"] == "messages.[0].content" and "U+D800" in info.value.message
+    assert check_text("é 😀", "prompt") == "é 😀"
+    chat = lambda **kw: ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}], **kw)  # noqa
+    assert logprobs_k(chat()) is None and logprobs_k(chat(logprobs=True)) == 0
+    assert logprobs_k(chat(logprobs=True, top_logprobs=4)) == 4
+    with pytest.raises(APIError, match="requires logprobs"):
+        logprobs_k(chat(top_logprobs=2))
+    assert logprobs_k(CompletionRequest(model="m", prompt="x", logprobs=0)) == 0
 
 
-def run_jobs(jobs, engine, max_batch=8):
+def test_token_text_gives_exact_bytes_and_openai_spellings():
+    tok = tiny_tokenizer()
+    text_of = TokenText(tok)
+    ids = tok.encode("é!")  # two byte tokens for "é", then "!"
+    assert b"".join(text_of(i)[1] for i in ids) == "é!".encode()
+    assert text_of(ids[0])[0] == "bytes:\\xc3" and text_of(ids[2]) == ("!", b"!")
+    assert text_of(tok.eos_token_id) == ("<|im_end|>", b"<|im_end|>")
+    space = tok.encode(" a")
+    assert "".join(text_of(i)[0] for i in space) == " a"
+    entries = [(ids[2], -0.5, [(ids[2], -0.5), (space[0], -1.5)])]
+    chat = chat_logprobs(text_of, entries)
+    assert chat == {"content": [{"token": "!", "logprob": -0.5, "bytes": [33], "top_logprobs": [
+        {"token": "!", "logprob": -0.5, "bytes": [33]},
+        {"token": text_of(space[0])[0], "logprob": -1.5, "bytes": list(text_of(space[0])[1])}]}], "refusal": None}
+    block, offset = completion_logprobs(text_of, entries * 2, offset=3)
+    assert block["tokens"] == ["!", "!"] and block["text_offset"] == [3, 4] and offset == 5
+    assert block["top_logprobs"][0] == {"!": -0.5, text_of(space[0])[0]: -1.5}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.manual_seed(0)
+    model = AutoRegressiveLM(tiny_config(vocab_size=32, eos_token_id=2, pad_token_id=2)).eval()
+    return PagedGenerationEngine(model, pad_token_id=2, backend="torch", block_size=4, max_kv_tokens=1024,
+                                 max_num_seqs=8)
+
+
+def with_loop(engine, body):
     async def main():
-        batcher = Batcher(engine, max_batch=max_batch, window_s=0.05)
-        await batcher.start()
-        results = await asyncio.gather(*(batcher.submit(job) for job in jobs), return_exceptions=True)
-        await batcher.stop()
-        return results, batcher.stats
+        loop = EngineLoop(engine)
+        await loop.start()
+        try:
+            return await body(loop)
+        finally:
+            await loop.stop()
 
     return asyncio.run(main())
 
 
-def params():
-    return SamplingParams(max_new_tokens=4, stop_token_ids=(0,))
+async def collect(queue, count):
+    """`count` items from an output queue: {tag: [outputs or exception]}."""
+    items = {}
+    for _ in range(count):
+        tag, item = await queue.get()
+        items.setdefault(tag, []).append(item)
+    return items
 
 
-def test_batcher_one_engine_call_for_concurrent_jobs_and_streams_tokens():
-    engine, streamed = FakeEngine(), []
-    jobs = [Job([10], params(), n=2, on_token=lambda c, t: streamed.append((c, t))), Job([20], params())]
-    results, stats = run_jobs(jobs, engine)
-    assert len(engine.calls) == 1 and engine.calls[0][0] == [[10], [10], [20]]
-    assert [[s.token_ids for s in r] for r in results] == [[[10, 0], [11, 0]], [[22, 0]]]
-    assert streamed == [(0, 10), (0, 0), (1, 11), (1, 0)]  # only the streaming job's choices
-    assert stats == {"requests": 2, "engine_calls": 1, "rows": 3}
+def test_engine_loop_aborts_before_the_next_step_and_frees_blocks(engine):
+    async def body(loop):
+        queue = asyncio.Queue()
+        job = loop.submit(Job([5, 6, 7], SamplingParams(max_new_tokens=200)), queue)
+        await queue.get()  # decoding
+        steps_at_abort = loop.stats["steps"]  # steps the worker has finished (one more may be in flight)
+        loop.abort(job)
+        while loop.stats["running"] or loop.stats["aborted"] == 0:
+            await asyncio.sleep(0.001)
+        late = loop.stats["steps"] - steps_at_abort
+        while not queue.empty():
+            queue.get_nowait()
+        short = loop.submit(Job([8, 9], SamplingParams(max_new_tokens=3), n=2), queue, tag=1)
+        got = await collect(queue, 3)  # 2 choices x 3 tokens arrive in 3 steps
+        return late, loop.stats, got, short
+
+    late, stats, got, short = with_loop(engine, body)
+    assert late <= 1  # at most the step in flight when abort() was called ran after it
+    assert stats["aborted"] == 1
+    assert [sorted((o.choice, o.done) for o in outs) for outs in got[1]] == [[(0, False), (1, False)]] * 2 + [
+        [(0, True), (1, True)]]
+    assert not short.open
+    pool, cache = engine.pool, engine.prefix_cache
+    assert pool.num_free + cache.num_reclaimable == pool.num_blocks
 
 
-def test_batcher_isolates_a_failing_job_and_respects_max_batch():
-    engine = FakeEngine()
-    results, _ = run_jobs([Job([1], params()), Job([999], params()), Job([3], params())], engine)
-    assert isinstance(results[1], ValueError) and "999" in str(results[1])
-    assert [s.token_ids for s in results[0]] == [[1, 0]] and [s.token_ids for s in results[2]] == [[3, 0]]
-    assert [len(c[0]) for c in engine.calls] == [3, 1, 1, 1]  # the batch, then one by one
-    engine = FakeEngine()
-    run_jobs([Job([1], params(), n=3), Job([2], params(), n=3)], engine, max_batch=4)
-    assert [len(c[0]) for c in engine.calls] == [3, 3]  # 6 rows do not fit in one call of 4
+def test_engine_loop_isolates_a_refused_request_and_a_failed_step(engine, monkeypatch):
+    async def body(loop):
+        queue = asyncio.Queue()
+        loop.submit(Job([5], SamplingParams(max_new_tokens=2), n=9), queue, tag=0)  # n > max_num_seqs
+        loop.submit(Job([5], SamplingParams(max_new_tokens=2)), queue, tag=1)
+        first = await collect(queue, 3)
+        real_step = engine.step
+        calls = []
 
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 1:
+                raise FloatingPointError("nan logits")
+            return real_step()
 
-def test_batcher_seeded_jobs_run_alone_and_reproducibly():
-    engine = FakeEngine()
-    run_jobs([Job([1], params(), seed=5), Job([2], params()), Job([3], params(), seed=5)], engine)
-    assert sorted(len(c[0]) for c in engine.calls) == [1, 1, 1]
-    seeded = [draw for prompts, draw in engine.calls if prompts[0][0] in (1, 3)]
-    assert seeded[0] == seeded[1]  # the same seed gives the engine the same generator state
+        monkeypatch.setattr(engine, "step", failing_step)
+        loop.submit(Job([6], SamplingParams(max_new_tokens=2)), queue, tag=2)
+        failed = await collect(queue, 1)
+        loop.submit(Job([7], SamplingParams(max_new_tokens=2)), queue, tag=3)
+        after = await collect(queue, 2)
+        return first, failed, after
+
+    first, failed, after = with_loop(engine, body)
+    assert isinstance(first[0][0], ValueError) and "n must be" in str(first[0][0])
+    assert [o.done for outs in first[1] for o in outs] == [False, True]
+    assert isinstance(failed[2][0], FloatingPointError)
+    assert [o.done for outs in after[3] for o in outs] == [False, True]  # the loop kept serving
+    assert not engine.has_unfinished_requests

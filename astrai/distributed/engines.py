@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from astrai.checkpoint import Part
+from astrai.runtime_env import announce_deepspeed_op_build
 
 __all__ = ["DeepSpeedModel", "FSDP2Model", "FullModelState", "TrainedModel", "prepare_reference", "prepare_trained",
            "shard_blocks"]
@@ -384,6 +385,7 @@ def prepare_trained(dist, name: str, model: torch.nn.Module, *,
         deepspeed = _deepspeed()
 
         _allow_deepspeed_state()
+        announce_deepspeed_op_build(deepspeed)  # one line before a first-use compile
         stage = int(strategy[-1])
         opt = optimizer(model)
         sched = scheduler(opt)
@@ -439,6 +441,7 @@ def prepare_reference(dist, model: torch.nn.Module) -> torch.nn.Module:
 
         config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                   "steps_per_print": 2**31 - 1}
+        announce_deepspeed_op_build(deepspeed)  # one line before a first-use compile
         engine, *_ = deepspeed.initialize(model=model, config=config)
         return engine
     return model

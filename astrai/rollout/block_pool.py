@@ -82,6 +82,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def num_reclaimable(self) -> int:
+        """Blocks that only the cache references (what `evict` could free now)."""
+        return sum(self.pool.refcount[block] == 1 for block, _ in self._entries.values())
+
     def lookup(self, tokens: Sequence[int], policy_version: int) -> list[int]:
         """Cached blocks covering the longest prefix of `tokens` made of full blocks, leaving at least one token
         to compute (its logits are needed). Each returned block gets a reference for the caller."""

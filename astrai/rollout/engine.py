@@ -23,8 +23,8 @@ import torch
 from astrai.rollout.generation import Generation
 from astrai.rollout.sampling import SamplingParams
 
-__all__ = ["ATTENTION_BACKEND_ENV", "EngineCapacity", "GenerationEngine", "attention_backend", "build_engine",
-           "engine_factory", "engine_names", "register_engine"]
+__all__ = ["ATTENTION_BACKEND_ENV", "EngineCapacity", "GenerationEngine", "StreamingEngine", "attention_backend",
+           "build_engine", "engine_factory", "engine_names", "register_engine"]
 
 ATTENTION_BACKEND_ENV = "ASTR_BACKEND"
 """Environment variable that, when set, overrides `rollout.attention_backend` (and the CLIs' default)."""
@@ -82,6 +82,30 @@ class GenerationEngine(Protocol):
 
     def wake(self) -> None:
         """Take the KV memory back."""
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """An engine that serves requests one decode step at a time (what `astrai.serve` drives; the paged engine's
+    `add_request` / `step` / `abort`, see `astrai.rollout.streaming`). Optional: training needs only
+    `GenerationEngine`."""
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        """True while an added request is not done."""
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, penalty: Any = None,
+                    seed: Optional[int] = None, top_logprobs: int = 0) -> int:
+        """Queue n samples of one prompt for the next `step()`; returns its request id."""
+
+    def step(self) -> list:
+        """One step over the live requests; the `StepOutput`s (request id, choice, token, logprob, top, done)."""
+
+    def abort(self, request_id: int, choice: Optional[int] = None) -> None:
+        """Stop a request (or one choice); its KV memory is free on return."""
+
+    def stream_stats(self) -> dict:
+        """Counts of running and waiting choices and KV blocks (total, free, cached)."""
 
 
 EngineFactory = Callable[..., GenerationEngine]

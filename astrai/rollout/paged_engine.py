@@ -12,6 +12,8 @@ contiguous-cache loop (the reference engine of the tests):
   generator, i), so batching and prefix sharing never change a row's samples.
 - Behaviour log-probs exactly as docs/conventions.md section 2 (temperature-scaled, before truncation and penalties).
 - `sleep()` frees the KV storage while the trainer steps, `wake()` takes it back.
+- A streaming API for serving (`add_request` / `step` / `abort`, `astrai.rollout.streaming`): requests join and
+  leave the running batch between decode steps of one live session instead of one `generate` call per batch.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
+from astrai.rollout.streaming import StepOutput, StreamSession
 
 __all__ = ["PagedGenerationEngine", "paged_engine"]
 
@@ -114,6 +117,7 @@ class PagedGenerationEngine:
         self.prefix_cache: Optional[PrefixCache] = None
         self.asleep = False
         self.last_stats: dict[str, int] = {}
+        self._session: Optional[StreamSession] = None
         self._lock = threading.Lock()
 
     @property
@@ -142,11 +146,13 @@ class PagedGenerationEngine:
         Serialised with `generate` (one lock). Returns the acknowledged `policy_version`.
 
         Raises:
+            RuntimeError: while streamed requests (`add_request`) are live: weights never change mid-generation.
             KeyError: naming missing or unexpected tensors (a mapping: the engine keeps its weights, version and
                 cache; a stream: the engine is left untagged, `policy_version` -1, so the next sync reloads it).
             ValueError: naming a tensor of the wrong shape or type (the same).
         """
         with self._lock:
+            self._end_session("load_weights")
             if not isinstance(state_dict, Mapping):
                 self.policy_version = -1  # until the stream is complete
             copy_weights(self.model, state_dict)
@@ -158,6 +164,7 @@ class PagedGenerationEngine:
     def sleep(self) -> None:
         """Release the KV storage (and the prefix cache) until `wake()`; the weights stay."""
         with self._lock:
+            self._end_session("sleep")
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
             if self.workspace is not None:
@@ -210,15 +217,70 @@ class PagedGenerationEngine:
                 an integer >= 1, params that are not `SamplingParams` (one, or one per prompt), per-prompt lists of
                 the wrong length, prompt + max_new_tokens beyond the model's rotary table, or more samples of one
                 prompt than `max_num_seqs`.
-            RuntimeError: while asleep, or when one prompt group cannot fit in `max_kv_tokens`.
+            RuntimeError: while asleep, while streamed requests are live, or when one prompt group cannot fit in
+                `max_kv_tokens`.
         """
         with self._lock:
             if self.asleep:
                 raise RuntimeError("generate: the engine is asleep; call wake() first")
+            self._end_session("generate")
             prompts = self._check_prompts(prompts)
             requests = self._make_requests(prompts, params, generator, n, penalties)
             self._run(requests, n, on_token)
             return self._assemble(prompts, requests, n)
+
+    # ------------------------------------------------------------------ streaming API (serving, one step at a time)
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1,
+                    penalty: Optional[FrequencyPenaltyStrategy] = None, seed: Optional[int] = None,
+                    top_logprobs: int = 0) -> int:
+        """Queue `n` samples of one prompt for the next `step()`; returns the request id its `StepOutput`s carry.
+
+        Args:
+            prompt_ids: the prompt's token ids (non-empty, each in [0, vocab_size)).
+            params: its sampling settings; penalty: an optional frequency penalty.
+            seed: base seed of its choices' generators (choice g: `request_seed(seed, g)`); None draws one from
+                torch's default RNG.
+            top_logprobs: k most likely tokens to report with every sampled token (0: none).
+
+        Raises:
+            ValueError: naming the bad argument (see `StreamSession.add`; a prompt as for `generate`).
+            RuntimeError: while asleep.
+        """
+        with self._lock:
+            if self.asleep:
+                raise RuntimeError("add_request: the engine is asleep; call wake() first")
+            prompt = self._check_prompts([prompt_ids])[0]
+            if self._session is None:
+                self._session = StreamSession(self)
+            return self._session.add(prompt, params, n=n, penalty=penalty, seed=seed, top_logprobs=top_logprobs)
+
+    def step(self) -> list[StepOutput]:
+        """One decode step over every live streamed request (new ones prefill in it); the tokens it sampled."""
+        with self._lock:
+            return [] if self._session is None else self._session.step()
+
+    def abort(self, request_id: int, choice: Optional[int] = None) -> None:
+        """Stop a streamed request (or one of its choices): its KV blocks are back in the pool on return."""
+        with self._lock:
+            if self._session is not None:
+                self._session.abort(request_id, choice)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        """True while some streamed request is not done (call `step()`)."""
+        return self._session is not None and self._session.live
+
+    def stream_stats(self) -> dict[str, int]:
+        """`StreamSession.stats()` of the live session (zeros before the first `add_request`)."""
+        with self._lock:
+            return dict(StreamSession.EMPTY_STATS) if self._session is None else self._session.stats()
+
+    def _end_session(self, what: str) -> None:
+        """Drop an idle streaming session before `what` changes the pool or the weights; refuse a live one."""
+        if self._session is not None and self._session.live:
+            raise RuntimeError(f"{what}: {len(self._session.requests)} streamed request(s) are live; let them finish "
+                               "or abort them first")
+        self._session = None
 
     def _check_prompts(self, prompts) -> list[list[int]]:
         """`prompts` as lists of Python ints, each id in [0, vocab_size); ValueError naming the first bad one."""

@@ -290,6 +290,18 @@ def unscorable_answers(name: str, answers: Sequence[str]) -> list[int]:
     return [] if check is None else [i for i, answer in enumerate(answers) if not check(answer)]
 
 
+def unscorable_warning(name: str, answers: Sequence[str], *, source: str, field: str) -> Optional[str]:
+    """The one-line warning training and `astrai.evaluate` give when reward `name` can never match some of the
+    reference `answers` (`unscorable_answers`) of the data `source` (its answer field `field`); None when all are
+    scorable. Names the count and the first five 1-based rows."""
+    bad = unscorable_answers(name, answers)
+    if not bad:
+        return None
+    rows = ", ".join(str(i + 1) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+    return (f"{source}: {len(bad)} of {len(answers)} answers ({field!r}) have no final number ('#### N' or a bare "
+            f"number), so {name} scores every response to them 0 (rows {rows})")
+
+
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as ``name`` in ``REWARDS``.
 
@@ -306,4 +318,4 @@ def get_reward(name: str) -> RewardFn:
 __all__ = ["ANSWER_CHECKS", "ANSWER_EXTRACTORS", "REWARDS", "REWARD_FUNCTIONS", "RewardFn", "answer_reward_function",
            "builtin_reward_function", "builtin_reward_names", "completion_text", "closeness", "extract_final_number",
            "get_reward", "has_marked_answer", "math_exact_match", "numbers_equal", "parse_number",
-           "unscorable_answers"]
+           "unscorable_answers", "unscorable_warning"]

@@ -26,31 +26,32 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The server's options (see `--help`)."""
     p = argparse.ArgumentParser(prog="python -m astrai.serve", allow_abbrev=False,
                                 description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
-                                            "/v1/models, /health) over astrai's paged engine.")
+                                            "/v1/models, /health) over astrai's paged engine, batching "
+                                            "continuously (requests join and leave between decode steps).")
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, run output directory (newest checkpoint), HF model dir or .gguf")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served_model_name", default=None,
                    help="model id clients send (default: the checkpoint directory's name)")
-    p.add_argument("--max_batch", type=int, default=32, help="most sequences per engine call (default 32)")
-    p.add_argument("--batch_window_ms", type=float, default=5.0,
-                   help="wait this long for more requests before an engine call (default 5)")
+    p.add_argument("--max_batch", type=int, default=32,
+                   help="most sequences decoded at once, also the most choices per request (default 32)")
     p.add_argument("--max_tokens", type=int, default=512,
                    help="response budget of chat requests that set none (default 512, capped by the context)")
     p.add_argument("--max_kv_tokens", type=int, default=32768, help="KV cache capacity in tokens (default 32768)")
+    p.add_argument("--max_batch_tokens", type=int, default=2048,
+                   help="tokens per engine step: prompt chunks of new requests + one per decoding sequence; smaller "
+                        "spreads simultaneous prefills over steps (default 2048)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--log_level", default=os.environ.get("ASTR_LOG_LEVEL", "info"),
                    help="uvicorn and astrai log level (default: ASTR_LOG_LEVEL, else info)")
     args = p.parse_args(argv)
-    for name in ("port", "max_batch", "max_tokens", "max_kv_tokens"):
+    for name in ("port", "max_batch", "max_tokens", "max_kv_tokens", "max_batch_tokens"):
         if getattr(args, name) < 1 or (name == "port" and args.port > 65535):
             p.error(f"--{name}: expected a positive integer{' <= 65535' if name == 'port' else ''}, "
                     f"got {getattr(args, name)}")
-    if args.batch_window_ms < 0:
-        p.error(f"--batch_window_ms: expected >= 0, got {args.batch_window_ms}")
     return args
 
 
@@ -97,7 +98,8 @@ def build_engine(args: argparse.Namespace):
     if tokenizer.pad_token_id is None:
         raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
     engine = build_engine("paged", model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
-                          max_kv_tokens=args.max_kv_tokens, policy_version=checkpoint_version(path),
+                          max_kv_tokens=args.max_kv_tokens, max_batch_tokens=args.max_batch_tokens,
+                          policy_version=checkpoint_version(path),
                           attention_backend=attention_backend(None))
     name = args.served_model_name or (path.name if path.exists() else str(args.checkpoint))
     return engine, tokenizer, name
@@ -125,8 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (FileNotFoundError, NotADirectoryError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    app = create_app(engine, tokenizer, model_name=name, max_batch=args.max_batch,
-                     batch_window_ms=args.batch_window_ms, max_tokens=args.max_tokens)
+    app = create_app(engine, tokenizer, model_name=name, max_tokens=args.max_tokens)
     logger.info("serving %s (%s on %s) at http://%s:%d/v1", name, engine.dtype, engine.device, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

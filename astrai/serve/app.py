@@ -1,9 +1,12 @@
-"""The FastAPI application: OpenAI-compatible routes over a `Batcher` of the paged engine.
+"""The FastAPI application: OpenAI-compatible routes over an `EngineLoop` that steps the paged engine.
 
-Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`. Errors (bad JSON,
-invalid fields, unknown model, a prompt longer than the context, unsupported options) are answered in the OpenAI
-shape `{"error": {"message", "type", "param", "code"}}` with a 4xx status. Streaming (`"stream": true`) sends
-server-sent events, one `data: {chunk}` per token delta in the OpenAI chunk format, ending with `data: [DONE]`.
+Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`.
+Requests join the engine's running batch at its next decode step and leave it when they end (`engine_loop`), so a
+short request is not held up by a long one. Every failure is answered in the OpenAI shape
+`{"error": {"message", "type", "param", "code"}}`: bad JSON, invalid fields or text, unknown model or route, a
+prompt longer than the context, unsupported options (4xx), and anything unexpected (500). Streaming
+(`"stream": true`) sends server-sent events in the OpenAI chunk format, ending with `data: [DONE]`. A client that
+disconnects, streaming or not, has its request aborted in the engine before the next step.
 """
 
 from __future__ import annotations
@@ -11,49 +14,59 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
-import uuid
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from astrai.serve.batcher import Batcher, Job
 from astrai.serve.detokenize import TextStream
-from astrai.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_supported,
-                                   message_text, sampling_for, stop_strings)
+from astrai.serve.engine_loop import EngineLoop, Job
+from astrai.serve.logprobs import TokenText
+from astrai.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_supported, check_text,
+                                   logprobs_k, message_text, sampling_for, stop_strings)
+from astrai.serve.responses import Run, body, sse_lines
 
 __all__ = ["create_app"]
 
+logger = logging.getLogger(__name__)
+
 
 class _Server:
-    """State behind the routes: engine batcher, tokenizer, served name, limits."""
+    """State behind the routes: the engine loop, tokenizer, served name, limits."""
 
-    def __init__(self, engine, tokenizer, *, model_name: str, max_batch: int, batch_window_s: float,
-                 max_tokens: int):
-        self.batcher = Batcher(engine, max_batch=max_batch, window_s=batch_window_s)
+    def __init__(self, engine, tokenizer, *, model_name: str, max_tokens: int):
+        self.loop = EngineLoop(engine)
         self.engine, self.tokenizer, self.model_name, self.max_tokens = engine, tokenizer, model_name, max_tokens
-        self.context = engine.model.config.max_position_embeddings
+        self.text_of = TokenText(tokenizer)
+        capacity = engine.capacity
+        self.context, self.max_batch = capacity.max_position_embeddings, capacity.max_num_seqs
         self.vocab = engine.model.config.vocab_size
         eos = tokenizer.eos_token_id
         self.stop_token_ids = () if eos is None else (eos,)
         self.created = int(time.time())
 
+    def model_card(self) -> dict:
+        """The served model in OpenAI's model object shape."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "astrai"}
+
     def check_model(self, name: str) -> None:
+        """APIError 404 (`model_not_found`) unless `name` is the served model."""
         if name != self.model_name:
             raise APIError(f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            status=404, param="model", code="model_not_found")
 
     def prompts_of(self, req: CompletionRequest) -> list[list[int]]:
-        """Token ids of each prompt of a completion request; APIError for empty or out-of-vocabulary ones."""
+        """Token ids of each prompt of a completion request; APIError for empty, invalid or out-of-vocabulary ones."""
         p = req.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
             p = [p]
         if not p:
             raise APIError("prompt: must not be empty", param="prompt")
-        ids = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in p]
+        ids = [self.tokenizer.encode(check_text(x, "prompt")) if isinstance(x, str) else list(x) for x in p]
         for i, prompt in enumerate(ids):
             if not prompt:
                 raise APIError("prompt: must not be empty", param="prompt")
@@ -74,161 +87,133 @@ class _Server:
                            param=param if room >= 1 else "messages", code="context_length_exceeded")
         return asked
 
-    def jobs(self, req, prompts: list[list[int]], budgets: list[int], on_token=None) -> list[Job]:
-        """One `Job` per prompt (choices `i * n .. i * n + n - 1` belong to prompt i)."""
+    def run(self, req, prompts: list[list[int]], budgets: list[int], *, chat: bool) -> Run:
+        """Validate the request's options and submit one job per prompt."""
         check_supported(req)
-        if req.n * len(prompts) > self.batcher.max_batch:
-            raise APIError(f"n: at most {self.batcher.max_batch} choices per request (the server's --max_batch)",
-                           param="n")
-        out = []
-        for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
-            params, penalty = sampling_for(req, max_new_tokens=budget, stop_token_ids=self.stop_token_ids)
-            hook = None if on_token is None else (lambda c, t, base=i * req.n: on_token(base + c, t))
-            out.append(Job(prompt, params, n=req.n, penalty=penalty, seed=req.seed, on_token=hook))
-        return out
-
-    def streams(self, req, budgets: list[int]) -> list[TextStream]:
+        if req.n * len(prompts) > self.max_batch:
+            raise APIError(f"n: at most {self.max_batch} choices per request (the server's --max_batch)", param="n")
+        k = logprobs_k(req)
         stops = stop_strings(req.stop)
-        return [TextStream(self.tokenizer, stop=stops, stop_token_ids=self.stop_token_ids, max_tokens=b)
-                for b in budgets for _ in range(req.n)]
+        jobs, streams = [], []
+        for prompt, budget in zip(prompts, budgets):
+            params, penalty = sampling_for(req, max_new_tokens=budget, stop_token_ids=self.stop_token_ids)
+            jobs.append(Job(prompt, params, n=req.n, penalty=penalty, seed=req.seed, top_logprobs=k or 0))
+            streams += [TextStream(self.tokenizer, stop=stops, stop_token_ids=params.stop_token_ids, max_tokens=budget)
+                        for _ in range(req.n)]
+        return Run(self, jobs, streams, logprobs=k, prompt_tokens=sum(len(p) for p in prompts), chat=chat)
 
 
-def _usage(prompts: list[list[int]], streams: list[TextStream]) -> dict:
-    prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, as OpenAI counts
-    completion = sum(s.num_tokens for s in streams)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+class _EventStream(StreamingResponse):
+    """An SSE response that always watches for the client going away (whatever ASGI version the server speaks) and
+    calls `on_close` when the stream ends, completed or cut off."""
 
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _generate(server: _Server, req, prompts, budgets, *, chat: bool):
-    """Non-streaming: run the jobs, return the OpenAI response body."""
-    streams = server.streams(req, budgets)
-    jobs = server.jobs(req, prompts, budgets)
-    results = await asyncio.gather(*(server.batcher.submit(job) for job in jobs))
-    for stream, sample in zip(streams, (s for samples in results for s in samples)):
-        for token in sample.token_ids:
-            stream.push(token)
-        stream.finish(sample.finished)
-    choices = []
-    for i, s in enumerate(streams):
-        body = {"message": {"role": "assistant", "content": s.text}} if chat else {"text": s.text}
-        choices.append({"index": i, **body, "logprobs": None, "finish_reason": s.finish_reason})
-    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": server.model_name, "choices": choices, "usage": _usage(prompts, streams)}
-
-
-async def _stream(server: _Server, req, prompts, budgets, *, chat: bool) -> AsyncIterator[str]:
-    """Streaming: validate and submit first (errors before the first byte are plain 4xx), then yield SSE lines."""
-    streams = server.streams(req, budgets)
-    events: asyncio.Queue = asyncio.Queue()
-    jobs = server.jobs(req, prompts, budgets, on_token=lambda c, t: events.put_nowait((c, t)))
-    futures = [server.batcher.submit(job) for job in jobs]
-    for future in futures:
-        future.add_done_callback(lambda f: events.put_nowait(None))
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": server.model_name}
-    include_usage = bool((req.stream_options or {}).get("include_usage"))
-
-    def chunk(index: int, text: Optional[str], reason: Optional[str], first: bool = False) -> str:
-        if chat:
-            delta = ({"role": "assistant", "content": ""} if first else
-                     {} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-        return _sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
-
-    async def lines() -> AsyncIterator[str]:
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            if chat:
-                for i in range(len(streams)):
-                    yield chunk(i, None, None, first=True)
-            pending = len(futures)
-            while pending:
-                event = await events.get()
-                if event is None:
-                    pending -= 1
-                    continue
-                choice, token = event
-                stream, was_open = streams[choice], streams[choice].finish_reason is None
-                text = stream.push(token)
-                if text:
-                    yield chunk(choice, text, None)
-                if was_open and stream.finish_reason is not None:
-                    yield chunk(choice, None, stream.finish_reason)
-            samples = [s for f in futures for s in f.result()]
-        except Exception as err:  # noqa: BLE001 - the status line is gone: report in the stream
-            yield _sse(_engine_error(err).body())
-            yield "data: [DONE]\n\n"
-            return
-        for i, (stream, sample) in enumerate(zip(streams, samples)):
-            if stream.finish_reason is None:
-                text = stream.finish(sample.finished)
-                if text:
-                    yield chunk(i, text, None)
-                yield chunk(i, None, stream.finish_reason)
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(prompts, streams)})
-        yield "data: [DONE]\n\n"
-
-    return lines()
+            sender = asyncio.ensure_future(self.stream_response(send))
+            watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (sender, watcher):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await sender
+        finally:
+            self.on_close()
 
 
-def _engine_error(err: Exception) -> APIError:
-    if isinstance(err, APIError):
-        return err
-    if isinstance(err, ValueError):
-        return APIError(str(err))
-    return APIError(f"generation failed: {err}", status=500, kind="server_error")
+async def _unless_disconnected(request: Request, work):
+    """Await `work` (a coroutine) unless the client disconnects first; then cancel it and raise `_Gone`."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise _Gone()
+    return task.result()
 
 
-def create_app(engine, tokenizer, *, model_name: str, max_batch: int = 32, batch_window_ms: float = 5.0,
-               max_tokens: int = 512) -> FastAPI:
-    """The OpenAI-compatible app over `engine` (a `GenerationEngine`) and its `tokenizer`.
+class _Gone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def _respond(server: _Server, request: Request, req, prompts, budgets, *, chat: bool):
+    run = server.run(req, prompts, budgets, chat=chat)
+    try:
+        await _unless_disconnected(request, run.started())  # the engine's refusal is still a 4xx here
+        if req.stream:
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            return _EventStream(sse_lines(run, include_usage), on_close=run.close)
+        return _json(await _unless_disconnected(request, body(run)))
+    except _Gone:
+        run.close()
+        return Response(status_code=499)  # nobody reads it
+    except BaseException:
+        run.close()
+        raise
+
+
+def _json(content, status: int = 200) -> Response:
+    """JSON with non-ASCII escaped: an error message quoting invalid text (a lone surrogate) still encodes."""
+    return Response(json.dumps(content, ensure_ascii=True), status_code=status, media_type="application/json")
+
+
+def create_app(engine, tokenizer, *, model_name: str, max_tokens: int = 512) -> FastAPI:
+    """The OpenAI-compatible app over `engine` (a `StreamingEngine`, e.g. the paged engine) and its `tokenizer`.
 
     Args:
         model_name: the id served by `/v1/models`; requests naming another model get 404.
-        max_batch: most rows (choices) per engine call; the engine's `max_num_seqs` must be at least this.
-        batch_window_ms: how long the batcher waits for more requests after the first (milliseconds).
         max_tokens: default response budget when a chat request sets none (capped by the context).
+    The engine's `capacity.max_num_seqs` bounds the choices decoded at once and the choices per request.
     """
-    server = _Server(engine, tokenizer, model_name=model_name, max_batch=max_batch,
-                     batch_window_s=batch_window_ms / 1000.0, max_tokens=max_tokens)
+    from astrai.rollout.engine import StreamingEngine
+
+    if not isinstance(engine, StreamingEngine):
+        raise TypeError(f"astrai.serve needs an engine with the streaming API (add_request, step, abort); "
+                        f"{type(engine).__name__} has none")
+    server = _Server(engine, tokenizer, model_name=model_name, max_tokens=max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await server.batcher.start()
+        await server.loop.start()
         yield
-        await server.batcher.stop()
+        await server.loop.stop()
 
     app = FastAPI(title="astrai", lifespan=lifespan)
     app.state.server = server
     _add_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": server.model_name, "policy_version": engine.policy_version,
-                **server.batcher.stats}
+    async def health():
+        return _json({"status": "ok", "model": server.model_name, "policy_version": engine.policy_version,
+                      **server.loop.stats})
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "astrai"}]}
+    async def models():
+        return _json({"object": "list", "data": [server.model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        server.check_model(model_id)
+        return _json(server.model_card())
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         server.check_model(req.model)
         prompts = server.prompts_of(req)
         budgets = [server.budget(p, req.max_tokens, "max_tokens") for p in prompts]
-        return await _respond(server, req, prompts, budgets, chat=False)
+        return await _respond(server, request, req, prompts, budgets, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         server.check_model(req.model)
         messages = [message_text(m, i) for i, m in enumerate(req.messages)]
         try:
@@ -238,43 +223,36 @@ def create_app(engine, tokenizer, *, model_name: str, max_batch: int = 32, batch
         prompt = tokenizer.encode(text)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         budget = server.budget(prompt, asked, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-        return await _respond(server, req, [prompt], [budget], chat=True)
+        return await _respond(server, request, req, [prompt], [budget], chat=True)
 
     return app
 
 
-async def _respond(server: _Server, req, prompts, budgets, *, chat: bool):
-    if req.stream:
-        return StreamingResponse(await _stream(server, req, prompts, budgets, chat=chat),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    try:
-        return await _generate(server, req, prompts, budgets, chat=chat)
-    except APIError:
-        raise
-    except Exception as err:  # noqa: BLE001
-        raise _engine_error(err) from None
-
-
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error in the OpenAI shape."""
+    """Every error in the OpenAI shape, as JSON."""
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+    async def api_error(request: Request, err: APIError):
+        return _json(err.body(), err.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            return JSONResponse(APIError(message).body(), status_code=400)
+            return _json(APIError(message).body(), 400)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return JSONResponse(APIError(message, param=param).body(), status_code=400)
+        return _json(APIError(message, param=param).body(), 400)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: HTTPException):
         kind = "invalid_request_error" if err.status_code < 500 else "server_error"
-        return JSONResponse(APIError(str(err.detail), status=err.status_code, kind=kind).body(),
-                            status_code=err.status_code)
+        return _json(APIError(str(err.detail), status=err.status_code, kind=kind).body(), err.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _json(APIError(f"internal error: {type(err).__name__}: {err}", status=500, kind="server_error")
+                     .body(), 500)

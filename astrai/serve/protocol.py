@@ -1,9 +1,11 @@
 """OpenAI API request bodies (pydantic), their validation, and the mapping to engine `SamplingParams`.
 
 Field names, ranges and defaults follow the OpenAI API reference for `/v1/completions` and `/v1/chat/completions`.
-Unknown fields are ignored (clients send many optional ones); fields the engine cannot honour (`logprobs`,
-`presence_penalty`, `logit_bias`, `best_of`, `echo`, `suffix`, `tools`, non-text message parts) are rejected with
-a 400 naming them when they ask for something, rather than silently dropped.
+Unknown fields are ignored (clients send many optional ones); fields the engine cannot honour
+(`presence_penalty`, `logit_bias`, `best_of`, `echo`, `suffix`, `tools`, non-text message parts) are rejected with
+a 400 naming them when they ask for something, rather than silently dropped. `ignore_eos` is vLLM's extension
+(generate exactly `max_tokens` tokens, as load benchmarks need). Text that cannot be encoded as UTF-8 (a lone
+surrogate such as "\ud800", which JSON allows) is refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from astrai.rollout.sampling import MIN_TEMPERATURE, SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy
 
-__all__ = ["APIError", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "sampling_for",
-           "stop_strings", "message_text"]
+__all__ = ["APIError", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "check_text", "logprobs_k",
+           "sampling_for", "stop_strings", "message_text"]
 
 MAX_STOP = 4
 """Most stop strings per request (the OpenAI limit)."""
+MAX_TOP_LOGPROBS = {"completions": 5, "chat": 20}
+"""Largest `logprobs` (completions) and `top_logprobs` (chat) OpenAI accepts."""
 
 
 class APIError(Exception):
@@ -52,6 +56,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    ignore_eos: bool = False
 
     def unsupported(self) -> list[str]:
         """Names of fields that ask for something this server does not do."""
@@ -65,13 +70,12 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(16, ge=1)
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS["completions"])
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported() + (["echo"] if self.echo else []) + (["suffix"] if self.suffix else [])
-        bad += ["logprobs"] if self.logprobs is not None else []
         return bad + (["best_of"] if self.best_of not in (None, 1) else [])
 
 
@@ -91,12 +95,11 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS["chat"])
     tools: Optional[list[Any]] = None
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported() + (["logprobs"] if self.logprobs else [])
-        return bad + (["tools"] if self.tools else [])
+        return super().unsupported() + (["tools"] if self.tools else [])
 
 
 def check_supported(request: _Sampling) -> None:
@@ -105,8 +108,28 @@ def check_supported(request: _Sampling) -> None:
         raise APIError(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
 
 
+def logprobs_k(request: _Sampling) -> Optional[int]:
+    """How many most likely tokens to report with each generated one: None = no logprobs at all (completions
+    `logprobs`; chat `logprobs` + `top_logprobs`, default 0). APIError for chat `top_logprobs` without `logprobs`."""
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return getattr(request, "logprobs", None)
+
+
+def check_text(text: str, param: str) -> str:
+    """`text` if it encodes as UTF-8; APIError (400, naming `param`) for a lone surrogate such as "\ud800"."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(f"{param}: not valid Unicode text (a lone surrogate, U+{ord(text[err.start]):04X}, at "
+                       f"character {err.start})", param=param) from None
+    return text
+
+
 def message_text(message: ChatMessage, index: int) -> dict[str, str]:
-    """`{"role", "content"}` with list-of-parts content joined; APIError for non-text parts."""
+    """`{"role", "content"}` with list-of-parts content joined; APIError for non-text parts or invalid text."""
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -117,7 +140,7 @@ def message_text(message: ChatMessage, index: int) -> dict[str, str]:
             texts.append(part["text"])
         content = "".join(texts)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    return {"role": role, "content": check_text(content or "", f"messages.[{index}].content")}
 
 
 def stop_strings(stop: Optional[Union[str, list[str]]]) -> tuple[str, ...]:
@@ -127,7 +150,7 @@ def stop_strings(stop: Optional[Union[str, list[str]]]) -> tuple[str, ...]:
         raise APIError(f"stop: at most {MAX_STOP} sequences, got {len(stops)}", param="stop")
     if any(not s for s in stops):
         raise APIError("stop: sequences must be non-empty strings", param="stop")
-    return stops
+    return tuple(check_text(s, "stop") for s in stops)
 
 
 def sampling_for(request: _Sampling, *, max_new_tokens: int, stop_token_ids: tuple[int, ...]
@@ -135,14 +158,15 @@ def sampling_for(request: _Sampling, *, max_new_tokens: int, stop_token_ids: tup
     """Engine `SamplingParams` (+ frequency penalty) for a validated request.
 
     temperature 0 (or below the engine's 1e-4 floor) or top_p 0 means greedy decoding (top_k = 1). Defaults are
-    OpenAI's: temperature 1, top_p 1. A negative frequency_penalty raises APIError (the engine penalises only).
+    OpenAI's: temperature 1, top_p 1. `ignore_eos` drops `stop_token_ids`. A negative frequency_penalty raises
+    APIError (the engine penalises only).
     """
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     greedy = temperature < MIN_TEMPERATURE or top_p == 0
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0 if greedy else temperature,
                             top_k=1 if greedy else 0, top_p=1.0 if greedy else top_p,
-                            stop_token_ids=stop_token_ids)
+                            stop_token_ids=() if request.ignore_eos else stop_token_ids)
     if request.frequency_penalty < 0:
         raise APIError("frequency_penalty: only values >= 0 are supported", param="frequency_penalty")
     penalty = FrequencyPenaltyStrategy(request.frequency_penalty) if request.frequency_penalty else None
