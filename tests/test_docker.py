@@ -147,7 +147,7 @@ def test_every_dependency_is_pinned_and_every_install_constrained():
     pins = constraints()
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    wanted = project["dependencies"] + [r for e in ("deepspeed", "serve", "tensorboard", "plot", "flash")
+    wanted = project["dependencies"] + [r for e in ("deepspeed", "serve", "tensorboard", "plot", "flash", "lora")
                                         for r in extras[e]]
     for text in wanted:
         req = Requirement(text)
@@ -165,7 +165,7 @@ def test_every_dependency_is_pinned_and_every_install_constrained():
     installs = [line for line in lines if "pip install" in line]
     extras_line = next(line for line in installs if '".[' in line)
     assert set(extras_line.split('".[', 1)[1].split("]", 1)[0].split(",")) == {"deepspeed", "serve", "tensorboard",
-                                                                            "plot"}
+                                                                            "plot", "lora"}
     assert all("==" not in line or "${TORCH_VERSION}" in line for line in installs)  # versions live in one file
 
 
