@@ -154,8 +154,9 @@ def _check_before_writing(output_dir, root: Path, parts, run_id: Optional[str]) 
         raise NonFiniteWeightsError(f"non-finite weights are never published: {'; '.join(bad)} hold NaN or infinite "
                               f"values; {where}")
     needed = (checkpoint_bytes(last) if last is not None else None) or estimate_bytes(parts)
-    if free_bytes(root) < needed:
-        raise space_error(root, needed, last, during=False)
+    free = free_bytes(root)
+    if free < needed:
+        raise space_error(root, needed, free, last, during=False)
 
 
 def _agree(dist, error: Optional[BaseException], rank: int, *, before_writing: bool) -> None:
@@ -225,12 +226,13 @@ def _publish_rank0(root: Path, name: str, staging: Path, parts, fields: dict, *,
         _move_into_place(staging, final, root)
     except BaseException as exc:
         pool.shutdown(wait=True, cancel_futures=True)
-        written = _tree_bytes(staging)
+        written, free = _tree_bytes(staging), free_bytes(root)  # before the staging directory frees its space
         remove_tree(staging)
-        if isinstance(exc, Exception) and not isinstance(exc, CheckpointSpaceError) and out_of_space(exc):
+        if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
             measured = checkpoint_bytes(last_good) if last_good is not None else None
             needed = max(written, measured or estimate_bytes(parts))
-            raise space_error(root, needed, last_good, during=True) from exc
+            if out_of_space(exc, free=free, missing=needed - written):
+                raise space_error(root, needed, free + written, last_good, during=True) from exc
         raise
     pool.shutdown()
     return final
@@ -288,8 +290,11 @@ def _contribute(staging: Path, rank: int, parts, last_good: Optional[Path]) -> N
             files[name] = {"sha256": digest, "bytes": size}
     except Exception as exc:
         error = exc
-        if out_of_space(exc):
-            error = space_error(staging.parent, _tree_bytes(staging), last_good, during=True)
+        written, free = _tree_bytes(staging), free_bytes(staging)
+        measured = checkpoint_bytes(last_good) if last_good is not None else None
+        needed = max(written, measured or estimate_bytes(parts))
+        if out_of_space(exc, free=free, missing=needed - written):
+            error = space_error(staging.parent, needed, free + written, last_good, during=True)
         for path in staging.glob(f"*_rank{rank:05d}*"):
             remove_tree(path)
         try:

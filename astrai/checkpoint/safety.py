@@ -2,9 +2,10 @@
 checkpoint needs, finite weights, and the recognition of "no space left" however a writer reports it.
 
 A writer that runs out of space does not always raise `OSError(ENOSPC)`: safetensors (Rust) raises its own error
-naming "No space left on device (os error 28)", and `torch.save` a `RuntimeError` about an "unexpected pos" (its
-C++ writer). `out_of_space` recognises all three (and a quota, EDQUOT), so the publisher turns any of them into one
-`CheckpointSpaceError` line.
+naming "No space left on device (os error 28)", and `torch.save` only `RuntimeError: [enforce fail at
+inline_container.cc:672] . unexpected pos 576 vs 534` (its C++ writer, measured on a full tmpfs). `out_of_space`
+recognises the first two (and a quota, EDQUOT) by their errno or text, and any failure when the rest of the
+checkpoint would not fit in what is left free, so the publisher turns each into one `CheckpointSpaceError` line.
 """
 
 from __future__ import annotations
@@ -100,8 +101,12 @@ def nonfinite_weights(parts: Mapping) -> list[str]:
     return found
 
 
-def out_of_space(exc: BaseException) -> bool:
-    """Whether `exc` (or an exception it was raised from) says the disk or the quota is full."""
+def out_of_space(exc: BaseException, *, free: Optional[int] = None, missing: int = 0) -> bool:
+    """Whether `exc` (or an exception it was raised from) says the disk or the quota is full, or, given `free` (bytes
+    free on the filesystem when the writer failed) and `missing` (bytes of the checkpoint not yet written), whether
+    the rest would not have fit (`free < missing`): what `torch.save`'s "unexpected pos" means on a full disk."""
+    if free is not None and free < missing:
+        return True
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -119,12 +124,14 @@ def _size(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def space_error(root: Path, needed: int, last_good: Optional[Path], *, during: bool) -> CheckpointSpaceError:
+def space_error(root: Path, needed: int, free: int, last_good: Optional[Path], *,
+                during: bool) -> CheckpointSpaceError:
     """The one-line error: "no space left on DEVICE: the checkpoint needs ~X GB, Y GB free; the last good
-    checkpoint is step-N" (`during`: the writer ran out of space; else the check before writing found too little)."""
+    checkpoint is step-N" (`during`: the writer ran out of space, `free` counted without its partial files; else
+    the check before writing found `free` too little)."""
     device = mount_point(root)
     when = "while writing a checkpoint into" if during else "for a checkpoint in"
     last = f"the last good checkpoint is {last_good.name}" if last_good is not None else "no checkpoint was published"
     return CheckpointSpaceError(f"no space left on {device} {when} {root}: the checkpoint needs ~{_size(needed)}, "
-                                f"{_size(free_bytes(root))} free; {last} (nothing partial is visible); free space "
+                                f"{_size(free)} free; {last} (nothing partial is visible); free space "
                                 "or choose another --train.output_dir, then resume with --checkpoint.resume auto")
