@@ -76,6 +76,9 @@ def config_changes(path: Path, config) -> Optional[list[Change]]:
 
 
 def _fmt(value: Any) -> str:
+    """A value as it is written on the command line (`1e-3` -> 0.001, `True` -> true, None -> null)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:g}"
     return "null" if value is None else str(value)
