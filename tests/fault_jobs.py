@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch"
 SFT = REPO / "configs" / "examples" / "sft.yaml"
 
 
@@ -81,8 +82,9 @@ def torchrun(args, *, nproc=2, env=None, extra=()) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def rank_pids(agent_pid: int, world: int, timeout: float = 120) -> dict[int, int]:
-    """{rank: pid} of the workers a torchrun agent started (read from their RANK environment variable)."""
+def rank_pids(agent_pid: int, world: int, timeout: float = 120, attempt: int = 0) -> dict[int, int]:
+    """{rank: pid} of the workers a torchrun agent started for its `attempt` (0: the first start, k: the k-th
+    restart), read from their RANK and TORCHELASTIC_RESTART_COUNT environment variables."""
     import psutil
 
     deadline = time.monotonic() + timeout
@@ -93,7 +95,7 @@ def rank_pids(agent_pid: int, world: int, timeout: float = 120) -> dict[int, int
                 env = child.environ()
             except (psutil.Error, OSError):
                 continue
-            if "RANK" in env and "TORCHELASTIC_RESTART_COUNT" in env:
+            if "RANK" in env and env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt):
                 found[int(env["RANK"])] = child.pid
         if len(found) == world:
             return found
