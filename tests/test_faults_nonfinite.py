@@ -85,7 +85,8 @@ def test_nonfinite_weights_are_never_published(tiny_model_dir, tmp_path):
 def test_resume_auto_never_picks_a_checkpoint_marked_bad(tiny_model_dir, chats, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 2, "--checkpoint.save_steps", 1)) == 0
-    mark_bad(out / "checkpoints/step-00000002", "loss spiked after it")
+    from astrai.checkpoint.__main__ import main as checkpoint_cli
+    assert checkpoint_cli(["mark-bad", str(out / "checkpoints/step-00000002"), "--reason", "loss spiked after it"]) == 0
     with pytest.warns(UserWarning, match="marked bad"):
         assert find_latest_checkpoint(out).name == "step-00000001"
     capsys.readouterr()

@@ -8,8 +8,8 @@ import signal
 import time
 
 import pytest
-from fault_jobs import (assert_same, checkpoint_steps, rank_pids, sft_args, steps_of, torchrun, wait_for, weights,
-                        write_chats)
+from fault_jobs import (REPO, assert_same, checkpoint_steps, free_port, rank_pids, sft_args, steps_of, torchrun,
+                        wait_for, weights, write_chats)
 
 from astrai.checkpoint import verify_checkpoint
 from astrai.train import main
@@ -109,3 +109,48 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tiny_model_dir, chats, 
     assert "rank 1: SIGTERM received" in log and "rank 0: SIGTERM received" not in log
     assert f"stopped by a signal on another rank after {step} steps" in log
     assert log.count("exitcode: 75") + log.count("exitcode  : 75") >= 1, log[-3000:]
+
+
+def signal_the_launcher(cmd, out, signum, env=None):
+    """Start a launcher, send `signum` to it (not to the ranks) after step 2; return (its exit code, its output,
+    seconds from the signal to its exit)."""
+    import subprocess
+
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_CHECK": "0", **(env or {})},
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: len(steps_of(out)) >= 2, 180, "step 2", proc)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        proc.wait(timeout=300)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, proc.stdout.read(), took
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher, signum", [("torchrun.sh", signal.SIGTERM), ("torchrun.sh", signal.SIGUSR1),
+                                              ("accelerate.sh", signal.SIGINT)])
+def test_the_launcher_forwards_the_signal_to_every_rank(tiny_model_dir, chats, tmp_path, launcher, signum):
+    """A signal to the launcher (a Ctrl-C, Slurm's SIGUSR1 to the task, a SIGTERM from the scheduler) reaches every
+    rank: both stop after the same step with one checkpoint."""
+    import sys
+
+    from fault_jobs import LAUNCH
+
+    out = tmp_path / "run"
+    args = sft_args(tiny_model_dir, out, chats, "--max_steps", 400)[1:]
+    opts = (["--nproc_per_node", "2", "--master_port", str(free_port())] if launcher == "torchrun.sh" else
+            ["--num_processes", "2", "--main_process_port", str(free_port())])  # accelerate: --multi_gpu, 2 on CPU
+    rc, log, took = signal_the_launcher(["bash", str(LAUNCH / launcher), *opts, *args], out, signum,
+                                        env={"PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"})
+    name = signal.Signals(signum).name
+    print(f"{name} to {launcher} -> exit {rc}: {took:.2f} s")
+    (step,) = checkpoint_steps(out)
+    assert steps_of(out)[-1] == step < 400, log[-3000:]
+    assert f"rank 0: {name} received" in log and f"rank 1: {name} received" in log, log[-3000:]
+    assert f"stopped by {name} after {step} steps" in log
+    assert verify_checkpoint(out / "checkpoints" / f"step-{step:08d}").exit_code == 0

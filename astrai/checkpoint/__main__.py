@@ -1,4 +1,4 @@
-"""Command line: `python -m astrai.checkpoint {verify,latest,recover} ...`.
+"""Command line: `python -m astrai.checkpoint {verify,latest,recover,mark-bad} ...`.
 
     verify [--require-critic] DIR   one line per file (OK / MISMATCH / MISSING / UNSAFE / EXTRA / UNVERIFIED
                                     + name); exit 0 all match, 1 any mismatch or missing file (or, with
@@ -8,6 +8,8 @@
     latest OUTPUT_DIR               print the newest complete checkpoint; exit 1 when there is none
     recover OUTPUT_DIR              clean up staging/retired/deleting dirs after a crash (run while no
                                     training writes to OUTPUT_DIR); prints one line per action
+    mark-bad DIR --reason TEXT      record in DIR's manifest that it is bad: `resume auto`, `latest` and
+                                    keep_last skip it from then on (its files stay; exit 2 when DIR has no manifest)
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from astrai.checkpoint.layout import find_latest_checkpoint, recover
+from astrai.checkpoint.layout import find_latest_checkpoint, mark_bad, recover
+from astrai.checkpoint.manifest import CheckpointError
 from astrai.checkpoint.verify import verify_checkpoint
 
 
@@ -34,7 +37,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     latest.add_argument("--hashes", action="store_true", help="also check sha256 of every candidate")
     rec = commands.add_parser("recover", help="clean up after a crash (no training may be running)")
     rec.add_argument("output_dir")
+    bad = commands.add_parser("mark-bad", help="mark a checkpoint bad: resume auto and retention skip it")
+    bad.add_argument("dir")
+    bad.add_argument("--reason", required=True, help="why (recorded in the manifest as 'bad')")
     args = parser.parse_args(argv)
+    if args.command == "mark-bad":
+        from pathlib import Path
+
+        try:
+            mark_bad(Path(args.dir), args.reason)
+        except CheckpointError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"{args.dir}: marked bad ({args.reason}); --checkpoint.resume auto now skips it")
+        return 0
     if args.command == "verify":
         report = verify_checkpoint(args.dir, require_complete=args.require_complete)
         for line in report.lines():
