@@ -138,9 +138,11 @@ def _run(config) -> int:
         steps = f"{ran} step{'' if ran == 1 else 's'}"
         steps += f" (resumed at step {first}, now at {state.global_step})" if first else ""
         if state.stopped_by is not None:
-            print(f"stopped by {state.stopped_by} after {steps}, with a checkpoint of step {state.global_step}; "
-                  f"exit code {EXIT_PREEMPTED}: resume with --checkpoint.resume auto (a requeued or restarted job "
-                  f"does so itself); outputs in {config.train.output_dir}")
+            saved = (f"with a checkpoint of step {state.global_step}" if ran else
+                     "before its first step (nothing new to checkpoint)")
+            print(f"stopped by {state.stopped_by} after {steps}, {saved}; exit code {EXIT_PREEMPTED}: resume with "
+                  f"--checkpoint.resume auto (a requeued or restarted job does so itself); outputs in "
+                  f"{config.train.output_dir}")
         else:
             print(f"done: {steps}, policy_version {state.policy_version}, "
                   f"{time.perf_counter() - start:.1f} s; outputs in {config.train.output_dir}")

@@ -154,3 +154,20 @@ def test_the_launcher_forwards_the_signal_to_every_rank(tiny_model_dir, chats, t
     assert f"rank 0: {name} received" in log and f"rank 1: {name} received" in log, log[-3000:]
     assert f"stopped by {name} after {step} steps" in log
     assert verify_checkpoint(out / "checkpoints" / f"step-{step:08d}").exit_code == 0
+
+
+def test_a_signal_while_the_job_starts_stops_it_before_the_first_step(tiny_model_dir, chats, tmp_path, monkeypatch,
+                                                                       capfd):
+    from astrai.trainer import build
+
+    load = build.load_pretrained
+
+    def load_and_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the model loads
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(build, "load_pretrained", load_and_signal)
+    out = tmp_path / "run"
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 4)) == EXIT_PREEMPTED
+    assert checkpoint_steps(out) == [] and steps_of(out) == []
+    assert "stopped by SIGTERM after 0 steps, before its first step (nothing new to checkpoint)" in capfd.readouterr().out

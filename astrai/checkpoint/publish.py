@@ -151,8 +151,8 @@ def _check_before_writing(output_dir, root: Path, parts, run_id: Optional[str]) 
     last = _last_good(output_dir, run_id)
     if bad:
         where = f"the last good checkpoint is {last.name}" if last is not None else "no checkpoint was published"
-        raise NonFiniteWeightsError(f"non-finite weights are never published: {'; '.join(bad)} hold NaN or infinite "
-                              f"values; {where}")
+        raise NonFiniteWeightsError(f"non-finite weights are never published: {'; '.join(bad)} hold NaN or "
+                                    f"infinite values; {where}")
     needed = (checkpoint_bytes(last) if last is not None else None) or estimate_bytes(parts)
     free = free_bytes(root)
     if free < needed:

@@ -10,6 +10,9 @@ inherited the open lock file (a worker forked by the job) keeps it; the refusal 
 
 On network filesystems `flock` is what the client implements (NFSv4 maps it to a lease-backed byte-range lock; a
 dead host's lock is released when its lease expires).
+
+Within one process the lock is the process's: a job built again in the same directory (a notebook, a test building
+two trainers) takes over the lock this process already holds instead of refusing itself.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Optional
 
 LOCK_NAME = "train.lock"
+_HELD: dict[str, tuple[int, "OutputDirLock"]] = {}
+"""Locks this process holds: resolved lock path -> (open file descriptor, the `OutputDirLock` that owns it)."""
 
 
 class OutputDirLocked(ValueError):
@@ -76,14 +81,20 @@ class OutputDirLock:
             OutputDirLocked: another process holds it (naming the holder; saying when its pid is gone from this host).
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputDirLocked(self._refusal()) from None
+        key = str(self.path.resolve())
+        if key in _HELD:  # this process holds it already: take it over
+            fd, _ = _HELD[key]
+            self.previous = {}
+        else:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputDirLocked(self._refusal()) from None
+            self.previous = _read(self.path)
+        _HELD[key] = (fd, self)
         self._fd = fd
-        self.previous = _read(self.path)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id, "started": time.time()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
@@ -104,9 +115,15 @@ class OutputDirLock:
         return line
 
     def release(self) -> None:
-        """Empty the record and drop the lock (a no-op when not held)."""
+        """Empty the record and drop the lock (a no-op when not held, or taken over by a later job of this
+        process)."""
         if self._fd is None:
             return
+        key = str(self.path.resolve())
+        if _HELD.get(key, (None, None))[1] is not self:
+            self._fd = None
+            return
+        del _HELD[key]
         try:
             os.ftruncate(self._fd, 0)
         except OSError:
@@ -117,7 +134,7 @@ class OutputDirLock:
 
     def check_free(self) -> None:
         """Raise `OutputDirLocked` when another job holds the lock; leaves nothing held or written (for `--check`)."""
-        if not self.path.is_file():
+        if not self.path.is_file() or str(self.path.resolve()) in _HELD:
             return
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:

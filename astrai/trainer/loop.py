@@ -8,6 +8,10 @@ learning rate actually applied, the optimizer hooks and the `policy_version` boo
 the model (`models.TrainedModel`). The data position advances in one place too: `consumed_samples` grows by what the
 strategy's data sampler handed out during the step. The step's metrics are averaged over the data-parallel ranks
 (`mean_over_ranks`, one collective) before any callback sees them.
+
+Faults (`trainer.faults`, docs/distributed.md "Faults across ranks"): after each step the ranks agree whether to stop
+(a signal on any rank) and whether a checkpoint is due by time (`StepBoundary`); an optimizer step whose loss or
+global gradient norm is not finite is skipped on every rank alike, and too many in a row stop the job.
 """
 
 from __future__ import annotations
@@ -197,9 +201,14 @@ class Trainer:
         and all data-parallel ranks (docs/conventions.md section 2), so the gradient does not depend on how the
         step's data is split. For each micro-batch: `loss, metrics = loss_fn(micro, num_units)` (a share, see
         `LossFn`), plus the model's weighted MoE load-balancing loss averaged over the micro-batches, times the
-        engine's loss scale, backward (gradients synchronised across ranks on the last micro-batch only). Then
-        clip to `max_grad_norm`, `before_optimizer_step`, optimizer + scheduler step, zero the gradients;
-        for "policy", `policy_version` increments under `version_lock`; `after_optimizer_step`.
+        engine's loss scale, backward (gradients synchronised across ranks on the last micro-batch only). A loss that
+        is not finite is multiplied by NaN first (`faults.poison_nonfinite`, no host sync), so its NaN gradients reach
+        every rank through the reduction. Then clip to `max_grad_norm` and, when the global gradient norm is finite
+        (the same decision on every rank; DeepSpeed decides it itself), `before_optimizer_step`, optimizer + scheduler
+        step; zero the gradients; for "policy", `policy_version` increments under `version_lock`;
+        `after_optimizer_step`. A skipped step changes no weight, optimizer state, schedule or `policy_version`: it is
+        counted (`state.skipped_steps`) and said on rank 0, and `max_nonfinite_steps` of one model in a row raise
+        `faults.NonFiniteError`.
 
         Args:
             trained: the model with its optimizer and schedule.
