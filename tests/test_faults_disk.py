@@ -206,3 +206,21 @@ def test_real_writers_on_a_real_full_tmpfs_become_the_space_error(tmp_path):
     assert proc.stdout.startswith(f"LINE no space left on {mount} while writing a checkpoint into "), proc.stdout
     assert "unexpected pos" in proc.stdout  # the writer's own words: nothing said "no space"
     assert list((tmp_path / "tmpfs.copy" / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_real_full_tmpfs_stops_a_two_rank_job_in_one_line(tiny_model_dir, tmp_path):
+    from fault_jobs import free_port
+
+    chats = write_chats(tmp_path / "chats.jsonl")
+    mount = tmp_path / "tmpfs"
+    proc = _private_tmpfs("2m", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                 "--master_port", str(free_port()), "-m", "astrai.train", *sft_args(
+                                     tiny_model_dir, mount / "run", chats, "--max_steps", 4,
+                                     "--checkpoint.save_steps", 1)], mount)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: no space left on {mount} ")
+    assert "exitcode  : 2" in proc.stderr or "exitcode: 2" in proc.stderr, proc.stderr[-3000:]
+    out = tmp_path / "tmpfs.copy" / "run"
+    assert checkpoint_steps(out) == [1] and not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]

@@ -4,7 +4,9 @@ The lock file says who holds it, as JSON: host, pid, run id and start time. A se
 refuses in one line naming the holder (`OutputDirLocked`, exit code 2), before it touches the directory (the crash
 recovery of `checkpoint.recover`, which deletes staging directories, runs after the lock is taken). The kernel drops
 the lock when the holding process ends, however it ends, so a job killed with SIGKILL leaves no lock behind: its
-record stays in the file and the next job says that it takes over from a job that did not end cleanly. A lock that
+record stays in the file and the next job says that it takes over from a job that did not end cleanly. A job that
+ends (or fails to start) cleanly deletes the file while it still holds the lock; a job that locked a file deleted
+meanwhile locks the new one instead. A lock that
 is still held although the pid it names is not running on this host is stale in the other sense: a process that
 inherited the open lock file (a worker forked by the job) keeps it; the refusal says so.
 
@@ -86,12 +88,7 @@ class OutputDirLock:
             fd, _ = _HELD[key]
             self.previous = {}
         else:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise OutputDirLocked(self._refusal()) from None
+            fd = self._lock_file()
             self.previous = _read(self.path)
         _HELD[key] = (fd, self)
         self._fd = fd
@@ -104,6 +101,24 @@ class OutputDirLock:
                     "releasing its lock (killed or crashed); this job takes over")
         return None
 
+    def _lock_file(self) -> int:
+        """Open and flock the lock file; retried when the file that was locked is no longer the one at the path (a
+        job that ended deleted it meanwhile: locking the deleted file would lock nothing)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputDirLocked(self._refusal()) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
+
     def _refusal(self) -> str:
         holder = _read(self.path)
         line = (f"train.output_dir {self.path.parent} is in use by another job: {_describe(holder)} holds "
@@ -115,8 +130,8 @@ class OutputDirLock:
         return line
 
     def release(self) -> None:
-        """Empty the record and drop the lock (a no-op when not held, or taken over by a later job of this
-        process)."""
+        """Delete the lock file and drop the lock (a no-op when not held, or taken over by a later job of this
+        process): a job that ends cleanly leaves nothing behind."""
         if self._fd is None:
             return
         key = str(self.path.resolve())
@@ -124,8 +139,8 @@ class OutputDirLock:
             self._fd = None
             return
         del _HELD[key]
-        try:
-            os.ftruncate(self._fd, 0)
+        try:  # deleted while still held, so no job that locks the path can hold the deleted file
+            self.path.unlink()
         except OSError:
             pass
         fcntl.flock(self._fd, fcntl.LOCK_UN)
