@@ -75,6 +75,7 @@ def test_ranks_that_see_another_directory_or_job_are_named(tmp_path):
                         f"file rank 0 (host {host}) wrote there: every rank must see the same directory, on a "
                         "filesystem shared by all nodes (docs/launch.md)")
         assert seconds < 5
+        print(f"rank {rank}: node-local output dir refused {seconds:.3f} s into the check")
         assert outs[rank]["config"][0] == (f"rank 1 on host {host} resolved another job config than rank 0 (hash abd "
                                            "vs abc): give every node the same job file and overrides")
 
