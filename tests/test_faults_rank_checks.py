@@ -80,6 +80,7 @@ def test_ranks_that_see_another_directory_or_job_are_named(tmp_path):
                                            "vs abc): give every node the same job file and overrides")
 
 
+@pytest.mark.slow  # ~15 s here; the check itself is covered in the default tier above
 def test_a_two_rank_run_with_node_local_output_dirs_is_refused_before_step_1(tiny_model_dir, tmp_path):
     chats = write_chats(tmp_path / "chats.jsonl")
     base = tmp_path / "nodes"
