@@ -7,7 +7,6 @@ kernel refuses). Simulated: the writer raising each error form measured on that 
 disk is (almost) full."""
 
 import errno
-import json
 import os
 import shutil
 import subprocess

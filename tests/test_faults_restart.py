@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from fault_jobs import (LAUNCH, REPO, assert_same, checkpoint_steps, free_port, rank_pids, sft_args, steps_of,
