@@ -277,6 +277,9 @@ class TrainSection(Section, name="train"):
                                             "another run (they are left alone and ignored)")
     bf16: bool = field_spec(False, "bf16 mixed precision: bf16 compute, fp32 master weights and optimizer state")
     fp16: bool = field_spec(False, "fp16 mixed precision with loss scaling (CUDA only)")
+    max_nonfinite_steps: int = field_spec(3, "stop the job after this many optimizer steps in a row of one model "
+                                             "had a non-finite loss or gradient norm (each such step is skipped on "
+                                             "every rank and counted in train/skipped_steps)", GT0)
 
     @property
     def mixed_precision(self) -> str:
@@ -287,6 +290,9 @@ class TrainSection(Section, name="train"):
 @dataclass
 class CheckpointSection(Section, name="checkpoint"):
     save_steps: int = field_spec(0, "publish a checkpoint every N optimizer steps; 0 = only at the end", GE0)
+    save_minutes: Optional[float] = field_spec(60.0, "also publish a checkpoint when this many minutes of training "
+                                                     "have passed since the last one (rank 0's clock, agreed at a "
+                                                     "step boundary); null = by steps only", GT0)
     save_at_end: bool = field_spec(True, "publish a checkpoint after the last step")
     keep_last: Optional[int] = field_spec(None, "keep only the newest N checkpoints; null = keep all", GT0)
     resume: str = field_spec("none", "'none' (fresh start), 'auto' (the latest complete checkpoint in output_dir, "
@@ -300,6 +306,10 @@ class CheckpointSection(Section, name="checkpoint"):
 class DistributedSection(Section, name="distributed"):
     strategy: str = field_spec("auto", "engine: ddp, fsdp2, zero1, zero2, zero3, or auto (the accelerate launch "
                                "config's, else ddp); see docs/distributed.md", Choices(DISTRIBUTED_STRATEGIES))
+    timeout_seconds: float = field_spec(600.0, "seconds a collective (process group) or a wait on another rank may "
+                                        "take before the job stops, naming the timeout and the rank that stopped "
+                                        "answering where it can; transformers' ddp_timeout is accepted as the name",
+                                        GT0)
 
 
 @dataclass
@@ -433,6 +443,9 @@ def ignored_settings(config: Config) -> list[str]:
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 """Section name -> section dataclass, in declaration order."""
+ALIASES: dict[str, tuple[str, str]] = {"ddp_timeout": ("distributed", "timeout_seconds")}
+"""Other names of fields, as users of transformers' `TrainingArguments` know them: name -> (section, field). Accepted
+bare (`--ddp_timeout 60`) and inside the field's section (`distributed: {ddp_timeout: 60}`)."""
 HOST_SECTIONS = ("infra",)
 """Top-level sections for the host-side launch tools (launch/train.sh, docker/*_runtime.py), skipped here."""
 
@@ -456,10 +469,14 @@ def _unknown(what: str, name: str, candidates: Iterable[str]) -> str:
 def _resolve_key(key: str) -> tuple[str, str]:
     """`section.key`, `section_key` or a unique bare field name -> (section, field); raises ConfigError."""
     key = key.replace("-", "_")
+    if key in ALIASES:
+        return ALIASES[key]
     if "." in key:
         section, _, name = key.partition(".")
         if section not in SECTIONS:
             raise ConfigError(_unknown("section", section, SECTIONS))
+        if ALIASES.get(name, (None,))[0] == section:
+            return ALIASES[name]
         if name not in field_specs(SECTIONS[section]):
             raise ConfigError(_unknown_key(section, name))
         return section, name
@@ -537,6 +554,11 @@ def config_from_dict(data: Any, overrides: Iterable[str] = (), source: Optional[
             raise ConfigError(f"{where}{section}: expected a mapping of keys, got {type(body).__name__}")
         specs = field_specs(SECTIONS[section])
         for name, value in (body or {}).items():
+            if ALIASES.get(name, (None,))[0] == section:
+                alias, name = name, ALIASES[name][1]
+                if name in (body or {}):
+                    raise ConfigError(f"{where}{section}.{alias}: set together with {section}.{name} (the same "
+                                      "setting); keep one of them")
             if name not in specs:
                 raise ConfigError(where + _unknown_key(section, str(name)))
             try:

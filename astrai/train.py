@@ -2,7 +2,8 @@
 
 Also runs under `accelerate launch -m astrai.train ...`. Parses the config, exports `runtime.environment`
 (`astrai.runtime_env`), builds the trainer, fits.
-Bad input (config, model path, data file) exits with code 2 and a one-line error.
+Bad input (config, model path, data file) exits with code 2 and a one-line error; the faults of a running job have
+their own codes and one line each (`astrai.trainer.faults`, docs/launch.md "When things go wrong").
 """
 
 from __future__ import annotations
@@ -101,25 +102,79 @@ def _check(config) -> int:
 
 
 def _run(config) -> int:
-    """Build and fit the trainer for a loaded `Config`; returns the exit code."""
+    """Build and fit the trainer for a loaded `Config`; returns the exit code (`astrai.trainer.faults`: 0 done,
+    2 refused, 75 stopped by a signal after publishing a checkpoint, 124 a rank stopped answering)."""
     from astrai.trainer.build import build_trainer
+    from astrai.trainer.faults import EXIT_PREEMPTED, JobFault, StopSignals
 
     start = time.perf_counter()
+    rank = int(os.environ.get("RANK", "0"))
+    signals = StopSignals(rank=rank).install()
+    trainer = None
     try:
-        trainer = build_trainer(config)
+        trainer = build_trainer(config, signals)
+        first = trainer.state.global_step  # > 0 on a resume
+        state = trainer.fit()
+        trainer.dist.shutdown()
     except _bad_input_errors() as err:
-        print(f"error: {err}", file=sys.stderr)
+        if rank == 0 or not _agreed(err):
+            print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    first = trainer.state.global_step  # > 0 on a resume
-    state = trainer.fit()
-    trainer.dist.shutdown()
+    except JobFault as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except RuntimeError as err:
+        stalled = _stalled(config, trainer, err, rank)
+        if stalled is None:
+            raise
+        return stalled
+    finally:
+        signals.restore()
+        if trainer is not None:
+            trainer.lock.release()
     if trainer.dist.is_main:
         ran = state.global_step - first
         steps = f"{ran} step{'' if ran == 1 else 's'}"
         steps += f" (resumed at step {first}, now at {state.global_step})" if first else ""
-        print(f"done: {steps}, policy_version {state.policy_version}, "
-              f"{time.perf_counter() - start:.1f} s; outputs in {config.train.output_dir}")
-    return 0
+        if state.stopped_by is not None:
+            saved = (f"with a checkpoint of step {state.global_step}" if ran else
+                     "before its first step (nothing new to checkpoint)")
+            print(f"stopped by {state.stopped_by} after {steps}, {saved}; exit code {EXIT_PREEMPTED}: resume with "
+                  f"--checkpoint.resume auto (a requeued or restarted job does so itself); outputs in "
+                  f"{config.train.output_dir}")
+        else:
+            print(f"done: {steps}, policy_version {state.policy_version}, "
+                  f"{time.perf_counter() - start:.1f} s; outputs in {config.train.output_dir}")
+    return EXIT_PREEMPTED if state.stopped_by is not None else 0
+
+
+def _agreed(err: BaseException) -> bool:
+    """Errors every rank raises alike (rank 0 alone prints them)."""
+    from astrai.checkpoint.safety import AGREED_ERRORS
+    from astrai.distributed.rank_checks import RanksDisagree
+    from astrai.trainer.lock import OutputDirLocked
+
+    return isinstance(err, (*AGREED_ERRORS.values(), RanksDisagree, OutputDirLocked))
+
+
+def _stalled(config, trainer, err: RuntimeError, rank: int):
+    """The exit code of a collective that timed out (one line, from the lowest rank still running), else None."""
+    from astrai.distributed.rank_checks import describe_stall, is_timeout
+    from astrai.trainer.faults import EXIT_TIMEOUT
+
+    if not is_timeout(err):
+        return None
+    dist = trainer.dist if trainer is not None else None
+    if dist is None:
+        print(f"error: rank {rank}: a collective did not complete within distributed.timeout_seconds "
+              f"{config.distributed.timeout_seconds:g} while the job started; the job stops", file=sys.stderr)
+        return EXIT_TIMEOUT
+    line, silent = describe_stall(dist, config.distributed.timeout_seconds, err)
+    alive = [r for r in range(dist.world_size) if r not in (silent or ())]
+    if not alive or rank == alive[0]:
+        print(f"error: {line}", file=sys.stderr)
+    return EXIT_TIMEOUT
 
 
 if __name__ == "__main__":

@@ -12,7 +12,13 @@
 #   --main_process_ip IP        address of machine 0 (required when M > 1 without --config_file)
 #   --main_process_port PORT    its port (default 29500)
 #   --mixed_precision no|fp16|bf16, --gpu_ids LIST, --same_network, --cpu   passed through to accelerate
+#   --max_restarts N            restart the whole group up to N times when a rank fails (default TRAIN_MAX_RESTARTS,
+#                               else 0); the restarted job resumes its latest checkpoint itself. N > 0 adds
+#                               --rdzv_backend c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the reliable restart)
 # Everything after JOB.yaml goes to `python -m astrai.train` as config overrides.
+# Signals: accelerate's torchrun forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT and (set here, PET_SIGNALS_TO_HANDLE)
+# SIGUSR1 to every rank, which stops at the next step with a checkpoint (exit 75); it waits
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (600 unless set) before it kills the ranks.
 #
 # Runs: accelerate launch [options] [--multi_gpu] -m astrai.train --config JOB.yaml [overrides], after checking the
 # job in one process with the environment the ranks would get (python -m astrai.distributed.preflight; a refusal
@@ -25,6 +31,7 @@ PROG=accelerate.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 args=() config_file="" num_processes="" num_machines=1 machine_rank="" main_ip="" cpu=0 port=29500
+restarts=${TRAIN_MAX_RESTARTS:-0}
 while (($#)); do
   case $1 in
     -h|--help) usage_from_header "$0"; exit 0 ;;
@@ -34,6 +41,7 @@ while (($#)); do
     --machine_rank) need_value "$1" $#; machine_rank=$2; shift 2 ;;
     --main_process_ip) need_value "$1" $#; main_ip=$2; shift 2 ;;
     --main_process_port) need_value "$1" $#; port=$2; shift 2 ;;
+    --max_restarts) need_value "$1" $#; restarts=$2; shift 2 ;;
     --mixed_precision|--gpu_ids) need_value "$1" $#; args+=("$1" "$2"); shift 2 ;;
     --same_network) args+=("$1"); shift ;;
     --cpu) cpu=1; args+=("$1"); shift ;;
@@ -75,6 +83,13 @@ fi
 if [[ -z $config_file ]] && ((cpu == 0)) && [[ -n $num_processes ]] && ((num_processes > 1)); then
   args+=(--multi_gpu)
 fi
+[[ $restarts =~ ^[0-9]+$ ]] || die "--max_restarts: expected a non-negative integer, got '$restarts'"
+if ((restarts > 0)); then
+  args+=(--max_restarts "$restarts" --rdzv_backend c10d)
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+fi
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 require_command accelerate "it comes with astrai: pip install -e ."
 preflight accelerate -m astrai.distributed.preflight "${args[@]}" -m astrai.train --config "$job" "$@"
 exec accelerate launch "${args[@]}" -m astrai.train --config "$job" "$@"

@@ -47,6 +47,13 @@ check_resume() {  # refuse to resume an online_ppo job from a checkpoint without
   fi
 }
 
+require_compose() {  # docker and its compose plugin, each named when missing
+  require_command docker "install Docker (https://docs.docker.com/engine/install/) with its compose plugin"
+  docker compose version >/dev/null 2>&1 ||
+    die "docker is installed but its compose plugin is not (\`docker compose\` fails): install docker-compose-plugin \
+(Docker Compose v2; the old docker-compose v1 command is not used)"
+}
+
 compose() {  # docker compose for this job's project
   docker compose -p "astrai-$TRAIN_JOB_NAME" -f "$COMPOSE_FILE" "$@"
 }
@@ -74,7 +81,7 @@ shift
 case $cmd in
   -h|--help|help) usage_from_header "$0" ;;
   build)
-    require_command docker "install Docker with the compose plugin"
+    require_compose
     docker compose -f "$COMPOSE_FILE" build "$@" trainer ;;
   run|up|down|logs|status)
     job=${1:-}
@@ -82,7 +89,7 @@ case $cmd in
     shift
     [[ $cmd == run || $cmd == up || $# -eq 0 ]] || die "$cmd takes no overrides"
     load_infra "$job" "$@"
-    require_command docker "install Docker with the compose plugin"
+    require_compose
     case $cmd in
       run|up) start "$cmd" "$job" "$@" ;;
       down) compose down ;;

@@ -17,6 +17,7 @@ LAUNCH = REPO / "launch"
 FAKE = r"""#!/usr/bin/env bash
 # fake {tool}: records its arguments (NUL-separated), environment and any compose files, then acts a little
 set -eu
+if [[ {tool} == docker && "$*" == "compose version" ]]; then exit "${{FAKE_COMPOSE_RC:-0}}"; fi  # the plugin probe
 n=$(find "$FAKE_LOG" -mindepth 1 -maxdepth 1 -type d | wc -l)
 d=$FAKE_LOG/$(printf '%03d' "$n")-{tool}
 mkdir -p "$d"
@@ -33,7 +34,13 @@ case {tool} in
   srun)
     while [[ ${{1:-}} == --* ]]; do shift; done
     exec "$@" ;;
-  scontrol) printf 'node-a\nnode-b\n' ;;
+  scontrol) if [[ ${{1:-}} == show ]]; then printf 'node-a\nnode-b\n'; fi ;;
+  torchrun)
+    if [[ -n ${{FAKE_WAIT_USR1:-}} ]]; then  # a job that runs until SIGUSR1, then exits as a preempted job does
+      trap 'echo USR1 >"$d/signal"; exit 75' USR1
+      touch "$d/ready"
+      while :; do sleep 0.05; done
+    fi ;;
   nvidia-smi) for i in $(seq 0 $((${{FAKE_GPUS:-8}} - 1))); do echo "GPU $i: Fake (UUID: GPU-$i)"; done ;;
 esac
 """
@@ -255,21 +262,96 @@ def test_torchrun_single_and_multi_node(fake, job):
     one_line_error(out, "HOST:PORT")
 
 
+SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_GPUS_PER_NODE": "h100:4", "SLURM_CPUS_PER_TASK": "16", "SLURM_SUBMIT_DIR": str(REPO)}
+
+
+def test_torchrun_restarts_use_the_c10d_rendezvous_and_forward_usr1(fake, job):
+    out, calls = fake.run("torchrun.sh", "--max_restarts", "3", job)
+    assert out.returncode == 0, out.stderr
+    assert calls[0]["args"] == ["--nnodes", "1", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                                "localhost:29400", "--rdzv_id", "My Job", "--max_restarts", "3", "-m", "astrai.train",
+                                "--config", str(job)]
+    env = calls[0]["env"]
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "600"
+    assert env["PET_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    out, calls = fake.run("torchrun.sh", "--master_addr", "h0", "--master_port", "6000", job,
+                          env={"TRAIN_MAX_RESTARTS": "2"})
+    assert calls[0]["args"][4:10] == ["--rdzv_backend", "c10d", "--rdzv_endpoint", "h0:6000", "--rdzv_id", "My Job"]
+    out, calls = fake.run("torchrun.sh", job)  # no restarts: torchrun's default rendezvous, as before
+    assert "--rdzv_backend" not in calls[0]["args"] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in calls[0]["env"]
+    one_line_error(fake.run("torchrun.sh", "--max_restarts", "x", job)[0], "--max_restarts")
+
+
+def test_accelerate_restarts(fake, job):
+    out, calls = fake.run("accelerate.sh", "--max_restarts", "2", job)
+    assert out.returncode == 0, out.stderr
+    assert calls[0]["args"][:6] == ["launch", "--num_processes", "1", "--max_restarts", "2", "--rdzv_backend"]
+    assert calls[0]["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert calls[0]["env"]["PET_SIGNALS_TO_HANDLE"].endswith(",SIGUSR1")
+
+
 def test_slurm_one_torchrun_per_node_from_slurm_env(fake, job):
-    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_GPUS_PER_NODE": "h100:4", "SLURM_SUBMIT_DIR": str(REPO)}
-    out, calls = fake.run("slurm.sbatch", job, "--max_steps", "2", env=env)
+    out, calls = fake.run("slurm.sbatch", job, "--max_steps", "2", env=SLURM_ENV)
     assert out.returncode == 0, out.stderr
     assert [c["tool"] for c in calls] == ["scontrol", "srun", "torchrun"]
     assert calls[0]["args"] == ["show", "hostnames", "node-[a-b]"]
-    assert calls[1]["args"][:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash"]
+    # srun does not inherit sbatch's --cpus-per-task since Slurm 22.05: passed on, and exported for inner sruns
+    assert calls[1]["args"][:4] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=16", "bash"]
+    assert calls[1]["env"]["SRUN_CPUS_PER_TASK"] == "16"
     assert calls[2]["args"] == ["--nnodes", "2", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
                                 "--rdzv_endpoint", "node-a:29500", "--rdzv_id", "4242", "-m", "astrai.train",
                                 "--config", str(job), "--max_steps", "2"]
-    out, calls = fake.run("slurm.sbatch", job, env={**env, "MASTER_PORT": "7000", "SLURM_GPUS_PER_NODE": ""})
+    assert calls[2]["env"]["PET_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    assert calls[2]["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    out, calls = fake.run("slurm.sbatch", job, env={**SLURM_ENV, "MASTER_PORT": "7000", "SLURM_GPUS_PER_NODE": "",
+                                                    "SLURM_CPUS_PER_TASK": ""})
     assert "node-a:7000" in calls[-1]["args"] and calls[-1]["args"][3] == "1"  # per node: the GPUs it sees
+    assert not [a for a in calls[1]["args"] if a.startswith("--cpus-per-task")]
     out, calls = fake.run("slurm.sbatch", job, env={"SLURM_SUBMIT_DIR": str(REPO)})
     one_line_error(out, "not inside a Slurm job")
+
+
+def test_slurm_one_node_and_restarts(fake, job):
+    env = {**SLURM_ENV, "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_NUM_NODES": "1", "TRAIN_MAX_RESTARTS": "3"}
+    out, calls = fake.run("slurm.sbatch", job, env=env)
+    assert out.returncode == 0, out.stderr
+    assert calls[-1]["args"][:12] == ["--nnodes", "1", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
+                                      "--rdzv_endpoint", "node-a:29500", "--rdzv_id", "4242", "--max_restarts", "3"]
+
+
+def test_slurm_script_asks_for_the_preemption_signal_and_requeue():
+    header = [line for line in (LAUNCH / "slurm.sbatch").read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --signal=B:USR1@300" in header and "#SBATCH --requeue" in header
+    assert "#SBATCH --open-mode=append" in header  # a requeued job appends to its log
+
+
+def test_slurm_usr1_stops_the_ranks_and_requeues_the_job(fake, job):
+    """Slurm's --signal=B:USR1 reaches the batch script: it passes SIGUSR1 through srun to torchrun, waits for the
+    job to end, and requeues it."""
+    import signal
+    import time
+
+    log = fake.dir / "log"
+    shutil.rmtree(log)
+    log.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAIN_", "SLURM_"))}
+    env.update(SLURM_ENV, PATH=f"{fake.bin}:{os.environ['PATH']}", FAKE_LOG=str(log), TRAIN_CHECK="0",
+               FAKE_WAIT_USR1="1")
+    proc = subprocess.Popen(["bash", str(LAUNCH / "slurm.sbatch"), str(job)], env=env, cwd=fake.dir,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(log.glob("*-torchrun/ready")):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    (torchrun_dir,) = log.glob("*-torchrun")
+    assert (torchrun_dir / "signal").read_text().strip() == "USR1"  # it reached the job through srun
+    requeue = [d for d in sorted(log.iterdir()) if d.name.endswith("scontrol")][-1]
+    assert (requeue / "args").read_bytes().split(b"\0")[:-1] == [b"requeue", b"4242"]
+    assert "requeued job 4242 (ranks exited with 75); it resumes from its latest checkpoint" in err
 
 
 def test_launchers_print_help():
@@ -355,6 +437,19 @@ def test_train_bad_input(fake, tmp_path):
     out, calls = fake.run("train.sh", "run", job, env={"FAKE_IMAGE_RC": "1"})
     one_line_error(out, "image astrai:latest not found", "train.sh build")
     assert [c["args"][0] for c in calls] == ["image"]
+
+
+def test_train_says_whether_docker_or_its_compose_plugin_is_missing(fake, tmp_path):
+    job = write_job(tmp_path / "job.yaml", {"job_name": "j"})
+    out, calls = fake.run("train.sh", "run", job, env={"FAKE_COMPOSE_RC": "1"})
+    one_line_error(out, "docker is installed but its compose plugin is not", "docker-compose-plugin")
+    assert not calls
+    one_line_error(fake.run("train.sh", "build", env={"FAKE_COMPOSE_RC": "1"})[0], "compose plugin is not")
+    bare = tmp_path / "bare"  # a PATH without docker (this machine may have a real one elsewhere on PATH)
+    bare.mkdir()
+    for tool in ("bash", "dirname"):
+        (bare / tool).symlink_to(shutil.which(tool))
+    one_line_error(fake.run("train.sh", "build", path=str(bare))[0], "docker not found on PATH", "install Docker")
 
 
 def test_train_fails_fast_without_python3_or_pyyaml(fake, tmp_path):

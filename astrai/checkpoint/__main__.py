@@ -1,4 +1,4 @@
-"""Command line: `python -m astrai.checkpoint {verify,latest,recover} ...`.
+"""Command line: `python -m astrai.checkpoint {verify,latest,recover,mark-bad} ...`.
 
     verify [--require-critic] DIR   one line per file (OK / MISMATCH / MISSING / UNSAFE / EXTRA / UNVERIFIED
                                     + name); exit 0 all match, 1 any mismatch or missing file (or, with
@@ -10,6 +10,8 @@
                                     training writes to OUTPUT_DIR); prints one line per action
     export --merge DIR OUT          write DIR's model (a LoRA checkpoint: its adapters merged into the base
                                     model) as a new Hugging Face model directory OUT; exit 2 on bad input
+    mark-bad DIR --reason TEXT      record in DIR's manifest that it is bad: `resume auto`, `latest` and
+                                    keep_last skip it from then on (its files stay; exit 2 when DIR has no manifest)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from astrai.checkpoint.layout import find_latest_checkpoint, recover
+from astrai.checkpoint.layout import find_latest_checkpoint, mark_bad, recover
 from astrai.checkpoint.manifest import CheckpointError
 from astrai.checkpoint.verify import verify_checkpoint
 
@@ -43,7 +45,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("--base", default=None, help="the base model (default: the adapter config's)")
     export.add_argument("dir")
     export.add_argument("out")
+    bad = commands.add_parser("mark-bad", help="mark a checkpoint bad: resume auto and retention skip it")
+    bad.add_argument("dir")
+    bad.add_argument("--reason", required=True, help="why (recorded in the manifest as 'bad')")
     args = parser.parse_args(argv)
+    if args.command == "mark-bad":
+        from pathlib import Path
+
+        try:
+            mark_bad(Path(args.dir), args.reason)
+        except CheckpointError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"{args.dir}: marked bad ({args.reason}); --checkpoint.resume auto now skips it")
+        return 0
     if args.command == "verify":
         report = verify_checkpoint(args.dir, require_complete=args.require_complete)
         for line in report.lines():

@@ -9,13 +9,14 @@ and `keep_last` retention.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 import warnings
 from pathlib import Path
 
-from astrai.checkpoint.fsutil import fsync_dir, remove_tree
-from astrai.checkpoint.manifest import (POLICY_FILES, CheckpointError, check_files, failed,
+from astrai.checkpoint.fsutil import fsync_dir, remove_tree, write_atomic
+from astrai.checkpoint.manifest import (MANIFEST_NAME, POLICY_FILES, CheckpointError, check_files, failed,
                                         read_manifest)
 
 CHECKPOINTS_DIRNAME = "checkpoints"
@@ -83,12 +84,30 @@ def is_complete(path: Path, *, hashes: bool = False, step: int | None = None) ->
         return False, str(exc)
     if manifest is None:
         return False, "legacy"
+    if manifest.get("bad"):
+        return False, f"marked bad ({manifest['bad']})"
     if step is not None and manifest["step"] != step:
         return False, f"manifest step {manifest['step']} does not match the directory name"
     bad = failed(check_files(path, manifest, hashes=hashes))
     if bad:
         return False, "; ".join(f"{s.name}: {s.status} ({s.detail})" for s in bad)
     return True, ""
+
+
+def mark_bad(path: Path, reason: str) -> None:
+    """Mark the published checkpoint at `path` bad (its manifest records `"bad": reason`, rewritten atomically):
+    `list_checkpoints`, `find_latest_checkpoint` (so `--checkpoint.resume auto`) and retention then skip it; its files
+    stay for inspection, and resuming from its path explicitly is still possible.
+
+    Raises:
+        CheckpointError: `path` has no valid manifest.
+    """
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise CheckpointError(f"{path}: no manifest.json to mark (legacy checkpoints cannot be marked)")
+    manifest["bad"] = str(reason) or "marked bad"
+    write_atomic(path / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    fsync_dir(path)
 
 
 def list_checkpoints(output_dir: str | Path, *, hashes: bool = False,

@@ -58,12 +58,20 @@ class Part:
         kind: one of `KINDS` (see the module docstring).
         per_rank: every rank saves and restores its own copy (RNG, data position, in-flight rollout).
         required: resuming refuses a checkpoint without it (a part that is not restorable is never required).
+        weights: it holds a model's weights (its `state_dict()` tensors; an `hf_model` part always does): checked
+            finite before every publish (`safety.nonfinite_weights`) and measured for a first size estimate.
     """
 
     obj: Any
     kind: str = "torch"
     per_rank: bool = False
     required: bool = True
+    weights: bool = False
+
+    @property
+    def holds_weights(self) -> bool:
+        """Whether the part holds model weights (`weights`, or an `hf_model` part)."""
+        return self.weights or self.kind == "hf_model"
 
     @property
     def restorable(self) -> bool:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -33,6 +34,9 @@ class DistributedContext:
         deepspeed_config: the user's DeepSpeed JSON named by the launch config (checked by
             `launch.read_deepspeed_config`), or None; batch sizes, accumulation, clipping and precision in it are
             astrai's to fill.
+        timeout_seconds: `distributed.timeout_seconds`: the process group's timeout for every collective, and
+            astrai's own waits on other ranks.
+        peers: per rank, {"host", "pid", ...} as `rank_checks.check_ranks_agree` gathered them (empty before).
     """
 
     accelerator: object
@@ -40,6 +44,8 @@ class DistributedContext:
     strategy: str = "ddp"
     mixed_precision: str = "no"
     deepspeed_config: Optional[dict] = None
+    timeout_seconds: float = 600.0
+    peers: list = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -110,8 +116,8 @@ class DistributedContext:
             torch.distributed.destroy_process_group()
 
 
-def setup_distributed(device: str = "auto", strategy: str = "auto", *,
-                      mixed_precision: str = "no") -> DistributedContext:
+def setup_distributed(device: str = "auto", strategy: str = "auto", *, mixed_precision: str = "no",
+                      timeout_seconds: float = 600.0) -> DistributedContext:
     """Resolve the engine and create the process state.
 
     Args:
@@ -119,12 +125,15 @@ def setup_distributed(device: str = "auto", strategy: str = "auto", *,
         strategy: `distributed.strategy`: "auto" (what `accelerate launch`'s config asked for, else "ddp"),
             "ddp", "fsdp2", "zero1", "zero2" or "zero3" (`launch.resolve_launch`).
         mixed_precision: "no", "bf16" or "fp16".
+        timeout_seconds: the process group's timeout (`init_process_group(timeout=...)`, through Accelerate's
+            `InitProcessGroupKwargs`): a collective that waits longer raises on the ranks still running.
 
     Raises:
         ValueError: on a CUDA device without CUDA. LaunchError (a ValueError, one line): a launch mode astrai
             cannot honour (see `launch.resolve_launch`), or fp16 on CPU.
     """
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     plan = resolve_launch(strategy, mixed_precision=mixed_precision, env=os.environ)
     want_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
@@ -134,10 +143,14 @@ def setup_distributed(device: str = "auto", strategy: str = "auto", *,
         raise LaunchError("train.fp16: fp16 mixed precision (with loss scaling) needs a CUDA device; use train.bf16 "
                           "on CPU")
     with _hidden_environment(HIDDEN_FROM_ACCELERATE):
-        accelerator = Accelerator(cpu=not want_cuda, mixed_precision="no")
+        accelerator = Accelerator(cpu=not want_cuda, mixed_precision="no", kwargs_handlers=[
+            InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_seconds))])
     chosen = torch.device(device) if device.startswith("cuda:") else accelerator.device
+    if chosen.type == "cpu":  # Accelerate says "cpu:0" under a launcher; tensors live on "cpu", and .to("cpu:0")
+        chosen = torch.device("cpu")  # copies every tensor (a model moved twice: two copies, shared weights broken)
     return DistributedContext(accelerator=accelerator, device=chosen, strategy=plan.strategy,
-                              mixed_precision=plan.mixed_precision, deepspeed_config=plan.deepspeed_config)
+                              mixed_precision=plan.mixed_precision, deepspeed_config=plan.deepspeed_config,
+                              timeout_seconds=timeout_seconds)
 
 
 @contextlib.contextmanager

@@ -101,27 +101,40 @@ class TrainedModel:
         else:
             loss.backward()
 
-    def step(self, max_grad_norm: float, before_step: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip the global gradient norm to `max_grad_norm`, call `before_step()`, step the optimizer and then the
-        schedule, zero the gradients.
+    def step(self, max_grad_norm: float, before_step: Callable[[], None]
+             ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Clip the global gradient norm to `max_grad_norm`; when that norm is finite call `before_step()`, step the
+        optimizer and then the schedule; zero the gradients either way. A non-finite norm (a NaN or an infinity in
+        any rank's gradients, which the data-parallel reduction carries to every rank) skips the optimizer and
+        schedule step on every rank alike: the norm is the same global number everywhere. Reading it is the step's
+        one host synchronisation.
 
         Returns:
-            (pre-clip global gradient norm, learning rate the step applied), 0-dim float32 tensors; the rate is read
-            (first parameter group) before the schedule moves it to the next step's value.
+            (pre-clip global gradient norm, learning rate of the step, whether the step was applied); the norm and
+            rate are 0-dim float32 tensors; the rate is read (first parameter group) before the schedule moves it to
+            the next step's value.
         """
         if self.grad_scaler is not None:
             self.grad_scaler.unscale_(self.optimizer)
         grad_norm = _as_local(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_grad_norm))
-        before_step()
+        applied = bool(torch.isfinite(grad_norm))
         lr = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
-        if self.grad_scaler is not None:  # skips the step when the gradients overflowed
-            self.grad_scaler.step(self.optimizer)
+        if applied:
+            before_step()
+            if self.grad_scaler is not None:
+                self.grad_scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+            self.scheduler.step()
+        if self.grad_scaler is not None:  # lowers the loss scale after an overflow
             self.grad_scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.detach().float(), lr
+        return grad_norm.detach().float(), lr, applied
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether a dynamic loss scale skips overflowing steps by design (fp16): such skips are not divergence."""
+        return self.mixed_precision == "fp16"
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every entry of the model's state dict (tied weights under each name), one at a
@@ -140,7 +153,7 @@ class TrainedModel:
         """The model's checkpoint part, through `checkpoint_view` when one is set."""
         if self.checkpoint_view is not None:
             obj, kind = self.checkpoint_view(obj, kind)
-        return Part(obj, kind)
+        return Part(obj, kind, weights=True)
 
 
 def _as_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -256,13 +269,17 @@ class DeepSpeedModel(TrainedModel):
         """`engine.backward` (no scaling by the engine's accumulation count: the loss is already a share)."""
         self.module.backward(loss, scale_wrt_gas=False)
 
-    def step(self, max_grad_norm: float, before_step: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`before_step()`, then the engine's step (clip to its `gradient_clipping`, optimizer, schedule, zero)."""
+    def step(self, max_grad_norm: float, before_step: Callable[[], None]
+             ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """`before_step()`, then the engine's step (clip to its `gradient_clipping`, optimizer, schedule, zero).
+        DeepSpeed itself skips the optimizer and schedule step when the global gradient norm is not finite (ZeRO 1-3,
+        fp32 and bf16 as fp16; an all-reduced decision, the same on every rank): `was_step_applied()` says so."""
         before_step()
         lr = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
         self.module.step()
         norm = self.module.get_global_grad_norm()
-        return torch.as_tensor(0.0 if norm is None else norm).detach().float(), lr
+        applied = bool(self.module.was_step_applied())
+        return torch.as_tensor(0.0 if norm is None else norm).detach().float(), lr, applied
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each parameter in full: under ZeRO-3 gathered in turn (`deepspeed.zero.GatheredParameters`)."""

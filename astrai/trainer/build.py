@@ -5,9 +5,11 @@ type's own pieces (builder, data, step sizes, manifest fields, resume rule) come
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -19,14 +21,19 @@ from astrai.config import Config, config_to_dict, dump_config
 from astrai.data.limits import check_model_limits
 from astrai.distributed import setup_distributed
 from astrai.distributed.launch import check_step_sizes, resolve_launch
+from astrai.distributed.rank_checks import check_ranks_agree
 from astrai.models import load_pretrained
 from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.evaluation import build_evaluation, load_eval_records
+from astrai.trainer.faults import StepBoundary, StopSignals
+from astrai.trainer.lock import OutputDirLock, OutputDirLocked
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
 from astrai.trainer.models import apply_model_options
 from astrai.trainer.resume import check_resume, restore
+from astrai.trainer.resume_changes import ConfiguredSchedule, config_changes
+from astrai.trainer.resume_changes import describe as describe_changes
 from astrai.trainer.runs import record_run, resolve_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,27 +95,69 @@ def job_parts(trainer: Trainer, tokenizer, config_text: str) -> dict[str, Part]:
             "rng_state": Part(GlobalRNGState(), per_rank=True)}
 
 
-def build_trainer(config: Config) -> Trainer:
+def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trainer:
     """Everything `python -m astrai.train` needs, wired together.
 
-    Cleans up after a crashed publish (main process), resolves the run (`trainer.runs`: a fresh start in a
-    directory holding checkpoints needs `train.overwrite_output_dir`), checks the length budgets and vocabulary
-    against the model (`data.limits`), resumes when `checkpoint.resume` says so, and writes the resolved config
-    to `<output_dir>/config.yaml` and the run id to `<output_dir>/run.json` once everything has been built (a
-    start that fails leaves the directory's run as it was).
+    Checks that every rank sees the same job and output directory (`rank_checks.check_ranks_agree`, several ranks),
+    takes the output directory's lock (`trainer.lock`, rank 0: one job per directory), cleans up after a crashed
+    publish (main process), resolves the run (`trainer.runs`: a fresh start in a directory holding checkpoints
+    needs `train.overwrite_output_dir`; a restarted job resumes itself), checks the length budgets and vocabulary
+    against the model (`data.limits`), resumes when `checkpoint.resume` says so (applying and listing the config
+    changes that may change, `resume_changes`), and writes the resolved config to `<output_dir>/config.yaml` and
+    the run id to `<output_dir>/run.json` once everything has been built (a start that fails leaves the
+    directory's run as it was, and its lock released).
+
+    Args:
+        signals: the stop-signal handlers of this process (`faults.StopSignals`, installed by the caller); None: a
+            signal ends the process as usual.
 
     Raises:
         FileNotFoundError / ValueError / CheckpointError: from model, data or checkpoint loading, with
             one-line messages naming the path; `LaunchError` (a ValueError) for a launch mode astrai cannot
-            honour (`distributed.launch`).
+            honour (`distributed.launch`); `RanksDisagree` and `OutputDirLocked` (ValueErrors) from the checks above.
     """
     apply_runtime(config)
     dist = setup_distributed(config.runtime.device, config.distributed.strategy,
-                             mixed_precision=config.train.mixed_precision)
+                             mixed_precision=config.train.mixed_precision,
+                             timeout_seconds=config.distributed.timeout_seconds)
     check_job_step_sizes(config, dist.strategy, dist.deepspeed_config, dist.world_size)
     reporters = build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config),
                                 enabled=dist.is_main)  # train.report_to; fails before the model loads
     output_dir = checked_output_dir(config.train.output_dir, output_subdirs(config))
+    config_text = dump_config(config)
+    if dist.world_size > 1:
+        dist.peers = check_ranks_agree(dist, output_dir, hashlib.sha256(config_text.encode()).hexdigest())
+    lock = _lock_output_dir(output_dir, dist)
+    try:
+        trainer = _build(config, dist, output_dir, config_text, reporters, signals)
+    except BaseException:
+        lock.release()
+        raise
+    trainer.lock = lock
+    return trainer
+
+
+def _lock_output_dir(output_dir: Path, dist) -> OutputDirLock:
+    """Rank 0 takes the output directory's lock; every rank raises `OutputDirLocked` when it is held elsewhere."""
+    lock = OutputDirLock(output_dir)
+    refused, note = None, None
+    if dist.is_main:
+        try:
+            note = lock.acquire(None)
+        except OutputDirLocked as err:
+            refused = str(err)
+    refused = dist.broadcast_object(refused)
+    if refused is not None:
+        lock.release()
+        raise OutputDirLocked(refused)
+    if note is not None:
+        print(note)
+    return lock
+
+
+def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, signals) -> Trainer:
+    """`build_trainer` once the directory is this job's: recovery, the run, the model, the strategy, the resume and
+    the callbacks."""
     if dist.is_main and checkpoints_root(output_dir).is_dir():
         recover(output_dir)
     dist.barrier()
@@ -123,16 +172,35 @@ def build_trainer(config: Config) -> Trainer:
     policy.gradient_checkpointing = config.model.gradient_checkpointing
     spec = train_types.get(config.train.type)
     strategy = spec.build(config, dist, apply_model_options(config, policy), tokenizer)
+    boundary = StepBoundary(signals or StopSignals(rank=dist.rank), save_minutes=config.checkpoint.save_minutes,
+                            is_main=dist.is_main)
     trainer = Trainer(strategy, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm,
-                      state=TrainerState(run_id=run_id))
-    config_text = dump_config(config)
-    resized = None
+                      state=TrainerState(run_id=run_id), boundary=boundary,
+                      max_nonfinite_steps=config.train.max_nonfinite_steps)
+    resized = changes = None
     if resume_from is not None:
-        resized = restore(job_parts(trainer, tokenizer, config_text), resume_from, rank=dist.rank, config=config,
-                          verify=config.checkpoint.verify_on_load, world_size=dist.world_size, strategy=dist.strategy)
+        parts = job_parts(trainer, tokenizer, config_text)
+        schedule = ConfiguredSchedule().capture(parts)
+        resized = restore(parts, resume_from, rank=dist.rank, config=config, verify=config.checkpoint.verify_on_load,
+                          world_size=dist.world_size, strategy=dist.strategy)
+        schedule.apply()
+        changes = describe_changes(config_changes(resume_from, config), resume_from, trainer.state.global_step)
+    trainer.callbacks = _callbacks(config, dist, output_dir, trainer, tokenizer, config_text, reporters, run_id,
+                                   resume_from, spec.manifest_fields(config, policy.config))
+    if dist.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(config_text)
+    record_run(output_dir, run_id, resume_from=resume_from, resume=config.checkpoint.resume, dist=dist)
+    if dist.is_main:
+        _say_start(config, trainer, resume_from, resized, changes)
+    return trainer
+
+
+def _callbacks(config: Config, dist, output_dir: Path, trainer: Trainer, tokenizer, config_text: str, reporters,
+               run_id: str, resume_from: Optional[Path], manifest_fields: dict) -> list:
+    """The job's callbacks, in order: evaluation, timing, metrics, progress, checkpoints, reporters."""
     logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main,
                            resume_step=None if resume_from is None else trainer.state.global_step)
-    manifest_fields = spec.manifest_fields(config, policy.config)  # e.g. the critic's size (resume_problem)
 
     def save(trainer: Trainer) -> None:
         publish_checkpoint(
@@ -140,10 +208,10 @@ def build_trainer(config: Config) -> Trainer:
             metadata={"policy_version": trainer.state.policy_version, "train_type": config.train.type,
                       "distributed_strategy": dist.strategy, **manifest_fields},
             world_size=dist.world_size, dist=dist if dist.world_size > 1 else None,
-            keep_last=config.checkpoint.keep_last, run_id=run_id)
+            keep_last=config.checkpoint.keep_last, run_id=run_id, timeout_s=config.distributed.timeout_seconds)
 
-    evaluation = build_evaluation(config, dist, strategy, tokenizer)  # None unless train.eval_steps > 0
-    trainer.callbacks = [
+    evaluation = build_evaluation(config, dist, trainer.strategy, tokenizer)  # None unless train.eval_steps > 0
+    return [
         *([evaluation] if evaluation is not None else []),  # first: its eval/* metrics reach the logger
         StepTimer(), logger, ProgressBar(enabled=dist.is_main and config.train.progress_bar),
         CheckpointCallback(save, save_steps=config.checkpoint.save_steps,
@@ -151,26 +219,45 @@ def build_trainer(config: Config) -> Trainer:
                            saved_step=-1 if resume_from is None else trainer.state.global_step),
         *reporters,
     ]
-    if dist.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(config_text)
-    record_run(output_dir, run_id, resume_from=resume_from, resume=config.checkpoint.resume, dist=dist)
-    if dist.is_main and resume_from is not None:
-        print(f"resuming from {resume_from} (step {trainer.state.global_step}, "
-              f"policy_version {trainer.state.policy_version})")
-        if resized is not None:
-            print(resized)
-        if trainer.state.global_step >= config.train.max_steps:
-            print(f"nothing to train: the checkpoint is at step {trainer.state.global_step} and train.max_steps is "
+
+
+def _say_start(config: Config, trainer: Trainer, resume_from: Optional[Path], resized: Optional[str],
+               changes: Optional[str]) -> None:
+    """Rank 0's start-up lines: the resume and its config changes, and when checkpoints will be written."""
+    state = trainer.state
+    if resume_from is not None:
+        print(f"resuming from {resume_from} (step {state.global_step}, policy_version {state.policy_version})")
+        for line in (resized, changes):
+            if line is not None:
+                print(line)
+        if state.global_step >= config.train.max_steps:
+            print(f"nothing to train: the checkpoint is at step {state.global_step} and train.max_steps is "
                   f"{config.train.max_steps}; raise --train.max_steps to train on")
-    return trainer
+    plan = checkpoint_plan(config)
+    if plan is not None and state.global_step < config.train.max_steps:
+        print(plan)
+
+
+def checkpoint_plan(config: Config) -> Optional[str]:
+    """The start-up line about checkpoints when none is written every N steps (`checkpoint.save_steps` 0), else None:
+    every `checkpoint.save_minutes` of training, or, without that, none before the end."""
+    c, steps = config.checkpoint, config.train.max_steps
+    if c.save_steps or steps <= 1:
+        return None
+    end = f"and after step {steps} (the end)" if c.save_at_end else "and none at the end (checkpoint.save_at_end false)"
+    stop = "a stop signal (SIGTERM, SIGINT, SIGUSR1) also publishes one"
+    if c.save_minutes is not None:
+        return (f"checkpoints: every {c.save_minutes:g} minutes of training (checkpoint.save_minutes) {end}; {stop}; "
+                "set checkpoint.save_steps for a checkpoint every N steps")
+    return (f"checkpoints: none before step {steps} (checkpoint.save_steps 0, checkpoint.save_minutes null) {end}; "
+            f"{stop}, a crash loses the run: set checkpoint.save_steps or checkpoint.save_minutes")
 
 
 def check_job(config: Config, *, world_size: int) -> str:
     """Pre-flight: every check `build_trainer` makes before it trains, without creating a process group, an engine
     or an optimizer, in this one process: the launch mode (`distributed.strategy` against the accelerate launch
     environment in `os.environ`) and its precision, DeepSpeed step sizes for `world_size` ranks, `train.report_to`,
-    the output directory and `checkpoint.resume` (read only: nothing is written), the model (loaded on CPU) and its
+    the output directory (not locked by another job) and `checkpoint.resume` (read only: nothing is written), the model (loaded on CPU) and its
     length and vocabulary limits, `rollout.engine`, the data as the train type will train on it and the held-out data of
     `train.eval_steps`. Launch scripts run it before
     they start the ranks, so a refusal is one line with exit 2 instead of one line per rank followed by the
@@ -184,6 +271,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     check_job_step_sizes(config, plan.strategy, plan.deepspeed_config, world_size)
     build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config), enabled=False)
     output_dir = checked_output_dir(config.train.output_dir, output_subdirs(config))
+    OutputDirLock(output_dir).check_free()  # another job training there: refused now, not after the launch
     resume_from, _ = resolve_run(config.checkpoint.resume, output_dir, overwrite=config.train.overwrite_output_dir,
                                  dist=None)
     if resume_from is not None:

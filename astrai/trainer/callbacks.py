@@ -109,6 +109,13 @@ class MetricsLogger(Callback):
             self._file.close()
             self._file = None
 
+    def on_train_abort(self, trainer) -> None:
+        """The run failed: flush and fsync what was logged (a full disk may refuse it: nothing more to do then)."""
+        try:
+            self.on_train_end(trainer)
+        except OSError:
+            self._file = None
+
 
 def _record_step(line: str) -> Optional[int]:
     """The "step" of one metrics.jsonl line; None for a blank or torn (crash-truncated) line."""
@@ -142,7 +149,9 @@ class ProgressBar(Callback):
 
 
 class CheckpointCallback(Callback):
-    """Publishes a checkpoint every `save_steps` steps (0: never mid-run) and at the end when `save_at_end`.
+    """Publishes a checkpoint every `save_steps` steps (0: never by steps), when the step boundary says one is due by
+    time (`checkpoint.save_minutes`, `trainer.boundary.save_due`), when a signal stops the run early, and at the end
+    when `save_at_end`.
 
     Args:
         save: called with the trainer; does the publishing (`astrai.checkpoint`).
@@ -161,11 +170,21 @@ class CheckpointCallback(Callback):
         self.before_save()
         self.save(trainer)
         self._last_saved = trainer.state.global_step
+        if trainer.boundary is not None:
+            trainer.boundary.saved()
 
     def on_step_end(self, trainer, metrics) -> None:
-        if self.save_steps and trainer.state.global_step % self.save_steps == 0:
+        by_steps = self.save_steps and trainer.state.global_step % self.save_steps == 0
+        by_time = trainer.boundary is not None and trainer.boundary.save_due
+        if by_steps or (by_time and trainer.state.global_step < trainer.state.max_steps):
             self._publish(trainer)
 
     def on_train_end(self, trainer) -> None:
-        if self.save_at_end and self._last_saved != trainer.state.global_step:
+        step = trainer.state.global_step
+        if (self.save_at_end or trainer.state.stopped_by) and self._last_saved != step and step > 0:
             self._publish(trainer)
+
+    @property
+    def last_saved(self) -> int:
+        """The step of the newest checkpoint this run published or resumed from (-1: none)."""
+        return self._last_saved

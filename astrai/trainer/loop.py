@@ -8,6 +8,10 @@ learning rate actually applied, the optimizer hooks and the `policy_version` boo
 the model (`models.TrainedModel`). The data position advances in one place too: `consumed_samples` grows by what the
 strategy's data sampler handed out during the step. The step's metrics are averaged over the data-parallel ranks
 (`mean_over_ranks`, one collective) before any callback sees them.
+
+Faults (`trainer.faults`, docs/distributed.md "Faults across ranks"): after each step the ranks agree whether to stop
+(a signal on any rank) and whether a checkpoint is due by time (`StepBoundary`); an optimizer step whose loss or
+global gradient norm is not finite is skipped on every rank alike, and too many in a row stop the job.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from astrai.checkpoint import Part
 from astrai.distributed import DistributedContext
+from astrai.trainer.faults import NonFiniteCounter, StepBoundary, poison_nonfinite
 from astrai.trainer.models import TrainedModel, moe_aux_loss
 
 LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -40,6 +45,8 @@ class TrainerState:
         consumed_samples: records (prompts, examples, pairs) drawn from the data so far, over all ranks.
         max_steps: the run's target number of steps (not restored: the job sets it).
         run_id: the id of the training run (`trainer.runs`; not restored: resolved before the checkpoint loads).
+        skipped_steps: optimizer steps (of any trained model) skipped for a non-finite loss or gradient norm.
+        stopped_by: the signal that stopped the run before `max_steps` ("SIGTERM" ...), else None (not restored).
     """
 
     global_step: int = 0
@@ -47,6 +54,8 @@ class TrainerState:
     consumed_samples: int = 0
     max_steps: int = 0
     run_id: Optional[str] = None
+    skipped_steps: int = 0
+    stopped_by: Optional[str] = None
 
     def state_dict(self) -> dict:
         """JSON-serialisable copy of the counters (written to trainer_state.json)."""
@@ -57,6 +66,7 @@ class TrainerState:
         self.global_step = int(state["global_step"])
         self.policy_version = int(state["policy_version"])
         self.consumed_samples = int(state.get("consumed_samples", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
 class DataSampler(Protocol):
@@ -111,6 +121,7 @@ class Callback:
     def after_optimizer_step(self, trainer: "Trainer", name: str) -> None: ...
     def on_step_end(self, trainer: "Trainer", metrics: dict[str, torch.Tensor]) -> None: ...
     def on_train_end(self, trainer: "Trainer") -> None: ...
+    def on_train_abort(self, trainer: "Trainer") -> None: ...
 
 
 class Trainer:
@@ -123,11 +134,16 @@ class Trainer:
         max_grad_norm: gradient-norm clip applied to every optimizer (policy and critic alike).
         callbacks: hooks, called in order.
         state: initial counters; fresh when None.
+        boundary: the decisions the ranks take together after each step (stop on a signal, a checkpoint due by
+            time; `faults.StepBoundary`); None: never stop early.
+        max_nonfinite_steps: optimizer steps of one model in a row with a non-finite loss or gradient norm (each
+            skipped) after which `NonFiniteError` stops the job.
     """
 
     def __init__(self, strategy: Strategy, *, dist: DistributedContext, max_steps: int,
                  max_grad_norm: float, callbacks: Iterable[Callback] = (),
-                 state: Optional[TrainerState] = None):
+                 state: Optional[TrainerState] = None, boundary: Optional[StepBoundary] = None,
+                 max_nonfinite_steps: int = 3):
         self.strategy = strategy
         self.dist = dist
         self.max_grad_norm = max_grad_norm
@@ -135,28 +151,45 @@ class Trainer:
         self.state = state or TrainerState()
         self.state.max_steps = max_steps
         self.version_lock = threading.Lock()
+        self.boundary = boundary
+        self.nonfinite = NonFiniteCounter(max_nonfinite_steps)
 
     def _emit(self, hook: str, *args) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(self, *args)
 
     def fit(self) -> TrainerState:
-        """Run the loop to `max_steps`; returns the final state. Callbacks receive each step's metrics averaged
-        over ranks (`mean_over_ranks`), plus `policy_version`."""
-        self._emit("on_train_begin")
-        if self.state.global_step == 0:
-            start: dict[str, torch.Tensor] = {}
-            self._emit("before_first_step", start)
-            if start:
-                start["policy_version"] = torch.tensor(self.state.policy_version)
-                self._emit("on_log", start)
-        while self.state.global_step < self.state.max_steps:
-            drawn = self.strategy.data_sampler.drawn
-            metrics = mean_over_ranks(self.strategy.train_step(self), self.dist)
-            self.state.consumed_samples += (self.strategy.data_sampler.drawn - drawn) * self.dist.world_size
-            self.state.global_step += 1
-            metrics["policy_version"] = torch.tensor(self.state.policy_version)
-            self._emit("on_step_end", metrics)
+        """Run the loop to `max_steps`, or until a stop signal (`boundary`: agreed by every rank after a step, and
+        once before the first); returns the final state (`stopped_by` names the signal). Callbacks receive each
+        step's metrics averaged over ranks (`mean_over_ranks`), plus `policy_version` and `train/skipped_steps`.
+        When an exception ends the loop, `on_train_abort` runs instead of `on_train_end` and it propagates."""
+        try:
+            self._emit("on_train_begin")
+            if self.state.global_step == 0:
+                start: dict[str, torch.Tensor] = {}
+                self._emit("before_first_step", start)
+                if start:
+                    start["policy_version"] = torch.tensor(self.state.policy_version)
+                    self._emit("on_log", start)
+            stop = self.boundary is not None and self.boundary.agree(self.dist)[0]
+            while not stop and self.state.global_step < self.state.max_steps:
+                drawn = self.strategy.data_sampler.drawn
+                metrics = mean_over_ranks(self.strategy.train_step(self), self.dist)
+                self.state.consumed_samples += (self.strategy.data_sampler.drawn - drawn) * self.dist.world_size
+                self.state.global_step += 1
+                metrics["policy_version"] = torch.tensor(self.state.policy_version)
+                metrics["train/skipped_steps"] = torch.tensor(float(self.state.skipped_steps))
+                stop = self.boundary is not None and self.boundary.agree(self.dist)[0]
+                self._emit("on_step_end", metrics)
+            if stop and self.state.global_step < self.state.max_steps:
+                self.state.stopped_by = self.boundary.signals.received or "a signal on another rank"
+        except BaseException:
+            for callback in self.callbacks:
+                try:
+                    callback.on_train_abort(self)
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
+            raise
         self._emit("on_train_end")
         return self.state
 
@@ -168,9 +201,14 @@ class Trainer:
         and all data-parallel ranks (docs/conventions.md section 2), so the gradient does not depend on how the
         step's data is split. For each micro-batch: `loss, metrics = loss_fn(micro, num_units)` (a share, see
         `LossFn`), plus the model's weighted MoE load-balancing loss averaged over the micro-batches, times the
-        engine's loss scale, backward (gradients synchronised across ranks on the last micro-batch only). Then
-        clip to `max_grad_norm`, `before_optimizer_step`, optimizer + scheduler step, zero the gradients;
-        for "policy", `policy_version` increments under `version_lock`; `after_optimizer_step`.
+        engine's loss scale, backward (gradients synchronised across ranks on the last micro-batch only). A loss that
+        is not finite is multiplied by NaN first (`faults.poison_nonfinite`, no host sync), so its NaN gradients reach
+        every rank through the reduction. Then clip to `max_grad_norm` and, when the global gradient norm is finite
+        (the same decision on every rank; DeepSpeed decides it itself), `before_optimizer_step`, optimizer + scheduler
+        step; zero the gradients; for "policy", `policy_version` increments under `version_lock`;
+        `after_optimizer_step`. A skipped step changes no weight, optimizer state, schedule or `policy_version`: it is
+        counted (`state.skipped_steps`) and said on rank 0, and `max_nonfinite_steps` of one model in a row raise
+        `faults.NonFiniteError`.
 
         Args:
             trained: the model with its optimizer and schedule.
@@ -188,17 +226,29 @@ class Trainer:
         to_local_mean = num_units / local.clamp(min=1)
         scale = trained.loss_scale
         sums: dict[str, torch.Tensor] = {}
+        loss_finite = torch.ones((), dtype=torch.bool, device=local.device)
         for index, micro in enumerate(micro_batches):
             with trained.gradient_sync(index == len(micro_batches) - 1):
                 with trained.autocast():
                     loss, metrics = loss_fn(micro, num_units)
                     aux, aux_metrics = moe_aux_loss(trained.model, len(micro_batches))
                 # the auxiliary loss is a per-forward mean: divided by `scale` so that ranks average it
-                trained.backward((loss if aux is None else loss + aux.to(loss.dtype) / scale) * scale)
+                total = loss if aux is None else loss + aux.to(loss.dtype) / scale
+                total, finite = poison_nonfinite(total)
+                loss_finite = loss_finite & finite
+                trained.backward(total * scale)
             _accumulate(sums, metrics, weight=to_local_mean)
             _accumulate(sums, aux_metrics)
-        grad_norm, lr = trained.step(self.max_grad_norm, lambda: self._emit("before_optimizer_step", trained.name))
+        grad_norm, lr, applied = trained.step(self.max_grad_norm,
+                                              lambda: self._emit("before_optimizer_step", trained.name))
         sums[f"{trained.name}/grad_norm"], sums[f"{trained.name}/lr"] = grad_norm, lr
+        if not applied:
+            self.state.skipped_steps += 1
+            diverging = not trained.loss_scaling or bool(self.dist.all_reduce_max((~loss_finite).float()))
+            self.nonfinite.skipped(trained.name, step=self.state.global_step + 1, grad_norm=float(grad_norm),
+                                   count=diverging, is_main=self.dist.is_main)
+            return sums
+        self.nonfinite.applied(trained.name)
         if trained.name == "policy":
             with self.version_lock:
                 self.state.policy_version += 1

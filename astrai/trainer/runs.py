@@ -11,11 +11,19 @@ no run; in a directory that holds only such checkpoints and no `run.json` (its r
 A fresh start (`--checkpoint.resume none`) in a directory that already holds checkpoints is refused unless
 `--overwrite_output_dir true` (the `transformers.TrainingArguments` name): the old checkpoints are then left
 alone and ignored, and a step the new run publishes replaces the old directory of the same name.
+
+A restarted job resumes itself: `run.json` also records the launch that started the run (`launch_id`: the Slurm job
+id, which a requeued job keeps; else the torchrun agent that restarts its workers, by host and pid). When the launch
+that starts now is the one recorded there, this start is a restart of that job (torchrun `--max-restarts`, a Slurm
+requeue), and `checkpoint.resume` is taken as `auto` whatever the job file says, so the run continues from its
+latest checkpoint instead of refusing (resume none) or going back to an older one (a resume path).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -26,7 +34,7 @@ from astrai.checkpoint.fsutil import write_atomic
 from astrai.checkpoint.layout import run_id_of
 from astrai.trainer.resume import resolve_resume
 
-__all__ = ["RUN_FILE", "new_run_id", "current_run_id", "resolve_run", "record_run"]
+__all__ = ["RUN_FILE", "new_run_id", "current_run_id", "launch_id", "resolve_run", "record_run"]
 
 RUN_FILE = "run.json"
 """`<output_dir>/run.json`: {"run_id": ...} of the run that last started in the directory."""
@@ -35,6 +43,31 @@ RUN_FILE = "run.json"
 def new_run_id() -> str:
     """A fresh run id: start time (UTC, sortable) and 8 random hex digits, e.g. `20250101-120000-1a2b3c4d`."""
     return f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+
+
+def launch_id(env=os.environ) -> Optional[str]:
+    """The launch this process belongs to, stable across the restarts of one job: "slurm:<SLURM_JOB_ID>" inside a
+    Slurm job (a requeued job keeps its id), "torchrun:<host>:<agent pid>:<rendezvous id>" under a torchrun (or
+    `accelerate launch`) agent, which restarts its workers itself; None otherwise."""
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm:{env['SLURM_JOB_ID']}"
+    if "TORCHELASTIC_RESTART_COUNT" in env:
+        return f"torchrun:{socket.gethostname()}:{os.getppid()}:{env.get('TORCHELASTIC_RUN_ID', '')}"
+    return None
+
+
+def _recorded_launch(output_dir: Path) -> Optional[str]:
+    try:
+        value = json.loads((output_dir / RUN_FILE).read_text(encoding="utf-8")).get("launch_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def restarted(output_dir: str | Path, env=os.environ) -> bool:
+    """Whether this start is a restart of the launch recorded in `<output_dir>/run.json` (see the module docstring)."""
+    current = launch_id(env)
+    return current is not None and _recorded_launch(Path(output_dir)) == current
 
 
 def current_run_id(output_dir: str | Path) -> Optional[str]:
@@ -61,9 +94,9 @@ def _step_dirs(output_dir: Path) -> list[Path]:
 
 
 def _write_run_file(output_dir: Path, run_id: str) -> None:
-    """Atomically replace `<output_dir>/run.json`."""
+    """Atomically replace `<output_dir>/run.json` (the run id and this process's `launch_id`)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(output_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
+    write_atomic(output_dir / RUN_FILE, json.dumps({"run_id": run_id, "launch_id": launch_id()}) + "\n")
 
 
 def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -> tuple[Optional[Path], str]:
@@ -74,11 +107,22 @@ def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -
     the job has built. Every rank reads the directory (so a refusal is raised everywhere); the main rank's run
     id is broadcast to the others (`dist` None: this process only, as `python -m astrai.train --check` does).
 
+    A restart of the recorded launch (`restarted`, decided by the main rank) resumes `auto` whatever `resume` says,
+    and says so.
+
     Raises:
         CheckpointError: a fresh start in a directory holding checkpoints without `overwrite`, or a
             `resume` path that is not a directory.
     """
     output_dir = Path(output_dir)
+    again = restarted(output_dir) if dist is None or dist.is_main else False
+    if dist is not None:
+        again = dist.broadcast_object(again)
+    if again and resume != "auto":
+        if dist is None or dist.is_main:
+            print(f"restart of the same job ({launch_id()}): checkpoint.resume {resume} becomes auto, so the run "
+                  "continues from its latest checkpoint")
+        resume = "auto"
     existing = _step_dirs(output_dir)
     if resume == "none" and existing and not overwrite:
         raise CheckpointError(f"train.output_dir {output_dir} already holds {len(existing)} checkpoint(s) (newest "

@@ -1,0 +1,190 @@
+"""What a job does when the cluster interferes: exit codes, stop signals and the step-boundary agreement.
+
+A signal only sets a flag (`StopSignals`): SIGTERM (Slurm preemption, Kubernetes eviction, `torchrun` forwarding a
+Ctrl-C or a SIGTERM it received), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's `--signal=USR1@N` before the time limit).
+The flag is read at the next optimizer-step boundary of the loop (`StepBoundary.agree`), where one all-reduce (max)
+over the ranks of [stop requested, checkpoint due] makes every rank take the same decision at the same step: every
+rank then publishes the same step and the job exits with `EXIT_PREEMPTED`. Further signals change nothing (the flag
+is already set): a save in progress finishes; SIGKILL still kills at once, and the publish protocol then leaves the
+previous checkpoint visible (`astrai.checkpoint.publish`).
+
+Exit codes (docs/launch.md): 0 done; 1 an unexpected error (a traceback); `EXIT_REFUSED` (2) the job cannot go on
+as configured: bad input, no space for a checkpoint, `train.output_dir` locked by another job, ranks that disagree,
+non-finite training; `EXIT_PREEMPTED` (75, sysexits' EX_TEMPFAIL: "try again later") stopped by a signal after
+publishing a checkpoint, resume to continue; `EXIT_TIMEOUT` (124, as coreutils' `timeout`) a rank stopped answering
+within `distributed.timeout_seconds`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import torch
+
+EXIT_REFUSED = 2
+EXIT_PREEMPTED = 75
+EXIT_TIMEOUT = 124
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class JobFault(RuntimeError):
+    """A fault the job stops for with one line and `exit_code` (every rank raises it; rank 0 prints it)."""
+
+    exit_code = 1
+
+
+class NonFiniteError(JobFault):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm (`train.max_nonfinite_steps`), or
+    parameters about to be published are not finite."""
+
+    exit_code = EXIT_REFUSED
+
+
+class StalledRankError(JobFault):
+    """A collective or a wait on another rank did not complete within `distributed.timeout_seconds`."""
+
+    exit_code = EXIT_TIMEOUT
+
+
+class StopSignals:
+    """Signal handlers that record a stop request instead of ending the process.
+
+    `install()` replaces the handlers of `STOP_SIGNALS` (main thread only; elsewhere it does nothing) and `restore()`
+    puts the previous ones back. The handler only stores the signal's name and writes one line to stderr with
+    `os.write` (safe inside a handler); it never raises, so it cannot interrupt a checkpoint being written.
+
+    Attributes:
+        received: the name of the first signal received ("SIGTERM" ...), None while none was.
+        count: signals received so far.
+    """
+
+    def __init__(self, *, rank: int = 0):
+        self.rank = rank
+        self.received: Optional[str] = None
+        self.count = 0
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "StopSignals":
+        """Take over the stop signals (a no-op outside the main thread); returns self."""
+        if not _in_main_thread():
+            return self
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        """Put back the handlers `install` replaced."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    @property
+    def requested(self) -> bool:
+        """Whether a stop signal arrived on this rank."""
+        return self.received is not None
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
+        name = signal.Signals(signum).name
+        self.count += 1
+        if self.received is None:
+            self.received = name
+            note = (f"rank {self.rank}: {name} received: stopping at the end of this optimizer step, publishing a "
+                    f"checkpoint, then exiting with code {EXIT_PREEMPTED}\n")
+        else:
+            note = (f"rank {self.rank}: {name} received again: already stopping (a checkpoint being written is "
+                    "finished; SIGKILL ends the job at once and keeps the previous checkpoint)\n")
+        try:
+            os.write(2, note.encode())
+        except OSError:
+            pass
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+class StepBoundary:
+    """The decisions every rank takes together at an optimizer-step boundary.
+
+    Args:
+        signals: this process's stop requests.
+        save_minutes: a checkpoint is due when this many minutes passed since the last one on rank 0's clock (None:
+            never by time).
+        is_main: whether this is rank 0 (whose clock decides).
+    """
+
+    def __init__(self, signals: StopSignals, *, save_minutes: Optional[float] = None, is_main: bool = True):
+        self.signals = signals
+        self.save_minutes = save_minutes
+        self.is_main = is_main
+        self.last_save = time.monotonic()
+        self.stop = False
+        self.save_due = False
+
+    def saved(self) -> None:
+        """A checkpoint was just published: the time-based period starts again."""
+        self.last_save = time.monotonic()
+
+    def agree(self, dist) -> tuple[bool, bool]:
+        """(stop, save due), the same on every rank: the maximum over ranks of this rank's flags (one all-reduce of
+        two numbers; none with one process). Also kept as `self.stop` / `self.save_due`."""
+        due = (self.is_main and self.save_minutes is not None
+               and time.monotonic() - self.last_save >= 60.0 * self.save_minutes)
+        flags = torch.tensor([float(self.signals.requested), float(due)], device=dist.device)
+        if dist.world_size > 1:
+            flags = dist.all_reduce_max(flags)
+        stop, save = (bool(x) for x in flags.tolist())
+        self.stop, self.save_due = stop, save
+        return stop, save
+
+
+def poison_nonfinite(loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`loss` times 1, or times NaN when `loss` is not finite; whether it is finite (0-dim bool)), on the device.
+
+    Multiplying by exactly 1 changes neither the loss nor its gradients by a bit. Multiplying a non-finite loss by
+    NaN makes every gradient it reaches NaN (NaN times 0 is NaN), so one rank's non-finite loss reaches every rank
+    through the data-parallel gradient reduction, and the global gradient norm, the same number on every rank, carries
+    the decision to skip the step: no extra collective and no host synchronisation here."""
+    finite = torch.isfinite(loss.detach())
+    return loss * torch.where(finite, 1.0, float("nan")).to(loss.dtype), finite
+
+
+class NonFiniteCounter:
+    """Counts optimizer steps skipped in a row for a non-finite loss or gradient norm, per trained model.
+
+    Args:
+        limit: `train.max_nonfinite_steps`: this many skipped steps of one model in a row raise `NonFiniteError`.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_a_row: dict[str, int] = {}
+
+    def applied(self, name: str) -> None:
+        """`name` took a finite step: its count starts again."""
+        self.in_a_row[name] = 0
+
+    def skipped(self, name: str, *, step: int, grad_norm: float, count: bool = True, is_main: bool = True) -> None:
+        """`name` skipped the optimizer step of loop step `step` (every rank calls it alike). `count` False: a loss
+        scaler's overflow skip (fp16), said but not counted towards the limit.
+
+        Raises:
+            NonFiniteError: the limit is reached (one line: the model, the count, the step, the norm).
+        """
+        row = self.in_a_row.get(name, 0) + int(count)
+        self.in_a_row[name] = row
+        if row >= self.limit:
+            raise NonFiniteError(f"train.max_nonfinite_steps: {row} {name} optimizer steps in a row had a non-finite "
+                                 f"loss or gradient norm (the last at step {step}, gradient norm {grad_norm:g}); "
+                                 "each was skipped and nothing non-finite was published: lower optim.learning_rate, "
+                                 "check the data, or resume from the last good checkpoint")
+        if is_main:
+            why = "a non-finite loss or gradient norm" if count else "a loss-scale overflow (fp16)"
+            print(f"step {step}: {name} optimizer step skipped on every rank ({why}, gradient norm {grad_norm:g}; "
+                  f"{row} in a row, {self.limit} stop the job)", file=sys.stderr)

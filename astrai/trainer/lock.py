@@ -1,0 +1,160 @@
+"""One job per output directory: rank 0 holds an exclusive `fcntl.flock` on `<output_dir>/train.lock` for the run.
+
+The lock file says who holds it, as JSON: host, pid, run id and start time. A second job that finds the lock held
+refuses in one line naming the holder (`OutputDirLocked`, exit code 2), before it touches the directory (the crash
+recovery of `checkpoint.recover`, which deletes staging directories, runs after the lock is taken). The kernel drops
+the lock when the holding process ends, however it ends, so a job killed with SIGKILL leaves no lock behind: its
+record stays in the file and the next job says that it takes over from a job that did not end cleanly. A job that
+ends (or fails to start) cleanly deletes the file while it still holds the lock; a job that locked a file deleted
+meanwhile locks the new one instead. A lock that
+is still held although the pid it names is not running on this host is stale in the other sense: a process that
+inherited the open lock file (a worker forked by the job) keeps it; the refusal says so.
+
+On network filesystems `flock` is what the client implements (NFSv4 maps it to a lease-backed byte-range lock; a
+dead host's lock is released when its lease expires).
+
+Within one process the lock is the process's: a job built again in the same directory (a notebook, a test building
+two trainers) takes over the lock this process already holds instead of refusing itself.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+LOCK_NAME = "train.lock"
+_HELD: dict[str, tuple[int, "OutputDirLock"]] = {}
+"""Locks this process holds: resolved lock path -> (open file descriptor, the `OutputDirLock` that owns it)."""
+
+
+class OutputDirLocked(ValueError):
+    """Another job holds the output directory's lock; the message is one line naming it."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _describe(holder: dict) -> str:
+    """"run R (pid P on host H, since T)" from a lock record."""
+    since = holder.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
+    return (f"run {holder.get('run_id') or '?'} (pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, "
+            f"since {when})")
+
+
+def _read(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+class OutputDirLock:
+    """The exclusive lock on a job's output directory, held from `acquire` to `release` (or process exit).
+
+    Args:
+        output_dir: `train.output_dir` (created when missing).
+    """
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.path = Path(output_dir) / LOCK_NAME
+        self._fd: Optional[int] = None
+        self.previous: dict = {}
+
+    def acquire(self, run_id: Optional[str]) -> Optional[str]:
+        """Take the lock (non-blocking) and write this job's record into it.
+
+        Returns:
+            None, or one line about the previous holder when it ended without releasing the lock (killed, crashed).
+        Raises:
+            OutputDirLocked: another process holds it (naming the holder; saying when its pid is gone from this host).
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        key = str(self.path.resolve())
+        if key in _HELD:  # this process holds it already: take it over
+            fd, _ = _HELD[key]
+            self.previous = {}
+        else:
+            fd = self._lock_file()
+            self.previous = _read(self.path)
+        _HELD[key] = (fd, self)
+        self._fd = fd
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id, "started": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(fd)
+        if self.previous.get("pid") is not None:
+            return (f"train.lock: the previous job in {self.path.parent}, {_describe(self.previous)}, ended without "
+                    "releasing its lock (killed or crashed); this job takes over")
+        return None
+
+    def _lock_file(self) -> int:
+        """Open and flock the lock file; retried when the file that was locked is no longer the one at the path (a
+        job that ended deleted it meanwhile: locking the deleted file would lock nothing)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputDirLocked(self._refusal()) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
+
+    def _refusal(self) -> str:
+        holder = _read(self.path)
+        line = (f"train.output_dir {self.path.parent} is in use by another job: {_describe(holder)} holds "
+                f"{self.path}; wait for it to end, stop it, or choose another --train.output_dir")
+        pid, host = holder.get("pid"), holder.get("host")
+        if isinstance(pid, int) and host == socket.gethostname() and not _pid_alive(pid):
+            line += (f" (stale: pid {pid} is not running on this host, so a process it started still holds the "
+                     f"lock; find it with `fuser {self.path}`)")
+        return line
+
+    def release(self) -> None:
+        """Delete the lock file and drop the lock (a no-op when not held, or taken over by a later job of this
+        process): a job that ends cleanly leaves nothing behind."""
+        if self._fd is None:
+            return
+        key = str(self.path.resolve())
+        if _HELD.get(key, (None, None))[1] is not self:
+            self._fd = None
+            return
+        del _HELD[key]
+        try:  # deleted while still held, so no job that locks the path can hold the deleted file
+            self.path.unlink()
+        except OSError:
+            pass
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def check_free(self) -> None:
+        """Raise `OutputDirLocked` when another job holds the lock; leaves nothing held or written (for `--check`)."""
+        if not self.path.is_file() or str(self.path.resolve()) in _HELD:
+            return
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputDirLocked(self._refusal()) from None
+        finally:
+            os.close(fd)

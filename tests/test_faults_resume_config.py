@@ -1,0 +1,91 @@
+"""Issue 28 part 7, resuming with a changed config: fields that cannot change are refused in one line; the others
+are applied and listed in one line (learning rates and the schedule over the restored optimizer state, max_steps,
+logging); a model.path elsewhere says which weights are used. Nothing changes silently."""
+
+import json
+
+import pytest
+from fault_jobs import sft_args, write_chats
+
+from astrai.train import main
+
+
+@pytest.fixture
+def chats(tmp_path):
+    return write_chats(tmp_path / "chats.jsonl")
+
+
+def constant(model_dir, out, chats, *extra):
+    """The tiny sft job on a constant schedule without warmup (the example's is cosine with warmup)."""
+    return sft_args(model_dir, out, chats, "--optim.lr_scheduler_type", "constant", "--optim.warmup_steps", 0, *extra)
+
+
+def lrs(out):
+    return [json.loads(line)["policy/lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_new_learning_rate_and_length_are_applied_and_listed(tiny_model_dir, chats, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(constant(tiny_model_dir, out, chats, "--max_steps", 2)) == 0
+    capsys.readouterr()
+    assert main(constant(tiny_model_dir, out, chats, "--max_steps", 4, "--optim.learning_rate", "5e-4",
+                         "--train.logging_steps", 2, "--checkpoint.resume", "auto")) == 0
+    printed = capsys.readouterr().out.splitlines()
+    (line,) = [p for p in printed if p.startswith("resume: ")]
+    assert line == ("resume: optim.learning_rate 0.001 -> 0.0005 (applied to the schedule from step 2), "
+                    "train.max_steps 2 -> 4 (applied to the schedule from step 2), train.logging_steps 1 -> 2")
+    assert lrs(out) == pytest.approx([1e-3, 1e-3, 5e-4, 5e-4])  # the old rate came back from the optimizer before
+
+
+def test_a_new_schedule_applies_from_the_resumed_step(tiny_model_dir, chats, tmp_path, capsys):
+    """Linear decay over 4 steps after 2 constant ones: the rates the resumed steps apply are the new schedule's at
+    steps 2 and 3 times the peak: 1e-3 * (1 - 2/4) and 1e-3 * (1 - 3/4)."""
+    out = tmp_path / "run"
+    assert main(constant(tiny_model_dir, out, chats, "--max_steps", 2)) == 0
+    assert main(constant(tiny_model_dir, out, chats, "--max_steps", 4, "--optim.lr_scheduler_type", "linear",
+                         "--checkpoint.resume", "auto")) == 0
+    assert "optim.lr_scheduler_type constant -> linear (applied to the schedule from step 2)" in capsys.readouterr().out
+    assert lrs(out) == pytest.approx([1e-3, 1e-3, 5e-4, 2.5e-4])
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("train.seed", "7", "the data order and the random streams come from it"),
+    ("data.shuffle", "false", "the data order comes from it"),
+])
+def test_a_field_that_cannot_change_is_refused_in_one_line(tiny_model_dir, chats, tmp_path, capsys, field, value,
+                                                           why):
+    out = tmp_path / "run"
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1)) == 0
+    capsys.readouterr()
+    ckpt = out / "checkpoints" / "step-00000001"
+    for check in ((), ("--check",)):
+        assert main([*check, *sft_args(tiny_model_dir, out, chats, "--max_steps", 2, f"--{field}", value,
+                                       "--checkpoint.resume", "auto")]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        old = {"train.seed": "42", "data.shuffle": "true"}[field]
+        assert line == (f"error: {ckpt}: {field} cannot change on resume ({why}): the run used {old}, this job says "
+                        f"{value}; resume with --{field} {old}, or start a new run from its weights (--model.path "
+                        f"{ckpt})")
+
+
+def test_another_model_path_says_which_weights_are_used(tiny_model_dir, chats, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, copy)
+    out = tmp_path / "run"
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1)) == 0
+    capsys.readouterr()
+    assert main(sft_args(copy, out, chats, "--max_steps", 2, "--checkpoint.resume", "auto")) == 0
+    ckpt = out / "checkpoints" / "step-00000001"
+    (line,) = [p for p in capsys.readouterr().out.splitlines() if p.startswith("resume: ")]
+    assert line == (f"resume: train.max_steps 1 -> 2 (applied to the schedule from step 1), "
+                    f"model.path {tiny_model_dir} -> {copy}: the weights come from the checkpoint {ckpt}, "
+                    f"not from {copy} (used for its tokenizer; start a new run to train from its weights)")
+
+
+def test_an_unchanged_resume_lists_nothing(tiny_model_dir, chats, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1)) == 0
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1, "--checkpoint.resume", "auto")) == 0
+    assert "resume: " not in capsys.readouterr().out
