@@ -110,7 +110,7 @@ def empty_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, devi
                            num_shared_experts=config.n_shared_experts, aux_loss_coef=config.router_aux_loss_coef)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.model.rotary_emb.reset_table(device)
+    model.model.reset_rotary(device)
     return model.eval()
 
 
@@ -150,7 +150,7 @@ def _build_model(
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
-    model.model.rotary_emb.reset_table(device)
+    model.model.reset_rotary(device)
     return model
 
 
