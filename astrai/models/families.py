@@ -99,6 +99,11 @@ def _write_qwen_windows(c: "ModelConfig") -> dict[str, Any]:
             "max_window_layers": sliding[0] if sliding else c.num_hidden_layers, "layer_types": list(c.layer_types)}
 
 
+def _whole(value: float) -> int | float:
+    """An integral float as int (transformers v5's strict config fields type `query_pre_attn_scalar` as int)."""
+    return int(value) if float(value).is_integer() else float(value)
+
+
 def _bias(d: Mapping[str, Any], *keys: str) -> dict[str, Any]:
     return {k: bool(d.get(k, False)) for k in keys}
 
@@ -162,7 +167,7 @@ def _read_gemma_common(d: Mapping[str, Any], pattern: int) -> dict[str, Any]:
 
 def _write_gemma_common(c: "ModelConfig") -> dict[str, Any]:
     return {"hidden_activation": c.hidden_act, "sliding_window": c.sliding_window, "layer_types": list(c.layer_types),
-            "query_pre_attn_scalar": c.query_pre_attn_scalar or c.head_dim, "attn_logit_softcapping": c.attn_logit_softcapping,
+            "query_pre_attn_scalar": _whole(c.query_pre_attn_scalar or c.head_dim), "attn_logit_softcapping": c.attn_logit_softcapping,
             "final_logit_softcapping": c.final_logit_softcapping, "attention_bias": c.attention_bias}
 
 
