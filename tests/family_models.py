@@ -39,6 +39,10 @@ CASES = {
         layer_types=[SLIDING, SLIDING, FULL], query_pre_attn_scalar=24,
         rope_parameters={FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                          SLIDING: {"rope_type": "default", "rope_theta": 1e4}})),
+    "gemma3_gguf_shape": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(  # what llama.cpp assumes for Gemma 3
+        num_hidden_layers=6, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=32,
+        rope_parameters={FULL: {"rope_type": "default", "rope_theta": 1e6},
+                         SLIDING: {"rope_type": "default", "rope_theta": 1e4}})),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
         final_logit_softcapping=30.0)),
