@@ -179,3 +179,53 @@ def test_train_check_refuses_an_unknown_model_type_in_one_line(family_dirs, tmp_
     assert _check(path, tmp_path) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unsupported model_type 'phi3'" in err[0] and "config.json" in err[0], err
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "phi3"}, "unsupported model_type 'phi3' in config; supported: llama, mistral, qwen2, qwen3"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "unsupported rotary scaling rope_scaling.rope_type='dynamic'; implemented: default, linear, llama3, yarn"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}, "rope_scaling": None},
+     "unsupported rotary scaling rope_parameters.rope_type='longrope'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+      "rope_scaling": None}, "unsupported rope_parameters.partial_rotary_factor=0.5"),
+    ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_type 'llama3' needs low_freq_factor"),
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'; expected one of silu, gelu_pytorch_tanh"),
+])
+def test_refusals_are_one_line_naming_the_field(change, message):
+    d = {**hf_model("qwen3").config.to_dict(), **change}
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf_dict(d)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gemma_refusals_and_family_options_are_checked():
+    d = hf_model("gemma3").config.to_dict()
+    with pytest.raises(ValueError, match="use_bidirectional_attention=true"):
+        ModelConfig.from_hf_dict({**d, "use_bidirectional_attention": True})
+    nested = {**d["rope_parameters"], "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match="rope_parameters.sliding_attention"):
+        ModelConfig.from_hf_dict({**d, "rope_parameters": nested})
+    config = ModelConfig.from_hf_dict(hf_model("qwen2").config.to_dict())
+    with pytest.raises(ValueError, match="model_type 'qwen2' needs qkv_bias=True, got False"):
+        dataclasses.replace(config, qkv_bias=False)
+
+
+def test_v4_config_forms_read_as_the_v5_ones():
+    """transformers v4 keys: `rope_scaling` with `type` and a top-level `rope_theta` (Llama 3.1), Qwen2.5's
+    `sliding_window` with `use_sliding_window: false` (no window), Gemma 3's `rope_local_base_freq` and
+    `sliding_window_pattern`."""
+    llama = ModelConfig.from_hf_dict({**hf_model("llama3").config.to_dict(), "rope_parameters": None,
+                                      "rope_theta": 500000.0, "rope_scaling": {
+                                          "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})
+    assert llama == astrai_twin(hf_model("llama3")).config
+    qwen = ModelConfig.from_hf_dict({"model_type": "qwen2", "vocab_size": 100, "hidden_size": 64,
+                                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                     "num_key_value_heads": 2, "sliding_window": 32768, "use_sliding_window": False,
+                                     "max_window_layers": 1, "rope_theta": 1e6})
+    assert qwen.sliding_window is None and set(qwen.layer_types) == {"full_attention"} and qwen.qkv_bias
+    gemma = hf_model("gemma3_gguf_shape").config.to_dict()
+    v4 = {k: v for k, v in gemma.items() if k not in ("rope_parameters", "layer_types")}
+    v4.update(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6)
+    assert ModelConfig.from_hf_dict(v4) == ModelConfig.from_hf_dict(gemma)
