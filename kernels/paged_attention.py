@@ -14,7 +14,7 @@ Layout (the flash-attn paged layout, so both backends share the cache):
 Query j of sequence b (0-based within its q_len = qo_indptr[b+1] - qo_indptr[b]) has absolute position
 kv_lens[b] - q_len + j and attends causally to keys [0, kv_lens[b] - q_len + j]; with a sliding `window` W only to
 the last W of them (keys p with p > position - W). An optional `softcap` c replaces each score s by c * tanh(s / c)
-before the mask and softmax (Gemma 2's attention soft-capping); `dense_attention` is that math on dense tensors.
+before the mask and softmax (Gemma 2's attention soft-capping).
 """
 
 from __future__ import annotations
@@ -22,32 +22,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["write_kv", "gather_kv", "dense_attention", "paged_decode_attention", "paged_prefill_attention"]
+__all__ = ["write_kv", "gather_kv", "paged_decode_attention", "paged_prefill_attention"]
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, scale: float,
-                    softcap: float | None = None, is_causal: bool = False) -> torch.Tensor:
-    """Softmax attention of dense tensors: q (B, Nh, S, D), k/v (B, Nkv, K, D) with Nh a multiple of Nkv (query
-    head h reads kv head h // (Nh / Nkv)), `mask` bool broadcastable to (B, Nh, S, K) (True = may attend) or None,
-    `is_causal` (only with mask None) -> (B, Nh, S, D) in q's dtype.
-
-    Without `softcap` this is `scaled_dot_product_attention`. With it, the scores `scale * q k^T` are computed in
-    q's dtype, capped as `softcap * tanh(scores / softcap)`, masked, and normalised by a float32 softmax (as
-    transformers' eager Gemma 2 attention).
-    """
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """q (B, Nh, S, D), k/v (B, Nkv, K, D), mask bool broadcastable to (B, Nh, S, K) -> (B, Nh, S, D): SDPA, or
+    with `softcap` the scores `softcap * tanh(scale * q k^T / softcap)` masked and normalised by a float32 softmax.
+    (The models' `astrai.models.attention.dense_attention` computes the same; this reference keeps its own so that
+    it stays independent of the model code it checks.)"""
     groups = q.shape[1] // k.shape[1]
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                              enable_gqa=groups > 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if is_causal:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -118,7 +109,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     mask = keys[None, :] < lens
     if window is not None:
         mask = mask & (keys[None, :] >= lens - window)
-    out = dense_attention(q.unsqueeze(2), k, v, mask=mask[:, None, None, :], scale=scale, softcap=softcap)
+    out = _attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap)
     return out.squeeze(2)
 
 
@@ -166,6 +157,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         mask = k_pos <= q_pos  # (n, K)
         if window is not None:
             mask = mask & (k_pos > q_pos - window)
-        o = dense_attention(q[start:end].transpose(0, 1).unsqueeze(0), k, v, mask=mask, scale=scale, softcap=softcap)
+        o = _attend(q[start:end].transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap)
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out

@@ -26,12 +26,36 @@ from typing import Optional, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from astrai.kernels.paged_attention import dense_attention
-
 from .cache import KVCache
 from .config import ModelConfig
 
-__all__ = ["AttentionInterface", "LayerAttention", "MaskedAttention", "SegmentedCausalAttention", "layer_attention"]
+__all__ = ["AttentionInterface", "LayerAttention", "MaskedAttention", "SegmentedCausalAttention", "dense_attention",
+           "layer_attention"]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None, scale: float,
+                    softcap: float | None = None, is_causal: bool = False) -> torch.Tensor:
+    """Softmax attention of dense tensors: q (B, Nh, S, D), k/v (B, Nkv, K, D) with Nh a multiple of Nkv (query
+    head h reads kv head h // (Nh / Nkv)), `mask` bool broadcastable to (B, Nh, S, K) (True = may attend) or None,
+    `is_causal` (only with mask None) -> (B, Nh, S, D) in q's dtype.
+
+    Without `softcap` this is `scaled_dot_product_attention`. With it, the scores `scale * q k^T` are computed in
+    q's dtype, capped as `softcap * tanh(scores / softcap)`, masked, and normalised by a float32 softmax (as
+    transformers' eager Gemma 2 attention).
+    """
+    groups = q.shape[1] // k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=groups > 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 @dataclass(frozen=True)
