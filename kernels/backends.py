@@ -6,7 +6,9 @@ the engine's device, dtype and block size: flash-attn when it is importable on C
 and the block size (if fixed) a multiple of 256; else Triton when it is importable on CUDA; else the torch reference.
 Asking explicitly for a backend that cannot serve the configuration raises `BackendUnavailableError` with a one-line
 reason, so the engine fails at construction and never mid-rollout. Every backend has `attention(q, k_cache,
-v_cache, meta)` over the cache layout of `kernels.paged_attention` (docs/kernels.md).
+v_cache, meta, *, window=None, softcap=None)` over the cache layout of `kernels.paged_attention` (docs/kernels.md):
+each layer passes its sliding window and score soft-cap (the model families of `astrai.models.families`); all
+three backends serve both.
 
 flash-attn (Dao 2023, FlashAttention-2) is an optional extra (`astrai[flash]`, compiled from source against CUDA)
 and Triton comes with CUDA builds of torch (and with `astrai[dev]` on Linux x86_64); both are imported only when
@@ -48,7 +50,7 @@ class AttentionMetadata:
         kv_lens_t: (B,) int32 tensor of `kv_lens` on the device.
         block_tables: (B, max_blocks) int32 on the device.
         max_q, max_kv: largest query count / cached length of the step.
-        scale: softmax scale (D ** -0.5).
+        scale: softmax scale (`ModelConfig.attention_scale`: D ** -0.5, or query_pre_attn_scalar ** -0.5).
         scratch: optional `InferenceWorkspace` whose reused buffers the torch backend gathers keys/values into.
     """
 
@@ -75,13 +77,14 @@ class TorchBackend:
     block_size_multiple = 1
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
-        """q (N, Nh, D) packed queries -> (N, Nh, D), over the paged cache (see module docstring)."""
+                  meta: AttentionMetadata, *, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """q (N, Nh, D) packed queries -> (N, Nh, D), over the paged cache (see module docstring); `window`: the
+        layer's sliding window (None: full causal), `softcap`: its score soft-cap (None: none)."""
         if meta.decode_only:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.kv_lens_t, meta.scale,
-                                          meta.max_kv, meta.scratch)
+                                          meta.max_kv, meta.scratch, window=window, softcap=softcap)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.qo_indptr, meta.kv_lens,
-                                       meta.scale)
+                                       meta.scale, window=window, softcap=softcap)
 
 
 def _cuda_available() -> bool:
@@ -165,13 +168,14 @@ class TritonBackend:
         self._kernels = triton_attention
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
+                  meta: AttentionMetadata, *, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q (N, Nh, D) packed queries -> (N, Nh, D) in q's dtype; see `TorchBackend.attention`."""
         if meta.decode_only:
             return self._kernels.triton_paged_decode(q, k_cache, v_cache, meta.block_tables, meta.kv_lens_t,
-                                                     meta.scale)
+                                                     meta.scale, window=window, softcap=softcap)
         return self._kernels.triton_paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.qo_indptr_t,
-                                                  meta.kv_lens_t, meta.max_q, meta.scale)
+                                                  meta.kv_lens_t, meta.max_q, meta.scale, window=window,
+                                                  softcap=softcap)
 
 
 class FlashAttnBackend:
@@ -198,15 +202,19 @@ class FlashAttnBackend:
         self._module = None
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:
+                  meta: AttentionMetadata, *, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q (N, Nh, D) packed queries -> (N, Nh, D); see `TorchBackend.attention` (the constructor validated the
-        dtype and block size of the engine's cache)."""
+        dtype and block size of the engine's cache). A window W becomes flash-attn's `window_size=(W - 1, 0)` (the
+        query and its W - 1 predecessors, as transformers passes it) and a soft-cap its `softcap` (flash-attn >=
+        2.6); neither is exercised on this project's test machines (flash-attn is not installed there)."""
         if self._module is None:
             self._module = importlib.import_module("flash_attn")  # imported by the constructor's probe already
+        extra = {"window_size": (window - 1, 0) if window is not None else (-1, -1),
+                 "softcap": 0.0 if softcap is None else float(softcap)}
         if meta.decode_only:
             out = self._module.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
                                                        cache_seqlens=meta.kv_lens_t, block_table=meta.block_tables,
-                                                       softmax_scale=meta.scale, causal=True)
+                                                       softmax_scale=meta.scale, causal=True, **extra)
             return out.squeeze(1)
         cu_k = torch.zeros(len(meta.kv_lens) + 1, dtype=torch.int32, device=q.device)
         cu_k[1:] = torch.cumsum(meta.kv_lens_t, 0)
@@ -215,7 +223,7 @@ class FlashAttnBackend:
         return self._module.flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.qo_indptr_t,
                                                    cu_seqlens_k=cu_k, max_seqlen_q=meta.max_q,
                                                    max_seqlen_k=meta.max_kv, softmax_scale=meta.scale, causal=True,
-                                                   block_table=meta.block_tables)
+                                                   block_table=meta.block_tables, **extra)
 
 
 def select_backend(name: str | None = None, device: torch.device | str | None = None, *,

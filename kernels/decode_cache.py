@@ -56,7 +56,8 @@ class DenseDecodeCache:
         self.rebuilds = 0
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
-        self._rows = self._positions = self._mask = self._bias = None
+        self._rows = self._positions = self._mask = self._bias = self._lens = None
+        self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scale = 1.0
 
     def invalidate(self) -> None:
@@ -99,9 +100,27 @@ class DenseDecodeCache:
         lens = torch.tensor(kv_lens, device=device)
         self._positions = lens - 1
         past = torch.arange(longest, device=device)[None, :] >= lens[:, None]
-        self._mask = ~past[:, None, None, :]  # (B, 1, 1, K): True = real key (SDPA's mask)
-        self._bias = torch.zeros(past.shape, device=device).masked_fill_(past, float("-inf"))[:, None, None, :]
+        self._mask, self._bias = self._mask_and_bias(past)
+        self._lens, self._windowed = lens, {}
         return True
+
+    @staticmethod
+    def _mask_and_bias(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, K) bool of keys a row must not see -> SDPA's (B, 1, 1, K) mask (True = attend) and the additive
+        float32 bias (-inf where hidden)."""
+        bias = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+        return ~hidden[:, None, None, :], bias[:, None, None, :]
+
+    def _masks(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's (mask, bias) for a layer with sliding `window` (None: all of each row's keys), made once per
+        step and window: a row of length n sees keys [n - window, n)."""
+        if window is None or window >= self._bias.shape[-1]:
+            return self._mask, self._bias
+        if window not in self._windowed:
+            keys = torch.arange(self._bias.shape[-1], device=self._lens.device)[None, :]
+            hidden = (keys >= self._lens[:, None]) | (keys < self._lens[:, None] - window)
+            self._windowed[window] = self._mask_and_bias(hidden)
+        return self._windowed[window]
 
     def _rebuild(self, num_rows: int, capacity: int, cached: list[int], block_tables: torch.Tensor) -> None:
         """Copy each row's first `cached[b]` tokens of every layer from the paged cache into fresh dense rows."""
@@ -131,26 +150,34 @@ class DenseDecodeCache:
         keys.index_put_((self._rows, self._positions), k.to(keys.dtype))
         values.index_put_((self._rows, self._positions), v.to(values.dtype))
 
-    def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q (B, Nh, D), one query per row -> (B, Nh, D): softmax attention over each row's kv_lens[b] keys
-        (grouped-query when Nh > Nkv), reading the dense buffers in place.
+    def attention(self, layer: int, q: torch.Tensor, *, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
+        """q (B, Nh, D), one query per row -> (B, Nh, D): softmax attention over each row's kv_lens[b] keys (its
+        last `window` of them for a sliding layer; scores soft-capped as softcap * tanh(s / softcap) when given),
+        grouped-query when Nh > Nkv, reading the dense buffers in place.
 
         In float32, two batched matmuls around a softmax (scores (B, Nkv, G, K), G = Nh / Nkv) rather than
         `scaled_dot_product_attention`: with one query per row the fused CPU kernel gains nothing from its tiling
         and was about 20% slower (30 layers at B = 32, 200 positions, two threads: 22.5 vs 17.5 ms per step).
         Other dtypes go through SDPA, which accumulates and normalises in float32 as the paged path does (a bf16
-        softmax would change sampled tokens)."""
-        longest = self._bias.shape[-1]
-        keys = self._keys[layer][..., :longest].to(q.dtype)  # (B, Nkv, D, K) view
-        values = self._values[layer][:, :, :longest].to(q.dtype)
+        softmax would change sampled tokens); with a soft-cap they are upcast to the float32 path instead."""
+        mask, bias = self._masks(window)
+        longest = bias.shape[-1]
+        compute = q.dtype if softcap is None else torch.float32
+        keys = self._keys[layer][..., :longest].to(compute)  # (B, Nkv, D, K) view
+        values = self._values[layer][:, :, :longest].to(compute)
         rows, heads, dim = q.shape
         # The G = Nh / Nkv query heads of a kv head act as G query positions of that head (no causal mask in
         # decode), so each kv head's keys/values are read once rather than once per query head.
-        grouped = q.view(rows, keys.shape[1], heads // keys.shape[1], dim)
-        if q.dtype != torch.float32:
+        grouped = q.to(compute).view(rows, keys.shape[1], heads // keys.shape[1], dim)
+        if compute != torch.float32:
             keys = keys.transpose(-1, -2).contiguous()  # SDPA's fused kernel wants D contiguous
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=self._mask, scale=self._scale)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self._scale)
             return out.reshape(rows, heads, dim)
         scores = torch.matmul(grouped, keys)  # (B, Nkv, G, K)
-        scores.mul_(self._scale).add_(self._bias)  # -inf past each row's length
-        return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(rows, heads, dim)
+        scores.mul_(self._scale)
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        scores.add_(bias)  # -inf past each row's length (and before its window)
+        out = torch.matmul(torch.softmax(scores, dim=-1), values).reshape(rows, heads, dim)
+        return out.to(q.dtype)

@@ -12,7 +12,9 @@ Layout (the flash-attn paged layout, so both backends share the cache):
     kv_lens:          (B,) int, tokens in the cache of each sequence INCLUDING the ones of this step
     qo_indptr:        (B + 1,) int, cumulative query offsets into the packed queries (N = qo_indptr[-1])
 Query j of sequence b (0-based within its q_len = qo_indptr[b+1] - qo_indptr[b]) has absolute position
-kv_lens[b] - q_len + j and attends causally to keys [0, kv_lens[b] - q_len + j].
+kv_lens[b] - q_len + j and attends causally to keys [0, kv_lens[b] - q_len + j]; with a sliding `window` W only to
+the last W of them (keys p with p > position - W). An optional `softcap` c replaces each score s by c * tanh(s / c)
+before the mask and softmax (Gemma 2's attention soft-capping).
 """
 
 from __future__ import annotations
@@ -21,6 +23,22 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["write_kv", "gather_kv", "paged_decode_attention", "paged_prefill_attention"]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """q (B, Nh, S, D), k/v (B, Nkv, K, D), mask bool broadcastable to (B, Nh, S, K) -> (B, Nh, S, D): SDPA, or
+    with `softcap` the scores `softcap * tanh(scale * q k^T / softcap)` masked and normalised by a float32 softmax.
+    (The models' `astrai.models.attention.dense_attention` computes the same; this reference keeps its own so that
+    it stays independent of the model code it checks.)"""
+    groups = q.shape[1] // k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -61,7 +79,8 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                           max_kv_len: int | None = None, scratch=None) -> torch.Tensor:
+                           max_kv_len: int | None = None, scratch=None, *, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """One query per sequence attending over all its cached keys (grouped-query attention supported).
 
     Args:
@@ -72,6 +91,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale: softmax scale, usually D ** -0.5.
         max_kv_len: max(kv_lens) if the caller knows it (avoids a device sync).
         scratch: optional `InferenceWorkspace`; the gathered keys/values then go to its reused buffers.
+        window: sliding window W (the query sees its last W keys) or None; softcap: score soft-cap or None.
 
     Returns:
         (B, Nh, D) in q's dtype.
@@ -85,15 +105,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k = gather_kv(k_cache, block_tables, max_kv_len, bufs[0]).to(q.dtype)
     v = gather_kv(v_cache, block_tables, max_kv_len, bufs[1]).to(q.dtype)
     keys = torch.arange(max_kv_len, device=q.device)
-    mask = (keys[None, :] < kv_lens[:, None].to(q.device))[:, None, None, :]  # (B, 1, 1, K)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=k.shape[1] != q.shape[1])
+    lens = kv_lens[:, None].to(q.device)
+    mask = keys[None, :] < lens
+    if window is not None:
+        mask = mask & (keys[None, :] >= lens - window)
+    out = _attend(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap)
     return out.squeeze(2)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, qo_indptr: list[int], kv_lens: list[int],
-                            scale: float) -> torch.Tensor:
+                            scale: float, *, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Ragged causal attention: the packed queries of B sequences, each over its own cached blocks.
 
     Sequences with one query (decode rows mixed into a prefill step) go through `paged_decode_attention` in one
@@ -106,6 +128,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         qo_indptr: B + 1 cumulative query offsets (Python ints: the layout is host metadata).
         kv_lens: B cached lengths including this step's tokens (Python ints), kv_lens[b] >= q_len[b].
         scale: softmax scale.
+        window, softcap: as `paged_decode_attention`.
 
     Returns:
         (N, Nh, D) in q's dtype.
@@ -119,7 +142,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         rows = torch.tensor([qo_indptr[b] for b in single], device=q.device)
         lens = torch.tensor([kv_lens[b] for b in single], device=q.device)
         out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, block_tables[single], lens, scale,
-                                           max(kv_lens[b] for b in single))
+                                           max(kv_lens[b] for b in single), window=window, softcap=softcap)
     for b in range(len(kv_lens)):
         start, end, kv_len = qo_indptr[b], qo_indptr[b + 1], kv_lens[b]
         n = end - start
@@ -130,8 +153,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k = gather_kv(k_cache, block_tables[b:b + 1], kv_len).to(q.dtype)
         v = gather_kv(v_cache, block_tables[b:b + 1], kv_len).to(q.dtype)
         q_pos = torch.arange(kv_len - n, kv_len, device=q.device)[:, None]
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos  # (n, K)
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
-                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # (n, K)
+        if window is not None:
+            mask = mask & (k_pos > q_pos - window)
+        o = _attend(q[start:end].transpose(0, 1).unsqueeze(0), k, v, mask, scale, softcap)
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out

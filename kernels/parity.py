@@ -22,7 +22,7 @@ import torch
 
 from .backends import AttentionMetadata, TorchBackend, select_backend
 
-__all__ = ["ParityCase", "SMALL_CASES", "FULL_CASES", "TOLERANCES", "make_inputs", "check_case", "run_cases"]
+__all__ = ["ParityCase", "SMALL_CASES", "FULL_CASES", "FAMILY_CASES", "GEMMA3_CASES", "TOLERANCES", "make_inputs", "check_case", "run_cases"]
 
 TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 """Max abs error allowed against the float32 reference (outputs are O(1): convex mixtures of N(0, 1) values)."""
@@ -39,6 +39,8 @@ class ParityCase:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    window: int | None = None
+    softcap: float | None = None
 
 
 SMALL_CASES = (
@@ -60,6 +62,21 @@ SMOLLM2_CASES = (
     ParityCase("smollm2_prefill", (300, 1, 64, 130), (300, 700, 64, 200), 9, 3, 64, 16),
 )
 """SmolLM2-135M's attention shapes (9 heads, 3 KV heads, D = 64) at realistic lengths, for a GPU."""
+
+FAMILY_CASES = (
+    ParityCase("decode_window7", (1, 1, 1), (3, 19, 70), 6, 2, 16, 4, window=7),
+    ParityCase("prefill_window5", (5, 1, 12, 30), (5, 9, 30, 41), 6, 2, 16, 4, window=5),
+    ParityCase("decode_softcap", (1, 1), (19, 70), 4, 2, 16, 16, softcap=0.5),
+    ParityCase("prefill_window_softcap", (12, 1, 20), (30, 40, 20), 4, 1, 16, 8, window=9, softcap=0.5),
+)
+"""Sliding windows (shorter and longer than the sequences, windows ending mid-tile) and score soft-caps (Mistral,
+Gemma 2/3), tiny for the CPU interpreter (a soft-cap of 0.5 keeps tanh far from linear on N(0, 1) scores)."""
+
+GEMMA3_CASES = (
+    ParityCase("gemma3_270m_decode", (1,) * 6, (1, 64, 511, 512, 513, 1500), 4, 1, 256, 16, window=512),
+    ParityCase("gemma3_270m_prefill", (700, 1, 513), (700, 900, 513), 4, 1, 256, 16, window=512),
+)
+"""Gemma 3 270M's attention shapes (4 heads, 1 KV head, D = 256, sliding window 512) around the window, for a GPU."""
 
 
 def make_inputs(case: ParityCase, dtype: torch.dtype, device: torch.device | str, seed: int = 0):
@@ -94,8 +111,9 @@ def check_case(backend, case: ParityCase, dtype: torch.dtype, device: torch.devi
     """Run `backend` and the float32 torch reference on one case; returns {name, dtype, max_abs_err, tolerance,
     ok} (max_abs_err over the N real query rows)."""
     q, k_cache, v_cache, meta = make_inputs(case, dtype, device, seed)
-    out = backend.attention(q, k_cache, v_cache, meta)
-    expected = TorchBackend().attention(q.float(), k_cache.float(), v_cache.float(), meta)
+    options = {"window": case.window, "softcap": case.softcap}
+    out = backend.attention(q, k_cache, v_cache, meta, **options)
+    expected = TorchBackend().attention(q.float(), k_cache.float(), v_cache.float(), meta, **options)
     err = float((out.float() - expected).abs().max())
     tol = TOLERANCES[dtype]
     return {"name": case.name, "dtype": str(dtype).removeprefix("torch."), "max_abs_err": err, "tolerance": tol,
@@ -120,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="triton", choices=["torch", "triton", "flash_attn"])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--sweep", default="small", choices=["small", "full", "smollm2"])
+    parser.add_argument("--sweep", default="small", choices=["small", "full", "smollm2", "families", "gemma3"])
     parser.add_argument("--dtypes", default="float32,float16,bfloat16")
     args = parser.parse_args(argv)
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
-    cases = {"small": SMALL_CASES, "full": FULL_CASES, "smollm2": SMOLLM2_CASES}[args.sweep]
+    cases = {"small": SMALL_CASES, "full": FULL_CASES, "smollm2": SMOLLM2_CASES, "families": FAMILY_CASES,
+             "gemma3": GEMMA3_CASES}[args.sweep]
     results = run_cases(args.backend, cases, dtypes, args.device)
     for row in results:
         print(json.dumps(row))

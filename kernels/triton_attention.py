@@ -6,7 +6,9 @@ Same layout as the torch reference (`kernels.paged_attention`, PagedAttention by
     kv_lens:          (B,) int32, cached tokens of each sequence INCLUDING this step's
     qo_indptr:        (B + 1,) int32, cumulative query offsets into the packed queries q (N, Nh, D)
 Query j of sequence b (q_len = qo_indptr[b+1] - qo_indptr[b]) sits at absolute position kv_lens[b] - q_len + j and
-attends causally to keys [0, kv_lens[b] - q_len + j].
+attends causally to keys [0, kv_lens[b] - q_len + j]; a sliding `window` W keeps only the last W of them (the loop
+starts at the tile holding the first visible key), and a `softcap` c caps each score s as c * tanh(s / c), all as
+the torch reference does (Gemma 2/3, Mistral; constexpr flags, so the plain kernels are unchanged).
 
 Both kernels compute softmax attention in one pass with the running max / running sum rescaling of
 FlashAttention (Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness",
@@ -45,6 +47,7 @@ __all__ = ["triton_paged_decode", "triton_paged_prefill", "kernel_constants", "S
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2_E = 1.4426950408889634
+LOG2E_CONST = tl.constexpr(LOG2_E)
 TILES = {torch.float16: (64, 64), torch.bfloat16: (64, 64), torch.float32: (32, 32)}
 """dtype -> (BLOCK_N cache positions per key tile, rows (query x head) per prefill program). float32 tiles are
 halved so that the shared memory of a program stays near the half-precision one (about 53 KB at D = 128 on sm_80,
@@ -58,11 +61,14 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "t
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_row, kv_len, key_start, q_pos, qk_scale, block_size,
-                 stride_kb, stride_ks, stride_vb, stride_vs, head_k, head_v, d, d_ok,
-                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                 stride_kb, stride_ks, stride_vb, stride_vs, head_k, head_v, d, d_ok, window, softcap,
+                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     """One key tile: scores of the rows `q` (R, D) against positions [key_start, key_start + BLOCK_N) of the
     sequence whose block-table row starts at `tables_row`, folded into the running max `m_i`, sum `l_i` and
-    output accumulator `acc` (R, D) (all float32; `qk_scale` = softmax scale * log2(e), so scores are in base 2)."""
+    output accumulator `acc` (R, D) (all float32; `qk_scale` = softmax scale * log2(e), so scores are in base 2).
+    WINDOWED: a row at `q_pos` sees only positions > q_pos - window; SOFTCAP: natural-log scores s become
+    softcap * tanh(s / softcap), with tanh(x) = 2 sigmoid(2x) - 1."""
     pos = key_start + tl.arange(0, BLOCK_N)
     pos_ok = pos < kv_len
     blocks = tl.load(tables_row + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
@@ -74,14 +80,23 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_row, kv_len, key_start, 
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    s = s * qk_scale  # (R, BLOCK_N) float32, base-2 logits
+    if SOFTCAP:
+        s = s * (qk_scale / LOG2E_CONST) / softcap
+        s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * (softcap * LOG2E_CONST)
+    else:
+        s = s * qk_scale  # (R, BLOCK_N) float32, base-2 logits
     visible = pos_ok[None, :]
     if CAUSAL:
         visible = visible & (pos[None, :] <= q_pos[:, None])
+    if WINDOWED:
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = m_new
+    if WINDOWED:  # a row may see no key of its first tiles: keep its (empty) state finite instead of NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     v = tl.load(v_ptr + (blocks * stride_vb + offsets * stride_vs + head_v)[:, None] + d[None, :],
                 mask=tile_ok, other=0.0).to(q.dtype)
     p_in = p.to(q.dtype)  # probabilities rounded to the input dtype for the second product
@@ -94,12 +109,14 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_row, kv_len, key_start, 
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, kv_lens_ptr, qk_scale, block_size,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, kv_lens_ptr, qk_scale, block_size, window, softcap,
                          stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_on, stride_oh, stride_tb,
                          GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """One query per sequence: program (b, kv head) computes the GROUP query heads of that kv head."""
+                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                         WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One query per sequence: program (b, kv head) computes the GROUP query heads of that kv head; a windowed
+    layer starts at the tile holding position kv_len - window."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     kv_len = tl.load(kv_lens_ptr + seq)
@@ -114,12 +131,16 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, kv_lens_ptr, qk
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     tables_row = tables_ptr + seq.to(tl.int64) * stride_tb
-    for key_start in range(0, kv_len, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_row, kv_len, key_start, g,
+    first = 0
+    if WINDOWED:
+        first = (tl.maximum(kv_len - window, 0) // BLOCK_N) * BLOCK_N
+    q_pos = tl.zeros([ROWS], tl.int32) + (kv_len - 1)
+    for key_start in range(first, kv_len, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_row, kv_len, key_start, q_pos,
                                      qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     kv_head * stride_kh, kv_head * stride_vh, d, d_ok,
+                                     kv_head * stride_kh, kv_head * stride_vh, d, d_ok, window, softcap,
                                      CAUSAL=False, BLOCK_N=BLOCK_N, PRECISION=PRECISION,
-                                     UPCAST_DOT=UPCAST_DOT)
+                                     UPCAST_DOT=UPCAST_DOT, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP)
     out = acc / l_i[:, None]
     tl.store(o_ptr + seq * stride_on + heads[:, None] * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=io_mask)
@@ -127,13 +148,16 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, kv_lens_ptr, qk
 
 @triton.jit
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, kv_lens_ptr, qo_indptr_ptr, qk_scale, block_size,
+                          window, softcap,
                           stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           stride_on, stride_oh, stride_tb,
                           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                          PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                          PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOWED: tl.constexpr,
+                          SOFTCAP: tl.constexpr):
     """Ragged causal attention: program (b, kv head, tile) computes queries [tile * BLOCK_Q, +BLOCK_Q) of
-    sequence b for the GROUP query heads of that kv head."""
+    sequence b for the GROUP query heads of that kv head; a windowed layer starts at the tile holding the first
+    key its first query sees."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -159,27 +183,33 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, kv_lens_ptr, q
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
     tables_row = tables_ptr + seq.to(tl.int64) * stride_tb
     key_end = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * BLOCK_Q)  # past the tile's last query: masked
-    for key_start in range(0, key_end, BLOCK_N):
+    first = 0
+    if WINDOWED:
+        first = (tl.maximum(kv_len - q_len + tile * BLOCK_Q - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for key_start in range(first, key_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_row, kv_len, key_start, q_pos,
                                      qk_scale, block_size, stride_kb, stride_ks, stride_vb, stride_vs,
-                                     kv_head * stride_kh, kv_head * stride_vh, d, d_ok,
+                                     kv_head * stride_kh, kv_head * stride_vh, d, d_ok, window, softcap,
                                      CAUSAL=True, BLOCK_N=BLOCK_N, PRECISION=PRECISION,
-                                     UPCAST_DOT=UPCAST_DOT)
+                                     UPCAST_DOT=UPCAST_DOT, WINDOWED=WINDOWED, SOFTCAP=SOFTCAP)
     out = acc / l_i[:, None]
     tl.store(o_ptr + tokens[:, None] * stride_on + heads[:, None] * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
-def kernel_constants(kind: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+def kernel_constants(kind: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                     windowed: bool = False, softcap: bool = False) -> dict:
     """The `tl.constexpr` arguments of a launch of the `kind` ("decode" or "prefill") kernel: tile sizes from
-    `TILES`, the padded group and head dim, PRECISION (no TF32 in float32) and UPCAST_DOT (interpreter + bfloat16).
-    Also what an ahead-of-time compile of the kernels must pass to compile what runs."""
+    `TILES`, the padded group and head dim, PRECISION (no TF32 in float32), UPCAST_DOT (interpreter + bfloat16),
+    WINDOWED and SOFTCAP (a sliding window / score soft-cap is applied). Also what an ahead-of-time compile of the
+    kernels must pass to compile what runs."""
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_n, rows = TILES[dtype]
     shared = {"GROUP": group, "HEAD_DIM": head_dim, "D_PAD": max(MIN_DOT, triton.next_power_of_2(head_dim)),
               "BLOCK_N": block_n, "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-              "UPCAST_DOT": INTERPRETED and dtype == torch.bfloat16}
+              "UPCAST_DOT": INTERPRETED and dtype == torch.bfloat16, "WINDOWED": bool(windowed),
+              "SOFTCAP": bool(softcap)}
     if kind == "decode":
         return dict(shared, ROWS=max(MIN_DOT, group_pad))
     return dict(shared, GROUP_PAD=group_pad, BLOCK_Q=max(MIN_DOT // group_pad, rows // group_pad, 1))
@@ -193,7 +223,8 @@ def _strides(q, k_cache, v_cache, out, block_tables) -> tuple[int, ...]:
 
 
 def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        kv_lens: torch.Tensor, scale: float, *, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """One query per sequence over its paged keys/values (the torch reference: `paged_decode_attention`).
 
     Args:
@@ -202,21 +233,24 @@ def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_tables: (B, max_blocks) int32, last dim contiguous.
         kv_lens: (B,) int32, each >= 1 (the query's own key is already in the cache).
         scale: softmax scale, usually D ** -0.5.
+        window: sliding window W (the query sees its last W keys) or None; softcap: score soft-cap or None.
 
     Returns:
         (B, Nh, D) in q's dtype.
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grid = (q.shape[0], k_cache.shape[2])
+    constants = kernel_constants("decode", q.dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3],
+                                 windowed=window is not None, softcap=softcap is not None)
     _paged_decode_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, kv_lens, scale * LOG2_E, k_cache.shape[1],
-        *_strides(q, k_cache, v_cache, out, block_tables),
-        **kernel_constants("decode", q.dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3]), **LAUNCH_OPTIONS)
+        q, k_cache, v_cache, out, block_tables, kv_lens, scale * LOG2_E, k_cache.shape[1], window or 0,
+        float(softcap or 0.0), *_strides(q, k_cache, v_cache, out, block_tables), **constants, **LAUNCH_OPTIONS)
     return out
 
 
 def triton_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         qo_indptr: torch.Tensor, kv_lens: torch.Tensor, max_q: int, scale: float) -> torch.Tensor:
+                         qo_indptr: torch.Tensor, kv_lens: torch.Tensor, max_q: int, scale: float, *,
+                         window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Ragged causal attention of packed queries over their paged keys/values (the torch reference:
     `paged_prefill_attention`); sequences of one query (decode rows of a mixed step) are served too.
 
@@ -229,21 +263,23 @@ def triton_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             the engine's scheduler guarantees it).
         max_q: the longest q_len (sizes the grid).
         scale: softmax scale.
+        window, softcap: as `triton_paged_decode`.
 
     Returns:
         (N, Nh, D) in q's dtype.
     """
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    constants = kernel_constants("prefill", q.dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3])
+    constants = kernel_constants("prefill", q.dtype, q.shape[1], k_cache.shape[2], k_cache.shape[3],
+                                 windowed=window is not None, softcap=softcap is not None)
     grid = (kv_lens.shape[0], k_cache.shape[2], math.ceil(max_q / constants["BLOCK_Q"]))
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, kv_lens, qo_indptr, scale * LOG2_E, k_cache.shape[1],
-        *_strides(q, k_cache, v_cache, out, block_tables), **constants, **LAUNCH_OPTIONS)
+        q, k_cache, v_cache, out, block_tables, kv_lens, qo_indptr, scale * LOG2_E, k_cache.shape[1], window or 0,
+        float(softcap or 0.0), *_strides(q, k_cache, v_cache, out, block_tables), **constants, **LAUNCH_OPTIONS)
     return out
 
 
 def compile_for(arch: int, kind: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                head_dim: int) -> int:
+                head_dim: int, *, windowed: bool = False, softcap: bool = False) -> int:
     """Compile the `kind` ("decode" or "prefill") kernel ahead of time for CUDA compute capability `arch` (90 for
     H100/H200, 80 for A100) with the constants a launch would use; needs no GPU (Triton ships its own ptxas).
     Returns the shared memory (bytes) one program needs. Triton >= 3.3 (signatures by argument name).
@@ -257,9 +293,10 @@ def compile_for(arch: int, kind: str, dtype: torch.dtype, num_heads: int, num_kv
     if INTERPRETED:
         raise RuntimeError("compile_for: the kernels were decorated for the interpreter (TRITON_INTERPRET=1)")
     kernel = _paged_decode_kernel if kind == "decode" else _paged_prefill_kernel
-    constants = kernel_constants(kind, dtype, num_heads, num_kv_heads, head_dim)
+    constants = kernel_constants(kind, dtype, num_heads, num_kv_heads, head_dim, windowed=windowed, softcap=softcap)
     element = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-    types = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "o_ptr": element, "qk_scale": "fp32"}
+    types = {"q_ptr": element, "k_ptr": element, "v_ptr": element, "o_ptr": element, "qk_scale": "fp32",
+             "softcap": "fp32"}
     signature = {name: "constexpr" if name in constants else types.get(name, "*i32" if name.endswith("_ptr")
                                                                          else "i32")
                  for name in kernel.arg_names}

@@ -137,3 +137,33 @@ def test_bf16_engine_generates_and_its_logprob_gap_to_fp32_scoring_is_small(mode
     assert engine.load_weights(state, policy_version=1) == 1
     expected = state["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16)
     assert torch.equal(engine.model.model.layers[0].self_attn.q_proj.weight, expected)
+
+
+def test_flash_attn_backend_passes_window_and_softcap(probes):
+    """flash-attn is not installed here: a recording stand-in shows what the backend passes it. A window W is
+    flash-attn's `window_size=(W - 1, 0)` (the query and its W - 1 predecessors), none is (-1, -1); a soft-cap is
+    `softcap` (0.0 = off), in decode and in prefill steps."""
+    calls = []
+
+    class Recorder:
+        def flash_attn_with_kvcache(self, q, *args, **kwargs):
+            calls.append(("decode", kwargs["window_size"], kwargs["softcap"]))
+            return q
+
+        def flash_attn_varlen_func(self, q, *args, **kwargs):
+            calls.append(("prefill", kwargs["window_size"], kwargs["softcap"]))
+            return q
+
+    backend = backends.FlashAttnBackend("cuda", torch.bfloat16, 256)
+    backend._module = Recorder()
+    q = torch.zeros(3, 4, 8)
+    for q_lens in ((1, 1, 1), (2, 1)):
+        indptr = [0]
+        for n in q_lens:
+            indptr.append(indptr[-1] + n)
+        meta = backends.AttentionMetadata(indptr, [5] * len(q_lens), torch.tensor(indptr), torch.tensor(
+            [5] * len(q_lens)), torch.zeros(len(q_lens), 1, dtype=torch.int32), max(q_lens), 5, 0.125)
+        backend.attention(q, None, None, meta, window=32, softcap=50.0)
+        backend.attention(q, None, None, meta)
+    assert calls == [("decode", (31, 0), 50.0), ("decode", (-1, -1), 0.0),
+                     ("prefill", (31, 0), 50.0), ("prefill", (-1, -1), 0.0)]

@@ -133,7 +133,7 @@ def test_rotary_table_stays_float32_after_dtype_cast():
     model = _model().to(torch.bfloat16)
     logits = model(torch.tensor([[5, 6, 7]]))
     assert logits.dtype == torch.bfloat16
-    assert model.model.rotary_emb.cos.dtype == torch.float32
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
 def test_tiny_tokenizer_special_tokens_and_chat_template():
@@ -212,7 +212,7 @@ def test_directory_written_by_transformers_loads(tmp_path):
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=0)
         half, _ = load_pretrained(tmp_path, torch.bfloat16)
         assert all(p.dtype == torch.bfloat16 for p in half.parameters())
-        assert half(ids).dtype == torch.bfloat16 and half.model.rotary_emb.cos.dtype == torch.float32
+        assert half(ids).dtype == torch.bfloat16 and half.model.rotary_emb.inv_freq.dtype == torch.float32
 
 
 def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:

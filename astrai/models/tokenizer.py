@@ -21,7 +21,10 @@ from typing import Any, Mapping, Sequence
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-__all__ = ["Tokenizer", "tiny_tokenizer", "tiny_gguf_fields", "TINY_VOCAB_SIZE", "byte_alphabet"]
+from .gemma_tokenizer import GEMMA_CHAT_TEMPLATE, gemma_bpe
+
+__all__ = ["Tokenizer", "tiny_tokenizer", "tiny_gguf_fields", "TINY_VOCAB_SIZE", "byte_alphabet",
+           "GEMMA_CHAT_TEMPLATE"]
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 _LLAMA3_SPLIT = (
@@ -185,16 +188,25 @@ class Tokenizer:
     def from_gguf_fields(cls, fields: Mapping[str, Any]) -> "Tokenizer":
         """Build from GGUF metadata values keyed by their GGUF names (`tokenizer.ggml.model`, `.tokens`,
         `.merges`, `.token_type`, `.pre`, `.bos_token_id`, `.eos_token_id`, `.padding_token_id`,
-        `.unknown_token_id`, `tokenizer.chat_template`). Raises `ValueError` unless the model is byte-level BPE
-        ("gpt2") with tokens and merges."""
+        `.unknown_token_id`, `tokenizer.chat_template`; `general.architecture` picks Gemma's SentencePiece
+        rebuild, `astrai.models.gemma_tokenizer`). Raises `ValueError` unless the model is byte-level BPE ("gpt2")
+        with tokens and merges, or a Gemma file's SentencePiece vocabulary ("llama")."""
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2" or "tokenizer.ggml.merges" not in fields or "tokenizer.ggml.tokens" not in fields:
-            raise ValueError(f"unsupported GGUF tokenizer {kind!r}: only byte-level BPE ('gpt2') with merges works")
+        gemma = kind == "llama" and str(fields.get("general.architecture", "")).startswith("gemma")
+        if "tokenizer.ggml.tokens" not in fields or not gemma and (
+                kind != "gpt2" or "tokenizer.ggml.merges" not in fields):
+            raise ValueError(f"unsupported GGUF tokenizer {kind!r}: byte-level BPE ('gpt2') with merges, or Gemma's "
+                             "SentencePiece vocabulary ('llama'), is read")
         tokens = list(fields["tokenizer.ggml.tokens"])
         types = list(fields.get("tokenizer.ggml.token_type") or [])
-        backend = _byte_level_bpe(tokens, fields["tokenizer.ggml.merges"], fields.get("tokenizer.ggml.pre"))
-        alphabet = set(byte_alphabet().values())
-        control = [t for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet]
+        unk = fields.get("tokenizer.ggml.unknown_token_id")
+        if gemma:
+            backend = gemma_bpe(tokens, tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None)
+            alphabet = None
+        else:
+            backend = _byte_level_bpe(tokens, fields["tokenizer.ggml.merges"], fields.get("tokenizer.ggml.pre"))
+            alphabet = set(byte_alphabet().values())
+        control = [t for t, k in zip(tokens, types) if k == _CONTROL and (alphabet is None or set(t) <= alphabet)]
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
         user = [t for t, k in zip(tokens, types) if k == _USER_DEFINED and backend.token_to_id(t) is not None]
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])

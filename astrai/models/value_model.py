@@ -60,7 +60,8 @@ class ValueModel(nn.Module):
             trunk = copy.deepcopy(policy.model)
         finally:
             policy.model.layers = kept
-        trunk.config = dataclasses.replace(trunk.config, num_hidden_layers=num_layers)
+        trunk.config = dataclasses.replace(trunk.config, num_hidden_layers=num_layers,
+                                           layer_types=trunk.config.layer_types[:num_layers])
         return cls(trunk)
 
     @property

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from astrai.kernels import AttentionMetadata, DenseDecodeCache, InferenceWorkspace, write_kv
+from astrai.models.attention import LayerAttention, layer_attention
 
 __all__ = ["PagedAttention", "PagedModelRunner", "StepBatch", "fuse_projections"]
 
@@ -62,21 +63,26 @@ class PagedAttention:
     Args:
         workspace: the paged KV storage; meta: the step layout; slots: (N,) int64 flat cache slots.
         backend: an `astrai.kernels` attention backend; dense: the decode cache prepared for this step, or None.
+        layers: the model's `LayerAttention` per layer (window and soft-cap reach the kernels; the scale is
+            `meta.scale`, the same in every layer).
     """
 
     def __init__(self, workspace: InferenceWorkspace, meta: AttentionMetadata, slots: torch.Tensor, backend,
-                 dense: Optional[DenseDecodeCache]):
+                 dense: Optional[DenseDecodeCache], layers: tuple[LayerAttention, ...]):
         self.workspace, self.meta, self.slots, self.backend, self.dense = workspace, meta, slots, backend, dense
+        self.layers = layers
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, N, Nh, D), k/v (1, N, Nkv, D) -> (1, N, Nh, D)."""
         q, k, v = q[0], k[0], v[0]
         k_cache, v_cache = self.workspace.k_caches[layer_idx], self.workspace.v_caches[layer_idx]
         write_kv(k_cache, v_cache, self.slots, k, v)
+        spec = self.layers[layer_idx]
         if self.dense is not None:
             self.dense.append(layer_idx, k, v)
-            return self.dense.attention(layer_idx, q)[None]
-        return self.backend.attention(q, k_cache, v_cache, self.meta)[None]
+            return self.dense.attention(layer_idx, q, window=spec.window, softcap=spec.softcap)[None]
+        return self.backend.attention(q, k_cache, v_cache, self.meta, window=spec.window,
+                                      softcap=spec.softcap)[None]
 
 
 class PagedModelRunner:
@@ -94,7 +100,8 @@ class PagedModelRunner:
     def __init__(self, model: torch.nn.Module, workspace: InferenceWorkspace, backend, *, dense_decode: bool = True):
         self.model, self.workspace, self.backend = model, workspace, backend
         self.decode_cache = DenseDecodeCache(workspace) if dense_decode and backend.name == "torch" else None
-        self.scale = model.config.head_dim ** -0.5
+        self.layers = layer_attention(model.config)
+        self.scale = model.config.attention_scale
 
     def _metadata(self, batch: StepBatch, device: torch.device) -> AttentionMetadata:
         """Device tensors of the step layout (block tables padded with block 0, never read past kv_lens)."""
@@ -120,17 +127,27 @@ class PagedModelRunner:
 
     @torch.no_grad()
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Write the step's keys/values into the cache and return logits (len(logit_rows), V) in float32.
+        """Write the step's keys/values into the cache and return logits (len(logit_rows), V) in float32 (soft-capped
+        as the model's forward does when `config.final_logit_softcapping` is set).
 
         The returned tensor may be a view of a workspace buffer: it is valid until the next `forward`.
         """
+        logits = self._logits(batch)
+        cap = self.model.config.final_logit_softcapping
+        if cap is not None:
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def _logits(self, batch: StepBatch) -> torch.Tensor:
+        """The LM head's float32 logits of `batch.logit_rows` (see `forward`)."""
         trunk = self.model.model
         device = trunk.embed_tokens.weight.device
         meta = self._metadata(batch, device)
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
         slots = torch.tensor(batch.slots, dtype=torch.long, device=device)
-        attention = PagedAttention(self.workspace, meta, slots, self.backend, self._dense_cache(batch, meta))
+        attention = PagedAttention(self.workspace, meta, slots, self.backend, self._dense_cache(batch, meta),
+                                   self.layers)
         hidden = trunk(ids[None], position_ids=positions[None], attention=attention)[0]  # (N, H), final-normed
         rows = torch.tensor(batch.logit_rows, dtype=torch.long, device=device)
         final = hidden.index_select(0, rows)
@@ -149,14 +166,16 @@ class PagedModelRunner:
         return logits
 
 
-def _fuse(modules: list[torch.nn.Linear]) -> torch.Tensor:
-    """Concatenate the Linear weights (each (out_i, H)) into one (sum out_i, H) tensor and re-point every module's
-    weight Parameter at its row block of it, so in-place copies into the Parameters fill the fused tensor."""
-    fused = torch.cat([m.weight.detach() for m in modules], dim=0)
+def _fuse(modules: list[torch.nn.Linear], name: str = "weight") -> torch.Tensor:
+    """Concatenate the Linear parameters `name` (weights (out_i, H) or biases (out_i,)) into one tensor along dim 0
+    and re-point every module's Parameter at its row block of it, so in-place copies into the Parameters fill the
+    fused tensor."""
+    fused = torch.cat([getattr(m, name).detach() for m in modules], dim=0)
     start = 0
     for m in modules:
-        rows = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(fused[start:start + rows], requires_grad=m.weight.requires_grad)
+        old = getattr(m, name)
+        rows = old.shape[0]
+        setattr(m, name, torch.nn.Parameter(fused[start:start + rows], requires_grad=old.requires_grad))
         start += rows
     return fused
 
@@ -165,18 +184,21 @@ def _fuse(modules: list[torch.nn.Linear]) -> torch.Tensor:
 def fuse_projections(model: torch.nn.Module) -> None:
     """Give each decoder layer of `model` (an inference-only `AutoRegressiveLM` copy) fused GEMM weights.
 
-    Sets `self_attn.qkv_weight` ((Nh + 2 Nkv) * D, H) over q_proj/k_proj/v_proj and, for dense SwiGLU MLPs,
-    `mlp.gate_up_weight` (2 I, H) over gate_proj/up_proj. The modules' Parameters become views of these tensors, so
-    `named_parameters`, `state_dict` and `copy_weights` (in-place `copy_`) see and update the same memory; the
-    layers' forwards use the fused tensors when set (same results, fewer GEMMs). Layers without bias-free Linear
-    projections (e.g. MoE MLPs) are left as they are. Idempotent. Do not move the model to another device afterwards
-    (the views would be re-created).
+    Sets `self_attn.qkv_weight` ((Nh + 2 Nkv) * D, H) over q_proj/k_proj/v_proj (and `self_attn.qkv_bias` when
+    all three have biases, as Qwen2's) and, for dense bias-free gated MLPs, `mlp.gate_up_weight` (2 I, H) over
+    gate_proj/up_proj. The modules' Parameters become views of these tensors, so `named_parameters`, `state_dict`
+    and `copy_weights` (in-place `copy_`) see and update the same memory; the layers' forwards use the fused tensors
+    when set (same results, fewer GEMMs). Other layers (e.g. MoE MLPs) are left as they are. Idempotent. Do not move
+    the model to another device afterwards (the views would be re-created).
     """
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-        if getattr(attn, "qkv_weight", None) is None and all(
-                isinstance(m, torch.nn.Linear) and m.bias is None for m in projections):
+        linear = all(isinstance(m, torch.nn.Linear) for m in projections)
+        has_bias = {m.bias is not None for m in projections} if linear else set()
+        if getattr(attn, "qkv_weight", None) is None and len(has_bias) == 1:  # all three alike
+            if has_bias == {True}:
+                attn.qkv_bias = _fuse(projections, "bias")
             attn.qkv_weight = _fuse(projections)
         pair = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
         if getattr(mlp, "gate_up_weight", None) is None and hasattr(mlp, "down_proj") and all(

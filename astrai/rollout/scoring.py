@@ -26,8 +26,9 @@ from astrai.models.value_model import ValueModel
 
 def whole_lm_head(model: torch.nn.Module) -> Optional[torch.Tensor]:
     """The LM head weight (V, H) of an unwrapped `AutoRegressiveLM` whose parameters are whole tensors, else None:
-    a wrapper (DDP, a DeepSpeed engine) or FSDP2 shards (DTensors) apply their LM head only inside the forward."""
-    if not isinstance(model, AutoRegressiveLM):
+    a wrapper (DDP, a DeepSpeed engine) or FSDP2 shards (DTensors) apply their LM head only inside the forward, and a
+    model with final-logit soft-capping (Gemma 2) caps its logits there."""
+    if not isinstance(model, AutoRegressiveLM) or model.config.final_logit_softcapping is not None:
         return None
     weight = model.lm_head.weight
     return None if hasattr(weight, "full_tensor") else weight
