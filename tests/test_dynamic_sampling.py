@@ -112,7 +112,7 @@ def test_dynamic_sampling_keeps_the_first_groups_with_unequal_rewards():
     assert len(texts) == 2  # stopped once B groups differ
     assert exp.responses == tuple(texts[0][G:2 * G] + texts[1][:G])
     assert exp.scores.tolist() == [1, 0, 1, 0, 1, 1, 0, 1]
-    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.25}
+    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.25, "sampled_reward_mean": 6 / 16}
     assert ref.rows == B * G  # reference log-probs only for the kept samples
     assert exp.ref_logprobs.shape == exp.old_logprobs.shape == exp.sequences.action_mask.shape
     # each kept row is the sampled row: its response tokens decode to the text scored for it
@@ -128,7 +128,7 @@ def test_dynamic_sampling_fills_the_batch_with_dropped_groups_at_the_round_cap()
     source = _source(script, max_rounds=2)
     exp = source.collect(policy_version=0)
     texts = source.runner.score_fn.calls
-    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.75}
+    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.75, "sampled_reward_mean": 5 / 16}
     # the one group of unequal rewards (round 2, group 1), then the first dropped one (round 1, group 0)
     assert exp.responses == tuple(texts[0][:G] + texts[1][G:])
     assert exp.scores.tolist() == [1, 1, 1, 1, 0, 1, 0, 0]
@@ -144,7 +144,7 @@ def test_a_larger_generation_batch_fills_the_batch_in_one_round():
     assert len(texts) == 1 and len(texts[0]) == 2 * B * G  # one round of 4 prompts x G responses
     assert exp.responses == tuple(texts[0][G:3 * G])
     assert exp.scores.tolist() == [1, 0, 0, 0, 1, 1, 0, 1]
-    assert exp.stats == {"sampling_rounds": 1.0, "sampled_zero_std_groups": 0.25}
+    assert exp.stats == {"sampling_rounds": 1.0, "sampled_zero_std_groups": 0.25, "sampled_reward_mean": 7 / 16}
     assert source.data_sampler.drawn == 2 * B
 
 

@@ -93,7 +93,9 @@ class OnlineExperience:
 
     With `dynamic_sampling` each round consumes `generation_batch_size` records of the sampler; reference
     log-probs are computed once, for the B * G kept samples. The experience's stats hold `sampling_rounds` and
-    `sampled_zero_std_groups` (the fraction of all groups sampled for the batch whose rewards were all equal).
+    `sampled_zero_std_groups` (the fraction of all groups sampled for the batch whose rewards were all equal) and
+    `sampled_reward_mean` (the mean score of every sample drawn for the batch, dropped groups included: the policy's
+    reward, which `reward_mean` of the kept samples over-states or under-states by the filter's choice).
 
     Raises:
         ValueError: for `dynamic_sampling` with G < 2, `max_sampling_rounds` < 1, `generation_batch_size` < 1, or
@@ -164,8 +166,10 @@ class OnlineExperience:
                  for r in range(len(rounds)) if any(rr == r for rr, _ in chosen)]
         # every round's time counts, also that of the rounds none of whose groups were kept
         experience = dataclasses.replace(concat_experiences(parts, pad_token_id), timings=summed_timings(rounds))
+        sampled = torch.cat([part.scores.reshape(-1).float() for part in rounds])
         experience.stats.update(sampling_rounds=float(len(rounds)),
-                                sampled_zero_std_groups=len(dropped) / (len(kept) + len(dropped)))
+                                sampled_zero_std_groups=len(dropped) / (len(kept) + len(dropped)),
+                                sampled_reward_mean=float(sampled.mean()))
         return experience
 
     def state_dict(self) -> dict:
