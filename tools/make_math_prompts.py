@@ -13,12 +13,13 @@ the committed asset byte for byte; ``tests/test_data.py`` checks that.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
 from pathlib import Path
 from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from asset_cli import asset_main, render_jsonl  # noqa: E402
 
 SEED = 1729
 NUM_PROBLEMS = 400
@@ -346,28 +347,15 @@ def generate(seed: int = SEED, n: int = NUM_PROBLEMS) -> list[dict[str, str]]:
     return records
 
 
-def render(records: list[dict[str, str]]) -> str:
+def render(records: list[dict]) -> str:
     """Serialise records as jsonl text (one object per line, trailing newline)."""
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    return render_jsonl(records)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: write (or with ``--check`` verify) the asset. Returns the process exit code."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=OUTPUT)
-    parser.add_argument("--check", action="store_true", help="verify the file is up to date; write nothing")
-    args = parser.parse_args(argv)
-    text = render(generate())
-    if args.check:
-        current = args.output.read_text(encoding="utf-8") if args.output.exists() else None
-        if current != text:
-            print(f"{args.output} is stale: rerun python tools/make_math_prompts.py", file=sys.stderr)
-            return 1
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text, encoding="utf-8")
-    print(f"wrote {NUM_PROBLEMS} problems to {args.output}")
-    return 0
+    return asset_main(argv, description=__doc__.splitlines()[0], output=OUTPUT, script="make_math_prompts.py",
+                      make_text=lambda: render(generate()), noun="problems")
 
 
 if __name__ == "__main__":
