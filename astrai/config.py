@@ -261,6 +261,10 @@ class TrainSection(Section, name="train"):
     output_dir: str = field_spec("outputs/ppo", "directory for config.yaml, metrics and checkpoints",
                                  Pattern(r"\s*\S.*", "a non-empty directory path"))
     max_steps: int = field_spec(4, "policy optimizer steps to run", GT0)
+    max_minutes: Optional[float] = field_spec(
+        None, "also stop at the first optimizer-step boundary after this many minutes of training in this process "
+              "(rank 0's clock from the first step, agreed by every rank; model loading not counted), publish a "
+              "checkpoint and exit 0; the LR schedule still runs over train.max_steps; null = no time limit", GT0)
     per_device_train_batch_size: int = field_spec(4, "sft/dpo/seq/grpo: examples per forward/backward on each rank", GT0)
     gradient_accumulation_steps: int = field_spec(1, "sft/dpo/seq/grpo: micro-batches per optimizer step", GT0)
     seed: int = field_spec(42, "seed for data order, sampling and initialisation", Range(0, 2**32 - 1))

@@ -143,6 +143,10 @@ def _run(config) -> int:
             print(f"stopped by {state.stopped_by} after {steps}, {saved}; exit code {EXIT_PREEMPTED}: resume with "
                   f"--checkpoint.resume auto (a requeued or restarted job does so itself); outputs in "
                   f"{config.train.output_dir}")
+        elif state.out_of_time:
+            print(f"stopped at train.max_minutes ({config.train.max_minutes:g} minutes of training) after {steps}, "
+                  f"with a checkpoint of step {state.global_step}; policy_version {state.policy_version}, "
+                  f"{time.perf_counter() - start:.1f} s; outputs in {config.train.output_dir}")
         else:
             print(f"done: {steps}, policy_version {state.policy_version}, "
                   f"{time.perf_counter() - start:.1f} s; outputs in {config.train.output_dir}")

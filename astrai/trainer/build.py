@@ -173,7 +173,7 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
     spec = train_types.get(config.train.type)
     strategy = spec.build(config, dist, apply_model_options(config, policy), tokenizer)
     boundary = StepBoundary(signals or StopSignals(rank=dist.rank), save_minutes=config.checkpoint.save_minutes,
-                            is_main=dist.is_main)
+                            max_minutes=config.train.max_minutes, is_main=dist.is_main)
     trainer = Trainer(strategy, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm,
                       state=TrainerState(run_id=run_id), boundary=boundary,
                       max_nonfinite_steps=config.train.max_nonfinite_steps)

@@ -116,32 +116,50 @@ class StepBoundary:
         signals: this process's stop requests.
         save_minutes: a checkpoint is due when this many minutes passed since the last one on rank 0's clock (None:
             never by time).
+        max_minutes: the run's time is up when this many minutes passed since `start()` on rank 0's clock
+            (`train.max_minutes`; None: no limit).
         is_main: whether this is rank 0 (whose clock decides).
+
+    Attributes:
+        stop: a stop signal arrived on some rank (as of the last `agree`).
+        save_due: a checkpoint is due by `save_minutes`.
+        out_of_time: `max_minutes` have passed.
     """
 
-    def __init__(self, signals: StopSignals, *, save_minutes: Optional[float] = None, is_main: bool = True):
+    def __init__(self, signals: StopSignals, *, save_minutes: Optional[float] = None,
+                 max_minutes: Optional[float] = None, is_main: bool = True):
         self.signals = signals
         self.save_minutes = save_minutes
+        self.max_minutes = max_minutes
         self.is_main = is_main
-        self.last_save = time.monotonic()
+        self.last_save = self.started = time.monotonic()
         self.stop = False
         self.save_due = False
+        self.out_of_time = False
+
+    def start(self) -> None:
+        """The training clock of `max_minutes` starts now (`Trainer.fit` calls it before the first step)."""
+        self.started = time.monotonic()
 
     def saved(self) -> None:
         """A checkpoint was just published: the time-based period starts again."""
         self.last_save = time.monotonic()
 
-    def agree(self, dist) -> tuple[bool, bool]:
+    def agree(self, dist, *, timed: bool = True) -> tuple[bool, bool]:
         """(stop, save due), the same on every rank: the maximum over ranks of this rank's flags (one all-reduce of
-        two numbers; none with one process). Also kept as `self.stop` / `self.save_due`."""
-        due = (self.is_main and self.save_minutes is not None
-               and time.monotonic() - self.last_save >= 60.0 * self.save_minutes)
-        flags = torch.tensor([float(self.signals.requested), float(due)], device=dist.device)
+        three numbers; none with one process). Stop is a signal, or, when `timed`, `max_minutes` passed (the loop
+        passes `timed=False` before the first step, so a run with a time limit trains at least one step). Also kept
+        as `self.stop` (the signal), `self.save_due` and `self.out_of_time`."""
+        now = time.monotonic()
+        due = self.is_main and self.save_minutes is not None and now - self.last_save >= 60.0 * self.save_minutes
+        late = (timed and self.is_main and self.max_minutes is not None
+                and now - self.started >= 60.0 * self.max_minutes)
+        flags = torch.tensor([float(self.signals.requested), float(due), float(late)], device=dist.device)
         if dist.world_size > 1:
             flags = dist.all_reduce_max(flags)
-        stop, save = (bool(x) for x in flags.tolist())
-        self.stop, self.save_due = stop, save
-        return stop, save
+        stop, save, late = (bool(x) for x in flags.tolist())
+        self.stop, self.save_due, self.out_of_time = stop, save, late
+        return stop or late, save
 
 
 def poison_nonfinite(loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

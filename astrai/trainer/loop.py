@@ -47,6 +47,7 @@ class TrainerState:
         run_id: the id of the training run (`trainer.runs`; not restored: resolved before the checkpoint loads).
         skipped_steps: optimizer steps (of any trained model) skipped for a non-finite loss or gradient norm.
         stopped_by: the signal that stopped the run before `max_steps` ("SIGTERM" ...), else None (not restored).
+        out_of_time: `train.max_minutes` ended the run before `max_steps` (not restored).
     """
 
     global_step: int = 0
@@ -56,6 +57,7 @@ class TrainerState:
     run_id: Optional[str] = None
     skipped_steps: int = 0
     stopped_by: Optional[str] = None
+    out_of_time: bool = False
 
     def state_dict(self) -> dict:
         """JSON-serialisable copy of the counters (written to trainer_state.json)."""
@@ -160,8 +162,10 @@ class Trainer:
 
     def fit(self) -> TrainerState:
         """Run the loop to `max_steps`, or until a stop signal (`boundary`: agreed by every rank after a step, and
-        once before the first); returns the final state (`stopped_by` names the signal). Callbacks receive each
-        step's metrics averaged over ranks (`mean_over_ranks`), plus `policy_version` and `train/skipped_steps`.
+        once before the first) or, after a step, the boundary's time limit (`train.max_minutes`, counted from here);
+        returns the final state (`stopped_by` names the signal, `out_of_time` says the time ran out). Callbacks
+        receive each step's metrics averaged over ranks (`mean_over_ranks`), plus `policy_version` and
+        `train/skipped_steps`.
         When an exception ends the loop, `on_train_abort` runs instead of `on_train_end` and it propagates."""
         try:
             self._emit("on_train_begin")
@@ -171,7 +175,9 @@ class Trainer:
                 if start:
                     start["policy_version"] = torch.tensor(self.state.policy_version)
                     self._emit("on_log", start)
-            stop = self.boundary is not None and self.boundary.agree(self.dist)[0]
+            if self.boundary is not None:
+                self.boundary.start()
+            stop = self.boundary is not None and self.boundary.agree(self.dist, timed=False)[0]
             while not stop and self.state.global_step < self.state.max_steps:
                 drawn = self.strategy.data_sampler.drawn
                 metrics = mean_over_ranks(self.strategy.train_step(self), self.dist)
@@ -182,7 +188,10 @@ class Trainer:
                 stop = self.boundary is not None and self.boundary.agree(self.dist)[0]
                 self._emit("on_step_end", metrics)
             if stop and self.state.global_step < self.state.max_steps:
-                self.state.stopped_by = self.boundary.signals.received or "a signal on another rank"
+                if self.boundary.stop:
+                    self.state.stopped_by = self.boundary.signals.received or "a signal on another rank"
+                else:
+                    self.state.out_of_time = True
         except BaseException:
             for callback in self.callbacks:
                 try:
