@@ -37,8 +37,9 @@ recipe for both models), `--eval-limit N` for the first N of the 200 questions. 
 starting model.
 
 Prints the load average at start and end, each side's training reward curve (mean reward of the steps ending in
-each minute: astrai's `rollout/reward_mean` of the groups it kept after dynamic sampling, which skews it upwards;
-TRL's logged `reward`, every 10 steps by its default), both accuracies with their 95% Wilson intervals, the
+each minute: astrai's `rollout/sampled_reward_mean`, the mean reward of every sample its dynamic sampling drew,
+dropped groups included; TRL's logged `reward`, the mean over its sampled completions, every 10 steps by its
+default), both accuracies with their 95% Wilson intervals, the
 difference in points, and last `ratio: X.XX` = astrai's accuracy / TRL's.
 """
 
@@ -115,7 +116,8 @@ def train_astrai(args, workdir: Path) -> dict:
     run_logged(command, workdir / "astrai_train.log", astrai_env(args.threads), "astrai training")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     records = [r for r in records if "time/elapsed_seconds" in r]
-    curve = [{"step": r["step"], "seconds": r["time/elapsed_seconds"], "reward": r["rollout/reward_mean"]}
+    key = "rollout/sampled_reward_mean"  # every sample drawn; rollout/reward_mean is over the kept groups only
+    curve = [{"step": r["step"], "seconds": r["time/elapsed_seconds"], "reward": r.get(key, r["rollout/reward_mean"])}
              for r in records if "rollout/reward_mean" in r]
     return {"model": str(out), "seconds": records[-1]["time/elapsed_seconds"], "steps": records[-1]["step"],
             "curve": curve}
