@@ -1,4 +1,4 @@
-"""One check of astrai's GPU rollout path: kernels, greedy parity with transformers, throughput, roofline, a PPO step.
+"""One check of astrai's GPU rollout path: kernels, greedy parity, throughput, roofline, CUDA graphs, a PPO step.
 
     pip install --no-deps --no-build-isolation -e .              # once, in the checkout on the GPU machine
     python bench/gpu_check.py --output gpu_check.json            # one CUDA GPU (< 8 min on an H200)
@@ -20,7 +20,12 @@ transformers load the same weights. Parts, each recorded in the JSON written to 
 4. roofline: decode step time from two astrai runs that differ only in response length (their difference is pure
    decode), bytes a decode step must read (all weights once + every attended KV position), and the fraction of the
    peak HBM bandwidth (--peak-tbps, H200: 4.8 TB/s) that this achieves.
-5. train_step: one online_ppo optimizer step of a tiny model through the real entry point (`astrai.train`) on the
+5. cuda_graphs: the same engine with `cuda_graphs=True` (decode steps padded to batch buckets and replayed as CUDA
+   graphs, the Triton backend; `astrai.rollout.cuda_graphs`): greedy tokens against the eager engine (match rate;
+   the padded GEMMs may round a bfloat16 near-tie differently), tokens/s without and with graphs at each batch size
+   (each bucket captured in an untimed warm-up call first), and the roofline of part 4 with graphs. On CPU
+   (`--smoke`) nothing is captured: the padded steps run eagerly, which checks the script, not the speed.
+6. train_step: one online_ppo optimizer step of a tiny model through the real entry point (`astrai.train`) on the
    device, with `rollout.dtype=bfloat16` (fp32 policy, bf16 rollout copy).
 Parts that need CUDA are skipped on CPU with a note; a part that raises is recorded with its error and the others
 still run. Exit code 1 if a part failed or a kernel parity case is off, else 0.
@@ -244,6 +249,35 @@ def roofline(engine, plan: Plan, device: torch.device, peak_tbps: float) -> dict
             "note": None if device.type == "cuda" else "CPU: the fraction of a GPU's peak is not meaningful here"}
 
 
+def cuda_graphs(eager, plan: Plan, device: torch.device, peak_tbps: float) -> dict:
+    """`eager` (the throughput engine) against a copy of it with `cuda_graphs=True` (see the module docstring)."""
+    from astrai.rollout.paged_engine import PagedGenerationEngine
+
+    graphs = PagedGenerationEngine(eager.model, pad_token_id=0, dtype=eager.dtype, prefix_cache=False,
+                                   max_kv_tokens=eager.max_kv_blocks * eager.block_size,
+                                   max_batch_tokens=eager.max_batch_tokens, max_num_seqs=eager.max_num_seqs,
+                                   cuda_graphs=True)
+    prompts = random_prompts(plan.parity_prompts, plan, seed=1)
+    ours, theirs = (astrai_tokens(e, prompts, plan.parity_tokens, True, 0) for e in (graphs, eager))
+    firsts = [next((t for t, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, theirs)]
+    out = {"backend": graphs.backend.name, "greedy_match_rate": sum(firsts) / (len(prompts) * plan.parity_tokens),
+           "throughput": {}}
+    for batch in plan.batches:
+        prompts = random_prompts(max(batch, plan.batch1_prompts) if batch == 1 else batch, plan, seed=100 + batch)
+        calls = [[p] for p in prompts] if batch == 1 else [prompts]
+        rates = {}
+        for name, engine in (("eager", eager), ("graphs", graphs)):
+            astrai_tokens(engine, calls[0], 4, False, 0)  # warm-up: captures this batch's bucket
+            seconds = sum(timed(device, astrai_tokens, engine, call, plan.bench_tokens, False, 1)[1] for call in calls)
+            rates[name] = len(prompts) * plan.bench_tokens / seconds
+        out["throughput"][str(batch)] = {"eager_tok_s": rates["eager"], "graphs_tok_s": rates["graphs"],
+                                         "speedup": rates["graphs"] / rates["eager"]}
+    out["roofline"] = roofline(graphs, plan, device, peak_tbps)
+    out["captured_buckets"] = sorted(graphs._graphs.graphs)
+    out["padded_steps"], out["capture_error"] = graphs._graphs.replays, graphs._graphs.capture_error
+    return out
+
+
 def train_step(workdir: Path, device: torch.device) -> dict:
     """One online_ppo optimizer step (tiny model, fp32 policy, bf16 rollout copy) through `astrai.train.main`."""
     from astrai.models import tiny_config
@@ -300,10 +334,18 @@ def summary(report: dict) -> list[str]:
             ratio = row["ratio"]
             lines.append(f"batch {batch:>4}: astrai {row['astrai_tok_s']:9.1f} tok/s, transformers "
                          f"{row['transformers_tok_s']:9.1f} tok/s, ratio {ratio:.2f}")
-    rl = report.get("roofline", {})
-    if "fraction" in rl:
-        lines.append(f"decode roofline at batch {rl['batch']}: {rl['decode_step_ms']:.2f} ms/step, "
-                     f"{rl['achieved_tbps']:.3g} of {rl['peak_tbps']:.1f} TB/s = {rl['fraction']:.3g} of peak")
+    for name, rl in (("", report.get("roofline", {})), (" with CUDA graphs", report.get("cuda_graphs", {}).get(
+            "roofline", {}))):
+        if "fraction" in rl:
+            lines.append(f"decode roofline{name} at batch {rl['batch']}: {rl['decode_step_ms']:.2f} ms/step, "
+                         f"{rl['achieved_tbps']:.3g} of {rl['peak_tbps']:.1f} TB/s = {rl['fraction']:.3g} of peak")
+    cg = report.get("cuda_graphs", {})
+    if "throughput" in cg:
+        failed = f", CAPTURE FAILED: {cg['capture_error']}" if cg.get("capture_error") else ""
+        lines.append(f"CUDA graphs ({cg['backend']}, buckets {cg['captured_buckets']}{failed}): greedy match rate vs "
+                     f"eager {cg['greedy_match_rate']:.3f}; " + "; ".join(
+                         f"batch {b}: {r['eager_tok_s']:.1f} -> {r['graphs_tok_s']:.1f} tok/s ({r['speedup']:.2f}x)"
+                         for b, r in cg["throughput"].items()))
     ts = report.get("train_step", {})
     if "ok" in ts:
         lines.append(f"online_ppo step: {'ok' if ts['ok'] else 'FAILED'} in {ts['seconds']:.1f} s, {ts['metrics']}")
@@ -313,10 +355,12 @@ def summary(report: dict) -> list[str]:
 
 
 def failed(report: dict) -> bool:
-    """True when a part raised, the kernels disagree with the reference, or the train step failed."""
+    """True when a part raised, the kernels disagree with the reference, the train step failed or a CUDA graph
+    capture failed."""
     parts = [p for p in report.values() if isinstance(p, dict)]
     return (any("error" in p for p in parts) or report.get("kernel_parity", {}).get("all_ok") is False
-            or report.get("train_step", {}).get("ok") is False)
+            or report.get("train_step", {}).get("ok") is False or bool(report.get("cuda_graphs", {}).get(
+                "capture_error")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         run_part(report, "throughput", start, args.budget_s, throughput, engine, hf, plan, device)
         del hf
         run_part(report, "roofline", start, args.budget_s, roofline, engine, plan, device, args.peak_tbps)
+        run_part(report, "cuda_graphs", start, args.budget_s, cuda_graphs, engine, plan, device, args.peak_tbps)
         del engine
         run_part(report, "train_step", start, args.budget_s, train_step, workdir, device)
     report["elapsed_s"] = time.perf_counter() - start
