@@ -29,11 +29,13 @@ Prints, per world size, one line per engine with the largest rank's numbers and 
 breakdown lines, and last `ratio: X.XX`, the WORST (highest) ratio of fsdp2 / zero3 training state at the step at
 the largest world size (the goal at 4 ranks: <= 0.30, i.e. 1/N plus what cannot be sharded).
 
-What cannot be sharded, measured (99M parameters, fp32): the model's buffers (a few kB), ZeRO-3's persistent
-parameters (tensors under `stage3_param_persistence_threshold` = 10,000 elements, the norms: ~35k elements, held
-whole on every rank), DeepSpeed's reduce bucket (`reduce_bucket_size`: astrai sets an eighth of the model, clamped
-to [1e6, 5e8] elements, `astrai.distributed.engines.deepspeed_config`) and ZeRO-1/2's full parameters and (zero1)
-gradients. DeepSpeed 0.19.8's ZeRO-3 keeps an fp32 master partition beside the parameter partition even when both
+What is not sharded (a smoke run with `--layers 2`, 35M parameters, fp32; fsdp2 0.250 and zero3 0.281 at 4 ranks):
+the model's buffers (a few kB), ZeRO-3's persistent parameters (tensors under `stage3_param_persistence_threshold` =
+10,000 elements, the norms: held whole on every rank, a few kB), DeepSpeed's reduce bucket (`reduce_bucket_size`:
+astrai sets an eighth of the model, clamped to [1e6, 5e8] elements, `astrai.distributed.engines.deepspeed_config`:
+a resident fp32 buffer of 1/32 of ddp's fp32 state at any world size, zero3's only excess) and, for ZeRO-2, the
+full parameters (it shards gradients and optimizer state only) and a gradient buffer the size of the whole model
+(the parameters' `.grad` are views into it at the step). DeepSpeed 0.19.8's ZeRO-3 keeps an fp32 master partition beside the parameter partition even when both
 are fp32: it means to alias them (stage3.py `_create_fp32_partitions`, "we don't need another copy of the weights"),
 but compares `tensor.device` (a torch.device) with `self.device` (a str such as 'cpu' or 'cuda:0'), which is never
 equal, so it clones. That copy is 1/(4N) of ddp's fp32 state (0.0625 at 4 ranks) and alone would put zero3 above
@@ -146,21 +148,22 @@ def _known_storages(trained) -> dict[int, str]:
 
 
 def breakdown(trained, full_sizes: dict[int, str]) -> tuple[dict[str, int], list[str]]:
-    """Bytes of training state by kind (`KINDS`) and a description of the three largest `other` storages of at
-    least 1 MiB (`full_sizes`: nbytes of a whole parameter or decoder block -> its name)."""
+    """Bytes of training state by kind (`KINDS`) and descriptions of its largest storages: the largest of each
+    kind but `other`, and the three largest `other` ones, each of at least 1 MiB (`full_sizes`: nbytes of a whole
+    parameter or decoder block -> its name)."""
     kinds = _known_storages(trained)
     totals = dict.fromkeys(KINDS, 0)
-    others = []
+    by_kind: dict[str, list] = {kind: [] for kind in KINDS}
     for ptr, (nbytes, tensor) in _storages().items():
         kind = kinds.get(ptr, "other")
         totals[kind] += nbytes
-        if kind == "other":
-            others.append((nbytes, tensor))
-    others.sort(key=lambda item: -item[0])
+        by_kind[kind].append((nbytes, tensor))
     named = []
-    for nbytes, tensor in [item for item in others[:3] if item[0] >= 2**20]:
-        what = full_sizes.get(nbytes, f"{str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}")
-        named.append(f"{what} {nbytes / 2**20:.1f} MiB")
+    for kind, found in by_kind.items():
+        found.sort(key=lambda item: -item[0])
+        for nbytes, tensor in [item for item in found[:3 if kind == "other" else 1] if item[0] >= 2**20]:
+            what = full_sizes.get(nbytes, f"{str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}")
+            named.append(f"{kind}: {what} {nbytes / 2**20:.1f} MiB")
     return totals, named
 
 
@@ -220,9 +223,9 @@ def worker(engine: str, layers: int, out: str, bf16: bool, lora: int = 0, refere
     trained.step(1.0, measure)
     gc.collect()
     trainable = sum(p.numel() for p in trained.model.parameters() if p.requires_grad)
-    kinds, largest_other = at_step[0]
+    kinds, largest = at_step[0]
     record = {"engine": engine, "rank": ctx.rank, "params": params, "trainable": trainable,
-              "step_bytes": sum(kinds.values()), "kinds": kinds, "largest_other": largest_other,
+              "step_bytes": sum(kinds.values()), "kinds": kinds, "largest": largest,
               "live_bytes": live_tensor_bytes(),
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     with open(out, "a") as fh:
@@ -287,7 +290,7 @@ def report(results: dict[str, dict], world: int, bf16: bool) -> None:
     print(f"state at the step by kind, as a fraction of ddp's ({' + '.join(KINDS)}):")
     for engine, r in results.items():
         parts = " + ".join(f"{kind} {r['kinds'][kind] / base['step_bytes']:.3f}" for kind in KINDS)
-        other = f"; largest other: {', '.join(r['largest_other'])}" if r["largest_other"] else ""
+        other = f"; largest storages: {', '.join(r['largest'])}" if r["largest"] else ""
         print(f"  {engine:6s} {r['step_bytes'] / base['step_bytes']:.3f} = {parts}{other}")
 
 
