@@ -165,3 +165,20 @@ def test_engine_drops_its_graphs_with_the_kv_storage_and_the_config_field_reache
     built = build_rollout_engine(config, model, SimpleNamespace(pad_token_id=EOS))
     assert built.cuda_graphs and not build_rollout_engine(load_config(None, []), model,
                                                           SimpleNamespace(pad_token_id=EOS)).cuda_graphs
+
+
+def test_a_failed_capture_falls_back_to_the_padded_eager_step(model, caplog):
+    """Capturing on CPU fails (no CUDA stream): the step still returns the right logits, eagerly, and says why."""
+    runner, decode = _prefilled(model)
+    want = PagedModelRunner(runner.model, runner.workspace, runner.backend, dense_decode=False)
+    graphs = DecodeGraphs(runner.model, runner.workspace, runner.backend, buckets=(1, 2, 4), scratch_block=8,
+                          capture=True)
+    before = [t.clone() for t in runner.workspace.k_caches + runner.workspace.v_caches]
+    expected = want.forward(decode).clone()
+    for t, b in zip(runner.workspace.k_caches + runner.workspace.v_caches, before):
+        t.copy_(b)
+    with caplog.at_level("WARNING", logger="astrai.rollout"):
+        got = graphs.forward(decode)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert not graphs.capture and graphs.capture_error and not graphs.graphs
+    assert "rollout.cuda_graphs: capturing the decode step of batch 4 failed" in caplog.text
