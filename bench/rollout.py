@@ -15,18 +15,17 @@ weights, whose near-flat logits make EOS a matter of chance) both sides generate
 row: astrai with no stop tokens, transformers with `min_new_tokens` (which masks EOS), so both do the same work.
 
 GSM8K test questions (chat-templated when the tokenizer has a template, mixed lengths, read from
-`../shared/data/gsm8k/test.jsonl` relative to the repo root), sampling at temperature 1 (top_k 0, top_p 1), stop
-at the model's stop tokens (EOS). Counts generated tokens (EOS included) per second of wall time. Batch B = all prompts in one call;
-batch 1 = one call per prompt on the first `--batch1-prompts` prompts. The engine runs with its defaults (prefix
-cache on, cleared after the warm-up call). It prints the model's shapes and KV bytes per token, and times the
-workload's GEMMs alone (the float32 matmul floor
-that no engine computing the same products can go below; measured before and after the astrai run, the lower
-counts) and prints the ratio that floor allows, then that floor plus the time to read, once, the keys/values every
-decode step attends over (bench/floors.py: `decode_kv_bytes` at `measure_read_bandwidth`), which one query per row
-makes memory-bound rather than FLOP-bound (both floors take the model's real dimensions, `floors.Dims.of`: an
-explicit head_dim, its KV heads, sliding windows). Both floors assume every row runs all `--max-new-tokens` steps, so rows
-that stop at EOS earlier make them slightly high (the token count line shows how many were generated). Ends with
-`ratio: X.XX` = astrai / transformers tokens/s at batch B.
+`../shared/data/gsm8k/test.jsonl` relative to the repo root), sampling at temperature 1 (top_k 0, top_p 1), stop at
+the model's stop tokens (EOS). Counts generated tokens (EOS included) per second of wall time. Batch B = all prompts
+in one call; batch 1 = one call per prompt on the first `--batch1-prompts` prompts. The engine runs with its
+defaults (prefix cache on, cleared after the warm-up call). It prints the model's shapes and KV bytes per token, and
+times the workload's GEMMs alone (the float32 matmul floor that no engine computing the same products can go below;
+measured before and after the astrai run, the lower counts) and prints the ratio that floor allows, then that floor
+plus the time to read, once, the keys/values every decode step attends over (bench/floors.py: `decode_kv_bytes` at
+`measure_read_bandwidth`), which one query per row makes memory-bound rather than FLOP-bound (both floors take the
+model's real dimensions, `floors.Dims.of`: an explicit head_dim, its KV heads, sliding windows). Both floors assume
+every row runs all `--max-new-tokens` steps, so rows that stop at EOS earlier make them slightly high (the token
+count line shows how many were generated). Ends with `ratio: X.XX` = astrai / transformers tokens/s at batch B.
 """
 
 from __future__ import annotations
