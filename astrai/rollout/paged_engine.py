@@ -199,7 +199,7 @@ class PagedGenerationEngine:
             target = max(target, self.pool.num_blocks)
             self.workspace.release()
         self._graphs = None
-        self.workspace = InferenceWorkspace.for_model(self.model.config, num_blocks=target + self.cuda_graphs,
+        self.workspace = InferenceWorkspace.for_model(self.model.config, num_blocks=target + int(self.cuda_graphs),
                                                       block_size=self.block_size, dtype=self.dtype,
                                                       device=self.device)
         self.pool = BlockPool(target)
