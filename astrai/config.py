@@ -150,6 +150,9 @@ class RolloutSection(Section, name="rollout"):
         "auto", "the engine's attention kernels: torch, triton, flash_attn or auto (the fastest available); the "
                 "ASTR_BACKEND environment variable overrides it (docs/kernels.md)",
         Choices(("auto", "torch", "triton", "flash_attn")))
+    cuda_graphs: bool = field_spec(
+        False, "pad decode steps to batch-size buckets and replay them as CUDA graphs (on CUDA: needs the triton "
+               "attention backend, which auto then picks; elsewhere the padded steps run eagerly); docs/kernels.md")
     dynamic_sampling: bool = field_spec(False, "online train types with groups: resample prompts whose "
                                                "rewards are all equal (DAPO dynamic sampling) until "
                                                "rollout.batch_size groups differ")

@@ -1,7 +1,7 @@
-"""One check of astrai's GPU rollout path: kernels, greedy parity with transformers, throughput, roofline, a PPO step.
+"""One check of astrai's GPU rollout path: kernels, greedy parity, throughput, roofline, CUDA graphs, a PPO step.
 
     pip install --no-deps --no-build-isolation -e .              # once, in the checkout on the GPU machine
-    python bench/gpu_check.py --output gpu_check.json            # one CUDA GPU (< 8 min on an H200)
+    python bench/gpu_check.py --output gpu_check.json            # one CUDA GPU (see --budget-s)
     python bench/gpu_check.py --smoke --output smoke.json        # tiny shapes on CPU: checks the script itself
 
 Needs only PyTorch, Triton, transformers and accelerate (no flash-attn, no DeepSpeed, no network). The model has
@@ -20,10 +20,14 @@ transformers load the same weights. Parts, each recorded in the JSON written to 
 4. roofline: decode step time from two astrai runs that differ only in response length (their difference is pure
    decode), bytes a decode step must read (all weights once + every attended KV position), and the fraction of the
    peak HBM bandwidth (--peak-tbps, H200: 4.8 TB/s) that this achieves.
-5. train_step: one online_ppo optimizer step of a tiny model through the real entry point (`astrai.train`) on the
+5. cuda_graphs: the engine with `cuda_graphs=True` (decode steps padded to batch buckets, replayed as CUDA graphs):
+   greedy match rate against the eager engine (padded GEMMs may round a bfloat16 near-tie differently), part 4
+   with graphs, the buckets captured; part 3 times it beside the eager engine (each bucket captured in an untimed
+   call first). On CPU (`--smoke`) the padded steps run eagerly: that checks the script, not the speed.
+6. train_step: one online_ppo optimizer step of a tiny model through the real entry point (`astrai.train`) on the
    device, with `rollout.dtype=bfloat16` (fp32 policy, bf16 rollout copy).
 Parts that need CUDA are skipped on CPU with a note; a part that raises is recorded with its error and the others
-still run. Exit code 1 if a part failed or a kernel parity case is off, else 0.
+still run. Exit code 1 if a part failed, a kernel parity case is off or a capture failed, else 0.
 """
 
 from __future__ import annotations
@@ -202,21 +206,29 @@ def greedy_parity(model_dir: Path, device: torch.device, plan: Plan) -> dict:
     return out
 
 
-def throughput(engine, hf, plan: Plan, device: torch.device) -> dict:
-    """tokens/s of both at each batch size (sampling, fixed length); batch 1 = one call per prompt."""
+def throughput(engine, hf, plan: Plan, device: torch.device, graphs=None) -> dict:
+    """tokens/s of both at each batch size (sampling, fixed length); batch 1 = one call per prompt. With `graphs`
+    (the engine with CUDA graphs) also its tokens/s, after an untimed call that captures the batch's bucket."""
     out = {}
     warm = random_prompts(max(plan.batches), plan, seed=9)  # warm-up at the largest batch: compiles, pool size
     astrai_tokens(engine, warm, 4, False, 0)
     hf_tokens(hf, warm, 4, False, 0)
+    sides = (("astrai", astrai_tokens, engine), ("astrai_graphs", astrai_tokens, graphs),
+             ("transformers", hf_tokens, hf))
     for batch in plan.batches:
         prompts = random_prompts(max(batch, plan.batch1_prompts) if batch == 1 else batch, plan, seed=100 + batch)
         calls = [[p] for p in prompts] if batch == 1 else [prompts]
         rates = {}
-        for name, fn, target in (("astrai", astrai_tokens, engine), ("transformers", hf_tokens, hf)):
+        for name, fn, target in [side for side in sides if side[2] is not None]:
+            if target is graphs:
+                astrai_tokens(graphs, calls[0], 4, False, 0)
             seconds = sum(timed(device, fn, target, call, plan.bench_tokens, False, 1)[1] for call in calls)
             rates[name] = len(prompts) * plan.bench_tokens / seconds
         out[str(batch)] = {"astrai_tok_s": rates["astrai"], "transformers_tok_s": rates["transformers"],
                            "ratio": rates["astrai"] / rates["transformers"], "prompts": len(prompts)}
+        if graphs is not None:
+            out[str(batch)].update(astrai_graphs_tok_s=rates["astrai_graphs"],
+                                   graphs_speedup=rates["astrai_graphs"] / rates["astrai"])
     return out
 
 
@@ -242,6 +254,26 @@ def roofline(engine, plan: Plan, device: torch.device, peak_tbps: float) -> dict
             "achieved_tbps": achieved / 1e12, "peak_tbps": peak_tbps, "fraction": achieved / (peak_tbps * 1e12),
             "backend": engine.backend.name, "dtype": str(engine.dtype).removeprefix("torch."),
             "note": None if device.type == "cuda" else "CPU: the fraction of a GPU's peak is not meaningful here"}
+
+
+def graph_engine(eager):
+    """A copy of `eager` (the same weights, sizes and dtype) with `cuda_graphs=True`."""
+    from astrai.rollout.paged_engine import PagedGenerationEngine
+
+    return PagedGenerationEngine(eager.model, pad_token_id=0, dtype=eager.dtype, prefix_cache=False,
+                                 max_kv_tokens=eager.max_kv_blocks * eager.block_size,
+                                 max_batch_tokens=eager.max_batch_tokens, max_num_seqs=eager.max_num_seqs,
+                                 cuda_graphs=True)
+
+
+def cuda_graphs(graphs, eager, plan: Plan, device: torch.device, peak_tbps: float) -> dict:
+    """The engine with CUDA graphs against the eager one: greedy match rate, its roofline, what it captured."""
+    prompts = random_prompts(plan.parity_prompts, plan, seed=1)
+    ours, theirs = (astrai_tokens(e, prompts, plan.parity_tokens, True, 0) for e in (graphs, eager))
+    firsts = [next((t for t, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, theirs)]
+    return {"backend": graphs.backend.name, "greedy_match_rate": sum(firsts) / (len(prompts) * plan.parity_tokens),
+            "roofline": roofline(graphs, plan, device, peak_tbps), "captured_buckets": sorted(graphs._graphs.graphs),
+            "padded_steps": graphs._graphs.replays, "capture_error": graphs._graphs.capture_error}
 
 
 def train_step(workdir: Path, device: torch.device) -> dict:
@@ -298,12 +330,20 @@ def summary(report: dict) -> list[str]:
     for batch, row in report.get("throughput", {}).items():
         if isinstance(row, dict) and "ratio" in row:
             ratio = row["ratio"]
-            lines.append(f"batch {batch:>4}: astrai {row['astrai_tok_s']:9.1f} tok/s, transformers "
+            graphs = (f" (with CUDA graphs {row['astrai_graphs_tok_s']:9.1f}, {row['graphs_speedup']:.2f}x)"
+                      if "astrai_graphs_tok_s" in row else "")
+            lines.append(f"batch {batch:>4}: astrai {row['astrai_tok_s']:9.1f} tok/s{graphs}, transformers "
                          f"{row['transformers_tok_s']:9.1f} tok/s, ratio {ratio:.2f}")
-    rl = report.get("roofline", {})
-    if "fraction" in rl:
-        lines.append(f"decode roofline at batch {rl['batch']}: {rl['decode_step_ms']:.2f} ms/step, "
-                     f"{rl['achieved_tbps']:.3g} of {rl['peak_tbps']:.1f} TB/s = {rl['fraction']:.3g} of peak")
+    for name, rl in (("", report.get("roofline", {})), (" with CUDA graphs", report.get("cuda_graphs", {}).get(
+            "roofline", {}))):
+        if "fraction" in rl:
+            lines.append(f"decode roofline{name} at batch {rl['batch']}: {rl['decode_step_ms']:.2f} ms/step, "
+                         f"{rl['achieved_tbps']:.3g} of {rl['peak_tbps']:.1f} TB/s = {rl['fraction']:.3g} of peak")
+    cg = report.get("cuda_graphs", {})
+    if "captured_buckets" in cg:
+        failed = f", CAPTURE FAILED: {cg['capture_error']}" if cg.get("capture_error") else ""
+        lines.append(f"CUDA graphs ({cg['backend']}): captured buckets {cg['captured_buckets']}{failed}, greedy "
+                     f"match rate vs eager {cg['greedy_match_rate']:.3f}, {cg['padded_steps']} padded steps")
     ts = report.get("train_step", {})
     if "ok" in ts:
         lines.append(f"online_ppo step: {'ok' if ts['ok'] else 'FAILED'} in {ts['seconds']:.1f} s, {ts['metrics']}")
@@ -313,10 +353,12 @@ def summary(report: dict) -> list[str]:
 
 
 def failed(report: dict) -> bool:
-    """True when a part raised, the kernels disagree with the reference, or the train step failed."""
+    """True when a part raised, the kernels disagree with the reference, the train step failed or a CUDA graph
+    capture failed."""
     parts = [p for p in report.values() if isinstance(p, dict)]
     return (any("error" in p for p in parts) or report.get("kernel_parity", {}).get("all_ok") is False
-            or report.get("train_step", {}).get("ok") is False)
+            or report.get("train_step", {}).get("ok") is False or bool(report.get("cuda_graphs", {}).get(
+                "capture_error")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,10 +395,17 @@ def main(argv: list[str] | None = None) -> int:
         run_part(report, "greedy_parity", start, args.budget_s, greedy_parity, model_dir, device, plan)
         max_tokens = 2 * max(plan.batches + (plan.roofline_batch,)) * (plan.prompt_hi + plan.roofline_tokens[1]) + 4096
         engine, hf = load_models(model_dir, device, torch.bfloat16, max_tokens)
-        run_part(report, "throughput", start, args.budget_s, throughput, engine, hf, plan, device)
+        try:
+            graphs = graph_engine(engine)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
+            graphs, report["cuda_graphs"] = None, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+        run_part(report, "throughput", start, args.budget_s, throughput, engine, hf, plan, device, graphs)
         del hf
         run_part(report, "roofline", start, args.budget_s, roofline, engine, plan, device, args.peak_tbps)
-        del engine
+        if graphs is not None:
+            run_part(report, "cuda_graphs", start, args.budget_s, cuda_graphs, graphs, engine, plan, device,
+                     args.peak_tbps)
+        del engine, graphs
         run_part(report, "train_step", start, args.budget_s, train_step, workdir, device)
     report["elapsed_s"] = time.perf_counter() - start
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -85,3 +85,51 @@ def test_decode_kv_bytes_by_hand_and_a_measured_read_bandwidth():
     with pytest.raises(ValueError):
         floors.decode_kv_bytes(d, [3], [])
     assert 1e8 < floors.measure_read_bandwidth(8 * 2**20, repeats=1) < 1e13  # bytes/s: 0.1 GB/s .. 10 TB/s
+
+
+def test_dims_of_a_qwen3_config_uses_its_explicit_head_dim():
+    """Qwen3 sets head_dim = 128 whatever H / Nh is; q/k RMSNorm adds no GEMM. Both transformers' config and
+    astrai's ModelConfig of it give the same dims, and the q, o and k/v GEMMs are sized by Nh * D and Nkv * D."""
+    transformers = pytest.importorskip("transformers")
+    from astrai.models import ModelConfig
+
+    hf = transformers.Qwen3Config(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    for config in (hf, ModelConfig.from_hf_dict(hf.to_dict())):
+        d = floors.Dims.of(config)
+        assert (d.layers, d.hidden, d.heads, d.kv_heads, d.head_dim, d.windows) == (3, 64, 4, 2, 32, ())
+        assert d.layer_weight_shapes()[:4] == [(128, 64), (64, 64), (64, 64), (64, 128)]
+    # per (query, key) pair and layer: 4 * Nh * D = 512 FLOPs; per attended position: 2 * Nkv * D * 4 bytes = 512
+    assert floors.attention_flops(floors.Dims.of(hf), 1) == 3 * 512
+    assert floors.decode_kv_bytes(floors.Dims.of(hf), [2], [2]) == 3 * 3 * 512  # one decode step over 3 positions
+
+
+def test_sliding_windows_cap_the_pairs_and_the_decode_kv_reads():
+    from astrai.models import ModelConfig
+
+    # A query at position i of a window-W layer sees min(i + 1, W) keys.
+    assert floors.causal_pairs(6, window=4) == 1 + 2 + 3 + 4 + 4 + 4
+    assert floors.causal_pairs(6, 2, window=4) == 3 + 4 + 4 + 4
+    assert floors.causal_pairs(6, 5, window=2) == 2 and floors.causal_pairs(3, window=8) == floors.causal_pairs(3)
+    for length in range(8):
+        for start in range(length + 1):
+            for window in (1, 2, 3, 5, 9):
+                assert floors.causal_pairs(length, start, window=window) == sum(
+                    min(i + 1, window) for i in range(start, length))
+    config = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, model_type="qwen3", qk_norm=True,
+                         sliding_window=3, layer_types=["sliding_attention", "full_attention"], head_dim=4)
+    d = floors.Dims.of(config)
+    assert d.windows == (3, None)
+    # Prompt 3, response 3: decode steps attend over 4 and 5 positions in the full layer, 3 and 3 in the windowed
+    # one; per position and layer key + value of Nkv 1 * D 4 * 4 bytes = 32 bytes.
+    assert floors.decode_kv_bytes(d, [3], [3]) == (4 + 5 + 3 + 3) * 32
+    # Prefill of 5 tokens: 15 pairs in the full layer, 1 + 2 + 3 + 3 + 3 = 12 in the windowed one.
+    assert d.attention_pairs(5) == 27
+    plain = floors.Dims.of(SimpleNamespace(**vars(TINY)))
+    assert floors.sequence_forward_flops(d, [3], [2]) - floors.sequence_forward_flops(plain, [3], [2]) == (
+        4 * 2 * 4 * (27 - 30))  # only the attention term changes: 3 fewer pairs
+    qwen2 = SimpleNamespace(**vars(TINY), sliding_window=4, use_sliding_window=False)
+    assert floors.Dims.of(qwen2).windows == ()  # Qwen2.5 ships a window it does not use
+    mistral = SimpleNamespace(**vars(TINY), sliding_window=4)
+    assert floors.Dims.of(mistral).windows == (4, 4)

@@ -70,12 +70,15 @@ ENGINE_SCRIPT = textwrap.dedent("""
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
     params = SamplingParams(max_new_tokens=6, top_k=1, stop_token_ids=(2,))
     out = {}
-    for backend in ("torch", "triton"):
+    for backend, graphs in (("torch", False), ("triton", False), ("triton", True)):
         # block size 4 and 8-token steps: chunked prefill, steps mixing prefill chunks with decode rows, decode
-        engine = PagedGenerationEngine(model, pad_token_id=2, backend=backend, block_size=4, max_batch_tokens=8)
+        # (graphs: decode steps padded to batch buckets, the padded rows on the scratch block, run eagerly)
+        engine = PagedGenerationEngine(model, pad_token_id=2, backend=backend, block_size=4, max_batch_tokens=8,
+                                       cuda_graphs=graphs)
         gen = engine.generate(prompts, params, torch.Generator().manual_seed(0))
-        out[backend] = {"tokens": gen.response_ids.tolist(), "logprobs": gen.old_logprobs.tolist(),
-                        "name": engine.backend.name, "steps": engine.last_stats["steps"]}
+        out[backend + "_graphs" * graphs] = {
+            "tokens": gen.response_ids.tolist(), "logprobs": gen.old_logprobs.tolist(), "name": engine.backend.name,
+            "steps": engine.last_stats["steps"], "padded": engine._graphs.replays if graphs else 0}
     print(json.dumps(out))
 """)
 
@@ -90,7 +93,8 @@ GEMMA2_OPTIONS = ("dict(model_type='gemma2', sliding_window=5, layer_types=['sli
 def test_engine_with_triton_backend_matches_torch_backend_under_interpreter(options):
     """The engine end to end (its strided q, int32 metadata, mixed prefill/decode steps) on a tiny model, plain and
     Gemma 2-shaped (a 5-key window in one layer, attention and final soft-caps): greedy tokens identical to the
-    torch backend's, behaviour log-probs equal to float32 rounding."""
+    torch backend's, behaviour log-probs equal to float32 rounding; also with `cuda_graphs` (decode steps padded to
+    a bucket, run eagerly here through the code a CUDA graph records)."""
     proc = _interpreted(["-c", f"OPTIONS = {options}\n" + ENGINE_SCRIPT])
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -99,6 +103,10 @@ def test_engine_with_triton_backend_matches_torch_backend_under_interpreter(opti
     torch.testing.assert_close(torch.tensor(out["triton"]["logprobs"]), torch.tensor(out["torch"]["logprobs"]),
                                atol=1e-4, rtol=0)
     assert out["triton"]["steps"] > 6  # chunked prefill took several steps
+    # decode steps padded to buckets (3 rows -> 4) through the Triton decode kernel: the same tokens
+    assert out["triton_graphs"]["tokens"] == out["torch"]["tokens"] and out["triton_graphs"]["padded"] > 0
+    torch.testing.assert_close(torch.tensor(out["triton_graphs"]["logprobs"]),
+                               torch.tensor(out["torch"]["logprobs"]), atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from astrai.checkpoint import Part
+from astrai.distributed.zero_memory import share_zero3_fp32_master
 from astrai.runtime_env import announce_deepspeed_op_build
 
 __all__ = ["DeepSpeedModel", "FSDP2Model", "FullModelState", "TrainedModel", "prepare_reference", "prepare_trained",
@@ -411,6 +412,8 @@ def prepare_trained(dist, name: str, model: torch.nn.Module, *,
             config=deepspeed_config(stage=stage, max_grad_norm=max_grad_norm, mixed_precision=mixed,
                                     num_params=sum(p.numel() for p in model.parameters()),
                                     user=getattr(dist, "deepspeed_config", None)))
+        if stage == 3:
+            share_zero3_fp32_master(zero_optimizer)
         return DeepSpeedModel(stage=stage, name=name, module=engine, optimizer=zero_optimizer, scheduler=sched,
                               dist=dist)
     raise ValueError(f"distributed.strategy: unknown {strategy!r}")

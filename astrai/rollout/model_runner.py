@@ -24,7 +24,7 @@ import torch
 from astrai.kernels import AttentionMetadata, DenseDecodeCache, InferenceWorkspace, write_kv
 from astrai.models.attention import LayerAttention, layer_attention
 
-__all__ = ["PagedAttention", "PagedModelRunner", "StepBatch", "fuse_projections"]
+__all__ = ["PagedAttention", "PagedModelRunner", "StepBatch", "fuse_projections", "lm_logits", "soft_cap"]
 
 LOGITS_CHUNK = 1024  # vocabulary rows of the LM head per GEMM
 
@@ -94,12 +94,16 @@ class PagedModelRunner:
         backend: an attention backend from `astrai.kernels.select_backend`.
         dense_decode: with the torch backend, keep a `DenseDecodeCache` so decode-only steps append to dense
             keys/values instead of gathering every sequence's blocks in every layer (same results; off for other
-            backends, which read the pages in place).
+            backends, which read the pages in place, and with `graphs`).
+        graphs: an `astrai.rollout.cuda_graphs.DecodeGraphs` over the same model and workspace, or None: the
+            decode-only steps it serves run padded to a batch bucket from its static buffers (CUDA graphs on CUDA).
     """
 
-    def __init__(self, model: torch.nn.Module, workspace: InferenceWorkspace, backend, *, dense_decode: bool = True):
-        self.model, self.workspace, self.backend = model, workspace, backend
-        self.decode_cache = DenseDecodeCache(workspace) if dense_decode and backend.name == "torch" else None
+    def __init__(self, model: torch.nn.Module, workspace: InferenceWorkspace, backend, *, dense_decode: bool = True,
+                 graphs=None):
+        self.model, self.workspace, self.backend, self.graphs = model, workspace, backend, graphs
+        self.decode_cache = (DenseDecodeCache(workspace) if dense_decode and backend.name == "torch"
+                             and graphs is None else None)
         self.layers = layer_attention(model.config)
         self.scale = model.config.attention_scale
 
@@ -130,13 +134,12 @@ class PagedModelRunner:
         """Write the step's keys/values into the cache and return logits (len(logit_rows), V) in float32 (soft-capped
         as the model's forward does when `config.final_logit_softcapping` is set).
 
-        The returned tensor may be a view of a workspace buffer: it is valid until the next `forward`.
+        The returned tensor may be a view of a workspace buffer (or of a CUDA graph's output): it is valid until the
+        next `forward`.
         """
-        logits = self._logits(batch)
-        cap = self.model.config.final_logit_softcapping
-        if cap is not None:
-            logits = logits.div_(cap).tanh_().mul_(cap)
-        return logits
+        if self.graphs is not None and self.graphs.serves(batch):
+            return self.graphs.forward(batch)
+        return soft_cap(self._logits(batch), self.model.config.final_logit_softcapping)
 
     def _logits(self, batch: StepBatch) -> torch.Tensor:
         """The LM head's float32 logits of `batch.logit_rows` (see `forward`)."""
@@ -150,20 +153,34 @@ class PagedModelRunner:
                                    self.layers)
         hidden = trunk(ids[None], position_ids=positions[None], attention=attention)[0]  # (N, H), final-normed
         rows = torch.tensor(batch.logit_rows, dtype=torch.long, device=device)
-        final = hidden.index_select(0, rows)
-        weight = self.model.lm_head.weight
-        if final.dtype != torch.float32 or weight.dtype != torch.float32:
-            return self.model.lm_head(final).float()
-        num_rows, vocab = final.shape[0], weight.shape[0]
-        logits = self.workspace.scratch("logits", num_rows * vocab, torch.float32).view(num_rows, vocab)
-        if final.device.type != "cpu":
-            return torch.mm(final, weight.t(), out=logits)
-        # On CPU the (V, H) head in row chunks: each chunk stays cache-resident during its GEMM, about 1.5x faster
-        # than one (R, H) x (H, V) GEMM for R = 32, V = 49152 (measured with MKL, one thread).
-        for start in range(0, vocab, LOGITS_CHUNK):
-            stop = min(start + LOGITS_CHUNK, vocab)
-            torch.mm(final, weight[start:stop].t(), out=logits[:, start:stop])
-        return logits
+        return lm_logits(self.model, hidden.index_select(0, rows), self.workspace)
+
+
+def lm_logits(model: torch.nn.Module, final: torch.Tensor, workspace: Optional[InferenceWorkspace] = None
+              ) -> torch.Tensor:
+    """float32 logits (R, V) of the LM head of `model` over final-normed hidden states `final` (R, H), not
+    soft-capped. With `workspace`, float32 logits land in its reused "logits" buffer (valid until the next call);
+    without, in a fresh tensor (what a CUDA graph capture needs: its output must not move)."""
+    weight = model.lm_head.weight
+    if final.dtype != torch.float32 or weight.dtype != torch.float32:
+        return model.lm_head(final).float()
+    num_rows, vocab = final.shape[0], weight.shape[0]
+    if workspace is None:
+        return torch.mm(final, weight.t())
+    logits = workspace.scratch("logits", num_rows * vocab, torch.float32).view(num_rows, vocab)
+    if final.device.type != "cpu":
+        return torch.mm(final, weight.t(), out=logits)
+    # On CPU the (V, H) head in row chunks: each chunk stays cache-resident during its GEMM, about 1.5x faster
+    # than one (R, H) x (H, V) GEMM for R = 32, V = 49152 (measured with MKL, one thread).
+    for start in range(0, vocab, LOGITS_CHUNK):
+        stop = min(start + LOGITS_CHUNK, vocab)
+        torch.mm(final, weight[start:stop].t(), out=logits[:, start:stop])
+    return logits
+
+
+def soft_cap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """`cap * tanh(logits / cap)` in place (Gemma 2's final logit soft-capping); `logits` itself when `cap` is None."""
+    return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
 
 def _fuse(modules: list[torch.nn.Linear], name: str = "weight") -> torch.Tensor:

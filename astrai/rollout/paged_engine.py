@@ -12,6 +12,7 @@ contiguous-cache loop (the reference engine of the tests):
   generator, i), so batching and prefix sharing never change a row's samples.
 - Behaviour log-probs exactly as docs/conventions.md section 2 (temperature-scaled, before truncation and penalties).
 - `sleep()` frees the KV storage while the trainer steps, `wake()` takes it back.
+- `cuda_graphs=True`: decode steps padded to batch-size buckets and replayed as CUDA graphs (`cuda_graphs.py`).
 - A streaming API for serving (`add_request` / `step` / `abort`, `astrai.rollout.streaming`): requests join and
   leave the running batch between decode steps of one live session instead of one `generate` call per batch.
 """
@@ -19,7 +20,6 @@ contiguous-cache loop (the reference engine of the tests):
 from __future__ import annotations
 
 import copy
-import operator
 import threading
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -28,9 +28,11 @@ import torch
 from astrai.data.sequences import left_pad
 from astrai.kernels import InferenceWorkspace, select_backend
 from astrai.rollout.block_pool import BlockPool, PrefixCache
+from astrai.rollout.cuda_graphs import DecodeGraphs, backend_for_graphs, check_cuda_graphs, decode_buckets
 from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
+from astrai.rollout.prompt_ids import check_prompt_ids
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
@@ -79,9 +81,13 @@ class PagedGenerationEngine:
             None: the model's). `load_weights` casts incoming tensors to it; `old_logprobs` stay float32 (the
             logits are upcast before the log-softmax), so an fp32 policy can roll out from a bf16 copy: the
             rounding then shows as a small nonzero `rollout/logprob_gap`.
+        cuda_graphs: pad decode-only steps to batch buckets and replay them as CUDA graphs on CUDA
+            (`astrai.rollout.cuda_graphs`; `auto` then picks the triton backend); on other devices the padded steps
+            run eagerly (same tokens, for tests).
 
     Raises:
-        BackendUnavailableError: when the requested backend cannot serve the engine's device, dtype or block size.
+        BackendUnavailableError: when the requested backend cannot serve the engine's device, dtype or block size,
+            or `cuda_graphs` cannot be captured with it (one line).
         ValueError: naming a size argument that is not a positive integer (or a block_size the backend cannot
             use, max_kv_tokens below one block, or an unknown dtype).
     """
@@ -89,7 +95,7 @@ class PagedGenerationEngine:
     def __init__(self, model, *, pad_token_id: int, policy_version: int = 0, block_size: Optional[int] = None,
                  max_kv_tokens: int = 32768, max_batch_tokens: int = 2048, max_num_seqs: int = 256,
                  prefix_cache: bool = True, backend: Optional[str] = None, dense_decode: bool = True,
-                 dtype: Union[None, str, torch.dtype] = None):
+                 dtype: Union[None, str, torch.dtype] = None, cuda_graphs: bool = False):
         for name, value in (("block_size", block_size), ("max_kv_tokens", max_kv_tokens),
                             ("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -100,7 +106,11 @@ class PagedGenerationEngine:
             self.model.to(dtype)
         fuse_projections(self.model)  # one GEMM for q/k/v and one for gate/up (the Parameters become views)
         self.pad_token_id, self.policy_version = pad_token_id, policy_version
+        backend = backend_for_graphs(backend, self.device) if cuda_graphs else backend
         self.backend = select_backend(backend, self.device, dtype=self.dtype, block_size=block_size)
+        if cuda_graphs:
+            check_cuda_graphs(self.device, self.backend.name, self.model.config)
+        self.cuda_graphs, self._graphs = bool(cuda_graphs), None
         self.block_size = block_size if block_size is not None else (
             16 if self.backend.block_size_multiple == 1 else 256)
         if self.block_size % self.backend.block_size_multiple:
@@ -167,6 +177,7 @@ class PagedGenerationEngine:
             self._end_session("sleep")
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
+            self._graphs = None  # they point at the KV storage freed here
             if self.workspace is not None:
                 self.workspace.release()
             self.asleep = True
@@ -179,14 +190,16 @@ class PagedGenerationEngine:
             self.asleep = False
 
     def _ensure_capacity(self, blocks_wanted: int) -> None:
-        """Create or grow the workspace to `min(blocks_wanted, max_kv_blocks)` blocks (only between calls)."""
+        """Create or grow the workspace to `min(blocks_wanted, max_kv_blocks)` pool blocks (only between calls; with
+        `cuda_graphs` the workspace has one more, the padded rows' scratch block)."""
         target = min(blocks_wanted, self.max_kv_blocks)
-        if self.workspace is not None and self.workspace.num_blocks >= target:
+        if self.pool is not None and self.pool.num_blocks >= target:
             return
         if self.workspace is not None:
-            target = max(target, self.workspace.num_blocks)
+            target = max(target, self.pool.num_blocks)
             self.workspace.release()
-        self.workspace = InferenceWorkspace.for_model(self.model.config, num_blocks=target,
+        self._graphs = None
+        self.workspace = InferenceWorkspace.for_model(self.model.config, num_blocks=target + int(self.cuda_graphs),
                                                       block_size=self.block_size, dtype=self.dtype,
                                                       device=self.device)
         self.pool = BlockPool(target)
@@ -224,7 +237,7 @@ class PagedGenerationEngine:
             if self.asleep:
                 raise RuntimeError("generate: the engine is asleep; call wake() first")
             self._end_session("generate")
-            prompts = self._check_prompts(prompts)
+            prompts = check_prompt_ids(prompts, self.model.config.vocab_size)
             requests = self._make_requests(prompts, params, generator, n, penalties)
             self._run(requests, n, on_token)
             return self._assemble(prompts, requests, n)
@@ -249,7 +262,7 @@ class PagedGenerationEngine:
         with self._lock:
             if self.asleep:
                 raise RuntimeError("add_request: the engine is asleep; call wake() first")
-            prompt = self._check_prompts([prompt_ids])[0]
+            prompt = check_prompt_ids([prompt_ids], self.model.config.vocab_size)[0]
             if self._session is None:
                 self._session = StreamSession(self)
             return self._session.add(prompt, params, n=n, penalty=penalty, seed=seed, top_logprobs=top_logprobs)
@@ -281,37 +294,6 @@ class PagedGenerationEngine:
             raise RuntimeError(f"{what}: {len(self._session.requests)} streamed request(s) are live; let them finish "
                                "or abort them first")
         self._session = None
-
-    def _check_prompts(self, prompts) -> list[list[int]]:
-        """`prompts` as lists of Python ints, each id in [0, vocab_size); ValueError naming the first bad one."""
-        if isinstance(prompts, torch.Tensor) or isinstance(prompts, (str, bytes)) or not isinstance(
-                prompts, Sequence):
-            raise ValueError(f"generate: prompts must be a list of token-id lists (unpadded), got "
-                             f"{type(prompts).__name__}")
-        if len(prompts) == 0:
-            raise ValueError("generate: no prompts given")
-        vocab = self.model.config.vocab_size
-        checked = []
-        for b, prompt in enumerate(prompts):
-            if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
-                prompt = prompt.tolist()
-            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-                raise ValueError(f"generate: prompt {b} must be a list of token ids, got {type(prompt).__name__}")
-            if len(prompt) == 0:
-                raise ValueError(f"generate: prompt {b} is empty; every prompt must hold at least one token")
-            ids = []
-            for j, token in enumerate(prompt):
-                try:
-                    token = operator.index(token)
-                except TypeError:
-                    raise ValueError(f"generate: prompt {b} token {j}: expected an integer token id, "
-                                     f"got {token!r}") from None
-                if not 0 <= token < vocab:
-                    raise ValueError(f"generate: prompt {b} token {j}: id {token} is outside the vocabulary "
-                                     f"[0, {vocab})")
-                ids.append(token)
-            checked.append(ids)
-        return checked
 
     def _make_requests(self, prompts, params, generator, n, penalties) -> list[Request]:
         """One `Request` per output row, each with its own seeded generator."""
@@ -360,7 +342,7 @@ class PagedGenerationEngine:
         largest = max(blocks(len(g.leader.prompt) + g.leader.sampling.params.max_new_tokens) * len(g.members)
                       for g in groups)
         self._ensure_capacity(max(wanted, largest))
-        runner = PagedModelRunner(self.model, self.workspace, self.backend, dense_decode=self.dense_decode)
+        runner = self._runner()
         scheduler = Scheduler(pool=self.pool, prefix_cache=self.prefix_cache, workspace=self.workspace,
                               forward=runner.forward, policy_version=self.policy_version,
                               max_batch_tokens=self.max_batch_tokens, max_num_seqs=self.max_num_seqs,
@@ -371,6 +353,16 @@ class PagedGenerationEngine:
         self.last_stats = {"steps": scheduler.steps, "groups": len(groups), "dense_decode_rebuilds": rebuilds,
                            "prefix_cache_hits": (self.prefix_cache.hits - hits_before) if self.prefix_cache else 0,
                            "prefix_cache_entries": len(self.prefix_cache or ())}
+
+    def _runner(self) -> PagedModelRunner:
+        """A model runner over the workspace; with `cuda_graphs` it serves decode steps from the engine's
+        `DecodeGraphs`, kept across calls while the KV storage stays (captures are reused)."""
+        if self.cuda_graphs and (self._graphs is None or not self._graphs.valid):
+            self._graphs = DecodeGraphs(self.model, self.workspace, self.backend,
+                                        buckets=decode_buckets(self.max_num_seqs), scratch_block=self.pool.num_blocks,
+                                        capture=self.device.type == "cuda")
+        return PagedModelRunner(self.model, self.workspace, self.backend, dense_decode=self.dense_decode,
+                                graphs=self._graphs if self.cuda_graphs else None)
 
     def _assemble(self, prompts, requests: list[Request], n: int) -> Generation:
         """Pack the per-request results into a `Generation` (rows in request order)."""
@@ -395,6 +387,6 @@ def paged_engine(model, *, pad_token_id: int, policy_version: int = 0, dtype=Non
                  attention_backend: Optional[str] = None, **options) -> PagedGenerationEngine:
     """The `paged` entry of the engine factory (`astrai.rollout.engine.build_engine`): a `PagedGenerationEngine`
     with `attention_backend` as its `backend` and `options` as its sizes (`max_num_seqs`, `max_kv_tokens`,
-    `max_batch_tokens`, `block_size`, `prefix_cache`, `dense_decode`)."""
+    `max_batch_tokens`, `block_size`, `prefix_cache`, `dense_decode`, `cuda_graphs`)."""
     return PagedGenerationEngine(model, pad_token_id=pad_token_id, policy_version=policy_version, dtype=dtype,
                                  backend=attention_backend, **options)

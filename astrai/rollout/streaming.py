@@ -25,7 +25,6 @@ from typing import Optional
 
 import torch
 
-from astrai.rollout.model_runner import PagedModelRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
@@ -68,8 +67,7 @@ class StreamSession:
     def __init__(self, engine):
         engine._ensure_capacity(engine.max_kv_blocks)
         self.engine = engine
-        self.runner = PagedModelRunner(engine.model, engine.workspace, engine.backend,
-                                       dense_decode=engine.dense_decode)
+        self.runner = engine._runner()
         self.scheduler = Scheduler(pool=engine.pool, prefix_cache=engine.prefix_cache, workspace=engine.workspace,
                                    forward=self.runner.forward, policy_version=engine.policy_version,
                                    max_batch_tokens=engine.max_batch_tokens, max_num_seqs=engine.max_num_seqs,

@@ -184,10 +184,12 @@ class OnlineExperience:
 def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_version: int = 0) -> GenerationEngine:
     """The colocated rollout engine `rollout.engine` (`astrai.rollout.engine.build_engine`): an inference copy of
     `policy` (made before the policy is sharded) in `rollout.dtype`, attending with `rollout.attention_backend`
-    (`ASTR_BACKEND` overrides it). Raises ValueError / BackendUnavailableError (one line) for what it refuses."""
+    (`ASTR_BACKEND` overrides it), with CUDA graphs when `rollout.cuda_graphs` (passed only then: other registered
+    engines need not know the option). Raises ValueError / BackendUnavailableError (one line) for what it refuses."""
     r = config.rollout
+    options = {"cuda_graphs": True} if r.cuda_graphs else {}
     return build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
-                        dtype=r.dtype, attention_backend=attention_backend(r.attention_backend))
+                        dtype=r.dtype, attention_backend=attention_backend(r.attention_backend), **options)
 
 
 def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: GenerationEngine,
