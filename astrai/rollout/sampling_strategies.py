@@ -123,11 +123,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], scratch=None)
     if any(t != 1.0 for t in temps):
         scaled = scaled / torch.tensor(temps, dtype=torch.float32, device=device)[:, None]
     maxes = scaled.amax(-1, keepdim=True)  # (R, 1)
-    finite = torch.isfinite(maxes[:, 0])
-    if not bool(finite.all()):
-        bad = int((~finite).nonzero()[0, 0])
-        raise FloatingPointError(f"sample_rows: row {bad} has non-finite logits (max {float(maxes[bad, 0])}): "
-                                 "NaN/inf weights or activations")
+    finite = torch.isfinite(maxes[:, 0])  # checked with the tokens' one transfer to the host, below
     chunks = -(-vocab // CDF_CHUNK)
     probs_buf = _buffer(scratch, "sample_probs", (num_rows, chunks * CDF_CHUNK), torch.float32, device)
     probs_buf[:, vocab:].zero_()
@@ -158,7 +154,12 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], scratch=None)
     target = torch.minimum(target, torch.nextafter(last, torch.zeros_like(last)))  # same rounding guard
     offset = torch.searchsorted(local_cdf, target, right=True).clamp_(max=CDF_CHUNK - 1)
     drawn = (chunk * CDF_CHUNK + offset).squeeze(-1).clamp_(max=vocab - 1)
-    tokens = [greedy.get(i, t) for i, t in enumerate(drawn.tolist())]
+    *drawn_ids, all_finite = torch.cat([drawn, finite.all().long()[None]]).tolist()  # the step's one host sync
+    if not all_finite:
+        bad = int((~finite).nonzero()[0, 0])
+        raise FloatingPointError(f"sample_rows: row {bad} has non-finite logits (max {float(maxes[bad, 0])}): "
+                                 "NaN/inf weights or activations")
+    tokens = [greedy.get(i, t) for i, t in enumerate(drawn_ids)]
     index = torch.tensor(tokens, dtype=torch.long, device=device)
     chosen = (scaled.gather(-1, index[:, None]) - logsumexp).squeeze(-1).tolist()
     return tokens, chosen
