@@ -77,11 +77,14 @@ class DistributedContext:
         return out
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move `model` to the device and wrap it for data parallelism when there is more than one rank."""
+        """Move `model` to the device and wrap it for data parallelism when there is more than one rank. The
+        parameters keep their storage: Accelerate's own placement is skipped, since on CPU its device is 'cpu:0',
+        which `.to` treats as another device and copies the whole model to (breaking storage that a LoRA reference
+        model shares with the policy)."""
         model = model.to(self.device)
         if self.world_size == 1:
             return model
-        return self.accelerator.prepare_model(model)
+        return self.accelerator.prepare_model(model, device_placement=False)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The bare module under any data-parallel wrapper."""
