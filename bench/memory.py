@@ -186,11 +186,13 @@ def worker(engine: str, layers: int, out: str, bf16: bool, lora: int = 0, refere
     full_sizes = {p.numel() * p.element_size(): f"whole {name}" for name, p in model.named_parameters()}
     full_sizes[sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())] = "whole block"
     keep = []  # the reference model, alive for the measurement
-    if reference:
-        from astrai.trainer.lora import shared_base_model
-        from astrai.trainer.models import frozen_copy
+    if reference:  # as training builds it: the shared base (LoRA on ddp/zero1/zero2) or a prepared frozen copy
+        from types import SimpleNamespace
 
-        keep.append(shared_base_model(model) if lora else frozen_copy(model))
+        from astrai.trainer.models import reference_model
+
+        keep.append(reference_model(ctx, model, SimpleNamespace(model=SimpleNamespace(lora={"r": lora} if lora
+                                                                                      else {}))))
     if lora:
         from astrai.trainer.lora import DEFAULT_TARGET_MODULES, LoraSettings, apply_lora
 

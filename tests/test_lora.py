@@ -13,7 +13,7 @@ import torch
 from astrai.config import config_from_dict
 from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.models.lora_merge import merge_adapter
-from astrai.trainer.lora import apply_lora, lora_settings, merged_weights, shared_base_model
+from astrai.trainer.lora import AdaptersOff, apply_lora, lora_settings, merged_weights, shared_base_model
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = torch.tensor([[5, 9, 12, 7, 3, 30, 41], [8, 4, 6, 11, 10, 2, 17]])
@@ -64,6 +64,30 @@ def test_adapters_train_alone_and_merge_exactly():
     torch.testing.assert_close(view(IDS), base_logits)
     base_q = model.model.layers[0].self_attn.q_proj.base_layer.weight
     assert view.model.layers[0].self_attn.q_proj.weight.data_ptr() == base_q.data_ptr()
+
+
+def test_adapters_off_view_is_the_base_without_a_copy():
+    """fsdp2 / zero3's LoRA reference: the policy module itself with its adapters switched off for the call; the
+    adapters are on again after it, and the scoring path (packed rows, no grad) gives the base's log-probs."""
+    from astrai.data.sequences import Sequences
+    from astrai.rollout.scoring import response_logprobs, supports_packing
+
+    model, settings = lora_model()
+    base = shared_base_model(model)
+    view = AdaptersOff(model)
+    apply_lora(model, settings)
+    randomise_adapters(model)
+    assert list(view.parameters()) == [] and supports_packing(view)
+    lora_logits = model(IDS).detach()
+    torch.testing.assert_close(view(IDS), base(IDS))
+    torch.testing.assert_close(model(IDS), lora_logits)  # adapters back on
+    assert not torch.allclose(view(IDS), lora_logits)
+    seqs = Sequences.from_tokens([[5, 9, 12], [8, 4]], [[7, 3, 30], [6, 11]], pad_token_id=0,
+                                 device=torch.device("cpu"))
+    with torch.no_grad():
+        mask = seqs.action_mask
+        torch.testing.assert_close(response_logprobs(view, seqs, temperature=0.7)[0] * mask,
+                                   response_logprobs(base, seqs, temperature=0.7)[0] * mask, rtol=1e-5, atol=1e-6)
 
 
 def test_target_modules_that_match_nothing_are_refused():

@@ -273,3 +273,26 @@ def test_lora_sft_trains_resumes_exactly_and_agrees_with_one_process(tiny_model_
     done = torchrun(*make(one, "ddp", "--train.per_device_train_batch_size", "4"), nproc=1)
     assert done.returncode == 0, why(done)
     assert max_diff(a, final_adapter(one)) < 1e-4
+
+
+@pytest.mark.slow  # ~60 s per engine here
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_lora_grpo_reference_is_the_partitioned_policy_with_adapters_off(tiny_model_dir, tmp_path, engine):
+    """online_grpo with LoRA and a KL term under an engine that partitions the policy in place: the reference is the
+    policy itself with its adapters off (no copy). At the first rollout the adapters are zero, so the policy is the
+    base and the KL to the reference is float rounding; after updates the adapters move the policy away from it."""
+    out = tmp_path / engine
+    rewards = tmp_path / "varied.py"  # rewards that differ within a group, so the adapters move
+    rewards.write_text("def varied(prompts, completions, **kwargs):\n"
+                       "    return [float(len(c) % 5) for c in completions]\n")
+    done = torchrun("--config", str(REPO / "configs/examples/grpo.yaml"), "--model.path", str(tiny_model_dir),
+                    "--reward.functions", f"[{{function: 'varied:varied', path: {rewards}}}]",
+                    "--train.output_dir", str(out), "--max_steps", "6", "--rollout.batch_size", "2",
+                    "--grpo.group_size", "2", "--grpo.minibatch_size", "2", "--grpo.micro_batch_size", "1",
+                    "--rollout.max_new_tokens", "6", "--grpo.kl_coef", "0.1", "--train.progress_bar", "false",
+                    "--data.truncation", "left", "--distributed.strategy", engine, "--train.report_to", "none",
+                    "--checkpoint.save_at_end", "false", *LORA, "--optim.learning_rate", "5e-2")
+    assert done.returncode == 0, why(done)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert abs(rows[0]["rollout/kl"]) < 1e-4, rows[0]["rollout/kl"]
+    assert rows[-1]["rollout/kl"] > 1e-3, [r["rollout/kl"] for r in rows]

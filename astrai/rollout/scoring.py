@@ -37,8 +37,10 @@ def whole_lm_head(model: torch.nn.Module) -> Optional[torch.Tensor]:
 def supports_packing(model: torch.nn.Module) -> bool:
     """True when `model` takes padding-free packed rows (`seq_lengths`): astrai's `AutoRegressiveLM` and
     `ValueModel`, bare or under a data-parallel wrapper (DDP, a DeepSpeed engine; unwrapped as
-    `DistributedContext.unwrap` does, by accelerate); FSDP2 shards in place, so its model is itself."""
-    return isinstance(extract_model_from_parallel(model), (AutoRegressiveLM, ValueModel))
+    `DistributedContext.unwrap` does, by accelerate), or a view declaring `packed_rows` (a LoRA run's reference,
+    `trainer.lora.AdaptersOff`); FSDP2 shards in place, so its model is itself."""
+    return (isinstance(extract_model_from_parallel(model), (AutoRegressiveLM, ValueModel))
+            or getattr(model, "packed_rows", False))
 
 
 def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperature: float,

@@ -6,9 +6,9 @@
   `score`: trained whole).
 - The rollout engine keeps a plain copy and receives MERGED weights at each sync (`merged_weights`: W + s B A,
   one layer at a time, streamed as `TrainedModel.full_weights` streams: no second full copy).
-- The reference model is the base with the adapters off: under ddp / zero1 / zero2 a plain model SHARING the
-  policy's frozen base tensors (`shared_base_model`: no memory), under fsdp2 / zero3 (whose parameters are
-  partitioned in place) a frozen partitioned copy as without LoRA.
+- The reference model is the base with the adapters off, never a copy: under ddp / zero1 / zero2 a plain model
+  SHARING the policy's frozen base tensors (`shared_base_model`), under fsdp2 / zero3 (whose parameters are
+  partitioned in place) the policy module itself called with its adapters switched off (`AdaptersOff`).
 - Checkpoints: the policy's adapters in PEFT's format (`LoraCheckpointState`: the part kind "peft",
   `adapter_config.json` + `adapter_model.safetensors`), a critic's adapters and head as its torch part, each with
   the optimizer state of what it trains; `models.lora_merge` merges them into a plain model for serving and export.
@@ -26,8 +26,8 @@ from astrai.checkpoint import CheckpointError
 from astrai.config import ConfigError
 from astrai.models.lora_merge import module_name, peft_name
 
-__all__ = ["DEFAULT_TARGET_MODULES", "LoraSettings", "LoraCheckpointState", "apply_lora", "lora_settings",
-           "merged_weights", "shared_base_model"]
+__all__ = ["AdaptersOff", "DEFAULT_TARGET_MODULES", "LoraSettings", "LoraCheckpointState", "apply_lora",
+           "lora_settings", "merged_weights", "shared_base_model"]
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of every decoder block (the issue's and PEFT's usual "all-linear")."""
@@ -123,6 +123,34 @@ def shared_base_model(policy: torch.nn.Module) -> torch.nn.Module:
     for param in view.parameters():
         param.requires_grad_(False)
     return view.eval()
+
+
+class AdaptersOff(torch.nn.Module):
+    """The reference policy of a LoRA run as a view: calling it calls `policy` (the SAME module object, so whatever
+    an engine later does to it in place, FSDP2's `fully_shard` or ZeRO-3's partitioning hooks, applies) with every
+    LoRA adapter switched off (peft's `BaseTunerLayer.enable_adapters(False)`, restored after the call): the base
+    model's outputs, from the policy's own (partitioned) base weights, with no copy. For reference log-probs
+    without grad; the policy is not registered as a submodule, so the view has no parameters of its own. Takes
+    what `policy` takes (packed rows included: `packed_rows`) and returns what it returns."""
+
+    packed_rows = True
+    """`rollout.scoring.supports_packing`: the policy is astrai's model, which takes padding-free packed rows."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "policy", policy)
+
+    def forward(self, *args, **kwargs):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.policy.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            return self.policy(*args, **kwargs)
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
 
 
 @torch.no_grad()

@@ -14,7 +14,8 @@ import torch
 from astrai.config import ConfigError
 from astrai.distributed.engines import TrainedModel, prepare_reference, prepare_trained
 from astrai.models.moe import collect_aux_loss, convert_to_moe
-from astrai.trainer.lora import HEADS, LoraCheckpointState, LoraSettings, apply_lora, lora_settings, shared_base_model
+from astrai.trainer.lora import (HEADS, AdaptersOff, LoraCheckpointState, LoraSettings, apply_lora, lora_settings,
+                                 shared_base_model)
 from astrai.trainer.optim import build_optimizer, build_scheduler
 
 __all__ = ["TrainedModel", "apply_model_options", "build_trained_model", "frozen_copy", "moe_aux_loss",
@@ -76,12 +77,17 @@ SHARED_BASE_STRATEGIES = ("ddp", "zero1", "zero2")
 
 
 def reference_model(dist, policy: torch.nn.Module, config=None) -> torch.nn.Module:
-    """The frozen reference policy, made before `policy` is sharded or given adapters: with LoRA (`model.lora` of
-    `config`) under ddp / zero1 / zero2, the base itself (`lora.shared_base_model`: the policy's own frozen tensors,
-    no copy, since LoRA never changes them); otherwise a copy of `policy` prepared for inference only under the run's
-    engine (`engines.prepare_reference`: partitioned under fsdp2 and zero3, never given an optimizer)."""
-    if config is not None and config.model.lora and getattr(dist, "strategy", "ddp") in SHARED_BASE_STRATEGIES:
-        return shared_base_model(policy.to(dist.device))
+    """The frozen reference policy, made before `policy` is sharded or given adapters. With LoRA (`model.lora` of
+    `config`) it is the base, never a copy, since LoRA never changes it: under ddp / zero1 / zero2 a plain model of
+    the policy's own frozen tensors (`lora.shared_base_model`), under fsdp2 / zero3, which partition the policy in
+    place, the policy module itself called with its adapters off (`lora.AdaptersOff`). Without LoRA, a copy of
+    `policy` prepared for inference only under the run's engine (`engines.prepare_reference`: partitioned under
+    fsdp2 and zero3, never given an optimizer)."""
+    if config is not None and config.model.lora:
+        policy = policy.to(dist.device)
+        if getattr(dist, "strategy", "ddp") in SHARED_BASE_STRATEGIES:
+            return shared_base_model(policy)
+        return AdaptersOff(policy)
     return prepare_reference(dist, frozen_copy(policy))
 
 
