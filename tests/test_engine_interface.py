@@ -86,3 +86,29 @@ def test_check_refuses_an_unknown_engine_before_the_model_loads(tiny_model_dir, 
                  "--rollout.engine", "vllm"])
     assert code == 2
     assert "rollout.engine: unknown engine 'vllm'" in capsys.readouterr().err
+
+
+def test_check_refuses_what_the_run_would_refuse_at_start_up(tiny_model_dir, tmp_path, capsys):
+    """`--check` (the launchers' preflight) builds no engine and starts no reward worker, yet refuses in one line
+    what the run refuses when it builds them: CUDA asked for without CUDA, an attention backend the run's device
+    cannot serve, a reward function that cannot be called; LoRA is named on the line that passes."""
+    import torch
+
+    from astrai.train import main
+
+    bad_reward = tmp_path / "bad.py"
+    bad_reward.write_text("def f(prompts, completions, nowhere, **kw):\n    return [0.0] * len(completions)\n")
+    base = ["--check", "--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "o"),
+            "--data.truncation", "left", "--data.max_prompt_length", "64", "--rollout.max_new_tokens", "8"]
+    cases = [(["--rollout.attention_backend", "triton"], "rollout.attention_backend: triton backend needs a CUDA device"),
+             (["--reward.functions", f"[{{function: 'bad:f', path: {bad_reward}}}]"],
+              "reward.functions[1] (f): parameter 'nowhere' of bad:f is neither a column")]
+    if not torch.cuda.is_available():
+        cases.append((["--runtime.device", "cuda"], "runtime.device: 'cuda' requested but CUDA is not available"))
+    for extra, needle in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert needle in err[-1], (extra, err)
+    assert main(base + ["--model.lora", "{r: 2}"]) == 0
+    assert "; LoRA r=2 (alpha 4) on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: " in \
+        capsys.readouterr().out

@@ -31,6 +31,9 @@ def positional_only(prompts, completions, /):
 def needs_missing(prompts, completions, nowhere):
     return [0.0 for _ in completions]
 
+def needs_missing_with_kwargs(prompts, completions, nowhere, **kwargs):
+    return [0.0 for _ in completions]
+
 def too_few(prompts, completions, **kw):
     return [0.0]
 
@@ -102,6 +105,7 @@ def test_chat_prompts_get_message_completions_and_only_declared_arguments(reward
 @pytest.mark.parametrize("function, kwargs, needle", [
     ("my_rewards:positional_only", {}, "has positional-only parameters"),
     ("my_rewards:needs_missing", {}, "parameter 'nowhere' of my_rewards:needs_missing is neither a column"),
+    ("my_rewards:needs_missing_with_kwargs", {}, "parameter 'nowhere' of my_rewards:needs_missing_with_kwargs is"),
     ("my_rewards:only_named", {"level": 1, "extra": 2}, "takes no argument 'extra'"),
     ("my_rewards:nothing_here", {}, "has no attribute 'nothing_here'"),
     ("nowhere_module_xyz:fn", {}, "cannot import nowhere_module_xyz: ModuleNotFoundError"),
@@ -113,6 +117,15 @@ def test_bad_functions_are_refused_at_start_up_in_one_line(reward_file, function
     with pytest.raises(RewardFunctionError) as err:
         RewardFunctions(resolve_specs(section, answer_field="answer"), columns=["target_len"], num_workers=0)
     assert needle in str(err.value) and str(err.value).startswith("reward.functions[1] (") and "\n" not in str(err.value)
+    # a built-in's options are its named parameters: a misspelt one is refused although it takes **columns
+    typo = config_from_dict({"reward": {"functions": [{"function": "math_exact_match",
+                                                       "kwargs": {"partial_credt": 0.2}}]}}).reward
+    with pytest.raises(RewardFunctionError, match="math_exact_match takes no argument 'partial_credt'"):
+        RewardFunctions(resolve_specs(typo, answer_field="answer"), columns=["answer"], num_workers=0)
+    # ... while a user function with **kwargs may be given any key
+    free = config_from_dict({"reward": {"functions": [{"function": "my_rewards:shout", "path": str(reward_file),
+                                                       "kwargs": {"anything": 1}}]}}).reward
+    RewardFunctions(resolve_specs(free, answer_field="answer"), columns=[], num_workers=0).close()
     with pytest.raises(RewardFunctionError, match="unknown built-in reward 'nope'"):
         RewardFunctions(resolve_specs(config_from_dict({"reward": {"functions": [{"function": "nope"}]}}).reward,
                                       answer_field="answer"), columns=[])

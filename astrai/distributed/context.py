@@ -119,6 +119,15 @@ class DistributedContext:
             torch.distributed.destroy_process_group()
 
 
+def run_device(device: str = "auto") -> torch.device:
+    """The device type a job with `runtime.device` = `device` runs on: "auto" is CUDA when available, else CPU
+    (the index under a launcher is Accelerate's choice). Raises ValueError (one line) for CUDA without CUDA."""
+    want_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise ValueError(f"runtime.device: {device!r} requested but CUDA is not available")
+    return torch.device(device if device.startswith("cuda:") else "cuda" if want_cuda else "cpu")
+
+
 def setup_distributed(device: str = "auto", strategy: str = "auto", *, mixed_precision: str = "no",
                       timeout_seconds: float = 600.0) -> DistributedContext:
     """Resolve the engine and create the process state.
@@ -139,9 +148,7 @@ def setup_distributed(device: str = "auto", strategy: str = "auto", *, mixed_pre
     from accelerate.utils import InitProcessGroupKwargs
 
     plan = resolve_launch(strategy, mixed_precision=mixed_precision, env=os.environ)
-    want_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise ValueError(f"runtime.device: {device!r} requested but CUDA is not available")
+    want_cuda = run_device(device).type == "cuda"
     if plan.mixed_precision == "fp16" and not want_cuda:
         raise LaunchError("train.fp16: fp16 mixed precision (with loss scaling) needs a CUDA device; use train.bf16 "
                           "on CPU")

@@ -24,7 +24,7 @@ from astrai.rollout.generation import Generation
 from astrai.rollout.sampling import SamplingParams
 
 __all__ = ["ATTENTION_BACKEND_ENV", "EngineCapacity", "GenerationEngine", "StreamingEngine", "attention_backend",
-           "build_engine", "engine_factory", "engine_names", "register_engine"]
+           "build_engine", "check_engine", "engine_factory", "engine_names", "register_engine"]
 
 ATTENTION_BACKEND_ENV = "ASTR_BACKEND"
 """Environment variable that, when set, overrides `rollout.attention_backend` (and the CLIs' default)."""
@@ -135,6 +135,22 @@ def engine_factory(name: str) -> EngineFactory:
         module, _, attr = factory.partition(":")
         factory = getattr(importlib.import_module(module), attr)
     return factory
+
+
+def check_engine(name: str, model_config, *, device: Union[str, torch.device],
+                 dtype: Union[None, str, torch.dtype] = None, attention_backend: Optional[str] = None,
+                 **options: Any) -> None:
+    """What building engine `name` over a model of `model_config` on `device` would refuse (its dtype, attention
+    backend or options), without building it: the factory's own `check` attribute when it has one (a callable
+    taking these arguments), else only the name. For pre-flight checks (`python -m astrai.train --check`).
+
+    Raises:
+        ValueError: an unknown engine name, or the engine's refusal (one line);
+        `astrai.kernels.BackendUnavailableError` for a backend that cannot serve the device or dtype.
+    """
+    check = getattr(engine_factory(name), "check", None)
+    if check is not None:
+        check(model_config, device=device, dtype=dtype, attention_backend=attention_backend, **options)
 
 
 def attention_backend(configured: Optional[str]) -> Optional[str]:

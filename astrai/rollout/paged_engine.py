@@ -26,9 +26,10 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from astrai.data.sequences import left_pad
-from astrai.kernels import InferenceWorkspace, select_backend
+from astrai.kernels import InferenceWorkspace
 from astrai.rollout.block_pool import BlockPool, PrefixCache
-from astrai.rollout.cuda_graphs import DecodeGraphs, backend_for_graphs, check_cuda_graphs, decode_buckets
+from astrai.rollout.cuda_graphs import DecodeGraphs, decode_buckets
+from astrai.rollout.engine_settings import check_paged_engine, engine_backend, resolve_dtype as _resolve_dtype
 from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
@@ -42,22 +43,6 @@ __all__ = ["PagedGenerationEngine", "paged_engine"]
 
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
 PenaltyArg = Union[None, FrequencyPenaltyStrategy, Sequence[Optional[FrequencyPenaltyStrategy]]]
-
-
-ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _resolve_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
-    """None, a name of `ENGINE_DTYPES` or one of its dtypes -> the torch dtype (None stays None).
-
-    Raises:
-        ValueError: for anything else.
-    """
-    if dtype is None or dtype in ENGINE_DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in ENGINE_DTYPES:
-        return ENGINE_DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"PagedGenerationEngine: dtype must be one of {', '.join(ENGINE_DTYPES)}, got {dtype!r}")
 
 
 class PagedGenerationEngine:
@@ -106,16 +91,9 @@ class PagedGenerationEngine:
             self.model.to(dtype)
         fuse_projections(self.model)  # one GEMM for q/k/v and one for gate/up (the Parameters become views)
         self.pad_token_id, self.policy_version = pad_token_id, policy_version
-        backend = backend_for_graphs(backend, self.device) if cuda_graphs else backend
-        self.backend = select_backend(backend, self.device, dtype=self.dtype, block_size=block_size)
-        if cuda_graphs:
-            check_cuda_graphs(self.device, self.backend.name, self.model.config)
+        self.backend, self.block_size = engine_backend(self.model.config, device=self.device, dtype=self.dtype,
+                                                       backend=backend, block_size=block_size, cuda_graphs=cuda_graphs)
         self.cuda_graphs, self._graphs = bool(cuda_graphs), None
-        self.block_size = block_size if block_size is not None else (
-            16 if self.backend.block_size_multiple == 1 else 256)
-        if self.block_size % self.backend.block_size_multiple:
-            raise ValueError(f"block_size {self.block_size} must be a multiple of "
-                             f"{self.backend.block_size_multiple} for the {self.backend.name} backend")
         if max_kv_tokens < self.block_size:
             raise ValueError(f"PagedGenerationEngine: max_kv_tokens {max_kv_tokens} is below one block "
                              f"({self.block_size} tokens)")
@@ -390,3 +368,6 @@ def paged_engine(model, *, pad_token_id: int, policy_version: int = 0, dtype=Non
     `max_batch_tokens`, `block_size`, `prefix_cache`, `dense_decode`, `cuda_graphs`)."""
     return PagedGenerationEngine(model, pad_token_id=pad_token_id, policy_version=policy_version, dtype=dtype,
                                  backend=attention_backend, **options)
+
+
+paged_engine.check = check_paged_engine

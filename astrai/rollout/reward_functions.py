@@ -66,12 +66,13 @@ def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None
     return specs
 
 
-def _argument_picker(fn: Callable, spec: RewardFunctionSpec, offered: Collection[str]) -> Optional[set[str]]:
+def _argument_picker(fn: Callable, spec: RewardFunctionSpec, offered: Collection[str], *,
+                     builtin: bool = False) -> Optional[set[str]]:
     """The argument names to pass `fn` (None: all, it takes **kwargs), after checking its signature.
 
     Raises:
         RewardFunctionError: a positional-only parameter, a required parameter nothing offers, or a configured
-            kwarg the function does not take.
+            kwarg the function does not take (for a `builtin`, one it does not name, even with **kwargs).
     """
     try:
         params = inspect.signature(fn).parameters.values()
@@ -80,15 +81,17 @@ def _argument_picker(fn: Callable, spec: RewardFunctionSpec, offered: Collection
     if any(p.kind is p.POSITIONAL_ONLY for p in params):
         raise RewardFunctionError(f"{spec.label}: {spec.function} has positional-only parameters; reward functions "
                                   "are called with keyword arguments (prompts=, completions=, ...)")
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    for p in params:
+    for p in params:  # a required parameter nothing provides fails every call, **kwargs or not
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in offered:
             raise RewardFunctionError(f"{spec.label}: parameter {p.name!r} of {spec.function} is neither a column of "
                                       f"the prompts nor one of {', '.join(STANDARD_ARGUMENTS)} nor a configured "
                                       f"kwarg (columns: {', '.join(sorted(set(offered) - set(STANDARD_ARGUMENTS)))})")
-    unknown = sorted(set(spec.kwargs) - names)
+    # a built-in's options are its named parameters: a configured kwarg it does not name is a typo even though it
+    # takes **columns; a user function with **kwargs may read any key
+    unknown = sorted(set(spec.kwargs) - names) if builtin or not any(p.kind is p.VAR_KEYWORD for p in params) else []
+    if any(p.kind is p.VAR_KEYWORD for p in params) and not unknown:
+        return None
     if unknown:
         raise RewardFunctionError(f"{spec.label}: {spec.function} takes no argument {unknown[0]!r} (reward.functions "
                                   f"kwargs)")
@@ -146,7 +149,7 @@ class RewardFunctions:
                 fn = load_reward_function(spec)
                 remote.append(len(self._functions))
             self._functions.append(fn)
-            self._pickers.append(_argument_picker(fn, spec, offered | set(spec.kwargs)))
+            self._pickers.append(_argument_picker(fn, spec, offered | set(spec.kwargs), builtin=builtin is not None))
         for spec, fn in extra:
             self.specs.append(spec)
             self._functions.append(fn)

@@ -19,14 +19,16 @@ from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_ch
 from astrai.checkpoint.fsutil import nearest_existing
 from astrai.config import Config, config_to_dict, dump_config
 from astrai.data.limits import check_model_limits
-from astrai.distributed import setup_distributed
+from astrai.distributed import run_device, setup_distributed
 from astrai.distributed.launch import check_step_sizes, resolve_launch
 from astrai.distributed.rank_checks import check_ranks_agree
 from astrai.models import load_pretrained
 from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.evaluation import build_evaluation, load_eval_records
+from astrai.trainer.experience import build_rewards, check_rollout_engine
 from astrai.trainer.faults import StepBoundary, StopSignals
+from astrai.trainer.lora import lora_summary
 from astrai.trainer.lock import OutputDirLock, OutputDirLocked
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
@@ -257,9 +259,11 @@ def check_job(config: Config, *, world_size: int) -> str:
     """Pre-flight: every check `build_trainer` makes before it trains, without creating a process group, an engine
     or an optimizer, in this one process: the launch mode (`distributed.strategy` against the accelerate launch
     environment in `os.environ`) and its precision, DeepSpeed step sizes for `world_size` ranks, `train.report_to`,
-    the output directory (not locked by another job) and `checkpoint.resume` (read only: nothing is written), the model (loaded on CPU) and its
-    length and vocabulary limits, `rollout.engine`, the data as the train type will train on it and the held-out data of
-    `train.eval_steps`. Launch scripts run it before
+    the output directory (not locked by another job) and `checkpoint.resume` (read only: nothing is written),
+    `runtime.device`, the model (loaded on CPU) and its length and vocabulary limits, the data as the train type will
+    train on it, for online train types the rollout engine's settings on the run's device (`rollout.engine`, dtype,
+    attention backend, CUDA graphs) and the reward functions (imported and matched to the data's columns, in this
+    process), and the held-out data of `train.eval_steps`. Launch scripts run it before
     they start the ranks, so a refusal is one line with exit 2 instead of one line per rank followed by the
     launcher's traceback.
 
@@ -277,14 +281,20 @@ def check_job(config: Config, *, world_size: int) -> str:
     if resume_from is not None:
         check_resume(resume_from, config=config, world_size=world_size, strategy=plan.strategy,
                      verify=config.checkpoint.verify_on_load)
+    device = run_device(config.runtime.device)  # CUDA asked for where there is none
     engine_factory(config.rollout.engine)  # an unknown rollout.engine, before the model loads
+    spec = train_types.get(config.train.type)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
-    data = train_types.get(config.train.type).load_data(config, policy.config, tokenizer, main=True)
+    data = spec.load_data(config, policy.config, tokenizer, main=True)
+    if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
+        check_rollout_engine(config, policy.config, device)
+        build_rewards(config, data, num_workers=0).close()
     if config.train.eval_steps:
         load_eval_records(config, tokenizer)
     params = sum(p.numel() for p in policy.parameters())
     start = f"resumes {resume_from}" if resume_from is not None else "starts fresh"
     return (f"check passed: {config.train.type} on {world_size} process(es) with {plan.strategy} "
-            f"({plan.mixed_precision} mixed precision); model {config.model.path} ({params / 1e6:.1f}M parameters); "
-            f"{len(data)} training examples from {config.data.path}; {start} in {output_dir}")
+            f"({plan.mixed_precision} mixed precision); model {config.model.path} ({params / 1e6:.1f}M parameters)"
+            f"{lora_summary(config, policy)}; {len(data)} training examples from {config.data.path}; {start} in "
+            f"{output_dir}")

@@ -8,7 +8,9 @@ then pins its targets on them (GAE, group advantages) and replays them (`replay.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
 import warnings
 from typing import Any, Optional, Protocol, Sequence
@@ -19,7 +21,9 @@ from astrai.data import PromptDataset, PromptSampler
 from astrai.data.prompts import mixture_records
 from astrai.data.truncation import EncodedPrompt, encode_prompt_records
 from astrai.models.special_tokens import stop_token_ids, strip_stop
-from astrai.rollout.engine import GenerationEngine, attention_backend, build_engine
+from astrai.kernels import BackendUnavailableError
+from astrai.rollout.engine import (ATTENTION_BACKEND_ENV, GenerationEngine, attention_backend, build_engine,
+                                  check_engine)
 from astrai.distributed.engines import prepare_reference
 from astrai.models import load_reward_model
 from astrai.rollout.reward_functions import RewardFunctions, RewardFunctionSpec, resolve_specs
@@ -188,8 +192,33 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_v
     engines need not know the option). Raises ValueError / BackendUnavailableError (one line) for what it refuses."""
     r = config.rollout
     options = {"cuda_graphs": True} if r.cuda_graphs else {}
-    return build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
-                        dtype=r.dtype, attention_backend=attention_backend(r.attention_backend), **options)
+    with _naming_the_backend_field():
+        return build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
+                            dtype=r.dtype, attention_backend=attention_backend(r.attention_backend), **options)
+
+
+@contextlib.contextmanager
+def _naming_the_backend_field():
+    """A backend refusal that names no field (the kernels' own messages) is said of `rollout.attention_backend`
+    (or of `ASTR_BACKEND` when that variable chose the backend)."""
+    try:
+        yield
+    except BackendUnavailableError as err:
+        if str(err).startswith("rollout."):
+            raise
+        field = ATTENTION_BACKEND_ENV if os.environ.get(ATTENTION_BACKEND_ENV) else "rollout.attention_backend"
+        raise BackendUnavailableError(f"{field}: {err}") from None
+
+
+def check_rollout_engine(config, model_config, device: torch.device) -> None:
+    """What `build_rollout_engine` would refuse for a model of `model_config` on `device` (the engine name, its
+    dtype, `rollout.attention_backend` or `ASTR_BACKEND`, `rollout.cuda_graphs`), without building the engine.
+    Raises what it raises."""
+    r = config.rollout
+    options = {"cuda_graphs": True} if r.cuda_graphs else {}
+    with _naming_the_backend_field():
+        check_engine(r.engine, model_config, device=device, dtype=r.dtype or config.model.dtype,
+                     attention_backend=attention_backend(r.attention_backend), **options)
 
 
 def build_online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: GenerationEngine,
@@ -242,10 +271,12 @@ def reward_specs(config) -> list[RewardFunctionSpec]:
     return resolve_specs(config.reward, answer_field=config.data.answer_field)
 
 
-def build_rewards(config, prompts: Sequence[EncodedPrompt], dist=None) -> RewardFunctions:
+def build_rewards(config, prompts: Sequence[EncodedPrompt], dist=None, *,
+                  num_workers: Optional[int] = None) -> RewardFunctions:
     """The job's `RewardFunctions`, checked against the columns its prompt records offer, with the reward model of
     `reward.model_path` (loaded on `dist.device` and prepared for inference like the reference model: partitioned
-    under fsdp2 / zero3) as the reward named `reward_model`.
+    under fsdp2 / zero3) as the reward named `reward_model`. `num_workers` (None: `reward.num_workers`) 0 loads and
+    checks every function in this process without starting workers (what `--check` does).
 
     Raises:
         RewardFunctionError: one line naming the function (import, signature, unknown built-in).
@@ -263,7 +294,8 @@ def build_rewards(config, prompts: Sequence[EncodedPrompt], dist=None) -> Reward
         spec = RewardFunctionSpec(name="reward_model", function="reward_model", index=len(r.functions) + 1,
                                   weight=r.model_weight)
         extra.append((spec, scorer))
-    return RewardFunctions(reward_specs(config), columns=list(columns), num_workers=r.num_workers,
+    workers = r.num_workers if num_workers is None else num_workers
+    return RewardFunctions(reward_specs(config), columns=list(columns), num_workers=workers,
                            timeout_seconds=r.timeout_seconds, on_error=r.on_error, error_score=r.error_score,
                            max_error_fraction=r.max_error_fraction, extra=extra)
 

@@ -27,7 +27,7 @@ from astrai.config import ConfigError
 from astrai.models.lora_merge import module_name, peft_name
 
 __all__ = ["AdaptersOff", "DEFAULT_TARGET_MODULES", "LoraSettings", "LoraCheckpointState", "apply_lora",
-           "lora_settings", "merged_weights", "shared_base_model"]
+           "lora_settings", "lora_summary", "merged_weights", "shared_base_model"]
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of every decoder block (the issue's and PEFT's usual "all-linear")."""
@@ -80,6 +80,21 @@ def lora_settings(config) -> Optional[LoraSettings]:
                         dropout=float(lora.get("dropout") or 0.0),
                         target_modules=tuple(lora.get("target_modules") or DEFAULT_TARGET_MODULES),
                         use_rslora=bool(lora.get("use_rslora", False)), base_model=config.model.path)
+
+
+def lora_summary(config, model: torch.nn.Module) -> str:
+    """"" without `model.lora`; else ``"; LoRA r=R (alpha A) on q_proj, ...: N.NNM trained parameters (P% of the
+    model)"`` for `model` before its adapters are injected (each targeted Linear (in, out) trains r * (in + out)),
+    as the start-up and `--check` lines show it."""
+    settings = lora_settings(config)
+    if settings is None:
+        return ""
+    targets = set(settings.target_modules)
+    trained = sum(settings.r * (m.in_features + m.out_features) for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in targets)
+    total = sum(p.numel() for p in model.parameters())
+    return (f"; LoRA r={settings.r} (alpha {settings.alpha:g}) on {', '.join(settings.target_modules)}: "
+            f"{trained / 1e6:.2f}M trained parameters ({100 * trained / total:.1f}% of the model)")
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:

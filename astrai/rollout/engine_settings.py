@@ -1,0 +1,62 @@
+"""What a paged engine is built with, checked without building one: its dtype, its attention backend (and CUDA
+graphs with it) and its block size. `PagedGenerationEngine` uses these at construction; `check_paged_engine` is the
+`paged` factory's pre-flight check (`astrai.rollout.engine.check_engine`, `python -m astrai.train --check`)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+from astrai.kernels import select_backend
+from astrai.rollout.cuda_graphs import backend_for_graphs, check_cuda_graphs
+
+__all__ = ["ENGINE_DTYPES", "check_paged_engine", "engine_backend", "resolve_dtype"]
+
+
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
+    """None, a name of `ENGINE_DTYPES` or one of its dtypes -> the torch dtype (None stays None).
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if dtype is None or dtype in ENGINE_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in ENGINE_DTYPES:
+        return ENGINE_DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"PagedGenerationEngine: dtype must be one of {', '.join(ENGINE_DTYPES)}, got {dtype!r}")
+
+
+def engine_backend(model_config, *, device, dtype: torch.dtype, backend: Optional[str] = None,
+                   block_size: Optional[int] = None, cuda_graphs: bool = False) -> tuple[Any, int]:
+    """(attention backend, block size) of a paged engine over a model of `model_config` on `device` in `dtype`:
+    `backend` as `select_backend` picks it (`auto` becomes `triton` on CUDA with `cuda_graphs`), the block size
+    given or the backend's default (16; 256 for flash-attn).
+
+    Raises:
+        BackendUnavailableError: a backend that cannot serve the device, dtype or block size, or CUDA graphs that
+            cannot be captured with it (one line naming the field).
+        ValueError: a block size that is not a multiple of the backend's.
+    """
+    backend = backend_for_graphs(backend, device) if cuda_graphs else backend
+    chosen = select_backend(backend, device, dtype=dtype, block_size=block_size)
+    if cuda_graphs:
+        check_cuda_graphs(device, chosen.name, model_config)
+    block_size = block_size if block_size is not None else (16 if chosen.block_size_multiple == 1 else 256)
+    if block_size % chosen.block_size_multiple:
+        raise ValueError(f"block_size {block_size} must be a multiple of {chosen.block_size_multiple} for the "
+                         f"{chosen.name} backend")
+    return chosen, block_size
+
+
+def check_paged_engine(model_config, *, device, dtype=None, attention_backend: Optional[str] = None,
+                       **options) -> None:
+    """What `paged_engine` would refuse for a model of `model_config` on `device`, without building it (the
+    factory's `check`, `astrai.rollout.engine.check_engine`): the dtype (None: float32), the attention backend, CUDA
+    graphs and the block size (`engine_backend`)."""
+    dtype = resolve_dtype(dtype) or torch.float32
+    engine_backend(model_config, device=torch.device(device), dtype=dtype, backend=attention_backend,
+                   block_size=options.get("block_size"), cuda_graphs=bool(options.get("cuda_graphs", False)))
