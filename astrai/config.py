@@ -423,6 +423,10 @@ class Config:
         m = self.model
         if m.lora and (m.lora["r"] < 1 or not 0 <= m.lora.get("dropout", 0.0) < 1 or m.lora.get("alpha", 1.0) <= 0):
             raise ConfigError(f"model.lora: expected r >= 1, alpha > 0 and dropout in [0, 1), got {m.lora}")
+        if m.lora and "target_modules" in m.lora and (
+                not m.lora["target_modules"] or not all(isinstance(t, str) and t for t in m.lora["target_modules"])):
+            raise ConfigError(f"model.lora: target_modules: expected a non-empty list of module names (omit it for "
+                              f"the attention and MLP projections), got {m.lora['target_modules']!r}")
         if m.lora and m.moe_num_experts:
             raise ConfigError("model.lora: LoRA adapters on MoE experts are not supported; set model.moe_num_experts 0 "
                               "or model.lora {}")

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "interval; writes per-example results and a summary.")
     p.add_argument("--model", required=True, help="model name, .gguf, HF-format directory, checkpoint directory "
                    "or training output_dir (latest checkpoint)")
-    p.add_argument("--data", required=True, help="GSM8K-format .jsonl or builtin:<name> (e.g. builtin:arithmetic_test)")
+    p.add_argument("--data", required=True, help="question/answer prompts: a .jsonl, .json, .parquet or .csv file, a save_to_disk "
+                   "directory, or builtin:<name> (e.g. builtin:arithmetic_test)")
     p.add_argument("--config", default=None, help="job YAML whose data/reward/rollout settings are the defaults")
     p.add_argument("--reward", default=None, help="reward name (default: the config's reward.name)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="response cap (default: rollout.max_new_tokens)")

@@ -40,7 +40,7 @@ are fp32: it means to alias them (stage3.py `_create_fp32_partitions`, "we don't
 but compares `tensor.device` (a torch.device) with `self.device` (a str such as 'cpu' or 'cuda:0'), which is never
 equal, so it clones. That copy is 1/(4N) of ddp's fp32 state (0.0625 at 4 ranks) and alone would put zero3 above
 0.30; astrai aliases the master partition to the parameter partition after `deepspeed.initialize` when both are
-fp32 on the same device (`engines._share_zero3_fp32_master`), as DeepSpeed intended. With `--bf16` the master is a
+fp32 on the same device (`astrai.distributed.zero_memory.share_zero3_fp32_master`), as DeepSpeed intended. With `--bf16` the master is a
 real fp32 copy of bf16 parameters and is kept.
 
     python bench/memory.py --lora 16 [--reference] [--engines ddp]
@@ -255,9 +255,13 @@ def main() -> None:
     args.ranks = args.ranks or [args.nproc or 2]
     if min(args.ranks) < 1 or args.layers < 1:
         parser.error("--ranks and --layers must be >= 1")
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = [e for e in engines if e not in ("ddp", "fsdp2", "zero1", "zero2", "zero3")]
+    if unknown or not engines:
+        parser.error(f"--engines: unknown engine {unknown[0] if unknown else args.engines!r}; choose from ddp, fsdp2, "
+                     "zero1, zero2, zero3")
     if args.lora:
         return compare_lora(args)
-    engines = args.engines.split(",")
     if "ddp" not in engines:
         parser.error("--engines must include ddp (the baseline of every ratio)")
     worst = {}

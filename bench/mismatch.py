@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -105,8 +104,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     dtypes = [d for d in args.dtypes.split(",") if d]
-    if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes) or args.rollouts < 1:
-        sys.exit("error: --dtypes: expected float32, bfloat16 and/or float16; --rollouts >= 1")
+    if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
+        parser.error(f"--dtypes: expected float32, bfloat16 and/or float16, comma-separated; got {args.dtypes!r}")
+    if args.rollouts < 1:
+        parser.error(f"--rollouts: expected >= 1, got {args.rollouts}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads: expected >= 1, got {args.threads}")
     kl = {}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in dtypes:

@@ -77,28 +77,35 @@ def time_rounds(path: Path, workers: int, completions: int, rounds: int) -> list
 
 
 def parse_workers(text: str) -> list[int]:
-    """'0,1,2' -> [0, 1, 2]; exits with one line on anything else."""
+    """'0,1,2' -> [0, 1, 2]; ValueError naming --workers (one line) on anything else."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         values = []
     if not values or any(v < 0 for v in values):
-        sys.exit(f"error: --workers: expected comma-separated counts >= 0, got {text!r}")
+        raise ValueError(f"--workers: expected comma-separated counts >= 0, got {text!r}")
     return values
 
 
 def main() -> None:
     """Command line: see the module docstring."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--completions", type=int, default=64, help="completions scored per round")
     parser.add_argument("--ms", type=float, default=20.0, help="milliseconds the reward spends per completion")
     parser.add_argument("--workers", default="0,1,2", help="worker counts to compare (0 = in process)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round")
     parser.add_argument("--kind", choices=("busy", "sleep"), default="busy", help="compute or wait")
     args = parser.parse_args()
-    if args.completions < 1 or args.rounds < 1 or args.ms <= 0:
-        sys.exit("error: --completions and --rounds must be >= 1 and --ms > 0")
-    workers = parse_workers(args.workers)
+    for name in ("completions", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: expected >= 1, got {getattr(args, name)}")
+    if args.ms <= 0:
+        parser.error(f"--ms: expected > 0, got {args.ms:g}")
+    try:
+        workers = parse_workers(args.workers)
+    except ValueError as err:
+        parser.error(str(err))
     print(f"{args.completions} completions x {args.ms:g} ms ({args.kind}) per round = "
           f"{args.completions * args.ms / 1000:.2f} s serial; {os.cpu_count()} CPUs; load average "
           f"{os.getloadavg()[0]:.2f}")
@@ -111,8 +118,9 @@ def main() -> None:
             label = "in process" if count == 0 else f"{count} worker{'s' if count > 1 else ''}"
             print(f"{label:>12}: median {medians[count]:.3f} s, min {min(seconds):.3f} s per round")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
-    base = medians.get(1, medians[workers[0]])
-    print(f"ratio: {base / medians[max(workers)]:.2f}")
+    base_count = 1 if 1 in medians else workers[0]
+    print(f"ratio: {medians[base_count] / medians[max(workers)]:.2f} (seconds per round with {base_count} "
+          f"worker(s) / with {max(workers)}: the speed-up)")
 
 
 if __name__ == "__main__":

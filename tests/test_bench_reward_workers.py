@@ -22,5 +22,5 @@ def test_slow_reward_is_scored_and_costs_its_time(tmp_path, workers):
 def test_worker_counts_parsed_or_refused():
     assert reward_workers.parse_workers("0,1, 2") == [0, 1, 2]
     for bad in ("", "a,1", "-1"):
-        with pytest.raises(SystemExit, match="--workers"):
+        with pytest.raises(ValueError, match="--workers"):
             reward_workers.parse_workers(bad)

@@ -162,7 +162,8 @@ def test_engine_drops_its_graphs_with_the_kv_storage_and_the_config_field_reache
 
     config = load_config(None, ["--rollout.cuda_graphs", "true"])
     assert config.rollout.cuda_graphs is True
-    built = build_rollout_engine(config, model, SimpleNamespace(pad_token_id=EOS))
+    with pytest.warns(UserWarning, match="rollout.cuda_graphs: nothing is captured on cpu"):
+        built = build_rollout_engine(config, model, SimpleNamespace(pad_token_id=EOS))
     assert built.cuda_graphs and not build_rollout_engine(load_config(None, []), model,
                                                           SimpleNamespace(pad_token_id=EOS)).cuda_graphs
 

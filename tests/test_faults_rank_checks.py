@@ -106,6 +106,8 @@ def test_the_start_up_line_says_when_checkpoints_are_written():
     config = load_config(None, ["--max_steps", "1000"])
     assert checkpoint_plan(config).startswith("checkpoints: every 60 minutes of training (checkpoint.save_minutes) "
                                               "and after step 1000 (the end)")
+    timed = checkpoint_plan(load_config(None, ["--max_steps", "1000", "--train.max_minutes", "0.5"]))
+    assert "and so does train.max_minutes 0.5 when it ends the run before step 1000" in timed
     config = load_config(None, ["--max_steps", "1000", "--checkpoint.save_minutes", "null"])
     assert checkpoint_plan(config).startswith("checkpoints: none before step 1000 (checkpoint.save_steps 0, "
                                               "checkpoint.save_minutes null) and after step 1000 (the end)")

@@ -96,6 +96,9 @@ def test_target_modules_that_match_nothing_are_refused():
     import dataclasses
     with pytest.raises(ConfigError, match=r"model.lora: target_modules \['qkv'\] name no module of the model"):
         apply_lora(model, dataclasses.replace(settings, target_modules=("qkv",)))
+    for bad in ("{r: 4, target_modules: []}", "{r: 4, target_modules: ['']}"):
+        with pytest.raises(ConfigError, match="model.lora: target_modules: expected a non-empty list"):
+            config_from_dict({"model": {"path": "x", "lora": __import__("yaml").safe_load(bad)}})
 
 
 def _run(tiny_model_dir, out, config, *extra):

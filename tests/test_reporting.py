@@ -176,3 +176,24 @@ def test_plot_bad_input(tmp_path, capsys, content, needle):
     assert plot.main([str(run)]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err
+
+
+def test_an_error_after_the_progress_bar_is_the_last_line(capsys):
+    """A run that fails mid-step: the bar is closed without being redrawn, so the error printed next is the last
+    line on the terminal (not glued to a bar that is drawn again after it)."""
+    import sys
+    from types import SimpleNamespace
+
+    from astrai.trainer.callbacks import ProgressBar
+
+    bar = ProgressBar()
+    trainer = SimpleNamespace(state=SimpleNamespace(max_steps=4, global_step=0))
+    bar.on_train_begin(trainer)
+    bar.on_step_end(trainer, {"rollout/reward_mean": 0.5})
+    bar.on_train_abort(trainer)
+    print("error: reward.functions[1] (f): returned 1 values for 64 completions", file=sys.stderr)
+    bar.on_train_end(trainer)  # nothing left to close or redraw
+    err = capsys.readouterr().err
+    assert err.replace("\r", "\n").rstrip("\n").splitlines()[-1] == \
+        "error: reward.functions[1] (f): returned 1 values for 64 completions"
+    assert err.endswith("completions\n")

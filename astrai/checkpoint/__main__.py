@@ -1,4 +1,4 @@
-"""Command line: `python -m astrai.checkpoint {verify,latest,recover,mark-bad} ...`.
+"""Command line: `python -m astrai.checkpoint {verify,latest,recover,export,mark-bad} ...`.
 
     verify [--require-critic] DIR   one line per file (OK / MISMATCH / MISSING / UNSAFE / EXTRA / UNVERIFIED
                                     + name); exit 0 all match, 1 any mismatch or missing file (or, with
@@ -8,8 +8,9 @@
     latest OUTPUT_DIR               print the newest complete checkpoint; exit 1 when there is none
     recover OUTPUT_DIR              clean up staging/retired/deleting dirs after a crash (run while no
                                     training writes to OUTPUT_DIR); prints one line per action
-    export --merge DIR OUT          write DIR's model (a LoRA checkpoint: its adapters merged into the base
-                                    model) as a new Hugging Face model directory OUT; exit 2 on bad input
+    export [--merge] DIR OUT        write DIR's model (a LoRA checkpoint: its adapters merged into the base
+                                    model, which --merge states explicitly) as a new Hugging Face model
+                                    directory OUT; exit 2 on bad input
     mark-bad DIR --reason TEXT      record in DIR's manifest that it is bad: `resume auto`, `latest` and
                                     keep_last skip it from then on (its files stay; exit 2 when DIR has no manifest)
 """
@@ -40,8 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec = commands.add_parser("recover", help="clean up after a crash (no training may be running)")
     rec.add_argument("output_dir")
     export = commands.add_parser("export", help="write a checkpoint's model (LoRA: merged) as a Hugging Face directory")
-    export.add_argument("--merge", action="store_true", required=True,
-                        help="merge LoRA adapters into the base model (W + s B A)")
+    export.add_argument("--merge", action="store_true",
+                        help="merge LoRA adapters into the base model (W + s B A); what export always does with a "
+                             "LoRA checkpoint, accepted to say so")
     export.add_argument("--base", default=None, help="the base model (default: the adapter config's)")
     export.add_argument("dir")
     export.add_argument("out")

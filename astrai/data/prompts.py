@@ -123,11 +123,11 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
     return resolved
 
 
-def _field(obj: dict[str, Any], name: str, where: str) -> str:
-    """Return ``obj[name]`` as a string or raise a DataError naming the field and location."""
+def _field(obj: dict[str, Any], name: str, where: str, key: str = "data.answer_field") -> str:
+    """Return ``obj[name]`` as a string or raise a DataError naming the field, its config `key` and location."""
     if name not in obj:
         keys = ", ".join(repr(k) for k in obj) or "none"
-        raise DataError(f"{where}: missing field {name!r}; present keys: {keys}")
+        raise DataError(f"{where}: missing field {name!r} ({key}); present keys: {keys}")
     value = obj[name]
     if not isinstance(value, str):
         raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
@@ -139,7 +139,7 @@ def _prompt(obj: dict[str, Any], name: str, where: str) -> Prompt:
     (other keys dropped) whose last message is the user's; DataError naming the field and location otherwise."""
     value = obj.get(name)
     if not isinstance(value, list):
-        return _field(obj, name, where)
+        return _field(obj, name, where, "data.prompt_field")
     if not value:
         raise DataError(f"{where}: field {name!r} is an empty list of messages")
     messages = []

@@ -29,7 +29,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                             "/v1/models, /health) over astrai's paged engine, batching "
                                             "continuously (requests join and leave between decode steps).")
     p.add_argument("--checkpoint", required=True,
-                   help="checkpoint directory, run output directory (newest checkpoint), HF model dir or .gguf")
+                   help="checkpoint directory, run output directory (newest checkpoint), HF model dir, .gguf or "
+                        "a model alias (smollm2-135m-instruct, gemma3-270m)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served_model_name", default=None,

@@ -242,12 +242,16 @@ def _say_start(config: Config, trainer: Trainer, resume_from: Optional[Path], re
 
 def checkpoint_plan(config: Config) -> Optional[str]:
     """The start-up line about checkpoints when none is written every N steps (`checkpoint.save_steps` 0), else None:
-    every `checkpoint.save_minutes` of training, or, without that, none before the end."""
+    every `checkpoint.save_minutes` of training, or, without that, none before the end; a stop signal and
+    `train.max_minutes` (when set) each publish one too."""
     c, steps = config.checkpoint, config.train.max_steps
     if c.save_steps or steps <= 1:
         return None
     end = f"and after step {steps} (the end)" if c.save_at_end else "and none at the end (checkpoint.save_at_end false)"
     stop = "a stop signal (SIGTERM, SIGINT, SIGUSR1) also publishes one"
+    if config.train.max_minutes is not None:
+        stop += (f", and so does train.max_minutes {config.train.max_minutes:g} when it ends the run before step "
+                 f"{steps}")
     if c.save_minutes is not None:
         return (f"checkpoints: every {c.save_minutes:g} minutes of training (checkpoint.save_minutes) {end}; {stop}; "
                 "set checkpoint.save_steps for a checkpoint every N steps")

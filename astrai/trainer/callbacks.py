@@ -146,6 +146,15 @@ class ProgressBar(Callback):
     def on_train_end(self, trainer) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+
+    def on_train_abort(self, trainer) -> None:
+        """An error ends the run: close the bar with a newline (without redrawing it), so the error line printed
+        next stands on a line of its own and is the last one on the terminal."""
+        if self._bar is not None:
+            self._bar.leave = False
+            self._bar.close()
+            self._bar = None
 
 
 class CheckpointCallback(Callback):

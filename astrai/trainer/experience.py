@@ -193,8 +193,12 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_v
     r = config.rollout
     options = {"cuda_graphs": True} if r.cuda_graphs else {}
     with _naming_the_backend_field():
-        return build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
-                            dtype=r.dtype, attention_backend=attention_backend(r.attention_backend), **options)
+        engine = build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
+                              dtype=r.dtype, attention_backend=attention_backend(r.attention_backend), **options)
+    if r.cuda_graphs and engine.device.type != "cuda":
+        warnings.warn(f"rollout.cuda_graphs: nothing is captured on {engine.device.type} (graphs are a CUDA "
+                      "feature); decode steps run padded to their batch bucket, eagerly, which is slower here")
+    return engine
 
 
 @contextlib.contextmanager
