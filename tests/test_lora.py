@@ -101,6 +101,27 @@ def test_target_modules_that_match_nothing_are_refused():
             config_from_dict({"model": {"path": "x", "lora": __import__("yaml").safe_load(bad)}})
 
 
+def test_a_rank_not_below_a_targets_side_is_refused(tiny_model_dir, capsys):
+    from astrai.config import ConfigError
+    from astrai.train import main
+    from astrai.trainer.lora import lora_summary
+    model, settings = lora_model()
+    side = min(min(m.in_features, m.out_features) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.endswith("_proj"))
+    import dataclasses
+    apply_lora(lora_model()[0], dataclasses.replace(settings, r=side - 1))  # the largest low rank is accepted
+    with pytest.raises(ConfigError, match=rf"^model.lora.r: {side} is not below {side}, the smaller side of "):
+        apply_lora(model, dataclasses.replace(settings, r=side))
+    assert not any("lora_" in n for n, _ in model.named_parameters())  # refused before anything was injected
+    config = config_from_dict({"model": {"path": "x", "lora": {"r": 4096}}})
+    with pytest.raises(ConfigError, match="model.lora.r: 4096 is not below"):
+        lora_summary(config, lora_model()[0])
+    code = main(["--model.path", str(tiny_model_dir), "--model.lora", "{r: 4096}", "--data.max_prompt_length", "64",
+                 "--rollout.max_new_tokens", "8", "--data.truncation", "left", "--check"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: model.lora.r: 4096 is not below"), err
+
+
 def _run(tiny_model_dir, out, config, *extra):
     from astrai.train import main
 

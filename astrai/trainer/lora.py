@@ -85,10 +85,15 @@ def lora_settings(config) -> Optional[LoraSettings]:
 def lora_summary(config, model: torch.nn.Module) -> str:
     """"" without `model.lora`; else ``"; LoRA r=R (alpha A) on q_proj, ...: N.NNM trained parameters (P% of the
     model)"`` for `model` before its adapters are injected (each targeted Linear (in, out) trains r * (in + out)),
-    as the start-up and `--check` lines show it."""
+    as the start-up and `--check` lines show it.
+
+    Raises:
+        ConfigError: from `check_lora_fits` (so `--check` refuses what the start would).
+    """
     settings = lora_settings(config)
     if settings is None:
         return ""
+    check_lora_fits(model, settings)
     targets = set(settings.target_modules)
     trained = sum(settings.r * (m.in_features + m.out_features) for name, m in model.named_modules()
                   if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in targets)
@@ -97,20 +102,38 @@ def lora_summary(config, model: torch.nn.Module) -> str:
             f"{trained / 1e6:.2f}M trained parameters ({100 * trained / total:.1f}% of the model)")
 
 
+def check_lora_fits(model: torch.nn.Module, settings: LoraSettings) -> None:
+    """Refuse a `model.lora` that cannot train low-rank adapters on `model` (before any adapter is injected).
+
+    Raises:
+        ConfigError: no module of the model matches `target_modules`; or `r` is not below min(in, out) of a targeted
+            Linear (such an adapter trains at least as many numbers as the weight itself: r (in + out) >= in out).
+    """
+    present = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    if not present & set(settings.target_modules):
+        raise ConfigError(f"model.lora: target_modules {list(settings.target_modules)} name no module of the model "
+                          f"(its projections: {', '.join(sorted(p for p in present if p.endswith('_proj')))})")
+    targets = set(settings.target_modules)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in targets:
+            limit = min(module.in_features, module.out_features)
+            if settings.r >= limit:
+                raise ConfigError(f"model.lora.r: {settings.r} is not below {limit}, the smaller side of {name} "
+                                  f"({module.in_features} -> {module.out_features}); a low-rank adapter needs r < "
+                                  f"{limit} (typical: 8-64)")
+
+
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """Inject LoRA layers into `model`'s target modules (in place; A initialised by peft's Kaiming init from torch's
     RNG, B zero, so the model's outputs are unchanged) and freeze every parameter but the adapters and the heads.
     Returns `model`.
 
     Raises:
-        ConfigError: no module of the model matches `target_modules` (one line listing what was asked).
+        ConfigError: `check_lora_fits` refuses the settings (no targeted module; a rank not below a target's side).
     """
     import peft
 
-    present = {name.rpartition(".")[2] for name, _ in model.named_modules()}
-    if not present & set(settings.target_modules):
-        raise ConfigError(f"model.lora: target_modules {list(settings.target_modules)} name no module of the model "
-                          f"(its projections: {', '.join(sorted(p for p in present if p.endswith('_proj')))})")
+    check_lora_fits(model, settings)
     config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout, bias="none",
                              target_modules=list(settings.target_modules), use_rslora=settings.use_rslora)
     peft.inject_adapter_in_model(config, model)
