@@ -155,8 +155,11 @@ def run(args: argparse.Namespace) -> dict:
     chosen = prompt_settings(args, config_path)
     if chosen["reward"] not in REWARDS:
         raise UsageError(f"--reward: unknown reward {chosen['reward']!r}; choices: {', '.join(sorted(REWARDS))}")
-    settings = EvalSettings(max_new_tokens=chosen["max_new_tokens"], temperature=args.temperature,
-                            num_samples=args.num_samples, batch_size=args.batch_size)
+    try:  # EvalSettings names its fields; on this command line they are options
+        settings = EvalSettings(max_new_tokens=chosen["max_new_tokens"], temperature=args.temperature,
+                                num_samples=args.num_samples, batch_size=args.batch_size)
+    except ValueError as err:
+        raise UsageError(f"--{err}") from None
     dataset = PromptDataset(args.data, prompt_field=chosen["prompt_field"], answer_field=chosen["answer_field"],
                             field="--data")
     records = dataset.records[:args.limit] if args.limit else dataset.records
