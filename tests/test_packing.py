@@ -50,3 +50,20 @@ def test_packed_row_logits_equal_each_document_alone():
         for row, start, ids in pieces:
             alone = model(torch.tensor([ids]))[0]
             torch.testing.assert_close(packed[row, start:start + len(ids)], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_check_line_counts_packed_rows_as_rows(tiny_model_dir, tmp_path, capsys):
+    from astrai.train import main
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(f"w{i}" for i in range(40))}) + "\n" for _ in range(3)))
+    base = ["--config", str(REPO / "configs/examples/seq.yaml"), "--model.path", str(tiny_model_dir), "--data.path",
+            str(data), "--data.max_length", "32", "--train.output_dir", str(tmp_path / "o"), "--check"]
+    assert main(base + ["--data.packing", "true"]) == 0
+    packed = capsys.readouterr().out
+    assert main(base + ["--data.packing", "false", "--data.truncation", "left"]) == 0
+    cut = capsys.readouterr().out
+    tokens = 3 * (len(tiny_tokenizer().encode(" ".join(f"w{i}" for i in range(40)))) + 1)  # with each EOS
+    rows = -(-tokens // 32)  # the documents run on across rows: nothing is dropped
+    assert f"; {rows} packed rows of up to 32 tokens (data.packing) from {data};" in packed, packed
+    assert f"; 3 training examples from {data};" in cut, cut

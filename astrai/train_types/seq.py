@@ -7,4 +7,5 @@ TRAIN_TYPE = TrainType(
     summary="pre-training: next-token cross-entropy on raw text",
     builder="astrai.trainer.strategies.seq:build_seq",
     data="astrai.trainer.strategies.seq:seq_data",
+    packs=True,
 )

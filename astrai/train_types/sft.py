@@ -7,4 +7,5 @@ TRAIN_TYPE = TrainType(
     summary="supervised fine-tuning: masked cross-entropy on the assistant turns of chats",
     builder="astrai.trainer.strategies.sft:build_sft",
     data="astrai.trainer.strategies.sft:sft_data",
+    packs=True,
 )

@@ -112,6 +112,8 @@ class TrainType:
         unread: config -> the fields of its section that this job leaves unread (warned about when set).
         legacy_required_files: files beyond the policy that its checkpoints written before parts were recorded
             must hold to resume.
+        packs: its data step packs several examples into each `data.max_length` row when `data.packing` is set
+            (so what it counts are rows, not examples).
     """
 
     name: str
@@ -129,6 +131,7 @@ class TrainType:
     resume_problem: Callable[[Mapping, Any], Optional[str]] = _no_resume_rule
     unread: Callable[[Any], tuple[str, ...]] = _all_read
     legacy_required_files: tuple[str, ...] = ()
+    packs: bool = False
 
     def build(self, config, dist, policy, tokenizer):
         """The strategy of this train type for a validated job (the `builder`, imported now)."""

@@ -298,7 +298,9 @@ def check_job(config: Config, *, world_size: int) -> str:
         load_eval_records(config, tokenizer)
     params = sum(p.numel() for p in policy.parameters())
     start = f"resumes {resume_from}" if resume_from is not None else "starts fresh"
+    counted = (f"packed rows of up to {config.data.max_length} tokens (data.packing)"
+               if spec.packs and config.data.packing else "training examples")
     return (f"check passed: {config.train.type} on {world_size} process(es) with {plan.strategy} "
             f"({plan.mixed_precision} mixed precision); model {config.model.path} ({params / 1e6:.1f}M parameters)"
-            f"{lora_summary(config, policy)}; {len(data)} training examples from {config.data.path}; {start} in "
+            f"{lora_summary(config, policy)}; {len(data)} {counted} from {config.data.path}; {start} in "
             f"{output_dir}")
