@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_model(path: str) -> tuple[str, Optional[Path]]:
     """(what `load_pretrained` gets, the training run's `config.yaml` when PATH lies in a run output_dir).
 
-    A directory without `config.json` is read as a training output_dir and replaced by its latest complete
-    checkpoint; a `<run>/checkpoints/step-N` directory keeps its path and points at `<run>/config.yaml`.
+    A directory without `config.json` (or a LoRA checkpoint's `adapter_config.json`) is read as a training output_dir
+    and replaced by its latest complete checkpoint; a `<run>/checkpoints/step-N` directory keeps its path and points at `<run>/config.yaml`.
 
     Raises:
         FileNotFoundError: an output_dir without a complete checkpoint.
@@ -91,7 +91,7 @@ def resolve_model(path: str) -> tuple[str, Optional[Path]]:
     p = Path(path).expanduser()
     if not p.is_dir():
         return path, None
-    if not (p / "config.json").is_file():
+    if not any((p / name).is_file() for name in ("config.json", "adapter_config.json")):  # a model or LoRA adapters
         if not checkpoints_root(p).is_dir():
             return path, None  # load_pretrained reports the missing config.json
         latest = find_latest_checkpoint(p)

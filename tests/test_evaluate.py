@@ -209,3 +209,15 @@ def test_unscorable_answers_are_warned_before_the_model_loads(tiny_model_dir, tm
         warnings.simplefilter("error", UserWarning)  # scorable answers: no warning
         assert cli(tiny_model_dir, data, tmp_path / "eval", "--limit", "1") == 0
 
+
+
+def test_a_lora_checkpoint_directory_uses_its_runs_config(tmp_path):
+    """A LoRA step directory holds adapter_config.json, not config.json: it is still the run's checkpoint, so the
+    run's config.yaml gives the prompt settings (as for a full-weight checkpoint)."""
+    from astrai.evaluate import resolve_model
+
+    step = tmp_path / "run" / "checkpoints" / "step-00000003"
+    step.mkdir(parents=True)
+    (step / "adapter_config.json").write_text("{}")
+    (tmp_path / "run" / "config.yaml").write_text("train: {type: sft}\n")
+    assert resolve_model(str(step)) == (str(step), tmp_path / "run" / "config.yaml")

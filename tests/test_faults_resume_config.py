@@ -89,3 +89,20 @@ def test_an_unchanged_resume_lists_nothing(tiny_model_dir, chats, tmp_path, caps
     assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1)) == 0
     assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1, "--checkpoint.resume", "auto")) == 0
     assert "resume: " not in capsys.readouterr().out
+
+
+def test_another_lora_is_refused_before_anything_loads(tiny_model_dir, chats, tmp_path, capsys):
+    """The checkpoint holds r=4 adapters: another rank, no LoRA, or LoRA over a full-weight run is one line (exit
+    2), at --check too, not a state-dict size mismatch from torch."""
+    out, full = tmp_path / "run", tmp_path / "full"
+    lora = ("--model.lora", "{r: 4, alpha: 8}")
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1, *lora)) == 0
+    assert main(sft_args(tiny_model_dir, full, chats, "--max_steps", 1)) == 0
+    capsys.readouterr()
+    for run, change in ((out, ("--model.lora", "{r: 2, alpha: 8}")), (out, ("--model.lora", "{}")), (full, lora)):
+        for check in ((), ("--check",)):
+            assert main([*check, *sft_args(tiny_model_dir, run, chats, "--max_steps", 2, *change,
+                                           "--checkpoint.resume", "auto")]) == 2
+            (line,) = capsys.readouterr().err.strip().splitlines()
+            assert line.startswith(f"error: {run / 'checkpoints' / 'step-00000001'}: model.lora cannot change on "
+                                   "resume (the checkpoint holds adapters of the run's rank"), line

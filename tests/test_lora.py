@@ -94,8 +94,16 @@ def test_target_modules_that_match_nothing_are_refused():
     from astrai.config import ConfigError
     model, settings = lora_model()
     import dataclasses
-    with pytest.raises(ConfigError, match=r"model.lora: target_modules \['qkv'\] name no module of the model"):
+    with pytest.raises(ConfigError, match=r"model.lora: target_modules entry 'qkv' names no module of the model"):
         apply_lora(model, dataclasses.replace(settings, target_modules=("qkv",)))
+    with pytest.raises(ConfigError, match=r"entry 'nope' names no module of the model \(its projections: "):
+        apply_lora(model, dataclasses.replace(settings, target_modules=("q_proj", "nope")))  # one typo is enough
+    with pytest.raises(ConfigError, match=r"entry 'embed_tokens' is not a Linear projection"):
+        apply_lora(model, dataclasses.replace(settings, target_modules=("embed_tokens",)))
+    tied = AutoRegressiveLM(dataclasses.replace(tiny_config(), tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match=r"entry 'lm_head' shares its weight with embed_tokens"):
+        apply_lora(tied, dataclasses.replace(settings, target_modules=("lm_head",)))
+    assert not any("lora_" in n for n, _ in model.named_parameters())
     for bad in ("{r: 4, target_modules: []}", "{r: 4, target_modules: ['']}"):
         with pytest.raises(ConfigError, match="model.lora: target_modules: expected a non-empty list"):
             config_from_dict({"model": {"path": "x", "lora": __import__("yaml").safe_load(bad)}})
@@ -106,12 +114,17 @@ def test_a_rank_not_below_a_targets_side_is_refused(tiny_model_dir, capsys):
     from astrai.train import main
     from astrai.trainer.lora import lora_summary
     model, settings = lora_model()
-    side = min(min(m.in_features, m.out_features) for n, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and n.endswith("_proj"))
+    sides = {n.rpartition(".")[2]: min(m.in_features, m.out_features) for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and n.endswith("_proj")}
+    side = min(sides.values())
+    assert max(sides.values()) > side  # the tiny model has a narrower projection than others (k_proj / v_proj)
     import dataclasses
     apply_lora(lora_model()[0], dataclasses.replace(settings, r=side - 1))  # the largest low rank is accepted
     with pytest.raises(ConfigError, match=rf"^model.lora.r: {side} is not below {side}, the smaller side of "):
         apply_lora(model, dataclasses.replace(settings, r=side))
+    wide = max(sides.values())  # named by the narrowest targeted projection, not the first one failing
+    with pytest.raises(ConfigError, match=rf"^model.lora.r: {wide} is not below {side}, .*the narrowest targeted"):
+        apply_lora(model, dataclasses.replace(settings, r=wide))
     assert not any("lora_" in n for n, _ in model.named_parameters())  # refused before anything was injected
     config = config_from_dict({"model": {"path": "x", "lora": {"r": 4096}}})
     with pytest.raises(ConfigError, match="model.lora.r: 4096 is not below"):

@@ -106,21 +106,28 @@ def check_lora_fits(model: torch.nn.Module, settings: LoraSettings) -> None:
     """Refuse a `model.lora` that cannot train low-rank adapters on `model` (before any adapter is injected).
 
     Raises:
-        ConfigError: no module of the model matches `target_modules`; or `r` is not below min(in, out) of a targeted
-            Linear (such an adapter trains at least as many numbers as the weight itself: r (in + out) >= in out).
+        ConfigError: a `target_modules` entry that names no Linear projection of the model; or `r` not below
+            min(in, out) of the narrowest targeted Linear (such an adapter trains at least as many numbers as the
+            weight itself: r (in + out) >= in out).
     """
+    linear = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    projections = sorted({name.rpartition(".")[2] for name in linear})
     present = {name.rpartition(".")[2] for name, _ in model.named_modules()}
-    if not present & set(settings.target_modules):
-        raise ConfigError(f"model.lora: target_modules {list(settings.target_modules)} name no module of the model "
-                          f"(its projections: {', '.join(sorted(p for p in present if p.endswith('_proj')))})")
-    targets = set(settings.target_modules)
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in targets:
-            limit = min(module.in_features, module.out_features)
-            if settings.r >= limit:
-                raise ConfigError(f"model.lora.r: {settings.r} is not below {limit}, the smaller side of {name} "
-                                  f"({module.in_features} -> {module.out_features}); a low-rank adapter needs r < "
-                                  f"{limit} (typical: 8-64)")
+    for target in settings.target_modules:
+        if target not in projections:
+            what = "is not a Linear projection" if target in present else "names no module of the model"
+            raise ConfigError(f"model.lora: target_modules entry {target!r} {what} (its projections: "
+                              f"{', '.join(projections)})")
+    if "lm_head" in settings.target_modules and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        raise ConfigError("model.lora: target_modules entry 'lm_head' shares its weight with embed_tokens "
+                          "(tie_word_embeddings); adapters on a tied output layer are not supported")
+    targeted = [(n, m) for n, m in linear.items() if n.rpartition(".")[2] in settings.target_modules]
+    name, module = min(targeted, key=lambda item: min(item[1].in_features, item[1].out_features))
+    limit = min(module.in_features, module.out_features)
+    if settings.r >= limit:
+        raise ConfigError(f"model.lora.r: {settings.r} is not below {limit}, the smaller side of {name} "
+                          f"({module.in_features} -> {module.out_features}), the narrowest targeted projection; a "
+                          f"low-rank adapter needs r < {limit} (typical: 8-64)")
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:

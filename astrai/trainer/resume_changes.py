@@ -4,7 +4,7 @@ At resume the job's resolved config is compared with the checkpoint's `config.ya
 that wrote it), field by field:
 
 - fields that define what the saved state means cannot change (`FIXED`: the train type, the seed and the data that
-  the data position counts, the model's MoE layout): refused in one line naming the field, both values and the ways
+  the data position counts, the model's MoE layout, `model.lora`): refused in one line naming the field, both values and the ways
   on, before anything loads (`check_resume` calls `refusal`);
 - every other changed field is applied and listed in one line printed by rank 0 (`describe`), e.g. "resume:
   optim.learning_rate 0.001 -> 0.0005 (applied to the schedule from step 3), train.max_steps 4 -> 6". Learning
@@ -36,6 +36,7 @@ FIXED = {
     "model.moe_num_experts": "the checkpoint's weights have the run's MoE layout",
     "model.moe_top_k": "the checkpoint's weights have the run's MoE layout",
     "model.moe_num_shared_experts": "the checkpoint's weights have the run's MoE layout",
+    "model.lora": "the checkpoint holds adapters of the run's rank, scaling and targets, or whole weights without",
 }
 """Fields that cannot change on resume -> why (`refusal`)."""
 SCHEDULE_FIELDS = ("optim.learning_rate", "optim.critic_learning_rate", "optim.lr_scheduler_type",
