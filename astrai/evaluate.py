@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "interval; writes per-example results and a summary.")
     p.add_argument("--model", required=True, help="model name, .gguf, HF-format directory, checkpoint directory "
                    "or training output_dir (latest checkpoint)")
-    p.add_argument("--data", required=True, help="question/answer prompts: a .jsonl, .json, .parquet or .csv file, a save_to_disk "
-                   "directory, or builtin:<name> (e.g. builtin:arithmetic_test)")
+    p.add_argument("--data", required=True, help="question/answer prompts: a .jsonl, .json, .parquet or .csv file, "
+                   "a save_to_disk directory, or builtin:<name> (e.g. builtin:arithmetic_test)")
     p.add_argument("--config", default=None, help="job YAML whose data/reward/rollout settings are the defaults")
     p.add_argument("--reward", default=None, help="reward name (default: the config's reward.name)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="response cap (default: rollout.max_new_tokens)")
@@ -81,7 +81,8 @@ def resolve_model(path: str) -> tuple[str, Optional[Path]]:
     """(what `load_pretrained` gets, the training run's `config.yaml` when PATH lies in a run output_dir).
 
     A directory without `config.json` (or a LoRA checkpoint's `adapter_config.json`) is read as a training output_dir
-    and replaced by its latest complete checkpoint; a `<run>/checkpoints/step-N` directory keeps its path and points at `<run>/config.yaml`.
+    and replaced by its latest complete checkpoint; a `<run>/checkpoints/step-N` directory keeps its path and points
+    at `<run>/config.yaml`.
 
     Raises:
         FileNotFoundError: an output_dir without a complete checkpoint.

@@ -100,7 +100,8 @@ def test_check_refuses_what_the_run_would_refuse_at_start_up(tiny_model_dir, tmp
     bad_reward.write_text("def f(prompts, completions, nowhere, **kw):\n    return [0.0] * len(completions)\n")
     base = ["--check", "--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "o"),
             "--data.truncation", "left", "--data.max_prompt_length", "64", "--rollout.max_new_tokens", "8"]
-    cases = [(["--rollout.attention_backend", "triton"], "rollout.attention_backend: triton backend needs a CUDA device"),
+    cases = [(["--rollout.attention_backend", "triton"],
+              "rollout.attention_backend: triton backend needs a CUDA device"),
              (["--reward.functions", f"[{{function: 'bad:f', path: {bad_reward}}}]"],
               "reward.functions[1] (f): parameter 'nowhere' of bad:f is neither a column")]
     if not torch.cuda.is_available():

@@ -53,7 +53,8 @@ def test_csv_and_optional_answers(tmp_path):
     no_answers = tmp_path / "n.jsonl"
     no_answers.write_text('{"question": "hi", "x": 1}\n')
     assert PromptDataset(no_answers, require_answers=False)[0].answer == ""
-    with pytest.raises(DataError, match=r"n.jsonl line 1: missing field 'answer' \(data.answer_field\); present keys: 'question', 'x'"):
+    with pytest.raises(DataError, match=r"n.jsonl line 1: missing field 'answer' \(data.answer_field\); "
+                                        r"present keys: 'question', 'x'"):
         PromptDataset(no_answers)
     half = tmp_path / "h.jsonl"
     half.write_text('{"question": "a", "answer": "1"}\n{"question": "b"}\n')

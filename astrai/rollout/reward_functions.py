@@ -82,6 +82,7 @@ def _argument_picker(fn: Callable, spec: RewardFunctionSpec, offered: Collection
         raise RewardFunctionError(f"{spec.label}: {spec.function} has positional-only parameters; reward functions "
                                   "are called with keyword arguments (prompts=, completions=, ...)")
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
     for p in params:  # a required parameter nothing provides fails every call, **kwargs or not
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in offered:
             raise RewardFunctionError(f"{spec.label}: parameter {p.name!r} of {spec.function} is neither a column of "
@@ -89,8 +90,8 @@ def _argument_picker(fn: Callable, spec: RewardFunctionSpec, offered: Collection
                                       f"kwarg (columns: {', '.join(sorted(set(offered) - set(STANDARD_ARGUMENTS)))})")
     # a built-in's options are its named parameters: a configured kwarg it does not name is a typo even though it
     # takes **columns; a user function with **kwargs may read any key
-    unknown = sorted(set(spec.kwargs) - names) if builtin or not any(p.kind is p.VAR_KEYWORD for p in params) else []
-    if any(p.kind is p.VAR_KEYWORD for p in params) and not unknown:
+    unknown = sorted(set(spec.kwargs) - names) if builtin or not takes_any else []
+    if takes_any and not unknown:
         return None
     if unknown:
         raise RewardFunctionError(f"{spec.label}: {spec.function} takes no argument {unknown[0]!r} (reward.functions "

@@ -93,17 +93,15 @@ def lora_summary(config, model: torch.nn.Module) -> str:
     settings = lora_settings(config)
     if settings is None:
         return ""
-    check_lora_fits(model, settings)
-    targets = set(settings.target_modules)
-    trained = sum(settings.r * (m.in_features + m.out_features) for name, m in model.named_modules()
-                  if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in targets)
+    trained = sum(settings.r * (m.in_features + m.out_features) for _, m in check_lora_fits(model, settings))
     total = sum(p.numel() for p in model.parameters())
     return (f"; LoRA r={settings.r} (alpha {settings.alpha:g}) on {', '.join(settings.target_modules)}: "
             f"{trained / 1e6:.2f}M trained parameters ({100 * trained / total:.1f}% of the model)")
 
 
-def check_lora_fits(model: torch.nn.Module, settings: LoraSettings) -> None:
-    """Refuse a `model.lora` that cannot train low-rank adapters on `model` (before any adapter is injected).
+def check_lora_fits(model: torch.nn.Module, settings: LoraSettings) -> list[tuple[str, torch.nn.Linear]]:
+    """Refuse a `model.lora` that cannot train low-rank adapters on `model` (before any adapter is injected);
+    returns the targeted Linears as (module name, module).
 
     Raises:
         ConfigError: a `target_modules` entry that names no Linear projection of the model; or `r` not below
@@ -128,6 +126,7 @@ def check_lora_fits(model: torch.nn.Module, settings: LoraSettings) -> None:
         raise ConfigError(f"model.lora.r: {settings.r} is not below {limit}, the smaller side of {name} "
                           f"({module.in_features} -> {module.out_features}), the narrowest targeted projection; a "
                           f"low-rank adapter needs r < {limit} (typical: 8-64)")
+    return targeted
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
@@ -136,7 +135,8 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     Returns `model`.
 
     Raises:
-        ConfigError: `check_lora_fits` refuses the settings (no targeted module; a rank not below a target's side).
+        ConfigError: `check_lora_fits` refuses the settings (an entry naming no Linear projection, a tied
+            lm_head, a rank not below the narrowest target's side).
     """
     import peft
 

@@ -4,8 +4,8 @@ At resume the job's resolved config is compared with the checkpoint's `config.ya
 that wrote it), field by field:
 
 - fields that define what the saved state means cannot change (`FIXED`: the train type, the seed and the data that
-  the data position counts, the model's MoE layout, `model.lora`): refused in one line naming the field, both values and the ways
-  on, before anything loads (`check_resume` calls `refusal`);
+  the data position counts, the model's MoE layout, `model.lora`): refused in one line naming the field, both values
+  and the ways on, before anything loads (`check_resume` calls `refusal`);
 - every other changed field is applied and listed in one line printed by rank 0 (`describe`), e.g. "resume:
   optim.learning_rate 0.001 -> 0.0005 (applied to the schedule from step 3), train.max_steps 4 -> 6". Learning
   rates, schedule shape and length and AdamW's weight decay, betas and epsilon are applied over the restored optimizer
