@@ -88,11 +88,12 @@ def resolve_model(path: str) -> tuple[str, Optional[Path]]:
         FileNotFoundError: an output_dir without a complete checkpoint.
     """
     from astrai.checkpoint import checkpoints_root, find_latest_checkpoint, parse_step
+    from astrai.models.loading import is_model_directory
 
     p = Path(path).expanduser()
     if not p.is_dir():
         return path, None
-    if not any((p / name).is_file() for name in ("config.json", "adapter_config.json")):  # a model or LoRA adapters
+    if not is_model_directory(p):
         if not checkpoints_root(p).is_dir():
             return path, None  # load_pretrained reports the missing config.json
         latest = find_latest_checkpoint(p)

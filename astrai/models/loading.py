@@ -23,7 +23,7 @@ from .gguf_loading import gguf_config, read_gguf
 from .llama import AutoRegressiveLM, hf_state_dict
 from .tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
-__all__ = ["resolve_model_path", "load_pretrained", "hf_state_dict", "state_mismatch", "MODEL_ALIASES"]
+__all__ = ["resolve_model_path", "is_model_directory", "load_pretrained", "hf_state_dict", "state_mismatch", "MODEL_ALIASES"]
 
 # name -> (package holding the file, file name or None when the package's `assemble()` builds it, install command)
 MODEL_ALIASES = {
@@ -54,6 +54,13 @@ def _alias_path(name: str) -> Path:
     return path
 
 
+def is_model_directory(path: Path) -> bool:
+    """Whether directory `path` holds a model `load_pretrained` reads: a Hugging Face model (`config.json`) or LoRA
+    adapters in PEFT's layout (`adapter_config.json`, their base merged in on load). A directory with neither may be
+    a training output_dir (its checkpoints under `checkpoints/`)."""
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+
+
 def resolve_model_path(name_or_path: str | Path) -> Path:
     """Resolve a model alias (`smollm2-135m-instruct`) or a path to an existing HF directory or `.gguf` file.
 
@@ -66,7 +73,7 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
         return _alias_path(key.lower())
     path = Path(key).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        if not is_model_directory(path):
             raise FileNotFoundError(f"{path} has no config.json: expected {_EXPECTED}")
         return path
     if path.is_file():

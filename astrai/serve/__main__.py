@@ -63,9 +63,10 @@ def resolve_checkpoint(path: str) -> Path:
         FileNotFoundError: for a run directory whose `checkpoints/` holds no complete checkpoint.
     """
     from astrai.checkpoint import checkpoints_root, find_latest_checkpoint
+    from astrai.models.loading import is_model_directory
 
     p = Path(path)
-    if p.is_dir() and not (p / "config.json").is_file() and checkpoints_root(p).is_dir():
+    if p.is_dir() and not is_model_directory(p) and checkpoints_root(p).is_dir():
         latest = find_latest_checkpoint(p)
         if latest is None:
             raise FileNotFoundError(f"--checkpoint {p}: no complete checkpoint under {checkpoints_root(p)}")
