@@ -191,7 +191,7 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_v
     (`ASTR_BACKEND` overrides it), with CUDA graphs when `rollout.cuda_graphs` (passed only then: other registered
     engines need not know the option). Raises ValueError / BackendUnavailableError (one line) for what it refuses."""
     r = config.rollout
-    options = {"cuda_graphs": True} if r.cuda_graphs else {}
+    options = _engine_options(r)
     with _naming_the_backend_field():
         engine = build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
                               dtype=r.dtype, attention_backend=attention_backend(r.attention_backend), **options)
@@ -199,6 +199,12 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_v
         warnings.warn(f"rollout.cuda_graphs: nothing is captured on {engine.device.type} (graphs are a CUDA "
                       "feature); decode steps run padded to their batch bucket, eagerly, which is slower here")
     return engine
+
+
+def _engine_options(rollout) -> dict:
+    """The engine options `rollout` sets beyond the common arguments: `cuda_graphs` only when on (so engines that
+    do not know the option are built as before)."""
+    return {"cuda_graphs": True} if rollout.cuda_graphs else {}
 
 
 @contextlib.contextmanager
@@ -219,7 +225,7 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
     dtype, `rollout.attention_backend` or `ASTR_BACKEND`, `rollout.cuda_graphs`), without building the engine.
     Raises what it raises."""
     r = config.rollout
-    options = {"cuda_graphs": True} if r.cuda_graphs else {}
+    options = _engine_options(r)
     with _naming_the_backend_field():
         check_engine(r.engine, model_config, device=device, dtype=r.dtype or config.model.dtype,
                      attention_backend=attention_backend(r.attention_backend), **options)
