@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from astrai.checkpoint.fsutil import nearest_existing
+from astrai.deps import MissingDependencyError, import_optional
 
 EXIT_BAD_INPUT = 2
 
@@ -76,8 +77,9 @@ def draw(records: Sequence[dict], *, title: Optional[str] = None):
 
     Raises:
         ValueError: when no panel has any data.
+        MissingDependencyError: matplotlib missing or failing to import (one line saying which).
     """
-    import matplotlib
+    matplotlib = import_optional("matplotlib", needed_by="astrai.plot", install="pip install 'astrai[plot]'")
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
@@ -126,8 +128,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if output.is_dir():
             raise FileNotFoundError(f"--output: {output} is a directory; give a .png file path")
         fig = draw(read_records(run_dir / "metrics.jsonl"), title=str(run_dir))
-    except ImportError:
-        print("error: astrai.plot needs matplotlib: pip install 'astrai[plot]'", file=sys.stderr)
+    except MissingDependencyError as err:
+        print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -37,10 +37,10 @@ def test_layers_point_one_way():
     """models <- data <- rollout <- trainer, the job configuration (`config`, `config_schema`) beneath data;
     algos pure (imports no other astrai package); checkpoint knows no strategy (it asks the torch-free train-type
     registry, which knows only the config machinery)."""
-    config = {"config", "config_schema"}
+    config = {"config", "config_schema", "deps"}  # deps: optional imports, a torch-free leaf
     allowed = {
         "algos": set(),
-        "models": {"models"},
+        "models": {"models", "deps"},
         "data": {"data", "models"} | config,
         "rollout": {"rollout", "data", "models", "algos", "kernels"} | config,
         "checkpoint": {"checkpoint", "models", "train_types"},

@@ -28,7 +28,7 @@ def probes(monkeypatch):
     state = {"cuda": True, "importable": {"triton", "flash_attn"}}
     monkeypatch.setattr(backends, "_cuda_available", lambda: state["cuda"])
     monkeypatch.setattr(backends, "_import_error", lambda module: None if module in state["importable"]
-                        else f"{module} is not importable (ImportError: No module named {module!r})")
+                        else f"the {module} attention backend needs the {module} package, which is not installed")
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return state
@@ -86,7 +86,7 @@ def test_explicit_backend_that_cannot_serve_is_a_one_line_error(probes, name, de
 def test_explicit_backend_missing_package(probes):
     probes["importable"] = set()
     for name in ("triton", "flash_attn"):
-        with pytest.raises(BackendUnavailableError, match=f"{name} is not importable"):
+        with pytest.raises(BackendUnavailableError, match=f"needs the {name} package, which is not installed"):
             select_backend(name, "cuda", dtype=torch.float16)
 
 

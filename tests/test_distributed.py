@@ -133,8 +133,8 @@ def test_launch_modes_astrai_cannot_honour_exit_2_with_one_line(case, tiny_model
 
 
 def test_zero_without_deepspeed_installed_is_refused(clean_env):
-    clean_env.setattr(launch, "_installed", lambda package: package != "deepspeed")
-    with pytest.raises(LaunchError, match=r"zero3 needs the deepspeed package.*astrai\[deepspeed\]"):
+    clean_env.setitem(sys.modules, "deepspeed", None)  # find_spec answers None: not installed
+    with pytest.raises(LaunchError, match=r"zero3 needs the deepspeed package, which is not installed.*astrai\[deepspeed\]"):
         resolve_launch("zero3", env={})
     assert resolve_launch("fsdp2", env={}).strategy == "fsdp2"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from astrai.data.prompts import DataError, jsonl_objects, resolve_prompt_path
+from astrai.deps import MissingDependencyError, import_optional
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffix -> `datasets` builder name (a directory is read with `datasets.load_from_disk`)."""
@@ -92,12 +93,20 @@ def load_records(path: str | Path, fields: Mapping[str, str], *, optional: Mappi
     return rows
 
 
+def _datasets(path: Path) -> Any:
+    """The `datasets` module, or DataError naming `path` when it is missing or installed but failing to import."""
+    try:
+        return import_optional("datasets", needed_by=f"{path}: reading it", install="pip install datasets")
+    except MissingDependencyError as err:
+        raise DataError(str(err)) from None
+
+
 def _read(builder: str, path: Path) -> Any:
     """`datasets.load_dataset(builder, data_files=path)` (train split, in memory), errors as one-line DataError.
 
     A .jsonl file is parsed line by line first, so a broken line is named by its number (`datasets` reports
     only that the build failed)."""
-    import datasets
+    datasets = _datasets(path)
 
     if path.suffix.lower() == ".jsonl" and sum(1 for _ in jsonl_objects(path)) == 0:  # every line parsed
         raise DataError(f"{path}: no records (the file is empty or holds only blank lines)")
@@ -113,7 +122,7 @@ def _read(builder: str, path: Path) -> Any:
 
 def _read_saved(directory: Path) -> Any:
     """`datasets.load_from_disk(directory)` (a `DatasetDict`: its "train" split), errors as one-line DataError."""
-    import datasets
+    datasets = _datasets(directory)
 
     datasets.disable_progress_bars()
     try:

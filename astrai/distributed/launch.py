@@ -22,11 +22,12 @@ fallback to another engine. DeepSpeed batch sizes, accumulation and clipping alw
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
+
+from astrai.deps import unavailable_reason
 
 STRATEGIES = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 RESHARDABLE = ("ddp", "fsdp2")
@@ -180,16 +181,13 @@ def launch_request(env: Mapping[str, str]) -> tuple[Optional[str], Optional[dict
     return None, None
 
 
-def _installed(package: str) -> bool:
-    """True when `package` can be imported (without importing it)."""
-    return importlib.util.find_spec(package) is not None
-
-
 def _check_available(strategy: str) -> None:
-    """LaunchError when the engine of `strategy` is not installed."""
-    if strategy.startswith("zero") and not _installed("deepspeed"):
-        raise LaunchError(f"distributed.strategy {strategy} needs the deepspeed package, which is not installed "
-                          "(pip install 'astrai[deepspeed]')")
+    """LaunchError when the engine of `strategy` is not installed, or installed but failing to import."""
+    if strategy.startswith("zero"):
+        reason = unavailable_reason("deepspeed", needed_by=f"distributed.strategy {strategy}",
+                                    install="pip install 'astrai[deepspeed]'")
+        if reason is not None:
+            raise LaunchError(reason)
     if strategy == "fsdp2":
         import torch.distributed.fsdp as fsdp
 

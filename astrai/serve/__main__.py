@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from astrai.deps import MissingDependencyError, import_optional
+
 EXIT_BAD_INPUT = 2
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -114,12 +116,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         configure_logging(log_level(args.log_level))
-        import uvicorn
-
+        uvicorn = import_optional("uvicorn", needed_by="astrai.serve", install="pip install 'astrai[serve]'")
+        import_optional("fastapi", needed_by="astrai.serve", install="pip install 'astrai[serve]'")
         from astrai.serve.app import create_app
-    except ImportError as err:
-        print(f"error: astrai.serve needs the serve extra ({err.name} is missing): pip install 'astrai[serve]'",
-              file=sys.stderr)
+    except MissingDependencyError as err:
+        print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except ValueError as err:
         print(f"error: --log_level: {err}", file=sys.stderr)

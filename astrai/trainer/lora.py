@@ -24,6 +24,7 @@ import torch
 
 from astrai.checkpoint import CheckpointError
 from astrai.config import ConfigError
+from astrai.deps import unavailable_reason
 from astrai.models.lora_merge import module_name, peft_name
 
 __all__ = ["AdaptersOff", "DEFAULT_TARGET_MODULES", "LoraSettings", "LoraCheckpointState", "apply_lora",
@@ -67,15 +68,15 @@ def lora_settings(config) -> Optional[LoraSettings]:
     """The job's LoRA settings, or None when `model.lora` is empty.
 
     Raises:
-        ConfigError: `model.lora` set but the `peft` package missing (one line with the install command).
+        ConfigError: `model.lora` set but the `peft` package missing (one line with the install command) or
+            installed but failing to import (the import error's first line).
     """
     lora = config.model.lora
     if not lora:
         return None
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise ConfigError("model.lora: needs the peft package: pip install 'astrai[lora]' (or pip install peft)") from None
+    reason = unavailable_reason("peft", needed_by="model.lora", install="pip install 'astrai[lora]'")
+    if reason is not None:
+        raise ConfigError(reason)
     return LoraSettings(r=lora["r"], alpha=float(lora.get("alpha") or 2 * lora["r"]),
                         dropout=float(lora.get("dropout") or 0.0),
                         target_modules=tuple(lora.get("target_modules") or DEFAULT_TARGET_MODULES),

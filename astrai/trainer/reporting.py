@@ -8,13 +8,13 @@ W&B only when `train.report_to` names it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
+from astrai.deps import unavailable_reason
 from astrai.trainer.loop import Callback
 
 __all__ = ["scalar_record", "TensorBoardLogger", "WandbLogger", "build_reporters"]
@@ -37,13 +37,16 @@ class TensorBoardLogger(Callback):
     resumed run those steps are redone, and a fresh run replaces an earlier run's curves.
 
     Raises:
-        ValueError: from construction when the `tensorboard` package is missing (one line, with the pip fix).
+        ValueError: from construction when the `tensorboard` package is missing (one line, with the pip fix) or
+            fails to import (the import error's first line).
     """
 
     def __init__(self, log_dir: str | os.PathLike, *, enabled: bool = True, flush_steps: int = 1):
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ValueError("train.report_to: 'tensorboard' needs the tensorboard package: "
-                              "pip install 'astrai[tensorboard]' (or set --train.report_to none)")
+        reason = unavailable_reason("torch.utils.tensorboard", package="tensorboard",
+                                    needed_by="train.report_to: 'tensorboard'",
+                                    install="pip install 'astrai[tensorboard]', or set --train.report_to none")
+        if reason is not None:
+            raise ValueError(reason)
         self.log_dir, self.enabled = Path(log_dir), enabled
         self.flush_steps = flush_steps
         self.writer = None
@@ -81,13 +84,14 @@ class WandbLogger(Callback):
     usual `WANDB_*` variables apply. The resolved config is attached as the run's config.
 
     Raises:
-        ValueError: from construction when `wandb` is not installed (one line, with the pip fix).
+        ValueError: from construction when `wandb` is not installed (one line, with the pip fix) or fails to import.
     """
 
     def __init__(self, output_dir: str | os.PathLike, config: Mapping[str, Any], *, enabled: bool = True):
-        if importlib.util.find_spec("wandb") is None:
-            raise ValueError("train.report_to: 'wandb' needs the wandb package, which is not installed: "
-                              "pip install wandb (or drop 'wandb' from train.report_to)")
+        reason = unavailable_reason("wandb", needed_by="train.report_to: 'wandb'",
+                                    install="pip install wandb, or drop 'wandb' from train.report_to")
+        if reason is not None:
+            raise ValueError(reason)
         self.output_dir, self.config, self.enabled = Path(output_dir), dict(config), enabled
         self.run = None
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from astrai.deps import unavailable_reason
+
 from .paged_attention import paged_decode_attention, paged_prefill_attention
 
 __all__ = ["AttentionMetadata", "TorchBackend", "TritonBackend", "FlashAttnBackend", "BackendUnavailableError",
@@ -92,14 +94,14 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+_INSTALL = {"triton": "pip install triton", "flash_attn": "pip install 'astrai[flash]'"}
+
+
 def _import_error(module: str) -> str | None:
-    """None when `module` imports, else a one-line reason (a probe the tests stub)."""
-    try:
-        importlib.import_module(module)
-    except Exception as exc:  # ImportError, or a broken CUDA build raising at import
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        return f"{module} is not importable ({type(exc).__name__}: {first})"
-    return None
+    """None when `module` imports, else a one-line reason saying whether it is not installed or installed but
+    failing to import (a broken CUDA build raises at import), with the import error's first line (a probe the tests
+    stub)."""
+    return unavailable_reason(module, needed_by=f"the {module} attention backend", install=_INSTALL.get(module))
 
 
 def _triton_interpreter_on() -> bool:
