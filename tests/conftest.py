@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny Hugging Face-format model directory (random weights, tiny tokenizer)."""
+"""Shared fixtures: a tiny Hugging Face-format model directory (random weights, tiny tokenizer); every test runs in
+an empty working directory of its own, so none reads or writes the clone's `outputs/` (or anything else relative
+to where pytest was started), and the suite passes from any directory (`python -m pytest <clone>/tests`)."""
 
 import os
 
@@ -12,6 +14,23 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_working_directory(tmp_path_factory):
+    """Session fixtures (built before any test's own directory) run in an empty directory too."""
+    previous = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd-session"))
+    yield
+    os.chdir(previous)
+
+
+@pytest.fixture(autouse=True)
+def _working_directory(tmp_path_factory, monkeypatch):
+    """Each test starts in an empty directory of its own (not its `tmp_path`, which a test may expect empty):
+    a path relative to the working directory never reaches the clone. Paths into the repository are built from
+    `Path(__file__)`."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
 @pytest.fixture(scope="session")

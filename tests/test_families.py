@@ -156,22 +156,20 @@ def family_dirs(tmp_path_factory):
 def _check(path, tmp_path) -> int:
     from astrai.train import main
 
-    return main(["--config", "configs/examples/grpo_arithmetic.yaml", "--model.path", str(path), "--train.output_dir",
+    return main(["--config", str(Path(__file__).resolve().parents[1] / "configs/examples/grpo_arithmetic.yaml"), "--model.path", str(path), "--train.output_dir",
                  str(tmp_path / "out"), "--data.truncation", "left", "--check"])
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama3", "gemma3"])
-def test_train_check_accepts_each_family_directory(family_dirs, tmp_path, name, capsys, monkeypatch):
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+def test_train_check_accepts_each_family_directory(family_dirs, tmp_path, name, capsys):
     assert _check(family_dirs[name], tmp_path) == 0, capsys.readouterr().err
     assert "check passed" in capsys.readouterr().out
 
 
-def test_train_check_refuses_an_unknown_model_type_in_one_line(family_dirs, tmp_path, capsys, monkeypatch):
+def test_train_check_refuses_an_unknown_model_type_in_one_line(family_dirs, tmp_path, capsys):
     import json
     import shutil
 
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
     path = tmp_path / "phi"
     shutil.copytree(family_dirs["qwen3"], path)
     config = json.loads((path / "config.json").read_text())

@@ -4,6 +4,7 @@ policy-gradient helper (micro-batch invariance, equality with a direct full-batc
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,7 +238,7 @@ def test_online_grpo_end_to_end_changes_every_parameter(tiny_model_dir, tmp_path
     monkeypatch.setitem(rewards.REWARDS, "toy_length",
                         lambda texts, answers, **_: torch.tensor([len(t) % 5 / 4 for t in texts]))
     out = tmp_path / "run"
-    code = main(["--config", "configs/examples/grpo.yaml", "--model.path", str(tiny_model_dir),
+    code = main(["--config", str(Path(__file__).resolve().parents[1] / "configs/examples/grpo.yaml"), "--model.path", str(tiny_model_dir),
                  "--train.output_dir", str(out), "--max_steps", "2", "--rollout.batch_size", "2",
                  "--grpo.group_size", "4", "--grpo.minibatch_size", "8", "--grpo.micro_batch_size", "4",
                  "--rollout.max_new_tokens", "6", "--reward.name", "toy_length", "--optim.learning_rate", "1e-3",

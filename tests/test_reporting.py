@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def test_wandb_asked_but_not_installed(tmp_path, tiny_model_dir, capsys):
         pytest.skip("wandb is installed here")
     with pytest.raises(ValueError, match=r"train.report_to: 'wandb' needs the wandb package.*pip install wandb"):
         build_reporters(["tensorboard", "wandb"], tmp_path, {}, enabled=True)
-    code = main(["--config", "configs/examples/ppo.yaml", "--model.path", str(tiny_model_dir),
+    code = main(["--config", str(Path(__file__).resolve().parents[1] / "configs/examples/ppo.yaml"), "--model.path", str(tiny_model_dir),
                  "--train.output_dir", str(tmp_path / "run"), "--train.report_to", "wandb"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: train.report_to: 'wandb'") and "\n" not in err
