@@ -1,0 +1,40 @@
+"""Single-turn rollouts are what they were before the trajectory seam: a fixed-seed online_grpo and online_ppo run
+(3 steps on the tiny model, deterministic) gives the metrics and final weights recorded in
+fixtures/single_turn_reference.json (`tests/single_turn_reference.py`). On the machine kind that recorded them the
+weights must be bit-identical; elsewhere (another CPU's kernels round differently) equal to 1e-5."""
+
+import json
+import math
+
+import pytest
+from single_turn_reference import FIXTURE, RUNS, machine, run, tiny_model
+
+REFERENCE = json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("tiny-reference"))
+
+
+def _close(a: float, b: float, rel: float) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=rel)
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_single_turn_run_matches_the_recorded_reference(kind, model_dir, tmp_path):
+    want = REFERENCE["runs"][kind]
+    got = run(kind, model_dir, tmp_path / kind)
+    same_machine = REFERENCE["machine"] == machine()
+    rel = 0.0 if same_machine else 1e-5
+    assert len(got["metrics"]) == len(want["metrics"])
+    for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"]), start=1):
+        assert sorted(g) == sorted(w), (step, set(g) ^ set(w))
+        bad = {k: (g[k], w[k]) for k in w if not _close(g[k], w[k], rel)}
+        assert not bad, f"{kind} step {step}: {bad}"
+    assert sorted(got["weights"]) == sorted(want["weights"])
+    bad = {k: (got["weights"][k], v) for k, v in want["weights"].items()
+           if not all(_close(a, b, rel) for a, b in zip(got["weights"][k], v))}
+    assert not bad, bad
+    if same_machine:
+        assert got["sha256"] == want["sha256"]
