@@ -114,7 +114,7 @@ def build(spec: dict, workdir: str):
     from trl.experimental.ppo import ppo_trainer as ppo_module
 
     sys.path.insert(0, spec["astrai_root"])
-    from astrai.rollout.rewards import get_reward as astrai_reward
+    from astrai.rewards.builtins import get_reward as astrai_reward
 
     hf_dir = spec["hf_dir"]
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)

@@ -177,7 +177,7 @@ def run_astrai(args, config) -> list[dict]:
 def trl_spec(args, config, hf_dir: Path, generation: str) -> dict:
     """The worker's spec for the speed mode: the same questions, answers and settings as astrai's side."""
     from astrai.models import load_pretrained
-    from astrai.trainer.experience import load_online_prompts
+    from astrai.experience.prompts import load_online_prompts
 
     _, tokenizer = load_pretrained(MODEL, torch.float32)
     prompts = load_online_prompts(config, tokenizer)[:args.prompts * (args.iters + 1)]

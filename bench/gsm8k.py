@@ -11,7 +11,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from astrai.data.prompts import DataError, jsonl_objects
+from astrai.data.files import DataError, jsonl_objects
 
 ROOT = Path(__file__).resolve().parents[1]
 RELATIVE = Path("shared", "data", "gsm8k", "test.jsonl")

@@ -129,7 +129,7 @@ def train_trl(args, workdir: Path, hf_dir: Path) -> dict:
 
     from astrai.config import load_config
     from astrai.models import load_pretrained
-    from astrai.trainer.experience import load_online_prompts
+    from astrai.experience.prompts import load_online_prompts
 
     config = load_config(str(RECIPE))
     _, tokenizer = load_pretrained(MODEL, torch.float32)

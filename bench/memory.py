@@ -5,7 +5,7 @@
 For each world size N of `--ranks` (`--nproc N` is an alias of `--ranks N`) and each engine, starts
 `torch.distributed.run` with N processes (gloo on CPU, one thread each); every rank builds a SmolLM2-135M-shaped
 decoder with `--layers` blocks (20: ~99M parameters, random weights, fp32), wraps it with the engine exactly as
-training does (`astrai.distributed.engines.prepare_trained`, AdamW; `--bf16`: the engines' bf16 mixed precision,
+training does (`astrai.distributed.sharding.prepare_trained`, AdamW; `--bf16`: the engines' bf16 mixed precision,
 fp32 master weights and optimizer state), runs two optimizer steps on random tokens, and measures on each rank:
 
 - training state at the step: the summed size of every distinct tensor storage the process holds (found through the
@@ -32,7 +32,7 @@ the largest world size (the goal at 4 ranks: <= 0.30, i.e. 1/N plus what cannot 
 What is not sharded (a smoke run with `--layers 2`, 35M parameters, fp32; fsdp2 0.250 and zero3 0.281 at 4 ranks):
 the model's buffers (a few kB), ZeRO-3's persistent parameters (tensors under `stage3_param_persistence_threshold` =
 10,000 elements, the norms: held whole on every rank, a few kB), DeepSpeed's reduce bucket (`reduce_bucket_size`:
-astrai sets an eighth of the model, clamped to [1e6, 5e8] elements, `astrai.distributed.engines.deepspeed_config`:
+astrai sets an eighth of the model, clamped to [1e6, 5e8] elements, `astrai.distributed.sharding.deepspeed_config`:
 a resident fp32 buffer of 1/32 of ddp's fp32 state at any world size, zero3's only excess) and, for ZeRO-2, the
 full parameters (it shards gradients and optimizer state only) and a gradient buffer the size of the whole model
 (the parameters' `.grad` are views into it at the step). DeepSpeed 0.19.8's ZeRO-3 keeps an fp32 master partition beside the parameter partition even when both
@@ -174,7 +174,7 @@ def worker(engine: str, layers: int, out: str, bf16: bool, lora: int = 0, refere
     import torch.distributed as dist
 
     from astrai.distributed import setup_distributed
-    from astrai.distributed.engines import prepare_trained
+    from astrai.distributed.sharding import prepare_trained
     from astrai.models import AutoRegressiveLM, ModelConfig
     from astrai.trainer.optim import build_optimizer, build_scheduler
 

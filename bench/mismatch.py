@@ -66,7 +66,7 @@ def naive_token_tis_loss(logprobs, old_logprobs, rollout_logprobs, advantages, m
 
 def measure(dtype: str, args, workdir: Path) -> list[dict]:
     """Per rollout: the mismatch metrics, the objective, the naive loss and the seconds the rollout took."""
-    from astrai.rollout.scoring import response_logprobs
+    from astrai.forward import response_logprobs
     from astrai.trainer.strategies.policy_loss import clip_range
 
     torch.manual_seed(0)

@@ -178,7 +178,7 @@ def run_astrai(args, config) -> list[dict]:
 def run_trl(args, config, workdir: Path, hf_dir: Path) -> dict:
     """The worker's result: seconds per phase of each TRL iteration (the warm-up included)."""
     from astrai.models import load_pretrained
-    from astrai.trainer.experience import load_online_prompts
+    from astrai.experience.prompts import load_online_prompts
 
     _, tokenizer = load_pretrained(MODEL, torch.float32)
     prompts = load_online_prompts(config, tokenizer)

@@ -5,7 +5,7 @@
 The reward is a function of TRL's signature that spends `--ms` milliseconds per completion, either computing
 (`busy`: a pure-Python loop on one core, what a parser or a checker costs) or waiting (`sleep`: what a call to a
 remote verifier costs). It is given to astrai as `reward.functions` would give it (a file and a function name,
-through `astrai.rollout.reward_functions.RewardFunctions`), and scores `--completions` completions per round (64 =
+through `astrai.rewards.functions.RewardFunctions`), and scores `--completions` completions per round (64 =
 one online_grpo rollout of 8 prompts x 8 samples), `--rounds` rounds after one warm-up round. With
 `num_workers: 0` the functions run in the trainer's process (no timeout); with N >= 1 the batch is split into N
 contiguous shares run by N worker processes at once. Prints per worker count the median and minimum seconds per
@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai.rollout.reward_functions import RewardFunctions  # noqa: E402
-from astrai.rollout.reward_workers import RewardFunctionSpec  # noqa: E402
+from astrai.rewards.functions import RewardFunctions  # noqa: E402
+from astrai.rewards.workers import RewardFunctionSpec  # noqa: E402
 
 REWARD_SOURCE = '''
 import time

@@ -13,18 +13,6 @@ def _calls(path: Path) -> set[str]:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
 
 
-def _imports(path: Path) -> set[str]:
-    """Modules imported by `path` (absolute names)."""
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-        elif isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-    return names
-
-
 def test_strategies_compute_losses_and_never_step():
     """Backward, clipping and optimizer/scheduler steps live in one seam (`Trainer.accumulate_and_step` with
     `TrainedModel`)."""
@@ -33,23 +21,164 @@ def test_strategies_compute_losses_and_never_step():
         assert not called & {"backward", "step", "zero_grad", "clip_grad_norm_"}, (path.name, called)
 
 
-def test_layers_point_one_way():
-    """models <- data <- rollout <- trainer, the job configuration (`config`, `config_schema`) beneath data;
-    algos pure (imports no other astrai package); checkpoint knows no strategy (it asks the torch-free train-type
-    registry, which knows only the config machinery)."""
-    config = {"config", "config_schema", "deps"}  # deps: optional imports, a torch-free leaf
-    allowed = {
-        "algos": set(),
-        "models": {"models", "deps"},
-        "data": {"data", "models"} | config,
-        "rollout": {"rollout", "data", "models", "algos", "kernels"} | config,
-        "checkpoint": {"checkpoint", "models", "train_types"},
-        "train_types": {"config_schema"},
-    }
-    for package, ok in allowed.items():
-        for path in (ASTRAI / package).rglob("*.py"):
-            used = {name.split(".")[1] for name in _imports(path) if name.startswith("astrai.")}
-            assert used <= ok | {package}, (path.relative_to(ASTRAI), used - ok)
+KERNELS = ASTRAI.parent / "kernels" / "astrai_kernels"
+"""`astrai.kernels`, installed from the repository's kernels/ folder (pyproject's package-dir)."""
+
+
+def _sources() -> dict[str, Path]:
+    """Every module of the astrai package by dotted name (`astrai.rollout.engine`, `astrai.kernels.backends`)."""
+    found = {}
+    for root, prefix in ((ASTRAI, "astrai"), (KERNELS, "astrai.kernels")):
+        for path in root.rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([prefix, *parts])] = path
+    return found
+
+
+SOURCES = _sources()
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    """The astrai modules `path` (module `name`) imports, in every form: `import astrai.x`, `from astrai.x import
+    y` (y a module or a name in x), `from astrai import x`, relative imports, and imports inside functions or under
+    `TYPE_CHECKING`. Each resolves to the module itself (`astrai.x.y` when y is a module, else `astrai.x`)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            candidates = [f"{base}.{alias.name}" for alias in node.names]  # a module, or a name in `base`
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in SOURCES:  # astrai.x.name -> astrai.x
+                candidate = candidate.rpartition(".")[0]
+            if candidate.startswith("astrai.") and candidate != "astrai":
+                found.add(candidate)
+    return found
+
+
+def _unit(module: str) -> str:
+    """The package or top-level module a module belongs to: `astrai.rollout.engine` -> `rollout` ("" for the
+    astrai package itself)."""
+    return module.split(".")[1] if "." in module else ""
+
+
+# The house, floor by floor: each unit (a package, or a module directly under astrai/) and the units it may import.
+# Every import stays in its unit or points down (the map itself is checked to have no circle).
+LAYERS = {
+    # floor 1: leaves
+    "algos": set(),                                    # pure tensor math
+    "deps": set(),                                     # optional imports, torch-free
+    "config_schema": set(),                            # YAML 1.2 and the field machinery, torch-free
+    "runtime_env": set(),
+    "sandbox": set(),                                  # stdlib only
+    "models": {"deps"},
+    "kernels": {"deps"},
+    # floor 2
+    "train_types": {"config_schema"},                  # torch-free records
+    # floor 3
+    "config": {"config_schema", "train_types", "deps"},
+    "checkpoint": {"models", "train_types"},
+    # floor 4
+    "data": {"config", "config_schema", "train_types", "models", "deps"},
+    "distributed": {"checkpoint", "deps", "runtime_env"},
+    # floor 5
+    "forward": {"algos", "data", "models"},            # the training forward: log-probs and values of sequences
+    "rollout": {"data", "models", "kernels", "config", "deps"},  # generation engines only
+    "rewards": {"data", "models", "sandbox", "deps"},
+    # floor 6
+    "experience": {"algos", "data", "forward", "models", "rewards", "rollout"},
+    "evaluation": {"algos", "checkpoint", "config", "config_schema", "data", "models", "rewards", "rollout"},
+    # floor 7
+    "trainer": {"algos", "checkpoint", "config", "config_schema", "data", "deps", "distributed", "evaluation",
+                "experience", "forward", "models", "rewards", "rollout", "runtime_env", "train_types"},
+    "serve": {"checkpoint", "deps", "models", "rollout", "runtime_env", "data"},
+    # floor 8: entry points (`python -m astrai.<name>`)
+    "train": {"checkpoint", "config", "data", "distributed", "kernels", "runtime_env", "train_types", "trainer"},
+    "evaluate": {"evaluation"},
+    "plot": {"checkpoint", "deps"},
+}
+
+
+def test_every_unit_is_fenced_and_the_fences_form_no_circle():
+    """Every package and top-level module of astrai has a line in LAYERS, and the allowed imports form floors."""
+    units = {_unit(m) for m in SOURCES} - {""}
+    assert units == set(LAYERS), (units - set(LAYERS), set(LAYERS) - units)
+    placed: list[str] = []
+    while len(placed) < len(LAYERS):
+        ready = [u for u in LAYERS if u not in placed and LAYERS[u] <= set(placed)]
+        assert ready, f"LAYERS has a circle among {sorted(set(LAYERS) - set(placed))}"
+        placed.extend(sorted(ready))
+
+
+def test_imports_point_down_only():
+    """Every astrai import of every module, in every form, stays within its unit or reaches an allowed lower one."""
+    offenders = []
+    for name, path in SOURCES.items():
+        if name == "astrai":
+            continue
+        unit = _unit(name)
+        for target in _imports(path, name):
+            if _unit(target) != unit and _unit(target) not in LAYERS[unit]:
+                offenders.append(f"{name} -> {target}")
+    assert not offenders, offenders
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan 1972)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle_between_modules():
+    """No module reaches itself through imports (a circle hidden by an import inside a function included)."""
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the finder finds
+    graph = {name: _imports(path, name) - {name} for name, path in SOURCES.items()}
+    assert not _circles(graph)
+
+
+def test_the_import_reader_sees_every_form(tmp_path):
+    """The checks above are not vacuous: `from astrai import x`, relative imports, imports inside functions and
+    `from astrai.x import module` all resolve."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from astrai import forward\nfrom . import engine\nfrom .sampling import SamplingParams\n"
+                     "def f():\n    import astrai.rewards.builtins\n    from astrai.experience import runner\n")
+    assert _imports(probe, "astrai.rollout.probe") == {
+        "astrai.forward", "astrai.rollout.engine", "astrai.rollout.sampling", "astrai.rewards.builtins",
+        "astrai.experience.runner"}
 
 
 # The train-type registry (astrai/train_types): the one place besides the strategies that knows train types.
@@ -118,8 +247,9 @@ def test_algorithm_sections_are_read_by_their_train_types():
             if isinstance(node, ast.Attribute) and node.attr in sections:
                 offenders.append(f"{path.relative_to(ASTRAI)}:{node.lineno}: .{node.attr}")
     assert not offenders, offenders
-    for path in (ASTRAI / "distributed").rglob("*.py"):
-        assert "astrai.train_types" not in _imports(path), path
+    for name, path in SOURCES.items():
+        if _unit(name) == "distributed":
+            assert "astrai.train_types" not in _imports(path, name), path
 
 
 def test_train_type_records_import_no_torch():

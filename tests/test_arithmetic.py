@@ -9,9 +9,9 @@ import pytest
 
 from astrai.data import DataError, PromptDataset, extract_gsm8k_answer
 from astrai.data.arithmetic import (ADDITION, SUBTRACTION, all_problems, arithmetic_records, split_problems)
-from astrai.data.prompts import builtin_names
+from astrai.data.files import builtin_names
 from astrai.data.records import load_records
-from astrai.rollout.rewards import math_exact_match
+from astrai.rewards.builtins import math_exact_match
 
 
 def triple(record: dict) -> tuple[str, int, int]:

@@ -12,7 +12,7 @@ from astrai.config import load_config
 from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.scoring import response_logprobs
+from astrai.forward import response_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -58,7 +58,7 @@ def test_the_defaults_are_the_task():
 
 
 def test_trl_reward_is_astrai_math_exact_match():
-    from astrai.rollout.rewards import get_reward
+    from astrai.rewards.builtins import get_reward
 
     texts = ["70 + 66 = 136", "The answer is #### 136.", "I think 135", "", "12 - 5 = 7, so 7", "$1,36"]
     answers = ["70 + 66 = 136\n#### 136"] * 3 + ["#### 4", "12 - 5 = 7\n#### 7", "#### 136"]

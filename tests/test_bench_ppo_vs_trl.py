@@ -25,7 +25,7 @@ def test_exit_2_with_the_venv_recipe_without_trl():
 
 def test_rule_reward_through_trl_get_reward_convention():
     from astrai.models import tiny_tokenizer
-    from astrai.rollout.rewards import get_reward
+    from astrai.rewards.builtins import get_reward
 
     tok = tiny_tokenizer()
     p1, p2 = tok.encode("the sum"), tok.encode("a total of this")

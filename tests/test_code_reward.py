@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from astrai.data.prompts import PromptDataset
-from astrai.rollout import code_reward
-from astrai.rollout.code_reward import code_unit_tests, extract_code, make_code_unit_tests, run_completions
-from astrai.rollout.code_tests import parse_tests
-from astrai.rollout.sandbox import SandboxLimits
+from astrai.rewards import code as code_reward
+from astrai.rewards.code import code_unit_tests, extract_code, make_code_unit_tests, run_completions
+from astrai.sandbox.code_tests import parse_tests
+from astrai.sandbox.execute import SandboxLimits
 
 REPO = Path(__file__).resolve().parents[1]
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15", "assert add(0, 0) == 0"]

@@ -158,7 +158,7 @@ def test_engine_drops_its_graphs_with_the_kv_storage_and_the_config_field_reache
     engine.generate(PROMPTS, params, torch.Generator().manual_seed(1))
     assert engine._graphs is not first and engine._graphs.valid
 
-    from astrai.trainer.experience import build_rollout_engine
+    from astrai.rollout.build import build_rollout_engine
 
     config = load_config(None, ["--rollout.cuda_graphs", "true"])
     assert config.rollout.cuda_graphs is True

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from astrai.data import DataError, PromptDataset, PromptRecord, PromptSampler, extract_gsm8k_answer
-from astrai.data.prompts import builtin_names, epoch_order
+from astrai.data.files import builtin_names
+from astrai.data.prompts import epoch_order
 
 REPO = Path(__file__).resolve().parents[1]
 

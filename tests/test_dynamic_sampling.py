@@ -10,9 +10,9 @@ from toy_rl import RandomPrompts, online_experience, trained
 from astrai.config import ConfigError, load_config
 from astrai.data.sequences import Sequences
 from astrai.models import AutoRegressiveLM, tiny_config
-from astrai.rollout.runner import Experience, RolloutRunner, concat_experiences
+from astrai.experience.runner import Experience, RolloutRunner, concat_experiences
 from astrai.rollout.sampling import SamplingParams
-from astrai.trainer.experience import OnlineExperience
+from astrai.experience.sources import OnlineExperience
 
 VOCAB, EOS, B, G = 16, 2, 2, 4
 
@@ -156,7 +156,7 @@ def test_without_dynamic_sampling_one_round_and_no_stats():
 
 
 def test_dynamic_sampling_arguments_and_config_are_checked():
-    kwargs = dict(policy=None, runner=None, sampler=RandomPrompts(VOCAB, 0), batch_size=2, seed=0,
+    kwargs = dict(sync_weights=None, runner=None, sampler=RandomPrompts(VOCAB, 0), batch_size=2, seed=0,
                   device=torch.device("cpu"))
     with pytest.raises(ValueError, match="group_size=1"):
         OnlineExperience(group_size=1, dynamic_sampling=True, **kwargs)
@@ -216,7 +216,7 @@ def test_online_ppo_with_groups_and_dynamic_sampling_trains(tiny_model_dir, tmp_
 
     from test_train_e2e import tiny_args
 
-    from astrai.rollout import rewards
+    from astrai.rewards import builtins as rewards
     from astrai.train import main
     monkeypatch.setitem(rewards.REWARDS, "math_exact_match",
                         lambda responses, answers, **_: torch.tensor([len(r) % 2 for r in responses],
@@ -255,8 +255,9 @@ def test_the_config_sets_the_generation_batch(tiny_model_dir, tmp_path):
 
     from astrai.distributed import setup_distributed
     from astrai.models import load_pretrained
-    from astrai.trainer.experience import build_online_experience, build_rollout_engine
+    from astrai.rollout.build import build_rollout_engine
     from astrai.trainer.models import build_trained_model
+    from astrai.trainer.strategies.policy_gradient import online_experience
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
@@ -268,9 +269,9 @@ def test_the_config_sets_the_generation_batch(tiny_model_dir, tmp_path):
                           "true", "--rollout.max_sampling_rounds", "2", "--rollout.generation_batch_size", "3"])
     policy, tokenizer = load_pretrained(tiny_model_dir)
     dist = setup_distributed("cpu")
-    experience = build_online_experience(config, dist, build_trained_model(config, dist, policy, name="policy"),
-                                         tokenizer, engine=build_rollout_engine(config, policy, tokenizer),
-                                         ref_model=None, chunk_size=2, group_size=2)
+    experience = online_experience(config, dist, build_trained_model(config, dist, policy, name="policy"),
+                                   tokenizer, engine=build_rollout_engine(config, policy, tokenizer),
+                                   ref_model=None, chunk_size=2, group_size=2)
     exp = experience.collect(policy_version=0)
     rounds = int(exp.stats["sampling_rounds"])
     assert experience.data_sampler.drawn == 3 * rounds and exp.scores.shape == (4,)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from astrai.algos.stats import mcnemar_exact_p, pass_at_k, wilson_interval
-from astrai.evaluate import main
+from astrai.evaluation.cli import main
 from astrai.models import load_pretrained
-from astrai.rollout.evaluation import EvalSettings, pass_at_ks
-from astrai.rollout.rewards import REWARDS
+from astrai.evaluation.accuracy import EvalSettings, pass_at_ks
+from astrai.rewards.builtins import REWARDS
 
 SYSTEM = "Answer briefly."
 
@@ -214,7 +214,7 @@ def test_unscorable_answers_are_warned_before_the_model_loads(tiny_model_dir, tm
 def test_a_lora_checkpoint_directory_uses_its_runs_config(tmp_path):
     """A LoRA step directory holds adapter_config.json, not config.json: it is still the run's checkpoint, so the
     run's config.yaml gives the prompt settings (as for a full-weight checkpoint)."""
-    from astrai.evaluate import resolve_model
+    from astrai.evaluation.cli import resolve_model
 
     step = tmp_path / "run" / "checkpoints" / "step-00000003"
     step.mkdir(parents=True)

@@ -15,11 +15,11 @@ from astrai.algos import kl_penalty_loss, ppo_policy_loss
 from astrai.config import ConfigError, GRPOSection, load_config
 from astrai.data.sequences import Sequences
 from astrai.models import AutoRegressiveLM, tiny_config
-from astrai.rollout.runner import Experience, RolloutRunner
+from astrai.experience.runner import Experience, RolloutRunner
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.scoring import response_logprobs
+from astrai.forward import response_logprobs
 from astrai.trainer.loop import Callback, Trainer
-from astrai.trainer.replay import RolloutReplay
+from astrai.experience.replay import RolloutReplay
 from astrai.trainer.strategies.online_grpo import (
     GRPOStrategy,
     group_rollout,
@@ -232,7 +232,7 @@ def test_grpo_raises_toy_reward():
 def test_online_grpo_end_to_end_changes_every_parameter(tiny_model_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from astrai.rollout import rewards
+    from astrai.rewards import builtins as rewards
     from astrai.train import main
 
     monkeypatch.setitem(rewards.REWARDS, "toy_length",

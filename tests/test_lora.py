@@ -70,7 +70,7 @@ def test_adapters_off_view_is_the_base_without_a_copy():
     """fsdp2 / zero3's LoRA reference: the policy module itself with its adapters switched off for the call; the
     adapters are on again after it, and the scoring path (packed rows, no grad) gives the base's log-probs."""
     from astrai.data.sequences import Sequences
-    from astrai.rollout.scoring import response_logprobs, supports_packing
+    from astrai.forward import response_logprobs, supports_packing
 
     model, settings = lora_model()
     base = shared_base_model(model)
@@ -152,7 +152,7 @@ SMALL_ONLINE = ("--rollout.batch_size", "2", "--rollout.max_new_tokens", "6", "-
 @pytest.fixture(autouse=True)
 def toy_reward(monkeypatch):
     """A reward the tiny model's responses vary in, so online updates move the adapters."""
-    from astrai.rollout import rewards
+    from astrai.rewards import builtins as rewards
 
     monkeypatch.setitem(rewards.REWARDS, "toy_length",
                         lambda texts, answers, **_: torch.tensor([len(t) % 5 / 4 for t in texts]))

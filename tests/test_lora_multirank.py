@@ -18,7 +18,7 @@ def _worker(rank, tmp, results):
     out = {}
     try:
         from astrai.distributed import setup_distributed
-        from astrai.distributed.engines import prepare_trained
+        from astrai.distributed.sharding import prepare_trained
         from astrai.models import AutoRegressiveLM, tiny_config
         from astrai.trainer.lora import DEFAULT_TARGET_MODULES, LoraSettings, apply_lora, shared_base_model
         from astrai.trainer.optim import build_optimizer, build_scheduler

@@ -230,7 +230,7 @@ def test_sft_lm_head_at_labelled_positions_only_equals_the_full_logits(packing):
 # ------------------------------------------------------------------------------------------ offline grpo
 def test_offline_grpo_uses_given_logprobs_else_the_old_policy(tiny_model_dir, tmp_path):
     from astrai.models import load_pretrained
-    from astrai.rollout.scoring import response_logprobs
+    from astrai.forward import response_logprobs
     from astrai.trainer.strategies.grpo import build_grpo
 
     tok = tiny_tokenizer()
@@ -300,7 +300,7 @@ def test_example_config_one_step_changes_every_parameter(tiny_model_dir, tmp_pat
               "--data.truncation", "left"]),
 ])
 def test_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch, name, extra):
-    from astrai.rollout import rewards
+    from astrai.rewards import builtins as rewards
 
     monkeypatch.setitem(rewards.REWARDS, "toy_length",
                         lambda texts, answers, **_: torch.tensor([len(t) % 5 / 4 for t in texts]))

@@ -8,7 +8,7 @@ import torch
 from astrai.data.sequences import Sequences
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
 from astrai.models.attention import SegmentedCausalAttention
-from astrai.rollout.scoring import response_logprobs, response_values, supports_packing
+from astrai.forward import response_logprobs, response_values, supports_packing
 
 EOS = 2
 PROMPTS = [[3], [4, 5, 6], [7, 8], [9, 10, 11, 12], [13, 14]]

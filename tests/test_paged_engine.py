@@ -8,8 +8,8 @@ from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.rollout.block_pool import BlockPool, PrefixCache
 from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed, sample_rows
-from astrai.rollout.scoring import response_logprobs
+from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, request_seed, sample_rows
+from astrai.forward import response_logprobs
 
 VOCAB, EOS = 32, 2
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 1]]
@@ -52,7 +52,7 @@ def naive(model, prompts, params, seed, n=1, penalty=None):
 
 
 @pytest.mark.parametrize("top_k,top_p,penalty", [(1, 1.0, None), (0, 1.0, None), (5, 0.9, None),
-                                                 (0, 1.0, FrequencyPenaltyStrategy(0.7, window=4))])
+                                                 (0, 1.0, FrequencyPenalty(0.7, window=4))])
 def test_matches_naive_loop(model, top_k, top_p, penalty):
     params = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=top_k, top_p=top_p, stop_token_ids=(EOS,))
     gen = engine_for(model).generate(PROMPTS, params, torch.Generator().manual_seed(3), n=2, penalties=penalty)
@@ -150,7 +150,7 @@ def test_pool_too_small_raises_and_bad_arguments(model):
 
 def test_frequency_penalty_blocks_repeats_in_window(model):
     params = SamplingParams(max_new_tokens=12, top_k=1)
-    gen = engine_for(model).generate(PROMPTS, params, None, penalties=FrequencyPenaltyStrategy(1e4, window=5))
+    gen = engine_for(model).generate(PROMPTS, params, None, penalties=FrequencyPenalty(1e4, window=5))
     for ids in rows(gen):
         for i in range(len(ids)):
             assert ids[i] not in ids[max(0, i - 5):i]

@@ -6,10 +6,10 @@ from toy_rl import online_experience, trained
 from astrai.distributed import setup_distributed
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
 from astrai.rollout.paged_engine import PagedGenerationEngine
-from astrai.rollout.runner import RolloutRunner
+from astrai.experience.runner import RolloutRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.trainer.loop import Callback, Trainer
-from astrai.trainer.replay import RolloutReplay
+from astrai.experience.replay import RolloutReplay
 from astrai.config import PPOSection
 from astrai.trainer.strategies.online_ppo import OnlinePPOStrategy
 

@@ -107,7 +107,7 @@ def test_mixture_blends_files_by_weight(tmp_path):
 
 def test_mixture_config_and_loading(tmp_path):
     from astrai.config import ConfigError
-    from astrai.trainer.experience import load_online_prompts
+    from astrai.experience.prompts import load_online_prompts
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.parquet"
     a.write_text(json.dumps({"question": "x", "answer": "#### 1"}) + "\n")

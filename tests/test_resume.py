@@ -216,7 +216,7 @@ def test_resume_refusals_come_from_the_manifest_before_anything_loads(tiny_model
 def test_online_grpo_with_dynamic_sampling_resumes_bitwise_exact(tiny_model_dir, tmp_path, monkeypatch):
     """Several sampling rounds per rollout (a reward on the response's length parity, so some groups differ and
     some do not): the data position and sampling RNG after them resume exactly, mid-rollout."""
-    from astrai.rollout import rewards
+    from astrai.rewards import builtins as rewards
     monkeypatch.setitem(rewards.REWARDS, "math_exact_match",
                         lambda responses, answers, **_: torch.tensor([len(r) % 2 for r in responses],
                                                                                 dtype=torch.float32))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from astrai.config import config_from_dict
-from astrai.rollout.reward_functions import (RewardFunctionError, RewardFunctions, reward_metrics, resolve_specs)
+from astrai.rewards.functions import (RewardFunctionError, RewardFunctions, reward_metrics, resolve_specs)
 
 USER_REWARDS = '''
 import os, time
@@ -98,7 +98,7 @@ def test_chat_prompts_get_message_completions_and_only_declared_arguments(reward
     scored = fns([chat, "plain"], ["x", "y"], [[5, 6, 7], [8]], {"target_len": [1, 2]})
     assert scored.components["only_named"].tolist() == [3.0, 3.0]  # target_len not passed: not declared
     assert scored.components["seen"].tolist() == [3.0, 1.0]
-    from astrai.rollout.rewards import completion_text
+    from astrai.rewards.builtins import completion_text
     assert completion_text([{"role": "assistant", "content": "z"}]) == "z"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from astrai.rollout.rewards import (
+from astrai.rewards.builtins import (
     REWARDS,
     closeness,
     extract_final_number,
@@ -160,7 +160,7 @@ def test_training_scores_with_the_configured_partial_credit(tiny_model_dir, tmp_
     """reward.partial_credit (and reward.format_bonus) reach the reward function the rollouts are scored with."""
     from test_train_e2e import tiny_args
 
-    from astrai.rollout import rewards
+    from astrai.rewards import builtins as rewards
     from astrai.train import main
     seen = []
 

@@ -12,9 +12,9 @@ from toy_rl import trained
 from astrai import algos
 from astrai.config import (ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS, ConfigError,
                            GRPOSection, config_from_dict, ignored_settings)
-from astrai.rollout.scoring import response_logprobs
+from astrai.forward import response_logprobs
 from astrai.trainer.loop import Trainer
-from astrai.trainer.replay import RolloutReplay
+from astrai.experience.replay import RolloutReplay
 from astrai.trainer.strategies.online_grpo import GRPOStrategy, group_rollout
 from astrai.trainer.strategies.policy_loss import GSPO_CLIP, RolloutCorrection, clip_range, loss_agg_mode
 

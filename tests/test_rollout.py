@@ -7,7 +7,7 @@ from reference_engine import ReferenceEngine
 from astrai.data.sequences import Sequences, left_pad, position_ids_from_mask
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
 from astrai.rollout.sampling import SamplingParams, sample_next_token, truncation_mask
-from astrai.rollout.scoring import response_logprobs
+from astrai.forward import response_logprobs
 
 VOCAB = 32
 EOS = 2

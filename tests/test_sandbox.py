@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from astrai.rollout import sandbox as sandbox_module
-from astrai.rollout.code_tests import decode, parse_tests
-from astrai.rollout.sandbox import SandboxLimits, missing_isolation, run_tests, sandbox_isolation
+from astrai.sandbox import execute as sandbox_module
+from astrai.sandbox.code_tests import decode, parse_tests
+from astrai.sandbox.execute import SandboxLimits, missing_isolation, run_tests, sandbox_isolation
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = SandboxLimits(timeout_s=2.0, cpu_s=2)
@@ -284,7 +284,7 @@ def test_trainer_secrets_are_not_readable(namespaces, tmp_path):
     (home / ".cache/huggingface/token").write_text("hf_s3cret-token-8841")
     script = textwrap.dedent(f"""
         import json, os
-        from astrai.rollout.sandbox import SandboxLimits, run_tests
+        from astrai.sandbox.execute import SandboxLimits, run_tests
         code = "TRAINER = %d\\n" % os.getpid() + {SPY!r}
         r = run_tests(code, ["assert len(seen()) > 0", "assert sorted(os.environ) == ['LANG', 'PATH']"],
                       limits=SandboxLimits(namespaces={namespaces}, timeout_s=2.0))

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from astrai import evaluate
 from astrai.config import load_config
-from astrai.rollout.rewards import REWARDS
+from astrai.rewards.builtins import REWARDS
 from astrai.train import main
 from astrai.trainer.build import build_trainer
-from astrai.trainer.evaluation import EvaluationCallback
+from astrai.trainer.evaluation_callback import EvaluationCallback
 from test_resume import sft_args
 from test_train_e2e import EXAMPLE, tiny_args
 
@@ -154,7 +154,7 @@ def test_bad_eval_settings_exit_2(tiny_model_dir, tmp_path, capsys, extra, needl
 
 
 def test_in_training_evaluation_reports_the_rewards_extracted_answers(tiny_model_dir, tmp_path):
-    from astrai.rollout.rewards import extract_final_number
+    from astrai.rewards.builtins import extract_final_number
     args = tiny_args(tiny_model_dir, tmp_path / "run", "--max_steps", "1", *EVAL)
     callback = next(c for c in build_trainer(load_config(args[1], args[2:])).callbacks
                     if isinstance(c, EvaluationCallback))

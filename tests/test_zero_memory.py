@@ -15,7 +15,7 @@ pytest.importorskip("deepspeed")
 SCRIPT = r'''
 import torch
 from astrai.distributed import setup_distributed
-from astrai.distributed.engines import prepare_trained
+from astrai.distributed.sharding import prepare_trained
 from astrai.models import AutoRegressiveLM, tiny_config
 
 torch.manual_seed(0)

@@ -6,9 +6,12 @@ from types import SimpleNamespace
 import torch
 
 from astrai.distributed import setup_distributed
-from astrai.trainer.experience import OnlineExperience, build_online_experience, build_rollout_engine
+from astrai.experience.sources import OnlineExperience
+from astrai.rollout.build import build_rollout_engine
+from astrai.rollout.engine import sync_weights
 from astrai.trainer.models import TrainedModel, build_trained_model
 from astrai.trainer.optim import build_optimizer, build_scheduler
+from astrai.trainer.strategies.policy_gradient import online_experience as wired_online_experience
 
 
 class RandomPrompts:
@@ -35,17 +38,18 @@ def trained(model, *, name="policy", lr=3e-3, max_steps=100, dist=None) -> Train
 
 def online_experience(policy: TrainedModel, runner, *, vocab: int, batch_size: int, group_size: int = 1,
                       seed: int = 0) -> OnlineExperience:
-    """The product's online experience source over `RandomPrompts`."""
-    return OnlineExperience(policy=policy, runner=runner, sampler=RandomPrompts(vocab, seed), batch_size=batch_size,
+    """The product's online experience source over `RandomPrompts`; the engine syncs to `policy`'s weights."""
+    return OnlineExperience(sync_weights=lambda version: sync_weights(runner.engine, policy.full_weights, version),
+                            runner=runner, sampler=RandomPrompts(vocab, seed), batch_size=batch_size,
                             group_size=group_size, seed=seed, device=torch.device("cpu"))
 
 
 def built_online_experience(config, policy, tokenizer, *, chunk_size: int = 2) -> OnlineExperience:
-    """The online experience source `build_online_experience` makes from a loaded config (CPU, no reference)."""
+    """The online experience source the online train types make from a loaded config (CPU, no reference)."""
     dist = setup_distributed("cpu")
     engine = build_rollout_engine(config, policy, tokenizer)
-    return build_online_experience(config, dist, build_trained_model(config, dist, policy, name="policy"), tokenizer,
-                                   engine=engine, ref_model=None, chunk_size=chunk_size)
+    return wired_online_experience(config, dist, build_trained_model(config, dist, policy, name="policy"), tokenizer,
+                                   engine=engine, ref_model=None, chunk_size=chunk_size, group_size=1)
 
 
 def next_prompts(experience: OnlineExperience, n: int) -> tuple[list[list[int]], list]:

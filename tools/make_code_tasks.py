@@ -6,7 +6,7 @@ reference solution, and unit tests whose expected values are computed here by ru
 
     {"question": str, "tests": ["assert f(...) == <literal>", ...], "entry_point": "f", "answer": "<solution>"}
 
-``tests`` are MBPP-style value asserts (see astrai/rollout/code_tests.py); the question shows the first one as
+``tests`` are MBPP-style value asserts (see astrai/sandbox/code_tests.py); the question shows the first one as
 an example. No expected value repeats in more than 2 of a task's tests (3 for True/False), so no constant answer
 scores above 0.6. ``answer`` is the reference solution (so a prompt set's default ``answer`` field exists and the tests
 can be checked against it). Deterministic (stdlib ``random`` with a fixed seed): rerunning reproduces the

@@ -37,7 +37,7 @@ def export_merged(checkpoint: str | Path, out: str | Path, *, base: Optional[str
     if out.exists():
         raise CheckpointError(f"export: {out} exists; name a new directory (nothing is overwritten)")
     if all((src / f).is_file() for f in PEFT_FILES):
-        model, tokenizer = load_merged(src, base=base)
+        model, tokenizer = load_merged(src, load_pretrained, base=base)
     elif (src / "model.safetensors").is_file():
         model, tokenizer = load_pretrained(str(src))
     else:

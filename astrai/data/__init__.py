@@ -1,7 +1,7 @@
 """astrai data: prompt datasets and samplers for online RL (see ``astrai.data.prompts``)."""
 
+from astrai.data.files import DataError
 from astrai.data.prompts import (
-    DataError,
     PromptDataset,
     PromptRecord,
     PromptSampler,

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from astrai.data.prompts import DataError
+from astrai.data.files import DataError
 
 __all__ = ["RenderedChat", "render_chat", "encode_rendered", "encode_chat"]
 

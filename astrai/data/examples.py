@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from astrai.data.chat import encode_rendered, render_chat
-from astrai.data.prompts import DataError
+from astrai.data.files import DataError
 
 IGNORE_INDEX = -100
 """Label of positions that carry no loss."""

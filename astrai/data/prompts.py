@@ -23,21 +23,13 @@ epoch and the state stays global, so a run also resumes on another number of ran
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
 
-from astrai.data.arithmetic import GENERATED
-
-BUILTIN_PREFIX = "builtin:"
-
-
-class DataError(ValueError):
-    """A prompt file is missing or malformed, or a sampler state does not fit its dataset."""
-
+from astrai.data.files import DataError, generated_records, jsonl_objects, resolve_prompt_path
+from astrai.data.records import read_rows
 
 Prompt = Union[str, list]
 """A stored prompt: the question text, or a chat (a list of {"role": str, "content": str} messages)."""
@@ -70,57 +62,6 @@ def extract_gsm8k_answer(answer: str) -> str:
     """
     head, sep, tail = answer.rpartition("####")
     return (tail if sep else answer).strip().replace(",", "")
-
-
-def builtin_names() -> list[str]:
-    """Names usable as ``builtin:<name>``: the ``.jsonl`` files in ``astrai/data/assets`` and the generated
-    sets of ``GENERATED``."""
-    assets = resources.files("astrai.data") / "assets"
-    files = [p.name[: -len(".jsonl")] for p in assets.iterdir() if p.name.endswith(".jsonl")] \
-        if assets.is_dir() else []
-    return sorted(set(files) | set(GENERATED))
-
-
-def generated_records(path: str | Path) -> list[dict] | None:
-    """The rows of a generated built-in set (``builtin:arithmetic``, ...) as dicts, or None for any other path."""
-    text = str(path)
-    if not text.startswith(BUILTIN_PREFIX) or text[len(BUILTIN_PREFIX):] not in GENERATED:
-        return None
-    return GENERATED[text[len(BUILTIN_PREFIX):]]()
-
-
-def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
-    """Resolve a data path or ``builtin:<name>`` (a shipped asset) to an existing file.
-
-    Args:
-        path: a filesystem path (``~`` is expanded) or ``builtin:<name>``.
-        field: the config key or option named in errors.
-
-    Returns:
-        The path of an existing regular file.
-
-    Raises:
-        DataError: ``<field>: file not found: X``, ``<field>: unknown built-in prompt set: builtin:X`` (listing
-            the available ones), ``<field>: not a file: X`` for a directory, or, for a generated set
-            (which has no file), ``<field>: builtin:X is a generated question/answer prompt set ...``.
-    """
-    text = str(path)
-    if text.startswith(BUILTIN_PREFIX):
-        name = text[len(BUILTIN_PREFIX):]
-        if name in GENERATED:
-            raise DataError(f"{field}: {text} is a generated question/answer prompt set, usable by the train types "
-                            "that sample online and by evaluation, not as a training-record file")
-        resolved = Path(str(resources.files("astrai.data") / "assets" / f"{name}.jsonl"))
-        if name not in builtin_names() or not resolved.is_file():  # not a path: "builtin:../x" names nothing
-            choices = ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) or "none"
-            raise DataError(f"{field}: unknown built-in prompt set: {text} (the built-in ones: {choices})")
-        return resolved
-    resolved = Path(text).expanduser()
-    if not resolved.exists():
-        raise DataError(f"{field}: file not found: {resolved}")
-    if not resolved.is_file():
-        raise DataError(f"{field}: not a file: {resolved}")
-    return resolved
 
 
 def _field(obj: dict[str, Any], name: str, where: str, key: str = "data.answer_field") -> str:
@@ -177,28 +118,6 @@ def read_prompt_records(
     return records
 
 
-def jsonl_objects(path: Path) -> Iterator[tuple[str, dict]]:
-    """(location, object) for each non-blank line of a jsonl file; DataError for bad bytes, JSON or non-objects."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path} line {lineno}"
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-            if lineno == 1:
-                line = line.lstrip("\ufeff")
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            yield where, obj
-
-
 def objects_to_records(objects: Iterable[tuple[str, dict]], *, prompt_field: str,
                        answer_field: str | None, require_answers: bool = True) -> list[PromptRecord]:
     """``PromptRecord`` of each ``(location, object)``, indexed in order, every other field kept as a column.
@@ -247,8 +166,6 @@ class PromptDataset:
                                               prompt_field=prompt_field, answer_field=answer_field,
                                               require_answers=require_answers)
         else:
-            from astrai.data.records import read_rows  # datasets-backed formats (records imports this module)
-
             self.path, rows = read_rows(path, field=field)
             self.records = objects_to_records(rows, prompt_field=prompt_field, answer_field=answer_field,
                                               require_answers=require_answers)

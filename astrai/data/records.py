@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from astrai.data.prompts import DataError, jsonl_objects, resolve_prompt_path
+from astrai.data.files import DataError, jsonl_objects, resolve_prompt_path
 from astrai.deps import MissingDependencyError, import_optional
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

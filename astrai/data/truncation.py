@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from astrai.config import TRUNCATION_POLICIES
 from astrai.data.chat import encode_rendered, render_chat
-from astrai.data.prompts import DataError
+from astrai.data.files import DataError
 
 __all__ = ["TRUNCATION_POLICIES", "EncodedPrompt", "encode_prompt", "encode_prompt_records", "fit_prompt",
            "prompt_ids_and_budget", "report_dropped"]

@@ -1,6 +1,7 @@
 """Pre-flight for `accelerate launch`: `python -m astrai.distributed.preflight [accelerate launch options] -m
 astrai.train --config JOB [overrides]` checks the job as its ranks would see it, in this one process, without
-starting them (`astrai.trainer.build.check_job`).
+starting them (it becomes `python -m astrai.train --check ...` with the ranks' environment:
+`astrai.trainer.build.check_job`).
 
 Why: a job that `accelerate launch` starts and that refuses bad input (an unsupported launch mode, a DeepSpeed
 setting contradicting the job, a missing data file) prints its one-line error on every rank, and then the
@@ -78,11 +79,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    os.environ.clear()
-    os.environ.update(env)
-    from astrai.train import main as train_main
-
-    return train_main(["--check", *script_args])
+    # the check runs in this process's place (its exit code is the preflight's), as `python -m astrai.train
+    # --check` with the ranks' environment: the launcher's layer, not a caller of the trainer
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "astrai.train", "--check", *script_args], env)
+    return 0  # not reached
 
 
 if __name__ == "__main__":

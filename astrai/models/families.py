@@ -24,12 +24,13 @@ tests/test_families.py (docs/models.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from .rope import normalise_scaling, read_rope
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+ModelConfig = Any
+"""What a family's functions read: an `astrai.models.config.ModelConfig` (which imports this module, so it is
+named here, not imported)."""
 
 __all__ = ["Family", "FAMILIES", "FULL", "SLIDING", "family_of"]
 
@@ -53,12 +54,12 @@ class Family:
     model_type: str
     architecture: str
     read: Callable[[Mapping[str, Any]], dict[str, Any]]
-    write: Callable[["ModelConfig"], dict[str, Any]]
+    write: Callable[[ModelConfig], dict[str, Any]]
     fixed: Mapping[str, Any] = field(default_factory=dict)
     free: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
-    def check(self, config: "ModelConfig") -> None:
+    def check(self, config: ModelConfig) -> None:
         """Raise `ValueError` (one line) when `config` sets an option this family cannot express."""
         for name, plain in OPTION_DEFAULTS.items():
             if name in self.free:
@@ -75,7 +76,7 @@ def _flat_rope(d: Mapping[str, Any]) -> dict[str, Any]:
     return {"rope_theta": theta, "rope_scaling": scaling}
 
 
-def _write_flat_rope(c: "ModelConfig") -> dict[str, Any]:
+def _write_flat_rope(c: ModelConfig) -> dict[str, Any]:
     params = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": float(c.rope_theta)}
     return {"rope_theta": float(c.rope_theta), "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
             "rope_parameters": params}
@@ -93,7 +94,7 @@ def _qwen_windows(d: Mapping[str, Any]) -> dict[str, Any]:
     return {"sliding_window": int(window), "layer_types": list(types)}
 
 
-def _write_qwen_windows(c: "ModelConfig") -> dict[str, Any]:
+def _write_qwen_windows(c: ModelConfig) -> dict[str, Any]:
     sliding = [i for i, t in enumerate(c.layer_types) if t == SLIDING]
     return {"use_sliding_window": c.sliding_window is not None, "sliding_window": c.sliding_window,
             "max_window_layers": sliding[0] if sliding else c.num_hidden_layers, "layer_types": list(c.layer_types)}
@@ -113,7 +114,7 @@ def _read_llama(d: Mapping[str, Any]) -> dict[str, Any]:
     return {**_flat_rope(d), **_bias(d, "attention_bias", "mlp_bias")}
 
 
-def _write_llama(c: "ModelConfig") -> dict[str, Any]:
+def _write_llama(c: ModelConfig) -> dict[str, Any]:
     return {**_write_flat_rope(c), "attention_bias": c.attention_bias, "mlp_bias": c.mlp_bias,
             "hidden_act": c.hidden_act}
 
@@ -123,7 +124,7 @@ def _read_mistral(d: Mapping[str, Any]) -> dict[str, Any]:
     return {**_flat_rope(d), "sliding_window": None if window is None else int(window)}
 
 
-def _write_mistral(c: "ModelConfig") -> dict[str, Any]:
+def _write_mistral(c: ModelConfig) -> dict[str, Any]:
     if len(set(c.layer_types)) > 1:
         raise ValueError("model_type 'mistral' slides in every layer or none; layer_types mixes both")
     return {**_write_flat_rope(c), "sliding_window": c.sliding_window, "hidden_act": c.hidden_act}
@@ -133,7 +134,7 @@ def _read_qwen2(d: Mapping[str, Any]) -> dict[str, Any]:
     return {**_flat_rope(d), **_qwen_windows(d), "qkv_bias": True}
 
 
-def _write_qwen2(c: "ModelConfig") -> dict[str, Any]:
+def _write_qwen2(c: ModelConfig) -> dict[str, Any]:
     return {**_write_flat_rope(c), **_write_qwen_windows(c), "hidden_act": c.hidden_act}
 
 
@@ -141,7 +142,7 @@ def _read_qwen3(d: Mapping[str, Any]) -> dict[str, Any]:
     return {**_flat_rope(d), **_qwen_windows(d), **_bias(d, "attention_bias"), "qk_norm": True}
 
 
-def _write_qwen3(c: "ModelConfig") -> dict[str, Any]:
+def _write_qwen3(c: ModelConfig) -> dict[str, Any]:
     return {**_write_flat_rope(c), **_write_qwen_windows(c), "attention_bias": c.attention_bias,
             "hidden_act": c.hidden_act}
 
@@ -165,7 +166,7 @@ def _read_gemma_common(d: Mapping[str, Any], pattern: int) -> dict[str, Any]:
             **_bias(d, "attention_bias")}
 
 
-def _write_gemma_common(c: "ModelConfig") -> dict[str, Any]:
+def _write_gemma_common(c: ModelConfig) -> dict[str, Any]:
     return {"hidden_activation": c.hidden_act, "sliding_window": c.sliding_window, "layer_types": list(c.layer_types),
             "query_pre_attn_scalar": _whole(c.query_pre_attn_scalar or c.head_dim), "attn_logit_softcapping": c.attn_logit_softcapping,
             "final_logit_softcapping": c.final_logit_softcapping, "attention_bias": c.attention_bias}
@@ -175,7 +176,7 @@ def _read_gemma2(d: Mapping[str, Any]) -> dict[str, Any]:
     return {**_flat_rope(d), **_read_gemma_common(d, 2)}
 
 
-def _write_gemma2(c: "ModelConfig") -> dict[str, Any]:
+def _write_gemma2(c: ModelConfig) -> dict[str, Any]:
     return {**_write_flat_rope(c), **_write_gemma_common(c)}
 
 
@@ -200,7 +201,7 @@ def _read_gemma3(d: Mapping[str, Any]) -> dict[str, Any]:
             "sliding_rope_theta": local_theta, "qk_norm": True}
 
 
-def _write_gemma3(c: "ModelConfig") -> dict[str, Any]:
+def _write_gemma3(c: ModelConfig) -> dict[str, Any]:
     if c.sliding_rope_theta is None and c.rope_scaling:
         raise ValueError("model_type 'gemma3_text' with rope_scaling needs sliding_rope_theta (the sliding layers' "
                          "unscaled rotary base)")

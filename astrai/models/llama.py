@@ -177,7 +177,7 @@ class AutoRegressiveLM(nn.Module):
     (Linear(H, V), no bias). With `config.tie_word_embeddings`, `lm_head.weight` IS `model.embed_tokens.weight`
     (one Parameter); `load_state_dict` then accepts state dicts without `lm_head.weight`. With
     `config.final_logit_softcapping` c the logits are c * tanh(lm_head(h) / c) (the hidden states of
-    `return_hidden` are not: their callers must apply it, see `astrai.rollout.scoring.whole_lm_head`).
+    `return_hidden` are not: their callers must apply it, see `astrai.forward.whole_lm_head`).
 
     Weights are initialised like HF (normal(0, 0.02) for linear and embedding weights, ones for norms).
     """

@@ -21,6 +21,7 @@ import torch
 from .config import ModelConfig, merge_eos_ids
 from .gguf_loading import gguf_config, read_gguf
 from .llama import AutoRegressiveLM, hf_state_dict
+from .lora_merge import load_merged
 from .tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
 __all__ = ["resolve_model_path", "is_model_directory", "load_pretrained", "hf_state_dict", "state_mismatch", "MODEL_ALIASES"]
@@ -99,9 +100,8 @@ def load_pretrained(
     """
     path = resolve_model_path(name_or_path)
     if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "model.safetensors").exists():
-        from .lora_merge import load_merged  # a LoRA checkpoint or PEFT adapter: its base with the adapter merged
-
-        model, tokenizer = load_merged(path, dtype=dtype, device=device)
+        # a LoRA checkpoint or PEFT adapter: its base with the adapter merged
+        model, tokenizer = load_merged(path, load_pretrained, dtype=dtype, device=device)
         return model.eval(), tokenizer
     if path.is_file():
         config, state, tokenizer = _read_gguf(path)

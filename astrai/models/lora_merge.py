@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
+
+from .tokenizer import Tokenizer
 
 __all__ = ["PEFT_PREFIX", "adapter_scaling", "load_merged", "merge_adapter", "peft_name", "module_name"]
 
@@ -77,9 +79,11 @@ def merge_adapter(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.
     return out
 
 
-def load_merged(path: str | Path, *, dtype: torch.dtype = torch.float32, device: Any = "cpu", base: str | None = None):
+def load_merged(path: str | Path, load_base: Callable[..., tuple[Any, Any]], *, dtype: torch.dtype = torch.float32,
+                device: Any = "cpu", base: str | None = None):
     """(AutoRegressiveLM, Tokenizer) of an adapter directory: the base model (`base`, else the config's
-    ``base_model_name_or_path``: a model name, Hugging Face directory or .gguf file) with the adapter merged in; the
+    ``base_model_name_or_path``: a model name, Hugging Face directory or .gguf file, loaded by
+    `load_base(name, dtype=, device=)`: `astrai.models.loading.load_pretrained`) with the adapter merged in; the
     tokenizer of the directory when it holds one, else the base's.
 
     Raises:
@@ -87,15 +91,12 @@ def load_merged(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
     """
     from safetensors.torch import load_file
 
-    from .loading import load_pretrained
-    from .tokenizer import Tokenizer
-
     path = Path(path)
     config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
     base_path = base or config.get("base_model_name_or_path")
     if not base_path:
         raise ValueError(f"{path / 'adapter_config.json'}: no base_model_name_or_path; name the base model")
-    model, tokenizer = load_pretrained(base_path, dtype=dtype, device=device)
+    model, tokenizer = load_base(base_path, dtype=dtype, device=device)
     adapter = load_file(str(path / "adapter_model.safetensors"))
     merged = merge_adapter(model.state_dict(), adapter, scaling=adapter_scaling(config))
     model.load_state_dict(merged, strict=True)

@@ -24,7 +24,7 @@ from astrai.rollout.generation import Generation
 from astrai.rollout.sampling import SamplingParams
 
 __all__ = ["ATTENTION_BACKEND_ENV", "EngineCapacity", "GenerationEngine", "StreamingEngine", "attention_backend",
-           "build_engine", "check_engine", "engine_factory", "engine_names", "register_engine"]
+           "build_engine", "check_engine", "engine_factory", "engine_names", "register_engine", "sync_weights"]
 
 ATTENTION_BACKEND_ENV = "ASTR_BACKEND"
 """Environment variable that, when set, overrides `rollout.attention_backend` (and the CLIs' default)."""
@@ -182,3 +182,19 @@ def build_engine(name: str, model: torch.nn.Module, *, pad_token_id: int, policy
         raise TypeError(f"rollout.engine {name!r}: the factory returned {type(engine).__name__}, which lacks part "
                         "of the GenerationEngine interface (generate, load_weights, sleep, wake, capacity)")
     return engine
+
+
+def sync_weights(engine: GenerationEngine, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+                 policy_version: int) -> None:
+    """Load `weights()` into `engine` unless it already holds `policy_version`, and check the engine's
+    acknowledgement (docs/conventions.md section 4). `weights` is called only when a load is needed; it yields
+    (name, full tensor) one at a time (a trained model's `full_weights`: gathered from the shards under fsdp2 /
+    zero3 on every rank, LoRA adapters merged), so no second full copy is held beside the engine's.
+
+    Raises:
+        RuntimeError: when the engine acknowledges another version.
+    """
+    if engine.policy_version != policy_version:
+        acknowledged = engine.load_weights(weights(), policy_version)
+        if acknowledged != policy_version:
+            raise RuntimeError(f"engine acknowledged version {acknowledged}, expected {policy_version}")

@@ -35,14 +35,14 @@ from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
 from astrai.rollout.prompt_ids import check_prompt_ids
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
+from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
 from astrai.rollout.streaming import StepOutput, StreamSession
 
 __all__ = ["PagedGenerationEngine", "paged_engine"]
 
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams]]
-PenaltyArg = Union[None, FrequencyPenaltyStrategy, Sequence[Optional[FrequencyPenaltyStrategy]]]
+PenaltyArg = Union[None, FrequencyPenalty, Sequence[Optional[FrequencyPenalty]]]
 
 
 class PagedGenerationEngine:
@@ -195,7 +195,7 @@ class PagedGenerationEngine:
                 max_new_tokens composed per request).
             generator: caller RNG; exactly one int64 is drawn from it per call (None: torch's default RNG).
             n: samples per prompt (G).
-            penalties: an optional `FrequencyPenaltyStrategy` for all prompts, or one (or None) per prompt.
+            penalties: an optional `FrequencyPenalty` for all prompts, or one (or None) per prompt.
             on_token: optional `(row, token id) -> None`, called in the calling thread right after each token of
                 output row `row` is sampled (for streaming; it must not call back into the engine).
 
@@ -222,7 +222,7 @@ class PagedGenerationEngine:
 
     # ------------------------------------------------------------------ streaming API (serving, one step at a time)
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1,
-                    penalty: Optional[FrequencyPenaltyStrategy] = None, seed: Optional[int] = None,
+                    penalty: Optional[FrequencyPenalty] = None, seed: Optional[int] = None,
                     top_logprobs: int = 0) -> int:
         """Queue `n` samples of one prompt for the next `step()`; returns the request id its `StepOutput`s carry.
 
@@ -285,7 +285,7 @@ class PagedGenerationEngine:
             raise ValueError("generate: params must be a SamplingParams or a list with one per prompt, got "
                              f"{type(params).__name__}")
         per_penalty = ([penalties] * len(prompts) if penalties is None or
-                       isinstance(penalties, FrequencyPenaltyStrategy) else list(penalties))
+                       isinstance(penalties, FrequencyPenalty) else list(penalties))
         if len(per_params) != len(prompts) or len(per_penalty) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(per_params)} params / "
                              f"{len(per_penalty)} penalties")

@@ -26,7 +26,7 @@ import torch
 from astrai.kernels import InferenceWorkspace
 from astrai.rollout.block_pool import BlockPool, PrefixCache
 from astrai.rollout.model_runner import StepBatch
-from astrai.rollout.sampling_strategies import RowSampling, sample_rows
+from astrai.rollout.row_sampling import RowSampling, sample_rows
 
 __all__ = ["Request", "Group", "Scheduler", "TokenEvent", "top_logprobs"]
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy, RowSampling, request_seed
+from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
 
 __all__ = ["StepOutput", "StreamSession"]
@@ -82,7 +82,7 @@ class StreamSession:
         """True while some added request has a choice that is not done."""
         return bool(self.requests)
 
-    def add(self, prompt: list[int], params: SamplingParams, *, n: int, penalty: Optional[FrequencyPenaltyStrategy],
+    def add(self, prompt: list[int], params: SamplingParams, *, n: int, penalty: Optional[FrequencyPenalty],
             seed: Optional[int], top_logprobs: int) -> int:
         """Queue one request (n choices of `prompt`, already checked token by token); its request id.
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy
+from astrai.rollout.row_sampling import FrequencyPenalty
 
 __all__ = ["EngineLoop", "Job"]
 
@@ -45,7 +45,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     n: int = 1
-    penalty: Optional[FrequencyPenaltyStrategy] = None
+    penalty: Optional[FrequencyPenalty] = None
     seed: Optional[int] = None
     top_logprobs: int = 0
     queue: Optional[asyncio.Queue] = field(default=None, repr=False)

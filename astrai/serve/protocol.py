@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from astrai.rollout.sampling import MIN_TEMPERATURE, SamplingParams
-from astrai.rollout.sampling_strategies import FrequencyPenaltyStrategy
+from astrai.rollout.row_sampling import FrequencyPenalty
 
 __all__ = ["APIError", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "check_text", "logprobs_k",
            "sampling_for", "stop_strings", "message_text"]
@@ -154,7 +154,7 @@ def stop_strings(stop: Optional[Union[str, list[str]]]) -> tuple[str, ...]:
 
 
 def sampling_for(request: _Sampling, *, max_new_tokens: int, stop_token_ids: tuple[int, ...]
-                 ) -> tuple[SamplingParams, Optional[FrequencyPenaltyStrategy]]:
+                 ) -> tuple[SamplingParams, Optional[FrequencyPenalty]]:
     """Engine `SamplingParams` (+ frequency penalty) for a validated request.
 
     temperature 0 (or below the engine's 1e-4 floor) or top_p 0 means greedy decoding (top_k = 1). Defaults are
@@ -169,5 +169,5 @@ def sampling_for(request: _Sampling, *, max_new_tokens: int, stop_token_ids: tup
                             stop_token_ids=() if request.ignore_eos else stop_token_ids)
     if request.frequency_penalty < 0:
         raise APIError("frequency_penalty: only values >= 0 are supported", param="frequency_penalty")
-    penalty = FrequencyPenaltyStrategy(request.frequency_penalty) if request.frequency_penalty else None
+    penalty = FrequencyPenalty(request.frequency_penalty) if request.frequency_penalty else None
     return params, penalty

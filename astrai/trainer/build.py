@@ -25,8 +25,9 @@ from astrai.distributed.rank_checks import check_ranks_agree
 from astrai.models import load_pretrained
 from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
-from astrai.trainer.evaluation import build_evaluation, load_eval_records
-from astrai.trainer.experience import build_rewards, check_rollout_engine
+from astrai.trainer.evaluation_callback import build_evaluation, load_eval_records
+from astrai.rewards.build import build_rewards
+from astrai.rollout.build import check_rollout_engine
 from astrai.trainer.faults import StepBoundary, StopSignals
 from astrai.trainer.lora import lora_summary
 from astrai.trainer.lock import OutputDirLock, OutputDirLocked

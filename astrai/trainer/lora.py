@@ -28,7 +28,7 @@ from astrai.deps import unavailable_reason
 from astrai.models.lora_merge import module_name, peft_name
 
 __all__ = ["AdaptersOff", "DEFAULT_TARGET_MODULES", "LoraSettings", "LoraCheckpointState", "apply_lora",
-           "lora_settings", "lora_summary", "merged_weights", "shared_base_model"]
+           "lora_settings", "lora_summary", "merged_weights", "shared_base_model", "LoraAdapters"]
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of every decoder block (the issue's and PEFT's usual "all-linear")."""
@@ -180,7 +180,7 @@ class AdaptersOff(torch.nn.Module):
     what `policy` takes (packed rows included: `packed_rows`) and returns what it returns."""
 
     packed_rows = True
-    """`rollout.scoring.supports_packing`: the policy is astrai's model, which takes padding-free packed rows."""
+    """`astrai.forward.supports_packing`: the policy is astrai's model, which takes padding-free packed rows."""
 
     def __init__(self, policy: torch.nn.Module):
         super().__init__()
@@ -265,3 +265,39 @@ class LoraCheckpointState:
     def adapter_config(self) -> dict:
         """`adapter_config.json` (the "peft" part kind writes it)."""
         return self.settings.adapter_config(task_type=self.task_type, modules_to_save=self.modules_to_save)
+
+
+class LoraAdapters:
+    """A trained model's LoRA adapters (`astrai.distributed.sharding.Adapters`): the weights it hands the rollout
+    engine are merged (`merged_weights`), its checkpoint part holds only the trained tensors in PEFT's layout
+    (`LoraCheckpointState`; a critic's as its torch part).
+
+    Args:
+        settings: the job's LoRA settings.
+        trained: the names of the trained parameters (adapters, and a value or score head), after injection.
+        heads: the model's heads that are trained in full (`HEADS` it has): a model with one is checkpointed as a
+            sequence classifier (task type SEQ_CLS) with the head in `modules_to_save`.
+    """
+
+    def __init__(self, settings: LoraSettings, *, trained: list[str], heads: list[str]):
+        self.settings, self.trained, self.heads = settings, trained, heads
+
+    @classmethod
+    def inject(cls, model: torch.nn.Module, settings: LoraSettings) -> "LoraAdapters":
+        """Inject adapters into `model` (`apply_lora`) and describe them."""
+        apply_lora(model, settings)
+        return cls(settings, trained=[n for n, p in model.named_parameters() if p.requires_grad],
+                   heads=[h for h in HEADS if hasattr(model, h)])
+
+    def merged(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The plain model's stream: W + s B A per adapted Linear (`merged_weights`)."""
+        return merged_weights(weights, self.settings.scaling)
+
+    def checkpoint_view(self, obj, kind: str):
+        """A policy's (or reward model's) adapters in PEFT's layout instead of the full model ("peft" part); a
+        critic's adapters and head as its torch part."""
+        if kind == "hf_model":
+            task = "SEQ_CLS" if self.heads else "CAUSAL_LM"
+            return LoraCheckpointState(obj, self.settings, trained=self.trained, peft_names=True, task_type=task,
+                                       modules_to_save=self.heads or None), "peft"
+        return LoraCheckpointState(obj, self.settings, trained=self.trained, peft_names=False), kind

@@ -1,4 +1,4 @@
-"""The models of a job as the trainer holds them: trained models (`astrai.distributed.engines.TrainedModel`: a
+"""The models of a job as the trainer holds them: trained models (`astrai.distributed.sharding.TrainedModel`: a
 model with its optimizer and schedule under the run's data-parallel engine, the unit `Trainer.accumulate_and_step`
 steps) built from the config, frozen reference copies, and the model options applied before a strategy is built
 (MoE).
@@ -12,10 +12,9 @@ from typing import Optional
 import torch
 
 from astrai.config import ConfigError
-from astrai.distributed.engines import TrainedModel, prepare_reference, prepare_trained
+from astrai.distributed.sharding import TrainedModel, prepare_reference, prepare_trained
 from astrai.models.moe import collect_aux_loss, convert_to_moe
-from astrai.trainer.lora import (HEADS, AdaptersOff, LoraCheckpointState, LoraSettings, apply_lora, lora_settings,
-                                 shared_base_model)
+from astrai.trainer.lora import AdaptersOff, LoraAdapters, lora_settings, shared_base_model
 from astrai.trainer.optim import build_optimizer, build_scheduler
 
 __all__ = ["TrainedModel", "apply_model_options", "build_trained_model", "frozen_copy", "moe_aux_loss",
@@ -28,13 +27,13 @@ def build_trained_model(config, dist, model: torch.nn.Module, *, name: str,
     `optim.fused_supported`, never under DeepSpeed) and the LR schedule of
     `config.optim` (peak `lr`, default `optim.learning_rate`) over `config.train.max_steps` optimizer steps. Copies
     of the model that must stay whole (the rollout engine's, the reference) are made before this call. With
-    `model.lora` the model gets its adapters here (`lora.apply_lora`), the optimizer only the trained parameters,
-    and the trained model a `lora` attribute (its settings; the engine sync merges the adapters) and a
-    `checkpoint_view` that checkpoints only the trained tensors (`lora.LoraCheckpointState`)."""
+    `model.lora` the model gets its adapters here (`lora.LoraAdapters.inject`), the optimizer only the trained
+    parameters, and the trained model the adapters (its `full_weights` merge them for the engine; its checkpoints
+    hold only the trained tensors)."""
     o = config.optim
     # DeepSpeed steps the torch optimizer over its own flat fp32 partitions: keep torch's default implementation
     # there. Elsewhere fused AdamW where every parameter allows it (not FSDP2's DTensor shards).
-    fused = False if getattr(dist, "strategy", "ddp").startswith("zero") else None
+    fused = False if dist.strategy.startswith("zero") else None
 
     def optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
         return build_optimizer([p for p in module.parameters() if p.requires_grad], lr=lr or o.learning_rate, betas=(o.adam_beta1, o.adam_beta2),
@@ -44,27 +43,11 @@ def build_trained_model(config, dist, model: torch.nn.Module, *, name: str,
         return build_scheduler(opt, name=o.lr_scheduler_type, warmup_steps=o.warmup_steps,
                                total_steps=config.train.max_steps, decay_ratio=o.decay_ratio)
 
-    lora = lora_settings(config)
-    if lora is not None:  # adapters injected into this model only: the engine and reference copies stay plain
-        apply_lora(model, lora)
-        trained_names = [n for n, p in model.named_parameters() if p.requires_grad]
-        heads = [h for h in HEADS if hasattr(model, h)]
-    trained = prepare_trained(dist, name, model, optimizer=optimizer, scheduler=scheduler,
-                              max_grad_norm=o.max_grad_norm)
-    if lora is not None:
-        trained.lora = lora
-        trained.checkpoint_view = lambda obj, kind: _lora_part(obj, kind, lora, trained_names, heads)
-    return trained
-
-
-def _lora_part(obj, kind: str, lora: LoraSettings, trained: list[str], heads: list[str]):
-    """A LoRA model's checkpoint part: the policy's (or reward model's) adapters in PEFT's layout instead of the
-    full model; a critic's adapters and head as its torch part."""
-    if kind == "hf_model":
-        task = "SEQ_CLS" if heads else "CAUSAL_LM"
-        return LoraCheckpointState(obj, lora, trained=trained, peft_names=True, task_type=task,
-                                   modules_to_save=heads or None), "peft"
-    return LoraCheckpointState(obj, lora, trained=trained, peft_names=False), kind
+    settings = lora_settings(config)
+    # adapters are injected into this model only: the engine and reference copies stay plain
+    adapters = LoraAdapters.inject(model, settings) if settings is not None else None
+    return prepare_trained(dist, name, model, optimizer=optimizer, scheduler=scheduler,
+                           max_grad_norm=o.max_grad_norm, adapters=adapters)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -81,11 +64,11 @@ def reference_model(dist, policy: torch.nn.Module, config=None) -> torch.nn.Modu
     `config`) it is the base, never a copy, since LoRA never changes it: under ddp / zero1 / zero2 a plain model of
     the policy's own frozen tensors (`lora.shared_base_model`), under fsdp2 / zero3, which partition the policy in
     place, the policy module itself called with its adapters off (`lora.AdaptersOff`). Without LoRA, a copy of
-    `policy` prepared for inference only under the run's engine (`engines.prepare_reference`: partitioned under
+    `policy` prepared for inference only under the run's engine (`astrai.distributed.sharding.prepare_reference`: partitioned under
     fsdp2 and zero3, never given an optimizer)."""
     if config is not None and config.model.lora:
         policy = policy.to(dist.device)
-        if getattr(dist, "strategy", "ddp") in SHARED_BASE_STRATEGIES:
+        if dist.strategy in SHARED_BASE_STRATEGIES:
             return shared_base_model(policy)
         return AdaptersOff(policy)
     return prepare_reference(dist, frozen_copy(policy))

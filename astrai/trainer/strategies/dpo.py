@@ -20,7 +20,7 @@ from astrai.data.records import load_records, require_str
 from astrai.data.sequences import Sequences
 from astrai.data.truncation import prompt_ids_and_budget, report_dropped
 from astrai.models.special_tokens import response_end_id, stop_token_ids
-from astrai.rollout.scoring import response_logprobs
+from astrai.forward import response_logprobs
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.trainer.strategies.sft import SupervisedStrategy
 

@@ -19,12 +19,13 @@ import torch
 
 from astrai.algos import advantage_estimator, aggregate_loss, kl_k3, masked_mean, ppo_token_rewards
 from astrai.config import GRPOSection
-from astrai.rollout.result import RolloutResult
-from astrai.rollout.runner import Experience
-from astrai.trainer.experience import ExperienceSource, build_online_experience, build_rollout_engine
+from astrai.experience.result import RolloutResult
+from astrai.experience.runner import Experience
+from astrai.experience.sources import ExperienceSource
+from astrai.rollout.build import build_rollout_engine
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
-from astrai.trainer.replay import RolloutReplay
-from astrai.trainer.strategies.policy_gradient import RolloutStrategy
+from astrai.experience.replay import RolloutReplay
+from astrai.trainer.strategies.policy_gradient import RolloutStrategy, online_experience
 from astrai.trainer.strategies.policy_loss import RolloutCorrection, loss_agg_mode, policy_objective
 
 
@@ -202,6 +203,6 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     ref_model = reference_model(dist, policy, config) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
     engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
     trained = build_trained_model(config, dist, policy, name="policy")
-    experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
-                                         chunk_size=g.micro_batch_size, group_size=g.group_size)
+    experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
+                                   chunk_size=g.micro_batch_size, group_size=g.group_size)
     return grpo_strategy(config, dist, trained, experience)

@@ -18,13 +18,14 @@ from astrai.algos import advantage_estimator, explained_variance, kl_estimate, m
 from astrai.checkpoint import Part
 from astrai.config import PPOSection
 from astrai.models import ValueModel
-from astrai.rollout.result import RolloutResult
-from astrai.rollout.runner import Experience
-from astrai.rollout.scoring import response_values, score_in_chunks
-from astrai.trainer.experience import ExperienceSource, build_online_experience, build_rollout_engine
+from astrai.experience.result import RolloutResult
+from astrai.experience.runner import Experience
+from astrai.forward import response_values, score_in_chunks
+from astrai.experience.sources import ExperienceSource
+from astrai.rollout.build import build_rollout_engine
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
-from astrai.trainer.replay import RolloutReplay
-from astrai.trainer.strategies.policy_gradient import RolloutStrategy, action_tokens
+from astrai.experience.replay import RolloutReplay
+from astrai.trainer.strategies.policy_gradient import RolloutStrategy, online_experience, action_tokens
 from astrai.trainer.strategies.policy_loss import Objective, RolloutCorrection, loss_agg_mode, policy_objective
 
 
@@ -144,8 +145,8 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
     critic = build_trained_model(config, dist, ValueModel.from_policy(policy, p.critic_layers), name="critic",
                                  lr=config.optim.critic_learning_rate)
     trained = build_trained_model(config, dist, policy, name="policy")
-    experience = build_online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
-                                         chunk_size=p.micro_batch_size, group_size=p.group_size)
+    experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
+                                   chunk_size=p.micro_batch_size, group_size=p.group_size)
     replay = RolloutReplay(minibatch_size=p.minibatch_size, epochs=p.epochs, seed=config.train.seed + 1000 * dist.rank)
     return OnlinePPOStrategy(policy=trained, critic=critic, experience=experience, replay=replay, settings=p,
                              temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics,

@@ -4,7 +4,8 @@
 `ExperienceSource`, pin the train type's targets on it (`pin_targets`: GAE for PPO, group advantages for GRPO) and
 load it into the `RolloutReplay`; then `update` the models on the next minibatch. `policy_update` is the policy
 optimizer step both share: the train type's objective on log-probs computed by the one scoring function the
-engine's `old_logprobs` are aligned with (`rollout.scoring.response_logprobs`, docs/conventions.md section 2).
+engine's `old_logprobs` are aligned with (`astrai.forward.response_logprobs`, docs/conventions.md section 2).
+`online_experience` wires the online train types' experience source to the trained policy.
 """
 
 from __future__ import annotations
@@ -18,14 +19,29 @@ import torch.nn.functional as F
 
 from astrai.algos import MAX_METRICS, aggregate_loss, loss_units, metric_agg_mode, mismatch_metrics
 from astrai.checkpoint import CheckpointError, Part
-from astrai.rollout.result import RolloutResult
-from astrai.rollout.reward_functions import reward_metrics
-from astrai.rollout.runner import Experience
-from astrai.rollout.scoring import response_logprobs
-from astrai.trainer.experience import ExperienceSource
+from astrai.distributed.sharding import prepare_reference
+from astrai.experience.build import build_online_experience
+from astrai.experience.replay import RolloutReplay
+from astrai.experience.result import RolloutResult
+from astrai.experience.runner import Experience
+from astrai.experience.sources import ExperienceSource, OnlineExperience
+from astrai.forward import response_logprobs
+from astrai.rewards.functions import reward_metrics
+from astrai.rollout.engine import GenerationEngine, sync_weights
 from astrai.trainer.models import TrainedModel
-from astrai.trainer.replay import RolloutReplay
 from astrai.trainer.strategies.policy_loss import Objective, RolloutCorrection
+
+
+def online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: GenerationEngine,
+                      ref_model: Optional[torch.nn.Module], chunk_size: int, group_size: int) -> OnlineExperience:
+    """The online experience source of an online train type (`astrai.experience.build.build_online_experience`):
+    before each batch the engine takes `policy`'s weights (`policy.full_weights`, LoRA adapters merged) unless it
+    holds the version already; a reward model is prepared for inference as the reference model is (partitioned
+    under fsdp2 / zero3)."""
+    return build_online_experience(
+        config, dist, tokenizer, engine=engine, model_config=policy.model.config,
+        sync_weights=lambda version: sync_weights(engine, policy.full_weights, version), ref_model=ref_model,
+        chunk_size=chunk_size, group_size=group_size, prepare_model=lambda model: prepare_reference(dist, model))
 
 
 def action_tokens(micro: RolloutResult) -> torch.Tensor:

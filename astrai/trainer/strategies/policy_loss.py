@@ -18,9 +18,9 @@ from typing import Callable, Optional
 import torch
 
 from astrai.algos import ROLLOUT_CORRECTIONS, correction_weights, mismatch_metrics, policy_loss
-from astrai.rollout.result import RolloutResult
-from astrai.rollout.runner import Experience
-from astrai.rollout.scoring import response_logprobs, score_in_chunks
+from astrai.experience.result import RolloutResult
+from astrai.experience.runner import Experience
+from astrai.forward import response_logprobs, score_in_chunks
 
 Objective = Callable[[torch.Tensor, RolloutResult, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(logprobs (b, T) float32 with grad, micro-batch, the step's global loss units 0-dim) -> (loss share, metric

@@ -1,4 +1,4 @@
-"""Child side of astrai's code sandbox (the parent side, and the full description, is ``astrai/rollout/sandbox.py``).
+"""Child side of astrai's code sandbox (the parent side, and the full description, is ``astrai/sandbox/execute.py``).
 
 Never imported by the trainer: ``sandbox.py`` reads this file as text and runs it as
 ``python -I -S -B -c <this source> <run id>`` with the current directory a fresh temporary directory that holds

@@ -84,7 +84,7 @@ def parse_tests(tests: str | Sequence[str], *, where: str = "tests") -> tuple[Un
 
 
 def decode(obj: Any, depth: int = 0) -> Any:
-    """The value a tagged-JSON record from the harness describes (see ``sandbox_harness.encode``); no eval.
+    """The value a tagged-JSON record from the harness describes (see ``astrai.sandbox.harness.encode``); no eval.
 
     Raises:
         ValueError, TypeError: for anything that is not a well-formed record (including unhashable set items).

@@ -1,11 +1,11 @@
 """Run untrusted Python (a model's completion) against unit tests in a separate, resource-limited process.
 
 The sandbox of DESIGN.md section 7 ("Rewards": model output never runs in the trainer's process) and of issue 32,
-part 4; used by the ``code_unit_tests`` reward (``astrai/rollout/code_reward.py``).
+part 4; used by the ``code_unit_tests`` reward (``astrai/rewards/code.py``).
 
 Model output is never executed in the trainer's process: ``run_tests`` starts a fresh interpreter
 (``python -I -S -B``: isolated mode, no site, no user site, no bytecode files) running
-``astrai/rollout/sandbox_harness.py``, in its own session, with
+``astrai/sandbox/harness.py``, in its own session, with
 
 - a fresh temporary directory as working directory (removed afterwards) and a scrubbed environment (only
   ``PATH`` and ``LANG``: nothing of the trainer's, so no HF token or WANDB key);
@@ -22,7 +22,7 @@ Model output is never executed in the trainer's process: ``run_tests`` starts a 
   are not available the run still has the limits above, and the first run says in ONE log line what is missing
   (``sandbox_isolation()`` tells which apply; docs/rewards.md lists what each missing piece exposes).
 
-Tests: assert statements (format in ``astrai/rollout/code_tests.py``). For ``assert <expr> == <literal>`` only
+Tests: assert statements (format in ``astrai/sandbox/code_tests.py``). For ``assert <expr> == <literal>`` only
 ``<expr>`` enters the sandbox and the trainer compares its value with the literal, so code cannot fake a pass
 without knowing the expected values. Results travel on a dedicated pipe, each record carrying a per-run random
 token, never on stdout: printing "all passed" or exiting early (``sys.exit(0)``, ``os._exit(0)``) passes nothing.
@@ -48,11 +48,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
-from astrai.rollout.code_tests import UnitTest, parse_tests, verdicts
-from astrai.rollout.sandbox_process import collect, kill_marked, kill_uid, stop
+from astrai.sandbox.code_tests import UnitTest, parse_tests, verdicts
+from astrai.sandbox.process import collect, kill_marked, kill_uid, stop
 
 LOG = logging.getLogger("astrai.sandbox")
-HARNESS_SOURCE = Path(__file__).with_name("sandbox_harness.py").read_text(encoding="utf-8")
+HARNESS_SOURCE = Path(__file__).with_name("harness.py").read_text(encoding="utf-8")
 DEFAULT_HIDE = ("/tmp", "/var/tmp", "/run", "/dev/shm", "~")
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 RANDOM_UID_BASE = 1 << 30

@@ -107,7 +107,7 @@ class RolloutResult:
         """The micro-batches a minibatch is trained in: its rows ordered by real length (prompt + response tokens,
         a stable sort, so the order is a pure function of the data), cut into chunks of at most `rows` rows, each
         trimmed to the columns its rows use (`trim_padding`). Rows of similar length share a micro-batch (astrai's
-        models then run it padding-free, `rollout.scoring`; other models compute less padding). The minibatch's
+        models then run it padding-free, `astrai.forward`; other models compute less padding). The minibatch's
         rows are exactly the same; with a loss that is a token sum over the step's global token count
         (`Trainer.accumulate_and_step`) the result equals `split(rows)`'s up to float rounding. Per-token tensors
         of different micro-batches may differ in width T'. (An MoE model's load-balancing loss is a per-forward

@@ -3,7 +3,7 @@
 A reward function is named by ``"package.module:function"`` (imported from `sys.path`, the job's working
 directory included) or by ``"module:function"`` plus ``path`` (a ``.py`` file, loaded under a private module name,
 so a file outside the package works). `load_reward_function` imports it; `RewardWorkerPool` runs calls in
-``num_workers`` processes, each a fresh interpreter (``python -m astrai.rollout.reward_workers``: no forked trainer
+``num_workers`` processes, each a fresh interpreter (``python -m astrai.rewards.workers``: no forked trainer
 threads or CUDA state) in a session of its own, so a call that does not return within ``timeout_seconds`` is ended by
 killing the worker's whole process group (anything it started included) and the worker is started again for the
 next call. A worker that dies (a crash, an out-of-memory kill) is replaced the same way. This module imports no
@@ -150,14 +150,14 @@ STARTUP_SECONDS = 120.0
 
 
 class _Worker:
-    """One worker process (`python -m astrai.rollout.reward_workers`, a session of its own) and two pipes to it;
+    """One worker process (`python -m astrai.rewards.workers`, a session of its own) and two pipes to it;
     `ready()` waits for its start-up message. A plain subprocess, not `multiprocessing`: it never re-imports the
     trainer's `__main__` module, so a user script without an `if __name__ == "__main__"` guard works too."""
 
     def __init__(self, specs):
         to_child, from_parent = os.pipe()
         from_child, to_parent = os.pipe()
-        self.process = subprocess.Popen([sys.executable, "-m", "astrai.rollout.reward_workers", str(to_child),
+        self.process = subprocess.Popen([sys.executable, "-m", "astrai.rewards.workers", str(to_child),
                                          str(to_parent)], pass_fds=(to_child, to_parent), start_new_session=True,
                                         stdin=subprocess.DEVNULL)
         os.close(to_child)
@@ -296,5 +296,5 @@ def _close_pools() -> None:
         pool.close()
 
 
-if __name__ == "__main__":  # a worker process: python -m astrai.rollout.reward_workers IN_FD OUT_FD
+if __name__ == "__main__":  # a worker process: python -m astrai.rewards.workers IN_FD OUT_FD
     _worker_main(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))

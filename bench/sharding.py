@@ -1,6 +1,6 @@
 """Step time of the main job (online PPO on SmolLM2-135M) under each engine, several ranks on this machine.
 
-    python bench/engines.py [--engines ddp,fsdp2,zero1,zero2,zero3] [--nproc 2] [--steps 3] [--threads 1]
+    python bench/sharding.py [--engines ddp,fsdp2,zero1,zero2,zero3] [--nproc 2] [--steps 3] [--threads 1]
                             [any astrai.train override ...]
 
 For each engine, starts the job as a user would: `accelerate launch --config_file configs/zero/<engine>.yaml

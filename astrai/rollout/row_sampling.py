@@ -17,13 +17,13 @@ import torch
 
 from astrai.rollout.sampling import SamplingParams, truncation_mask
 
-__all__ = ["FrequencyPenaltyStrategy", "RowSampling", "sample_rows", "request_seed"]
+__all__ = ["FrequencyPenalty", "RowSampling", "sample_rows", "request_seed"]
 
 _MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
-class FrequencyPenaltyStrategy:
+class FrequencyPenalty:
     """Subtract `penalty * count(token)` from the (temperature-scaled) logits, counting the request's last
     `window` generated tokens (0 = all of them).
 
@@ -36,7 +36,7 @@ class FrequencyPenaltyStrategy:
 
     def __post_init__(self):
         if self.window < 0:
-            raise ValueError(f"FrequencyPenaltyStrategy.window: expected >= 0, got {self.window}")
+            raise ValueError(f"FrequencyPenalty.window: expected >= 0, got {self.window}")
 
     def apply(self, scaled: torch.Tensor, generated: Sequence[int]) -> torch.Tensor:
         """scaled (V,) float32 -> penalised copy (V,); `generated`: the request's sampled token ids so far."""
@@ -53,7 +53,7 @@ class RowSampling:
     """Sampling state of one request: settings, optional penalty, own RNG, tokens generated so far."""
 
     params: SamplingParams
-    penalty: Optional[FrequencyPenaltyStrategy]
+    penalty: Optional[FrequencyPenalty]
     generator: torch.Generator
     generated: list[int]
 

@@ -1,11 +1,11 @@
 """Accuracy of a policy on question/answer prompts: generate with the rollout engine, score with a reward.
 
 One function, `evaluate`, serves the `python -m astrai.evaluate` command and the in-training evaluation callback
-(`astrai.trainer.evaluation`). Prompts are built by `astrai.data.truncation.encode_prompt_records`, exactly as the
+(`astrai.trainer.evaluation_callback`). Prompts are built by `astrai.data.truncation.encode_prompt_records`, exactly as the
 online train types build them (chat template, optional system prompt, `max_prompt_length` under the
 `data.truncation` policy; prompts `filter` drops are not evaluated); generation stops on the model's stop set
 (`astrai.models.special_tokens.stop_token_ids`) and responses are decoded without a final stop token and with
-special tokens skipped, as for training, and scored by a reward of `astrai.rollout.rewards` with
+special tokens skipped, as for training, and scored by a reward of `astrai.rewards.builtins` with
 `format_bonus=0`.
 
 Correctness and statistics: a response is correct when its score is at least 1 (`CORRECT_SCORE`; the exact-match
@@ -169,7 +169,7 @@ def evaluate(engine, tokenizer, records: Sequence, *, reward: Callable, settings
             its weights are used as they are (the caller syncs them).
         tokenizer: the model's tokenizer (chat template, decode, eos).
         records: `astrai.data.PromptRecord`s (prompt, answer, index).
-        reward: a reward function of `astrai.rollout.rewards` (called with `format_bonus=0.0`).
+        reward: a reward function of `astrai.rewards.builtins` (called with `format_bonus=0.0`).
         settings: generation settings.
         max_prompt_length, system_prompt, truncation: prompt building, as in training (`data.max_prompt_length`,
             `data.system_prompt`, `data.truncation`); `source` names the data in errors and in what `log` prints.

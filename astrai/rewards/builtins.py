@@ -217,7 +217,7 @@ def completion_text(completion) -> str:
                      f"{type(completion).__name__}")
 
 
-REWARD_FUNCTIONS: dict[str, str] = {"code_unit_tests": "astrai.rollout.code_reward:code_unit_tests"}
+REWARD_FUNCTIONS: dict[str, str] = {"code_unit_tests": "astrai.rewards.code:code_unit_tests"}
 """Built-in rewards written with the reward-function calling convention (`reward_functions`: ``fn(prompts,
 completions, **columns) -> list[float | None]``), by name -> "module:function" (imported on first use: the code
 sandbox is loaded only by a job that uses it); run in the trainer's process."""

@@ -5,7 +5,7 @@ TRL's reward-function calling convention (``trl`` ``GRPOTrainer`` ``reward_funcs
     code_unit_tests(prompts: list[str], completions: list[str], *, tests: list, **columns) -> list[float | None]
 
 ``tests`` is the record column of tests, one entry per completion: a list of assert statements (MBPP's
-``test_list``; the format is described in ``astrai/rollout/code_tests.py``). An optional ``test_setup`` column
+``test_list``; the format is described in ``astrai/sandbox/code_tests.py``). An optional ``test_setup`` column
 (one string per completion, e.g. imports; MBPP's ``test_setup_code``) runs after the solution and before the
 tests. Every other column is ignored. The reward is passed / total in [0, 1] (partial credit by fraction of tests
 passed); a completion whose ``tests`` entry is None or empty gets None (not applicable). Completions may also be
@@ -28,9 +28,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from astrai.rollout.code_tests import parse_tests
-from astrai.rollout.rewards import completion_text
-from astrai.rollout.sandbox import SandboxError, SandboxLimits, SandboxResult, run_tests
+from astrai.sandbox.code_tests import parse_tests
+from astrai.rewards.builtins import completion_text
+from astrai.sandbox.execute import SandboxError, SandboxLimits, SandboxResult, run_tests
 
 PYTHON_TAGS = ("python", "py", "python3")
 DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -110,7 +110,7 @@ def make_code_unit_tests(*, limits: SandboxLimits | None = None,
 
     def code_unit_tests(prompts: list[str], completions: list[Any], *, tests: list,
                         **columns: Any) -> list[float | None]:
-        """passed / total per completion (None where it has no tests); see ``astrai.rollout.code_reward``.
+        """passed / total per completion (None where it has no tests); see ``astrai.rewards.code``.
 
         Raises:
             ValueError: for mismatched lengths or malformed tests. SandboxError: the sandbox itself failed.

@@ -1,4 +1,4 @@
-"""Process plumbing of astrai's code sandbox (``astrai/rollout/sandbox.py``): reading the harness's pipes up to
+"""Process plumbing of astrai's code sandbox (``astrai/sandbox/execute.py``): reading the harness's pipes up to
 their caps, ending the harness and everything it started, and sweeping a run's uid. Stdlib only."""
 
 from __future__ import annotations

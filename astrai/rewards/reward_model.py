@@ -19,7 +19,7 @@ import torch
 from astrai.data.sequences import Sequences
 from astrai.data.truncation import encode_prompt
 from astrai.models.special_tokens import response_end_id, stop_token_ids
-from astrai.rollout.rewards import completion_text
+from astrai.rewards.builtins import completion_text
 
 __all__ = ["RewardModelScorer"]
 

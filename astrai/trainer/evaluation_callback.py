@@ -8,12 +8,12 @@ of the step's `time/step_seconds` when it comes before the step timer. The per-q
 response, extracted answer, correct ..., as `python -m astrai.evaluate` writes them) go to
 `<train.output_dir>/eval/step-<N>.jsonl`, so what the model answers can be read as it learns.
 
-What is measured is exactly what `python -m astrai.evaluate` measures (`astrai.rollout.evaluation.evaluate`):
+What is measured is exactly what `python -m astrai.evaluate` measures (`astrai.evaluation.accuracy.evaluate`):
 prompts built as for training (`data.system_prompt`, `data.max_prompt_length`), greedy decoding with
 `rollout.max_new_tokens`, the configured `reward.name` without format bonus.
 
 Engine: an online train type evaluates with its own rollout engine (`strategy.rollout_engine`), first synced to
-the current `policy_version` (`experience.sync_engine`); afterwards the engine's prefix cache is cleared, so the
+the current `policy_version` (`astrai.rollout.engine.sync_weights`); afterwards the engine's prefix cache is cleared, so the
 next rollout does not reuse blocks that evaluation prompts filled. Offline train types get an engine of their
 own, copied from the policy at the first evaluation and synced the same way later. Random streams: the engine
 draws from a dedicated generator seeded with `train.seed`, so training's RNGs (and bitwise resume) are untouched.
@@ -36,10 +36,10 @@ from astrai.data import PromptDataset
 from astrai.data.truncation import encode_prompt_records
 from astrai.models.loading import empty_model
 from astrai.models.special_tokens import stop_token_ids
-from astrai.rollout.engine import build_engine
-from astrai.rollout.evaluation import EvalSettings, evaluate
-from astrai.rollout.rewards import ANSWER_EXTRACTORS, get_reward
-from astrai.trainer.experience import build_rollout_engine, sync_engine
+from astrai.rollout.build import build_rollout_engine
+from astrai.rollout.engine import build_engine, sync_weights
+from astrai.evaluation.accuracy import EvalSettings, evaluate
+from astrai.rewards.builtins import ANSWER_EXTRACTORS, get_reward
 from astrai.trainer.loop import Callback
 
 __all__ = ["EvaluationCallback", "build_evaluation"]
@@ -55,7 +55,7 @@ class EvaluationCallback(Callback):
     Args:
         records: the held-out `PromptRecord`s (all of them; each rank takes its share).
         tokenizer: the policy's tokenizer.
-        reward: reward function of `astrai.rollout.rewards`.
+        reward: reward function of `astrai.rewards.builtins`.
         settings: generation settings (greedy).
         eval_steps: evaluate when `global_step % eval_steps == 0` (> 0), and after the last step.
         strategy: the train type: its `policy` (a `TrainedModel`) and `rollout_engine` (None for offline types).
@@ -135,7 +135,7 @@ class EvaluationCallback(Callback):
         """Evaluate the current policy; returns the `eval/*` metrics (0-dim tensors) summed over ranks."""
         start = time.perf_counter()
         engine = self.engine(policy_version)
-        sync_engine(engine, self.strategy.policy, policy_version)
+        sync_weights(engine, self.strategy.policy.full_weights, policy_version)
         asleep = getattr(engine, "asleep", False)
         if asleep:
             engine.wake()

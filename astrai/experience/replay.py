@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from astrai.rollout.result import RolloutResult
+from astrai.experience.result import RolloutResult
 
 
 class RolloutReplay:

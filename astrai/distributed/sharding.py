@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol
 
 import torch
 
@@ -28,8 +28,19 @@ from astrai.checkpoint import Part
 from astrai.distributed.zero_memory import share_zero3_fp32_master
 from astrai.runtime_env import announce_deepspeed_op_build
 
-__all__ = ["DeepSpeedModel", "FSDP2Model", "FullModelState", "TrainedModel", "prepare_reference", "prepare_trained",
-           "shard_blocks"]
+__all__ = ["Adapters", "DeepSpeedModel", "FSDP2Model", "FullModelState", "TrainedModel", "prepare_reference",
+           "prepare_trained", "shard_blocks"]
+
+
+class Adapters(Protocol):
+    """What a model trained through adapters (LoRA: `astrai.trainer.lora.LoraAdapters`) changes in its trained model:
+    the weights it hands out and the part it checkpoints."""
+
+    def merged(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The plain model's (name, tensor) stream of the adapted model's stream (adapters merged into their base)."""
+
+    def checkpoint_view(self, obj: Any, kind: str) -> tuple[Any, str]:
+        """(model part object, kind) -> (object, kind) to checkpoint instead (LoRA: only the trained tensors)."""
 
 
 def _deepspeed():
@@ -54,24 +65,26 @@ class TrainedModel:
         module: the model as wrapped for data parallelism (call it for forwards, with or without grad).
         optimizer: its optimizer; scheduler: its learning-rate schedule (stepped once per optimizer step).
         dist: the process state (`DistributedContext`).
+        adapters: set when the model trains adapters (LoRA): `full_weights` merges them, checkpoints hold only them.
     """
 
+    casts_itself = False
+    """True for the sharded engines, which cast through their own precision settings (no torch autocast or
+    GradScaler here)."""
+
     def __init__(self, *, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, dist):
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, dist, adapters: Optional[Adapters] = None):
         self.name, self.module, self.optimizer, self.scheduler, self.dist = name, module, optimizer, scheduler, dist
-        self.mixed_precision = getattr(dist, "mixed_precision", "no")
-        self.checkpoint_view: Optional[Callable[[Any, str], tuple[Any, str]]] = None
-        """(model part object, kind) -> (object, kind) to checkpoint instead (LoRA: only the trained tensors)."""
-        self.lora: Any = None
-        """The LoRA settings when it trains adapters (`trainer.lora.LoraSettings`; the engine sync merges them)."""
+        self.adapters = adapters
+        self.mixed_precision = dist.mixed_precision
         self.grad_scaler = (torch.amp.GradScaler(dist.device.type) if self.mixed_precision == "fp16"
-                            and type(self) is TrainedModel else None)
+                            and not self.casts_itself else None)
 
     def autocast(self):
         """Context for the training forward and loss: under ddp with `train.bf16` / `train.fp16`, autocast to that
         dtype over fp32 parameters (log-probs, KL, advantages and losses are computed in float32 by `astrai.algos`
         either way); the sharded engines cast through their own precision settings, so nothing here."""
-        if self.mixed_precision == "no" or type(self) is not TrainedModel:
+        if self.mixed_precision == "no" or self.casts_itself:
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.mixed_precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.dist.device.type, dtype=dtype)
@@ -138,9 +151,15 @@ class TrainedModel:
         return self.mixed_precision == "fp16"
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) for every entry of the model's state dict (tied weights under each name), one at a
-        time; every rank must iterate to the end (a collective for the sharded engines). A tensor may share memory
-        with the model or be freed after the next item: copy it before advancing."""
+        """(name, full tensor) for every entry of the plain model's state dict (tied weights under each name; with
+        adapters, merged into their base: W + s B A), one at a time; every rank must iterate to the end (a
+        collective for the sharded engines). A tensor may share memory with the model or be freed after the next
+        item: copy it before advancing. What the rollout engine loads (`astrai.rollout.engine.sync_weights`)."""
+        weights = self._state_stream()
+        yield from (self.adapters.merged(weights) if self.adapters is not None else weights)
+
+    def _state_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's own (name, full tensor) stream, adapters unmerged."""
         yield from self.model.state_dict().items()
 
     def checkpoint_parts(self, model_part: str, *, kind: str = "torch", prefix: str = "") -> dict[str, Part]:
@@ -151,9 +170,9 @@ class TrainedModel:
                 f"{prefix}scheduler": Part(self.scheduler)}
 
     def _model_part(self, obj: Any, kind: str) -> Part:
-        """The model's checkpoint part, through `checkpoint_view` when one is set."""
-        if self.checkpoint_view is not None:
-            obj, kind = self.checkpoint_view(obj, kind)
+        """The model's checkpoint part, through the adapters' `checkpoint_view` when it trains adapters."""
+        if self.adapters is not None:
+            obj, kind = self.adapters.checkpoint_view(obj, kind)
         return Part(obj, kind, weights=True)
 
 
@@ -193,6 +212,8 @@ def shard_blocks(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
 class FSDP2Model(TrainedModel):
     """fsdp2: `module` is the model sharded by `shard_blocks`; the optimizer holds DTensor shards."""
 
+    casts_itself = True
+
     @property
     def model(self) -> torch.nn.Module:
         """The sharded model itself (FSDP2 shards in place; there is no wrapper)."""
@@ -203,7 +224,7 @@ class FSDP2Model(TrainedModel):
         self.module.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _state_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each parameter all-gathered in turn (`DTensor.full_tensor`), in state-dict order on every rank."""
         for name, tensor in self.module.state_dict().items():
             yield name, _as_local(tensor)
@@ -252,6 +273,8 @@ class DeepSpeedModel(TrainedModel):
     the engine steps. The engine clips with `gradient_clipping` = `optim.max_grad_norm` and reports the pre-clip
     norm after the step."""
 
+    casts_itself = True
+
     def __init__(self, *, stage: int, **kwargs):
         super().__init__(**kwargs)
         self.stage = stage
@@ -282,7 +305,7 @@ class DeepSpeedModel(TrainedModel):
         applied = bool(self.module.was_step_applied())
         return torch.as_tensor(0.0 if norm is None else norm).detach().float(), lr, applied
 
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _state_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each parameter in full: under ZeRO-3 gathered in turn (`deepspeed.zero.GatheredParameters`)."""
         if self.stage < 3:
             yield from self.model.state_dict().items()
@@ -379,26 +402,26 @@ def _allow_deepspeed_state() -> None:
 def prepare_trained(dist, name: str, model: torch.nn.Module, *,
                     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
                     scheduler: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler],
-                    max_grad_norm: float) -> TrainedModel:
+                    max_grad_norm: float, adapters: Optional[Adapters] = None) -> TrainedModel:
     """Wrap `model` (on `dist.device`) for training under `dist.strategy` and build its optimizer and schedule from
-    the factories (after sharding: FSDP2 optimizers take the DTensor shards).
+    the factories (after sharding: FSDP2 optimizers take the DTensor shards). `adapters`: see `TrainedModel`.
 
     Raises:
         ValueError: an unknown strategy.
     """
-    strategy = getattr(dist, "strategy", "ddp")
-    mixed = getattr(dist, "mixed_precision", "no")
+    strategy, mixed = dist.strategy, dist.mixed_precision
     model = model.to(dist.device)
     if strategy != "ddp":
         _ensure_process_group(dist)
     if strategy == "ddp":
         opt = optimizer(model)
         return TrainedModel(name=name, module=dist.prepare_model(model), optimizer=opt, scheduler=scheduler(opt),
-                            dist=dist)
+                            dist=dist, adapters=adapters)
     if strategy == "fsdp2":
         shard_blocks(model, **_fsdp_precision(mixed))
         opt = optimizer(model)
-        return FSDP2Model(name=name, module=model, optimizer=opt, scheduler=scheduler(opt), dist=dist)
+        return FSDP2Model(name=name, module=model, optimizer=opt, scheduler=scheduler(opt), dist=dist,
+                          adapters=adapters)
     if strategy in ("zero1", "zero2", "zero3"):
         deepspeed = _deepspeed()
 
@@ -411,11 +434,11 @@ def prepare_trained(dist, name: str, model: torch.nn.Module, *,
             model=model, optimizer=opt, lr_scheduler=sched,
             config=deepspeed_config(stage=stage, max_grad_norm=max_grad_norm, mixed_precision=mixed,
                                     num_params=sum(p.numel() for p in model.parameters()),
-                                    user=getattr(dist, "deepspeed_config", None)))
+                                    user=dist.deepspeed_config))
         if stage == 3:
             share_zero3_fp32_master(zero_optimizer)
         return DeepSpeedModel(stage=stage, name=name, module=engine, optimizer=zero_optimizer, scheduler=sched,
-                              dist=dist)
+                              dist=dist, adapters=adapters)
     raise ValueError(f"distributed.strategy: unknown {strategy!r}")
 
 
@@ -451,11 +474,11 @@ def prepare_reference(dist, model: torch.nn.Module) -> torch.nn.Module:
     partitioned under fsdp2 (`shard_blocks`) and zero3 (a ZeRO-3 inference engine), whole on every rank otherwise.
     Returns a module to call under `torch.no_grad()`."""
     model = model.to(dist.device).eval().requires_grad_(False)
-    strategy = getattr(dist, "strategy", "ddp")
+    strategy = dist.strategy
     if strategy != "ddp":
         _ensure_process_group(dist)
     if strategy == "fsdp2":
-        return shard_blocks(model, **_fsdp_precision(getattr(dist, "mixed_precision", "no")))
+        return shard_blocks(model, **_fsdp_precision(dist.mixed_precision))
     if strategy == "zero3":
         deepspeed = _deepspeed()
 

@@ -30,9 +30,9 @@ from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 
-from astrai.rollout.reward_workers import (RewardFunctionError, RewardFunctionSpec, RewardWorkerPool, as_list,
+from astrai.rewards.workers import (RewardFunctionError, RewardFunctionSpec, RewardWorkerPool, as_list,
                                            load_reward_function)
-from astrai.rollout.rewards import REWARDS, builtin_reward_function, builtin_reward_names
+from astrai.rewards.builtins import REWARDS, builtin_reward_function, builtin_reward_names
 
 __all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardFunctions", "ScoredRewards", "resolve_specs",
            "reward_metrics"]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from astrai.data.sequences import Sequences
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.scoring import response_logprobs, score_in_chunks
+from astrai.forward import response_logprobs, score_in_chunks
 
 ScoreFn = Callable[[list[str], list[Any], list[list[int]]], Any]
 """(responses, targets, response_ids) -> scores (B,) float32, or a `reward_functions.ScoredRewards` (its `total`

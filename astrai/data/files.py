@@ -1,0 +1,94 @@
+"""Data files: where a data path points (a file, a shipped asset ``builtin:<name>``, a generated set) and the one
+error every loader raises (`DataError`: one line naming the file, line or row, and field), with the jsonl reader
+the loaders share."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+from astrai.data.arithmetic import GENERATED
+
+__all__ = ["BUILTIN_PREFIX", "DataError", "builtin_names", "generated_records", "jsonl_objects",
+           "resolve_prompt_path"]
+
+BUILTIN_PREFIX = "builtin:"
+
+
+class DataError(ValueError):
+    """A prompt file is missing or malformed, or a sampler state does not fit its dataset."""
+
+
+def builtin_names() -> list[str]:
+    """Names usable as ``builtin:<name>``: the ``.jsonl`` files in ``astrai/data/assets`` and the generated
+    sets of ``GENERATED``."""
+    assets = resources.files("astrai.data") / "assets"
+    files = [p.name[: -len(".jsonl")] for p in assets.iterdir() if p.name.endswith(".jsonl")] \
+        if assets.is_dir() else []
+    return sorted(set(files) | set(GENERATED))
+
+
+def generated_records(path: str | Path) -> list[dict] | None:
+    """The rows of a generated built-in set (``builtin:arithmetic``, ...) as dicts, or None for any other path."""
+    text = str(path)
+    if not text.startswith(BUILTIN_PREFIX) or text[len(BUILTIN_PREFIX):] not in GENERATED:
+        return None
+    return GENERATED[text[len(BUILTIN_PREFIX):]]()
+
+
+def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
+    """Resolve a data path or ``builtin:<name>`` (a shipped asset) to an existing file.
+
+    Args:
+        path: a filesystem path (``~`` is expanded) or ``builtin:<name>``.
+        field: the config key or option named in errors.
+
+    Returns:
+        The path of an existing regular file.
+
+    Raises:
+        DataError: ``<field>: file not found: X``, ``<field>: unknown built-in prompt set: builtin:X`` (listing
+            the available ones), ``<field>: not a file: X`` for a directory, or, for a generated set
+            (which has no file), ``<field>: builtin:X is a generated question/answer prompt set ...``.
+    """
+    text = str(path)
+    if text.startswith(BUILTIN_PREFIX):
+        name = text[len(BUILTIN_PREFIX):]
+        if name in GENERATED:
+            raise DataError(f"{field}: {text} is a generated question/answer prompt set, usable by the train types "
+                            "that sample online and by evaluation, not as a training-record file")
+        resolved = Path(str(resources.files("astrai.data") / "assets" / f"{name}.jsonl"))
+        if name not in builtin_names() or not resolved.is_file():  # not a path: "builtin:../x" names nothing
+            choices = ", ".join(BUILTIN_PREFIX + n for n in builtin_names()) or "none"
+            raise DataError(f"{field}: unknown built-in prompt set: {text} (the built-in ones: {choices})")
+        return resolved
+    resolved = Path(text).expanduser()
+    if not resolved.exists():
+        raise DataError(f"{field}: file not found: {resolved}")
+    if not resolved.is_file():
+        raise DataError(f"{field}: not a file: {resolved}")
+    return resolved
+
+
+def jsonl_objects(path: Path) -> Iterator[tuple[str, dict]]:
+    """(location, object) for each non-blank line of a jsonl file; DataError for bad bytes, JSON or non-objects."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path} line {lineno}"
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            if lineno == 1:
+                line = line.lstrip("\ufeff")
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            yield where, obj

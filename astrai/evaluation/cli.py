@@ -1,0 +1,238 @@
+"""Evaluate a model on question/answer data: `python -m astrai.evaluate --model PATH --data FILE.jsonl [...]`.
+
+Generates with the paged rollout engine, greedy by default (`--temperature T` samples, `--num_samples k` draws k
+responses per question and reports pass@k), over a GSM8K-format jsonl (`question`, `answer` ending in `#### N`) or
+a built-in set (`builtin:arithmetic_test`, `builtin:math_prompts`, ...), with prompts built exactly as the online
+train types build them, and scores each response with a reward of the registry (`astrai.rewards.builtins`).
+Statistics and greedy decoding are described in `astrai.evaluation.accuracy`: accuracy with its 95% Wilson score
+interval over the questions, pass@k by the unbiased estimator of Chen et al. 2021.
+
+PATH is anything `model.path` accepts (`smollm2-135m-instruct`, a `.gguf` file, a Hugging Face-format directory
+such as a checkpoint `outputs/ppo/checkpoints/step-00000004`) or a training output_dir (its latest complete
+checkpoint is used). When PATH lies in a training output_dir holding `config.yaml`, that run's prompt settings
+(fields, system prompt, prompt length, reward, `rollout.max_new_tokens`) are the defaults; `--config FILE` names a
+job file to take them from instead; explicit options win.
+
+Writes `<output_dir>/results.jsonl` (one object per question: question, answer, responses, extracted answers,
+scores, ...) and `<output_dir>/summary.json` (model, data, n, accuracy, interval, pass@k, settings, tokens/s, wall
+time), each replaced atomically. Bad input (options, model, data, config) prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+EXIT_BAD_INPUT = 2
+RESULTS_FILE, SUMMARY_FILE = "results.jsonl", "summary.json"
+
+
+class UsageError(Exception):
+    """A bad command-line option (reported in one line, exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises `UsageError` instead of printing the usage block and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's options (None defaults are filled from the run's or `--config`'s settings)."""
+    p = _Parser(prog="python -m astrai.evaluate", allow_abbrev=False,
+                description="Accuracy of a model on question/answer data (greedy by default), with a 95% Wilson "
+                            "interval; writes per-example results and a summary.")
+    p.add_argument("--model", required=True, help="model name, .gguf, HF-format directory, checkpoint directory "
+                   "or training output_dir (latest checkpoint)")
+    p.add_argument("--data", required=True, help="question/answer prompts: a .jsonl, .json, .parquet or .csv file, "
+                   "a save_to_disk directory, or builtin:<name> (e.g. builtin:arithmetic_test)")
+    p.add_argument("--config", default=None, help="job YAML whose data/reward/rollout settings are the defaults")
+    p.add_argument("--reward", default=None, help="reward name (default: the config's reward.name)")
+    p.add_argument("--max_new_tokens", type=int, default=None, help="response cap (default: rollout.max_new_tokens)")
+    p.add_argument("--batch_size", type=int, default=64, help="questions per engine call (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sampling temperature")
+    p.add_argument("--num_samples", type=int, default=1, help="responses per question (k); reports pass@k")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--output_dir", default="outputs/eval",
+                   help="where results.jsonl and summary.json go (default: outputs/eval)")
+    p.add_argument("--system_prompt", default=None, help="system message (default: the config's data.system_prompt)")
+    p.add_argument("--max_prompt_length", type=int, default=None, help="prompt token budget (default: the config's)")
+    p.add_argument("--truncation", default=None, choices=("error", "filter", "left"),
+                   help="overlong prompts: error, filter (skip) or left (cut the question's start); default: the "
+                        "config's data.truncation")
+    p.add_argument("--prompt_field", default=None, help="record field of the question (default: question)")
+    p.add_argument("--answer_field", default=None, help="record field of the reference answer (default: answer)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N questions")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (default: float32; bfloat16 is much slower on CPUs without AVX-512/AMX)")
+    p.add_argument("--num_threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--no_progress_bar", action="store_true", help="hide the progress bar")
+    return p
+
+
+def resolve_model(path: str) -> tuple[str, Optional[Path]]:
+    """(what `load_pretrained` gets, the training run's `config.yaml` when PATH lies in a run output_dir).
+
+    A directory without `config.json` (or a LoRA checkpoint's `adapter_config.json`) is read as a training output_dir
+    and replaced by its latest complete checkpoint; a `<run>/checkpoints/step-N` directory keeps its path and points
+    at `<run>/config.yaml`.
+
+    Raises:
+        FileNotFoundError: an output_dir without a complete checkpoint.
+    """
+    from astrai.checkpoint import checkpoints_root, find_latest_checkpoint, parse_step
+    from astrai.models.loading import is_model_directory
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return path, None
+    if not is_model_directory(p):
+        if not checkpoints_root(p).is_dir():
+            return path, None  # load_pretrained reports the missing config.json
+        latest = find_latest_checkpoint(p)
+        if latest is None:
+            raise FileNotFoundError(f"--model: {p} is a training output_dir without a complete checkpoint")
+        run = p
+        p = latest
+    elif parse_step(p.name) is not None and p.parent.name == "checkpoints":
+        run = p.parent.parent
+    else:
+        return str(p), None
+    run_config = run / "config.yaml"
+    return str(p), run_config if run_config.is_file() else None
+
+
+def prompt_settings(args: argparse.Namespace, config_path: Optional[Path]) -> dict[str, Any]:
+    """Prompt and scoring settings: explicit options, else the job config's (`config_path`), else the defaults.
+
+    Raises:
+        ConfigError: a job config that does not load.
+    """
+    from astrai.config import load_config
+
+    config = load_config(str(config_path) if config_path is not None else None)
+    chosen = {"prompt_field": config.data.prompt_field, "answer_field": config.data.answer_field,
+              "system_prompt": config.data.system_prompt, "max_prompt_length": config.data.max_prompt_length,
+              "truncation": config.data.truncation,
+              "reward": config.reward.name, "max_new_tokens": config.rollout.max_new_tokens}
+    for key in chosen:
+        if getattr(args, key) is not None:
+            chosen[key] = getattr(args, key)
+    return chosen
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """One-line `UsageError` for option values argparse cannot check."""
+    for name in ("max_new_tokens", "batch_size", "num_samples", "limit", "max_prompt_length", "num_threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name}: expected an integer >= 1, got {value}")
+    out = Path(args.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output_dir: not a directory: {out}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Load, evaluate, write the files; returns the summary. Raises the errors `main` maps to exit code 2."""
+    import torch
+
+    from astrai.checkpoint.fsutil import write_atomic
+    from astrai.data import PromptDataset
+    from astrai.models import load_pretrained
+    from astrai.models.special_tokens import stop_token_ids
+    from astrai.evaluation.accuracy import EvalSettings, evaluate
+    from astrai.rollout.engine import attention_backend, build_engine
+    from astrai.rewards.builtins import ANSWER_EXTRACTORS, REWARDS, unscorable_warning
+
+    check_options(args)
+    model_path, run_config = resolve_model(args.model)
+    config_path = Path(args.config) if args.config is not None else run_config
+    chosen = prompt_settings(args, config_path)
+    if chosen["reward"] not in REWARDS:
+        raise UsageError(f"--reward: unknown reward {chosen['reward']!r}; choices: {', '.join(sorted(REWARDS))}")
+    try:  # EvalSettings names its fields; on this command line they are options
+        settings = EvalSettings(max_new_tokens=chosen["max_new_tokens"], temperature=args.temperature,
+                                num_samples=args.num_samples, batch_size=args.batch_size)
+    except ValueError as err:
+        raise UsageError(f"--{err}") from None
+    dataset = PromptDataset(args.data, prompt_field=chosen["prompt_field"], answer_field=chosen["answer_field"],
+                            field="--data")
+    records = dataset.records[:args.limit] if args.limit else dataset.records
+    unscorable = unscorable_warning(chosen["reward"], [r.answer for r in records], source=args.data,
+                                    field=chosen["answer_field"])
+    if unscorable:  # said before the model loads, as training says it before its first rollout
+        warnings.warn(unscorable, stacklevel=2)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device: {args.device!r} requested but CUDA is not available")
+    if config_path is not None:
+        print(f"prompt settings from {config_path}", file=sys.stderr)
+    model, tokenizer = load_pretrained(model_path, dtype=getattr(torch, args.dtype), device=device)
+    engine = build_engine("paged", model, pad_token_id=tokenizer.pad_token_id,
+                          attention_backend=attention_backend(None))
+    stops = stop_token_ids(model.config, tokenizer)
+    del model
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    result = evaluate(engine, tokenizer, records, reward=REWARDS[chosen["reward"]], settings=settings,
+                      max_prompt_length=chosen["max_prompt_length"], system_prompt=chosen["system_prompt"],
+                      truncation=chosen["truncation"], stop_token_ids=stops, source=args.data,
+                      generator=generator, extract_answer=ANSWER_EXTRACTORS.get(chosen["reward"]),
+                      progress=not args.no_progress_bar, desc="evaluate")
+    summary = {"model": args.model, "model_path": model_path, "data": args.data, **result.metrics(),
+               "settings": {**chosen, "temperature": args.temperature, "greedy": settings.greedy,
+                            "num_samples": args.num_samples, "batch_size": args.batch_size, "seed": args.seed,
+                            "limit": args.limit, "dtype": args.dtype, "device": str(device),
+                            "threads": torch.get_num_threads(), "config": str(config_path) if config_path else None}}
+    out = Path(args.output_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / RESULTS_FILE, "".join(json.dumps(ex, ensure_ascii=False) + "\n" for ex in result.examples))
+    write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    report(summary, out)
+    return summary
+
+
+def report(summary: dict, out: Path) -> None:
+    """Print the result lines (accuracy with its interval, pass@k, throughput, files) to stdout."""
+    s = summary["settings"]
+    mode = "greedy" if s["greedy"] else f"temperature {s['temperature']}, {s['num_samples']} samples/question"
+    print(f"model {summary['model']} | data {summary['data']} ({summary['n']} questions) | {mode}, "
+          f"{s['max_new_tokens']} new tokens")
+    print(f"accuracy {summary['accuracy']:.4f} ({summary['correct']:g}/{summary['n']}), "
+          f"95% Wilson interval [{summary['ci_low']:.4f}, {summary['ci_high']:.4f}]")
+    if summary["num_samples"] > 1:
+        print("  ".join(f"pass@{k} {v:.4f}" for k, v in summary["pass_at_k"].items()))
+    threads = f"{s['threads']} thread{'' if s['threads'] == 1 else 's'}"
+    print(f"{summary['generated_tokens']} tokens in {summary['generation_seconds']:.1f} s "
+          f"({summary['tokens_per_second']:.1f} tok/s, {threads}); evaluation {summary['wall_seconds']:.1f} s in all")
+    print(f"wrote {out / RESULTS_FILE} and {out / SUMMARY_FILE}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command; returns the exit code (0, or 2 for bad input with a one-line message on stderr)."""
+    from astrai.checkpoint import CheckpointError
+    from astrai.config import ConfigError
+    from astrai.data import DataError
+
+    start = time.perf_counter()
+    try:
+        args = build_parser().parse_args(argv)
+        run(args)
+    except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError) as err:
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"done in {time.perf_counter() - start:.1f} s (model loading included)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

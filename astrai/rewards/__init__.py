@@ -1,0 +1,3 @@
+"""astrai.rewards: what scores a completion. Reward functions in TRL's convention (`functions`: the user's own, run
+in worker processes with timeouts by `workers`; the built-ins of `builtins`; the sandboxed code-test reward of
+`code`; a trained reward model, `reward_model`), and the reward of a job built from its config (`build`)."""

@@ -1,0 +1,61 @@
+"""The rollout engine of a job: `rollout.engine` built (or checked, for `--check`) from the config's `rollout`
+section through the engine factory (`astrai.rollout.engine.build_engine`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+
+from astrai.kernels import BackendUnavailableError
+from astrai.rollout.engine import ATTENTION_BACKEND_ENV, GenerationEngine, attention_backend, build_engine, check_engine
+
+__all__ = ["build_rollout_engine", "check_rollout_engine"]
+
+
+def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_version: int = 0) -> GenerationEngine:
+    """The colocated rollout engine `rollout.engine` (`astrai.rollout.engine.build_engine`): an inference copy of
+    `policy` (made before the policy is sharded) in `rollout.dtype`, attending with `rollout.attention_backend`
+    (`ASTR_BACKEND` overrides it), with CUDA graphs when `rollout.cuda_graphs` (passed only then: other registered
+    engines need not know the option). Raises ValueError / BackendUnavailableError (one line) for what it refuses."""
+    r = config.rollout
+    options = _engine_options(r)
+    with _naming_the_backend_field():
+        engine = build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
+                              dtype=r.dtype, attention_backend=attention_backend(r.attention_backend), **options)
+    if r.cuda_graphs and engine.device.type != "cuda":
+        warnings.warn(f"rollout.cuda_graphs: nothing is captured on {engine.device.type} (graphs are a CUDA "
+                      "feature); decode steps run padded to their batch bucket, eagerly, which is slower here")
+    return engine
+
+
+def check_rollout_engine(config, model_config, device: torch.device) -> None:
+    """What `build_rollout_engine` would refuse for a model of `model_config` on `device` (the engine name, its
+    dtype, `rollout.attention_backend` or `ASTR_BACKEND`, `rollout.cuda_graphs`), without building the engine.
+    Raises what it raises."""
+    r = config.rollout
+    options = _engine_options(r)
+    with _naming_the_backend_field():
+        check_engine(r.engine, model_config, device=device, dtype=r.dtype or config.model.dtype,
+                     attention_backend=attention_backend(r.attention_backend), **options)
+
+
+def _engine_options(rollout) -> dict:
+    """The engine options `rollout` sets beyond the common arguments: `cuda_graphs` only when on (so engines that
+    do not know the option are built as before)."""
+    return {"cuda_graphs": True} if rollout.cuda_graphs else {}
+
+
+@contextlib.contextmanager
+def _naming_the_backend_field():
+    """A backend refusal that names no field (the kernels' own messages) is said of `rollout.attention_backend`
+    (or of `ASTR_BACKEND` when that variable chose the backend)."""
+    try:
+        yield
+    except BackendUnavailableError as err:
+        if str(err).startswith("rollout."):
+            raise
+        field = ATTENTION_BACKEND_ENV if os.environ.get(ATTENTION_BACKEND_ENV) else "rollout.attention_backend"
+        raise BackendUnavailableError(f"{field}: {err}") from None
