@@ -306,14 +306,6 @@ def test_gae_nonzero_count_equals_real_tokens_and_no_grad():
     assert not adv.requires_grad and not ret.requires_grad
 
 
-def test_gae_noncontiguous_mask_treats_gap_as_episode_end():
-    mask = torch.tensor([[True, False, True]])
-    rewards = torch.tensor([[1.0, 5.0, 2.0]], dtype=D64)
-    values = torch.tensor([[0.5, 3.0, 1.0]], dtype=D64)
-    adv, _ = gae(rewards, values, mask, gamma=1.0, lam=1.0)
-    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.0, 1.0]], dtype=D64))
-
-
 def test_group_advantages_hand_values_identical_groups_and_floor():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
     adv = group_advantages(scores, group_size=4)

@@ -10,7 +10,8 @@ from toy_rl import RandomPrompts, online_experience, trained
 from astrai.config import ConfigError, load_config
 from astrai.data.sequences import Sequences
 from astrai.models import AutoRegressiveLM, tiny_config
-from astrai.experience.runner import Experience, RolloutRunner, concat_experiences
+from astrai.experience.trajectory import Experience, concat_experiences
+from astrai.experience.runner import RolloutRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.experience.sources import OnlineExperience
 

@@ -15,7 +15,8 @@ from astrai.algos import kl_penalty_loss, ppo_policy_loss
 from astrai.config import ConfigError, GRPOSection, load_config
 from astrai.data.sequences import Sequences
 from astrai.models import AutoRegressiveLM, tiny_config
-from astrai.experience.runner import Experience, RolloutRunner
+from astrai.experience.trajectory import Experience
+from astrai.experience.runner import RolloutRunner
 from astrai.rollout.sampling import SamplingParams
 from astrai.forward import response_logprobs
 from astrai.trainer.loop import Callback, Trainer

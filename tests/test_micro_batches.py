@@ -14,7 +14,7 @@ from astrai.config import load_config
 from astrai.algos import explained_variance, ppo_policy_loss, value_loss
 from astrai.data.sequences import Sequences, position_ids_from_mask
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
-from astrai.experience.runner import Experience
+from astrai.experience.trajectory import Experience
 from astrai.forward import response_logprobs, response_values
 from astrai.trainer.build import build_trainer
 from astrai.trainer.loop import Callback, Trainer

@@ -7,8 +7,9 @@ Methods:
 - Group-relative advantages, Z. Shao et al., "DeepSeekMath" (2024), GRPO: the critic is replaced by the mean and
   standard deviation of the scores of the G samples drawn for the same prompt.
 
-What it simplifies: one episode is one response; there is no bootstrapping beyond the response (the terminal value
-is 0), and GRPO needs no value model at all. Exact definitions: docs/conventions.md section 2. Everything here computes
+What it simplifies: one episode is one response (its action tokens, with any tool or environment tokens between
+turns skipped); there is no bootstrapping beyond the response (the terminal value is 0), and GRPO needs no value
+model at all. Exact definitions: docs/conventions.md section 2. Everything here computes
 fixed targets once per rollout, so GAE runs under ``torch.no_grad``.
 """
 
@@ -75,15 +76,18 @@ def gae(
 
     Shapes: ``rewards`` (B, T), ``values`` (B, T) floating (critic values of the rollout), ``action_mask`` (B, T)
     bool or 0/1. Returns ``(advantages, returns)``, both (B, T) in the dtype of ``rewards``, without grad.
-    Formula, backwards over t with ``r`` and ``V`` first zeroed at masked positions:
-      ``delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t``,
-      ``A_t = (delta_t + gamma * lam * A_{t+1}) * m_t``  (``V_T = A_T = 0``: terminal value 0),
-      ``returns_t = (A_t + V_t) * m_t``.
-    So advantages and returns are exactly 0 at masked positions, and values/rewards stored at masked positions
-    (even NaN) influence nothing. ``lam = 0`` gives the TD errors; ``gamma = lam = 1`` gives reward-to-go minus V.
-    Assumption: masks are contiguous from t = 0 (right padding). Other masks are handled by the same formula,
-    which treats every masked position as an episode end: a real token followed by a gap bootstraps from 0.
-    Source: docs/conventions.md section 2.
+    Formula over the ACTION tokens of each row (``m_t`` true), in order, masked positions skipped: with ``t'`` the
+    next action token after ``t`` (none: the episode ends, ``V_{t'} = A_{t'} = 0``),
+      ``delta_t = r_t + gamma * V_{t'} - V_t``,  ``A_t = delta_t + gamma * lam * A_{t'}``,
+      ``returns_t = A_t + V_t``; advantages and returns are exactly 0 at masked positions.
+    A masked span INSIDE a response (tool or environment tokens of a multi-turn episode, between two turns of the
+    policy) is not an action and not an episode end: credit flows across it, and gamma and lambda discount per
+    action step (a span of tool tokens costs no discount). This is verl's convention
+    (``verl/trainer/ppo/core_algos.py``, ``compute_gae_advantage_return``: "skip values and TD-error on observation
+    tokens"), which equals textbook GAE on each row's action tokens alone. With right padding only (single turn) it is
+    the plain per-token GAE. Values/rewards stored at masked positions (even NaN) influence nothing. ``lam = 0``
+    gives the TD errors; ``gamma = lam = 1`` gives reward-to-go minus V.
+    Source: Schulman et al. 2016, eq. 16; docs/conventions.md section 2.
     Raises: ValueError on shape mismatches or non-2-D inputs.
     """
     _check_same("rewards", rewards, "values", values)
@@ -97,13 +101,15 @@ def gae(
     m = mask.to(rewards.dtype)
     num_steps = rewards.shape[1]
     advantages = torch.zeros_like(r)
-    next_value = torch.zeros_like(r[:, 0])
+    next_value = torch.zeros_like(r[:, 0])  # V and A of the next ACTION token (0 past the last one)
     next_adv = torch.zeros_like(r[:, 0])
     for t in reversed(range(num_steps)):
         delta = r[:, t] + gamma * next_value - v[:, t]
-        next_adv = (delta + gamma * lam * next_adv) * m[:, t]
-        advantages[:, t] = next_adv
-        next_value = v[:, t]  # already 0 where masked: V_{t+1} * m_{t+1} for the step before
+        adv = delta + gamma * lam * next_adv
+        act = mask[:, t]
+        advantages[:, t] = torch.where(act, adv, zero)
+        next_adv = torch.where(act, adv, next_adv)  # a masked position passes the next action's on unchanged
+        next_value = torch.where(act, v[:, t], next_value)
     returns = (advantages + v) * m
     return advantages, returns
 

@@ -11,8 +11,8 @@ Methods (exact definitions: docs/conventions.md section 2):
   ``compute_rloo_outcome_advantage`` and TRL's ``RLOOTrainer`` (whose optional ``normalize_advantages``, off by
   default, astrai does not provide). A group of one gives 0 (TRL; verl's vectorised variant).
 - ``reinforce_pp``: REINFORCE++ (Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both
-  Prompt and Reward Models", section 3): per-token rewards, discounted reward-to-go ``G_t = r_t + gamma G_{t+1}``
-  restarted at every masked position, then whitened over the real tokens of the WHOLE batch (every data-parallel
+  Prompt and Reward Models", section 3): per-token rewards, discounted reward-to-go ``G_t = r_t + gamma G_{t'}``
+  over the action tokens (``t'`` the next one; masked positions skipped, as GAE skips them), then whitened over the real tokens of the WHOLE batch (every data-parallel
   rank: `masked.global_moments` through ``all_reduce_sum``), as verl's ``compute_reinforce_plus_plus_outcome_
   advantage`` (unbiased variance, ``(x - mean) / sqrt(var + whiten_eps)``).
 - ``reinforce_pp_baseline``: REINFORCE++-baseline (same paper): the group mean of the SCORES is subtracted from the
@@ -111,7 +111,8 @@ def _whiten(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool, whiten_eps: 
 
 
 def _reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = (r_t + gamma G_{t+1}) m_t``, restarted at masked positions: GAE with V = 0 and lambda = 1."""
+    """``G_t = r_t + gamma G_{t'}`` over the action tokens (``t'`` the next one, masked positions skipped, 0 there):
+    GAE with V = 0 and lambda = 1."""
     return _gae(rewards, torch.zeros_like(rewards), mask, gamma=gamma, lam=1.0)[0]
 
 
@@ -194,7 +195,8 @@ def estimate_reinforce_pp(*, scores: torch.Tensor, action_mask: torch.Tensor,
     """``reinforce_pp``: REINFORCE++ (Hu 2025): discounted reward-to-go, whitened over the whole batch.
 
     Reads: ``scores`` or ``token_rewards``, ``gamma``, ``unbiased``, ``whiten_eps``, ``all_reduce_sum``.
-    Formula: ``G_t = (r_t + gamma G_{t+1}) m_t`` (``G_T = 0``); ``A = (G - mean) / sqrt(var + whiten_eps)`` with
+    Formula: ``G_t = r_t + gamma G_{t'}`` over the action tokens (``t'`` the next one; 0 past the last and at masked
+    positions); ``A = (G - mean) / sqrt(var + whiten_eps)`` with
     the mean and variance of G over the real tokens of every rank. Returns ``(advantages, G)``.
     Raises: ValueError on shape mismatches.
     """
@@ -215,7 +217,7 @@ def estimate_reinforce_pp_baseline(*, scores: torch.Tensor, action_mask: torch.T
 
     Reads: ``scores`` (their group mean is the baseline), ``token_rewards`` (None: the score on the last real
     token), ``group_size``, ``gamma``, ``unbiased``, ``whiten_eps``, ``all_reduce_sum``. Formula:
-    ``r'_t = r_t - [t = last real token] * mean_G(scores)``, ``G_t = (r'_t + gamma G_{t+1}) m_t``,
+    ``r'_t = r_t - [t = last real token] * mean_G(scores)``, ``G_t = r'_t + gamma G_{t'}`` over the action tokens,
     ``A = (G - mean) / sqrt(var + whiten_eps)`` over the real tokens of every rank. Returns ``(advantages, G)``.
     Raises: ValueError if the rows are not whole groups or on shape mismatches.
     """

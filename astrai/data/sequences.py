@@ -3,6 +3,12 @@
 Layout (docs/architecture.md): `input_ids (B, S)` = left-padded prompt (B, P) + right-padded response (B, T);
 response token t is scored by the logits at position P - 1 + t. `position_ids = clamp(cumsum(mask) - 1, min=0)`,
 so left padding does not shift the positions of real tokens.
+
+Two masks over the response, one per job: the response part of `attention_mask` marks its real tokens (what the
+model attends to), `action_mask` its ACTIONS, the tokens the policy sampled and is trained on (the loss mask). In a
+single-turn rollout they are equal; in a multi-turn episode the tokens a tool or environment inserted between two
+turns of the policy are real but no action (`action_mask` False), and every loss, estimator and metric skips them
+(docs/conventions.md section 2).
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ class Sequences:
         attention_mask: (B, S) bool, True on real tokens.
         position_ids: (B, S) int64.
         prompt_length: P, the padded prompt width.
-        action_mask: (B, T) bool, True on real response tokens.
+        action_mask: (B, T) bool, the loss mask: True on the response tokens the policy sampled (its actions),
+            False at padding and at tool / environment tokens inside a response; within `response_mask`.
     """
 
     input_ids: torch.Tensor
@@ -75,9 +82,10 @@ class Sequences:
 
     @classmethod
     def from_padded(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                    action_mask: torch.Tensor) -> "Sequences":
-        """Concatenate left-padded prompts (B, P) and right-padded responses (B, T) with their masks."""
-        attention_mask = torch.cat([prompt_mask, action_mask], dim=1)
+                    action_mask: torch.Tensor, response_mask: torch.Tensor | None = None) -> "Sequences":
+        """Concatenate left-padded prompts (B, P) and right-padded responses (B, T) with their masks;
+        `response_mask` (B, T) bool marks the responses' real tokens (None: the actions, a single-turn rollout)."""
+        attention_mask = torch.cat([prompt_mask, action_mask if response_mask is None else response_mask], dim=1)
         return cls(input_ids=torch.cat([prompt_ids, response_ids], dim=1), attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask), prompt_length=prompt_ids.shape[1],
                    action_mask=action_mask)
@@ -100,6 +108,12 @@ class Sequences:
     def response_ids(self) -> torch.Tensor:
         """(B, T) int64 response tokens."""
         return self.input_ids[:, self.prompt_length:]
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        """(B, T) bool, the responses' real tokens (actions and tool / environment tokens): the attention mask's
+        response part."""
+        return self.attention_mask[:, self.prompt_length:].bool()
 
     def select(self, index: torch.Tensor) -> "Sequences":
         """Rows `index` (1-D int64) of every tensor; the prompt width is kept."""

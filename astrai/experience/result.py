@@ -14,7 +14,7 @@ import torch
 from astrai.data.sequences import Sequences
 
 PER_TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "values", "kl", "rewards", "advantages", "returns",
-                    "rollout_logprobs", "correction_weights")
+                    "rollout_logprobs", "correction_weights", "policy_versions")
 """The (B, T) per-token fields of a `RolloutResult` (None where the train type has none)."""
 
 
@@ -23,10 +23,10 @@ class RolloutResult:
     """One PPO rollout with its targets computed once and pinned (docs/conventions.md section 2).
 
     Every PPO epoch and minibatch replays these tensors; nothing recomputes advantages or returns.
-    All per-token tensors are (B, T) float32, zero at padding; none requires grad.
+    All per-token tensors are (B, T) float32 (the versions int64), zero outside the action mask; none requires grad.
 
     Attributes:
-        sequences: model inputs and `action_mask` (B, T).
+        sequences: model inputs and `action_mask` (B, T), the loss mask (`astrai.data.sequences.Sequences`).
         old_logprobs: (B, T) sampler-aligned behaviour log-probs from the engine.
         ref_logprobs: (B, T) frozen reference model log-probs (same temperature); None without a reference
             model (GRPO with no KL term).
@@ -43,6 +43,8 @@ class RolloutResult:
             correction, docs/conventions.md section 7), else None.
         correction_weights: (B, T) detached importance weights of the rollout correction (0 at dropped tokens),
             multiplied into the policy loss; None without a correction.
+        policy_versions: (B, T) int64, the version that sampled each action token (-1 elsewhere); None at
+            construction (and in rollouts saved before it existed) means `policy_version` for every action token.
     """
 
     sequences: Sequences
@@ -58,8 +60,12 @@ class RolloutResult:
     responses: tuple[str, ...]
     rollout_logprobs: Optional[torch.Tensor] = None
     correction_weights: Optional[torch.Tensor] = None
+    policy_versions: Optional[torch.Tensor] = None
 
     def __post_init__(self):
+        if self.policy_versions is None:
+            object.__setattr__(self, "policy_versions", torch.where(self.sequences.action_mask.bool(),
+                                                                    self.policy_version, -1).to(torch.long))
         for field in PER_TOKEN_FIELDS:
             tensor = getattr(self, field)
             if tensor is None:

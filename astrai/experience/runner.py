@@ -8,100 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from astrai.data.sequences import Sequences
-from astrai.rollout.sampling import SamplingParams
+from astrai.experience.trajectory import Experience
 from astrai.forward import response_logprobs, score_in_chunks
+from astrai.rollout.sampling import SamplingParams
 
 ScoreFn = Callable[[list[str], list[Any], list[list[int]]], Any]
 """(responses, targets, response_ids) -> scores (B,) float32, or a `reward_functions.ScoredRewards` (its `total`
 and per-function values). `targets` are what the caller passed per sample (answers, prompt records ...)."""
-
-
-@dataclass(frozen=True)
-class Experience:
-    """Sampled responses with their scores, before any train-type specific targets.
-
-    Attributes:
-        sequences: prompt + response model inputs, `action_mask` (B, T).
-        old_logprobs: (B, T) float32 sampler-aligned behaviour log-probs.
-        ref_logprobs: (B, T) float32 reference log-probs, or None when no reference model is used.
-        scores: (B,) float32 task rewards.
-        responses: decoded responses (B strings, special tokens skipped).
-        policy_version: version of the weights that sampled.
-        timings: wall seconds of the phases that produced it, by phase name (e.g. "generate", "reference").
-        stats: how it was collected, by name (e.g. "sampling_rounds"), logged as `rollout/<name>`.
-        reward_components: reward function name -> (B,) float32 values (NaN where it does not apply).
-        reward_failed: reward function name -> (B,) bool, the samples whose reward call failed.
-    """
-
-    sequences: Sequences
-    old_logprobs: torch.Tensor
-    ref_logprobs: Optional[torch.Tensor]
-    scores: torch.Tensor
-    responses: tuple[str, ...]
-    policy_version: int
-    timings: dict[str, float] = field(default_factory=dict)
-    stats: dict[str, float] = field(default_factory=dict)
-    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
-    reward_failed: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def select(self, rows: Sequence[int]) -> "Experience":
-        """The samples at `rows` (indices into B, in that order), with the same widths P and T, timings and stats."""
-        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.scores.device)
-        return dataclasses.replace(
-            self, sequences=self.sequences.select(index), old_logprobs=self.old_logprobs[index],
-            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[index], scores=self.scores[index],
-            responses=tuple(self.responses[i] for i in rows),
-            reward_components={k: v[index.cpu()] for k, v in self.reward_components.items()},
-            reward_failed={k: v[index.cpu()] for k, v in self.reward_failed.items()})
-
-
-def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experience:
-    """The samples of `parts` (same `policy_version`) as one batch, in order: prompts re-left-padded and responses
-    re-right-padded to the widest part (`Sequences.concat`), per-token tensors (B_i, T_i) right-padded with 0, the
-    timings of the phases summed. Its stats are empty (the caller sets them).
-
-    Raises:
-        ValueError: for no parts, parts of different policy versions, or some parts with reference log-probs and
-            some without.
-    """
-    if not parts:
-        raise ValueError("concat_experiences: no parts")
-    versions = {p.policy_version for p in parts}
-    if len(versions) != 1:
-        raise ValueError(f"concat_experiences: parts of several policy versions {sorted(versions)}")
-    if len({p.ref_logprobs is None for p in parts}) != 1:
-        raise ValueError("concat_experiences: some parts have ref_logprobs and some do not")
-    width = max(p.old_logprobs.shape[1] for p in parts)
-
-    def per_token(tensors):
-        return torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tensors])
-
-    return Experience(sequences=Sequences.concat([p.sequences for p in parts], pad_token_id),
-                      old_logprobs=per_token([p.old_logprobs for p in parts]),
-                      ref_logprobs=(None if parts[0].ref_logprobs is None
-                                    else per_token([p.ref_logprobs for p in parts])),
-                      scores=torch.cat([p.scores for p in parts]),
-                      responses=tuple(r for p in parts for r in p.responses),
-                      policy_version=parts[0].policy_version, timings=summed_timings(parts),
-                      reward_components={k: torch.cat([p.reward_components[k] for p in parts])
-                                         for k in parts[0].reward_components},
-                      reward_failed={k: torch.cat([p.reward_failed[k] for p in parts]) for k in parts[0].reward_failed})
-
-
-def summed_timings(experiences: Sequence[Experience]) -> dict[str, float]:
-    """The wall seconds of each phase summed over `experiences` (phases in first-seen order)."""
-    timings: dict[str, float] = {}
-    for experience in experiences:
-        for phase, seconds in experience.timings.items():
-            timings[phase] = timings.get(phase, 0.0) + seconds
-    return timings
 
 
 class RolloutRunner:

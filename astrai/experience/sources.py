@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from astrai.experience.runner import Experience, RolloutRunner, concat_experiences, summed_timings
+from astrai.experience.trajectory import Experience, concat_experiences, summed_timings
+from astrai.experience.runner import RolloutRunner
 from astrai.rollout.engine import GenerationEngine
 
 __all__ = ["ExperienceSource", "OnlineExperience"]

@@ -26,7 +26,7 @@ from astrai.data.records import check_token_ids, load_records, require_str
 from astrai.data.sequences import Sequences
 from astrai.data.truncation import prompt_ids_and_budget, report_dropped
 from astrai.models.special_tokens import response_end_id, stop_token_ids
-from astrai.experience.runner import Experience
+from astrai.experience.trajectory import Experience
 from astrai.forward import response_logprobs, score_in_chunks
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.trainer.strategies.online_grpo import GRPOStrategy, grpo_strategy

@@ -20,7 +20,7 @@ import torch
 from astrai.algos import advantage_estimator, aggregate_loss, kl_k3, masked_mean, ppo_token_rewards
 from astrai.config import GRPOSection
 from astrai.experience.result import RolloutResult
-from astrai.experience.runner import Experience
+from astrai.experience.trajectory import Experience
 from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
@@ -34,8 +34,8 @@ def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
     before any target or loss is computed.
 
     Checks: `action_mask` is (N, T) bool with N a multiple of `group_size`; `input_ids`, `attention_mask`,
-    `position_ids` are (N, P + T) and the response part of `attention_mask` equals `action_mask`; real response
-    tokens form a prefix of each row; `old_logprobs`, `advantages` (and `ref_logprobs` when `need_ref`) are
+    `position_ids` are (N, P + T); the real response tokens (`response_mask`) form a prefix of each row (right
+    padding) and hold every action (a multi-turn row's tool tokens are real but no action); every row has an action; `old_logprobs`, `advantages` (and `ref_logprobs` when `need_ref`) are
     (N, T) finite at real tokens; log-probs are <= 0 (+1e-4); `scores` is (N,) finite; `responses` has N texts.
 
     Raises:
@@ -51,10 +51,14 @@ def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
     for name in ("input_ids", "attention_mask", "position_ids"):
         if tuple(getattr(seq, name).shape) != full:
             raise ValueError(f"rollout: {name} must be {full}, got {tuple(getattr(seq, name).shape)}")
-    if not torch.equal(seq.attention_mask[:, seq.prompt_length:].bool(), mask):
-        raise ValueError("rollout: attention_mask over the response differs from action_mask")
-    if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-        raise ValueError("rollout: action_mask has a real token after padding (responses must be right-padded)")
+    real = seq.response_mask
+    if bool((mask & ~real).any()):
+        raise ValueError("rollout: action_mask marks a padding token of the response (attention_mask False there)")
+    if bool((real[:, 1:] & ~real[:, :-1]).any()):
+        raise ValueError("rollout: attention_mask has a real response token after padding (responses must be "
+                         "right-padded)")
+    if not bool(mask.any(dim=1).all()):
+        raise ValueError("rollout: a response without any action token (nowhere to put its score)")
     names = ("old_logprobs",) + (("ref_logprobs",) if need_ref else ())
     names += ("advantages",) if getattr(rollout, "advantages", None) is not None else ()
     for name in names:
@@ -106,7 +110,7 @@ def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0
     result = RolloutResult(sequences=exp.sequences, old_logprobs=old, ref_logprobs=ref, values=None,
                            scores=exp.scores, kl=kl, rewards=rewards[:, None] * mask,
                            advantages=adv * mask, returns=None, policy_version=exp.policy_version,
-                           responses=tuple(exp.responses))
+                           responses=tuple(exp.responses), policy_versions=exp.policy_versions)
     validate_group_rollout(result, group_size=group_size, need_ref=ref is not None)
     return result
 

@@ -19,7 +19,7 @@ from astrai.checkpoint import Part
 from astrai.config import PPOSection
 from astrai.models import ValueModel
 from astrai.experience.result import RolloutResult
-from astrai.experience.runner import Experience
+from astrai.experience.trajectory import Experience
 from astrai.forward import response_values, score_in_chunks
 from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
@@ -79,7 +79,8 @@ class OnlinePPOStrategy(RolloutStrategy):
         result = RolloutResult(sequences=exp.sequences, old_logprobs=exp.old_logprobs * mask,
                                ref_logprobs=ref_logprobs, values=values, scores=exp.scores,
                                kl=kl, rewards=rewards, advantages=advantages, returns=returns,
-                               policy_version=exp.policy_version, responses=exp.responses)
+                               policy_version=exp.policy_version, responses=exp.responses,
+                               policy_versions=exp.policy_versions)
         metrics = {
             "rollout/reward_mean": exp.scores.mean(),
             "rollout/reward_std": exp.scores.std(unbiased=False),

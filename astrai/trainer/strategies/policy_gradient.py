@@ -23,7 +23,7 @@ from astrai.distributed.sharding import prepare_reference
 from astrai.experience.build import build_online_experience
 from astrai.experience.replay import RolloutReplay
 from astrai.experience.result import RolloutResult
-from astrai.experience.runner import Experience
+from astrai.experience.trajectory import Experience
 from astrai.experience.sources import ExperienceSource, OnlineExperience
 from astrai.forward import response_logprobs
 from astrai.rewards.functions import reward_metrics

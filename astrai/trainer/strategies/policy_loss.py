@@ -19,7 +19,7 @@ import torch
 
 from astrai.algos import ROLLOUT_CORRECTIONS, correction_weights, mismatch_metrics, policy_loss
 from astrai.experience.result import RolloutResult
-from astrai.experience.runner import Experience
+from astrai.experience.trajectory import Experience
 from astrai.forward import response_logprobs, score_in_chunks
 
 Objective = Callable[[torch.Tensor, RolloutResult, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
