@@ -10,8 +10,9 @@ from test_grpo import GradCapture, make_experience, small_model
 from toy_rl import trained
 
 from astrai import algos
-from astrai.config import (ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS, ConfigError,
-                           GRPOSection, config_from_dict, ignored_settings)
+from astrai.algos import registry
+from astrai.config import (ADVANTAGE_ESTIMATORS, ROLLOUT_CORRECTIONS, ConfigError, GRPOSection, config_from_dict,
+                           ignored_settings)
 from astrai.forward import response_logprobs
 from astrai.trainer.loop import Trainer
 from astrai.experience.replay import RolloutReplay
@@ -20,10 +21,45 @@ from astrai.trainer.strategies.policy_loss import GSPO_CLIP, RolloutCorrection, 
 
 
 def test_config_choices_are_the_registries():
+    """One owner per name: the torch-free registry names every registered function, the config's choices are
+    read from it, and the records carry the registry's needs."""
+    assert list(algos.ADVANTAGE_ESTIMATORS) == list(registry.ESTIMATORS)
+    assert list(algos.POLICY_LOSSES) == list(registry.POLICY_LOSSES)
+    assert tuple(algos.ROLLOUT_CORRECTIONS) == registry.ROLLOUT_CORRECTIONS
+    assert tuple(algos.KL_ESTIMATORS) == registry.KL_ESTIMATORS
+    assert algos.LOSS_AGG_MODES == registry.LOSS_AGG_MODES and algos.SCALE_REWARDS == registry.SCALE_REWARDS
     assert set(ADVANTAGE_ESTIMATORS) == {n for n, e in algos.ADVANTAGE_ESTIMATORS.items() if not e.needs_values}
-    assert set(POLICY_LOSSES) == set(algos.POLICY_LOSSES)
-    assert LOSS_AGG_MODES == algos.LOSS_AGG_MODES
     assert set(ROLLOUT_CORRECTIONS) == set(algos.ROLLOUT_CORRECTIONS) | {"none"}
+    for name, spec in registry.ESTIMATORS.items():
+        record = algos.ADVANTAGE_ESTIMATORS[name]
+        assert (record.needs_values, record.needs_groups, record.reads) == (spec.needs_values, spec.needs_groups,
+                                                                              spec.reads)
+
+
+SCALARS = {"gamma": 0.5, "lam": 0.3, "eps": 0.7, "std_floor": 5.0, "scale": "none", "unbiased": False,
+           "whiten_advantages": True, "whiten_eps": 3.0, "group_size": 4}
+"""A value, other than the default, for every keyword scalar of the estimators' calling convention."""
+
+
+@pytest.mark.parametrize("name", sorted(registry.ESTIMATORS))
+def test_an_estimator_reads_exactly_the_scalars_its_record_says(name):
+    """What `reads` claims is true: changing a scalar it does not list changes nothing; changing one it lists
+    changes the advantages or returns (for gae's unbiased and whiten_eps: with whitening on)."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.arange(5)[None, :] < torch.tensor([5, 3, 4, 2, 5, 1, 4, 5])[:, None]
+    inputs = dict(scores=torch.randn(8, generator=g, dtype=torch.float64), action_mask=mask,
+                  token_rewards=torch.randn(8, 5, generator=g, dtype=torch.float64) * mask,
+                  values=torch.randn(8, 5, generator=g, dtype=torch.float64), group_size=2)
+    record = algos.ADVANTAGE_ESTIMATORS[name]
+
+    def differs(scalar, value) -> bool:
+        whitened = {"whiten_advantages": True} if name == "gae" and scalar in ("unbiased", "whiten_eps") else {}
+        base, out = record.fn(**inputs, **whitened), record.fn(**{**inputs, **whitened, scalar: value})
+        return any(not (b is None and o is None) and (b is None or o is None or not torch.allclose(b, o))
+                   for b, o in zip(base, out))
+
+    for scalar, value in SCALARS.items():
+        assert differs(scalar, value) == (scalar in record.reads), (name, scalar)
 
 
 def test_clip_ranges_and_aggregation_defaults():

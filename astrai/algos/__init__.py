@@ -8,63 +8,41 @@ logits), ``kl`` (k1/k2/k3 estimators), ``advantages`` (PPO rewards, GAE, GRPO gr
 ``stats`` (evaluation statistics of counts: Wilson interval, pass@k, exact McNemar test); the named
 registries ``estimators`` (``ADVANTAGE_ESTIMATORS``: gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline),
 ``policy_losses`` (``POLICY_LOSSES``: ppo_clip, gspo, cispo) with ``aggregation`` (``LOSS_AGG_MODES``), and
-``rollout_correction`` (``ROLLOUT_CORRECTIONS``: token_tis, seq_tis, seq_mask, icepop; mismatch metrics).
+``rollout_correction`` (``ROLLOUT_CORRECTIONS``: token_tis, seq_tis, seq_mask, icepop; mismatch metrics), whose
+names and needs are written once in the torch-free ``registry``.
 """
 
-from .aggregation import LOSS_AGG_MODES, aggregate_loss, loss_units, metric_agg_mode
-from .advantages import SCALE_REWARDS, gae, group_advantages, last_token_index, ppo_token_rewards
-from .kl import KL_ESTIMATORS, kl_estimate, kl_k1, kl_k2, kl_k3
-from .logprobs import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
-from .losses import explained_variance, logprob_gap, masked_entropy, value_loss
-from .estimators import ADVANTAGE_ESTIMATORS, AdvantageEstimator, AdvantageEstimatorFn, advantage_estimator
-from .masked import global_moments, masked_mean, masked_sum, masked_var, masked_whiten
-from .policy_losses import POLICY_LOSSES, PolicyLoss, PolicyLossFn, cispo, gspo, policy_loss, ppo_clip
-from .preference import bradley_terry_loss, dpo_loss, token_cross_entropy
-from .rollout_correction import MAX_METRICS, ROLLOUT_CORRECTIONS, correction_weights, mismatch_metrics
+import importlib
+from typing import Any
 
-__all__ = [
-    "bradley_terry_loss",
-    "ADVANTAGE_ESTIMATORS",
-    "AdvantageEstimator",
-    "AdvantageEstimatorFn",
-    "KL_ESTIMATORS",
-    "LOSS_AGG_MODES",
-    "MAX_METRICS",
-    "POLICY_LOSSES",
-    "PolicyLoss",
-    "PolicyLossFn",
-    "ROLLOUT_CORRECTIONS",
-    "advantage_estimator",
-    "aggregate_loss",
-    "cispo",
-    "correction_weights",
-    "gspo",
-    "loss_units",
-    "metric_agg_mode",
-    "mismatch_metrics",
-    "policy_loss",
-    "ppo_clip",
-    "dpo_loss",
-    "entropy_from_logits",
-    "explained_variance",
-    "gae",
-    "group_advantages",
-    "global_moments",
-    "SCALE_REWARDS",
-    "kl_estimate",
-    "kl_k1",
-    "kl_k2",
-    "kl_k3",
-    "last_token_index",
-    "logprob_gap",
-    "logprobs_from_hidden",
-    "logprobs_from_logits",
-    "masked_entropy",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "masked_whiten",
-    "ppo_token_rewards",
-    "token_cross_entropy",
-    "value_loss",
-]
+_EXPORTS: dict[str, str] = {name: module for module, names in {
+    "advantages": ("SCALE_REWARDS", "gae", "group_advantages", "last_token_index", "ppo_token_rewards"),
+    "aggregation": ("LOSS_AGG_MODES", "aggregate_loss", "loss_units", "metric_agg_mode"),
+    "estimators": ("ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageEstimatorFn", "advantage_estimator"),
+    "kl": ("KL_ESTIMATORS", "kl_estimate", "kl_k1", "kl_k2", "kl_k3"),
+    "logprobs": ("entropy_from_logits", "logprobs_from_hidden", "logprobs_from_logits"),
+    "losses": ("explained_variance", "logprob_gap", "masked_entropy", "value_loss"),
+    "masked": ("global_moments", "masked_mean", "masked_sum", "masked_var", "masked_whiten"),
+    "policy_losses": ("POLICY_LOSSES", "PolicyLoss", "PolicyLossFn", "cispo", "gspo", "policy_loss", "ppo_clip"),
+    "preference": ("bradley_terry_loss", "dpo_loss", "token_cross_entropy"),
+    "rollout_correction": ("MAX_METRICS", "ROLLOUT_CORRECTIONS", "correction_weights", "mismatch_metrics"),
+}.items() for name in names}
+"""Public name -> the submodule defining it. Submodules import lazily on first use (PEP 562), so the torch-free
+`astrai.algos.registry` (the registries' names and needs, which the job configuration reads) is importable without
+torch."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'astrai.algos' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .masked import global_moments
+from .registry import SCALE_REWARDS  # `group_advantages` scale modes (`grpo.scale_rewards`)
 
 __all__ = ["ppo_token_rewards", "gae", "group_advantages", "last_token_index", "SCALE_REWARDS"]
 
@@ -114,8 +115,6 @@ def gae(
     return advantages, returns
 
 
-SCALE_REWARDS = ("group", "batch", "none")
-"""`group_advantages` scale modes (`grpo.scale_rewards`): what the group-centred rewards are divided by."""
 
 
 def group_advantages(

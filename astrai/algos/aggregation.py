@@ -25,11 +25,9 @@ from __future__ import annotations
 import torch
 
 from .masked import _denominator, _real
+from .registry import LOSS_AGG_MODES  # the `loss_agg_mode` choices (verl's names; the first is astrai's default)
 
 __all__ = ["LOSS_AGG_MODES", "aggregate_loss", "loss_units", "metric_agg_mode"]
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-"""The `loss_agg_mode` choices (verl's names); the first is astrai's default."""
 
 
 def _check_mode(loss_agg_mode: str) -> None:

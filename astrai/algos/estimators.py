@@ -12,8 +12,8 @@ Methods (exact definitions: docs/conventions.md section 2):
   default, astrai does not provide). A group of one gives 0 (TRL; verl's vectorised variant).
 - ``reinforce_pp``: REINFORCE++ (Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both
   Prompt and Reward Models", section 3): per-token rewards, discounted reward-to-go ``G_t = r_t + gamma G_{t'}``
-  over the action tokens (``t'`` the next one; masked positions skipped, as GAE skips them), then whitened over the real tokens of the WHOLE batch (every data-parallel
-  rank: `masked.global_moments` through ``all_reduce_sum``), as verl's ``compute_reinforce_plus_plus_outcome_
+  over the action tokens (``t'`` the next one; masked positions skipped, as GAE skips them), then whitened over
+  the real tokens of the WHOLE batch (every data-parallel rank: `masked.global_moments` through ``all_reduce_sum``), as verl's ``compute_reinforce_plus_plus_outcome_
   advantage`` (unbiased variance, ``(x - mean) / sqrt(var + whiten_eps)``).
 - ``reinforce_pp_baseline``: REINFORCE++-baseline (same paper): the group mean of the SCORES is subtracted from the
   reward at each response's last real token, then reward-to-go with ``gamma`` and global whitening as above. This
@@ -31,12 +31,12 @@ are the score on the last real token only. Outcome estimators (grpo, rloo) use t
 no token rewards are given. Rows of a group are contiguous (G = ``group_size``). Masked positions (even NaN)
 influence nothing. An estimator that reduces over ranks (reinforce_pp*, grpo with ``scale="batch"``, gae with
 ``whiten_advantages``) must be called on every rank together. Adding an estimator is one function with this
-signature plus one `ADVANTAGE_ESTIMATORS` entry.
+signature plus one `registry.ESTIMATORS` entry (its needs) and one `_FUNCTIONS` entry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Optional, Protocol
 
 import torch
@@ -44,6 +44,7 @@ import torch
 from .advantages import gae as _gae
 from .advantages import group_advantages, last_token_index
 from .masked import _real, global_moments, masked_whiten
+from .registry import ESTIMATORS, EstimatorSpec
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageEstimatorFn", "advantage_estimator",
            "estimate_gae", "estimate_grpo", "estimate_reinforce_pp", "estimate_reinforce_pp_baseline",
@@ -231,38 +232,22 @@ def estimate_reinforce_pp_baseline(*, scores: torch.Tensor, action_mask: torch.T
 
 
 @dataclass(frozen=True)
-class AdvantageEstimator:
-    """A registered advantage estimator.
-
-    Fields: ``fn`` the estimator (`AdvantageEstimatorFn`); ``needs_values`` it reads a critic's ``values`` (the
-    train type must build a critic); ``needs_groups`` it reads ``group_size`` (G >= 2 samples per prompt,
-    contiguous); ``per_token_rewards`` the layout of ``token_rewards`` matters (KL per token, reward-to-go), not
-    only their row sum; ``gives_returns`` the second output is a tensor (critic targets / returns), not None;
-    ``source`` the paper.
-    """
+class AdvantageEstimator(EstimatorSpec):
+    """A registered advantage estimator: its `registry.EstimatorSpec` (needs, reads, source) and ``fn``, the
+    estimator (`AdvantageEstimatorFn`)."""
 
     fn: AdvantageEstimatorFn
-    needs_values: bool
-    needs_groups: bool
-    per_token_rewards: bool
-    gives_returns: bool
-    source: str
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "gae": AdvantageEstimator(estimate_gae, needs_values=True, needs_groups=False, per_token_rewards=True,
-                              gives_returns=True, source="Schulman et al. 2016, GAE"),
-    "grpo": AdvantageEstimator(estimate_grpo, needs_values=False, needs_groups=True, per_token_rewards=False,
-                               gives_returns=False, source="Shao et al. 2024, DeepSeekMath (GRPO)"),
-    "rloo": AdvantageEstimator(estimate_rloo, needs_values=False, needs_groups=True, per_token_rewards=False,
-                               gives_returns=False, source="Ahmadian et al. 2024, Back to Basics (RLOO)"),
-    "reinforce_pp": AdvantageEstimator(estimate_reinforce_pp, needs_values=False, needs_groups=False,
-                                       per_token_rewards=True, gives_returns=True,
-                                       source="Hu 2025, REINFORCE++"),
-    "reinforce_pp_baseline": AdvantageEstimator(estimate_reinforce_pp_baseline, needs_values=False,
-                                                needs_groups=True, per_token_rewards=True, gives_returns=True,
-                                                source="Hu 2025, REINFORCE++-baseline"),
+_FUNCTIONS: dict[str, AdvantageEstimatorFn] = {
+    "gae": estimate_gae, "grpo": estimate_grpo, "rloo": estimate_rloo, "reinforce_pp": estimate_reinforce_pp,
+    "reinforce_pp_baseline": estimate_reinforce_pp_baseline,
 }
+if set(_FUNCTIONS) != set(ESTIMATORS):
+    raise ImportError(f"astrai.algos.estimators: functions {sorted(_FUNCTIONS)} != registry {sorted(ESTIMATORS)}")
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    name: AdvantageEstimator(fn=_FUNCTIONS[name], **{f.name: getattr(spec, f.name) for f in fields(spec)})
+    for name, spec in ESTIMATORS.items()}
 """Advantage estimators by name (`advantage_estimator` looks them up); every ``fn`` has the same signature."""
 
 

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from . import registry
+
 __all__ = ["kl_k1", "kl_k2", "kl_k3", "KL_ESTIMATORS", "kl_estimate"]
 
 
@@ -67,6 +69,8 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
     "k2": kl_k2,
     "k3": kl_k3,
 }
+if tuple(KL_ESTIMATORS) != registry.KL_ESTIMATORS:
+    raise ImportError(f"astrai.algos.kl: {tuple(KL_ESTIMATORS)} != registry {registry.KL_ESTIMATORS}")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator: str = "k3") -> torch.Tensor:

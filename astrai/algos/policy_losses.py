@@ -26,12 +26,13 @@ adds nothing to loss or gradient) and aggregated by `aggregation.aggregate_loss`
 `aggregation.metric_agg_mode` (token mean, or sequence mean of token means under the seq-mean modes):
 ``policy/clipfrac``, ``policy/approx_kl`` (k3, ``d = old_logprobs - logprobs``), ``policy/ratio_mean`` (the ratio
 the surrogate uses: per token, or ``s_i`` for GSPO), and ``policy/clipfrac_lower`` (dual-clip active) when
-``clip_ratio_c`` is set. Metrics ignore ``weights``. Adding a loss is one function plus one `POLICY_LOSSES` entry.
+``clip_ratio_c`` is set. Metrics ignore ``weights``. Adding a loss is one function, its `registry.POLICY_LOSSES`
+entry and one `_FUNCTIONS` entry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -39,6 +40,8 @@ import torch
 from .aggregation import aggregate_loss, metric_agg_mode
 from .kl import kl_estimate
 from .masked import _real
+from .registry import POLICY_LOSSES as POLICY_LOSS_SPECS
+from .registry import PolicyLossSpec
 
 __all__ = ["POLICY_LOSSES", "PolicyLoss", "PolicyLossFn", "cispo", "gspo", "policy_loss", "ppo_clip"]
 
@@ -180,26 +183,20 @@ def cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.
 
 
 @dataclass(frozen=True)
-class PolicyLoss:
-    """A registered policy loss.
-
-    Fields: ``fn`` the loss (`PolicyLossFn`); ``dual_clip`` whether it accepts ``clip_ratio_c``;
-    ``loss_agg_mode`` the aggregation its paper uses (a default a config may override); ``source`` the paper.
-    """
+class PolicyLoss(PolicyLossSpec):
+    """A registered policy loss: its `registry.PolicyLossSpec` (``dual_clip`` whether it accepts ``clip_ratio_c``,
+    ``loss_agg_mode`` the aggregation its paper uses, a default a config may override, ``source``) and ``fn``, the
+    loss (`PolicyLossFn`)."""
 
     fn: PolicyLossFn
-    dual_clip: bool
-    loss_agg_mode: str
-    source: str
 
 
+_FUNCTIONS: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo}
+if set(_FUNCTIONS) != set(POLICY_LOSS_SPECS):
+    raise ImportError(f"astrai.algos.policy_losses: {sorted(_FUNCTIONS)} != registry {sorted(POLICY_LOSS_SPECS)}")
 POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "ppo_clip": PolicyLoss(ppo_clip, dual_clip=True, loss_agg_mode="token-mean",
-                           source="Schulman et al. 2017 (PPO); Yu et al. 2025 (DAPO clip-higher); Ye et al. 2020"),
-    "gspo": PolicyLoss(gspo, dual_clip=False, loss_agg_mode="seq-mean-token-mean",
-                       source="Zheng et al. 2025, Group Sequence Policy Optimization"),
-    "cispo": PolicyLoss(cispo, dual_clip=False, loss_agg_mode="token-mean", source="MiniMax 2025, MiniMax-M1"),
-}
+    name: PolicyLoss(fn=_FUNCTIONS[name], **{f.name: getattr(spec, f.name) for f in fields(spec)})
+    for name, spec in POLICY_LOSS_SPECS.items()}
 """Policy losses by name (`policy_loss` looks them up); every ``fn`` has the `PolicyLossFn` signature."""
 
 

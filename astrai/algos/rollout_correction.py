@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from .kl import kl_k3
+from . import registry
 from .masked import _real, masked_mean
 
 __all__ = ["MAX_METRICS", "ROLLOUT_CORRECTIONS", "correction_weights", "mismatch_metrics"]
@@ -112,6 +113,9 @@ ROLLOUT_CORRECTIONS: dict[str, CorrectionFn] = {
     "icepop": _icepop,
 }
 """Rollout corrections by name (definitions: module docstring); `correction_weights` is the entry point."""
+if tuple(ROLLOUT_CORRECTIONS) != registry.ROLLOUT_CORRECTIONS:
+    raise ImportError(f"astrai.algos.rollout_correction: {tuple(ROLLOUT_CORRECTIONS)} != registry "
+                      f"{registry.ROLLOUT_CORRECTIONS}")
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ in the loss (`grpo.kl_coef`) or in the reward (`grpo.kl_reward_coef`), not both.
 
 from __future__ import annotations
 
+from astrai.algos import registry
 from astrai.config_schema import ConfigError
 from astrai.train_types.spec import TrainType, check_policy_loss, check_rollout_minibatches, rollout_step_sizes
 
@@ -19,14 +20,18 @@ def check_grpo(config) -> None:
                           "exclusive; set one of them to 0")
 
 
+GRPO_SCALARS = {"std_eps": "eps", "std_floor": "std_floor", "scale_rewards": "scale", "gamma": "gamma"}
+"""`grpo` fields -> the estimator scalar each sets (`registry.EstimatorSpec.reads` says which an estimator reads)."""
+
+
 def grpo_unread(config) -> tuple[str, ...]:
-    """The `grpo` fields its advantage estimator does not read: `std_eps` and `std_floor` when
-    `grpo.scale_rewards` is none (nothing is divided) or the estimator is not grpo (with `scale_rewards` then),
-    `gamma` unless it is reinforce_pp or reinforce_pp_baseline."""
+    """The `grpo` fields its advantage estimator does not read (`registry.ESTIMATORS[...].reads`), and `std_eps`
+    and `std_floor` when `grpo.scale_rewards` is none (nothing is divided)."""
     g = config.grpo
-    unread = ("std_eps", "std_floor") if g.scale_rewards == "none" or g.advantage_estimator != "grpo" else ()
-    unread += ("scale_rewards",) if g.advantage_estimator != "grpo" else ()
-    return unread + (("gamma",) if not g.advantage_estimator.startswith("reinforce_pp") else ())
+    reads = registry.ESTIMATORS[g.advantage_estimator].reads
+    dividing = g.scale_rewards != "none"
+    return tuple(name for name, scalar in GRPO_SCALARS.items()
+                 if scalar not in reads or (name in ("std_eps", "std_floor") and not dividing))
 
 
 def grpo_step_sizes(config) -> tuple[int, int]:
