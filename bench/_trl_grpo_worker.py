@@ -48,10 +48,10 @@ def exact_match_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """TRL's reward-function signature over astrai's `math_exact_match` (no format bonus, no partial credit): 1.0
     when the completion's final number equals the final number of the reference `answer` ("... #### N"), else 0.0.
     `prompts` and the other columns TRL passes are unused."""
-    from astrai.rewards.builtins import get_reward
+    from astrai.rewards.builtins import math_exact_match
 
-    scores = get_reward("math_exact_match")([completion_text(c) for c in completions], list(answer))
-    return [float(s) for s in scores.tolist()]
+    return [float(s) for s in math_exact_match(list(prompts), [completion_text(c) for c in completions],
+                                               answer=list(answer))]
 
 
 def conversations(questions: list[str]) -> list[list[dict]]:

@@ -80,7 +80,8 @@ class _RuleBackbone(torch.nn.Module):
                 response = response[:-1]
             texts.append(self.tokenizer.decode(response, skip_special_tokens=True))
             answers.append(self.answers[tuple(real[:length])])
-        scores = self.reward_fn(texts, answers, format_bonus=self.format_bonus).float()
+        scores = torch.tensor(self.reward_fn([""] * len(texts), texts, answer=answers, format_bonus=self.format_bonus),
+                              dtype=torch.float32)
         return SimpleNamespace(hidden_states=(scores[:, None, None].expand(-1, input_ids.shape[1], 1),))
 
 
@@ -114,7 +115,7 @@ def build(spec: dict, workdir: str):
     from trl.experimental.ppo import ppo_trainer as ppo_module
 
     sys.path.insert(0, spec["astrai_root"])
-    from astrai.rewards.builtins import get_reward as astrai_reward
+    from astrai.rewards.builtins import BUILTIN_REWARDS
 
     hf_dir = spec["hf_dir"]
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -129,7 +130,7 @@ def build(spec: dict, workdir: str):
         model.config.pad_token_id = tokenizer.pad_token_id
     stop_id = tokenizer.eos_token_id if spec["stop_at_eos"] else None
     answers = {tuple(p): a for p, a in zip(spec["prompts"], spec["answers"])}
-    reward = RuleReward(tokenizer, answers, astrai_reward(spec["reward"]), spec["format_bonus"], stop_id)
+    reward = RuleReward(tokenizer, answers, BUILTIN_REWARDS[spec["reward"]].load(), spec["format_bonus"], stop_id)
     dataset = Dataset.from_dict({"input_ids": spec["prompts"]})
     s = spec["settings"]
     args = PPOConfig(

@@ -105,7 +105,8 @@ def test_reward_scores_right_answers_one_and_wrong_answers_zero():
     right = [f"{r['a']} {r['operation']} {r['b']} = {g}. The answer is {g}." for r, g in zip(records, golds)]
     marked = [f"Let me compute.\n#### {g}" for g in golds]
     wrong = [f"The answer is {g + 1}." for g in golds]
-    assert math_exact_match(right, answers).tolist() == [1.0] * 20
-    assert math_exact_match(marked, answers).tolist() == [1.0] * 20
-    assert math_exact_match(wrong, answers).tolist() == [0.0] * 20
-    assert math_exact_match(["I do not know."], answers[:1]).tolist() == [0.0]
+    score = lambda completions, golds: math_exact_match([""] * len(completions), completions, answer=golds)  # noqa: E731
+    assert score(right, answers) == [1.0] * 20
+    assert score(marked, answers) == [1.0] * 20
+    assert score(wrong, answers) == [0.0] * 20
+    assert score(["I do not know."], answers[:1]) == [0.0]

@@ -58,11 +58,11 @@ def test_the_defaults_are_the_task():
 
 
 def test_trl_reward_is_astrai_math_exact_match():
-    from astrai.rewards.builtins import get_reward
+    from astrai.rewards.builtins import math_exact_match
 
     texts = ["70 + 66 = 136", "The answer is #### 136.", "I think 135", "", "12 - 5 = 7, so 7", "$1,36"]
     answers = ["70 + 66 = 136\n#### 136"] * 3 + ["#### 4", "12 - 5 = 7\n#### 7", "#### 136"]
-    expected = get_reward("math_exact_match")(texts, answers).tolist()
+    expected = math_exact_match([""] * len(texts), texts, answer=answers)
     assert expected == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
     conversational = [[{"role": "assistant", "content": t}] for t in texts]
     prompts = [[{"role": "user", "content": "q"}]] * len(texts)

@@ -25,11 +25,11 @@ def test_exit_2_with_the_venv_recipe_without_trl():
 
 def test_rule_reward_through_trl_get_reward_convention():
     from astrai.models import tiny_tokenizer
-    from astrai.rewards.builtins import get_reward
+    from astrai.rewards.builtins import math_exact_match
 
     tok = tiny_tokenizer()
     p1, p2 = tok.encode("the sum"), tok.encode("a total of this")
-    reward = worker.RuleReward(tok, {tuple(p1): "#### 5", tuple(p2): "#### 7"}, get_reward("math_exact_match"),
+    reward = worker.RuleReward(tok, {tuple(p1): "#### 5", tuple(p2): "#### 7"}, math_exact_match,
                                0.1, 2)
     r1, r2 = tok.encode("is #### 5") + [2], tok.encode("is 8")
     ctx, width = max(len(p1), len(p2)), max(len(r1), len(r2))

@@ -219,9 +219,9 @@ def test_online_ppo_with_groups_and_dynamic_sampling_trains(tiny_model_dir, tmp_
 
     from astrai.rewards import builtins as rewards
     from astrai.train import main
-    monkeypatch.setitem(rewards.REWARDS, "math_exact_match",
-                        lambda responses, answers, **_: torch.tensor([len(r) % 2 for r in responses],
-                                                                                dtype=torch.float32))
+    monkeypatch.setitem(rewards.BUILTIN_REWARDS, "math_exact_match", rewards.BuiltinReward(
+        lambda prompts, completions, format_bonus=0.0, partial_credit=0.0, **_: [float(len(c) % 2) for c in completions],
+        "toy: length parity"))
     out = tmp_path / "run"
     assert main(tiny_args(tiny_model_dir, out, "--max_steps", "2", "--rollout.batch_size", "2", "--ppo.group_size",
                           "2", "--ppo.minibatch_size", "4", "--ppo.micro_batch_size", "2",

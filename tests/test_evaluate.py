@@ -15,7 +15,7 @@ from astrai.algos.stats import mcnemar_exact_p, pass_at_k, wilson_interval
 from astrai.evaluation.cli import main
 from astrai.models import load_pretrained
 from astrai.evaluation.accuracy import EvalSettings, pass_at_ks
-from astrai.rewards.builtins import REWARDS
+from astrai.rewards.builtins import BUILTIN_REWARDS, BuiltinReward
 
 SYSTEM = "Answer briefly."
 
@@ -84,14 +84,18 @@ def naive_greedy(model, tokenizer, question: str, max_new_tokens: int) -> str:
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
-def exact_text(responses, answers, *, format_bonus=0.0, partial_credit=0.0):
+def exact_text(prompts, completions, *, answer_field="answer", **columns):
     """Stub reward: 1 when the response is exactly the stored answer."""
-    return torch.tensor([float(r == a) for r, a in zip(responses, answers)])
+    return [float(c == a) for c, a in zip(completions, columns[answer_field])]
 
 
-def even_length(responses, answers, *, format_bonus=0.0, partial_credit=0.0):
+def even_length(prompts, completions, **columns):
     """Stub reward: 1 when the response has an even number of characters."""
-    return torch.tensor([float(len(r) % 2 == 0) for r in responses])
+    return [float(len(c) % 2 == 0) for c in completions]
+
+
+EXACT_TEXT = BuiltinReward(exact_text, "stub: 1 for the stored answer", answer_field=True)
+EVEN_LENGTH = BuiltinReward(even_length, "stub: 1 for an even number of characters")
 
 
 def cli(model, data, out, *extra):
@@ -107,7 +111,7 @@ def read_outputs(out):
 
 @pytest.mark.filterwarnings("ignore:.*no final number")  # its stub answers are text on purpose
 def test_greedy_accuracy_matches_hand_computed_expectation(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(REWARDS, "exact_text", exact_text)
+    monkeypatch.setitem(BUILTIN_REWARDS, "exact_text", EXACT_TEXT)
     model, tokenizer = load_pretrained(tiny_model_dir)
     questions = ["What is 12 + 35?", "Compute 40 - 17.", "How many apples?", "Say hi."]
     greedy = [naive_greedy(model, tokenizer, q, 6) for q in questions]
@@ -136,7 +140,7 @@ def test_greedy_accuracy_matches_hand_computed_expectation(tiny_model_dir, tmp_p
 
 
 def test_sampled_pass_at_k_is_seeded_and_consistent(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(REWARDS, "even_length", even_length)
+    monkeypatch.setitem(BUILTIN_REWARDS, "even_length", EVEN_LENGTH)
     args = ("--limit", "6", "--reward", "even_length", "--temperature", "1.0", "--num_samples", "4")
     runs = {}
     for name, seed in [("a", "3"), ("b", "3"), ("c", "4")]:

@@ -237,8 +237,9 @@ def test_online_grpo_end_to_end_changes_every_parameter(tiny_model_dir, tmp_path
     from astrai.rewards import builtins as rewards
     from astrai.train import main
 
-    monkeypatch.setitem(rewards.REWARDS, "toy_length",
-                        lambda texts, answers, **_: torch.tensor([len(t) % 5 / 4 for t in texts]))
+    monkeypatch.setitem(rewards.BUILTIN_REWARDS, "toy_length", rewards.BuiltinReward(
+        lambda prompts, completions, format_bonus=0.0, partial_credit=0.0, **_: [len(c) % 5 / 4 for c in completions],
+        "toy: length mod 5"))
     out = tmp_path / "run"
     code = main(["--config", str(Path(__file__).resolve().parents[1] / "configs/examples/grpo.yaml"), "--model.path", str(tiny_model_dir),
                  "--train.output_dir", str(out), "--max_steps", "2", "--rollout.batch_size", "2",

@@ -154,8 +154,9 @@ def toy_reward(monkeypatch):
     """A reward the tiny model's responses vary in, so online updates move the adapters."""
     from astrai.rewards import builtins as rewards
 
-    monkeypatch.setitem(rewards.REWARDS, "toy_length",
-                        lambda texts, answers, **_: torch.tensor([len(t) % 5 / 4 for t in texts]))
+    monkeypatch.setitem(rewards.BUILTIN_REWARDS, "toy_length", rewards.BuiltinReward(
+        lambda prompts, completions, format_bonus=0.0, partial_credit=0.0, **_: [len(c) % 5 / 4 for c in completions],
+        "toy: length mod 5"))
 
 
 @pytest.mark.parametrize("config, extra", [

@@ -302,8 +302,9 @@ def test_example_config_one_step_changes_every_parameter(tiny_model_dir, tmp_pat
 def test_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch, name, extra):
     from astrai.rewards import builtins as rewards
 
-    monkeypatch.setitem(rewards.REWARDS, "toy_length",
-                        lambda texts, answers, **_: torch.tensor([len(t) % 5 / 4 for t in texts]))
+    monkeypatch.setitem(rewards.BUILTIN_REWARDS, "toy_length", rewards.BuiltinReward(
+        lambda prompts, completions, format_bonus=0.0, partial_credit=0.0, **_: [len(c) % 5 / 4 for c in completions],
+        "toy: length mod 5"))
     base = ["--config", str(REPO / f"configs/examples/{name}.yaml"), "--model.path", str(tiny_model_dir),
             "--train.progress_bar", "false", *extra]
     assert main([*base, "--train.output_dir", str(tmp_path / "a"), "--max_steps", "3"]) == 0

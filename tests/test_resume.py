@@ -217,9 +217,9 @@ def test_online_grpo_with_dynamic_sampling_resumes_bitwise_exact(tiny_model_dir,
     """Several sampling rounds per rollout (a reward on the response's length parity, so some groups differ and
     some do not): the data position and sampling RNG after them resume exactly, mid-rollout."""
     from astrai.rewards import builtins as rewards
-    monkeypatch.setitem(rewards.REWARDS, "math_exact_match",
-                        lambda responses, answers, **_: torch.tensor([len(r) % 2 for r in responses],
-                                                                                dtype=torch.float32))
+    monkeypatch.setitem(rewards.BUILTIN_REWARDS, "math_exact_match", rewards.BuiltinReward(
+        lambda prompts, completions, format_bonus=0.0, partial_credit=0.0, **_: [float(len(c) % 2) for c in completions],
+        "toy: length parity"))
     grpo = ("--max_steps", "4", "--train.type", "online_grpo", "--rollout.batch_size", "2", "--grpo.group_size", "2",
             "--grpo.minibatch_size", "2", "--grpo.micro_batch_size", "1", "--rollout.dynamic_sampling", "true",
             "--rollout.max_sampling_rounds", "3")

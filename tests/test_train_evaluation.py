@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from astrai import evaluate
 from astrai.config import load_config
-from astrai.rewards.builtins import REWARDS
+from astrai.rewards.builtins import BUILTIN_REWARDS, BuiltinReward
 from astrai.train import main
 from astrai.trainer.build import build_trainer
 from astrai.trainer.evaluation_callback import EvaluationCallback
@@ -19,12 +19,21 @@ from test_resume import sft_args
 from test_train_e2e import EXAMPLE, tiny_args
 
 EVAL = ("--train.eval_steps", "2", "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "5")
-KEYS = ("eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high", "eval/num_questions", "time/eval_seconds")
+KEYS = ("eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high", "eval/reward_mean", "eval/reward_mean_ci_low",
+        "eval/reward_mean_ci_high", "eval/num_questions", "time/eval_seconds")
 
 
-def even_length(responses, answers, *, format_bonus=0.0, partial_credit=0.0):
-    """Stub reward with mixed outcomes on a random tiny model: 1 for an even number of characters."""
-    return torch.tensor([float(len(r) % 2 == 0) for r in responses])
+def reward_keys(name):
+    return {f"eval/rewards/{name}/{key}" for key in ("mean", "applies", "failed")}
+
+
+def even_length(prompts, completions, *, format_bonus=0.0, partial_credit=0.0, **columns):
+    """Stub reward with mixed outcomes on a random tiny model: 1 for an even number of characters (the example
+    job's reward.format_bonus is given to it, and ignored)."""
+    return [float(len(c) % 2 == 0) for c in completions]
+
+
+EVEN_LENGTH = BuiltinReward(even_length, "stub: 1 for an even number of characters")
 
 
 def records(out):
@@ -33,7 +42,7 @@ def records(out):
 
 def test_eval_logged_at_steps_and_end_matches_cli_and_leaves_training_bitwise_equal(
         tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(REWARDS, "even_length", even_length)
+    monkeypatch.setitem(BUILTIN_REWARDS, "even_length", EVEN_LENGTH)
     common = ("--runtime.deterministic", "true", "--reward.name", "even_length", "--data.path", "builtin:arithmetic")
     plain, with_eval = tmp_path / "plain", tmp_path / "eval"
     assert main(tiny_args(tiny_model_dir, plain, *common)) == 0
@@ -77,7 +86,7 @@ def test_eval_on_start_logs_the_starting_model_at_step_0_once(tiny_model_dir, tm
     the evaluator's on the model the run started from; training unchanged; a resume does not evaluate step 0 again."""
     from test_reporting import read_events
 
-    monkeypatch.setitem(REWARDS, "even_length", even_length)
+    monkeypatch.setitem(BUILTIN_REWARDS, "even_length", EVEN_LENGTH)
     common = ("--runtime.deterministic", "true", "--reward.name", "even_length", "--data.path", "builtin:arithmetic",
               *EVAL)
     plain, start = tmp_path / "plain", tmp_path / "start"
@@ -86,7 +95,8 @@ def test_eval_on_start_logs_the_starting_model_at_step_0_once(tiny_model_dir, tm
     logged = records(start)
     assert [r["step"] for r in logged] == [0, 1, 2, 3]
     assert [all(k in r for k in KEYS) for r in logged] == [True, False, True, True]
-    assert set(logged[0]) == {"step", "policy_version", *KEYS} and logged[0]["policy_version"] == 0
+    assert set(logged[0]) == {"step", "policy_version", *KEYS, *reward_keys("even_length")}
+    assert logged[0]["policy_version"] == 0
     assert [r["rollout/reward_mean"] for r in logged[1:]] == [r["rollout/reward_mean"] for r in records(plain)]
     assert read_events(start)["eval/accuracy"][0] == pytest.approx(logged[0]["eval/accuracy"])
     out = tmp_path / "cli"

@@ -1,19 +1,26 @@
-"""Accuracy of a policy on question/answer prompts: generate with the rollout engine, score with a reward.
+"""Scores of a policy on prompts: generate with the rollout engine, score with the job's reward functions.
 
 One function, `evaluate`, serves the `python -m astrai.evaluate` command and the in-training evaluation callback
-(`astrai.trainer.evaluation_callback`). Prompts are built by `astrai.data.truncation.encode_prompt_records`, exactly as the
-online train types build them (chat template, optional system prompt, `max_prompt_length` under the
+(`astrai.trainer.evaluation_callback`). Prompts are built by `astrai.data.truncation.encode_prompt_records`, exactly
+as the online train types build them (chat template, optional system prompt, `max_prompt_length` under the
 `data.truncation` policy; prompts `filter` drops are not evaluated); generation stops on the model's stop set
 (`astrai.models.special_tokens.stop_token_ids`) and responses are decoded without a final stop token and with
-special tokens skipped, as for training, and scored by a reward of `astrai.rewards.builtins` with
-`format_bonus=0`.
+special tokens skipped, as for training, and scored as training scores them (`astrai.rewards.build.score_records`:
+the `RewardFunctions` of the job, each called with the prompt record's columns; the total is their weighted sum).
 
-Correctness and statistics: a response is correct when its score is at least 1 (`CORRECT_SCORE`; the exact-match
-rewards give 1 for a right answer, 0 otherwise). With k samples per question (`num_samples`), a question's
-accuracy is its fraction of correct samples, and `accuracy` is the mean over questions (= pass@1). The 95% interval
-is the Wilson score interval (`astrai.algos.stats.wilson_interval`) over the questions (the unit that is
-sampled; for k > 1 the per-question fractions make it conservative). pass@k uses the unbiased estimator of Chen
-et al. 2021, section 2.1 (`astrai.algos.stats.pass_at_k`), for k = 1, 2, 4, ... up to `num_samples`.
+Statistics, with k samples per question (`num_samples`):
+- pass rate (`accuracy`): a sample passes when its total reward is at least `pass_threshold` (default 1.0,
+  `CORRECT_SCORE`: an exact-match reward gives 1 for a right answer). A question's accuracy is its fraction of
+  passing samples, `accuracy` the mean over questions (= pass@1), with the Wilson score interval
+  (`astrai.algos.stats.wilson_interval`) over the questions (the unit that is sampled; for k > 1 the per-question
+  fractions make it conservative). pass@k uses the unbiased estimator of Chen et al. 2021, section 2.1
+  (`astrai.algos.stats.pass_at_k`), for k = 1, 2, 4, ... up to `num_samples`.
+- mean total reward (`reward_mean`): the mean over questions of each question's mean total reward, with a 95%
+  normal interval over the questions, ``mean +- 1.959964 * s / sqrt(n)`` (s the sample standard deviation of the
+  n per-question means; for n = 1 the interval is the mean itself). A normal, not a t, interval: it is too narrow
+  by a few percent below ~30 questions (t quantile 2.09 at n = 20).
+- per reward function: its mean over the samples it applies to (None values excluded; 0 when it applies to none,
+  as training logs it), the fraction of samples it applies to, and the samples whose call failed.
 
 Greedy decoding: temperature 0 is expressed to the engine as `top_k = 1` (argmax of the logits; the sampling
 temperature is then irrelevant and left at 1, which the engine's `SamplingParams` requires to be > 0).
@@ -21,9 +28,11 @@ temperature is then irrelevant and left at 1, which the engine's `SamplingParams
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from statistics import NormalDist
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -31,12 +40,14 @@ from tqdm.auto import tqdm
 from astrai.algos.stats import pass_at_k, wilson_interval
 from astrai.data.truncation import encode_prompt_records
 from astrai.models.special_tokens import strip_stop
+from astrai.rewards.build import score_records
 from astrai.rollout.sampling import MIN_TEMPERATURE, SamplingParams
 
 CORRECT_SCORE = 1.0
-"""A response whose reward (format bonus 0) is at least this counts as correct."""
+"""The default pass threshold: a sample whose total reward is at least this passes (counts as correct)."""
 
-__all__ = ["CORRECT_SCORE", "EvalResult", "EvalSettings", "evaluate", "pass_at_ks"]
+__all__ = ["CORRECT_SCORE", "EvalResult", "EvalSettings", "eval_statistics", "evaluate", "mean_interval",
+           "pass_at_ks"]
 
 
 @dataclass(frozen=True)
@@ -93,15 +104,60 @@ def pass_at_ks(num_samples: int) -> list[int]:
     return ks + [num_samples]
 
 
+def mean_interval(total: float, total_sq: float, n: int, *, confidence: float = 0.95) -> tuple[float, float]:
+    """Normal interval ``(low, high)`` of a mean from the sum `total` and sum of squares `total_sq` of `n` values:
+    ``mean +- z * s / sqrt(n)``, s the sample standard deviation (n - 1 in the denominator), z the two-sided normal
+    quantile of `confidence`; ``(mean, mean)`` for n = 1.
+
+    Raises:
+        ValueError: n < 1.
+    """
+    if n < 1:
+        raise ValueError(f"mean_interval: needs n >= 1 values, got {n}")
+    mean = total / n
+    if n == 1:
+        return mean, mean
+    variance = max(0.0, (total_sq - n * mean * mean) / (n - 1))
+    half = NormalDist().inv_cdf(0.5 + confidence / 2) * math.sqrt(variance / n)
+    return mean - half, mean + half
+
+
+def eval_statistics(sums: Mapping[str, float], names: Sequence[str]) -> dict:
+    """The statistics of an evaluation (module docstring) from its additive sums (`EvalResult.sums`, possibly summed
+    over ranks) and reward function `names`: `accuracy`, `ci_low`, `ci_high` (95% Wilson), `reward_mean`,
+    `reward_mean_ci_low`, `reward_mean_ci_high` (95% normal over questions) and `rewards`: name -> {`mean`,
+    `applies`, `failed`}. Plain floats.
+
+    Raises:
+        ValueError: no question (`sums["questions"]` < 1).
+    """
+    n = int(round(sums["questions"]))
+    if n < 1:
+        raise ValueError("evaluation: no question was evaluated")
+    low, high = wilson_interval(sums["correct"], n)
+    reward_low, reward_high = mean_interval(sums["reward_sum"], sums["reward_sumsq"], n)
+    samples = max(sums["samples"], 1.0)
+    rewards = {name: {"mean": sums[f"{name}/sum"] / sums[f"{name}/applied"] if sums[f"{name}/applied"] else 0.0,
+                      "applies": sums[f"{name}/applied"] / samples, "failed": sums[f"{name}/failed"]}
+               for name in names}
+    return {"accuracy": sums["correct"] / n, "ci_low": low, "ci_high": high, "reward_mean": sums["reward_sum"] / n,
+            "reward_mean_ci_low": reward_low, "reward_mean_ci_high": reward_high, "rewards": rewards}
+
+
 @dataclass
 class EvalResult:
     """Per-question results of one evaluation and their statistics.
 
     Attributes:
-        examples: one dict per question, in input order: `index`, `question`, `answer`, and per sample
-            (lists of length k) `responses`, `extracted_answers` (None when the reward has no extractor or finds
-            nothing), `scores`, `correct`, `response_tokens`, `finished` (ended with a stop token); `num_correct`.
+        examples: one dict per question, in input order: `index`, `question`, `answer` ("" when the data has no
+            answers), and per sample (lists of length k) `responses`, `extracted_answers` (None when no reward
+            states an extractor or it finds nothing), `scores` (the total reward), `rewards` (reward function name
+            -> its values, None where it does not apply), `correct` (total >= `pass_threshold`),
+            `response_tokens`, `finished` (ended with a stop token); `num_correct`.
         num_samples: k, responses per question.
+        reward_names: the reward functions' names, in order.
+        pass_threshold: the total reward a sample needs to pass.
+        failed: reward function name -> samples whose call failed (raised, timed out, lost its worker).
         generated_tokens: response tokens generated over all samples.
         generation_seconds: wall time spent inside the engine.
         wall_seconds: wall time of the whole evaluation (prompt building, generation, decoding, scoring).
@@ -109,6 +165,9 @@ class EvalResult:
 
     examples: list[dict] = field(default_factory=list)
     num_samples: int = 1
+    reward_names: list[str] = field(default_factory=list)
+    pass_threshold: float = CORRECT_SCORE
+    failed: dict[str, int] = field(default_factory=dict)
     generated_tokens: int = 0
     generation_seconds: float = 0.0
     wall_seconds: float = 0.0
@@ -120,12 +179,12 @@ class EvalResult:
 
     @property
     def correct(self) -> float:
-        """Sum over questions of the fraction of correct samples (the number of correct questions for k = 1)."""
+        """Sum over questions of the fraction of passing samples (the number of passing questions for k = 1)."""
         return sum(ex["num_correct"] / self.num_samples for ex in self.examples)
 
     @property
     def accuracy(self) -> float:
-        """Mean per-question accuracy (pass@1); 0.0 when no question was evaluated."""
+        """Mean per-question pass rate (pass@1); 0.0 when no question was evaluated."""
         return self.correct / self.num_questions if self.examples else 0.0
 
     def interval(self, confidence: float = 0.95) -> tuple[float, float]:
@@ -138,29 +197,51 @@ class EvalResult:
         return {k: sum(pass_at_k(n, ex["num_correct"], k) for ex in self.examples) / max(1, self.num_questions)
                 for k in pass_at_ks(n)}
 
+    def sums(self) -> dict[str, float]:
+        """The additive sums the statistics are computed from (`eval_statistics`; summed over ranks in training):
+        `questions`, `samples`, `correct` (as `correct`), `reward_sum` / `reward_sumsq` (of the per-question mean
+        total rewards), and per reward function `<name>/sum` (of the values that apply), `<name>/applied` (their
+        count) and `<name>/failed`. Every key is present (zeros) without examples."""
+        means = [sum(ex["scores"]) / len(ex["scores"]) for ex in self.examples]
+        out = {"questions": float(self.num_questions), "samples": float(self.num_questions * self.num_samples),
+               "correct": self.correct, "reward_sum": sum(means), "reward_sumsq": sum(m * m for m in means)}
+        for name in self.reward_names:
+            values = [v for ex in self.examples for v in ex["rewards"][name] if v is not None]
+            out.update({f"{name}/sum": sum(values), f"{name}/applied": float(len(values)),
+                        f"{name}/failed": float(self.failed.get(name, 0))})
+        return out
+
     @property
     def tokens_per_second(self) -> float:
         """Generated tokens per second of generation time."""
         return self.generated_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
 
     def metrics(self) -> dict:
-        """Summary numbers (plain JSON): n, num_samples, correct, accuracy, ci_low/ci_high (95% Wilson),
-        pass_at_k, mean_score, generated_tokens, tokens_per_second, generation_seconds, wall_seconds."""
-        low, high = self.interval()
-        scores = [s for ex in self.examples for s in ex["scores"]]
+        """Summary numbers (plain JSON): n, num_samples, correct, accuracy (the pass rate), ci_low/ci_high (95%
+        Wilson), pass_threshold, pass_at_k, mean_score (= reward_mean), reward_mean with reward_mean_ci_low/high
+        (95% normal over questions), rewards (name -> mean, applies, failed), generated_tokens, tokens_per_second,
+        generation_seconds, wall_seconds.
+
+        Raises:
+            ValueError: no question was evaluated.
+        """
+        stats = eval_statistics(self.sums(), self.reward_names)
         return {"n": self.num_questions, "num_samples": self.num_samples, "correct": self.correct,
-                "accuracy": self.accuracy, "ci_low": low, "ci_high": high, "interval": "wilson, 95%",
+                "accuracy": stats["accuracy"], "ci_low": stats["ci_low"], "ci_high": stats["ci_high"],
+                "interval": "wilson, 95%", "pass_threshold": self.pass_threshold,
                 "pass_at_k": {str(k): v for k, v in self.pass_at().items()},
-                "mean_score": sum(scores) / max(1, len(scores)), "generated_tokens": self.generated_tokens,
-                "tokens_per_second": self.tokens_per_second, "generation_seconds": self.generation_seconds,
-                "wall_seconds": self.wall_seconds}
+                "mean_score": stats["reward_mean"], "reward_mean": stats["reward_mean"],
+                "reward_mean_ci_low": stats["reward_mean_ci_low"], "reward_mean_ci_high": stats["reward_mean_ci_high"],
+                "reward_mean_interval": "normal, 95%, over questions", "rewards": stats["rewards"],
+                "generated_tokens": self.generated_tokens, "tokens_per_second": self.tokens_per_second,
+                "generation_seconds": self.generation_seconds, "wall_seconds": self.wall_seconds}
 
 
-def evaluate(engine, tokenizer, records: Sequence, *, reward: Callable, settings: EvalSettings,
+def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSettings,
              max_prompt_length: int, system_prompt: Optional[str] = None, truncation: str = "error",
              stop_token_ids: Optional[Sequence[int]] = None, source: str = "evaluation data",
              generator: Optional[torch.Generator] = None, extract_answer: Optional[Callable] = None,
-             progress: bool = False, leave: bool = True, desc: str = "eval",
+             pass_threshold: float = CORRECT_SCORE, progress: bool = False, leave: bool = True, desc: str = "eval",
              log: Callable[[str], None] = print) -> EvalResult:
     """Generate `settings.num_samples` responses per record with `engine`, score them, collect the results.
 
@@ -168,15 +249,19 @@ def evaluate(engine, tokenizer, records: Sequence, *, reward: Callable, settings
         engine: a rollout engine (`astrai.rollout.engine.GenerationEngine`) holding the weights to evaluate;
             its weights are used as they are (the caller syncs them).
         tokenizer: the model's tokenizer (chat template, decode, eos).
-        records: `astrai.data.PromptRecord`s (prompt, answer, index).
-        reward: a reward function of `astrai.rewards.builtins` (called with `format_bonus=0.0`).
+        records: `astrai.data.PromptRecord`s (prompt, answer, index, columns).
+        rewards: the reward functions (`astrai.rewards.functions.RewardFunctions`, e.g. from
+            `astrai.rewards.build.build_rewards`; anything with its `names` and call), given every sample with its
+            record's stored prompt and columns (`score_records`).
         settings: generation settings.
         max_prompt_length, system_prompt, truncation: prompt building, as in training (`data.max_prompt_length`,
             `data.system_prompt`, `data.truncation`); `source` names the data in errors and in what `log` prints.
         stop_token_ids: the stop set (default: the tokenizer's EOS alone).
         generator: RNG the engine draws one number from per call (pass a dedicated one so that evaluation leaves
             other random streams alone); None uses torch's default RNG.
-        extract_answer: response text -> the answer it states (reported only), e.g. `ANSWER_EXTRACTORS[name]`.
+        extract_answer: response text -> the answer it states (reported only), e.g. a built-in's
+            `BuiltinReward.extract_answer`.
+        pass_threshold: the total reward a sample needs to pass (count as correct).
         progress, leave, desc: a tqdm bar over questions (with ETA) when `progress`.
 
     Returns:
@@ -184,8 +269,9 @@ def evaluate(engine, tokenizer, records: Sequence, *, reward: Callable, settings
 
     Raises:
         DataError: an overlong prompt with `truncation="error"` (naming `source` and the row).
-        ValueError: from the engine (a prompt plus `max_new_tokens` beyond the model's context, ...) or from a
-            reward that returns the wrong number of scores.
+        RewardFunctionError: a reward function's bug (wrong number of values, a non-number), or more than
+            `reward.max_error_fraction` of a batch's reward calls failed, as in training.
+        ValueError: from the engine (a prompt plus `max_new_tokens` beyond the model's context, ...).
     """
     start = time.perf_counter()
     stops = tuple(stop_token_ids) if stop_token_ids is not None else (tokenizer.eos_token_id,)
@@ -194,34 +280,39 @@ def evaluate(engine, tokenizer, records: Sequence, *, reward: Callable, settings
                                     limit=max_prompt_length, limit_name="max_prompt_length", policy=truncation,
                                     source=source, log=log)
     kept = [(record, ids) for record, ids in zip(records, encoded) if ids is not None]
-    result = EvalResult(num_samples=settings.num_samples)
+    names = list(rewards.names)
+    result = EvalResult(num_samples=settings.num_samples, reward_names=names, pass_threshold=pass_threshold,
+                        failed=dict.fromkeys(names, 0))
     k = settings.num_samples
     with tqdm(total=len(kept), desc=desc, unit="question", disable=not progress, leave=leave,
               dynamic_ncols=True) as bar:
         for first in range(0, len(kept), settings.batch_size):
             batch = [record for record, _ in kept[first:first + settings.batch_size]]
             prompt_ids = [ids for _, ids in kept[first:first + settings.batch_size]]
-            answers = [record.answer for record in batch]
             generate_start = time.perf_counter()
             generation = engine.generate(prompt_ids, params, generator, n=k)
             result.generation_seconds += time.perf_counter() - generate_start
             mask = generation.action_mask.cpu()
             ids = [row[m].tolist() for row, m in zip(generation.response_ids.cpu(), mask)]
             responses = [tokenizer.decode(strip_stop(r, stops), skip_special_tokens=True) for r in ids]
-            scores = reward(responses, [a for a in answers for _ in range(k)], format_bonus=0.0)
-            scores = torch.as_tensor(scores, dtype=torch.float32).reshape(-1).tolist()
-            if len(scores) != len(responses):
-                raise ValueError(f"reward: expected {len(responses)} scores, got {len(scores)}")
+            scored = score_records(rewards, responses, [record for record in batch for _ in range(k)], ids)
+            scores = scored.total.tolist()
+            values = {name: [None if math.isnan(v) else v for v in scored.components[name].tolist()]
+                      for name in names}
+            for name in names:
+                result.failed[name] += int(scored.failed[name].sum()) if name in scored.failed else 0
             result.generated_tokens += int(mask.sum())
             finished = generation.finished.cpu().tolist()
             for i, record in enumerate(batch):
                 rows = range(i * k, (i + 1) * k)
-                correct = [scores[r] >= CORRECT_SCORE for r in rows]
+                correct = [scores[r] >= pass_threshold for r in rows]
                 result.examples.append({
                     "index": record.index, "question": record.prompt, "answer": record.answer,
                     "responses": [responses[r] for r in rows],
                     "extracted_answers": [extract_answer(responses[r]) if extract_answer else None for r in rows],
-                    "scores": [scores[r] for r in rows], "correct": correct, "num_correct": sum(correct),
+                    "scores": [scores[r] for r in rows],
+                    "rewards": {name: [values[name][r] for r in rows] for name in names},
+                    "correct": correct, "num_correct": sum(correct),
                     "response_tokens": [len(ids[r]) for r in rows], "finished": [bool(finished[r]) for r in rows]})
             bar.update(len(batch))
             bar.set_postfix(accuracy=f"{result.accuracy:.3f}")

@@ -1,27 +1,34 @@
-"""Evaluate a model on question/answer data: `python -m astrai.evaluate --model PATH --data FILE.jsonl [...]`.
+"""Evaluate a model on prompts: `python -m astrai.evaluate --model PATH --data FILE.jsonl [...]`.
 
 Generates with the paged rollout engine, greedy by default (`--temperature T` samples, `--num_samples k` draws k
-responses per question and reports pass@k), over a GSM8K-format jsonl (`question`, `answer` ending in `#### N`) or
-a built-in set (`builtin:arithmetic_test`, `builtin:math_prompts`, ...), with prompts built exactly as the online
-train types build them, and scores each response with a reward of the registry (`astrai.rewards.builtins`).
-Statistics and greedy decoding are described in `astrai.evaluation.accuracy`: accuracy with its 95% Wilson score
-interval over the questions, pass@k by the unbiased estimator of Chen et al. 2021.
+responses per question and reports pass@k), over a prompt set (a GSM8K-format jsonl: `question`, `answer` ending in
+`#### N`, or any prompts with the columns the job's rewards read) or a built-in set (`builtin:arithmetic_test`,
+`builtin:math_prompts`, ...), with prompts built exactly as the online train types build them, and scores each
+response with the job's reward functions as training does (`reward.functions`, or the single `reward.name`; the
+reward model of `reward.model_path` is left out), or with the one built-in of `--reward NAME`. Statistics and
+greedy decoding are described in `astrai.evaluation.accuracy`: the pass rate (`accuracy`: total reward >=
+`--pass_threshold`) with its 95% Wilson score interval over the questions, pass@k by the unbiased estimator of Chen
+et al. 2021, the mean total reward with a 95% normal interval over the questions, and each reward function's mean
+and applies-fraction.
 
 PATH is anything `model.path` accepts (`smollm2-135m-instruct`, a `.gguf` file, a Hugging Face-format directory
 such as a checkpoint `outputs/ppo/checkpoints/step-00000004`) or a training output_dir (its latest complete
-checkpoint is used). When PATH lies in a training output_dir holding `config.yaml`, that run's prompt settings
-(fields, system prompt, prompt length, reward, `rollout.max_new_tokens`) are the defaults; `--config FILE` names a
-job file to take them from instead; explicit options win.
+checkpoint is used). When PATH lies in a training output_dir holding `config.yaml`, that run's prompt and reward
+settings (fields, system prompt, prompt length, reward functions, `rollout.max_new_tokens`) are the defaults;
+`--config FILE` names a job file to take them from instead; explicit options win.
 
 Writes `<output_dir>/results.jsonl` (one object per question: question, answer, responses, extracted answers,
-scores, ...) and `<output_dir>/summary.json` (model, data, n, accuracy, interval, pass@k, settings, tokens/s, wall
-time), each replaced atomically. Bad input (options, model, data, config) prints one line and exits with code 2.
+scores, per-function rewards, ...) and `<output_dir>/summary.json` (model, data, n, pass rate, intervals, pass@k,
+mean reward, per-function means, settings, tokens/s, wall time), each replaced atomically. Bad input (options,
+model, data, config, reward functions) prints one line and exits with code 2; so does a reward function's bug or
+too many failed reward calls, as training stops for them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import warnings
@@ -46,14 +53,18 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The command's options (None defaults are filled from the run's or `--config`'s settings)."""
     p = _Parser(prog="python -m astrai.evaluate", allow_abbrev=False,
-                description="Accuracy of a model on question/answer data (greedy by default), with a 95% Wilson "
-                            "interval; writes per-example results and a summary.")
+                description="Scores of a model on prompts with the job's reward functions (greedy by default): "
+                            "pass rate with a 95% Wilson interval, mean reward, per-function means; writes "
+                            "per-example results and a summary.")
     p.add_argument("--model", required=True, help="model name, .gguf, HF-format directory, checkpoint directory "
                    "or training output_dir (latest checkpoint)")
     p.add_argument("--data", required=True, help="question/answer prompts: a .jsonl, .json, .parquet or .csv file, "
                    "a save_to_disk directory, or builtin:<name> (e.g. builtin:arithmetic_test)")
     p.add_argument("--config", default=None, help="job YAML whose data/reward/rollout settings are the defaults")
-    p.add_argument("--reward", default=None, help="reward name (default: the config's reward.name)")
+    p.add_argument("--reward", default=None, help="score with this one built-in reward instead of the job's reward "
+                   "functions (default: the config's reward.functions, or its reward.name)")
+    p.add_argument("--pass_threshold", type=float, default=None,
+                   help="a sample passes when its total reward is >= this (default: 1.0)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="response cap (default: rollout.max_new_tokens)")
     p.add_argument("--batch_size", type=int, default=64, help="questions per engine call (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sampling temperature")
@@ -109,23 +120,27 @@ def resolve_model(path: str) -> tuple[str, Optional[Path]]:
     return str(p), run_config if run_config.is_file() else None
 
 
-def prompt_settings(args: argparse.Namespace, config_path: Optional[Path]) -> dict[str, Any]:
-    """Prompt and scoring settings: explicit options, else the job config's (`config_path`), else the defaults.
+def prompt_settings(args: argparse.Namespace, config_path: Optional[Path]) -> tuple[Any, dict[str, Any]]:
+    """(the job config, the prompt and scoring settings): explicit options, else the job config's (`config_path`),
+    else the defaults. `reward` is `--reward`, else the config's `reward.name` when it has no `reward.functions`
+    (None: the functions score); `pass_threshold` is `--pass_threshold`, else 1.0 (`CORRECT_SCORE`).
 
     Raises:
         ConfigError: a job config that does not load.
     """
     from astrai.config import load_config
+    from astrai.evaluation.accuracy import CORRECT_SCORE
 
     config = load_config(str(config_path) if config_path is not None else None)
     chosen = {"prompt_field": config.data.prompt_field, "answer_field": config.data.answer_field,
               "system_prompt": config.data.system_prompt, "max_prompt_length": config.data.max_prompt_length,
               "truncation": config.data.truncation,
-              "reward": config.reward.name, "max_new_tokens": config.rollout.max_new_tokens}
+              "reward": None if config.reward.functions else config.reward.name,
+              "max_new_tokens": config.rollout.max_new_tokens, "pass_threshold": CORRECT_SCORE}
     for key in chosen:
         if getattr(args, key) is not None:
             chosen[key] = getattr(args, key)
-    return chosen
+    return config, chosen
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -134,9 +149,40 @@ def check_options(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name}: expected an integer >= 1, got {value}")
+    if args.pass_threshold is not None and not math.isfinite(args.pass_threshold):
+        raise UsageError(f"--pass_threshold: expected a finite number, got {args.pass_threshold}")
     out = Path(args.output_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output_dir: not a directory: {out}")
+
+
+def load_scoring(args: argparse.Namespace, config, chosen: dict) -> tuple[list, Any, list]:
+    """(the records to evaluate, their `RewardFunctions`, the reward specs): the data of `--data` (the first
+    `--limit`), whose answer field is required only when a reward reads it, and the job's reward functions
+    (`rewards.build.evaluation_specs`: `--reward` alone when given) built over its columns. Warns about reference
+    answers a reward can never match before anything heavier loads.
+
+    Raises:
+        UsageError: an unknown `--reward`. DataError: bad data. RewardFunctionError: a reward function that cannot
+        be loaded or served (naming it).
+    """
+    from astrai.data import PromptDataset
+    from astrai.rewards.build import answer_readers, build_rewards, evaluation_specs
+    from astrai.rewards.builtins import BUILTIN_REWARDS, unscorable_warning
+
+    if args.reward is not None and args.reward not in BUILTIN_REWARDS:
+        raise UsageError(f"--reward: unknown reward {args.reward!r}; choices: {', '.join(sorted(BUILTIN_REWARDS))}")
+    specs = evaluation_specs(config, answer_field=chosen["answer_field"], reward=args.reward)
+    readers = answer_readers(specs)
+    dataset = PromptDataset(args.data, prompt_field=chosen["prompt_field"], answer_field=chosen["answer_field"],
+                            field="--data", require_answers=bool(readers))
+    records = dataset.records[:args.limit] if args.limit else dataset.records
+    for spec in readers:  # said before the model loads, as training says it before its first rollout
+        unscorable = unscorable_warning(spec.function, [r.answer for r in records], source=args.data,
+                                        field=chosen["answer_field"])
+        if unscorable:
+            warnings.warn(unscorable, stacklevel=3)
+    return records, build_rewards(config, records, specs=specs), specs
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -144,54 +190,50 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from astrai.checkpoint.fsutil import write_atomic
-    from astrai.data import PromptDataset
+    from astrai.evaluation.accuracy import EvalSettings, evaluate
     from astrai.models import load_pretrained
     from astrai.models.special_tokens import stop_token_ids
-    from astrai.evaluation.accuracy import EvalSettings, evaluate
-    from astrai.rollout.engine import attention_backend, build_engine
-    from astrai.rewards.builtins import ANSWER_EXTRACTORS, REWARDS, unscorable_warning
+    from astrai.rewards.build import answer_extractor
+    from astrai.rollout.build import build_rollout_engine
 
     check_options(args)
     model_path, run_config = resolve_model(args.model)
     config_path = Path(args.config) if args.config is not None else run_config
-    chosen = prompt_settings(args, config_path)
-    if chosen["reward"] not in REWARDS:
-        raise UsageError(f"--reward: unknown reward {chosen['reward']!r}; choices: {', '.join(sorted(REWARDS))}")
+    config, chosen = prompt_settings(args, config_path)
     try:  # EvalSettings names its fields; on this command line they are options
         settings = EvalSettings(max_new_tokens=chosen["max_new_tokens"], temperature=args.temperature,
                                 num_samples=args.num_samples, batch_size=args.batch_size)
     except ValueError as err:
         raise UsageError(f"--{err}") from None
-    dataset = PromptDataset(args.data, prompt_field=chosen["prompt_field"], answer_field=chosen["answer_field"],
-                            field="--data")
-    records = dataset.records[:args.limit] if args.limit else dataset.records
-    unscorable = unscorable_warning(chosen["reward"], [r.answer for r in records], source=args.data,
-                                    field=chosen["answer_field"])
-    if unscorable:  # said before the model loads, as training says it before its first rollout
-        warnings.warn(unscorable, stacklevel=2)
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device: {args.device!r} requested but CUDA is not available")
-    if config_path is not None:
-        print(f"prompt settings from {config_path}", file=sys.stderr)
-    model, tokenizer = load_pretrained(model_path, dtype=getattr(torch, args.dtype), device=device)
-    engine = build_engine("paged", model, pad_token_id=tokenizer.pad_token_id,
-                          attention_backend=attention_backend(None))
-    stops = stop_token_ids(model.config, tokenizer)
-    del model
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    result = evaluate(engine, tokenizer, records, reward=REWARDS[chosen["reward"]], settings=settings,
-                      max_prompt_length=chosen["max_prompt_length"], system_prompt=chosen["system_prompt"],
-                      truncation=chosen["truncation"], stop_token_ids=stops, source=args.data,
-                      generator=generator, extract_answer=ANSWER_EXTRACTORS.get(chosen["reward"]),
-                      progress=not args.no_progress_bar, desc="evaluate")
+    records, rewards, specs = load_scoring(args, config, chosen)
+    try:
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                              "cpu" if args.device == "auto" else args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device: {args.device!r} requested but CUDA is not available")
+        if config_path is not None:
+            print(f"prompt settings from {config_path}", file=sys.stderr)
+        model, tokenizer = load_pretrained(model_path, dtype=getattr(torch, args.dtype), device=device)
+        engine = build_rollout_engine(config, model, tokenizer)  # the job's rollout.engine and its options
+        stops = stop_token_ids(model.config, tokenizer)
+        del model
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+        result = evaluate(engine, tokenizer, records, rewards=rewards, settings=settings,
+                          max_prompt_length=chosen["max_prompt_length"], system_prompt=chosen["system_prompt"],
+                          truncation=chosen["truncation"], stop_token_ids=stops, source=args.data,
+                          generator=generator, extract_answer=answer_extractor(specs),
+                          pass_threshold=chosen["pass_threshold"], progress=not args.no_progress_bar,
+                          desc="evaluate")
+    finally:
+        rewards.close()
+    functions = [{"name": s.name, "function": s.function, "weight": s.weight, "kwargs": dict(s.kwargs)}
+                 for s in specs]
     summary = {"model": args.model, "model_path": model_path, "data": args.data, **result.metrics(),
-               "settings": {**chosen, "temperature": args.temperature, "greedy": settings.greedy,
-                            "num_samples": args.num_samples, "batch_size": args.batch_size, "seed": args.seed,
-                            "limit": args.limit, "dtype": args.dtype, "device": str(device),
+               "settings": {**chosen, "reward_functions": functions, "temperature": args.temperature,
+                            "greedy": settings.greedy, "num_samples": args.num_samples, "batch_size": args.batch_size,
+                            "seed": args.seed, "limit": args.limit, "dtype": args.dtype, "device": str(device),
                             "threads": torch.get_num_threads(), "config": str(config_path) if config_path else None}}
     out = Path(args.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -202,15 +244,21 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def report(summary: dict, out: Path) -> None:
-    """Print the result lines (accuracy with its interval, pass@k, throughput, files) to stdout."""
+    """Print the result lines (pass rate with its interval, pass@k, mean reward with its interval, each reward
+    function's mean, throughput, files) to stdout."""
     s = summary["settings"]
     mode = "greedy" if s["greedy"] else f"temperature {s['temperature']}, {s['num_samples']} samples/question"
     print(f"model {summary['model']} | data {summary['data']} ({summary['n']} questions) | {mode}, "
           f"{s['max_new_tokens']} new tokens")
     print(f"accuracy {summary['accuracy']:.4f} ({summary['correct']:g}/{summary['n']}), "
-          f"95% Wilson interval [{summary['ci_low']:.4f}, {summary['ci_high']:.4f}]")
+          f"95% Wilson interval [{summary['ci_low']:.4f}, {summary['ci_high']:.4f}] "
+          f"(pass: total reward >= {summary['pass_threshold']:g})")
     if summary["num_samples"] > 1:
         print("  ".join(f"pass@{k} {v:.4f}" for k, v in summary["pass_at_k"].items()))
+    print(f"mean reward {summary['reward_mean']:.4f}, 95% normal interval over questions "
+          f"[{summary['reward_mean_ci_low']:.4f}, {summary['reward_mean_ci_high']:.4f}]")
+    print("  ".join(f"{name}: mean {r['mean']:.4f}, applies {r['applies']:.2f}"
+                    + (f", failed {r['failed']:g}" if r["failed"] else "") for name, r in summary["rewards"].items()))
     threads = f"{s['threads']} thread{'' if s['threads'] == 1 else 's'}"
     print(f"{summary['generated_tokens']} tokens in {summary['generation_seconds']:.1f} s "
           f"({summary['tokens_per_second']:.1f} tok/s, {threads}); evaluation {summary['wall_seconds']:.1f} s in all")
@@ -218,7 +266,8 @@ def report(summary: dict, out: Path) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command; returns the exit code (0, or 2 for bad input with a one-line message on stderr)."""
+    """Run the command; returns the exit code (0, or 2 with a one-line message on stderr for bad input, a reward
+    function's bug or too many failed reward calls)."""
     from astrai.checkpoint import CheckpointError
     from astrai.config import ConfigError
     from astrai.data import DataError

@@ -1,5 +1,7 @@
 """The reward of a job: its `reward` section resolved into `RewardFunctions` (the user's functions, the built-ins
-and the reward model of `reward.model_path`), and completions scored with the columns of their prompt records."""
+and the reward model of `reward.model_path`), and completions scored with the columns of their prompt records.
+Training and evaluation (`astrai.evaluation`) build their rewards here, the same way; evaluation leaves the reward
+model out (`evaluation_specs`)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from astrai.models import load_reward_model
+from astrai.rewards.builtins import BUILTIN_REWARDS
 from astrai.rewards.functions import RewardFunctions, RewardFunctionSpec, ScoredRewards, resolve_specs
 from astrai.rewards.reward_model import RewardModelScorer
 
-__all__ = ["build_rewards", "reward_specs", "score_records"]
+__all__ = ["answer_extractor", "answer_readers", "build_rewards", "evaluation_specs", "reward_specs", "score_records"]
 
 
 def reward_specs(config) -> list[RewardFunctionSpec]:
@@ -19,14 +22,47 @@ def reward_specs(config) -> list[RewardFunctionSpec]:
     return resolve_specs(config.reward, answer_field=config.data.answer_field)
 
 
+def evaluation_specs(config, *, answer_field: Optional[str] = None,
+                     reward: Optional[str] = None) -> list[RewardFunctionSpec]:
+    """The reward functions evaluation scores with: the job's (`reward.functions`, or the single `reward.name`,
+    with the same weights and kwargs as training; `reward.model_path`'s reward model is left out, so a job scored
+    by the reward model alone is evaluated with `reward.name`), or with `reward` the one built-in of that name
+    with its default options (`python -m astrai.evaluate --reward NAME`). `answer_field` (None: `data.answer_field`)
+    is the column of reference answers. (An unknown `reward` is refused by `RewardFunctions`.)"""
+    field = config.data.answer_field if answer_field is None else answer_field
+    if reward is None:
+        return resolve_specs(config.reward, answer_field=field, with_model=False)
+    builtin = BUILTIN_REWARDS.get(reward)
+    kwargs = {"answer_field": field} if builtin is not None and builtin.answer_field else {}
+    return [RewardFunctionSpec(name=reward, function=reward, kwargs=kwargs)]
+
+
+def answer_readers(specs: Sequence[RewardFunctionSpec]) -> list[RewardFunctionSpec]:
+    """The `specs` that read the reference-answer column (told its name as the kwarg `answer_field`): with any, the
+    prompts must hold answers."""
+    return [spec for spec in specs if "answer_field" in spec.kwargs]
+
+
+def answer_extractor(specs: Sequence[RewardFunctionSpec]) -> Optional[Callable[[str], Optional[str]]]:
+    """What the evaluator reports as the answer a response states: the `BuiltinReward.extract_answer` of the first
+    built-in among `specs` that has one (`math_exact_match`: the final number), or None."""
+    for spec in specs:
+        builtin = BUILTIN_REWARDS.get(spec.function) if spec.path is None else None
+        if builtin is not None and builtin.extract_answer is not None:
+            return builtin.extract_answer
+    return None
+
+
 def build_rewards(config, prompts: Sequence[Any], *, device: torch.device = torch.device("cpu"),
                   prepare_model: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
-                  num_workers: Optional[int] = None) -> RewardFunctions:
+                  num_workers: Optional[int] = None,
+                  specs: Optional[Sequence[RewardFunctionSpec]] = None) -> RewardFunctions:
     """The job's `RewardFunctions`, checked against the columns its prompt records offer (`prompts`: records with a
     `columns` mapping), with the reward model of `reward.model_path` (loaded on `device`, then passed through
     `prepare_model`, e.g. partitioned for inference under fsdp2 / zero3 as the reference model is) as the reward
     named `reward_model`. `num_workers` (None: `reward.num_workers`) 0 loads and checks every function in this
-    process without starting workers (what `--check` does).
+    process without starting workers (what `--check` does). With `specs` (e.g. `evaluation_specs`) those functions
+    are built instead of the job's, without the reward model; workers, timeouts and error handling stay the job's.
 
     Raises:
         RewardFunctionError: one line naming the function (import, signature, unknown built-in).
@@ -35,7 +71,7 @@ def build_rewards(config, prompts: Sequence[Any], *, device: torch.device = torc
     columns = dict.fromkeys(name for p in prompts for name in p.columns)
     r = config.reward
     extra = []
-    if r.model_path:
+    if r.model_path and specs is None:
         model, rm_tokenizer = load_reward_model(r.model_path, dtype=getattr(torch, config.model.dtype), device=device)
         scorer = RewardModelScorer(prepare_model(model) if prepare_model is not None else model, model.config,
                                    rm_tokenizer, batch_size=r.model_batch_size, device=device,
@@ -44,7 +80,7 @@ def build_rewards(config, prompts: Sequence[Any], *, device: torch.device = torc
                                   weight=r.model_weight)
         extra.append((spec, scorer))
     workers = r.num_workers if num_workers is None else num_workers
-    return RewardFunctions(reward_specs(config), columns=list(columns), num_workers=workers,
+    return RewardFunctions(reward_specs(config) if specs is None else specs, columns=list(columns), num_workers=workers,
                            timeout_seconds=r.timeout_seconds, on_error=r.on_error, error_score=r.error_score,
                            max_error_fraction=r.max_error_fraction, extra=extra)
 

@@ -1,29 +1,31 @@
-"""Rule-based rewards for online RL, chosen by name from config (``reward.name``).
+"""The built-in rewards, one table: `BUILTIN_REWARDS`, name -> `BuiltinReward`.
 
-A reward function scores decoded responses against reference answers::
+Every built-in follows TRL's reward-function calling convention (``trl`` ``GRPOTrainer(reward_funcs=...)``, the
+convention of `astrai.rewards.functions`)::
 
-    fn(responses: list[str], answers: list[str], *, format_bonus: float = 0.0,
-       partial_credit: float = 0.0) -> torch.Tensor  # (B,) float32
+    fn(prompts: list, completions: list, **columns) -> list[float | None]   # one value per completion
 
-``answers`` are the dataset's reference answers as stored (a GSM8K solution ending in
-``#### N``, or a bare ``N``); each function extracts what it needs. The score goes to the last real
-response token (see docs/architecture.md). Nothing here evaluates model text as code.
+and is chosen by name from config (``reward.name``, ``reward.functions[].function``). A record also says whether
+the reward reads the reference-answer column (its ``answer_field`` option names it: the job's
+``data.answer_field``), how to read the answer a response states (what the evaluator reports per response), and
+which reference answers it can never match (for the load-time warning). Nothing here evaluates model text as code
+(``code_unit_tests`` runs code in the sandbox of `astrai.sandbox`, imported only when that reward is used).
 
-``math_exact_match``: 1.0 when the response's final number equals the gold final number, else
-0.0; plus ``format_bonus`` when the response states its answer as ``#### <number>`` (the format
-of the GSM8K references), whether or not that answer is right. How the final number is found is
-described in ``extract_final_number``. With ``partial_credit`` c > 0 a wrong number earns
-``c * closeness`` (see ``closeness``), so near misses score above far ones: a dense signal where
-exact answers are rare. Evaluation always scores with ``format_bonus = partial_credit = 0``.
+``math_exact_match``: 1.0 when the response's final number equals the gold final number (the reference answers
+as stored: a GSM8K solution ending in ``#### N``, or a bare ``N``), else 0.0; plus ``format_bonus`` when the
+response states its answer as ``#### <number>`` (the format of the GSM8K references), whether or not that answer
+is right. How the final number is found is described in ``extract_final_number``. With ``partial_credit`` c > 0
+a wrong number earns ``c * closeness`` (see ``closeness``), so near misses score above far ones: a dense signal
+where exact answers are rare. The evaluator scores with the job's options (docs/evaluation.md).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import MutableMapping
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Optional, Protocol, Sequence
-
-import torch
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from astrai.data.prompts import extract_gsm8k_answer
 
@@ -164,43 +166,6 @@ def has_marked_answer(text: str) -> bool:
     return _after_marker(text) is not None
 
 
-def _check_lengths(responses: list[str], answers: list[str]) -> None:
-    if len(responses) != len(answers):
-        raise ValueError(f"reward: got {len(responses)} responses but {len(answers)} answers")
-
-
-def math_exact_match(responses: list[str], answers: list[str], *, format_bonus: float = 0.0,
-                     partial_credit: float = 0.0) -> torch.Tensor:
-    """Exact-match reward for math word problems, with optional partial credit for near misses.
-
-    Args:
-        responses: B decoded model responses.
-        answers: B reference answers (GSM8K solution text or a bare number); the gold value is
-            ``extract_gsm8k_answer(answer)``.
-        format_bonus: added to a response's score when it contains ``#### <number>``
-            (``has_marked_answer``), right or wrong.
-        partial_credit: c in [0, 1): a response whose final number is wrong scores ``c * closeness(number,
-            gold)`` (``closeness``), below the 1.0 of a right one. A shaped reward in the sense of Ng et al.
-            1999 only loosely (not potential-based): it rewards being nearer, and the best score is still only
-            for the exact answer.
-
-    Returns:
-        ``(B,)`` float32 tensor on CPU: ``1.0 * correct + partial_credit * closeness * (not correct) +
-        format_bonus * marked``.
-
-    Raises:
-        ValueError: if ``responses`` and ``answers`` differ in length.
-    """
-    _check_lengths(responses, answers)
-    scores = []
-    for response, answer in zip(responses, answers):
-        predicted, gold = extract_final_number(response), extract_gsm8k_answer(answer)
-        correct = numbers_equal(predicted, gold)
-        near = partial_credit * closeness(predicted, gold) if partial_credit and not correct else 0.0
-        scores.append(float(correct) + near + (format_bonus if has_marked_answer(response) else 0.0))
-    return torch.tensor(scores, dtype=torch.float32)
-
-
 def completion_text(completion) -> str:
     """A completion as reward functions receive it, as text: a ``str`` as is, a list of chat messages (chat prompts)
     as its last message's ``content``.
@@ -217,76 +182,117 @@ def completion_text(completion) -> str:
                      f"{type(completion).__name__}")
 
 
-REWARD_FUNCTIONS: dict[str, str] = {"code_unit_tests": "astrai.rewards.code:code_unit_tests"}
-"""Built-in rewards written with the reward-function calling convention (`reward_functions`: ``fn(prompts,
-completions, **columns) -> list[float | None]``), by name -> "module:function" (imported on first use: the code
-sandbox is loaded only by a job that uses it); run in the trainer's process."""
+def reference_answers(columns: dict, answer_field: str, n: int) -> list[str]:
+    """The reference answers of an answer-reading reward: the column `answer_field` of `columns` (non-strings as
+    ``str``), one per completion.
+
+    Raises:
+        KeyError: naming the column when `columns` has no such column.
+        ValueError: ``reward: got N responses but M answers`` when the column does not hold `n` values.
+    """
+    if answer_field not in columns:
+        raise KeyError(f"the reward needs the reference-answer column {answer_field!r} (data.answer_field); "
+                       f"the prompts have {', '.join(sorted(columns)) or 'no other columns'}")
+    answers = [a if isinstance(a, str) else str(a) for a in columns[answer_field]]
+    if len(answers) != n:
+        raise ValueError(f"reward: got {n} responses but {len(answers)} answers")
+    return answers
 
 
-def answer_reward_function(reward: "RewardFn") -> Callable[..., list]:
-    """An answer-matching reward of `REWARDS` with the reward-function calling convention: the reference answers
-    are the column `answer_field` (the job's `data.answer_field`), `format_bonus` and `partial_credit` its
-    options, one float per completion.
+def math_exact_match(prompts: Sequence[Any], completions: Sequence[Any], *, answer_field: str = "answer",
+                     format_bonus: float = 0.0, partial_credit: float = 0.0, **columns: Any) -> list[float]:
+    """Exact-match reward for math word problems, with optional partial credit for near misses (TRL convention).
 
-    The returned function raises KeyError naming the column when the prompts have no such column."""
+    Args:
+        prompts: B prompts (unused).
+        completions: B completions (text, or chat messages: the last one's ``content``).
+        answer_field: the column of reference answers (GSM8K solution text or a bare number); the gold value is
+            ``extract_gsm8k_answer(answer)``.
+        format_bonus: added to a response's score when it contains ``#### <number>``
+            (``has_marked_answer``), right or wrong.
+        partial_credit: c in [0, 1): a response whose final number is wrong scores ``c * closeness(number,
+            gold)`` (``closeness``), below the 1.0 of a right one. A shaped reward in the sense of Ng et al.
+            1999 only loosely (not potential-based): it rewards being nearer, and the best score is still only
+            for the exact answer.
+        columns: the other columns of the prompt records (lists of B values), `answer_field` among them.
 
-    def fn(prompts: list, completions: list, *, answer_field: str = "answer", format_bonus: float = 0.0,
-           partial_credit: float = 0.0, **columns) -> list[float]:
-        if answer_field not in columns:
-            raise KeyError(f"the reward needs the reference-answer column {answer_field!r} (data.answer_field); "
-                           f"the prompts have {', '.join(sorted(columns)) or 'no other columns'}")
-        answers = [a if isinstance(a, str) else str(a) for a in columns[answer_field]]
-        texts = [completion_text(c) for c in completions]
-        return reward(texts, answers, format_bonus=format_bonus, partial_credit=partial_credit).tolist()
+    Returns:
+        B floats: ``1.0 * correct + partial_credit * closeness * (not correct) + format_bonus * marked``.
 
-    return fn
+    Raises:
+        KeyError: no `answer_field` column. ValueError: ``reward: got N responses but M answers``.
+    """
+    answers = reference_answers(columns, answer_field, len(completions))
+    scores = []
+    for completion, answer in zip(completions, answers):
+        response = completion_text(completion)
+        predicted, gold = extract_final_number(response), extract_gsm8k_answer(answer)
+        correct = numbers_equal(predicted, gold)
+        near = partial_credit * closeness(predicted, gold) if partial_credit and not correct else 0.0
+        scores.append(float(correct) + near + (format_bonus if has_marked_answer(response) else 0.0))
+    return scores
 
 
-def builtin_reward_function(name: str) -> Optional[Callable[..., list]]:
-    """The built-in reward `name` with the reward-function calling convention (`REWARD_FUNCTIONS`, or an
-    answer-matching `REWARDS` entry through `answer_reward_function`), or None when there is none."""
-    if name in REWARD_FUNCTIONS:
+def _numeric_final_answer(answer: str) -> bool:
+    """Whether ``math_exact_match`` can ever match the reference `answer` (its final answer is a number)."""
+    return parse_number(extract_gsm8k_answer(answer)) is not None
+
+
+@dataclass(frozen=True)
+class BuiltinReward:
+    """One built-in reward.
+
+    Attributes:
+        function: the reward in TRL's convention (module docstring), or its ``"module:function"`` import path,
+            imported on first use (`load`), so a job that does not use it never imports its module.
+        description: one line: what it scores.
+        answer_field: whether it reads the reference-answer column; `resolve_specs` then gives it the keyword
+            ``answer_field`` (the job's `data.answer_field`) and the prompts must hold answers.
+        extract_answer: response text -> the answer it states (None when it finds none), what the evaluator
+            reports per response; None: the reward states no such answer.
+        check_answer: reference answer -> whether any response can match it (a False is warned about at load
+            time, `unscorable_warning`); None: every answer can be matched.
+    """
+
+    function: Union[Callable[..., list], str]
+    description: str
+    answer_field: bool = False
+    extract_answer: Optional[Callable[[str], Optional[str]]] = None
+    check_answer: Optional[Callable[[str], bool]] = None
+
+    def load(self) -> Callable[..., list]:
+        """The reward function (imported now when given by path).
+
+        Raises:
+            ImportError / AttributeError: an import path that does not resolve (a bug in the table).
+        """
+        if callable(self.function):
+            return self.function
         import importlib
 
-        module, _, attr = REWARD_FUNCTIONS[name].partition(":")
+        module, _, attr = self.function.partition(":")
         return getattr(importlib.import_module(module), attr)
-    return answer_reward_function(REWARDS[name]) if name in REWARDS else None
 
 
-def builtin_reward_names() -> list[str]:
-    """Every built-in reward name (`reward.name`, `reward.functions[].function`)."""
-    return sorted(set(REWARD_FUNCTIONS) | set(REWARDS))
-
-
-class RewardFn(Protocol):
-    """``(responses, answers, *, format_bonus=0.0, partial_credit=0.0) -> Tensor (B,) float32``."""
-
-    def __call__(self, responses: list[str], answers: list[str], *, format_bonus: float = 0.0,
-                 partial_credit: float = 0.0) -> torch.Tensor: ...
-
-
-REWARDS: dict[str, RewardFn] = {
-    "math_exact_match": math_exact_match,
+BUILTIN_REWARDS: dict[str, BuiltinReward] = {
+    "math_exact_match": BuiltinReward(
+        math_exact_match, "1 when the response's final number equals the reference answer's (#### N), else 0; "
+                          "options format_bonus, partial_credit", answer_field=True,
+        extract_answer=extract_final_number, check_answer=_numeric_final_answer),
+    "code_unit_tests": BuiltinReward(
+        "astrai.rewards.code:code_unit_tests", "fraction of the record's unit tests (column tests) the "
+                                               "completion's Python passes, run in the sandbox"),
 }
-
-
-ANSWER_EXTRACTORS: dict[str, Callable[[str], Optional[str]]] = {
-    "math_exact_match": extract_final_number,
-}
-"""Reward name -> the function that reads the answer a response states (what the reward compares); the
-evaluator reports it per response. A reward without an entry reports no extracted answer."""
-
-ANSWER_CHECKS: dict[str, Callable[[str], bool]] = {
-    "math_exact_match": lambda answer: parse_number(extract_gsm8k_answer(answer)) is not None,
-}
-"""Reward name -> whether a reference answer can ever be matched (rewards without an entry accept any)."""
+"""Every built-in reward by name (`reward.name`, `reward.functions[].function`): run in the trainer's process."""
 
 
 def unscorable_answers(name: str, answers: Sequence[str]) -> list[int]:
-    """0-based indices of the `answers` that reward `name` can never match: for ``math_exact_match`` an answer
-    whose final answer (after ``####``, or the whole text) is not a number, e.g. a GSM8K-style solution that lost
-    its ``#### N`` line. Such rows always score 0."""
-    check = ANSWER_CHECKS.get(name)
+    """0-based indices of the `answers` that built-in reward `name` can never match (its `check_answer`): for
+    ``math_exact_match`` an answer whose final answer (after ``####``, or the whole text) is not a number, e.g. a
+    GSM8K-style solution that lost its ``#### N`` line. Such rows always score 0. Empty for a reward without a
+    check or a name that is not a built-in."""
+    record = BUILTIN_REWARDS.get(name)
+    check = None if record is None else record.check_answer
     return [] if check is None else [i for i, answer in enumerate(answers) if not check(answer)]
 
 
@@ -302,20 +308,6 @@ def unscorable_warning(name: str, answers: Sequence[str], *, source: str, field:
             f"number), so {name} scores every response to them 0 (rows {rows})")
 
 
-def get_reward(name: str) -> RewardFn:
-    """The reward function registered as ``name`` in ``REWARDS``.
-
-    Raises:
-        ValueError: ``reward.name: unknown reward 'x'; choices: ...`` for an unknown name.
-    """
-    try:
-        return REWARDS[name]
-    except (KeyError, TypeError):
-        choices = ", ".join(sorted(REWARDS))
-        raise ValueError(f"reward.name: unknown reward {name!r}; choices: {choices}") from None
-
-
-__all__ = ["ANSWER_CHECKS", "ANSWER_EXTRACTORS", "REWARDS", "REWARD_FUNCTIONS", "RewardFn", "answer_reward_function",
-           "builtin_reward_function", "builtin_reward_names", "completion_text", "closeness", "extract_final_number",
-           "get_reward", "has_marked_answer", "math_exact_match", "numbers_equal", "parse_number",
+__all__ = ["BUILTIN_REWARDS", "BuiltinReward", "completion_text", "closeness", "extract_final_number",
+           "has_marked_answer", "math_exact_match", "numbers_equal", "parse_number", "reference_answers",
            "unscorable_answers", "unscorable_warning"]

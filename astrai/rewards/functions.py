@@ -9,12 +9,13 @@ names it declares, and a required parameter that is neither is refused at start-
 per completion (None: the reward does not apply to that sample; it is left out of that reward's sum and metrics).
 
 The total reward of a sample is the weighted sum of the values that apply (0 when none does), as TRL's
-``nansum(rewards * reward_weights)``. Built-in rewards (`rewards.builtin_reward_function`) run in the trainer's process;
-functions given by import path or file run in `reward_workers.RewardWorkerPool` processes (``reward.num_workers``)
+``nansum(rewards * reward_weights)``. Built-in rewards (`builtins.BUILTIN_REWARDS`) run in the trainer's process;
+functions given by import path or file run in `workers.RewardWorkerPool` processes (``reward.num_workers``)
 with a hard ``reward.timeout_seconds``; with ``num_workers`` 0 they run in the trainer's process without one. A
 call that raises, times out or kills its worker gives its samples ``reward.error_score`` (``on_error: score``) or
-no value (``skip``), is counted (``rewards/<name>/failed``), and stops the job only when more than
-``reward.max_error_fraction`` of a rollout's samples failed. A function that returns the wrong number of values,
+no value (``skip``), is counted (``rewards/<name>/failed``), is warned about once per function (the first failure:
+its traceback when it ran in this process, the worker's one-line error otherwise), and stops the job only when more
+than ``reward.max_error_fraction`` of a rollout's samples failed. A function that returns the wrong number of values,
 a value that is not a number or None, or a non-finite number is a bug: a one-line `RewardFunctionError` naming
 it, at once.
 """
@@ -24,15 +25,18 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 
+from astrai.rewards.builtins import BUILTIN_REWARDS
 from astrai.rewards.workers import (RewardFunctionError, RewardFunctionSpec, RewardWorkerPool, as_list,
-                                           load_reward_function)
-from astrai.rewards.builtins import REWARDS, builtin_reward_function, builtin_reward_names
+                                    load_reward_function)
 
 __all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardFunctions", "ScoredRewards", "resolve_specs",
            "reward_metrics"]
@@ -41,29 +45,43 @@ STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
 """What every call offers besides the columns and the configured kwargs."""
 
 
-def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None = None) -> list[RewardFunctionSpec]:
+def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None = None,
+                  with_model: bool = True) -> list[RewardFunctionSpec]:
     """The `reward.functions` of a config's `reward` section, resolved; without any, the one built-in
-    `reward.name` with `reward.format_bonus` / `reward.partial_credit` (the single-reward form). A built-in that
-    reads the reference answer (`math_exact_match`) is told its column: `answer_field`. With `reward.model_path`
-    and no functions there is none (the reward model alone scores). A relative `path` is taken from `base_dir`
-    (default: the working directory)."""
+    `reward.name` with `reward.format_bonus` / `reward.partial_credit` (the single-reward form; only those it
+    takes, unless set: `_single_reward_options`). A built-in that
+    reads the reference answer (`BuiltinReward.answer_field`, e.g. `math_exact_match`) is told its column:
+    `answer_field`. With `reward.model_path` and no functions there is none (the reward model alone scores), unless
+    `with_model` is False (the reward model is left out: then `reward.name` is the reward). A relative `path` is
+    taken from `base_dir` (default: the working directory)."""
     base = Path.cwd() if base_dir is None else base_dir
-    default = [] if getattr(section, "model_path", None) else [
-        {"function": section.name, "name": section.name,
-         "kwargs": {"format_bonus": section.format_bonus, "partial_credit": section.partial_credit}}]
-    entries = section.functions or default
+    default = [] if with_model and getattr(section, "model_path", None) else [
+        SimpleNamespace(function=section.name, name=section.name, path=None, weight=1.0,
+                        kwargs=_single_reward_options(section))]
     specs = []
-    for i, entry in enumerate(entries, start=1):
-        function = entry["function"]
-        kwargs = dict(entry.get("kwargs") or {})
-        if function in REWARDS:  # an answer-matching built-in reads the reference answers' column
+    for i, entry in enumerate(section.functions or default, start=1):  # `astrai.config.RewardFunction` records
+        kwargs = dict(entry.kwargs or {})
+        builtin = BUILTIN_REWARDS.get(entry.function) if entry.path is None else None
+        if builtin is not None and builtin.answer_field:  # it reads the reference answers' column
             kwargs.setdefault("answer_field", answer_field)
-        path = entry.get("path")
         specs.append(RewardFunctionSpec(
-            name=entry.get("name") or function.rpartition(":")[2], function=function, index=i,
-            path=None if path is None else str((base / Path(path).expanduser()).resolve()),
-            weight=float(entry.get("weight", 1.0) if entry.get("weight") is not None else 1.0), kwargs=kwargs))
+            name=entry.name or entry.function.rpartition(":")[2], function=entry.function, index=i,
+            path=None if entry.path is None else str((base / Path(entry.path).expanduser()).resolve()),
+            weight=float(entry.weight), kwargs=kwargs))
     return specs
+
+
+def _single_reward_options(section) -> dict[str, float]:
+    """The kwargs of the single-reward form (`reward.name`): `reward.format_bonus` and `reward.partial_credit`, each
+    given when the built-in names it as a parameter (`math_exact_match`) or when it is set (non-zero: then a
+    built-in without it is refused by name, instead of the setting being ignored)."""
+    options = {"format_bonus": section.format_bonus, "partial_credit": section.partial_credit}
+    builtin = BUILTIN_REWARDS.get(section.name)
+    try:
+        named = set(inspect.signature(builtin.load()).parameters) if builtin is not None else set()
+    except (TypeError, ValueError):
+        named = set()
+    return {key: value for key, value in options.items() if key in named or value}
 
 
 def _argument_picker(fn: Callable, spec: RewardFunctionSpec, offered: Collection[str], *,
@@ -140,12 +158,12 @@ class RewardFunctions:
             if clash:
                 raise RewardFunctionError(f"{spec.label}: kwargs key {clash[0]!r} is also an argument every call "
                                           "passes (a column or a standard argument); rename it")
-            builtin = builtin_reward_function(spec.function) if spec.path is None else None
+            builtin = BUILTIN_REWARDS.get(spec.function) if spec.path is None else None
             if builtin is not None:
-                fn = builtin
+                fn = builtin.load()
             elif ":" not in spec.function and spec.path is None:
                 raise RewardFunctionError(f"{spec.label}: unknown built-in reward {spec.function!r} (built-in: "
-                                          f"{', '.join(builtin_reward_names())}; or 'package.module:function')")
+                                          f"{', '.join(sorted(BUILTIN_REWARDS))}; or 'package.module:function')")
             else:
                 fn = load_reward_function(spec)
                 remote.append(len(self._functions))
@@ -156,6 +174,8 @@ class RewardFunctions:
             self._functions.append(fn)
             self._pickers.append(_argument_picker(fn, spec, offered | set(spec.kwargs)))
         self._remote = set(remote) if num_workers > 0 else set()
+        self._warned: set[int] = set()  # functions whose first failure was warned about
+        self._tracebacks: dict[int, str] = {}  # function index -> traceback of its last failure in this process
         self.pool = (RewardWorkerPool(self.specs, num_workers=num_workers, timeout_seconds=timeout_seconds)
                      if self._remote else None)
 
@@ -183,6 +203,9 @@ class RewardFunctions:
             values, errors = self._call(i, offered, n)
             failed[spec.name] = torch.tensor([e is not None for e in errors], dtype=torch.bool)
             failures += int(failed[spec.name].sum())
+            if i not in self._warned and any(e is not None for e in errors):
+                self._warned.add(i)
+                self._warn_first_failure(i, errors)
             first_error = first_error or next((f"{spec.label}: {e}" for e in errors if e is not None), None)
             if self.on_error == "score":
                 values = [self.error_score if e is not None else v for v, e in zip(values, errors)]
@@ -207,6 +230,7 @@ class RewardFunctions:
                 raise
             except Exception as err:  # the reward's own failure: counted, as in a worker
                 text = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+                self._tracebacks[i] = traceback.format_exc()
                 return [None] * n, [text] * n
         chunks = _chunks(n, self.pool.num_workers)
         calls = [{k: (v[a:b] if k in offered else v) for k, v in kwargs.items()} for a, b in chunks]
@@ -219,6 +243,18 @@ class RewardFunctions:
                 values += [None] * (b - a)
                 errors += [result] * (b - a)
         return values, errors
+
+    def _warn_first_failure(self, i: int, errors: Sequence[Optional[str]]) -> None:
+        """Warn (once per function: the caller keeps count) that function `i` failed on some samples: how many, the
+        first error, what their samples score, and its traceback when the call ran in this process."""
+        spec, count = self.specs[i], sum(e is not None for e in errors)
+        first = next(e for e in errors if e is not None)
+        then = (f"score reward.error_score {self.error_score:g}" if self.on_error == "score"
+                else "are left out of it (reward.on_error skip)")
+        detail = self._tracebacks.pop(i, None)
+        warnings.warn(f"{spec.label} failed on {count} of {len(errors)} samples ({first}); failed samples {then}; "
+                      f"later failures are only counted (rewards/{spec.name}/failed)"
+                      + (f"\n{detail.rstrip()}" if detail else ""), stacklevel=3)
 
     @staticmethod
     def _check(spec: RewardFunctionSpec, result: Any, n: int) -> list[Optional[float]]:
@@ -256,7 +292,8 @@ def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def reward_metrics(components: Mapping[str, torch.Tensor], failed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def reward_metrics(components: Mapping[str, torch.Tensor],
+                   failed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`rewards/<name>/mean` and `/std` (population) over the samples each function applies to (0 when none),
     `rewards/<name>/applies` (the fraction it applies to) and `rewards/<name>/failed` (failed samples)."""
     out = {}

@@ -40,7 +40,7 @@ class RewardFunctionSpec:
 
     Attributes:
         name: its metric name (`rewards/<name>/...`): the configured name, else the function's.
-        function: "module:function", or a built-in name (`rewards.REWARD_FUNCTIONS`).
+        function: "module:function", or a built-in name (`astrai.rewards.builtins.BUILTIN_REWARDS`).
         index: its 1-based position in `reward.functions`, for messages.
         path: the absolute path of the .py file holding it, or None (imported from `sys.path`).
         weight: its weight in the total reward.

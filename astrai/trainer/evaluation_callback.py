@@ -1,45 +1,54 @@
-"""In-training evaluation: greedy accuracy on a held-out question/answer set during training.
+"""In-training evaluation: greedy scores on a held-out prompt set during training, with the job's rewards.
 
 With `train.eval_steps: N` (0 = off) and `data.eval_path` (+ `data.eval_limit`), `EvaluationCallback` evaluates
 after every N-th step and after the last step, and adds to that step's metrics (so they land in its
-metrics.jsonl record): `eval/accuracy`, `eval/accuracy_ci_low`, `eval/accuracy_ci_high` (95% Wilson score
-interval), `eval/num_questions` and `time/eval_seconds`. It must run before the metrics logger; its time is part
-of the step's `time/step_seconds` when it comes before the step timer. The per-question results (question, answer,
-response, extracted answer, correct ..., as `python -m astrai.evaluate` writes them) go to
-`<train.output_dir>/eval/step-<N>.jsonl`, so what the model answers can be read as it learns.
+metrics.jsonl record): `eval/accuracy` (the pass rate: total reward >= 1.0), `eval/accuracy_ci_low`,
+`eval/accuracy_ci_high` (95% Wilson score interval), `eval/reward_mean`, `eval/reward_mean_ci_low`,
+`eval/reward_mean_ci_high` (mean total reward, 95% normal interval over questions), per reward function
+`eval/rewards/<name>/mean` (over the samples it applies to), `/applies` (that fraction) and `/failed` (samples whose
+call failed), `eval/num_questions` and `time/eval_seconds`. It must run before the metrics logger; its time is
+part of the step's `time/step_seconds` when it comes before the step timer. The per-question results (question,
+answer, response, extracted answer, scores, rewards, correct ..., as `python -m astrai.evaluate` writes them) go
+to `<train.output_dir>/eval/step-<N>.jsonl`, so what the model answers can be read as it learns.
 
-What is measured is exactly what `python -m astrai.evaluate` measures (`astrai.evaluation.accuracy.evaluate`):
-prompts built as for training (`data.system_prompt`, `data.max_prompt_length`), greedy decoding with
-`rollout.max_new_tokens`, the configured `reward.name` without format bonus.
+What is measured is exactly what `python -m astrai.evaluate` measures on the job's config
+(`astrai.evaluation.accuracy.evaluate`): prompts built as for training (`data.system_prompt`,
+`data.max_prompt_length`), greedy decoding with `rollout.max_new_tokens`, the job's reward functions
+(`reward.functions` or `reward.name`, with training's weights, kwargs, workers and timeouts; the reward model of
+`reward.model_path` is left out: `astrai.rewards.build.evaluation_specs`). A reward call that fails is counted and
+warned about once, as in training; too many failures, or a reward function's bug, stop the job as in training.
 
 Engine: an online train type evaluates with its own rollout engine (`strategy.rollout_engine`), first synced to
-the current `policy_version` (`astrai.rollout.engine.sync_weights`); afterwards the engine's prefix cache is cleared, so the
-next rollout does not reuse blocks that evaluation prompts filled. Offline train types get an engine of their
-own, copied from the policy at the first evaluation and synced the same way later. Random streams: the engine
-draws from a dedicated generator seeded with `train.seed`, so training's RNGs (and bitwise resume) are untouched.
-With several ranks, each evaluates every world_size-th question and the counts are summed over ranks.
+the current `policy_version` (`astrai.rollout.engine.sync_weights`); afterwards the engine's prefix cache is
+cleared, so the next rollout does not reuse blocks that evaluation prompts filled. Offline train types get an
+engine of their own, copied from the policy at the first evaluation and synced the same way later. Random streams:
+the engine draws from a dedicated generator seeded with `train.seed`, so training's RNGs (and bitwise resume) are
+untouched.
+With several ranks, each evaluates every world_size-th question and the sums behind the statistics
+(`EvalResult.sums`) are summed over ranks.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from astrai.algos.stats import wilson_interval
 from astrai.checkpoint.fsutil import write_atomic
 from astrai.data import PromptDataset
 from astrai.data.truncation import encode_prompt_records
+from astrai.evaluation.accuracy import CORRECT_SCORE, EvalResult, EvalSettings, eval_statistics, evaluate
 from astrai.models.loading import empty_model
 from astrai.models.special_tokens import stop_token_ids
+from astrai.rewards.build import answer_extractor, answer_readers, build_rewards, evaluation_specs
+from astrai.rewards.builtins import unscorable_warning
 from astrai.rollout.build import build_rollout_engine
 from astrai.rollout.engine import build_engine, sync_weights
-from astrai.evaluation.accuracy import EvalSettings, evaluate
-from astrai.rewards.builtins import ANSWER_EXTRACTORS, get_reward
 from astrai.trainer.loop import Callback
 
 __all__ = ["EvaluationCallback", "build_evaluation"]
@@ -50,13 +59,15 @@ def _quiet(message: str) -> None:
 
 
 class EvaluationCallback(Callback):
-    """Greedy held-out accuracy every `eval_steps` steps and at the end (see the module docstring).
+    """Greedy held-out scores every `eval_steps` steps and at the end (see the module docstring).
 
     Args:
         records: the held-out `PromptRecord`s (all of them; each rank takes its share).
         tokenizer: the policy's tokenizer.
-        reward: reward function of `astrai.rewards.builtins`.
+        rewards: the reward functions (`RewardFunctions`, `astrai.rewards.build.build_rewards`); closed at the
+            end of training.
         settings: generation settings (greedy).
+        pass_threshold: the total reward a sample needs to pass (count as correct for `eval/accuracy`).
         eval_steps: evaluate when `global_step % eval_steps == 0` (> 0), and after the last step.
         strategy: the train type: its `policy` (a `TrainedModel`) and `rollout_engine` (None for offline types).
         dist: `DistributedContext` (device, rank, world size, all-reduce).
@@ -65,7 +76,8 @@ class EvaluationCallback(Callback):
         printer: prints one line per evaluation on the main process.
         progress: show a progress bar over the questions on the main process.
         output_dir: where `eval/step-<N>.jsonl` goes (written by the main process); None = not written.
-        extract_answer: response text -> the answer it states, reported per question (`ANSWER_EXTRACTORS`).
+        extract_answer: response text -> the answer it states, reported per question
+            (`rewards.build.answer_extractor`).
         eval_on_start: also evaluate before the first step of a fresh run (logged as step 0, answers in
             `eval/step-00000000.jsonl`).
         make_engine: model -> the callback's own `GenerationEngine` for train types without a rollout engine
@@ -75,18 +87,20 @@ class EvaluationCallback(Callback):
         ValueError: for `eval_steps < 1` or no records.
     """
 
-    def __init__(self, *, records: Sequence, tokenizer, reward, settings: EvalSettings, eval_steps: int,
+    def __init__(self, *, records: Sequence, tokenizer, rewards, settings: EvalSettings, eval_steps: int,
                  strategy, dist, max_prompt_length: int, system_prompt: Optional[str] = None,
                  truncation: str = "error", source: str = "data.eval_path", seed: int = 0,
                  printer=tqdm.write, progress: bool = True, output_dir: Optional[Path] = None,
-                 extract_answer=None, eval_on_start: bool = False, make_engine=None):
+                 extract_answer=None, eval_on_start: bool = False, make_engine=None,
+                 pass_threshold: float = CORRECT_SCORE):
         if eval_steps < 1:
             raise ValueError(f"train.eval_steps: expected >= 1 for an evaluation callback, got {eval_steps}")
         if len(records) == 0:
             raise ValueError("data.eval_path: no questions to evaluate")
         self.records = list(records)[dist.rank::dist.world_size]
         self.num_questions = len(records)
-        self.tokenizer, self.reward, self.settings, self.eval_steps = tokenizer, reward, settings, eval_steps
+        self.tokenizer, self.rewards, self.settings, self.eval_steps = tokenizer, rewards, settings, eval_steps
+        self.pass_threshold = pass_threshold
         self.strategy, self.dist, self.seed, self.printer = strategy, dist, seed, printer
         self.max_prompt_length, self.system_prompt = max_prompt_length, system_prompt
         self.truncation, self.source = truncation, source
@@ -130,45 +144,64 @@ class EvaluationCallback(Callback):
         if step % self.eval_steps == 0 or step == trainer.state.max_steps:
             metrics.update(self.run(trainer.state.policy_version, step))
 
+    def on_train_end(self, trainer) -> None:
+        """End the reward functions' worker processes."""
+        self.rewards.close()
+
+    def on_train_abort(self, trainer) -> None:
+        """End the reward functions' worker processes."""
+        self.rewards.close()
+
     @torch.no_grad()
     def run(self, policy_version: int, step: int) -> dict[str, torch.Tensor]:
-        """Evaluate the current policy; returns the `eval/*` metrics (0-dim tensors) summed over ranks."""
+        """Evaluate the current policy; returns the `eval/*` metrics (0-dim tensors) of all ranks' questions.
+
+        Raises:
+            RewardFunctionError: a reward function's bug, or too many failed reward calls (as in training).
+        """
         start = time.perf_counter()
         engine = self.engine(policy_version)
         sync_weights(engine, self.strategy.policy.full_weights, policy_version)
         asleep = getattr(engine, "asleep", False)
         if asleep:
             engine.wake()
-        correct, count, examples = 0.0, 0, []
+        result = EvalResult(reward_names=list(self.rewards.names))  # a rank without questions adds zeros
         try:
             if self.records:
                 generator = torch.Generator(device=self.dist.device).manual_seed(self.seed)
-                result = evaluate(engine, self.tokenizer, self.records, reward=self.reward, settings=self.settings,
+                result = evaluate(engine, self.tokenizer, self.records, rewards=self.rewards, settings=self.settings,
                                   max_prompt_length=self.max_prompt_length, system_prompt=self.system_prompt,
                                   truncation=self.truncation, source=self.source,
                                   stop_token_ids=stop_token_ids(self.strategy.policy.model.config, self.tokenizer),
                                   generator=generator, extract_answer=self.extract_answer,
-                                  progress=self.progress, leave=False,
+                                  pass_threshold=self.pass_threshold, progress=self.progress, leave=False,
                                   desc=f"eval step {step}", log=_quiet)
-                correct, count, examples = result.correct, result.num_questions, result.examples
         finally:
             if getattr(engine, "prefix_cache", None) is not None:
                 engine.prefix_cache.clear()
             if asleep:
                 engine.sleep()
-        totals = self.dist.all_reduce_sum(torch.tensor([correct, count], dtype=torch.float64,
-                                                       device=self.dist.device)).tolist()
-        accuracy = totals[0] / totals[1]
-        low, high = wilson_interval(totals[0], int(totals[1]))
+        local = result.sums()
+        summed = dict(zip(local, self.dist.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64,
+                                                                       device=self.dist.device)).tolist()))
+        stats = eval_statistics(summed, result.reward_names)
         if self.output_dir is not None:
-            self.write_examples(step, examples)
+            self.write_examples(step, result.examples)
         seconds = time.perf_counter() - start
+        questions = int(round(summed["questions"]))
         if self.dist.is_main:
-            self.printer(f"eval step {step}: accuracy {accuracy:.4f} (95% Wilson [{low:.4f}, {high:.4f}]) on "
-                         f"{int(totals[1])} questions, {seconds:.1f} s")
-        return {"eval/accuracy": torch.tensor(accuracy), "eval/accuracy_ci_low": torch.tensor(low),
-                "eval/accuracy_ci_high": torch.tensor(high), "eval/num_questions": torch.tensor(totals[1]),
-                "time/eval_seconds": torch.tensor(seconds)}
+            self.printer(f"eval step {step}: accuracy {stats['accuracy']:.4f} (95% Wilson [{stats['ci_low']:.4f}, "
+                         f"{stats['ci_high']:.4f}]), mean reward {stats['reward_mean']:.4f} "
+                         f"([{stats['reward_mean_ci_low']:.4f}, {stats['reward_mean_ci_high']:.4f}]) on "
+                         f"{questions} questions, {seconds:.1f} s")
+        metrics = {"eval/accuracy": stats["accuracy"], "eval/accuracy_ci_low": stats["ci_low"],
+                   "eval/accuracy_ci_high": stats["ci_high"], "eval/reward_mean": stats["reward_mean"],
+                   "eval/reward_mean_ci_low": stats["reward_mean_ci_low"],
+                   "eval/reward_mean_ci_high": stats["reward_mean_ci_high"], "eval/num_questions": float(questions)}
+        for name, values in stats["rewards"].items():
+            metrics.update({f"eval/rewards/{name}/{key}": value for key, value in values.items()})
+        metrics["time/eval_seconds"] = seconds
+        return {key: torch.tensor(value) for key, value in metrics.items()}
 
     def write_examples(self, step: int, examples: list[dict]) -> None:
         """Gather every rank's per-question results and write them, in question order, to
@@ -183,39 +216,55 @@ class EvaluationCallback(Callback):
 
 
 def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCallback]:
-    """The evaluation callback of a validated `astrai.config.Config`, or None when `train.eval_steps` is 0.
+    """The evaluation callback of a validated `astrai.config.Config`, or None when `train.eval_steps` is 0. Its
+    rewards are the job's (`rewards.build.evaluation_specs`), built over the held-out records' columns, with
+    training's workers and timeouts.
 
     Raises:
         DataError: `data.eval_path` missing or malformed (naming `data.eval_path`).
-        ValueError: an unknown `reward.name`.
+        RewardFunctionError: a reward function that cannot be loaded or served by the held-out data (naming it).
     """
     if not config.train.eval_steps:
         return None
     d = config.data
-    records = load_eval_records(config, tokenizer, main=dist.is_main)
+    specs = evaluation_specs(config)
+    records = load_eval_records(config, tokenizer, main=dist.is_main, check_rewards=False)
     return EvaluationCallback(
-        records=records, tokenizer=tokenizer, reward=get_reward(config.reward.name),
+        records=records, tokenizer=tokenizer, rewards=build_rewards(config, records, specs=specs),
         settings=EvalSettings(max_new_tokens=config.rollout.max_new_tokens), eval_steps=config.train.eval_steps,
         strategy=strategy, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
         truncation=d.truncation, source=str(d.eval_path),
         seed=config.train.seed, progress=config.train.progress_bar, output_dir=Path(config.train.output_dir),
-        extract_answer=ANSWER_EXTRACTORS.get(config.reward.name), eval_on_start=config.train.eval_on_start,
+        extract_answer=answer_extractor(specs), eval_on_start=config.train.eval_on_start,
         make_engine=lambda model: build_rollout_engine(config, model, tokenizer, policy_version=-1))
 
 
-def load_eval_records(config, tokenizer, *, main: bool = True) -> list:
+def load_eval_records(config, tokenizer, *, main: bool = True, check_rewards: bool = True) -> list:
     """The held-out records of `data.eval_path` (the first `data.eval_limit`), with their prompts encoded once as
     training encodes them, so an overlong prompt under `data.truncation=error` stops the job at start-up and what
-    filter/left do is said once (on the `main` process).
+    filter/left do is said once (on the `main` process). The answer field is required only when an evaluation
+    reward reads it (`rewards.build.answer_readers`); reference answers such a reward can never match are warned
+    about on `main`. With `check_rewards`, the evaluation's reward functions are also loaded and matched to the
+    records' columns in this process (no workers started; what `--check` needs).
 
     Raises:
         DataError: `data.eval_path` missing or malformed (naming `data.eval_path`), or an overlong prompt.
+        RewardFunctionError: with `check_rewards`, a reward function that cannot be loaded or served.
     """
     d = config.data
+    specs = evaluation_specs(config)
+    readers = answer_readers(specs)
     dataset = PromptDataset(d.eval_path, prompt_field=d.prompt_field, answer_field=d.answer_field,
-                            field="data.eval_path")
+                            field="data.eval_path", require_answers=bool(readers))
     records = dataset.records[:d.eval_limit]
+    for spec in readers if main else ():
+        message = unscorable_warning(spec.function, [r.answer for r in records], source=str(d.eval_path),
+                                     field=d.answer_field)
+        if message:
+            warnings.warn(message, stacklevel=2)
     encode_prompt_records([r.prompt for r in records], tokenizer, system_prompt=d.system_prompt,
                           limit=d.max_prompt_length, limit_name="data.max_prompt_length", policy=d.truncation,
                           source=str(d.eval_path), log=print if main else _quiet)
+    if check_rewards:
+        build_rewards(config, records, specs=specs, num_workers=0).close()
     return records
