@@ -19,9 +19,10 @@ from typing import Any, Iterable, Optional, Union, get_origin
 import yaml
 
 from astrai import train_types
-from astrai.config_schema import (BETA, GE0, GT0, UNIT, Choices, ConfigError, EnvMap, Keys, Pattern, Range, Records,
-                                  Section, SubsetOf, YamlDumper, YamlLoader, convert_value, field_spec, field_specs,
-                                  split_optional)
+from astrai.algos import registry
+from astrai.config_schema import (BETA, GE0, GT0, REQUIRED, UNIT, Choices, ConfigError, EnvMap, NonEmpty, Pattern,
+                                  Range, Record, Section, SubsetOf, YamlDumper, YamlLoader, convert_value, field_spec,
+                                  field_specs, is_record, record_item, split_optional, to_raw)
 
 TRAIN_TYPES = train_types.names()
 """Valid ``train.type`` values: the registered train types (`astrai.train_types`)."""
@@ -33,22 +34,50 @@ DEFAULT_REPORT_TO = ["tensorboard"] if importlib.util.find_spec("tensorboard") i
 """TensorBoard event files by default when the `tensorboard` package is installed, nothing otherwise."""
 TRUNCATION_POLICIES = ("error", "filter", "left")
 """Valid ``data.truncation`` values (see ``astrai.data.truncation``)."""
-LORA_KEYS = (("r", (int,), True), ("alpha", (float,), False), ("dropout", (float,), False),
-             ("target_modules", (list,), False), ("use_rslora", (bool,), False))
-"""The keys of `model.lora` (name, accepted types, required)."""
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-"""`grpo.advantage_estimator` choices: the critic-free estimators of `astrai.algos.ADVANTAGE_ESTIMATORS` (online_ppo
-uses `gae`, which needs its critic). The config imports no torch, so the names are repeated here (a test holds them
-equal)."""
-POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
-"""`ppo.policy_loss` / `grpo.policy_loss` choices (`astrai.algos.POLICY_LOSSES`)."""
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-"""`loss_agg_mode` choices (`astrai.algos.LOSS_AGG_MODES`, verl's names)."""
-ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis", "seq_mask", "icepop")
-"""`rollout.correction` choices (`astrai.algos.ROLLOUT_CORRECTIONS` plus none)."""
+ADVANTAGE_ESTIMATORS = registry.critic_free_estimators()
+"""`grpo.advantage_estimator` choices: the critic-free estimators (online_ppo uses `gae`, which needs its critic)."""
+ROLLOUT_CORRECTIONS = ("none", *registry.ROLLOUT_CORRECTIONS)
+"""`rollout.correction` choices: the registry's corrections, or none."""
 OPTIONAL_METRICS = {name: tuple(t.name for t in train_types.all_train_types() if name in t.metrics)
                     for name in dict.fromkeys(m for t in train_types.all_train_types() for m in t.metrics)}
 """Valid ``train.metrics`` names -> the train types that compute them (`TrainType.metrics`)."""
+
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""`model.lora.target_modules` by default: the attention and MLP projections of every decoder layer."""
+
+
+# ----------------------------------------------------------------------------------------- records
+@dataclass
+class LoraConfig(Record):
+    """`model.lora`: LoRA adapters (Hu et al. 2021) trained instead of the weights, through peft (docs/lora.md)."""
+
+    r: int = field_spec(REQUIRED, "adapter rank", GT0)
+    alpha: Optional[float] = field_spec(None, "scale numerator (scaling alpha / r); null = 2 r", GT0)
+    dropout: float = field_spec(0.0, "dropout on the adapter's input", Range(0, 1, hi_open=True))
+    target_modules: list[str] = field_spec(
+        list(LORA_TARGET_MODULES), "the Linear projections given adapters (default: the attention and MLP ones)",
+        NonEmpty("a non-empty list of module names (omit it for the attention and MLP projections)"))
+    use_rslora: bool = field_spec(False, "rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023)")
+
+
+@dataclass
+class MixtureFile(Record, item="file"):
+    """One file of `data.mixture`."""
+
+    path: str = field_spec(REQUIRED, "a prompt file or 'builtin:<name>'", Pattern(r"\s*\S.*", "a path"))
+    weight: float = field_spec(1.0, "its share of the blend (0 leaves it out)", GE0)
+
+
+@dataclass
+class RewardFunction(Record, item="function"):
+    """One item of `reward.functions` (docs/rewards.md)."""
+
+    function: str = field_spec(REQUIRED, "'package.module:name', 'module:name' in `path`, or a built-in name")
+    weight: float = field_spec(1.0, "its weight in the total reward")
+    name: Optional[str] = field_spec(None, "the name of its metrics; null = the function's")
+    path: Optional[str] = field_spec(None, "a .py file holding it (relative paths from the working directory)")
+    kwargs: dict[str, Any] = field_spec({}, "keyword arguments passed on every call")
 
 
 # ----------------------------------------------------------------------------------------- sections
@@ -62,10 +91,10 @@ class ModelSection(Section, name="model"):
     moe_top_k: int = field_spec(2, "routed experts per token", GT0)
     moe_num_shared_experts: int = field_spec(0, "always-active shared experts per MoE feed-forward", GE0)
     moe_aux_loss_coef: float = field_spec(0.01, "weight of the load-balancing auxiliary loss", GE0)
-    lora: dict[str, Any] = field_spec(
-        {}, "LoRA adapters instead of full training (through peft): {r, alpha (default 2 r), dropout (0), "
-            "target_modules (default the attention and MLP projections), use_rslora (false)}; {} = off "
-            "(docs/lora.md)", Keys(LORA_KEYS))
+    lora: Optional[LoraConfig] = field_spec(
+        None, "LoRA adapters instead of full training (through peft): {r, alpha (default 2 r), dropout (0), "
+              "target_modules (default the attention and MLP projections), use_rslora (false)}; {} = off "
+              "(docs/lora.md)")
 
 
 @dataclass
@@ -93,24 +122,18 @@ class DataSection(Section, name="data"):
     eval_path: Optional[str] = field_spec(None, "held-out question/answer set for train.eval_steps: "
                                           "'builtin:<name>' or a GSM8K-format .jsonl")
     eval_limit: Optional[int] = field_spec(None, "evaluate only the first N questions of data.eval_path", GT0)
-    mixture: list[dict] = field_spec([], "online prompts blended from several files instead of data.path: "
-                                         "[{path, weight}], each file contributing in proportion to its weight",
-                                     Records((("path", (str,), True), ("weight", (float,), False)),
-                                             describe_item="file"))
-
-
-REWARD_FUNCTION_KEYS = Records((("function", (str,), True), ("weight", (float,), False), ("name", (str,), False),
-                                ("path", (str,), False), ("kwargs", (dict,), False)), describe_item="function")
-"""The keys of one `reward.functions` item (docs/rewards.md)."""
+    mixture: list[MixtureFile] = field_spec([], "online prompts blended from several files instead of data.path: "
+                                                "[{path, weight}], each file contributing in proportion to its "
+                                                "weight (0 leaves a file out)")
 
 
 @dataclass
 class RewardSection(Section, name="reward"):
     name: str = field_spec("math_exact_match", "the built-in reward used when reward.functions is empty")
-    functions: list[dict] = field_spec(
+    functions: list[RewardFunction] = field_spec(
         [], "reward functions, each {function: 'package.module:name' or a built-in name, weight (1), name, path "
             "(a .py file holding it), kwargs}: called as fn(prompts, completions, **columns) (TRL's convention), "
-            "the total is the weighted sum (docs/rewards.md)", REWARD_FUNCTION_KEYS)
+            "the total is the weighted sum (docs/rewards.md)")
     model_path: Optional[str] = field_spec(
         None, "a reward model (a ...ForSequenceClassification directory, e.g. an rm checkpoint) whose score joins "
               "reward.functions in the total, or alone when there are none", Pattern(r"\s*\S.*", "a directory path"))
@@ -146,6 +169,9 @@ class RolloutSection(Section, name="rollout"):
         Choices(("float32", "bfloat16", "float16")))
     engine: str = field_spec("paged", "rollout engine by registered name (astrai.rollout.engine: 'paged', the paged "
                                       "continuous-batching engine)", Pattern(r"[A-Za-z_][A-Za-z0-9_.-]*", "an engine name"))
+    engine_options: dict[str, Any] = field_spec(
+        {}, "keyword options passed to rollout.engine's factory as given (paged: max_num_seqs, max_kv_tokens, "
+            "max_batch_tokens, block_size, prefix_cache, dense_decode; astrai.rollout.paged_engine.paged_engine)")
     attention_backend: str = field_spec(
         "auto", "the engine's attention kernels: torch, triton, flash_attn or auto (the fastest available); the "
                 "ASTR_BACKEND environment variable overrides it (docs/kernels.md)",
@@ -179,10 +205,10 @@ class PolicyLossFields:
 
     policy_loss: str = field_spec("ppo_clip", "policy loss: ppo_clip (PPO-clip, decoupled range, optional dual clip), gspo "
                                               "(sequence-level ratio, Zheng et al. 2025) or cispo (clipped IS weight, "
-                                              "MiniMax-M1)", Choices(POLICY_LOSSES))
+                                              "MiniMax-M1)", Choices(tuple(registry.POLICY_LOSSES)))
     loss_agg_mode: Optional[str] = field_spec(
         None, "how per-token losses become the step's loss (verl's names); null = the loss's own: token-mean, "
-              "seq-mean-token-mean for gspo; -norm divides by rollout.max_new_tokens", Choices(LOSS_AGG_MODES))
+              "seq-mean-token-mean for gspo; -norm divides by rollout.max_new_tokens", Choices(registry.LOSS_AGG_MODES))
     clip_ratio_low: Optional[float] = field_spec(None, "ratio kept >= 1 - clip_ratio_low; null = clip_eps "
                                                        "(gspo: 3e-4, the paper's)", GT0)
     clip_ratio_high: Optional[float] = field_spec(None, "ratio kept <= 1 + clip_ratio_high (DAPO clip-higher: "
@@ -204,7 +230,7 @@ class PPOSection(PolicyLossFields, Section, name="ppo"):
     gae_lambda: float = field_spec(0.95, "GAE lambda", UNIT)
     vf_coef: float = field_spec(0.1, "value-loss scale", GT0)
     kl_coef: float = field_spec(0.05, "reference-KL penalty per token in the reward; 0 = no reference model", GE0)
-    kl_estimator: str = field_spec("k3", "KL estimator (Schulman 2020)", Choices(("k1", "k2", "k3")))
+    kl_estimator: str = field_spec("k3", "KL estimator (Schulman 2020)", Choices(registry.KL_ESTIMATORS))
     whiten_advantages: bool = field_spec(True, "masked mean/std normalisation of advantages per rollout")
     critic_layers: Optional[int] = field_spec(
         None, "critic = the policy's first N decoder layers + final norm + value head (a smaller, faster critic); "
@@ -231,7 +257,7 @@ class GRPOSection(PolicyLossFields, Section, name="grpo"):
     scale_rewards: str = field_spec(
         "group", "what the group-centred rewards are divided by: the group's std (GRPO), the std of the whole "
                  "rollout's rewards on all ranks ('batch', Lite PPO) or nothing ('none', Dr. GRPO)",
-        Choices(("group", "batch", "none")))  # = astrai.algos.SCALE_REWARDS (config does not import torch)
+        Choices(registry.SCALE_REWARDS))
 
 
 @dataclass
@@ -398,7 +424,7 @@ class Config:
         if self.reward.functions and self.reward.name != RewardSection().name:
             raise ConfigError(f"reward.name: {self.reward.name!r} is set together with reward.functions; list it "
                               f"there instead ({{function: {self.reward.name}}})")
-        names = [f.get("name") or f["function"].rpartition(":")[2] for f in self.reward.functions]
+        names = [f.name or f.function.rpartition(":")[2] for f in self.reward.functions]
         if len(set(names)) < len(names):
             twice = next(n for n in names if names.count(n) > 1)
             raise ConfigError(f"reward.functions: two functions are named {twice!r}; give each its own name "
@@ -420,13 +446,9 @@ class Config:
             if kind not in OPTIONAL_METRICS[name]:
                 raise ConfigError(f"train.metrics: {name!r} is not computed by train.type {kind} (only by "
                                   f"{', '.join(OPTIONAL_METRICS[name])})")
+        if self.data.mixture and not any(f.weight > 0 for f in self.data.mixture):
+            raise ConfigError("data.mixture: every file has weight 0; give at least one a weight > 0")
         m = self.model
-        if m.lora and (m.lora["r"] < 1 or not 0 <= m.lora.get("dropout", 0.0) < 1 or m.lora.get("alpha", 1.0) <= 0):
-            raise ConfigError(f"model.lora: expected r >= 1, alpha > 0 and dropout in [0, 1), got {m.lora}")
-        if m.lora and "target_modules" in m.lora and (
-                not m.lora["target_modules"] or not all(isinstance(t, str) and t for t in m.lora["target_modules"])):
-            raise ConfigError(f"model.lora: target_modules: expected a non-empty list of module names (omit it for "
-                              f"the attention and MLP projections), got {m.lora['target_modules']!r}")
         if m.lora and m.moe_num_experts:
             raise ConfigError("model.lora: LoRA adapters on MoE experts are not supported; set model.moe_num_experts 0 "
                               "or model.lora {}")
@@ -477,26 +499,32 @@ def _unknown(what: str, name: str, candidates: Iterable[str]) -> str:
     return f"unknown {what} '{name}'" + (f" ({hint})" if hint else "")
 
 
-def _resolve_key(key: str) -> tuple[str, str]:
-    """`section.key`, `section_key` or a unique bare field name -> (section, field); raises ConfigError."""
+def _resolve_key(key: str) -> tuple[str, str, str]:
+    """`section.key`, `section_key` or a unique bare field name -> (section, field, ""); `section.field.sub.path`
+    (inside a record: `model.lora.r`, `reward.functions.0.weight`) -> (section, field, "sub.path"). Raises
+    ConfigError."""
     key = key.replace("-", "_")
     if key in ALIASES:
-        return ALIASES[key]
+        return (*ALIASES[key], "")
     if "." in key:
-        section, _, name = key.partition(".")
+        section, _, rest = key.partition(".")
+        name, _, sub = rest.partition(".")
         if section not in SECTIONS:
             raise ConfigError(_unknown("section", section, SECTIONS))
-        if ALIASES.get(name, (None,))[0] == section:
-            return ALIASES[name]
+        if ALIASES.get(name, (None,))[0] == section and not sub:
+            return (*ALIASES[name], "")
         if name not in field_specs(SECTIONS[section]):
             raise ConfigError(_unknown_key(section, name))
-        return section, name
+        if sub and _leaf_hint(section, name, sub) is None:
+            raise ConfigError(f"{section}.{name}.{sub}: {section}.{name} has no such key (set the whole value with "
+                              f"--{section}.{name} '...')")
+        return section, name, sub
     prefix, _, rest = key.partition("_")
     if prefix in SECTIONS and rest in field_specs(SECTIONS[prefix]):
-        return prefix, rest
+        return prefix, rest, ""
     owners = [s for s, cls in SECTIONS.items() if key in field_specs(cls)]
     if len(owners) == 1:
-        return owners[0], key
+        return owners[0], key, ""
     if owners:
         raise ConfigError(f"ambiguous key '{key}': could be " + ", ".join(f"'{s}.{key}'" for s in owners)
                           + "; use --section.key")
@@ -506,24 +534,39 @@ def _resolve_key(key: str) -> tuple[str, str]:
     raise ConfigError(_unknown("key", key, everything + [n.partition(".")[2] for n in everything]))
 
 
-def _parse_cli_value(section: str, name: str, text: str) -> Any:
+def _leaf_hint(section: str, name: str, sub: str) -> Any:
+    """The type hint at `sub` ("r", "0.weight") inside the record-typed field `section.name`, or None when there
+    is no such key (list indices are not checked against a length here)."""
+    hint = field_specs(SECTIONS[section])[name][0]
+    for part in sub.split("."):
+        base, _ = split_optional(hint)
+        if record_item(base) is not None and part.isdigit():
+            hint = record_item(base)
+        elif is_record(base) and part in field_specs(base):
+            hint = field_specs(base)[part][0]
+        else:
+            return None
+    return hint
+
+
+def _parse_cli_value(hint: Any, where: str, text: str) -> Any:
     """Parse one override value with the YAML 1.2 loader; a str field keeps the raw text (unless null)."""
-    base, optional = split_optional(field_specs(SECTIONS[section])[name][0])
+    base, optional = split_optional(hint)
     try:
         value = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError:
         if base is not str:
-            raise ConfigError(f"{section}.{name}: cannot parse value {text!r}") from None
+            raise ConfigError(f"{where}: cannot parse value {text!r}") from None
         value = text
     if base is str:
         return None if optional and value is None else text
-    if get_origin(base) is list and isinstance(value, str):  # --train.metrics a,b
+    if get_origin(base) is list and record_item(base) is None and isinstance(value, str):  # --train.metrics a,b
         value = [s.strip() for s in value.split(",") if s.strip()]
     return value
 
 
-def _parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, Any]]:
-    """argv leftovers -> [(section, field, value)], values parsed but not yet validated."""
+def _parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, str, Any]]:
+    """argv leftovers -> [(section, field, sub-path, value)], values parsed but not yet validated."""
     tokens, out, i = list(tokens), [], 0
     while i < len(tokens):
         token = tokens[i]
@@ -531,13 +574,37 @@ def _parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, Any]]:
         if not token.startswith("--") or len(token) == 2:
             raise ConfigError(f"unexpected argument {token!r}: overrides look like --section.key value")
         key, eq, text = token[2:].partition("=")
-        section, name = _resolve_key(key)
+        section, name, sub = _resolve_key(key)
+        where = ".".join(p for p in (section, name, sub) if p)
         if not eq:
             if i >= len(tokens) or tokens[i].startswith("--"):
-                raise ConfigError(f"{section}.{name}: missing value after {token}")
+                raise ConfigError(f"{where}: missing value after {token}")
             text, i = tokens[i], i + 1
-        out.append((section, name, _parse_cli_value(section, name, text)))
+        hint = _leaf_hint(section, name, sub) if sub else field_specs(SECTIONS[section])[name][0]
+        out.append((section, name, sub, _parse_cli_value(hint, where, text)))
     return out
+
+
+def _set_inside(raw: Any, section: str, name: str, sub: str, value: Any) -> Any:
+    """`raw` (a record field's plain form: a mapping, or a list of mappings) with `value` at `sub`."""
+    *parents, last = sub.split(".")
+    node = raw
+    for part in [*parents, last]:
+        if isinstance(node, list):
+            index = int(part)
+            if index >= len(node):
+                item = record_item(split_optional(field_specs(SECTIONS[section])[name][0])[0]).item
+                raise ConfigError(f"{section}.{name}.{sub}: {section}.{name} has {len(node)} {item}(s), numbered "
+                                  f"from 0; add one in the job file")
+            if part == last:
+                node[index] = value
+            else:
+                node = node[index]
+        elif part == last:
+            node[part] = value
+        else:
+            node = node.setdefault(part, {})
+    return raw
 
 
 # ----------------------------------------------------------------------------------------- public API
@@ -577,7 +644,10 @@ def config_from_dict(data: Any, overrides: Iterable[str] = (), source: Optional[
             except ConfigError as e:
                 raise ConfigError(f"{where}{e}") from None
     parsed = list(_parse_overrides(overrides))
-    for section, name, value in parsed:
+    for section, name, sub, value in parsed:
+        if sub:  # into a record: the field's plain form, changed at `sub`, is converted with the section
+            current = values[section].get(name, getattr(SECTIONS[section](), name))
+            value = _set_inside(to_raw(current) if current is not None else {}, section, name, sub, value)
         values[section][name] = value
     sections = {s: cls(**values[s]) for s, cls in SECTIONS.items()}
     try:
@@ -615,8 +685,27 @@ def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> Config:
 
 
 def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
-    """Plain nested dict ``{section: {field: value}}`` of `config` (a deep copy)."""
-    return dataclasses.asdict(config)
+    """Plain nested dict ``{section: {field: value}}`` of `config` (a deep copy): records as mappings, an optional
+    record that is off (`model.lora`) as {}."""
+    return {s: {name: _plain(getattr(section, name), hint) for name, (hint, _) in field_specs(type(section)).items()}
+            for s, section in ((s, getattr(config, s)) for s in SECTIONS)}
+
+
+def _plain(value: Any, hint: Any) -> Any:
+    base, optional = split_optional(hint)
+    return {} if value is None and optional and is_record(base) else to_raw(value)
+
+
+def canonical_value(key: str, raw: Any) -> Any:
+    """The plain form `config_to_dict` gives field `key` ("section.field") whose value is `raw` (e.g. a saved
+    config.yaml's `model.lora: {r: 4}`, written with fewer keys by an older astrai); `raw` itself when it is not
+    a valid value of the field, or the field is unknown."""
+    section, _, name = key.partition(".")
+    try:
+        hint, check = field_specs(SECTIONS[section])[name]
+        return _plain(convert_value(key, hint, check, raw), hint)
+    except (KeyError, ConfigError):
+        return raw
 
 
 def dump_config(config: Config) -> str:

@@ -158,93 +158,24 @@ class EnvMap:
         return "a mapping of environment variable names to scalars or null"
 
 
-def _mapping_problem(item: Any, fields: tuple, where: str) -> Optional[str]:
-    """The first problem of one mapping against `fields` ((name, accepted types, required), ...), or None."""
-    names = [name for name, _, _ in fields]
-    if not isinstance(item, dict):
-        return f"{where}expected a mapping with keys {', '.join(names)}, got {item!r}"
-    for key in item:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f"; keys: {', '.join(names)}"
-            return f"{where}unknown key {key!r}{hint}"
-    for name, types, required in fields:
-        if name not in item or item[name] is None:
-            if required:
-                return f"{where}missing key {name!r}"
-            continue
-        value = item[name]
-        if list in types and isinstance(value, list):
-            if all(isinstance(x, str) for x in value):
-                continue
-            return f"{where}{name}: expected a list of strings, got {value!r}"
-        number = float in types and isinstance(value, (int, float)) and not isinstance(value, bool)
-        exact = int in types and isinstance(value, int) and not isinstance(value, bool)
-        if not (number or exact) and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
-            kinds = " or ".join(_KINDS.get(t, {dict: "a mapping", list: "a list of strings"}.get(t, t.__name__))
-                                for t in types)
-            return f"{where}{name}: expected {kinds}, got {value!r}"
-        if number and not math.isfinite(value):
-            return f"{where}{name}: expected a finite number, got {value!r}"
-    return None
-
-
-def _normalise_mapping(item: dict, fields: tuple) -> dict:
-    """`item` with every number of a float key as a float (a new dict)."""
-    floats = {name for name, types, _ in fields if float in types}
-    return {k: float(x) if k in floats and isinstance(x, int) and not isinstance(x, bool) else x
-            for k, x in item.items()}
-
-
 @dataclass(frozen=True)
-class Records:
-    """A list of mappings, each with the keys of `fields`: name -> (accepted types, required). Numbers given for a
-    float key are stored as floats; `describe_item` names what one item is (for messages)."""
+class NonEmpty:
+    """A non-empty list of non-empty strings; `text` says what they are (for messages)."""
 
-    fields: tuple[tuple[str, tuple[type, ...], bool], ...]
-    describe_item: str = "item"
-
-    def problem(self, v: list) -> Optional[str]:
-        """One-line description of the first bad item of `v`, or None when every item is fine."""
-        for i, item in enumerate(v, start=1):
-            problem = _mapping_problem(item, self.fields, f"{self.describe_item} {i}: ")
-            if problem:
-                return problem
-        return None
-
-    def normalise(self, v: list) -> list:
-        """`v` with every number of a float key as a float (a new list of new dicts)."""
-        return [_normalise_mapping(item, self.fields) for item in v]
+    text: str
 
     def ok(self, v: list) -> bool:
-        return self.problem(v) is None
+        return bool(v) and all(x for x in v)
 
     def describe(self, kind: str) -> str:
-        return f"a list of mappings with keys {', '.join(name for name, _, _ in self.fields)}"
-
-
-@dataclass(frozen=True)
-class Keys:
-    """One mapping with the keys of `fields` (as `Records`' items); an empty mapping means the feature is off."""
-
-    fields: tuple[tuple[str, tuple[type, ...], bool], ...]
-
-    def problem(self, v: dict) -> Optional[str]:
-        """One-line description of the first bad key of `v` (an empty `v` is fine), or None."""
-        return _mapping_problem(v, self.fields, "") if v else None
-
-    def normalise(self, v: dict) -> dict:
-        """`v` with every number of a float key as a float (a new dict)."""
-        return _normalise_mapping(v, self.fields)
-
-    def ok(self, v: dict) -> bool:
-        return self.problem(v) is None
-
-    def describe(self, kind: str) -> str:
-        return f"a mapping with keys {', '.join(name for name, _, _ in self.fields)}"
+        return self.text
 
 
 GT0, GE0, UNIT, BETA = Range(0, lo_open=True), Range(0), Range(0, 1), Range(0, 1, hi_open=True)
+
+
+REQUIRED: Any = dataclasses.MISSING
+"""The default of a record key that must be given (`field_spec(REQUIRED, ...)`)."""
 
 
 def field_spec(default: Any, doc: str, check: Any = None) -> Any:
@@ -268,6 +199,61 @@ class Section:
         for name, (hint, check) in field_specs(type(self)).items():
             setattr(self, name, convert_value(f"{self.section}.{name}", hint, check, getattr(self, name)))
 
+
+class Record:
+    """Base of the typed mappings inside a section (`model.lora`, one `reward.functions` item): a dataclass whose
+    fields are declared with `field_spec` (`REQUIRED` for keys without a default). Built from a mapping by
+    `convert_value`, which names the field, the item and the key in its one-line errors. `item` says what one
+    item of a list of them is called in messages ("function 2: ...")."""
+
+    item = "item"
+
+    def __init_subclass__(cls, item: str = "item", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.item = item
+
+
+def is_record(hint: Any) -> bool:
+    """Whether `hint` is a `Record` dataclass type."""
+    return isinstance(hint, type) and issubclass(hint, Record)
+
+
+def record_item(hint: Any) -> Optional[type]:
+    """The `Record` type of a `list[Record]` hint, else None."""
+    args = get_args(hint)
+    return args[0] if get_origin(hint) is list and args and is_record(args[0]) else None
+
+
+def _record(cls: type, value: Any, where: str) -> Any:
+    """A `Record` of type `cls` from the mapping `value`; ConfigError `<where>...` naming the first bad key."""
+    specs = field_specs(cls)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}expected a mapping with keys {', '.join(specs)}, got {value!r}")
+    for key in value:
+        if key not in specs:
+            close = difflib.get_close_matches(str(key), list(specs), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f"; keys: {', '.join(specs)}"
+            raise ConfigError(f"{where}unknown key {key!r}{hint}")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is REQUIRED and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        if value.get(name) is None:
+            raise ConfigError(f"{where}missing key {name!r}")
+    given = {k: v for k, v in value.items() if v is not None}  # null: the key's default
+    converted = {name: convert_value(f"{where}{name}", *specs[name], v) for name, v in given.items()}
+    return cls(**converted)
+
+
+def to_raw(value: Any) -> Any:
+    """The plain YAML form of a field's value: records as mappings (an absent optional record as {}), lists
+    and mappings copied."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_raw(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list):
+        return [to_raw(x) for x in value]
+    if isinstance(value, dict):
+        return {k: to_raw(x) for k, x in value.items()}
+    return value
 
 
 def check_divides(small: tuple[str, int], big: tuple[str, int]) -> None:
@@ -302,8 +288,6 @@ def _coerce(base: Any, v: Any) -> Any:
         return float(v) if base is float else (v if isinstance(v, int) else _coerce)
     if base in (str, bool) and isinstance(v, base):
         return v
-    if get_origin(base) is list and isinstance(v, list) and get_args(base) == (dict,):
-        return [dict(x) if isinstance(x, dict) else x for x in v]  # items are checked by the field's `Records`
     if get_origin(base) is list and isinstance(v, list) and all(isinstance(x, str) for x in v):
         return list(v)
     if get_origin(base) is dict and isinstance(v, dict):
@@ -312,8 +296,24 @@ def _coerce(base: Any, v: Any) -> Any:
 
 
 def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
-    """`value` converted to `hint` and checked; raises ConfigError naming `name` and what was expected."""
+    """`value` converted to `hint` and checked; raises ConfigError naming `name` and what was expected. A `Record`
+    hint takes a mapping (an empty one: null for an optional record), a `list[Record]` hint a list of them."""
     base, optional = split_optional(hint)
+    if is_record(base):
+        if isinstance(value, base) or (optional and value in (None, {})):
+            return None if value == {} else value
+        return _record(base, value, f"{name}: ")
+    item = record_item(base)
+    if item is not None:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list of mappings with keys {', '.join(field_specs(item))}, "
+                              f"got {value!r}")
+        out = [x if isinstance(x, item) else _record(item, x, f"{name}: {item.item} {i}: ")
+               for i, x in enumerate(value, start=1)]
+        detail = getattr(check, "problem", lambda v: None)(out)
+        if detail:
+            raise ConfigError(f"{name}: {detail}")
+        return out
     if optional and value is None:
         return None
     out = _coerce(base, value)
@@ -321,9 +321,8 @@ def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
     if detail:
         raise ConfigError(f"{name}: {detail}")
     if out is _coerce or (check is not None and not check.ok(out)):
-        kind = _KINDS.get(base, "a mapping" if get_origin(base) is dict else
-                          "a list of mappings" if get_args(base) == (dict,) else "a list of strings")
+        kind = _KINDS.get(base, "a mapping" if get_origin(base) is dict else "a list of strings")
         wrong_type = out is _coerce
         expected = kind if check is None or (wrong_type and isinstance(check, Pattern)) else check.describe(kind)
         raise ConfigError(f"{name}: expected {'null or ' if optional else ''}{expected}, got {value!r}")
-    return getattr(check, "normalise", lambda v: v)(out)
+    return out

@@ -83,9 +83,9 @@ LAYERS = {
     "models": {"deps"},
     "kernels": {"deps"},
     # floor 2
-    "train_types": {"config_schema"},                  # torch-free records
+    "train_types": {"config_schema", "algos"},         # torch-free records (algos: its torch-free registry)
     # floor 3
-    "config": {"config_schema", "train_types", "deps"},
+    "config": {"config_schema", "train_types", "algos", "deps"},
     "checkpoint": {"models", "train_types"},
     # floor 4
     "data": {"config", "config_schema", "train_types", "models", "deps"},

@@ -43,9 +43,17 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
 
 
 def _engine_options(rollout) -> dict:
-    """The engine options `rollout` sets beyond the common arguments: `cuda_graphs` only when on (so engines that
-    do not know the option are built as before)."""
-    return {"cuda_graphs": True} if rollout.cuda_graphs else {}
+    """The engine options `rollout` sets beyond the common arguments: `rollout.engine_options` as given, and
+    `cuda_graphs` only when on (so engines that do not know the option are built as before).
+
+    Raises:
+        ValueError: `rollout.engine_options` naming a common argument (set through its own field)."""
+    common = {"pad_token_id", "policy_version", "dtype", "attention_backend", "cuda_graphs"}
+    clash = sorted(common & set(rollout.engine_options))
+    if clash:
+        raise ValueError(f"rollout.engine_options: {clash[0]!r} is set through its own field (rollout.dtype, "
+                         "rollout.attention_backend, rollout.cuda_graphs), not as an engine option")
+    return {**rollout.engine_options, **({"cuda_graphs": True} if rollout.cuda_graphs else {})}
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ graphs with it) and its block size. `PagedGenerationEngine` uses these at constr
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Optional, Union
 
 import torch
@@ -11,7 +12,21 @@ import torch
 from astrai.kernels import select_backend
 from astrai.rollout.cuda_graphs import backend_for_graphs, check_cuda_graphs
 
-__all__ = ["ENGINE_DTYPES", "check_paged_engine", "engine_backend", "resolve_dtype"]
+__all__ = ["ENGINE_DTYPES", "PAGED_OPTIONS", "check_paged_engine", "check_paged_options", "engine_backend",
+           "resolve_dtype"]
+
+PAGED_OPTIONS = ("max_num_seqs", "max_kv_tokens", "max_batch_tokens", "block_size", "prefix_cache", "dense_decode",
+                 "cuda_graphs")
+"""The options the paged engine takes beyond the common arguments (`rollout.engine_options`, `rollout.cuda_graphs`)."""
+
+
+def check_paged_options(options) -> None:
+    """ValueError (one line, naming `rollout.engine_options`) for an option the paged engine does not take."""
+    for name in options:
+        if name not in PAGED_OPTIONS:
+            close = difflib.get_close_matches(name, PAGED_OPTIONS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"options: {', '.join(PAGED_OPTIONS)}"
+            raise ValueError(f"rollout.engine_options: the paged engine takes no option {name!r} ({hint})")
 
 
 ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +71,8 @@ def check_paged_engine(model_config, *, device, dtype=None, attention_backend: O
                        **options) -> None:
     """What `paged_engine` would refuse for a model of `model_config` on `device`, without building it (the
     factory's `check`, `astrai.rollout.engine.check_engine`): the dtype (None: float32), the attention backend, CUDA
-    graphs and the block size (`engine_backend`)."""
+    graphs and the block size (`engine_backend`), and the option names (`check_paged_options`)."""
+    check_paged_options(options)
     dtype = resolve_dtype(dtype) or torch.float32
     engine_backend(model_config, device=torch.device(device), dtype=dtype, backend=attention_backend,
                    block_size=options.get("block_size"), cuda_graphs=bool(options.get("cuda_graphs", False)))

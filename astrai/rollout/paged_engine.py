@@ -29,7 +29,8 @@ from astrai.data.sequences import left_pad
 from astrai.kernels import InferenceWorkspace
 from astrai.rollout.block_pool import BlockPool, PrefixCache
 from astrai.rollout.cuda_graphs import DecodeGraphs, decode_buckets
-from astrai.rollout.engine_settings import check_paged_engine, engine_backend, resolve_dtype as _resolve_dtype
+from astrai.rollout.engine_settings import check_paged_engine, check_paged_options, engine_backend
+from astrai.rollout.engine_settings import resolve_dtype as _resolve_dtype
 from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
@@ -365,7 +366,11 @@ def paged_engine(model, *, pad_token_id: int, policy_version: int = 0, dtype=Non
                  attention_backend: Optional[str] = None, **options) -> PagedGenerationEngine:
     """The `paged` entry of the engine factory (`astrai.rollout.engine.build_engine`): a `PagedGenerationEngine`
     with `attention_backend` as its `backend` and `options` as its sizes (`max_num_seqs`, `max_kv_tokens`,
-    `max_batch_tokens`, `block_size`, `prefix_cache`, `dense_decode`, `cuda_graphs`)."""
+    `max_batch_tokens`, `block_size`, `prefix_cache`, `dense_decode`, `cuda_graphs`: `PAGED_OPTIONS`).
+
+    Raises:
+        ValueError: an option it does not take (one line)."""
+    check_paged_options(options)
     return PagedGenerationEngine(model, pad_token_id=pad_token_id, policy_version=policy_version, dtype=dtype,
                                  backend=attention_backend, **options)
 

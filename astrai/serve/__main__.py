@@ -46,6 +46,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="tokens per engine step: prompt chunks of new requests + one per decoding sequence; smaller "
                         "spreads simultaneous prefills over steps (default 2048)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    p.add_argument("--engine", default="paged",
+                   help="generation engine by registered name (default paged; it must stream requests)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--log_level", default=os.environ.get("ASTR_LOG_LEVEL", "info"),
@@ -90,7 +92,7 @@ def build_engine(args: argparse.Namespace):
     import torch
 
     from astrai.models import load_pretrained
-    from astrai.rollout.engine import attention_backend, build_engine
+    from astrai.rollout.engine import StreamingEngine, attention_backend, build_engine
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
@@ -101,10 +103,13 @@ def build_engine(args: argparse.Namespace):
     model, tokenizer = load_pretrained(str(path), dtype=getattr(torch, dtype_name), device=device)
     if tokenizer.pad_token_id is None:
         raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
-    engine = build_engine("paged", model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
+    engine = build_engine(args.engine, model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
                           max_kv_tokens=args.max_kv_tokens, max_batch_tokens=args.max_batch_tokens,
                           policy_version=checkpoint_version(path),
                           attention_backend=attention_backend(None))
+    if not isinstance(engine, StreamingEngine):
+        raise ValueError(f"--engine {args.engine}: the server needs an engine that streams (submit / step); this "
+                         "one generates whole batches only")
     name = args.served_model_name or (path.name if path.exists() else str(args.checkpoint))
     return engine, tokenizer, name
 

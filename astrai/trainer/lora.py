@@ -23,14 +23,14 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 import torch
 
 from astrai.checkpoint import CheckpointError
-from astrai.config import ConfigError
+from astrai.config import LORA_TARGET_MODULES, ConfigError
 from astrai.deps import unavailable_reason
 from astrai.models.lora_merge import module_name, peft_name
 
 __all__ = ["AdaptersOff", "DEFAULT_TARGET_MODULES", "LoraSettings", "LoraCheckpointState", "apply_lora",
            "lora_settings", "lora_summary", "merged_weights", "shared_base_model", "LoraAdapters"]
 
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGET_MODULES = LORA_TARGET_MODULES  # the config owns the default
 """The attention and MLP projections of every decoder block (the issue's and PEFT's usual "all-linear")."""
 HEADS = ("value_head", "score")
 """The scalar heads of astrai's critic and reward model: trained whole under LoRA."""
@@ -77,10 +77,9 @@ def lora_settings(config) -> Optional[LoraSettings]:
     reason = unavailable_reason("peft", needed_by="model.lora", install="pip install 'astrai[lora]'")
     if reason is not None:
         raise ConfigError(reason)
-    return LoraSettings(r=lora["r"], alpha=float(lora.get("alpha") or 2 * lora["r"]),
-                        dropout=float(lora.get("dropout") or 0.0),
-                        target_modules=tuple(lora.get("target_modules") or DEFAULT_TARGET_MODULES),
-                        use_rslora=bool(lora.get("use_rslora", False)), base_model=config.model.path)
+    return LoraSettings(r=lora.r, alpha=lora.alpha or 2.0 * lora.r, dropout=lora.dropout,
+                        target_modules=tuple(lora.target_modules),
+                        use_rslora=lora.use_rslora, base_model=config.model.path)
 
 
 def lora_summary(config, model: torch.nn.Module) -> str:

@@ -63,7 +63,7 @@ def _flat(config: Mapping[str, Any]) -> dict[str, Any]:
 def config_changes(path: Path, config) -> Optional[list[Change]]:
     """The fields of `config` (an `astrai.config.Config`) whose values differ from the checkpoint's config.yaml at
     `path`, in the config's order; None when the checkpoint holds no readable config.yaml."""
-    from astrai.config import config_to_dict
+    from astrai.config import canonical_value, config_to_dict
 
     try:
         saved = yaml.safe_load((Path(path) / CONFIG_FILE).read_text(encoding="utf-8"))
@@ -71,7 +71,7 @@ def config_changes(path: Path, config) -> Optional[list[Change]]:
         return None
     if not isinstance(saved, dict):
         return None
-    old = _flat(saved)
+    old = {key: canonical_value(key, value) for key, value in _flat(saved).items()}  # older files: fewer keys
     return [Change(key, old[key], value) for key, value in _flat(config_to_dict(config)).items()
             if key in old and key not in NOT_COMPARED and old[key] != value]
 
