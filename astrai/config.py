@@ -201,7 +201,7 @@ class RolloutSection(Section, name="rollout"):
 @dataclass
 class PolicyLossFields:
     """The policy-loss fields of the sections of the rollout-replaying train types (`ppo`, `grpo`): the loss by
-    name, its aggregation and clip range (`astrai.trainer.strategies.policy_loss`)."""
+    name, its aggregation and clip range (`astrai.trainer.learners.policy_loss`)."""
 
     policy_loss: str = field_spec("ppo_clip", "policy loss: ppo_clip (PPO-clip, decoupled range, optional dual clip), gspo "
                                               "(sequence-level ratio, Zheng et al. 2025) or cispo (clipped IS weight, "
@@ -285,7 +285,7 @@ class OptimSection(Section, name="optim"):
 
 @dataclass
 class TrainSection(Section, name="train"):
-    type: str = field_spec(train_types.DEFAULT, "train type (strategy): "
+    type: str = field_spec(train_types.DEFAULT, "train type: "
                            + ", ".join(TRAIN_TYPES), Choices(TRAIN_TYPES))
     output_dir: str = field_spec("outputs/ppo", "directory for config.yaml, metrics and checkpoints",
                                  Pattern(r"\s*\S.*", "a non-empty directory path"))

@@ -24,7 +24,7 @@ keeps no old log-probs); PPO-clip 0.2 with token-mean loss over the step (TRL's 
 advantages; gradient clipping at 1.0; constant learning rate 1e-5; fused torch AdamW on both sides; reward
 `math_exact_match` (TRL: astrai's rule behind its reward-function signature); float32; no gradient checkpointing;
 the same torch thread count. TRL's logging and saving are off (logging_strategy and save_strategy "no", no
-completion logs, report_to none); astrai runs its strategy without callbacks (no metrics file, no checkpoints).
+completion logs, report_to none); astrai runs its learner without callbacks (no metrics file, no checkpoints).
 The first iteration of each side is a warm-up and is not counted; the table shows the median and minimum of the
 next `--iters`.
 
@@ -148,28 +148,28 @@ def run_astrai(args, config) -> list[dict]:
     from astrai.trainer.build import build_trainer
 
     trainer = build_trainer(config)
-    strategy = trainer.strategy
+    learner = trainer.learner
     trainer.callbacks = []
-    runner = strategy.experience.runner
+    runner = learner.experience.runner
     if not args.stop_at_eos:
         runner.sampling = dataclasses.replace(runner.sampling, stop_token_ids=())
     print(f"astrai: threads {torch.get_num_threads()}, stop tokens {list(runner.sampling.stop_token_ids)}", flush=True)
     iterations = []
     for k in range(args.iters + 1):
         start = time.perf_counter()
-        metrics = strategy.train_step(trainer)
+        metrics = learner.train_step(trainer)
         it = {"total": time.perf_counter() - start}
         trainer.state.global_step += 1
         for phase, name in (("weight_sync", "weight_sync"), ("generate", "generate"), ("scoring", "reward"),
                             ("update", "policy_update")):
             it[phase] = float(metrics[f"time/{name}_seconds"])
-        seq = strategy.rollout.sequences
+        seq = learner.rollout.sequences
         it["prompt_lengths"] = seq.attention_mask[:, :seq.prompt_length].sum(1).tolist()
         it["response_lengths"] = seq.action_mask.sum(1).tolist()
         iterations.append(it)
         print(f"  astrai iteration {k}{' (warm-up)' if k == 0 else ''}: {it['total']:.1f} s", flush=True)
     trainer.lock.release()
-    del trainer, strategy, runner
+    del trainer, learner, runner
     gc.collect()
     return iterations
 

@@ -67,23 +67,23 @@ def naive_token_tis_loss(logprobs, old_logprobs, rollout_logprobs, advantages, m
 def measure(dtype: str, args, workdir: Path) -> list[dict]:
     """Per rollout: the mismatch metrics, the objective, the naive loss and the seconds the rollout took."""
     from astrai.forward import response_logprobs
-    from astrai.trainer.strategies.policy_loss import clip_range
+    from astrai.trainer.learners.policy_loss import clip_range
 
     torch.manual_seed(0)
     config, trainer = build(dtype, args.correction, workdir, args.threads)
-    strategy = trainer.strategy
+    learner = trainer.learner
     low, high = clip_range(config.grpo)
     rows = []
     for k in range(args.rollouts):
         start = time.perf_counter()
-        rollout, metrics = strategy.make_rollout(k)
+        rollout, metrics = learner.make_rollout(k)
         seconds = time.perf_counter() - start
         mask = rollout.sequences.action_mask
         with torch.no_grad():
-            logprobs, _ = response_logprobs(strategy.policy.module, rollout.sequences,
+            logprobs, _ = response_logprobs(learner.policy.module, rollout.sequences,
                                             temperature=config.rollout.temperature)
             count = int(mask.sum())
-            loss, _ = strategy.objective(logprobs, rollout, torch.tensor(count))
+            loss, _ = learner.objective(logprobs, rollout, torch.tensor(count))
         row = {name.split("/", 1)[1]: float(value) for name, value in metrics.items()
                if name.startswith("rollout/mismatch") or name.startswith("rollout/correction")}
         row.update(seconds=seconds, tokens=count, loss=float(loss))

@@ -32,15 +32,15 @@ def main() -> None:
     trainer = build_trainer(config)
     print(f"threads: {torch.get_num_threads()}  batch {config.rollout.batch_size}  "
           f"max_new_tokens {config.rollout.max_new_tokens}")
-    strategy = trainer.strategy
+    learner = trainer.learner
     trainer.callbacks = []
     for step in range(args.steps):
-        previous = strategy.rollout
+        previous = learner.rollout
         start = time.perf_counter()
-        metrics = strategy.train_step(trainer)
+        metrics = learner.train_step(trainer)
         total = time.perf_counter() - start
         trainer.state.global_step += 1
-        phases = UPDATE_PHASES if strategy.rollout is previous else ROLLOUT_PHASES + UPDATE_PHASES
+        phases = UPDATE_PHASES if learner.rollout is previous else ROLLOUT_PHASES + UPDATE_PHASES
         shown = "  ".join(f"{name} {float(metrics[f'time/{name}_seconds']):.1f}s" for name in phases)
         print(f"step {step + 1}: {shown}  total {total:.1f}s  "
               f"response_length {float(metrics['rollout/response_length']):.1f}")

@@ -134,9 +134,9 @@ def run_astrai(args, config) -> list[dict]:
     from astrai.trainer.build import build_trainer
 
     trainer = build_trainer(config)
-    strategy = trainer.strategy
+    learner = trainer.learner
     trainer.callbacks = []
-    runner = strategy.experience.runner
+    runner = learner.experience.runner
     if not args.stop_at_eos:
         runner.sampling = dataclasses.replace(runner.sampling, stop_token_ids=())
     reward_seconds = []
@@ -155,13 +155,13 @@ def run_astrai(args, config) -> list[dict]:
         it = dict.fromkeys(("policy_update", "critic_update", "total"), 0.0)
         for step in range(args.batch // args.minibatch):
             start = time.perf_counter()
-            metrics = strategy.train_step(trainer)
+            metrics = learner.train_step(trainer)
             it["total"] += time.perf_counter() - start
             trainer.state.global_step += 1
             if step == 0:
                 for name in ("weight_sync", "generate", "reference", "critic_scoring"):
                     it[name] = float(metrics[f"time/{name}_seconds"])
-                seq = strategy.rollout.sequences
+                seq = learner.rollout.sequences
                 it["prompt_lengths"] = seq.attention_mask[:, :seq.prompt_length].sum(1).tolist()
                 it["response_lengths"] = seq.action_mask.sum(1).tolist()
                 it["reward"] = reward_seconds[-1]
@@ -170,7 +170,7 @@ def run_astrai(args, config) -> list[dict]:
         it["update"] = it["policy_update"] + it["critic_update"]
         iterations.append(it)
         print(f"  astrai iteration {k}{' (warm-up)' if k == 0 else ''}: {it['total']:.1f} s", flush=True)
-    del trainer, strategy, runner
+    del trainer, learner, runner
     gc.collect()
     return iterations
 

@@ -10,7 +10,7 @@ right-padded to the batch's longest row) and collated by astrai (`astrai.data.ex
 sides gets records [k*B, (k+1)*B). One optimizer step per batch (no accumulation), AdamW at `--lr` (weight decay 0,
 constant schedule), gradient clipping at norm 1.
 
-- astrai: `python -m astrai.train`'s sft strategy and its accumulate-and-step seam, called step by step (the
+- astrai: `python -m astrai.train`'s sft learner and its accumulate-and-step seam, called step by step (the
   trainer's callbacks, logging and checkpoints left out, as bench/ppo_step.py does).
 - transformers: `AutoModelForCausalLM` (its default attention, sdpa) with `torch.optim.AdamW`:
   `model(input_ids, attention_mask, position_ids, labels).loss.backward()`, `clip_grad_norm_`, `step`,
@@ -76,28 +76,28 @@ def run_astrai(args, chats: Path, workdir: Path) -> tuple[list[float], list, flo
         "--train.output_dir", str(workdir / "astrai"), "--train.progress_bar", "false",
         "--checkpoint.save_at_end", "false", "--max_steps", str(args.steps + 1)])
     trainer = build_trainer(config)
-    strategy = trainer.strategy
+    learner = trainer.learner
     trainer.callbacks = []
     drawn: list = []
-    draw = strategy.draw
+    draw = learner.draw
 
     def recorded_draw():
         batches = draw()
         drawn.extend(batches)
         return batches
 
-    strategy.draw = recorded_draw
-    print(f"astrai: threads {torch.get_num_threads()}, pad id {strategy.pad_token_id}", flush=True)
+    learner.draw = recorded_draw
+    print(f"astrai: threads {torch.get_num_threads()}, pad id {learner.pad_token_id}", flush=True)
     seconds, first_loss = [], None
     for step in range(args.steps + 1):
         start = time.perf_counter()
-        metrics = strategy.train_step(trainer)
+        metrics = learner.train_step(trainer)
         seconds.append(time.perf_counter() - start)
         trainer.state.global_step += 1
         first_loss = float(metrics["train/loss"]) if first_loss is None else first_loss
         print(f"  astrai step {step}{' (warm-up)' if step == 0 else ''}: {seconds[-1]:.1f} s", flush=True)
-    pad_id = strategy.pad_token_id
-    del trainer, strategy
+    pad_id = learner.pad_token_id
+    del trainer, learner
     gc.collect()
     return seconds, [(records, pad_id) for records in drawn], first_loss
 

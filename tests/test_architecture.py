@@ -13,10 +13,10 @@ def _calls(path: Path) -> set[str]:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
 
 
-def test_strategies_compute_losses_and_never_step():
+def test_learners_compute_losses_and_never_step():
     """Backward, clipping and optimizer/scheduler steps live in one seam (`Trainer.accumulate_and_step` with
     `TrainedModel`)."""
-    for path in (ASTRAI / "trainer" / "strategies").glob("*.py"):
+    for path in (ASTRAI / "trainer" / "learners").glob("*.py"):
         called = _calls(path)
         assert not called & {"backward", "step", "zero_grad", "clip_grad_norm_"}, (path.name, called)
 
@@ -181,8 +181,8 @@ def test_the_import_reader_sees_every_form(tmp_path):
         "astrai.experience.runner"}
 
 
-# The train-type registry (astrai/train_types): the one place besides the strategies that knows train types.
-REGISTRY_OWNED = (ASTRAI / "train_types", ASTRAI / "trainer" / "strategies")
+# The train-type registry (astrai/train_types): the one place besides the learners that knows train types.
+REGISTRY_OWNED = (ASTRAI / "train_types", ASTRAI / "trainer" / "learners")
 
 
 ESTIMATOR_NAMES = ("ADVANTAGE_ESTIMATORS", "advantage_estimator")
@@ -219,7 +219,7 @@ def _string_constants(tree: ast.AST) -> list[ast.Constant]:
 
 def test_only_the_registry_names_train_types():
     """A train type's name as a value (`kind == "online_ppo"`, `("online_ppo", "online_grpo")`, a dict key) appears
-    only in its record (`astrai/train_types/`) and its strategy module: everything else asks the registry. Prose
+    only in its record (`astrai/train_types/`) and its learner module: everything else asks the registry. Prose
     that mentions one (a docstring, an error message) is fine."""
     names = set(_train_type_names())
     assert names >= {"online_ppo", "online_grpo", "sft"}  # the check below is not vacuous
@@ -235,7 +235,7 @@ def test_only_the_registry_names_train_types():
 
 def test_algorithm_sections_are_read_by_their_train_types():
     """`config.ppo` / `config.grpo` / `config.dpo` (a train type's own section) are read only by its record, its
-    strategy and the config that declares them; `distributed/` reads none and imports no registry."""
+    learner and the config that declares them; `distributed/` reads none and imports no registry."""
     from astrai import train_types
     sections = {t.section for t in train_types.all_train_types() if t.section is not None}
     assert sections == {"ppo", "grpo", "dpo"}

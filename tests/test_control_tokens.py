@@ -66,7 +66,7 @@ def test_seq_document_quoting_the_eos_gets_no_forged_eos(tok):
 
 
 def test_prompts_and_responses_quoting_control_tokens(tiny_model_dir, tmp_path):
-    from astrai.trainer.strategies.dpo import build_dpo
+    from astrai.trainer.learners.dpo import build_dpo
 
     tok = tiny_tokenizer()
     pairs = tmp_path / "pairs.jsonl"

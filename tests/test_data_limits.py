@@ -86,7 +86,7 @@ def test_fit_prompt_cuts_only_question_tokens():
 
 
 def test_offline_prompts_follow_the_same_policy(tiny_model_dir, tmp_path, capsys):
-    from astrai.trainer.strategies.dpo import build_dpo
+    from astrai.trainer.learners.dpo import build_dpo
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": p, "chosen": "4", "rejected": "5"}) + "\n"
@@ -149,7 +149,7 @@ def test_tokenizer_larger_than_the_embedding_exits_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("bad,shown", [(999, "999"), (-1, "-1"), (2.5, "2.5"), (True, "True")])
 def test_pretokenised_response_ids_are_checked_at_load_time(tiny_model_dir, tmp_path, bad, shown):
-    from astrai.trainer.strategies.grpo import build_grpo
+    from astrai.trainer.learners.grpo import build_grpo
 
     rows = [{"prompt": "1+1?", "responses": ["2", "3"], "rewards": [1, 0], "response_ids": [[50, 2], [51, 2]]},
             {"prompt": "2+2?", "responses": ["4", "5"], "rewards": [1, 0], "response_ids": [[52, 2], [53, bad, 2]]}]

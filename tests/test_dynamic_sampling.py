@@ -258,7 +258,7 @@ def test_the_config_sets_the_generation_batch(tiny_model_dir, tmp_path):
     from astrai.models import load_pretrained
     from astrai.rollout.build import build_rollout_engine
     from astrai.trainer.models import build_trained_model
-    from astrai.trainer.strategies.policy_gradient import online_experience
+    from astrai.trainer.learners.policy_gradient import online_experience
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n"

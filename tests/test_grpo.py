@@ -21,8 +21,8 @@ from astrai.rollout.sampling import SamplingParams
 from astrai.forward import response_logprobs
 from astrai.trainer.loop import Callback, Trainer
 from astrai.experience.replay import RolloutReplay
-from astrai.trainer.strategies.online_grpo import (
-    GRPOStrategy,
+from astrai.trainer.learners.online_grpo import (
+    GRPOLearner,
     group_rollout,
     grpo_loss_fn,
     validate_group_rollout,
@@ -150,7 +150,7 @@ class GradCapture(Callback):
 def _helper_grads(policy, rollout, micro):
     settings = GRPOSection(group_size=3, micro_batch_size=micro, clip_eps=0.2, kl_coef=0.3, kl_reward_coef=0.0,
                             std_eps=1e-6, std_floor=None)
-    strategy = GRPOStrategy(policy=trained(policy, lr=0.0), experience=None, settings=settings, temperature=0.7,
+    strategy = GRPOLearner(policy=trained(policy, lr=0.0), experience=None, settings=settings, temperature=0.7,
                             replay=RolloutReplay(minibatch_size=len(rollout), epochs=1, seed=0))
     capture = GradCapture(policy)
     trainer = Trainer(strategy, dist=strategy.policy.dist, max_steps=1, max_grad_norm=1e9, callbacks=[capture])
@@ -199,7 +199,7 @@ def make_strategy(max_steps, *, seed=0, lr=3e-3, prompts=4, group=4, kl_coef=0.0
     settings = GRPOSection(group_size=group, micro_batch_size=prompts * group // 4, clip_eps=0.2, kl_coef=kl_coef,
                             kl_reward_coef=0.0, std_eps=1e-6, std_floor=None)
     replay = RolloutReplay(minibatch_size=prompts * group // 2, epochs=1, seed=seed)
-    strategy = GRPOStrategy(policy=trained_policy, experience=experience, replay=replay, settings=settings,
+    strategy = GRPOLearner(policy=trained_policy, experience=experience, replay=replay, settings=settings,
                             temperature=1.0)
     return strategy, ref
 

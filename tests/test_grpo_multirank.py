@@ -19,7 +19,7 @@ def _worker(rank, tmp, results):
     try:
         from test_grpo import make_experience
 
-        from astrai.trainer.strategies.online_grpo import group_rollout
+        from astrai.trainer.learners.online_grpo import group_rollout
 
         def all_reduce_sum(t):
             t = t.clone()
@@ -43,7 +43,7 @@ def _worker(rank, tmp, results):
 def test_scale_rewards_batch_uses_every_ranks_rewards(tmp_path):
     from test_grpo import make_experience
 
-    from astrai.trainer.strategies.online_grpo import group_rollout
+    from astrai.trainer.learners.online_grpo import group_rollout
 
     outs = {rank: {k: v if isinstance(v, str) else torch.tensor(v) for k, v in out.items()}
             for rank, out in spawn_ranks(_worker, tmp_path, WORLD).items()}

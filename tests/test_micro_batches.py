@@ -20,7 +20,7 @@ from astrai.trainer.build import build_trainer
 from astrai.trainer.loop import Callback, Trainer
 from astrai.experience.replay import RolloutReplay
 from astrai.config import PPOSection
-from astrai.trainer.strategies.online_ppo import OnlinePPOStrategy
+from astrai.trainer.learners.online_ppo import OnlinePPOLearner
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, EOS = 16, 2
@@ -96,11 +96,11 @@ def models(seed=0):
     return policy, critic
 
 
-def strategy(micro: int, seed=0) -> OnlinePPOStrategy:
+def strategy(micro: int, seed=0) -> OnlinePPOLearner:
     policy, critic = models(seed)
     settings = PPOSection(micro_batch_size=micro, clip_eps=0.2, value_clip=0.2, gamma=1.0, gae_lambda=0.95,
                            vf_coef=0.5, kl_coef=0.05, kl_estimator="k3", whiten_advantages=True)
-    return OnlinePPOStrategy(policy=trained(policy, lr=0.0), critic=trained(critic, name="critic", lr=0.0),
+    return OnlinePPOLearner(policy=trained(policy, lr=0.0), critic=trained(critic, name="critic", lr=0.0),
                              experience=None, replay=RolloutReplay(minibatch_size=6, epochs=1, seed=0),
                              settings=settings, temperature=0.7)
 
@@ -159,9 +159,9 @@ def test_ppo_kl_coef_zero_builds_no_reference_model(tiny_model_dir, tmp_path):
     config = load_config(str(REPO / "configs/examples/ppo.yaml"),
                          ["--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "run"),
                           "--ppo.kl_coef", "0", "--data.truncation", "left"])
-    assert build_trainer(config).strategy.experience.runner.ref_model is None
+    assert build_trainer(config).learner.experience.runner.ref_model is None
     config.ppo.kl_coef = 0.05
-    assert build_trainer(config).strategy.experience.runner.ref_model is not None
+    assert build_trainer(config).learner.experience.runner.ref_model is not None
 
 
 def test_ppo_critic_from_the_policys_first_layers_trains_and_resumes(tiny_model_dir, tmp_path, capsys):

@@ -157,8 +157,8 @@ def _grads(make_strategy, micro, accum):
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_token_and_pair_means_are_invariant_to_the_micro_batch_split(kind):
-    from astrai.trainer.strategies.dpo import DPOStrategy
-    from astrai.trainer.strategies.sft import NextTokenStrategy
+    from astrai.trainer.learners.dpo import DPOLearner
+    from astrai.trainer.learners.sft import NextTokenLearner
 
     g = torch.Generator().manual_seed(1)
     lengths = [3, 9, 5, 2]
@@ -174,12 +174,12 @@ def test_token_and_pair_means_are_invariant_to_the_micro_batch_split(kind):
         common = dict(policy=policy, sampler=sampler, micro_batch_size=micro, accumulation_steps=accum,
                       pad_token_id=2)
         if kind == "sft":
-            return NextTokenStrategy(**common)
+            return NextTokenLearner(**common)
         ref, noise = _model().eval().requires_grad_(False), torch.Generator().manual_seed(2)
         with torch.no_grad():
             for p in ref.parameters():
                 p.add_(0.01 * torch.randn(p.shape, generator=noise))
-        return DPOStrategy(ref_model=ref, beta=0.5, label_smoothing=0.0, **common)
+        return DPOLearner(ref_model=ref, beta=0.5, label_smoothing=0.0, **common)
 
     whole = _grads(make, 4, 1)
     for micro, accum in ((1, 4), (2, 2)):
@@ -192,7 +192,7 @@ def test_token_and_pair_means_are_invariant_to_the_micro_batch_split(kind):
 def test_sft_lm_head_at_labelled_positions_only_equals_the_full_logits(packing):
     """The sft/seq loss computes the LM head only where a label is not ignored; loss and gradients equal the
     cross-entropy of the full (B, S, V) logits."""
-    from astrai.trainer.strategies.sft import NextTokenStrategy
+    from astrai.trainer.learners.sft import NextTokenLearner
 
     g = torch.Generator().manual_seed(3)
     data = [(ids, [IGNORE_INDEX] * (len(ids) // 2) + ids[len(ids) // 2:])
@@ -217,7 +217,7 @@ def test_sft_lm_head_at_labelled_positions_only_equals_the_full_logits(packing):
     policy = TrainedModel(name="policy", module=model2, optimizer=opt, dist=dist,
                           scheduler=build_scheduler(opt, name="constant", warmup_steps=0, total_steps=1))
     capture = GradCapture(model2)
-    strategy = NextTokenStrategy(policy=policy, sampler=PromptSampler(data, shuffle=False), micro_batch_size=rows,
+    strategy = NextTokenLearner(policy=policy, sampler=PromptSampler(data, shuffle=False), micro_batch_size=rows,
                                  accumulation_steps=1, pad_token_id=2)
     metrics = strategy.train_step(Trainer(strategy, dist=dist, max_steps=1, max_grad_norm=1e9, callbacks=[capture]))
     assert head_rows == [(int(batch.loss_mask.sum()), 32)]  # (N, H): no logits at ignored labels or padding
@@ -231,7 +231,7 @@ def test_sft_lm_head_at_labelled_positions_only_equals_the_full_logits(packing):
 def test_offline_grpo_uses_given_logprobs_else_the_old_policy(tiny_model_dir, tmp_path):
     from astrai.models import load_pretrained
     from astrai.forward import response_logprobs
-    from astrai.trainer.strategies.grpo import build_grpo
+    from astrai.trainer.learners.grpo import build_grpo
 
     tok = tiny_tokenizer()
     ids = [tok.encode("12") + [2], tok.encode("7") + [2]]

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_seq_packing_keeps_every_token_and_every_eos(tiny_model_dir, tmp_path):
-    from astrai.trainer.strategies.seq import build_seq
+    from astrai.trainer.learners.seq import build_seq
 
     tok = tiny_tokenizer()
     texts = [" ".join(f"w{i}" for i in range(45)), "a short one", "seventeen tokens or so"]

@@ -11,7 +11,7 @@ from astrai.rollout.sampling import SamplingParams
 from astrai.trainer.loop import Callback, Trainer
 from astrai.experience.replay import RolloutReplay
 from astrai.config import PPOSection
-from astrai.trainer.strategies.online_ppo import OnlinePPOStrategy
+from astrai.trainer.learners.online_ppo import OnlinePPOLearner
 
 VOCAB, EOS, TARGET = 16, 2, 7
 
@@ -54,7 +54,7 @@ def make_strategy(max_steps, *, seed=0, lr=3e-3, batch=16):
     trained_critic = trained(critic, name="critic", lr=lr, max_steps=max_steps, dist=dist)
     settings = PPOSection(micro_batch_size=batch // 4, clip_eps=0.2, value_clip=0.2, gamma=1.0, gae_lambda=0.95,
                            vf_coef=0.5, kl_coef=0.01, kl_estimator="k3", whiten_advantages=True)
-    strategy = OnlinePPOStrategy(policy=trained_policy, critic=trained_critic,
+    strategy = OnlinePPOLearner(policy=trained_policy, critic=trained_critic,
                                  experience=online_experience(trained_policy, runner, vocab=VOCAB, batch_size=batch,
                                                               seed=seed),
                                  replay=RolloutReplay(minibatch_size=batch // 2, epochs=1, seed=seed),

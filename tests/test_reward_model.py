@@ -76,8 +76,8 @@ def test_degenerate_pairs_and_examples_are_found_at_load_time(tiny_model_dir, tm
     from astrai.config import load_config
     from astrai.data import DataError
     from astrai.models import load_pretrained
-    from astrai.trainer.strategies.dpo import dpo_data
-    from astrai.trainer.strategies.sft import sft_data
+    from astrai.trainer.learners.dpo import dpo_data
+    from astrai.trainer.learners.sft import sft_data
 
     policy, tokenizer = load_pretrained(tiny_model_dir)
     pairs = tmp_path / "pairs.jsonl"

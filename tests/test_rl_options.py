@@ -16,8 +16,8 @@ from astrai.config import (ADVANTAGE_ESTIMATORS, ROLLOUT_CORRECTIONS, ConfigErro
 from astrai.forward import response_logprobs
 from astrai.trainer.loop import Trainer
 from astrai.experience.replay import RolloutReplay
-from astrai.trainer.strategies.online_grpo import GRPOStrategy, group_rollout
-from astrai.trainer.strategies.policy_loss import GSPO_CLIP, RolloutCorrection, clip_range, loss_agg_mode
+from astrai.trainer.learners.online_grpo import GRPOLearner, group_rollout
+from astrai.trainer.learners.policy_loss import GSPO_CLIP, RolloutCorrection, clip_range, loss_agg_mode
 
 
 def test_config_choices_are_the_registries():
@@ -79,7 +79,7 @@ def test_clip_ranges_and_aggregation_defaults():
 
 
 def _grads(policy, rollout, settings, micro):
-    strategy = GRPOStrategy(policy=trained(policy, lr=0.0), experience=None, settings=dataclasses.replace(
+    strategy = GRPOLearner(policy=trained(policy, lr=0.0), experience=None, settings=dataclasses.replace(
         settings, micro_batch_size=micro), temperature=0.7, loss_scale_factor=8.0,
                             replay=RolloutReplay(minibatch_size=len(rollout), epochs=1, seed=0))
     capture = GradCapture(policy)
@@ -148,7 +148,7 @@ def test_the_rollout_correction_rescores_and_weights_the_loss(mode):
     settings = GRPOSection(group_size=3, kl_coef=0.0)
     correction = RolloutCorrection(mode, token_cap=2.0, seq_cap=3.0, icepop_low=0.5, icepop_high=5.0,
                                    temperature=0.7, chunk_size=2)
-    strategy = GRPOStrategy(policy=trained(policy, lr=0.0), experience=_StaticExperience(exp), settings=settings,
+    strategy = GRPOLearner(policy=trained(policy, lr=0.0), experience=_StaticExperience(exp), settings=settings,
                             temperature=0.7, correction=correction,
                             replay=RolloutReplay(minibatch_size=6, epochs=1, seed=0))
     rollout, metrics = strategy.make_rollout(0)

@@ -92,8 +92,8 @@ def test_sft_labels_end_at_the_end_of_turn_stop_token():
 
 
 def test_dpo_and_offline_grpo_responses_end_with_the_turn_end(chat_model_dir, tmp_path):
-    from astrai.trainer.strategies.dpo import build_dpo
-    from astrai.trainer.strategies.grpo import build_grpo
+    from astrai.trainer.learners.dpo import build_dpo
+    from astrai.trainer.learners.grpo import build_grpo
 
     dist = setup_distributed("cpu")
     pairs = tmp_path / "pairs.jsonl"

@@ -134,7 +134,7 @@ def test_offline_train_type_evaluates_with_its_own_synced_engine(tiny_model_dir,
     assert [all(k in r for k in KEYS) for r in records(out)] == [False, True, True]
     engine = callback._own_engine
     assert engine is not None and engine.policy_version == trainer.state.policy_version == 3
-    policy = trainer.strategy.policy.model.state_dict()
+    policy = trainer.learner.policy.model.state_dict()
     engine_weights = engine.model.state_dict()
     assert all(torch.equal(policy[k], engine_weights[k]) for k in ("model.embed_tokens.weight", "lm_head.weight",
                                                                     "model.layers.1.mlp.down_proj.weight"))

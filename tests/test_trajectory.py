@@ -19,7 +19,7 @@ from astrai.forward import response_logprobs, response_values
 from astrai.models import AutoRegressiveLM, ValueModel, tiny_config
 from astrai.rollout.engine import build_engine
 from astrai.rollout.sampling import SamplingParams
-from astrai.trainer.strategies.online_grpo import group_rollout, validate_group_rollout
+from astrai.trainer.learners.online_grpo import group_rollout, validate_group_rollout
 
 VOCAB, PAD = 32, 0
 
@@ -171,12 +171,12 @@ class _Static:
 def test_the_grpo_objective_on_a_multi_turn_rollout_is_the_naive_loop_over_the_policys_tokens():
     from astrai.config import GRPOSection
     from astrai.experience.replay import RolloutReplay
-    from astrai.trainer.strategies.online_grpo import GRPOStrategy
+    from astrai.trainer.learners.online_grpo import GRPOLearner
     from toy_rl import trained
 
     _, exp = _multi_turn_batch()
     policy = _model()
-    strategy = GRPOStrategy(policy=trained(policy, lr=0.0), experience=_Static(exp), temperature=1.0,
+    strategy = GRPOLearner(policy=trained(policy, lr=0.0), experience=_Static(exp), temperature=1.0,
                             settings=GRPOSection(group_size=2, kl_coef=0.0, minibatch_size=4, micro_batch_size=2),
                             replay=RolloutReplay(minibatch_size=4, epochs=1, seed=0))
     rollout, metrics = strategy.make_rollout(0)

@@ -11,7 +11,7 @@ from astrai.rollout.build import build_rollout_engine
 from astrai.rollout.engine import sync_weights
 from astrai.trainer.models import TrainedModel, build_trained_model
 from astrai.trainer.optim import build_optimizer, build_scheduler
-from astrai.trainer.strategies.policy_gradient import online_experience as wired_online_experience
+from astrai.trainer.learners.policy_gradient import online_experience as wired_online_experience
 
 
 class RandomPrompts:

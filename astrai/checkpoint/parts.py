@@ -1,6 +1,6 @@
 """A checkpoint is a store of named parts: each piece of training state that must survive a restart is a `Part`
 (the idea of torch.distributed.checkpoint's `Stateful`: an object with `state_dict()` / `load_state_dict()`),
-declared by whoever owns it (the strategy, the trainer). This package knows how each KIND of part is written and
+declared by whoever owns it (the learner, the trainer). This package knows how each KIND of part is written and
 read, never which parts a train type has.
 
 Kinds and their files (rank R > 0 of a per-rank part: `<name>_rank{R:05d}<suffix>`):

@@ -1,6 +1,6 @@
 """RolloutRunner: prompts -> token ids -> engine samples -> decoded responses -> scores (+ reference log-probs).
 
-Shared by the online train types; the strategy adds what is specific to it (critic values, GAE for PPO;
+Shared by the online train types; the learner adds what is specific to it (critic values, GAE for PPO;
 group advantages for GRPO).
 """
 

@@ -2,7 +2,7 @@
 
 An `ExperienceSource` turns the next records of its data sampler into B * G scored samples tagged with a
 `policy_version`: `OnlineExperience` (online_ppo, online_grpo) samples them with the colocated rollout engine;
-`astrai.trainer.strategies.grpo.StoredGroups` (offline grpo) reads them from stored groups. The strategy then pins
+`astrai.trainer.learners.grpo.StoredGroups` (offline grpo) reads them from stored groups. The learner then pins
 its targets on them (GAE, group advantages) and replays them (`astrai.experience.replay.RolloutReplay`).
 """
 
@@ -22,7 +22,7 @@ __all__ = ["ExperienceSource", "OnlineExperience"]
 
 
 class ExperienceSource(Protocol):
-    """What a rollout-replaying strategy draws its samples from.
+    """What a rollout-replaying learner draws its samples from.
 
     Attributes:
         data_sampler: the sampler of its records (the data position).
@@ -36,10 +36,10 @@ class ExperienceSource(Protocol):
         """The next batch of scored samples (groups of G contiguous), tagged with `policy_version`."""
 
     def state_dict(self) -> dict:
-        """Its own resume state (e.g. the sampling RNG), merged into the strategy's."""
+        """Its own resume state (e.g. the sampling RNG), merged into the learner's."""
 
     def load_state_dict(self, state: dict) -> None:
-        """Inverse of `state_dict` (extra keys of the strategy's state are ignored)."""
+        """Inverse of `state_dict` (extra keys of the learner's state are ignored)."""
 
 
 class OnlineExperience:

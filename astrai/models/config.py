@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 from .families import FULL, SLIDING, family_of
 from .rope import normalise_scaling
+from .tokenizer import TINY_VOCAB_SIZE
 
 __all__ = ["ModelConfig", "MOE_MODEL_TYPE", "ACTIVATIONS", "merge_eos_ids", "tiny_config"]
 
@@ -267,8 +268,6 @@ def tiny_config(vocab_size: int | None = None, **overrides: Any) -> ModelConfig:
     (bos=<|im_start|>=1, eos=pad=<|im_end|>=2). Any field can be overridden by keyword.
     """
     if vocab_size is None:
-        from .tokenizer import TINY_VOCAB_SIZE
-
         vocab_size = TINY_VOCAB_SIZE
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size,

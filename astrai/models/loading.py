@@ -22,6 +22,7 @@ from .config import ModelConfig, merge_eos_ids
 from .gguf_loading import gguf_config, read_gguf
 from .llama import AutoRegressiveLM, hf_state_dict
 from .lora_merge import load_merged
+from .moe import convert_to_moe
 from .tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
 __all__ = ["resolve_model_path", "is_model_directory", "load_pretrained", "hf_state_dict", "state_mismatch", "MODEL_ALIASES"]
@@ -117,8 +118,6 @@ def empty_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, devi
     with torch.device("meta"):
         model = AutoRegressiveLM(config)
         if config.num_local_experts:
-            from .moe import convert_to_moe
-
             convert_to_moe(model, num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                            num_shared_experts=config.n_shared_experts, aux_loss_coef=config.router_aux_loss_coef)
     model = model.to_empty(device=device).to(dtype)
@@ -146,8 +145,6 @@ def _build_model(
     with torch.device("meta"):
         model = AutoRegressiveLM(config)
         if config.num_local_experts:  # the MoE layout the config.json describes (see models/config.py)
-            from .moe import convert_to_moe
-
             convert_to_moe(model, num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                            num_shared_experts=config.n_shared_experts, aux_loss_coef=config.router_aux_loss_coef)
     expected = {k: v.shape for k, v in hf_state_dict(model).items()}

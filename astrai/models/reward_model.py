@@ -22,6 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .llama import AutoRegressiveLM, LlamaTrunk
+from .loading import _read_hf_dir, state_mismatch
 from .tokenizer import Tokenizer
 
 __all__ = ["RewardModel", "RewardModelConfig", "load_reward_model"]
@@ -95,8 +96,6 @@ def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         FileNotFoundError: no such directory. ValueError: one line naming the path for a config astrai does not
             support, a head that is not one label (`score.weight` of shape (1, H)), or missing/unexpected tensors.
     """
-    from .loading import _read_hf_dir, state_mismatch
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"reward.model_path: {path} is not a model directory (no config.json)")

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from astrai.kernels import AttentionMetadata, BackendUnavailableError, InferenceWorkspace
+from astrai.models.attention import layer_attention
 from astrai.rollout.model_runner import PagedAttention, StepBatch, lm_logits, soft_cap
 
 LOG = logging.getLogger("astrai.rollout")
@@ -102,8 +103,6 @@ class DecodeGraphs:
         self.buckets, self.capture, self.scratch_block = tuple(buckets), capture, scratch_block
         config = model.config
         self.config, self.scale = config, config.attention_scale
-        from astrai.models.attention import layer_attention
-
         self.layers = layer_attention(config)
         rows, device, bs = self.buckets[-1], workspace.device, workspace.block_size
         self.width = min(-(-config.max_position_embeddings // bs), workspace.num_blocks)

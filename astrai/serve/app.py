@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from astrai.rollout.engine import StreamingEngine
 from astrai.serve.detokenize import TextStream
 from astrai.serve.engine_loop import EngineLoop, Job
 from astrai.serve.logprobs import TokenText
@@ -174,8 +175,6 @@ def create_app(engine, tokenizer, *, model_name: str, max_tokens: int = 512) -> 
         max_tokens: default response budget when a chat request sets none (capped by the context).
     The engine's `capacity.max_num_seqs` bounds the choices decoded at once and the choices per request.
     """
-    from astrai.rollout.engine import StreamingEngine
-
     if not isinstance(engine, StreamingEngine):
         raise TypeError(f"astrai.serve needs an engine with the streaming API (add_request, step, abort); "
                         f"{type(engine).__name__} has none")

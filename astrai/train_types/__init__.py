@@ -5,13 +5,13 @@ the registry instead of naming a train type: the config's choices and cross-fiel
 optimizer-step sizes DeepSpeed is told (`trainer.build`), the length and model limits (`data.limits`), the builder
 and the data loader (`trainer.build`, `--check`), the manifest fields and the resume rules of its checkpoints
 (`trainer.build`, `trainer.resume`) and the files an old checkpoint must hold (`checkpoint`).
-`tests/test_architecture.py` fails when a module outside this package and `astrai/trainer/strategies/` names a
+`tests/test_architecture.py` fails when a module outside this package and `astrai/trainer/learners/` names a
 train type.
 
-One module per train type, named like its strategy module in `astrai/trainer/strategies/`, declares
+One module per train type, named like its learner module in `astrai/trainer/learners/`, declares
 `TRAIN_TYPE = TrainType(...)`. The records import no torch (the host-side Docker tools and `--help` read the config
 without it): the builder and the data loader are named by import path ("package.module:function") and imported on
-first use. Adding a train type is its record module, one name in `_MODULES` below, its strategy module and, when
+first use. Adding a train type is its record module, one name in `_MODULES` below, its learner module and, when
 it reads a section of its own, that section in `astrai/config.py` (docs/train_types.md, "Adding a train type").
 """
 

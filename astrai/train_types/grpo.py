@@ -1,4 +1,4 @@
-"""grpo (offline): GRPO on stored groups of responses with their rewards (strategy: `trainer/strategies/grpo.py`);
+"""grpo (offline): GRPO on stored groups of responses with their rewards (learner: `trainer/learners/grpo.py`);
 the `grpo` rules of online_grpo (`online_grpo.check_grpo`)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from astrai.train_types.spec import TrainType
 TRAIN_TYPE = TrainType(
     name="grpo",
     summary="GRPO on stored groups of responses and rewards (offline)",
-    builder="astrai.trainer.strategies.grpo:build_grpo",
-    data="astrai.trainer.strategies.grpo:grpo_data",
+    builder="astrai.trainer.learners.grpo:build_grpo",
+    data="astrai.trainer.learners.grpo:grpo_data",
     section="grpo",
     metrics=("policy/entropy",),
     step_sizes=grpo_step_sizes,

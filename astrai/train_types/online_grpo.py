@@ -1,4 +1,4 @@
-"""online_grpo: GRPO on groups sampled by the colocated engine (strategy: `trainer/strategies/online_grpo.py`).
+"""online_grpo: GRPO on groups sampled by the colocated engine (learner: `trainer/learners/online_grpo.py`).
 
 Its rules, shared with offline `grpo`: the `grpo` minibatch sizes divide the rollout, and the reference KL goes
 in the loss (`grpo.kl_coef`) or in the reward (`grpo.kl_reward_coef`), not both.
@@ -42,7 +42,7 @@ def grpo_step_sizes(config) -> tuple[int, int]:
 TRAIN_TYPE = TrainType(
     name="online_grpo",
     summary="GRPO on groups sampled by the colocated engine (no critic)",
-    builder="astrai.trainer.strategies.online_grpo:build_online_grpo",
+    builder="astrai.trainer.learners.online_grpo:build_online_grpo",
     data="astrai.experience.prompts:online_data",
     section="grpo",
     online=True,

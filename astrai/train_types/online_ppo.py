@@ -1,4 +1,4 @@
-"""online_ppo: PPO with a learned critic on freshly sampled rollouts (strategy: `trainer/strategies/online_ppo.py`).
+"""online_ppo: PPO with a learned critic on freshly sampled rollouts (learner: `trainer/learners/online_ppo.py`).
 
 Its own rules: the `ppo` minibatch sizes divide the rollout; the critic (`ppo.critic_layers` decoder layers, all
 of the policy's by default) fits the loaded model; each checkpoint records the critic's size in its manifest and
@@ -53,7 +53,7 @@ def critic_mismatch(manifest: Mapping, config) -> Optional[str]:
 TRAIN_TYPE = TrainType(
     name="online_ppo",
     summary="PPO with a learned critic on rollouts sampled by the colocated engine",
-    builder="astrai.trainer.strategies.online_ppo:build_online_ppo",
+    builder="astrai.trainer.learners.online_ppo:build_online_ppo",
     data="astrai.experience.prompts:online_data",
     section="ppo",
     online=True,

@@ -1,4 +1,4 @@
-"""rm: reward-model training on preference pairs (strategy: `trainer/strategies/rm.py`); its held-out evaluation is
+"""rm: reward-model training on preference pairs (learner: `trainer/learners/rm.py`); its held-out evaluation is
 its own `rm/accuracy`, so `train.eval_steps` (greedy answers of a policy) does not apply."""
 
 from astrai.config_schema import ConfigError
@@ -14,7 +14,7 @@ def _check(config) -> None:
 TRAIN_TYPE = TrainType(
     name="rm",
     summary="reward model: Bradley-Terry loss on chosen/rejected pairs (a ...ForSequenceClassification checkpoint)",
-    builder="astrai.trainer.strategies.rm:build_rm",
-    data="astrai.trainer.strategies.rm:rm_data",
+    builder="astrai.trainer.learners.rm:build_rm",
+    data="astrai.trainer.learners.rm:rm_data",
     check=_check,
 )

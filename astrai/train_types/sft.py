@@ -1,11 +1,11 @@
-"""sft: supervised fine-tuning on chat data (strategy: `trainer/strategies/sft.py`); no rules of its own."""
+"""sft: supervised fine-tuning on chat data (learner: `trainer/learners/sft.py`); no rules of its own."""
 
 from astrai.train_types.spec import TrainType
 
 TRAIN_TYPE = TrainType(
     name="sft",
     summary="supervised fine-tuning: masked cross-entropy on the assistant turns of chats",
-    builder="astrai.trainer.strategies.sft:build_sft",
-    data="astrai.trainer.strategies.sft:sft_data",
+    builder="astrai.trainer.learners.sft:build_sft",
+    data="astrai.trainer.learners.sft:sft_data",
     packs=True,
 )

@@ -91,10 +91,10 @@ class TrainType:
     Attributes:
         name: the `train.type` value.
         summary: one line for `--help` and docs.
-        builder: "module:function" of `(config, dist, policy, tokenizer) -> Strategy` (see
-            `astrai.trainer.loop.Strategy`); the policy arrives with the model options applied.
+        builder: "module:function" of `(config, dist, policy, tokenizer) -> Learner` (see
+            `astrai.trainer.loop.Learner`); the policy arrives with the model options applied.
         data: "module:function" of `(config, model_config, tokenizer, *, main) -> list`: the job's data as the
-            strategy will train on it (the builder loads it the same way; `--check` loads it alone). Raises
+            learner will train on it (the builder loads it the same way; `--check` loads it alone). Raises
             `astrai.data.DataError` for bad data.
         section: the algorithm section of the config it reads ("ppo", "grpo", "dpo"), or None.
         online: it samples its responses with the colocated rollout engine (its longest sequence is
@@ -134,11 +134,11 @@ class TrainType:
     packs: bool = False
 
     def build(self, config, dist, policy, tokenizer):
-        """The strategy of this train type for a validated job (the `builder`, imported now)."""
+        """The learner of this train type for a validated job (the `builder`, imported now)."""
         return _resolve(self.builder)(config, dist, policy, tokenizer)
 
     def load_data(self, config, model_config, tokenizer, *, main: bool = True) -> list:
-        """The job's data as the strategy trains on it (the `data` function, imported now)."""
+        """The job's data as the learner trains on it (the `data` function, imported now)."""
         return _resolve(self.data)(config, model_config, tokenizer, main=main)
 
     def group_size(self, config) -> Optional[int]:

@@ -1,4 +1,4 @@
-"""Build a ready-to-fit `Trainer` from a validated config: runtime, process state, model, strategy,
+"""Build a ready-to-fit `Trainer` from a validated config: runtime, process state, model, learner,
 callbacks, and the checkpoint parts of the job (saved by the checkpoint callback, restored on resume). The train
 type's own pieces (builder, data, step sizes, manifest fields, resume rule) come from its record in the registry
 (`astrai.train_types`)."""
@@ -90,10 +90,10 @@ def output_subdirs(config: Config) -> tuple[str, ...]:
 
 
 def job_parts(trainer: Trainer, tokenizer, config_text: str) -> dict[str, Part]:
-    """Every checkpoint part of the job, in restore order: the strategy's parts, the tokenizer (export), the
+    """Every checkpoint part of the job, in restore order: the learner's parts, the tokenizer (export), the
     resolved job config (`config.yaml`, export), the counters (`trainer_state`) and, last, this process's global
     RNGs (`rng_state`, per rank)."""
-    return {**trainer.strategy.checkpoint_parts(), "tokenizer": Part(tokenizer, "hf_tokenizer", required=False),
+    return {**trainer.learner.checkpoint_parts(), "tokenizer": Part(tokenizer, "hf_tokenizer", required=False),
             "config": Part(config_text, "yaml", required=False), "trainer_state": Part(trainer.state, "json"),
             "rng_state": Part(GlobalRNGState(), per_rank=True)}
 
@@ -159,7 +159,7 @@ def _lock_output_dir(output_dir: Path, dist) -> OutputDirLock:
 
 
 def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, signals) -> Trainer:
-    """`build_trainer` once the directory is this job's: recovery, the run, the model, the strategy, the resume and
+    """`build_trainer` once the directory is this job's: recovery, the run, the model, the learner, the resume and
     the callbacks."""
     if dist.is_main and checkpoints_root(output_dir).is_dir():
         recover(output_dir)
@@ -174,10 +174,10 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
     policy.train()
     policy.gradient_checkpointing = config.model.gradient_checkpointing
     spec = train_types.get(config.train.type)
-    strategy = spec.build(config, dist, apply_model_options(config, policy), tokenizer)
+    learner = spec.build(config, dist, apply_model_options(config, policy), tokenizer)
     boundary = StepBoundary(signals or StopSignals(rank=dist.rank), save_minutes=config.checkpoint.save_minutes,
                             max_minutes=config.train.max_minutes, is_main=dist.is_main)
-    trainer = Trainer(strategy, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm,
+    trainer = Trainer(learner, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm,
                       state=TrainerState(run_id=run_id), boundary=boundary,
                       max_nonfinite_steps=config.train.max_nonfinite_steps)
     resized = changes = None
@@ -213,7 +213,7 @@ def _callbacks(config: Config, dist, output_dir: Path, trainer: Trainer, tokeniz
             world_size=dist.world_size, dist=dist if dist.world_size > 1 else None,
             keep_last=config.checkpoint.keep_last, run_id=run_id, timeout_s=config.distributed.timeout_seconds)
 
-    evaluation = build_evaluation(config, dist, trainer.strategy, tokenizer)  # None unless train.eval_steps > 0
+    evaluation = build_evaluation(config, dist, trainer.learner, tokenizer)  # None unless train.eval_steps > 0
     return [
         *([evaluation] if evaluation is not None else []),  # first: its eval/* metrics reach the logger
         StepTimer(), logger, ProgressBar(enabled=dist.is_main and config.train.progress_bar),

@@ -18,7 +18,7 @@ What is measured is exactly what `python -m astrai.evaluate` measures on the job
 `reward.model_path` is left out: `astrai.rewards.build.evaluation_specs`). A reward call that fails is counted and
 warned about once, as in training; too many failures, or a reward function's bug, stop the job as in training.
 
-Engine: an online train type evaluates with its own rollout engine (`strategy.rollout_engine`), first synced to
+Engine: an online train type evaluates with its own rollout engine (`learner.rollout_engine`), first synced to
 the current `policy_version` (`astrai.rollout.engine.sync_weights`); afterwards the engine's prefix cache is
 cleared, so the next rollout does not reuse blocks that evaluation prompts filled. Offline train types get an
 engine of their own, copied from the policy at the first evaluation and synced the same way later. Random streams:
@@ -69,7 +69,7 @@ class EvaluationCallback(Callback):
         settings: generation settings (greedy).
         pass_threshold: the total reward a sample needs to pass (count as correct for `eval/accuracy`).
         eval_steps: evaluate when `global_step % eval_steps == 0` (> 0), and after the last step.
-        strategy: the train type: its `policy` (a `TrainedModel`) and `rollout_engine` (None for offline types).
+        learner: the train type's learner: its `policy` (a `TrainedModel`) and `rollout_engine` (None for offline types).
         dist: `DistributedContext` (device, rank, world size, all-reduce).
         max_prompt_length, system_prompt, truncation: prompt building as in training (`source` names the data).
         seed: seed of the dedicated sampling generator.
@@ -88,7 +88,7 @@ class EvaluationCallback(Callback):
     """
 
     def __init__(self, *, records: Sequence, tokenizer, rewards, settings: EvalSettings, eval_steps: int,
-                 strategy, dist, max_prompt_length: int, system_prompt: Optional[str] = None,
+                 learner, dist, max_prompt_length: int, system_prompt: Optional[str] = None,
                  truncation: str = "error", source: str = "data.eval_path", seed: int = 0,
                  printer=tqdm.write, progress: bool = True, output_dir: Optional[Path] = None,
                  extract_answer=None, eval_on_start: bool = False, make_engine=None,
@@ -101,7 +101,7 @@ class EvaluationCallback(Callback):
         self.num_questions = len(records)
         self.tokenizer, self.rewards, self.settings, self.eval_steps = tokenizer, rewards, settings, eval_steps
         self.pass_threshold = pass_threshold
-        self.strategy, self.dist, self.seed, self.printer = strategy, dist, seed, printer
+        self.learner, self.dist, self.seed, self.printer = learner, dist, seed, printer
         self.max_prompt_length, self.system_prompt = max_prompt_length, system_prompt
         self.truncation, self.source = truncation, source
         self.progress = progress and dist.is_main
@@ -112,12 +112,12 @@ class EvaluationCallback(Callback):
                                                                       pad_token_id=tokenizer.pad_token_id))
 
     def engine(self, policy_version: int):
-        """The strategy's rollout engine, or (offline train types) this callback's own copy of the policy."""
-        engine = self.strategy.rollout_engine
+        """The learner's rollout engine, or (offline train types) this callback's own copy of the policy."""
+        engine = self.learner.rollout_engine
         if engine is not None:
             return engine
         if self._own_engine is None:  # a skeleton filled by the first sync (the policy may be sharded)
-            model = empty_model(self.strategy.policy.model.config, device=self.dist.device)
+            model = empty_model(self.learner.policy.model.config, device=self.dist.device)
             self._own_engine = self.make_engine(model)
         return self._own_engine
 
@@ -161,7 +161,7 @@ class EvaluationCallback(Callback):
         """
         start = time.perf_counter()
         engine = self.engine(policy_version)
-        sync_weights(engine, self.strategy.policy.full_weights, policy_version)
+        sync_weights(engine, self.learner.policy.full_weights, policy_version)
         asleep = getattr(engine, "asleep", False)
         if asleep:
             engine.wake()
@@ -172,7 +172,7 @@ class EvaluationCallback(Callback):
                 result = evaluate(engine, self.tokenizer, self.records, rewards=self.rewards, settings=self.settings,
                                   max_prompt_length=self.max_prompt_length, system_prompt=self.system_prompt,
                                   truncation=self.truncation, source=self.source,
-                                  stop_token_ids=stop_token_ids(self.strategy.policy.model.config, self.tokenizer),
+                                  stop_token_ids=stop_token_ids(self.learner.policy.model.config, self.tokenizer),
                                   generator=generator, extract_answer=self.extract_answer,
                                   pass_threshold=self.pass_threshold, progress=self.progress, leave=False,
                                   desc=f"eval step {step}", log=_quiet)
@@ -215,7 +215,7 @@ class EvaluationCallback(Callback):
                                    for ex in sorted(gathered, key=lambda ex: ex["index"])))
 
 
-def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCallback]:
+def build_evaluation(config, dist, learner, tokenizer) -> Optional[EvaluationCallback]:
     """The evaluation callback of a validated `astrai.config.Config`, or None when `train.eval_steps` is 0. Its
     rewards are the job's (`rewards.build.evaluation_specs`), built over the held-out records' columns, with
     training's workers and timeouts.
@@ -232,7 +232,7 @@ def build_evaluation(config, dist, strategy, tokenizer) -> Optional[EvaluationCa
     return EvaluationCallback(
         records=records, tokenizer=tokenizer, rewards=build_rewards(config, records, specs=specs),
         settings=EvalSettings(max_new_tokens=config.rollout.max_new_tokens), eval_steps=config.train.eval_steps,
-        strategy=strategy, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
+        learner=learner, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
         truncation=d.truncation, source=str(d.eval_path),
         seed=config.train.seed, progress=config.train.progress_bar, output_dir=Path(config.train.output_dir),
         extract_answer=answer_extractor(specs), eval_on_start=config.train.eval_on_start,

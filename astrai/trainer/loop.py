@@ -1,12 +1,12 @@
 """The one training loop shared by every train type, and the one seam that backpropagates and steps.
 
-`Trainer.fit()` runs until `max_steps` policy optimizer steps are done. Each iteration asks the strategy (one small
-class per train type, `trainer/strategies/`) for exactly one policy optimizer step. A strategy only computes
+`Trainer.fit()` runs until `max_steps` policy optimizer steps are done. Each iteration asks the learner (one small
+class per train type, `trainer/learners/`) for exactly one policy optimizer step. A learner only computes
 losses: it hands its micro-batches and a loss function to `Trainer.accumulate_and_step`, which owns the global
 token count, the data-parallel loss scale, backward, gradient clipping, the optimizer and scheduler step, the
 learning rate actually applied, the optimizer hooks and the `policy_version` bookkeeping, for whichever engine wraps
 the model (`models.TrainedModel`). The data position advances in one place too: `consumed_samples` grows by what the
-strategy's data sampler handed out during the step. The step's metrics are averaged over the data-parallel ranks
+learner's data sampler handed out during the step. The step's metrics are averaged over the data-parallel ranks
 (`mean_over_ranks`, one collective) before any callback sees them.
 
 Faults (`trainer.faults`, docs/distributed.md "Faults across ranks"): after each step the ranks agree whether to stop
@@ -72,15 +72,15 @@ class TrainerState:
 
 
 class DataSampler(Protocol):
-    """What the loop needs of a strategy's data sampler (`astrai.data.PromptSampler`)."""
+    """What the loop needs of a learner's data sampler (`astrai.data.PromptSampler`)."""
 
     @property
     def drawn(self) -> int:
         """Records handed out on this rank since the sampler was created or restored (monotone)."""
 
 
-class Strategy(Protocol):
-    """A train type: computes losses for one policy optimizer step per call and declares its state.
+class Learner(Protocol):
+    """A train type's learner (after RLlib's Learner): owns its trained models, computes losses for one policy optimizer step per call and declares its state.
 
     Attributes:
         policy: the trained policy (`models.TrainedModel`).
@@ -100,7 +100,7 @@ class Strategy(Protocol):
         a part marked required must be present to resume (online_ppo: the critic and its optimizer)."""
 
     def state_dict(self) -> dict:
-        """The strategy's own resume state (RNGs, rollout in progress); one of its checkpoint parts."""
+        """The learner's own resume state (RNGs, rollout in progress); one of its checkpoint parts."""
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of `state_dict`."""
@@ -127,10 +127,10 @@ class Callback:
 
 
 class Trainer:
-    """The outer loop: `fit()` calls `strategy.train_step(self)` until `state.max_steps`.
+    """The outer loop: `fit()` calls `learner.train_step(self)` until `state.max_steps`.
 
     Args:
-        strategy: the train type.
+        learner: the train type's learner.
         dist: process state (rank, world size, device) from `astrai.distributed`.
         max_steps: number of policy optimizer steps to reach.
         max_grad_norm: gradient-norm clip applied to every optimizer (policy and critic alike).
@@ -142,11 +142,11 @@ class Trainer:
             skipped) after which `NonFiniteError` stops the job.
     """
 
-    def __init__(self, strategy: Strategy, *, dist: DistributedContext, max_steps: int,
+    def __init__(self, learner: Learner, *, dist: DistributedContext, max_steps: int,
                  max_grad_norm: float, callbacks: Iterable[Callback] = (),
                  state: Optional[TrainerState] = None, boundary: Optional[StepBoundary] = None,
                  max_nonfinite_steps: int = 3):
-        self.strategy = strategy
+        self.learner = learner
         self.dist = dist
         self.max_grad_norm = max_grad_norm
         self.callbacks = list(callbacks)
@@ -179,9 +179,9 @@ class Trainer:
                 self.boundary.start()
             stop = self.boundary is not None and self.boundary.agree(self.dist, timed=False)[0]
             while not stop and self.state.global_step < self.state.max_steps:
-                drawn = self.strategy.data_sampler.drawn
-                metrics = mean_over_ranks(self.strategy.train_step(self), self.dist)
-                self.state.consumed_samples += (self.strategy.data_sampler.drawn - drawn) * self.dist.world_size
+                drawn = self.learner.data_sampler.drawn
+                metrics = mean_over_ranks(self.learner.train_step(self), self.dist)
+                self.state.consumed_samples += (self.learner.data_sampler.drawn - drawn) * self.dist.world_size
                 self.state.global_step += 1
                 metrics["policy_version"] = torch.tensor(self.state.policy_version)
                 metrics["train/skipped_steps"] = torch.tensor(float(self.state.skipped_steps))

@@ -1,6 +1,6 @@
 """The models of a job as the trainer holds them: trained models (`astrai.distributed.sharding.TrainedModel`: a
 model with its optimizer and schedule under the run's data-parallel engine, the unit `Trainer.accumulate_and_step`
-steps) built from the config, frozen reference copies, and the model options applied before a strategy is built
+steps) built from the config, frozen reference copies, and the model options applied before a learner is built
 (MoE).
 """
 
@@ -75,7 +75,7 @@ def reference_model(dist, policy: torch.nn.Module, config=None) -> torch.nn.Modu
 
 
 def apply_model_options(config, policy: torch.nn.Module) -> torch.nn.Module:
-    """Model options applied before a strategy is built: MoE sparse upcycling of the dense MLPs when
+    """Model options applied before a learner is built: MoE sparse upcycling of the dense MLPs when
     `model.moe_num_experts > 0` (`astrai.models.moe.convert_to_moe`, router seeded by `train.seed`), so the
     reference, critic and engine copies made by the builders are MoE models too. A policy loaded from an MoE
     checkpoint stays as saved. Returns `policy`.

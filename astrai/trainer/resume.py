@@ -1,6 +1,6 @@
 """Resume: pick the checkpoint to continue from and restore every part of the training state from it.
 
-The parts are the job's (`build.job_parts`): the strategy's (models, optimizers, schedules, data position, its own
+The parts are the job's (`build.job_parts`): the learner's (models, optimizers, schedules, data position, its own
 RNGs and rollout in progress), the counters (`trainer_state`) and, last, the global RNGs. A required part that is
 missing is an error naming its file (`CheckpointError`), never a silent re-initialisation; nothing is loaded then.
 """

@@ -25,6 +25,8 @@ from typing import Any, Mapping, Optional
 import torch
 import yaml
 
+from astrai.config import canonical_value, config_to_dict
+
 CONFIG_FILE = "config.yaml"
 NOT_COMPARED = ("checkpoint.resume", "train.overwrite_output_dir", "train.output_dir")
 FIXED = {
@@ -63,8 +65,6 @@ def _flat(config: Mapping[str, Any]) -> dict[str, Any]:
 def config_changes(path: Path, config) -> Optional[list[Change]]:
     """The fields of `config` (an `astrai.config.Config`) whose values differ from the checkpoint's config.yaml at
     `path`, in the config's order; None when the checkpoint holds no readable config.yaml."""
-    from astrai.config import canonical_value, config_to_dict
-
     try:
         saved = yaml.safe_load((Path(path) / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):

@@ -5,7 +5,7 @@ Each record holds a prompt (`data.prompt_field`), exactly G = `grpo.group_size` 
 log-probs of every response token (`data.logprobs_field`, G lists, at `rollout.temperature`) and the exact
 sampled token ids (`response_ids`, G lists of ids in the vocabulary, checked at load time; otherwise a response
 is its text's tokens + the end-of-turn id, `special_tokens.response_end_id`). The update is the
-online one (`online_grpo.GRPOStrategy`, same advantages, validation, loss and minibatching); only the
+online one (`online_grpo.GRPOLearner`, same advantages, validation, loss and minibatching); only the
 experience source differs (`StoredGroups`): `rollout.batch_size` records per batch instead of engine samples.
 
 Old-policy fallback: where a record has no behaviour log-probs, `old_logprobs` are computed once per batch by
@@ -29,7 +29,7 @@ from astrai.models.special_tokens import response_end_id, stop_token_ids
 from astrai.experience.trajectory import Experience
 from astrai.forward import response_logprobs, score_in_chunks
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
-from astrai.trainer.strategies.online_grpo import GRPOStrategy, grpo_strategy
+from astrai.trainer.learners.online_grpo import GRPOLearner, grpo_learner
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def grpo_data(config, model_config, tokenizer, *, main: bool = True) -> list:
     return records
 
 
-def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
+def build_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     """Offline grpo from `data.path` groups. Raises DataError for bad data."""
     d, g = config.data, config.grpo
     records = grpo_data(config, policy.config, tokenizer, main=dist.is_main)
@@ -177,4 +177,4 @@ def build_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     source = StoredGroups(sampler=sampler, batch_size=config.rollout.batch_size, policy=trained, ref_model=ref_model,
                           pad_token_id=tokenizer.pad_token_id, device=dist.device,
                           temperature=config.rollout.temperature, chunk_size=g.micro_batch_size)
-    return grpo_strategy(config, dist, trained, source, online=False)
+    return grpo_learner(config, dist, trained, source, online=False)

@@ -25,11 +25,11 @@ from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.experience.replay import RolloutReplay
-from astrai.trainer.strategies.policy_gradient import RolloutStrategy, online_experience, action_tokens
-from astrai.trainer.strategies.policy_loss import Objective, RolloutCorrection, loss_agg_mode, policy_objective
+from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, action_tokens
+from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection, loss_agg_mode, policy_objective
 
 
-class OnlinePPOStrategy(RolloutStrategy):
+class OnlinePPOLearner(RolloutLearner):
     """One `train_step` = one PPO minibatch update of the policy and of the critic.
 
     Args:
@@ -129,8 +129,8 @@ class OnlinePPOStrategy(RolloutStrategy):
                 **self.critic.checkpoint_parts("value_model", prefix="value_")}
 
 
-def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
-    """Assemble the online_ppo strategy from a validated `astrai.config.Config`.
+def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
+    """Assemble the online_ppo learner from a validated `astrai.config.Config`.
 
     Builds the frozen reference model (none when `ppo.kl_coef` is 0: nothing would use it), the critic
     (warm-started from the policy), one AdamW optimizer + schedule for each of policy and critic, the online
@@ -149,7 +149,7 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOStrategy:
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=p.micro_batch_size, group_size=p.group_size)
     replay = RolloutReplay(minibatch_size=p.minibatch_size, epochs=p.epochs, seed=config.train.seed + 1000 * dist.rank)
-    return OnlinePPOStrategy(policy=trained, critic=critic, experience=experience, replay=replay, settings=p,
+    return OnlinePPOLearner(policy=trained, critic=critic, experience=experience, replay=replay, settings=p,
                              temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics,
                              objective=policy_objective(p, loss_scale_factor=r.max_new_tokens),
                              correction=RolloutCorrection.from_config(r, chunk_size=p.micro_batch_size))

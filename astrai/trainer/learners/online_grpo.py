@@ -25,8 +25,8 @@ from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.experience.replay import RolloutReplay
-from astrai.trainer.strategies.policy_gradient import RolloutStrategy, online_experience
-from astrai.trainer.strategies.policy_loss import RolloutCorrection, loss_agg_mode, policy_objective
+from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience
+from astrai.trainer.learners.policy_loss import RolloutCorrection, loss_agg_mode, policy_objective
 
 
 def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
@@ -136,7 +136,7 @@ def grpo_loss_fn(section, *, loss_scale_factor: Optional[float] = None):
     return loss_fn
 
 
-class GRPOStrategy(RolloutStrategy):
+class GRPOLearner(RolloutLearner):
     """One `train_step` = one GRPO minibatch update of the policy (no critic); online or offline: only the
     experience source differs (`OnlineExperience` with G samples per prompt, or `grpo.StoredGroups`).
 
@@ -186,19 +186,19 @@ class GRPOStrategy(RolloutStrategy):
         return self.policy_update(trainer, minibatch, first, self.objective)
 
 
-def grpo_strategy(config, dist, policy: TrainedModel, experience: ExperienceSource, *,
-                  online: bool = True) -> GRPOStrategy:
-    """The GRPO strategy of a validated config over `experience`: online (the response-length cap is
+def grpo_learner(config, dist, policy: TrainedModel, experience: ExperienceSource, *,
+                  online: bool = True) -> GRPOLearner:
+    """The GRPO learner of a validated config over `experience`: online (the response-length cap is
     `rollout.max_new_tokens`, and `rollout.correction` applies) or offline (the cap is `data.max_length`)."""
     g, r = config.grpo, config.rollout
     replay = RolloutReplay(minibatch_size=g.minibatch_size, epochs=g.epochs, seed=config.train.seed + 1000 * dist.rank)
-    return GRPOStrategy(policy=policy, experience=experience, replay=replay, settings=g, temperature=r.temperature,
+    return GRPOLearner(policy=policy, experience=experience, replay=replay, settings=g, temperature=r.temperature,
                         log_entropy="policy/entropy" in config.train.metrics,
                         loss_scale_factor=r.max_new_tokens if online else config.data.max_length,
                         correction=RolloutCorrection.from_config(r, chunk_size=g.micro_batch_size) if online else None)
 
 
-def build_online_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
+def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     """Assemble online_grpo from a validated `astrai.config.Config`: frozen reference (only when a KL term is
     on), one AdamW + schedule, the online experience source with G = `grpo.group_size`. Raises DataError for bad
     prompt files."""
@@ -209,4 +209,4 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOStrategy:
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=g.micro_batch_size, group_size=g.group_size)
-    return grpo_strategy(config, dist, trained, experience)
+    return grpo_learner(config, dist, trained, experience)

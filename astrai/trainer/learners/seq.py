@@ -4,14 +4,14 @@ Each record's `data.text_field` is tokenised (as text) with EOS appended; with `
 setting) whole documents are concatenated and the token stream is cut into rows of `data.max_length`
 ("concatenate and chunk", Radford et al. 2019), with positions and attention kept within each document;
 without packing a document keeps its first `data.max_length` tokens. The step
-is `sft.NextTokenStrategy` (global token-mean over the optimizer step, gradient accumulation).
+is `sft.NextTokenLearner` (global token-mean over the optimizer step, gradient accumulation).
 """
 
 from __future__ import annotations
 
 from astrai.data.examples import text_example
 from astrai.data.records import load_records, require_str
-from astrai.trainer.strategies.sft import NextTokenStrategy, build_examples, build_next_token
+from astrai.trainer.learners.sft import NextTokenLearner, build_examples, build_next_token
 
 
 def seq_data(config, model_config, tokenizer, *, main: bool = True) -> list:
@@ -25,6 +25,6 @@ def seq_data(config, model_config, tokenizer, *, main: bool = True) -> list:
         packing=d.packing, max_length=d.max_length, source=d.path, truncation=d.truncation)
 
 
-def build_seq(config, dist, policy, tokenizer) -> NextTokenStrategy:
+def build_seq(config, dist, policy, tokenizer) -> NextTokenLearner:
     """seq from `data.path` records holding `data.text_field` (`seq_data`). Raises DataError for bad data."""
     return build_next_token(config, dist, policy, tokenizer, seq_data(config, policy.config, tokenizer))

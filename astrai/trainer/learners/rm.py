@@ -23,17 +23,17 @@ from astrai.data.truncation import report_dropped
 from astrai.models import RewardModel
 from astrai.models.special_tokens import response_end_id, stop_token_ids
 from astrai.trainer.models import TrainedModel, build_trained_model
-from astrai.trainer.strategies.dpo import preference_triples
-from astrai.trainer.strategies.sft import SupervisedStrategy
+from astrai.trainer.learners.dpo import preference_triples
+from astrai.trainer.learners.sft import SupervisedLearner
 
 
-class RewardModelStrategy(SupervisedStrategy):
+class RewardModelLearner(SupervisedLearner):
     """One `train_step` = one optimizer step of the Bradley-Terry loss over `accumulation_steps` micro-batches of
     (prompt ids, chosen ids, rejected ids, margin) pairs.
 
     Args:
         policy: the trained reward model (`TrainedModel` of a `RewardModel`; the loop's "policy").
-        sampler, micro_batch_size, accumulation_steps: as `SupervisedStrategy`; pad_token_id: padding id.
+        sampler, micro_batch_size, accumulation_steps: as `SupervisedLearner`; pad_token_id: padding id.
     """
 
     def __init__(self, *, policy: TrainedModel, sampler, micro_batch_size: int, accumulation_steps: int,
@@ -92,13 +92,13 @@ def rm_data(config, model_config, tokenizer, *, main: bool = True) -> list:
     return [(p, c, r, margins[i]) for i, p, c, r in triples]
 
 
-def build_rm(config, dist, policy, tokenizer) -> RewardModelStrategy:
+def build_rm(config, dist, policy, tokenizer) -> RewardModelLearner:
     """rm from `data.path` preference records (`rm_data`): a `RewardModel` warm-started from the policy's trunk,
     its AdamW and schedule. Raises DataError for bad data."""
     pairs = rm_data(config, policy.config, tokenizer, main=dist.is_main)
     trained = build_trained_model(config, dist, RewardModel.from_policy(policy.to(dist.device)), name="policy")
     sampler = PromptSampler(pairs, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
                             world_size=dist.world_size)
-    return RewardModelStrategy(policy=trained, sampler=sampler, micro_batch_size=config.train.per_device_train_batch_size,
+    return RewardModelLearner(policy=trained, sampler=sampler, micro_batch_size=config.train.per_device_train_batch_size,
                                accumulation_steps=config.train.gradient_accumulation_steps,
                                pad_token_id=tokenizer.pad_token_id)

@@ -4,7 +4,7 @@ Each record holds a `messages` list (role/content); `astrai.data.examples.chat_e
 assistant turns through their end-of-turn stop token (everything else is ignored, -100); contents are encoded
 as text. Longer chats keep their first `data.max_length` tokens; optional packing concatenates whole chats and
 cuts them into `data.max_length` rows whose documents do not attend to each other. The step is shared with `seq`
-(pre-training): `NextTokenStrategy` draws `gradient_accumulation_steps` micro-batches of
+(pre-training): `NextTokenLearner` draws `gradient_accumulation_steps` micro-batches of
 `per_device_train_batch_size` examples, divides the summed token cross-entropy by the GLOBAL number of labelled
 tokens of the step (all micro-batches, all ranks), and makes one policy optimizer step. The LM head runs only at
 the labelled positions (`AutoRegressiveLM.forward(logits_at=...)`), which gives the same loss and gradients as the
@@ -26,7 +26,7 @@ from astrai.models.special_tokens import stop_token_ids
 from astrai.trainer.models import TrainedModel, build_trained_model
 
 
-class SupervisedStrategy:
+class SupervisedLearner:
     """Base of the train types whose only state besides the policy is their data position (sft, seq, dpo): each
     `train_step` draws `accumulation_steps` micro-batches of `micro_batch_size` records and makes one policy
     optimizer step.
@@ -61,11 +61,11 @@ class SupervisedStrategy:
                 "data_sampler": Part(self.data_sampler, "json")}
 
 
-class NextTokenStrategy(SupervisedStrategy):
+class NextTokenLearner(SupervisedLearner):
     """One `train_step` = one policy optimizer step of token cross-entropy (sft and seq).
 
     Args:
-        pad_token_id: padding id of the collated batches; the rest as `SupervisedStrategy`.
+        pad_token_id: padding id of the collated batches; the rest as `SupervisedLearner`.
     """
 
     def __init__(self, *, policy: TrainedModel, sampler, micro_batch_size: int, accumulation_steps: int,
@@ -130,12 +130,12 @@ def build_examples(rows: Sequence, make, *, packing: bool, max_length: int, sour
     return examples
 
 
-def build_next_token(config, dist, policy, tokenizer, examples: list) -> NextTokenStrategy:
-    """NextTokenStrategy over `examples` with the policy optimizer and a seeded, resumable sampler."""
+def build_next_token(config, dist, policy, tokenizer, examples: list) -> NextTokenLearner:
+    """NextTokenLearner over `examples` with the policy optimizer and a seeded, resumable sampler."""
     trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(examples, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
                             world_size=dist.world_size)
-    return NextTokenStrategy(policy=trained, sampler=sampler, micro_batch_size=config.train.per_device_train_batch_size,
+    return NextTokenLearner(policy=trained, sampler=sampler, micro_batch_size=config.train.per_device_train_batch_size,
                              accumulation_steps=config.train.gradient_accumulation_steps,
                              pad_token_id=tokenizer.pad_token_id)
 
@@ -154,7 +154,7 @@ def sft_data(config, model_config, tokenizer, *, main: bool = True) -> list:
         log=print if main else _quiet)
 
 
-def build_sft(config, dist, policy, tokenizer) -> NextTokenStrategy:
+def build_sft(config, dist, policy, tokenizer) -> NextTokenLearner:
     """sft from `data.path` records with a `data.messages_field` chat (`sft_data`). Raises DataError for bad
     data."""
     return build_next_token(config, dist, policy, tokenizer, sft_data(config, policy.config, tokenizer,

@@ -22,7 +22,7 @@ from astrai.data.truncation import prompt_ids_and_budget, report_dropped
 from astrai.models.special_tokens import response_end_id, stop_token_ids
 from astrai.forward import response_logprobs
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
-from astrai.trainer.strategies.sft import SupervisedStrategy
+from astrai.trainer.learners.sft import SupervisedLearner
 
 
 def sequence_logps(model, prompts, responses, *, pad_token_id: int, device) -> torch.Tensor:
@@ -32,7 +32,7 @@ def sequence_logps(model, prompts, responses, *, pad_token_id: int, device) -> t
     return masked_sum(logprobs, seqs.action_mask, dim=-1)
 
 
-class DPOStrategy(SupervisedStrategy):
+class DPOLearner(SupervisedLearner):
     """One `train_step` = one DPO optimizer step over `accumulation_steps` micro-batches of pairs.
 
     Args:
@@ -129,7 +129,7 @@ def dpo_data(config, model_config, tokenizer, *, main: bool = True) -> list:
     return triples
 
 
-def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
+def build_dpo(config, dist, policy, tokenizer) -> DPOLearner:
     """dpo from `data.path` records with prompt / chosen / rejected fields. Raises DataError for bad data."""
     triples = dpo_data(config, policy.config, tokenizer, main=dist.is_main)
     policy = policy.to(dist.device)
@@ -137,7 +137,7 @@ def build_dpo(config, dist, policy, tokenizer) -> DPOStrategy:
     trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(triples, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
                             world_size=dist.world_size)
-    return DPOStrategy(policy=trained, ref_model=ref_model, sampler=sampler, beta=config.dpo.beta,
+    return DPOLearner(policy=trained, ref_model=ref_model, sampler=sampler, beta=config.dpo.beta,
                        label_smoothing=config.dpo.label_smoothing,
                        micro_batch_size=config.train.per_device_train_batch_size,
                        accumulation_steps=config.train.gradient_accumulation_steps,

@@ -1,6 +1,6 @@
 """The shared shape of the rollout-replaying train types (online_ppo, online_grpo, offline grpo).
 
-`RolloutStrategy.train_step` = one minibatch: when the replay is exhausted, collect experience from the
+`RolloutLearner.train_step` = one minibatch: when the replay is exhausted, collect experience from the
 `ExperienceSource`, pin the train type's targets on it (`pin_targets`: GAE for PPO, group advantages for GRPO) and
 load it into the `RolloutReplay`; then `update` the models on the next minibatch. `policy_update` is the policy
 optimizer step both share: the train type's objective on log-probs computed by the one scoring function the
@@ -29,7 +29,7 @@ from astrai.forward import response_logprobs
 from astrai.rewards.functions import reward_metrics
 from astrai.rollout.engine import GenerationEngine, sync_weights
 from astrai.trainer.models import TrainedModel
-from astrai.trainer.strategies.policy_loss import Objective, RolloutCorrection
+from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection
 
 
 def online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: GenerationEngine,
@@ -49,12 +49,12 @@ def action_tokens(micro: RolloutResult) -> torch.Tensor:
     return micro.sequences.action_mask.sum()
 
 
-class RolloutStrategy:
-    """Base of the rollout-replaying strategies: one `train_step` = one minibatch of the current rollout.
+class RolloutLearner:
+    """Base of the rollout-replaying learners: one `train_step` = one minibatch of the current rollout.
 
     Args:
         policy: the trained policy.
-        experience: where samples come from (its `data_sampler` is the strategy's).
+        experience: where samples come from (its `data_sampler` is the learner's).
         replay: the rollout replay (minibatch size, epochs, shuffling RNG).
         micro_batch_size: rows per forward/backward; temperature: the sampling temperature (scoring uses it too).
         log_entropy: also log `policy/entropy` (an extra softmax pass over the logits).
@@ -210,7 +210,7 @@ class RolloutStrategy:
 
     def checkpoint_parts(self) -> dict[str, Part]:
         """The policy (Hugging Face layout), its optimizer and schedule, the data position (global, the same on
-        every rank: written once) and this strategy's own state (per rank)."""
+        every rank: written once) and this learner's own state (per rank)."""
         return {**self.policy.checkpoint_parts("policy", kind="hf_model"),
                 "data_sampler": Part(self.data_sampler, "json"),
                 "strategy_state": Part(self, per_rank=True)}
