@@ -446,6 +446,9 @@ class Config:
             if kind not in OPTIONAL_METRICS[name]:
                 raise ConfigError(f"train.metrics: {name!r} is not computed by train.type {kind} (only by "
                                   f"{', '.join(OPTIONAL_METRICS[name])})")
+        if self.data.mixture and not spec.online:
+            raise ConfigError(f"data.mixture: blends the prompts of the train types that sample online; train.type "
+                              f"{kind} reads data.path")
         if self.data.mixture and not any(f.weight > 0 for f in self.data.mixture):
             raise ConfigError("data.mixture: every file has weight 0; give at least one a weight > 0")
         m = self.model
@@ -461,8 +464,9 @@ def ignored_settings(config: Config) -> list[str]:
     """``section.field`` names set away from their defaults that have no effect on this job, in declaration order:
     every field of an algorithm section (a `TrainType.section`) that ``config.train.type`` does not read (e.g.
     ``ppo.critic_layers`` in an ``online_grpo`` job), and the fields of its own section that the job leaves unread
-    (`TrainType.unread`: ``grpo.std_eps`` / ``grpo.std_floor`` when ``grpo.scale_rewards`` is ``none``). Empty
-    when there are none."""
+    (`TrainType.unread`: ``grpo.std_eps`` / ``grpo.std_floor`` when ``grpo.scale_rewards`` is ``none``), and
+    ``reward.format_bonus`` / ``reward.partial_credit`` (options of the single ``reward.name``) when
+    ``reward.functions`` or ``reward.model_path`` replace it. Empty when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -471,6 +475,9 @@ def ignored_settings(config: Config) -> list[str]:
         unread = spec.unread(config) if section == spec.section else tuple(f.name for f in dataclasses.fields(current))
         names += [f"{section}.{f.name}" for f in dataclasses.fields(current)
                   if f.name in unread and getattr(current, f.name) != getattr(default, f.name)]
+    reward = config.reward  # the single reward.name's options, when reward.functions or the reward model replace it
+    if reward.functions or reward.model_path:
+        names += [f"reward.{option}" for option in ("format_bonus", "partial_credit") if getattr(reward, option)]
     return names
 
 
@@ -544,6 +551,8 @@ def _leaf_hint(section: str, name: str, sub: str) -> Any:
             hint = record_item(base)
         elif is_record(base) and part in field_specs(base):
             hint = field_specs(base)[part][0]
+        elif get_origin(base) is dict:  # a plain mapping (engine_options, kwargs): any key, any YAML value
+            hint = Any
         else:
             return None
     return hint

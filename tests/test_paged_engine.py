@@ -138,7 +138,7 @@ def test_blocks_are_returned_and_stop_tokens(model):
 
 def test_pool_too_small_raises_and_bad_arguments(model):
     engine = engine_for(model, max_kv_tokens=8)
-    with pytest.raises(RuntimeError, match="max_kv_tokens"):
+    with pytest.raises(ValueError, match="max_kv_tokens"):
         engine.generate([[1] * 10], SamplingParams(max_new_tokens=4), None)
     with pytest.raises(ValueError):
         engine.generate([[1], []], SamplingParams(max_new_tokens=4), None)

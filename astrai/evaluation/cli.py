@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 import warnings
@@ -151,6 +152,8 @@ def check_options(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name}: expected an integer >= 1, got {value}")
     if args.pass_threshold is not None and not math.isfinite(args.pass_threshold):
         raise UsageError(f"--pass_threshold: expected a finite number, got {args.pass_threshold}")
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", args.device):
+        raise UsageError(f"--device: expected auto, cpu, cuda or cuda:N, got {args.device!r}")
     out = Path(args.output_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output_dir: not a directory: {out}")

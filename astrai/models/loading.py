@@ -186,7 +186,11 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Toke
     for file in files:
         if not file.is_file():
             raise FileNotFoundError(f"{file} is listed in {index} but does not exist")
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except Exception as err:  # safetensors raises its own error types for a truncated or foreign file
+            raise ValueError(f"{file}: not a readable safetensors file ({type(err).__name__}: "
+                             f"{(str(err).splitlines() or [''])[0]})") from None
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     return config, state, Tokenizer.from_dir(path)
 

@@ -228,13 +228,18 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> "Tokenizer":
         """Load `tokenizer.json` plus special tokens and chat template from `tokenizer_config.json` (or
         `chat_template.jinja` / `chat_template.json`, as newer transformers save it). Raises `FileNotFoundError`
-        naming the path when `tokenizer.json` is missing."""
+        naming the path when `tokenizer.json` is missing, `ValueError` (one line) when it or the config is
+        malformed."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}: expected a Hugging Face tokenizer directory")
-        backend = _Backend.from_file(str(path / "tokenizer.json"))
-        config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        try:
+            backend = _Backend.from_file(str(path / "tokenizer.json"))
+            config_file = path / "tokenizer_config.json"
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        except Exception as err:  # the tokenizers library raises a bare Exception for a malformed file
+            raise ValueError(f"{path}: tokenizer.json or tokenizer_config.json is not a readable tokenizer "
+                             f"({type(err).__name__}: {(str(err).splitlines() or [''])[0]})") from None
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: pick "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)

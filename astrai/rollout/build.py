@@ -22,6 +22,7 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_v
     engines need not know the option). Raises ValueError / BackendUnavailableError (one line) for what it refuses."""
     r = config.rollout
     options = _engine_options(r)
+    _check_capacity(config)
     with _naming_the_backend_field():
         engine = build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
                               dtype=r.dtype, attention_backend=attention_backend(r.attention_backend), **options)
@@ -37,6 +38,7 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
     Raises what it raises."""
     r = config.rollout
     options = _engine_options(r)
+    _check_capacity(config)
     with _naming_the_backend_field():
         check_engine(r.engine, model_config, device=device, dtype=r.dtype or config.model.dtype,
                      attention_backend=attention_backend(r.attention_backend), **options)
@@ -54,6 +56,16 @@ def _engine_options(rollout) -> dict:
         raise ValueError(f"rollout.engine_options: {clash[0]!r} is set through its own field (rollout.dtype, "
                          "rollout.attention_backend, rollout.cuda_graphs), not as an engine option")
     return {**rollout.engine_options, **({"cuda_graphs": True} if rollout.cuda_graphs else {})}
+
+
+def _check_capacity(config) -> None:
+    """ValueError when `rollout.engine_options.max_kv_tokens` cannot hold one sequence of the job (its longest prompt
+    plus its response budget), which would stop the first rollout."""
+    kv = config.rollout.engine_options.get("max_kv_tokens")
+    need = config.data.max_prompt_length + config.rollout.max_new_tokens
+    if isinstance(kv, int) and not isinstance(kv, bool) and kv < need:
+        raise ValueError(f"rollout.engine_options.max_kv_tokens: {kv} cannot hold one sequence of "
+                         f"data.max_prompt_length + rollout.max_new_tokens = {need} tokens")
 
 
 @contextlib.contextmanager

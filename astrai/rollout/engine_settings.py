@@ -20,13 +20,23 @@ PAGED_OPTIONS = ("max_num_seqs", "max_kv_tokens", "max_batch_tokens", "block_siz
 """The options the paged engine takes beyond the common arguments (`rollout.engine_options`, `rollout.cuda_graphs`)."""
 
 
+_COUNTS = ("max_num_seqs", "max_kv_tokens", "max_batch_tokens", "block_size")
+"""The paged engine's options that are positive integers (the others are booleans)."""
+
+
 def check_paged_options(options) -> None:
-    """ValueError (one line, naming `rollout.engine_options`) for an option the paged engine does not take."""
-    for name in options:
+    """ValueError (one line, naming `rollout.engine_options.<option>`) for an option the paged engine does not
+    take, or a value of the wrong kind (counts: positive integers; switches: booleans)."""
+    for name, value in options.items():
         if name not in PAGED_OPTIONS:
             close = difflib.get_close_matches(name, PAGED_OPTIONS, n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"options: {', '.join(PAGED_OPTIONS)}"
             raise ValueError(f"rollout.engine_options: the paged engine takes no option {name!r} ({hint})")
+        count = name in _COUNTS
+        if (count and (isinstance(value, bool) or not isinstance(value, int) or value < 1)) or \
+                (not count and not isinstance(value, bool)):
+            expected = "an integer > 0" if count else "true or false"
+            raise ValueError(f"rollout.engine_options.{name}: expected {expected}, got {value!r}")
 
 
 ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

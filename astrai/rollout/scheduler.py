@@ -233,8 +233,8 @@ class Scheduler:
         if not prefilling and not running:
             if not waiting:
                 return []
-            raise RuntimeError(f"KV pool of {self.pool.num_blocks} blocks x {self.block_size} tokens cannot "
-                               f"hold one group of {len(waiting[0].members)} requests; raise max_kv_tokens")
+            raise ValueError(f"KV pool of {self.pool.num_blocks} blocks x {self.block_size} tokens cannot "
+                             f"hold one group of {len(waiting[0].members)} requests; raise max_kv_tokens")
         chunks = []
         for group in prefilling:
             leader = group.leader

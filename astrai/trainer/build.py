@@ -303,5 +303,13 @@ def check_job(config: Config, *, world_size: int) -> str:
                if spec.packs and config.data.packing else "training examples")
     return (f"check passed: {config.train.type} on {world_size} process(es) with {plan.strategy} "
             f"({plan.mixed_precision} mixed precision); model {config.model.path} ({params / 1e6:.1f}M parameters)"
-            f"{lora_summary(config, policy)}; {len(data)} {counted} from {config.data.path}; {start} in "
+            f"{lora_summary(config, policy)}; {len(data)} {counted} from {data_source(config)}; {start} in "
             f"{output_dir}")
+
+
+def data_source(config) -> str:
+    """How the start-up and `--check` lines name the job's training data: `data.path`, or the files of
+    `data.mixture` with their weights."""
+    if not config.data.mixture:
+        return config.data.path
+    return "data.mixture (" + ", ".join(f"{f.path} x {f.weight:g}" for f in config.data.mixture) + ")"
