@@ -131,12 +131,9 @@ def test_constraints_pin_every_dependency_within_pyproject_ranges():
 
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
+    from test_docker import constraints
 
-    pins = {}
-    for line in (REPO / "constraints.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, version = line.split("==")
-            pins[canonicalize_name(name)] = version
+    pins = constraints()
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     wanted = project["dependencies"] + [r for name, reqs in extras.items() if name != "gemma3" for r in reqs]
