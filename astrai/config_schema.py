@@ -245,8 +245,8 @@ def _record(cls: type, value: Any, where: str) -> Any:
 
 
 def to_raw(value: Any) -> Any:
-    """The plain YAML form of a field's value: records as mappings (an absent optional record as {}), lists
-    and mappings copied."""
+    """The plain YAML form of a field's value: records as mappings, lists and mappings copied (an optional record
+    that is off, None, stays None: `astrai.config.config_to_dict` writes it as {})."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_raw(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, list):
