@@ -73,7 +73,9 @@ class MixtureFile(Record, item="file"):
 class RewardFunction(Record, item="function"):
     """One item of `reward.functions` (docs/rewards.md)."""
 
-    function: str = field_spec(REQUIRED, "'package.module:name', 'module:name' in `path`, or a built-in name")
+    function: str = field_spec(REQUIRED, "'package.module:name', a name in `path` ('module:name' or 'name'), or a "
+                                         "built-in name; TRL's convention, or verl's compute_score(data_source, "
+                                         "solution_str, ground_truth, extra_info) told by its parameters")
     weight: float = field_spec(1.0, "its weight in the total reward")
     name: Optional[str] = field_spec(None, "the name of its metrics; null = the function's")
     path: Optional[str] = field_spec(None, "a .py file holding it (relative paths from the working directory)")
@@ -147,8 +149,11 @@ class RewardSection(Section, name="reward"):
                                         "reward.error_score, 'skip' leaves them out of that reward (as None)",
                                Choices(("score", "skip")))
     error_score: float = field_spec(0.0, "the score of a sample whose reward call failed (reward.on_error score)")
-    max_error_fraction: float = field_spec(0.5, "stop the job when more than this fraction of a rollout's reward "
-                                                "calls' samples fail", UNIT)
+    max_error_fraction: float = field_spec(0.5, "stop the job when one reward function failed on more than this "
+                                                "fraction of its samples over its last reward.error_window rollouts",
+                                           UNIT)
+    error_window: int = field_spec(3, "rollouts (evaluation: batches) over which each reward function's failed "
+                                      "fraction is judged; 1 = every rollout on its own", GT0)
     format_bonus: float = field_spec(0.0, "reward added when the response has the expected answer format", GE0)
     partial_credit: float = field_spec(0.0, "math_exact_match, in [0, 1): a wrong answer scores this times its "
                                             "closeness max(0, 1 - |answer - gold| / max(|gold|, 1)); 0 = exact only",

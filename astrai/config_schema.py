@@ -203,8 +203,8 @@ class Section:
 class Record:
     """Base of the typed mappings inside a section (`model.lora`, one `reward.functions` item): a dataclass whose
     fields are declared with `field_spec` (`REQUIRED` for keys without a default). Built from a mapping by
-    `convert_value`, which names the field, the item and the key in its one-line errors. `item` says what one
-    item of a list of them is called in messages ("function 2: ...")."""
+    `convert_value`, which names the field, the item (by its dotted path, `reward.functions.0`, as overrides
+    spell it) and the key in its one-line errors. `item` says what one item of a list of them is called."""
 
     item = "item"
 
@@ -308,8 +308,7 @@ def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{name}: expected a list of mappings with keys {', '.join(field_specs(item))}, "
                               f"got {value!r}")
-        out = [x if isinstance(x, item) else _record(item, x, f"{name}: {item.item} {i}: ")
-               for i, x in enumerate(value, start=1)]
+        out = [x if isinstance(x, item) else _record(item, x, f"{name}.{i}: ") for i, x in enumerate(value)]
         detail = getattr(check, "problem", lambda v: None)(out)
         if detail:
             raise ConfigError(f"{name}: {detail}")

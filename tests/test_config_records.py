@@ -32,11 +32,11 @@ def test_records_are_typed():
     ({"model": {"lora": {"r": 4, "target_modules": []}}},
      "model.lora: target_modules: expected a non-empty list of module names"),
     ({"model": {"lora": 8}}, "model.lora: expected a mapping with keys r, alpha, dropout, target_modules, use_rslora"),
-    ({"reward": {"functions": [{"function": "f"}, {"weight": 1}]}}, "reward.functions: function 2: missing key 'function'"),
+    ({"reward": {"functions": [{"function": "f"}, {"weight": 1}]}}, "reward.functions.1: missing key 'function'"),
     ({"reward": {"functions": [{"function": "f", "wieght": 1}]}},
-     "reward.functions: function 1: unknown key 'wieght' (did you mean 'weight'?)"),
+     "reward.functions.0: unknown key 'wieght' (did you mean 'weight'?)"),
     ({"reward": {"functions": {"function": "f"}}}, "reward.functions: expected a list of mappings with keys function"),
-    ({"data": {"mixture": [{"path": "a", "weight": -1}]}}, "data.mixture: file 1: weight: expected a number >= 0, got -1"),
+    ({"data": {"mixture": [{"path": "a", "weight": -1}]}}, "data.mixture.0: weight: expected a number >= 0, got -1"),
     ({"data": {"mixture": [{"path": "a", "weight": 0}, {"path": "b", "weight": 0}]}},
      "data.mixture: every file has weight 0"),
 ])
@@ -62,7 +62,7 @@ def test_dotted_overrides_reach_into_records():
     (["--reward.functions.2.weight", "1"], "reward.functions.2.weight: reward.functions has 2 function(s), numbered"),
     (["--model.lora.rank", "8"], "model.lora.rank: model.lora has no such key"),
     (["--model.lora.r", "zero"], "model.lora: r: expected an integer > 0, got 'zero'"),
-    (["--reward.functions.0.weight", "x"], "reward.functions: function 1: weight: expected a number, got 'x'"),
+    (["--reward.functions.0.weight", "x"], "reward.functions.0: weight: expected a number, got 'x'"),
     (["--train.max_steps.x", "1"], "train.max_steps.x: train.max_steps has no such key"),
 ])
 def test_a_bad_dotted_override_is_one_line(overrides, message):

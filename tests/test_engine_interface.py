@@ -103,7 +103,7 @@ def test_check_refuses_what_the_run_would_refuse_at_start_up(tiny_model_dir, tmp
     cases = [(["--rollout.attention_backend", "triton"],
               "rollout.attention_backend: triton backend needs a CUDA device"),
              (["--reward.functions", f"[{{function: 'bad:f', path: {bad_reward}}}]"],
-              "reward.functions[1] (f): parameter 'nowhere' of bad:f is neither a column")]
+              "reward.functions.0 (f): parameter 'nowhere' of bad:f is neither a column")]
     if not torch.cuda.is_available():
         cases.append((["--runtime.device", "cuda"], "runtime.device: 'cuda' requested but CUDA is not available"))
     for extra, needle in cases:

@@ -163,7 +163,7 @@ def test_cli_failing_user_reward_is_loud_not_fatal(tiny_model_dir, tmp_path, rew
     config = write_job(tmp_path / "job.yaml", reward_file, [("chars", ""), ("boom", ", weight: 3.0")],
                        "  num_workers: 0\n  max_error_fraction: 0.6\n  error_score: -1.0\n")
     out = tmp_path / "eval"
-    with pytest.warns(UserWarning, match=r"reward.functions\[2\] \(boom\) failed on 3 of 3 samples "
+    with pytest.warns(UserWarning, match=r"reward.functions.1 \(boom\) failed on 3 of 3 samples "
                                          r"\(RuntimeError: reward server down\)") as caught:
         assert cli(tiny_model_dir, "builtin:arithmetic_test", out, "--config", str(config), "--limit", "3") == 0
     assert sum("Traceback" in str(w.message) for w in caught) == 1  # once, with its traceback (in-process)
@@ -171,8 +171,9 @@ def test_cli_failing_user_reward_is_loud_not_fatal(tiny_model_dir, tmp_path, rew
     assert summary["rewards"]["boom"] == {"mean": -1.0, "applies": 1.0, "failed": 3.0}  # error_score, counted
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert all(r["scores"][0] == pytest.approx(r["rewards"]["chars"][0] - 3.0) for r in results)
-    # more failures than reward.max_error_fraction stop it, as they stop training: one line, exit 2
-    strict = write_job(tmp_path / "strict.yaml", reward_file, [("boom", "")], "  num_workers: 0\n")
+    # more failures than reward.max_error_fraction over reward.error_window batches stop it, as they stop training:
+    # one line, exit 2
+    strict = write_job(tmp_path / "strict.yaml", reward_file, [("boom", "")], "  num_workers: 0\n  error_window: 1\n")
     assert cli(tiny_model_dir, "builtin:arithmetic_test", tmp_path / "strict", "--config", str(strict),
                "--limit", "2") == 2
     assert not (tmp_path / "strict").exists()

@@ -192,9 +192,9 @@ def test_an_error_after_the_progress_bar_is_the_last_line(capsys):
     bar.on_train_begin(trainer)
     bar.on_step_end(trainer, {"rollout/reward_mean": 0.5})
     bar.on_train_abort(trainer)
-    print("error: reward.functions[1] (f): returned 1 values for 64 completions", file=sys.stderr)
+    print("error: reward.functions.0 (f): returned 1 values for 64 completions", file=sys.stderr)
     bar.on_train_end(trainer)  # nothing left to close or redraw
     err = capsys.readouterr().err
     assert err.replace("\r", "\n").rstrip("\n").splitlines()[-1] == \
-        "error: reward.functions[1] (f): returned 1 values for 64 completions"
+        "error: reward.functions.0 (f): returned 1 values for 64 completions"
     assert err.endswith("completions\n")

@@ -40,8 +40,8 @@ def too_few(prompts, completions, **kw):
 def not_finite(prompts, completions, **kw):
     return [float("nan") for _ in completions]
 
-def boolean(prompts, completions, **kw):
-    return [True for _ in completions]
+def text(prompts, completions, **kw):
+    return ["yes" for _ in completions]
 
 def slow(prompts, completions, **kw):
     with open(os.environ["ASTRAI_TEST_SLEEP_FILE"]) as f:  # read at call time: workers outlive env changes
@@ -74,7 +74,7 @@ def rewards(reward_file, entries, *, columns=("target_len",), **options):
     return RewardFunctions(resolve_specs(section, answer_field="answer"), columns=columns,
                            num_workers=section.num_workers, timeout_seconds=section.timeout_seconds,
                            on_error=section.on_error, error_score=section.error_score,
-                           max_error_fraction=section.max_error_fraction)
+                           max_error_fraction=section.max_error_fraction, error_window=section.error_window)
 
 
 def test_weighted_sum_skips_none_and_each_reward_is_logged(reward_file):
@@ -116,7 +116,7 @@ def test_bad_functions_are_refused_at_start_up_in_one_line(reward_file, function
                                                           **({"path": str(path)} if path else {})}]}}).reward
     with pytest.raises(RewardFunctionError) as err:
         RewardFunctions(resolve_specs(section, answer_field="answer"), columns=["target_len"], num_workers=0)
-    assert needle in str(err.value) and str(err.value).startswith("reward.functions[1] (") and "\n" not in str(err.value)
+    assert needle in str(err.value) and str(err.value).startswith("reward.functions.0 (") and "\n" not in str(err.value)
     # a built-in's options are its named parameters: a misspelt one is refused although it takes **columns
     typo = config_from_dict({"reward": {"functions": [{"function": "math_exact_match",
                                                        "kwargs": {"partial_credt": 0.2}}]}}).reward
@@ -133,12 +133,12 @@ def test_bad_functions_are_refused_at_start_up_in_one_line(reward_file, function
 
 @pytest.mark.parametrize("function, needle", [("too_few", "returned 1 values for 2 completions"),
                                               ("not_finite", "value 0 is nan; rewards must be finite"),
-                                              ("boolean", "value 0 is True, expected a float or None")])
+                                              ("text", "value 0 is 'yes', expected a number or None")])
 @pytest.mark.parametrize("workers", [0, 1])
 def test_wrong_returns_are_bugs_named_in_one_line(reward_file, function, needle, workers):
     fns = rewards(reward_file, [{"function": f"my_rewards:{function}"}], num_workers=workers)
     try:
-        with pytest.raises(RewardFunctionError, match=f"reward.functions\\[1\\] \\({function}\\): {needle}"):
+        with pytest.raises(RewardFunctionError, match=f"reward\\.functions\\.0 \\({function}\\): {needle}"):
             fns(["a", "b"], ["x", "y"], [[1], [2]], {"target_len": [1, 2]})
     finally:
         fns.close()
@@ -176,10 +176,12 @@ def test_crashes_and_exceptions_are_counted_and_too_many_stop_the_job(reward_fil
         assert scored.total.tolist() == [1.0, 1.0, 0.0, 0.0]
     finally:
         fns.close()
-    strict = rewards(reward_file, [{"function": "my_rewards:fails_on_b"}], num_workers=0, max_error_fraction=0.25)
-    with pytest.raises(RewardFunctionError, match=r"2 of 2 reward calls' samples failed in this rollout, more than "
-                                                  r"reward.max_error_fraction 0.25 \(first: reward.functions\[1\] "
-                                                  r"\(fails_on_b\): ZeroDivisionError: no b\)"):
+    strict = rewards(reward_file, [{"function": "my_rewards:fails_on_b"}], num_workers=0, max_error_fraction=0.25,
+                     error_window=1)
+    with pytest.raises(RewardFunctionError, match=r"reward.functions.0 \(fails_on_b\) failed on 2 of 2 samples of "
+                                                  r"this rollout, more than reward.max_error_fraction 0.25 "
+                                                  r"\(reward.error_window 1\); its first failure: ZeroDivisionError: "
+                                                  r"no b"):
         strict(["p"] * 2, ["a", "b"], [[1]] * 2, {"target_len": [0, 0]})
 
 
@@ -187,7 +189,7 @@ def test_config_refuses_ambiguous_reward_settings():
     from astrai.config import ConfigError
     with pytest.raises(ConfigError, match="reward.name: 'x' is set together with reward.functions"):
         config_from_dict({"reward": {"name": "x", "functions": [{"function": "a:b"}]}})
-    with pytest.raises(ConfigError, match="reward.functions: function 2: missing key 'function'"):
+    with pytest.raises(ConfigError, match="reward.functions.1: missing key 'function'"):
         config_from_dict({"reward": {"functions": [{"function": "a:b"}, {"weight": 1}]}})
     old = resolve_specs(config_from_dict({"reward": {"partial_credit": 0.3}}).reward, answer_field="solution")
     assert [(s.function, s.kwargs) for s in old] == [("math_exact_match", {"format_bonus": 0.0, "partial_credit": 0.3,

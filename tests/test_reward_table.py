@@ -96,7 +96,7 @@ def test_a_failing_reward_is_warned_once_with_its_traceback_and_counted(tmp_path
         first = fns(["p", "p"], ["a", "b"], [[1], [2]], {})
     (warning,) = caught
     text = str(warning.message)
-    assert text.startswith("reward.functions[1] (flaky) failed on 2 of 2 samples (ZeroDivisionError: no b here)")
+    assert text.startswith("reward.functions.0 (flaky) failed on 2 of 2 samples (ZeroDivisionError: no b here)")
     assert "Traceback (most recent call last)" in text and 'raise ZeroDivisionError("no b here")' in text
     assert first.failed["flaky"].tolist() == [True, True] and first.total.tolist() == [0.0, 0.0]
     with warnings.catch_warnings():

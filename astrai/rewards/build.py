@@ -76,13 +76,14 @@ def build_rewards(config, prompts: Sequence[Any], *, device: torch.device = torc
         scorer = RewardModelScorer(prepare_model(model) if prepare_model is not None else model, model.config,
                                    rm_tokenizer, batch_size=r.model_batch_size, device=device,
                                    system_prompt=config.data.system_prompt)
-        spec = RewardFunctionSpec(name="reward_model", function="reward_model", index=len(r.functions) + 1,
+        spec = RewardFunctionSpec(name="reward_model", function="reward_model", index=None,
                                   weight=r.model_weight)
         extra.append((spec, scorer))
     workers = r.num_workers if num_workers is None else num_workers
     return RewardFunctions(reward_specs(config) if specs is None else specs, columns=list(columns), num_workers=workers,
                            timeout_seconds=r.timeout_seconds, on_error=r.on_error, error_score=r.error_score,
-                           max_error_fraction=r.max_error_fraction, extra=extra)
+                           max_error_fraction=r.max_error_fraction, error_window=r.error_window,
+                           extra=extra)
 
 
 def score_records(rewards: RewardFunctions, texts: list[str], records: Sequence[Any],

@@ -13,19 +13,24 @@ The total reward of a sample is the weighted sum of the values that apply (0 whe
 functions given by import path or file run in `workers.RewardWorkerPool` processes (``reward.num_workers``)
 with a hard ``reward.timeout_seconds``; with ``num_workers`` 0 they run in the trainer's process without one. A
 call that raises, times out or kills its worker gives its samples ``reward.error_score`` (``on_error: score``) or
-no value (``skip``), is counted (``rewards/<name>/failed``), is warned about once per function (the first failure:
-its traceback when it ran in this process, the worker's one-line error otherwise), and stops the job only when more
-than ``reward.max_error_fraction`` of a rollout's samples failed. A function that returns the wrong number of values,
-a value that is not a number or None, or a non-finite number is a bug: a one-line `RewardFunctionError` naming
-it, at once.
+no value (``skip``), is counted (``rewards/<name>/failed``, on the console at each logging step), is warned about
+once per function (its first failure, with the traceback from this process or the worker), and stops the job when
+that function failed on more than ``reward.max_error_fraction`` of its samples over its last ``reward.error_window``
+rollouts (the message quotes its first failure). A function that returns the
+wrong number of values, a value that is not a number (bools and numpy scalars count) or None, or a non-finite number
+is a bug: a one-line `RewardFunctionError` naming it, at once. ``async def`` functions are awaited (in the worker,
+under the timeout). Each function gets its own copy of the arguments. A function with verl's
+``compute_score(data_source, solution_str, ground_truth, extra_info)`` parameters is called per sample
+(`workers.VerlScore`). When no function applies to any sample of a rollout, that is said once.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import inspect
 import math
 import numbers
-import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +41,7 @@ import torch
 
 from astrai.rewards.builtins import BUILTIN_REWARDS
 from astrai.rewards.workers import (RewardFunctionError, RewardFunctionSpec, RewardWorkerPool, as_list,
-                                    load_reward_function)
+                                    call_reward, load_reward_function, user_traceback)
 
 __all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardFunctions", "ScoredRewards", "resolve_specs",
            "reward_metrics"]
@@ -59,7 +64,7 @@ def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None
         SimpleNamespace(function=section.name, name=section.name, path=None, weight=1.0,
                         kwargs=_single_reward_options(section))]
     specs = []
-    for i, entry in enumerate(section.functions or default, start=1):  # `astrai.config.RewardFunction` records
+    for i, entry in enumerate(section.functions or default):  # `astrai.config.RewardFunction` records
         kwargs = dict(entry.kwargs or {})
         builtin = BUILTIN_REWARDS.get(entry.function) if entry.path is None else None
         if builtin is not None and builtin.answer_field:  # it reads the reference answers' column
@@ -67,7 +72,7 @@ def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None
         specs.append(RewardFunctionSpec(
             name=entry.name or entry.function.rpartition(":")[2], function=entry.function, index=i,
             path=None if entry.path is None else str((base / Path(entry.path).expanduser()).resolve()),
-            weight=float(entry.weight), kwargs=kwargs))
+            weight=float(entry.weight), kwargs=kwargs, answer_field=answer_field))
     return specs
 
 
@@ -138,7 +143,8 @@ class RewardFunctions:
     Args:
         specs: `resolve_specs`; columns: the column names every prompt record offers.
         extra: (spec, callable) pairs of rewards built in the trainer (the reward model), run in its process.
-        num_workers, timeout_seconds, on_error, error_score, max_error_fraction: as `reward.*` (module docstring).
+        num_workers, timeout_seconds, on_error, error_score, max_error_fraction, error_window: as `reward.*`
+            (module docstring).
 
     Raises:
         RewardFunctionError: an unknown built-in, an import that fails, or a signature that cannot be served.
@@ -146,11 +152,12 @@ class RewardFunctions:
 
     def __init__(self, specs: Sequence[RewardFunctionSpec], *, columns: Collection[str], num_workers: int = 1,
                  timeout_seconds: float = 60.0, on_error: str = "score", error_score: float = 0.0,
-                 max_error_fraction: float = 0.5, extra: Sequence[tuple[RewardFunctionSpec, Callable]] = ()):
+                 max_error_fraction: float = 0.5, error_window: int = 3,
+                 extra: Sequence[tuple[RewardFunctionSpec, Callable]] = ()):
         if not specs and not extra:
             raise RewardFunctionError("reward.functions: no reward function")
         self.specs, self.on_error, self.error_score = list(specs), on_error, error_score
-        self.max_error_fraction = max_error_fraction
+        self.max_error_fraction, self.error_window = max_error_fraction, error_window
         offered = set(STANDARD_ARGUMENTS) | set(columns)
         self._functions, self._pickers, remote = [], [], []
         for spec in self.specs:
@@ -175,7 +182,10 @@ class RewardFunctions:
             self._pickers.append(_argument_picker(fn, spec, offered | set(spec.kwargs)))
         self._remote = set(remote) if num_workers > 0 else set()
         self._warned: set[int] = set()  # functions whose first failure was warned about
-        self._tracebacks: dict[int, str] = {}  # function index -> traceback of its last failure in this process
+        self._first_failure: dict[int, str] = {}  # function index -> its first failure's one-line text
+        # per function, (failed, scored) samples of its last `error_window` rollouts
+        self._recent = [collections.deque(maxlen=error_window) for _ in self.specs]
+        self._said_none_applies = False
         self.pool = (RewardWorkerPool(self.specs, num_workers=num_workers, timeout_seconds=timeout_seconds)
                      if self._remote else None)
 
@@ -198,63 +208,85 @@ class RewardFunctions:
         offered = {"prompts": list(prompts), "completions": shown, "completion_ids": [list(i) for i in completion_ids],
                    **{name: list(values) for name, values in columns.items()}}
         total = torch.zeros(n, dtype=torch.float32)
-        components, failed, first_error, failures = {}, {}, None, 0
+        components, failed = {}, {}
         for i, spec in enumerate(self.specs):
-            values, errors = self._call(i, offered, n)
+            values, errors, detail = self._call(i, offered, n)
             failed[spec.name] = torch.tensor([e is not None for e in errors], dtype=torch.bool)
-            failures += int(failed[spec.name].sum())
-            if i not in self._warned and any(e is not None for e in errors):
-                self._warned.add(i)
-                self._warn_first_failure(i, errors)
-            first_error = first_error or next((f"{spec.label}: {e}" for e in errors if e is not None), None)
+            self._account_failures(i, errors, detail)
             if self.on_error == "score":
                 values = [self.error_score if e is not None else v for v, e in zip(values, errors)]
             column = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
             components[spec.name] = column
             total += torch.nan_to_num(column, nan=0.0) * spec.weight
-        if failures > self.max_error_fraction * n * len(self.specs):
-            raise RewardFunctionError(f"{failures} of {n * len(self.specs)} reward calls' samples failed in this "
-                                      f"rollout, more than reward.max_error_fraction {self.max_error_fraction:g} "
-                                      f"(first: {first_error})")
+        if n and not self._said_none_applies and all(bool(c.isnan().all()) for c in components.values()):
+            self._said_none_applies = True
+            warnings.warn(f"no reward function applies to any of the {n} samples of this rollout (each returned None "
+                          f"for all): they all score 0 and teach nothing; check that the prompts' columns are what "
+                          f"{', '.join(self.names)} read (said once)", stacklevel=2)
         return ScoredRewards(total=total, components=components, failed=failed)
 
-    def _call(self, i: int, offered: Mapping[str, list], n: int) -> tuple[list, list[Optional[str]]]:
-        """(values, per-sample error text or None) of function `i` over all n samples."""
+    def _call(self, i: int, offered: Mapping[str, list], n: int) -> tuple[list, list[Optional[str]], Optional[str]]:
+        """(values, per-sample error text or None, the traceback of a failure or None) of function `i` over all n
+        samples. In this process the function gets its own deep copy of its arguments (a worker gets a pickled
+        one), so an in-place edit reaches neither the next function nor the stored prompts."""
         spec, picker = self.specs[i], self._pickers[i]
         kwargs = {k: v for k, v in offered.items() if picker is None or k in picker}
         kwargs.update(spec.kwargs)
         if i not in self._remote:
             try:
-                return self._check(spec, as_list(self._functions[i](**kwargs)), n), [None] * n
+                return self._check(spec, as_list(call_reward(self._functions[i], copy.deepcopy(kwargs))), n), \
+                    [None] * n, None
             except RewardFunctionError:
                 raise
             except Exception as err:  # the reward's own failure: counted, as in a worker
                 text = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
-                self._tracebacks[i] = traceback.format_exc()
-                return [None] * n, [text] * n
+                return [None] * n, [text] * n, user_traceback(err)
         chunks = _chunks(n, self.pool.num_workers)
         calls = [{k: (v[a:b] if k in offered else v) for k, v in kwargs.items()} for a, b in chunks]
-        values, errors = [], []
-        for (a, b), (status, result) in zip(chunks, self.pool.run(i, calls)):
+        values, errors, detail = [], [], None
+        for (a, b), (status, result, trace) in zip(chunks, self.pool.run(i, calls)):
             if status == "ok":
                 values += self._check(spec, result, b - a)
                 errors += [None] * (b - a)
             else:
                 values += [None] * (b - a)
                 errors += [result] * (b - a)
-        return values, errors
+                detail = detail or trace
+        return values, errors, detail
 
-    def _warn_first_failure(self, i: int, errors: Sequence[Optional[str]]) -> None:
-        """Warn (once per function: the caller keeps count) that function `i` failed on some samples: how many, the
-        first error, what their samples score, and its traceback when the call ran in this process."""
-        spec, count = self.specs[i], sum(e is not None for e in errors)
-        first = next(e for e in errors if e is not None)
+    def _account_failures(self, i: int, errors: Sequence[Optional[str]], detail: Optional[str]) -> None:
+        """Count function `i`'s failed samples of one rollout: warn on its first failure (with the traceback), and
+        stop when it failed on more than `max_error_fraction` of its samples over its last `error_window` rollouts
+        (judged once that many were scored: one bad rollout, a verifier briefly down, does not end a run).
+
+        Raises:
+            RewardFunctionError: one line naming the function, the count and its first failure.
+        """
+        spec, count, n = self.specs[i], sum(e is not None for e in errors), len(errors)
+        recent = self._recent[i]
+        recent.append((count, n))
+        if not count:
+            return
+        first = self._first_failure.setdefault(i, next(e for e in errors if e is not None))
+        if i not in self._warned:
+            self._warned.add(i)
+            self._warn_first_failure(i, count, n, first, detail)
+        failed, scored = map(sum, zip(*recent))
+        if len(recent) == recent.maxlen and failed > self.max_error_fraction * scored:
+            rollouts = "this rollout" if recent.maxlen == 1 else f"the last {recent.maxlen} rollouts"
+            raise RewardFunctionError(f"{spec.label} failed on {failed} of {scored} samples of {rollouts}, more than "
+                                      f"reward.max_error_fraction {self.max_error_fraction:g} (reward.error_window "
+                                      f"{recent.maxlen}); its first failure: {first}")
+
+    def _warn_first_failure(self, i: int, count: int, n: int, first: str, detail: Optional[str]) -> None:
+        """Warn (once per function: the caller keeps count) that function `i` failed on `count` of `n` samples:
+        the first error, what their samples score, and its traceback (from this process or the worker's)."""
+        spec = self.specs[i]
         then = (f"score reward.error_score {self.error_score:g}" if self.on_error == "score"
                 else "are left out of it (reward.on_error skip)")
-        detail = self._tracebacks.pop(i, None)
-        warnings.warn(f"{spec.label} failed on {count} of {len(errors)} samples ({first}); failed samples {then}; "
-                      f"later failures are only counted (rewards/{spec.name}/failed)"
-                      + (f"\n{detail.rstrip()}" if detail else ""), stacklevel=3)
+        warnings.warn(f"{spec.label} failed on {count} of {n} samples ({first}); failed samples {then}; later "
+                      f"failures are counted (rewards/{spec.name}/failed, on the console at each logging step)"
+                      + (f"\n{detail.rstrip()}" if detail else ""), stacklevel=4)
 
     @staticmethod
     def _check(spec: RewardFunctionSpec, result: Any, n: int) -> list[Optional[float]]:
@@ -266,8 +298,10 @@ class RewardFunctions:
             raise RewardFunctionError(f"{spec.label}: returned {len(result)} values for {n} completions")
         out = []
         for j, value in enumerate(result):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-                raise RewardFunctionError(f"{spec.label}: value {j} is {value!r}, expected a float or None")
+            if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # a numpy scalar or a 0-d tensor
+                value = value.item()
+            if value is not None and not isinstance(value, numbers.Real):  # bools and ints count, as in TRL
+                raise RewardFunctionError(f"{spec.label}: value {j} is {value!r}, expected a number or None")
             if value is not None and not math.isfinite(value):
                 raise RewardFunctionError(f"{spec.label}: value {j} is {value!r}; rewards must be finite (None "
                                           "marks a sample the reward does not apply to)")

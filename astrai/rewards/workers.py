@@ -12,21 +12,26 @@ torch, so a worker starts in about the time its reward module takes to import.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
 import importlib
 import importlib.util
+import inspect
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-__all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardWorkerPool", "load_reward_function"]
+__all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardWorkerPool", "call_reward", "load_reward_function"]
 
 
 class RewardFunctionError(ValueError):
@@ -41,23 +46,28 @@ class RewardFunctionSpec:
     Attributes:
         name: its metric name (`rewards/<name>/...`): the configured name, else the function's.
         function: "module:function", or a built-in name (`astrai.rewards.builtins.BUILTIN_REWARDS`).
-        index: its 1-based position in `reward.functions`, for messages.
+        index: its 0-based position in `reward.functions` (as in `--reward.functions.0.weight`), for messages;
+            None for the reward model (`reward.model_path`).
         path: the absolute path of the .py file holding it, or None (imported from `sys.path`).
         weight: its weight in the total reward.
         kwargs: extra keyword arguments it is called with.
+        answer_field: the column holding the reference answers (`data.answer_field`): a verl-style
+            `compute_score` function's `ground_truth` when the rows have no `ground_truth` column.
     """
 
     name: str
     function: str
-    index: int = 1
+    index: Optional[int] = 0
     path: Optional[str] = None
     weight: float = 1.0
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    answer_field: Optional[str] = None
 
     @property
     def label(self) -> str:
-        """How messages name it: ``reward.functions[1] (name)``."""
-        return f"reward.functions[{self.index}] ({self.name})"
+        """How messages name it: ``reward.functions.0 (name)``, the dotted path of its entry."""
+        where = "reward.model_path" if self.index is None else f"reward.functions.{self.index}"
+        return f"{where} ({self.name})"
 
 
 def load_reward_function(spec: RewardFunctionSpec) -> Callable:
@@ -68,6 +78,8 @@ def load_reward_function(spec: RewardFunctionSpec) -> Callable:
             one-line text), no such attribute, or an attribute that is not callable.
     """
     module_name, sep, attr = spec.function.partition(":")
+    if not sep and spec.path is not None:  # verl's custom_reward_function {path, name}: the name alone
+        module_name, sep, attr = Path(spec.path).stem, ":", spec.function
     if not sep or not module_name or not attr:
         raise RewardFunctionError(f"{spec.label}: function {spec.function!r}: expected 'package.module:function' "
                                   "or a built-in reward name")
@@ -99,7 +111,78 @@ def load_reward_function(spec: RewardFunctionSpec) -> Callable:
         raise RewardFunctionError(f"{spec.label}: {spec.path or module_name} has no attribute {attr!r}")
     if not callable(fn):
         raise RewardFunctionError(f"{spec.label}: {spec.function} is a {type(fn).__name__}, not a function")
-    return fn
+    return VerlScore(fn, spec.answer_field, tuple(spec.kwargs)) if VerlScore.takes(fn) else fn
+
+
+class VerlScore:
+    """A verl-style reward, ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``
+    called once per sample and returning a number or a dict with a ``"score"`` (verl's
+    `custom_reward_function`), served in TRL's batch convention: ``(completions, **columns) -> list``.
+
+    Per sample: `solution_str` is the completion's text, `ground_truth` the row's ``ground_truth`` column, else
+    ``reward_model["ground_truth"]`` (verl's parquet layout), else the `answer_field` column; `data_source` and
+    `extra_info` are those columns or None. Chosen by signature (`takes`): parameters named ``solution_str`` and
+    ``ground_truth``."""
+
+    def __init__(self, fn: Callable, answer_field: Optional[str], options: Sequence[str] = ()):
+        self.fn, self.answer_field, self.options = fn, answer_field, tuple(options)
+        self.__name__ = getattr(fn, "__name__", "compute_score")
+
+    @staticmethod
+    def takes(fn: Callable) -> bool:
+        """Whether `fn` has verl's `compute_score` parameters (`solution_str` and `ground_truth`)."""
+        try:
+            names = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return False
+        return "solution_str" in names and "ground_truth" in names
+
+    def __call__(self, completions: list, **columns: Any) -> list:
+        n = len(completions)
+        column = lambda name: columns.get(name) or [None] * n  # noqa: E731
+        truth = columns.get("ground_truth")
+        if truth is None and "reward_model" in columns:
+            truth = [(r or {}).get("ground_truth") if isinstance(r, Mapping) else None for r in columns["reward_model"]]
+        if truth is None:
+            truth = column(self.answer_field) if self.answer_field else [None] * n
+        options = {k: columns[k] for k in self.options if k in columns}
+        out = []
+        for completion, source, gold, extra in zip(completions, column("data_source"), truth, column("extra_info")):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            score = call_reward(self.fn, {"data_source": source, "solution_str": text, "ground_truth": gold,
+                                          "extra_info": extra, **options})
+            out.append(score.get("score") if isinstance(score, Mapping) else score)
+        return out
+
+
+def call_reward(fn: Callable, kwargs: Mapping[str, Any]) -> Any:
+    """`fn(**kwargs)`, awaited when it returns an awaitable (an ``async def`` reward, as TRL allows): in a fresh
+    event loop, or in a helper thread's when this thread already runs one."""
+    result = fn(**kwargs)
+    if not inspect.isawaitable(result):
+        return result
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_awaited(result))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _awaited(result)).result()
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def user_traceback(err: BaseException) -> str:
+    """The traceback of `err` from the first frame outside astrai's reward package on (the user's code), as
+    `traceback.format_exception` writes it."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None and Path(tb.tb_frame.f_code.co_filename).parent == _HERE:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(err), err, tb))
+
+
+_HERE = Path(__file__).resolve().parent
 
 
 def _one_line(err: BaseException, limit: int = 200) -> str:
@@ -119,8 +202,9 @@ def as_list(result: Any) -> Any:
 
 def _worker_main(conn_in: Connection, conn_out: Connection) -> None:
     """A worker: take `(sys.path, specs)`, then serve `(spec index, kwargs)` calls until the pipe closes, replying
-    ("ok", value) or ("error", text)."""
+    ("ok", value, None) or ("error", one-line text, traceback text)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which ends the workers
+    die_with_parent()
     try:
         path, specs = conn_in.recv()
     except (EOFError, OSError):
@@ -136,13 +220,31 @@ def _worker_main(conn_in: Connection, conn_out: Connection) -> None:
         try:
             if index not in loaded:
                 loaded[index] = load_reward_function(specs[index])
-            reply = ("ok", as_list(loaded[index](**kwargs)))
+            reply = ("ok", as_list(call_reward(loaded[index], kwargs)), None)
         except BaseException as err:  # the user's code: anything it raises is reported, never kills the loop
-            reply = ("error", f"{type(err).__name__}: {_one_line(err)}")
+            reply = ("error", f"{type(err).__name__}: {_one_line(err)}", user_traceback(err))
         try:
             conn_out.send(reply)
         except Exception as err:  # e.g. an unpicklable return value
-            conn_out.send(("error", f"cannot send the result back: {type(err).__name__}: {_one_line(err)}"))
+            conn_out.send(("error", f"cannot send the result back: {type(err).__name__}: {_one_line(err)}", None))
+
+
+def die_with_parent(poll_seconds: float = 0.5) -> None:
+    """End this process and its whole process group (what it started) when its parent process goes away, however
+    the parent ends (SIGKILL included): a daemon thread polls `os.getppid()`, which changes when the parent dies and
+    the process is re-parented. For a child started in a session of its own (`start_new_session`), so the group
+    is only the child and its descendants."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        try:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="astrai-die-with-parent", daemon=True).start()
 
 
 STARTUP_SECONDS = 120.0
@@ -223,28 +325,29 @@ class RewardWorkerPool:
             self._workers[slot] = _Worker(self.specs)
         return self._workers[slot]
 
-    def run(self, index: int, calls: Sequence[Mapping[str, Any]]) -> list[tuple[str, Any]]:
+    def run(self, index: int, calls: Sequence[Mapping[str, Any]]) -> list[tuple[str, Any, Optional[str]]]:
         """Run function `index` once per kwargs of `calls` (at most `num_workers` of them, in parallel).
 
-        Returns: per call ("ok", the returned value as a list when sequence-like) or ("error", one-line text:
-        the exception, "timed out after N s" or "the worker process died (exit code C)").
+        Returns: per call ("ok", the returned value as a list when sequence-like, None) or ("error", one-line
+        text: the exception, "timed out after N s" or "the worker process died (exit code C)"; the exception's
+        traceback text, or None).
         """
         if len(calls) > self.num_workers:
             raise ValueError(f"RewardWorkerPool.run: {len(calls)} calls for {self.num_workers} workers")
         pending: dict[Connection, int] = {}
-        results: list[tuple[str, Any]] = [("error", "not run")] * len(calls)
+        results: list[tuple[str, Any, Optional[str]]] = [("error", "not run", None)] * len(calls)
         workers = [self._worker(slot) for slot in range(len(calls))]  # new ones start in parallel
         for slot, kwargs in enumerate(calls):
             worker = workers[slot]
             if not worker.ready():
-                results[slot] = ("error", f"the worker process did not start within {STARTUP_SECONDS:g} s")
+                results[slot] = ("error", f"the worker process did not start within {STARTUP_SECONDS:g} s", None)
                 worker.kill()
                 self._workers[slot] = None
                 continue
             try:
                 worker.send_conn.send((index, dict(kwargs)))
             except Exception as err:  # an unpicklable argument
-                results[slot] = ("error", f"cannot send the call: {type(err).__name__}: {_one_line(err)}")
+                results[slot] = ("error", f"cannot send the call: {type(err).__name__}: {_one_line(err)}", None)
                 continue
             pending[worker.conn] = slot
         deadline = time.monotonic() + self.timeout_seconds
@@ -261,12 +364,12 @@ class RewardWorkerPool:
                         code = self._workers[slot].process.wait(timeout=5)
                     except subprocess.TimeoutExpired:
                         code = None
-                    results[slot] = ("error", f"the worker process died (exit code {code})")
+                    results[slot] = ("error", f"the worker process died (exit code {code})", None)
                     self._workers[slot].kill()
                     self._workers[slot] = None
                     self.restarts += 1
         for slot in pending.values():  # past the deadline: kill and start afresh on the next call
-            results[slot] = ("error", f"timed out after {self.timeout_seconds:g} s (reward.timeout_seconds)")
+            results[slot] = ("error", f"timed out after {self.timeout_seconds:g} s (reward.timeout_seconds)", None)
             self._workers[slot].kill()
             self._workers[slot] = None
             self.restarts += 1

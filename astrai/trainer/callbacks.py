@@ -37,7 +37,7 @@ class StepTimer(Callback):
 
 class MetricsLogger(Callback):
     """Writes one JSON object per optimizer step to `<output_dir>/metrics.jsonl` (main process only) and
-    prints the main metrics every `logging_steps` steps.
+    prints the main metrics (and the samples each reward function failed on, when any) every `logging_steps` steps.
 
     Metrics arrive as detached tensors; this is the one place that turns them into Python numbers.
     The file is opened in append mode, line-buffered, and fsynced by `flush()`. On a resumed run, records of
@@ -84,6 +84,8 @@ class MetricsLogger(Callback):
         if record is not None and (trainer.state.global_step % self.logging_steps == 0 or
                                    trainer.state.global_step == trainer.state.max_steps):
             parts = [f"{short} {record[key]:.4g}" for key, short in CONSOLE_KEYS if key in record]
+            parts += [f"{key[len('rewards/'):-len('/failed')]} failed on {record[key]:.4g} samples" for key in record
+                      if key.startswith("rewards/") and key.endswith("/failed") and record[key] > 0]
             self.printer(f"step {trainer.state.global_step}/{trainer.state.max_steps} | " + " | ".join(parts))
 
     def _write(self, trainer, metrics) -> Optional[dict]:
