@@ -103,6 +103,12 @@ def _source(script, *, max_rounds, ref=None):
     return source
 
 
+def _cut(exp):
+    """The share of `exp`'s responses that do not end with the stop token (cut by max_new_tokens), counted here."""
+    ends = [exp.sequences.response_ids[row][exp.sequences.action_mask[row]].tolist()[-1] for row in range(len(exp))]
+    return sum(end != EOS for end in ends) / len(exp)
+
+
 def test_dynamic_sampling_keeps_the_first_groups_with_unequal_rewards():
     script = [[0, 0, 0, 0, 1, 0, 1, 0],   # round 1: group 0 all equal (dropped), group 1 kept
               [1, 1, 0, 1, 0, 0, 1, 0]]  # round 2: both kept; the second is surplus
@@ -113,7 +119,8 @@ def test_dynamic_sampling_keeps_the_first_groups_with_unequal_rewards():
     assert len(texts) == 2  # stopped once B groups differ
     assert exp.responses == tuple(texts[0][G:2 * G] + texts[1][:G])
     assert exp.scores.tolist() == [1, 0, 1, 0, 1, 1, 0, 1]
-    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.25, "sampled_reward_mean": 6 / 16}
+    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.25, "sampled_reward_mean": 6 / 16,
+                         "truncated_fraction": _cut(exp)}
     assert ref.rows == B * G  # reference log-probs only for the kept samples
     assert exp.ref_logprobs.shape == exp.old_logprobs.shape == exp.sequences.action_mask.shape
     # each kept row is the sampled row: its response tokens decode to the text scored for it
@@ -129,7 +136,8 @@ def test_dynamic_sampling_fills_the_batch_with_dropped_groups_at_the_round_cap()
     source = _source(script, max_rounds=2)
     exp = source.collect(policy_version=0)
     texts = source.runner.score_fn.calls
-    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.75, "sampled_reward_mean": 5 / 16}
+    assert exp.stats == {"sampling_rounds": 2.0, "sampled_zero_std_groups": 0.75, "sampled_reward_mean": 5 / 16,
+                         "truncated_fraction": _cut(exp)}
     # the one group of unequal rewards (round 2, group 1), then the first dropped one (round 1, group 0)
     assert exp.responses == tuple(texts[0][:G] + texts[1][G:])
     assert exp.scores.tolist() == [1, 1, 1, 1, 0, 1, 0, 0]
@@ -145,15 +153,17 @@ def test_a_larger_generation_batch_fills_the_batch_in_one_round():
     assert len(texts) == 1 and len(texts[0]) == 2 * B * G  # one round of 4 prompts x G responses
     assert exp.responses == tuple(texts[0][G:3 * G])
     assert exp.scores.tolist() == [1, 0, 0, 0, 1, 1, 0, 1]
-    assert exp.stats == {"sampling_rounds": 1.0, "sampled_zero_std_groups": 0.25, "sampled_reward_mean": 7 / 16}
+    assert exp.stats == {"sampling_rounds": 1.0, "sampled_zero_std_groups": 0.25, "sampled_reward_mean": 7 / 16,
+                         "truncated_fraction": _cut(exp)}
     assert source.data_sampler.drawn == 2 * B
 
 
-def test_without_dynamic_sampling_one_round_and_no_stats():
+def test_without_dynamic_sampling_one_round_and_only_the_truncated_share():
     source = _source([[0] * (B * G)], max_rounds=4)
     source.dynamic_sampling = False
     exp = source.collect(policy_version=0)
-    assert len(source.runner.score_fn.calls) == 1 and exp.stats == {} and exp.scores.shape == (B * G,)
+    assert len(source.runner.score_fn.calls) == 1 and exp.scores.shape == (B * G,)
+    assert exp.stats == {"truncated_fraction": _cut(exp)} and 0 < _cut(exp) < 1
 
 
 def test_dynamic_sampling_arguments_and_config_are_checked():

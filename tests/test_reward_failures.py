@@ -303,3 +303,4 @@ def test_a_training_run_with_one_broken_reward_of_three_stops_in_one_line(reward
     assert "reward.functions.1 (broken) failed on 12 of 12 samples of the last 3 rollouts" in last, err
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(records) == 2  # steps 1 and 2 trained; the third rollout stopped the job
+

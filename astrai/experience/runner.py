@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -42,6 +43,7 @@ class RolloutRunner:
         self.score_fn = score_fn
         self.ref_model = ref_model
         self.chunk_size = chunk_size
+        self._said_truncated = False
 
     def collect(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[Any],
                 generator: Optional[torch.Generator] = None) -> Experience:
@@ -56,7 +58,9 @@ class RolloutRunner:
     def sample(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[Any],
                generator: Optional[torch.Generator] = None) -> Experience:
         """Sample one response per prompt, decode and score it; `ref_logprobs` stay None (`add_reference`).
-        `answers` are the score function's per-sample targets (reference answers, or the prompt records).
+        `answers` are the score function's per-sample targets (reference answers, or the prompt records). Its
+        stats hold `truncated_fraction`: the share of responses the length cap (`SamplingParams.max_new_tokens`)
+        cut before a stop token; the first time more than half are cut, a warning says so (once).
 
         Raises:
             ValueError: when `prompt_ids` and `answers` differ in length, or the score function returns a
@@ -78,10 +82,29 @@ class RolloutRunner:
         scores = torch.as_tensor(getattr(scored, "total", scored), dtype=torch.float32)
         if scores.shape != (len(answers),) or not bool(torch.isfinite(scores).all()):
             raise ValueError(f"reward: expected {len(answers)} finite scores, got {tuple(scores.shape)}")
-        return Experience(sequences=sequences, old_logprobs=generation.old_logprobs, ref_logprobs=None,
-                          scores=scores.to(generation.old_logprobs.device), responses=responses,
-                          policy_version=generation.policy_version, timings=timings,
-                          reward_components=dict(components), reward_failed=dict(failed))
+        experience = Experience(sequences=sequences, old_logprobs=generation.old_logprobs, ref_logprobs=None,
+                                scores=scores.to(generation.old_logprobs.device), responses=responses,
+                                policy_version=generation.policy_version, timings=timings,
+                                reward_components=dict(components), reward_failed=dict(failed))
+        truncated = self.truncated_fraction(experience)
+        if truncated > 0.5 and not self._said_truncated:
+            self._said_truncated = True
+            warnings.warn(f"rollout.max_new_tokens ({self.sampling.max_new_tokens}) cut {truncated:.0%} of this "
+                          f"rollout's responses before they ended: the rewards scored unfinished answers; raise it "
+                          f"unless that is meant (rollout/truncated_fraction counts it on every rollout; said once)",
+                          stacklevel=2)
+        experience.stats["truncated_fraction"] = truncated
+        return experience
+
+    def truncated_fraction(self, experience: Experience) -> float:
+        """The share of `experience`'s responses whose last real token is not a stop token
+        (`SamplingParams.stop_token_ids`): those the length cap cut before they ended."""
+        seq = experience.sequences
+        lengths = seq.response_mask.sum(-1)
+        last = seq.response_ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        stops = torch.tensor(self.sampling.stop_token_ids, dtype=last.dtype, device=last.device)
+        finished = torch.isin(last, stops) & (lengths > 0)
+        return 1.0 - float(finished.float().mean()) if len(experience) else 0.0
 
     def add_reference(self, experience: Experience) -> Experience:
         """`experience` with the reference model's log-probs (B, T) float32 of its responses at the sampling

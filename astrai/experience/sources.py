@@ -141,6 +141,7 @@ class OnlineExperience:
         experience = dataclasses.replace(concat_experiences(parts, pad_token_id), timings=summed_timings(rounds))
         sampled = torch.cat([part.scores.reshape(-1).float() for part in rounds])
         experience.stats.update(sampling_rounds=float(len(rounds)),
+                                truncated_fraction=self.runner.truncated_fraction(experience),
                                 sampled_zero_std_groups=len(dropped) / (len(kept) + len(dropped)),
                                 sampled_reward_mean=float(sampled.mean()))
         return experience

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -35,9 +36,54 @@ class StepTimer(Callback):
         self._last = now
 
 
+class DegenerateSignals:
+    """Says once, loudly (a warning), when the training signal of an online run means less than the user thinks,
+    from the metrics records (`observe` each, `finish` at the end):
+
+    - `rollout/advantage_abs_mean` 0 on `rollouts` rollouts in a row: every sample's advantage was zero (GRPO: every
+      group's rewards were equal), so those updates had no policy gradient;
+    - `rollout/reward_std` 0 on every rollout of a run of at least `rollouts` rollouts, with one `reward_mean`:
+      the reward was one constant on every sample, at the end of the run.
+
+    Rollouts are told apart by `rollout/policy_version` (a rollout's later minibatches repeat its metrics).
+    """
+
+    def __init__(self, rollouts: int = 3):
+        self.rollouts = rollouts
+        self._zero_streak = 0
+        self._rewards: set[float] = set()  # the distinct reward means of the run while every reward_std is 0
+        self._constant, self._seen, self._said, self._version = True, 0, set(), None
+
+    def observe(self, record: dict) -> None:
+        """Take one step's record (floats); warn the first time a condition holds."""
+        version = record.get("rollout/policy_version")
+        if "rollout/reward_std" not in record or (version is not None and version == self._version):
+            return
+        self._version, self._seen = version, self._seen + 1
+        zero = record.get("rollout/advantage_abs_mean") == 0.0
+        self._zero_streak = self._zero_streak + 1 if zero else 0
+        if self._zero_streak >= self.rollouts and "advantages" not in self._said:
+            self._said.add("advantages")
+            warnings.warn(f"every advantage was 0 on the last {self._zero_streak} rollouts (rollout/advantage_abs_mean):"
+                          f" the responses of each group scored alike, so these updates had no policy gradient; "
+                          f"a reward that tells responses apart, a larger group size or rollout.dynamic_sampling "
+                          f"helps (said once)", stacklevel=2)
+        self._constant = self._constant and record["rollout/reward_std"] == 0.0
+        self._rewards.add(record.get("rollout/reward_mean"))
+
+    def finish(self) -> None:
+        """At the end of the run: warn when the reward was one constant throughout."""
+        if self._constant and self._seen >= self.rollouts and len(self._rewards) == 1:
+            warnings.warn(f"the reward was {next(iter(self._rewards)):g} on every sample of all {self._seen} "
+                          f"rollouts of this run: it never told responses apart, so nothing was learned from it; "
+                          f"check the reward functions against a few completions (train.eval_steps, "
+                          f"python -m astrai.evaluate)", stacklevel=2)
+
+
 class MetricsLogger(Callback):
     """Writes one JSON object per optimizer step to `<output_dir>/metrics.jsonl` (main process only) and
-    prints the main metrics (and the samples each reward function failed on, when any) every `logging_steps` steps.
+    prints the main metrics (and the samples each reward function failed on, when any) every `logging_steps` steps;
+    warns once when the signal is degenerate (`DegenerateSignals`).
 
     Metrics arrive as detached tensors; this is the one place that turns them into Python numbers.
     The file is opened in append mode, line-buffered, and fsynced by `flush()`. On a resumed run, records of
@@ -47,6 +93,7 @@ class MetricsLogger(Callback):
 
     def __init__(self, output_dir: str | os.PathLike, *, logging_steps: int, enabled: bool = True,
                  resume_step: Optional[int] = None, printer: Callable[[str], None] = tqdm.write):
+        self.signals = DegenerateSignals()
         self.path = Path(output_dir) / "metrics.jsonl"
         self.logging_steps = logging_steps
         self.enabled = enabled
@@ -81,6 +128,8 @@ class MetricsLogger(Callback):
 
     def on_step_end(self, trainer, metrics) -> None:
         record = self._write(trainer, metrics)
+        if record is not None:
+            self.signals.observe(record)
         if record is not None and (trainer.state.global_step % self.logging_steps == 0 or
                                    trainer.state.global_step == trainer.state.max_steps):
             parts = [f"{short} {record[key]:.4g}" for key, short in CONSOLE_KEYS if key in record]
@@ -107,6 +156,11 @@ class MetricsLogger(Callback):
 
     def on_train_end(self, trainer) -> None:
         if self._file is not None:
+            self.signals.finish()
+        self._close()
+
+    def _close(self) -> None:
+        if self._file is not None:
             self.flush()
             self._file.close()
             self._file = None
@@ -114,7 +168,7 @@ class MetricsLogger(Callback):
     def on_train_abort(self, trainer) -> None:
         """The run failed: flush and fsync what was logged (a full disk may refuse it: nothing more to do then)."""
         try:
-            self.on_train_end(trainer)
+            self._close()
         except OSError:
             self._file = None
 
