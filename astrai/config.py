@@ -77,7 +77,8 @@ class RewardFunction(Record, item="function"):
                                          "built-in name; TRL's convention, or verl's compute_score(data_source, "
                                          "solution_str, ground_truth, extra_info) told by its parameters")
     weight: float = field_spec(1.0, "its weight in the total reward")
-    name: Optional[str] = field_spec(None, "the name of its metrics; null = the function's")
+    name: Optional[str] = field_spec(None, "the name of its metrics; null = the function's",
+                                     Pattern(r"[A-Za-z0-9_.-]+", "a metric name (letters, digits, _ . -)"))
     path: Optional[str] = field_spec(None, "a .py file holding it (relative paths from the working directory)")
     kwargs: dict[str, Any] = field_spec({}, "keyword arguments passed on every call")
 
@@ -403,7 +404,8 @@ class Config:
                 raise ConfigError(f"rollout.dynamic_sampling: {kind} needs {spec.group_size_field} >= 2 (responses "
                                   f"per prompt whose rewards can differ), got {spec.group_size(self)}")
             r = self.rollout
-            if r.max_sampling_rounds < 2 and (r.generation_batch_size or r.batch_size) <= r.batch_size:
+            per_round = r.batch_size if r.generation_batch_size is None else r.generation_batch_size
+            if r.max_sampling_rounds < 2 and per_round <= r.batch_size:
                 raise ConfigError("rollout.max_sampling_rounds: rollout.dynamic_sampling needs >= 2 rounds, or "
                                   "rollout.generation_batch_size > rollout.batch_size (one round of "
                                   "rollout.batch_size prompts keeps every group, as without it), got "

@@ -304,3 +304,13 @@ def test_a_training_run_with_one_broken_reward_of_three_stops_in_one_line(reward
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(records) == 2  # steps 1 and 2 trained; the third rollout stopped the job
 
+
+
+def test_an_empty_or_slashed_metric_name_is_refused_not_replaced():
+    """reward.functions.N.name "" used to become the function's name silently (`name or ...`); a "/" would split
+    the metric's path."""
+    from astrai.config import ConfigError
+    for bad in ("", "a/b", "two words"):
+        with pytest.raises(ConfigError, match=r"^reward.functions.0: name: expected null or a metric name"):
+            config_from_dict({"reward": {"functions": [{"function": "m:f", "name": bad}]}})
+    assert config_from_dict({"reward": {"functions": [{"function": "m:f", "name": "len-2.v1"}]}})
