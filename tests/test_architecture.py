@@ -94,6 +94,7 @@ LAYERS = {
     "forward": {"algos", "data", "models"},            # the training forward: log-probs and values of sequences
     "rollout": {"data", "models", "kernels", "config", "deps"},  # generation engines only
     "rewards": {"data", "models", "sandbox", "deps"},
+    "agents": {"models", "deps"},                      # tools, tool-call format, token-exact chat rendering
     # floor 6
     "experience": {"algos", "data", "forward", "models", "rewards", "rollout"},
     "evaluation": {"algos", "checkpoint", "config", "config_schema", "data", "models", "rewards", "rollout"},

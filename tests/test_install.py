@@ -107,6 +107,16 @@ def test_the_kernel_sources_are_packaged_as_astrai_kernels():
     assert not (REPO / "kernels" / "__init__.py").exists()
 
 
+def test_every_package_of_the_source_tree_is_installed_by_a_wheel():
+    """pyproject's explicit `packages` list names every package under astrai/ (an editable install finds a package
+    missing from it; a wheel or the Docker image would not)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "astrai").rglob("__init__.py")}
+    assert on_disk - {"astrai.kernels"} <= listed, sorted(on_disk - listed)
+
+
 def _setup_commands() -> list[str]:
     """The README's set-up-and-go command lines (the indented lines that make the virtual environment)."""
     return [line.strip() for line in (REPO / "README.md").read_text().splitlines()
