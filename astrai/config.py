@@ -105,8 +105,13 @@ class DataSection(Section, name="data"):
     path: str = field_spec("builtin:math_prompts", "'builtin:<name>' dataset or a .jsonl file path")
     prompt_field: str = field_spec("question", "record field holding the prompt text")
     answer_field: str = field_spec("answer", "record field holding the reference answer (for the reward)")
-    system_prompt: Optional[str] = field_spec(None, "system message prepended through the chat template")
-    max_prompt_length: int = field_spec(256, "most tokens of a chat-templated prompt (see data.truncation)", GT0)
+    system_prompt: Optional[str] = field_spec(None, "system message prepended through the chat template (needs "
+                                                    "the template: refused with raw text prompts)")
+    chat_template: Optional[bool] = field_spec(
+        None, "render prompts with the tokenizer's chat template: true (refused when the tokenizer has none), false "
+              "(raw text: the prompt as stored, after the BOS token when the tokenizer adds one) or null (the "
+              "template when the tokenizer has one, else raw text, said at start-up)")
+    max_prompt_length: int = field_spec(256, "most tokens of a rendered prompt (see data.truncation)", GT0)
     truncation: str = field_spec("error", "overlong prompts (online, dpo, grpo): 'error' stops at load time, "
                                  "'filter' drops them, 'left' cuts the question's start (template kept)",
                                  Choices(TRUNCATION_POLICIES))
@@ -369,7 +374,7 @@ class Config:
     model: ModelSection = field(default_factory=ModelSection)
     """Policy weights (name, HF dir or GGUF), dtype, activation checkpointing."""
     data: DataSection = field(default_factory=DataSection)
-    """Prompt dataset, record fields, system prompt, prompt length limit (tokens)."""
+    """Prompt dataset, record fields, system prompt, chat template or raw text, prompt length limit (tokens)."""
     reward: RewardSection = field(default_factory=RewardSection)
     """Scalar reward function by name, plus an optional format bonus."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -422,6 +427,13 @@ class Config:
         if self.rollout.correction != "none" and not spec.online:
             raise ConfigError(f"rollout.correction: corrects rollouts sampled by the engine; train.type {kind} samples "
                               "none; set it to none")
+        if self.data.chat_template is False and spec.renders == "chats":
+            raise ConfigError(f"data.chat_template: false, but train.type {kind} trains on chats "
+                              "(data.messages_field), which need the chat template; set it to true or null")
+        if self.data.chat_template is False and self.data.system_prompt and spec.renders == "prompts":
+            raise ConfigError("data.system_prompt: a system message needs the chat template, but prompts are raw "
+                              "text (data.chat_template is false); write the text into the prompts themselves, or "
+                              "set data.chat_template to true")  # as astrai.data.prompt_format says it at start-up
         if self.data.mixture and self.data.path != DataSection().path:
             raise ConfigError(f"data.mixture: set together with data.path {self.data.path!r}; the mixture replaces "
                               "data.path, so set only one of them")

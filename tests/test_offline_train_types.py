@@ -325,7 +325,8 @@ def test_prompt_without_room_for_a_response_names_the_row():
     from astrai.data.truncation import prompt_ids_and_budget
 
     tok = tiny_tokenizer()
-    data = SimpleNamespace(system_prompt=None, max_prompt_length=64, max_length=200, truncation="error")
+    data = SimpleNamespace(system_prompt=None, chat_template=None, max_prompt_length=64, max_length=200,
+                           truncation="error")
     ids, budget = prompt_ids_and_budget("what is 2 + 2?", tok, data, "pairs.jsonl row 3")
     assert ids and budget == 200 - len(ids)
     data.max_length = len(ids)

@@ -14,8 +14,8 @@ template's own markers and the ends this module appends are control ids.
   the document index of every token: position ids restart at each document and attention stays inside it
   (a block-diagonal causal mask, `astrai.models.layers.build_attention_mask`), and the first token of each
   document in a row is not a target, so a packed row computes what its documents would compute alone.
-- dpo / grpo: prompts go through the same chat-template encoding as online rollouts
-  (`astrai.data.truncation.encode_prompt`); responses are their tokens plus the end-of-turn id
+- dpo / grpo: prompts are rendered as online rollouts render them (the chat template or raw text,
+  `data.chat_template`: `astrai.data.truncation.encode_prompt`); responses are their tokens plus the end-of-turn id
   (`astrai.models.special_tokens.response_end_id`); `Sequences.from_tokens` (`astrai.data.sequences`) assembles
   prompt + response batches in the rollout layout (left-padded prompt, right-padded response), so log-probs are
   computed by the same `response_logprobs` as for rollouts.

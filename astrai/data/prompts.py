@@ -4,7 +4,8 @@ A prompt file is jsonl (one JSON object per line; blank lines are skipped), json
 written by `datasets.Dataset.save_to_disk` (the non-jsonl ones are read through `datasets`, `data.records`). The
 GSM8K layout is the default: ``question`` and ``answer``, the answer ending in ``#### <final answer>``. The prompt
 field holds a plain string or a chat, a list of ``{"role", "content"}`` messages (rendered with the model's chat
-template); the answer field is optional (reward functions may need none); every other field of a record travels
+template; a plain string with it too, or as raw text, as ``data.chat_template`` says: ``astrai.data.prompt_format``);
+the answer field is optional (reward functions may need none); every other field of a record travels
 with it as a column (``PromptRecord.columns``: the reward functions receive them by name). The path may be
 ``builtin:<name>``, which resolves to ``astrai/data/assets/<name>.jsonl`` shipped with the package
 (``builtin:math_prompts``: 400 generated grade-school problems, see ``tools/make_math_prompts.py``;

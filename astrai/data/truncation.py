@@ -1,13 +1,15 @@
 """Prompts longer than their token budget: the `data.truncation` policy, applied when the data is loaded.
 
 A prompt is the chat template around an optional system turn and the record's question, ending with the
-generation prompt. Its budget is `data.max_prompt_length` (online rollouts), and for dpo / offline grpo also
-`data.max_length - 1` (room for at least one response token). A longer prompt is handled by `data.truncation`:
+generation prompt, or, with raw text prompts (`data.chat_template`, `astrai.data.prompt_format`), the question's
+text after the BOS token when the tokenizer adds one. Its budget is `data.max_prompt_length` (online rollouts),
+and for dpo / offline grpo also `data.max_length - 1` (room for at least one response token). A longer prompt is handled by `data.truncation`:
 
 - `error` (the default, as verl's `data.truncation`): stop at load time naming the file, row and lengths.
 - `filter`: drop the record at load time (verl's `filter_overlong_prompts`) and print how many were dropped.
 - `left`: keep the chat's structure and cut the START of the question's own tokens (the template markers, the
-  system turn and the generation prompt are kept whole; the end of a question usually holds what is asked).
+  system turn and the generation prompt are kept whole, as is a raw prompt's BOS token; the end of a question
+  usually holds what is asked).
   A prompt whose template and system turn alone exceed the budget is an error.
 
 A plain left cut of the token sequence (what TRL does with `truncation_side="left"`) would drop the system
@@ -22,6 +24,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from astrai.config import TRUNCATION_POLICIES
 from astrai.data.chat import encode_rendered, render_chat
 from astrai.data.files import DataError
+from astrai.data.prompt_format import CHAT_TEMPLATE_FIELD, bos_prefix, raw_prompt_ids, refuse_system_prompt, \
+    uses_chat_template
 
 __all__ = ["TRUNCATION_POLICIES", "EncodedPrompt", "encode_prompt", "encode_prompt_records", "fit_prompt",
            "prompt_ids_and_budget", "report_dropped"]
@@ -32,7 +36,7 @@ class EncodedPrompt:
     """A prompt ready for rollouts.
 
     Attributes:
-        prompt_ids: chat-templated token ids (P,), within the budget.
+        prompt_ids: the rendered prompt's token ids (P,) (chat template or raw text), within the budget.
         answer: the record's reference answer ("" when none).
         index: 0-based row of the record in its file.
         prompt: the prompt as stored (text or chat messages), what reward functions receive as `prompts`.
@@ -58,12 +62,30 @@ def prompt_messages(question, system_prompt: Optional[str]) -> list[dict]:
     return messages + [{"role": "user", "content": question}]
 
 
-def encode_prompt(tokenizer, question, *, system_prompt: Optional[str] = None,
+def encode_prompt(tokenizer, question, *, system_prompt: Optional[str] = None, chat_template: Optional[bool] = None,
                   where: str = "prompt") -> tuple[list[int], Optional[tuple[int, int]]]:
-    """(ids, (a, b)): the chat-templated ids of a prompt (generation prompt included) and the token range
-    `ids[a:b]` that holds only the question's text (None when the template rewrote the question, so its tokens
-    cannot be told apart). `question` is a string or a chat whose last message is the user's (its content is the
-    part `data.truncation=left` may cut)."""
+    """(ids, (a, b)): the ids of a rendered prompt and the token range `ids[a:b]` that holds only the question's
+    text (None when the template rewrote the question, so its tokens cannot be told apart). `question` is a string
+    or a chat whose last message is the user's (its content is the part `data.truncation=left` may cut).
+
+    `chat_template` (`data.chat_template`) picks the rendering through `prompt_format.uses_chat_template`: the chat
+    template (generation prompt included), or raw text (`prompt_format.raw_prompt_ids`: the BOS token when the
+    tokenizer adds one, then the text; the range is the text).
+
+    Raises:
+        ConfigError: `chat_template` True without a template, or a `system_prompt` with raw text.
+        DataError: naming `where`, a chat prompt with raw text (a chat needs a template), or a template that
+            rewrites a content spelling a control token (`chat.render_chat`).
+    """
+    if not uses_chat_template(tokenizer, chat_template):
+        if isinstance(question, list):
+            why = "is false" if chat_template is False else "is null and the tokenizer has none"
+            raise DataError(f"{where}: the prompt is a chat (a list of messages), which needs a chat template, "
+                            f"but prompts are raw text ({CHAT_TEMPLATE_FIELD} {why})")
+        if system_prompt:
+            raise refuse_system_prompt(chat_template)
+        ids = raw_prompt_ids(tokenizer, question)
+        return ids, (len(bos_prefix(tokenizer)), len(ids))
     messages = prompt_messages(question, system_prompt)
     chat = render_chat(tokenizer, messages, add_generation_prompt=True, where=where)
     ids, starts = encode_rendered(tokenizer, chat)
@@ -100,25 +122,29 @@ def fit_prompt(ids: Sequence[int], question: Optional[tuple[int, int]], *, limit
     a, b = question
     if b - a <= excess:
         raise DataError(f"{where}: the prompt is {len(ids)} tokens and all but {b - a} of them are the chat "
-                        f"template and system prompt; cutting the question cannot fit {limit_name}={limit}")
+                        f"template and system prompt (or the BOS token); cutting the question cannot fit "
+                        f"{limit_name}={limit}")
     return ids[:a] + ids[a + excess:]
 
 
 def encode_prompt_records(questions: Sequence, tokenizer, *, system_prompt: Optional[str], limit: int,
-                          limit_name: str, policy: str, source: str,
+                          limit_name: str, policy: str, source: str, chat_template: Optional[bool] = None,
                           log: Callable[[str], None] = print) -> list[Optional[list[int]]]:
-    """Encode and fit every question (row i of `source` is `questions[i]`); None marks a dropped row.
+    """Encode (`encode_prompt`, rendered as `chat_template` says) and fit every question (row i of `source` is
+    `questions[i]`); None marks a dropped row.
 
     Prints (through `log`) how many prompts `filter` dropped or `left` cut.
 
     Raises:
-        DataError: from `fit_prompt` (naming `source` and the 1-based row), or when `filter` drops every row.
+        DataError: from `encode_prompt` or `fit_prompt` (naming `source` and the 1-based row), or when `filter`
+            drops every row. ConfigError: from `encode_prompt`.
     """
     out: list[Optional[list[int]]] = []
     cut = 0
     for row, question in enumerate(questions, start=1):
         where = f"{source} row {row}"
-        ids, span = encode_prompt(tokenizer, question, system_prompt=system_prompt, where=where)
+        ids, span = encode_prompt(tokenizer, question, system_prompt=system_prompt, chat_template=chat_template,
+                                  where=where)
         fitted = fit_prompt(ids, span, limit=limit, limit_name=limit_name, policy=policy, where=where)
         cut += fitted is not None and len(fitted) < len(ids)
         out.append(fitted)
@@ -136,17 +162,20 @@ def encode_prompt_records(questions: Sequence, tokenizer, *, system_prompt: Opti
 
 
 def prompt_ids_and_budget(prompt: str, tokenizer, data, where: str) -> Optional[tuple[list[int], int]]:
-    """Chat-templated ids of one stored record's `prompt` (dpo, offline grpo; system prompt applied) fitted under
-    `data.truncation` to `min(data.max_prompt_length, data.max_length - 1)` tokens (room for at least one response
-    token), and the number of response tokens left within `data.max_length`; None when `filter` drops it.
+    """The ids of one stored record's `prompt` (dpo, offline grpo, rm), rendered as training renders it
+    (`encode_prompt`: `data.chat_template`, system prompt applied), fitted under `data.truncation` to
+    `min(data.max_prompt_length, data.max_length - 1)` tokens (room for at least one response token), and the
+    number of response tokens left within `data.max_length`; None when `filter` drops it.
 
     Args:
-        data: the `data` section of the config (`system_prompt`, `max_prompt_length`, `max_length`, `truncation`).
+        data: the `data` section of the config (`system_prompt`, `chat_template`, `max_prompt_length`,
+            `max_length`, `truncation`).
 
     Raises:
-        DataError: naming `where` (from `fit_prompt`).
+        DataError: naming `where` (from `encode_prompt` and `fit_prompt`).
     """
-    ids, question = encode_prompt(tokenizer, prompt, system_prompt=data.system_prompt, where=where)
+    ids, question = encode_prompt(tokenizer, prompt, system_prompt=data.system_prompt,
+                                  chat_template=data.chat_template, where=where)
     if data.max_prompt_length <= data.max_length - 1:
         limit, name = data.max_prompt_length, "data.max_prompt_length"
     else:

@@ -2,10 +2,10 @@
 
 One function, `evaluate`, serves the `python -m astrai.evaluate` command and the in-training evaluation callback
 (`astrai.trainer.evaluation_callback`). Prompts are built by `astrai.data.truncation.encode_prompt_records`, exactly
-as the online train types build them (chat template, optional system prompt, `max_prompt_length` under the
-`data.truncation` policy; prompts `filter` drops are not evaluated); generation stops on the model's stop set
-(`astrai.models.special_tokens.stop_token_ids`) and responses are decoded without a final stop token and with
-special tokens skipped, as for training, and scored as training scores them (`astrai.rewards.build.score_records`:
+as the online train types build them (the chat template or raw text as `data.chat_template` says, optional system
+prompt, `max_prompt_length` under the `data.truncation` policy; prompts `filter` drops are not evaluated);
+generation stops on the model's stop set (`astrai.models.special_tokens.stop_token_ids`) and responses are decoded
+without a final stop token and with special tokens skipped, as for training, and scored as training scores them (`astrai.rewards.build.score_records`:
 the `RewardFunctions` of the job, each called with the prompt record's columns; the total is their weighted sum).
 
 Statistics, with k samples per question (`num_samples`):
@@ -239,6 +239,7 @@ class EvalResult:
 
 def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSettings,
              max_prompt_length: int, system_prompt: Optional[str] = None, truncation: str = "error",
+             chat_template: Optional[bool] = None,
              stop_token_ids: Optional[Sequence[int]] = None, source: str = "evaluation data",
              generator: Optional[torch.Generator] = None, extract_answer: Optional[Callable] = None,
              pass_threshold: float = CORRECT_SCORE, progress: bool = False, leave: bool = True, desc: str = "eval",
@@ -254,8 +255,10 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
             `astrai.rewards.build.build_rewards`; anything with its `names` and call), given every sample with its
             record's stored prompt and columns (`score_records`).
         settings: generation settings.
-        max_prompt_length, system_prompt, truncation: prompt building, as in training (`data.max_prompt_length`,
-            `data.system_prompt`, `data.truncation`); `source` names the data in errors and in what `log` prints.
+        max_prompt_length, system_prompt, truncation, chat_template: prompt building, as in training
+            (`data.max_prompt_length`, `data.system_prompt`, `data.truncation`, `data.chat_template`: the chat
+            template, raw text, or None = the template when the tokenizer has one); `source` names the data in errors
+            and in what `log` prints.
         stop_token_ids: the stop set (default: the tokenizer's EOS alone).
         generator: RNG the engine draws one number from per call (pass a dedicated one so that evaluation leaves
             other random streams alone); None uses torch's default RNG.
@@ -268,7 +271,9 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
         `EvalResult` (examples in record order).
 
     Raises:
-        DataError: an overlong prompt with `truncation="error"` (naming `source` and the row).
+        DataError: an overlong prompt with `truncation="error"`, or a chat prompt rendered as raw text (naming
+            `source` and the row). ConfigError: `chat_template` True without a template, or a system prompt with
+            raw text.
         RewardFunctionError: a reward function's bug (wrong number of values, a non-number), or more than
             `reward.max_error_fraction` of a batch's reward calls failed, as in training.
         ValueError: from the engine (a prompt plus `max_new_tokens` beyond the model's context, ...).
@@ -277,8 +282,8 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
     stops = tuple(stop_token_ids) if stop_token_ids is not None else (tokenizer.eos_token_id,)
     params = settings.sampling_params(stops)
     encoded = encode_prompt_records([r.prompt for r in records], tokenizer, system_prompt=system_prompt,
-                                    limit=max_prompt_length, limit_name="max_prompt_length", policy=truncation,
-                                    source=source, log=log)
+                                    chat_template=chat_template, limit=max_prompt_length,
+                                    limit_name="max_prompt_length", policy=truncation, source=source, log=log)
     kept = [(record, ids) for record, ids in zip(records, encoded) if ids is not None]
     names = list(rewards.names)
     result = EvalResult(num_samples=settings.num_samples, reward_names=names, pass_threshold=pass_threshold,

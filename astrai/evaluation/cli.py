@@ -3,7 +3,8 @@
 Generates with the paged rollout engine, greedy by default (`--temperature T` samples, `--num_samples k` draws k
 responses per question and reports pass@k), over a prompt set (a GSM8K-format jsonl: `question`, `answer` ending in
 `#### N`, or any prompts with the columns the job's rewards read) or a built-in set (`builtin:arithmetic_test`,
-`builtin:math_prompts`, ...), with prompts built exactly as the online train types build them, and scores each
+`builtin:math_prompts`, ...), with prompts built exactly as the online train types build them (the chat template or
+raw text as `data.chat_template` says, `astrai.data.prompt_format`), and scores each
 response with the job's reward functions as training does (`reward.functions`, or the single `reward.name`; the
 reward model of `reward.model_path` is left out), or with the one built-in of `--reward NAME`. Statistics and
 greedy decoding are described in `astrai.evaluation.accuracy`: the pass rate (`accuracy`: total reward >=
@@ -14,7 +15,8 @@ and applies-fraction.
 PATH is anything `model.path` accepts (`smollm2-135m-instruct`, a `.gguf` file, a Hugging Face-format directory
 such as a checkpoint `outputs/ppo/checkpoints/step-00000004`) or a training output_dir (its latest complete
 checkpoint is used). When PATH lies in a training output_dir holding `config.yaml`, that run's prompt and reward
-settings (fields, system prompt, prompt length, reward functions, `rollout.max_new_tokens`) are the defaults;
+settings (fields, system prompt, chat template or raw text, prompt length, reward functions,
+`rollout.max_new_tokens`) are the defaults;
 `--config FILE` names a job file to take them from instead; explicit options win.
 
 Writes `<output_dir>/results.jsonl` (one object per question: question, answer, responses, extracted answers,
@@ -38,6 +40,8 @@ from typing import Any, Optional, Sequence
 
 EXIT_BAD_INPUT = 2
 RESULTS_FILE, SUMMARY_FILE = "results.jsonl", "summary.json"
+CHAT_TEMPLATE_CHOICES = {"true": True, "false": False, "null": None}
+"""`--chat_template` values -> `data.chat_template` values (spelled as in YAML)."""
 
 
 class UsageError(Exception):
@@ -74,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_dir", default="outputs/eval",
                    help="where results.jsonl and summary.json go (default: outputs/eval)")
     p.add_argument("--system_prompt", default=None, help="system message (default: the config's data.system_prompt)")
+    p.add_argument("--chat_template", default=None, choices=tuple(CHAT_TEMPLATE_CHOICES),
+                   help="render prompts with the tokenizer's chat template (true), as raw text (false), or the "
+                        "template when the tokenizer has one (null); default: the config's data.chat_template")
     p.add_argument("--max_prompt_length", type=int, default=None, help="prompt token budget (default: the config's)")
     p.add_argument("--truncation", default=None, choices=("error", "filter", "left"),
                    help="overlong prompts: error, filter (skip) or left (cut the question's start); default: the "
@@ -124,7 +131,8 @@ def resolve_model(path: str) -> tuple[str, Optional[Path]]:
 def prompt_settings(args: argparse.Namespace, config_path: Optional[Path]) -> tuple[Any, dict[str, Any]]:
     """(the job config, the prompt and scoring settings): explicit options, else the job config's (`config_path`),
     else the defaults. `reward` is `--reward`, else the config's `reward.name` when it has no `reward.functions`
-    (None: the functions score); `pass_threshold` is `--pass_threshold`, else 1.0 (`CORRECT_SCORE`).
+    (None: the functions score); `pass_threshold` is `--pass_threshold`, else 1.0 (`CORRECT_SCORE`);
+    `chat_template` is `--chat_template` (true, false or null), else the config's `data.chat_template`.
 
     Raises:
         ConfigError: a job config that does not load.
@@ -134,13 +142,16 @@ def prompt_settings(args: argparse.Namespace, config_path: Optional[Path]) -> tu
 
     config = load_config(str(config_path) if config_path is not None else None)
     chosen = {"prompt_field": config.data.prompt_field, "answer_field": config.data.answer_field,
-              "system_prompt": config.data.system_prompt, "max_prompt_length": config.data.max_prompt_length,
+              "system_prompt": config.data.system_prompt, "chat_template": config.data.chat_template,
+              "max_prompt_length": config.data.max_prompt_length,
               "truncation": config.data.truncation,
               "reward": None if config.reward.functions else config.reward.name,
               "max_new_tokens": config.rollout.max_new_tokens, "pass_threshold": CORRECT_SCORE}
     for key in chosen:
         if getattr(args, key) is not None:
             chosen[key] = getattr(args, key)
+    if args.chat_template is not None:  # "null" is a value here, not "not given"
+        chosen["chat_template"] = CHAT_TEMPLATE_CHOICES[args.chat_template]
     return config, chosen
 
 
@@ -193,6 +204,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from astrai.checkpoint.fsutil import write_atomic
+    from astrai.data.prompt_format import check_prompt_format
     from astrai.evaluation.accuracy import EvalSettings, evaluate
     from astrai.models import load_pretrained
     from astrai.models.special_tokens import stop_token_ids
@@ -219,13 +231,16 @@ def run(args: argparse.Namespace) -> dict:
         if config_path is not None:
             print(f"prompt settings from {config_path}", file=sys.stderr)
         model, tokenizer = load_pretrained(model_path, dtype=getattr(torch, args.dtype), device=device)
+        templated = check_prompt_format(tokenizer, chosen["chat_template"], system_prompt=chosen["system_prompt"],
+                                        model=model_path, say=lambda line: print(line, file=sys.stderr))
         engine = build_rollout_engine(config, model, tokenizer)  # the job's rollout.engine and its options
         stops = stop_token_ids(model.config, tokenizer)
         del model
         generator = torch.Generator(device=device).manual_seed(args.seed)
         result = evaluate(engine, tokenizer, records, rewards=rewards, settings=settings,
                           max_prompt_length=chosen["max_prompt_length"], system_prompt=chosen["system_prompt"],
-                          truncation=chosen["truncation"], stop_token_ids=stops, source=args.data,
+                          truncation=chosen["truncation"], chat_template=chosen["chat_template"],
+                          stop_token_ids=stops, source=args.data,
                           generator=generator, extract_answer=answer_extractor(specs),
                           pass_threshold=chosen["pass_threshold"], progress=not args.no_progress_bar,
                           desc="evaluate")
@@ -234,7 +249,8 @@ def run(args: argparse.Namespace) -> dict:
     functions = [{"name": s.name, "function": s.function, "weight": s.weight, "kwargs": dict(s.kwargs)}
                  for s in specs]
     summary = {"model": args.model, "model_path": model_path, "data": args.data, **result.metrics(),
-               "settings": {**chosen, "reward_functions": functions, "temperature": args.temperature,
+               "settings": {**chosen, "prompts": "chat template" if templated else "raw text",
+                            "reward_functions": functions, "temperature": args.temperature,
                             "greedy": settings.greedy, "num_samples": args.num_samples, "batch_size": args.batch_size,
                             "seed": args.seed, "limit": args.limit, "dtype": args.dtype, "device": str(device),
                             "threads": torch.get_num_threads(), "config": str(config_path) if config_path else None}}

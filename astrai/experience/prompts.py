@@ -1,5 +1,6 @@
-"""The prompts of an online job: `data.path` (or the blend of `data.mixture`) loaded once, chat-templated, with
-overlong prompts handled by `data.truncation`, each record keeping its stored prompt and columns for the rewards."""
+"""The prompts of an online job: `data.path` (or the blend of `data.mixture`) loaded once, rendered as
+`data.chat_template` says (the chat template or raw text, `astrai.data.prompt_format`), with overlong prompts handled
+by `data.truncation`, each record keeping its stored prompt and columns for the rewards."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ __all__ = ["load_online_prompts", "online_data"]
 
 
 def online_data(config, model_config, tokenizer, *, main: bool = True) -> list[EncodedPrompt]:
-    """The data of a train type that samples online: the `data.path` prompts, chat-templated
+    """The data of a train type that samples online: the `data.path` prompts, rendered and fitted
     (`load_online_prompts`; `model_config` is not needed). Raises DataError for bad data."""
     return load_online_prompts(config, tokenizer, main=main)
 
@@ -37,9 +38,10 @@ def _prompt_datasets(config, *, require_answers: bool) -> tuple[list[PromptDatas
 
 
 def load_online_prompts(config, tokenizer, *, main: bool = True) -> list[EncodedPrompt]:
-    """The prompts of `data.path` (or the blend of `data.mixture`, `data.prompts.mixture_records`), chat-templated
-    once at load time with overlong ones handled by `data.truncation` against `data.max_prompt_length`, each with
-    its stored prompt and columns for the reward functions. The answer field is required only when a reward reads
+    """The prompts of `data.path` (or the blend of `data.mixture`, `data.prompts.mixture_records`), rendered once at
+    load time as `data.chat_template` says (`data.truncation.encode_prompt`) with overlong ones handled by
+    `data.truncation` against `data.max_prompt_length`, each with its stored prompt and columns for the reward
+    functions. The answer field is required only when a reward reads
     it (`rewards.build.answer_readers`, e.g. `math_exact_match`). On the `main` rank, prints what `filter` / `left`
     did and warns (count and first rows) about reference answers such a reward can never match (GSM8K answers
     without `#### N`); those rows are kept: the data needs fixing, and the warning says where.
@@ -61,7 +63,8 @@ def load_online_prompts(config, tokenizer, *, main: bool = True) -> list[Encoded
         if message:
             warnings.warn(message, stacklevel=2)
     ids = encode_prompt_records([rec.prompt for rec in records], tokenizer, system_prompt=d.system_prompt,
-                                limit=d.max_prompt_length, limit_name="data.max_prompt_length",
-                                policy=d.truncation, source=source, log=print if main else _quiet)
+                                chat_template=d.chat_template, limit=d.max_prompt_length,
+                                limit_name="data.max_prompt_length", policy=d.truncation, source=source,
+                                log=print if main else _quiet)
     return [EncodedPrompt(prompt_ids=p, answer=rec.answer, index=rec.index, prompt=rec.prompt, columns=rec.columns)
             for p, rec in zip(ids, records) if p is not None]

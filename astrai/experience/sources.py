@@ -51,7 +51,7 @@ class OnlineExperience:
             version before each batch (a no-op when it does already; `astrai.rollout.engine.sync_weights` over the
             trained model's `full_weights`).
         runner: the rollout runner (its `engine` is the colocated `GenerationEngine`).
-        sampler: endless resumable sampler of records with `.prompt_ids` (chat-templated, within the prompt
+        sampler: endless resumable sampler of records with `.prompt_ids` (rendered, within the prompt
             budget), `.answer`, `.prompt` and `.columns` (`PromptSampler` over `data.truncation.EncodedPrompt`s).
         batch_size: B, prompts per batch; group_size: G, samples per prompt (rows b * G ... b * G + G - 1).
         seed: seeds the sampling RNG (on `device`).

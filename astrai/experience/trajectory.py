@@ -37,7 +37,7 @@ class Trajectory:
     """One sample of a rollout: an episode, token by token.
 
     Attributes:
-        prompt_ids: the prompt's token ids (the chat template applied), P_i >= 1.
+        prompt_ids: the prompt's token ids (rendered: the chat template or raw text), P_i >= 1.
         response_ids: every token after the prompt, T_i >= 1: the policy's turns and, between them, the tokens tools
             or the environment inserted.
         loss_mask: per response token, True where the policy sampled it (trained on), False elsewhere.

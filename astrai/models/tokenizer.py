@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 from .gemma_tokenizer import GEMMA_CHAT_TEMPLATE, gemma_bpe
@@ -87,10 +87,12 @@ class Tokenizer:
     """Text <-> token ids plus the chat template.
 
     Attributes: `backend` (`tokenizers.Tokenizer`), `chat_template` (str | None), `bos_token`, `eos_token`,
-    `pad_token`, `unk_token` (str | None). `encode` never adds special tokens; special tokens written in the text
-    (e.g. `<|im_start|>`) encode to their single ids. `encode_text` is for text that comes from data: a special
-    token's spelling in it is ordinary text (several ordinary ids), as `transformers`' `split_special_tokens=True`
-    does (the backend's `encode_special_tokens` switch).
+    `pad_token`, `unk_token` (str | None), `add_bos_token` (bool: `transformers` puts the BOS token in front of
+    encoded text, as base Llama and Gemma tokenizers do; astrai's raw text prompts follow it,
+    `astrai.data.prompt_format`). `encode` never adds special tokens; special tokens written in the text (e.g.
+    `<|im_start|>`) encode to their single ids. `encode_text` is for text that comes from data: a special token's
+    spelling in it is ordinary text (several ordinary ids), as `transformers`' `split_special_tokens=True` does
+    (the backend's `encode_special_tokens` switch).
     """
 
     def __init__(
@@ -102,10 +104,12 @@ class Tokenizer:
         eos_token: str | None = None,
         pad_token: str | None = None,
         unk_token: str | None = None,
+        add_bos_token: bool = False,
     ) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
+        self.add_bos_token = bool(add_bos_token)
         self._text_backend: _Backend | None = None
 
     # ids ------------------------------------------------------------------------------------------------------
@@ -188,9 +192,11 @@ class Tokenizer:
     def from_gguf_fields(cls, fields: Mapping[str, Any]) -> "Tokenizer":
         """Build from GGUF metadata values keyed by their GGUF names (`tokenizer.ggml.model`, `.tokens`,
         `.merges`, `.token_type`, `.pre`, `.bos_token_id`, `.eos_token_id`, `.padding_token_id`,
-        `.unknown_token_id`, `tokenizer.chat_template`; `general.architecture` picks Gemma's SentencePiece
-        rebuild, `astrai.models.gemma_tokenizer`). Raises `ValueError` unless the model is byte-level BPE ("gpt2")
-        with tokens and merges, or a Gemma file's SentencePiece vocabulary ("llama")."""
+        `.unknown_token_id`, `.add_bos_token`, `tokenizer.chat_template`; `general.architecture` picks Gemma's
+        SentencePiece rebuild, `astrai.models.gemma_tokenizer`). `add_bos_token` is the file's flag, true by
+        default for a SentencePiece vocabulary ("llama": llama.cpp adds BOS unless the file says otherwise), as
+        `transformers` reads it. Raises `ValueError` unless the model is byte-level BPE ("gpt2") with tokens and
+        merges, or a Gemma file's SentencePiece vocabulary ("llama")."""
         kind = fields.get("tokenizer.ggml.model")
         gemma = kind == "llama" and str(fields.get("general.architecture", "")).startswith("gemma")
         if "tokenizer.ggml.tokens" not in fields or not gemma and (
@@ -222,14 +228,17 @@ class Tokenizer:
             eos_token=name("eos_token_id"),
             pad_token=name("padding_token_id"),
             unk_token=name("unknown_token_id"),
+            add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", kind == "llama")) and name("bos_token_id")
+            is not None,
         )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
         """Load `tokenizer.json` plus special tokens and chat template from `tokenizer_config.json` (or
-        `chat_template.jinja` / `chat_template.json`, as newer transformers save it). Raises `FileNotFoundError`
-        naming the path when `tokenizer.json` is missing, `ValueError` (one line) when it or the config is
-        malformed."""
+        `chat_template.jinja` / `chat_template.json`, as newer transformers save it). `add_bos_token` is true when
+        `tokenizer.json`'s post-processor puts the BOS token in front of the text (what `transformers` does with
+        it) or `tokenizer_config.json` says `add_bos_token: true`. Raises `FileNotFoundError` naming the path when
+        `tokenizer.json` is missing, `ValueError` (one line) when it or the config is malformed."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}: expected a Hugging Face tokenizer directory")
@@ -247,21 +256,30 @@ class Tokenizer:
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
         if template is None and (path / "chat_template.json").is_file():
             template = json.loads((path / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
-        return cls(
-            backend,
-            chat_template=template,
-            **{k: _token_str(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
-        )
+        tokens = {k: _token_str(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        bos = backend.token_to_id(tokens["bos_token"]) if tokens["bos_token"] is not None else None
+        add_bos = bos is not None and (config.get("add_bos_token") is True or _prepends(backend, bos))
+        return cls(backend, chat_template=template, add_bos_token=add_bos, **tokens)
 
     def save(self, directory: str | Path) -> None:
-        """Write `tokenizer.json` and `tokenizer_config.json` (chat_template, special tokens, no BOS/EOS added)
-        into `directory` (created if needed), loadable by `Tokenizer.from_dir` and `transformers.AutoTokenizer`."""
+        """Write `tokenizer.json` and `tokenizer_config.json` (chat_template, special tokens, `add_bos_token`, no
+        EOS added) into `directory` (created if needed), loadable by `Tokenizer.from_dir` and
+        `transformers.AutoTokenizer`. With `add_bos_token`, the saved `tokenizer.json` gets a post-processor that
+        puts the BOS token in front (unless its own does), since that is what `transformers` follows."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(directory / "tokenizer.json"))
+        backend = self.backend
+        bos = self.bos_token_id
+        if self.add_bos_token and bos is not None and not _prepends(backend, bos):
+            backend = _Backend.from_str(backend.to_str())
+            prepend = processors.TemplateProcessing(single=f"{self.bos_token} $A", pair=f"{self.bos_token} $A $B",
+                                                    special_tokens=[(self.bos_token, bos)])
+            backend.post_processor = prepend if backend.post_processor is None else \
+                processors.Sequence([backend.post_processor, prepend])
+        backend.save(str(directory / "tokenizer.json"))
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "add_bos_token": False,
+            "add_bos_token": self.add_bos_token,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             "bos_token": self.bos_token,
@@ -272,6 +290,15 @@ class Tokenizer:
         }
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         (directory / "tokenizer_config.json").write_text(text, encoding="utf-8")
+
+
+def _prepends(backend: _Backend, bos: int) -> bool:
+    """Whether `backend`'s post-processor puts id `bos` in front of encoded text (`add_special_tokens=True`)."""
+    try:
+        ids = backend.encode("a", add_special_tokens=True).ids
+    except Exception:  # noqa: BLE001 - a post-processor that cannot run is one that adds nothing we can use
+        return False
+    return bool(ids) and ids[0] == bos and backend.encode("a", add_special_tokens=False).ids[:1] != [bos]
 
 
 def _byte_level_bpe(tokens: list[str], merges: Sequence[str], pre: str | None) -> _Backend:

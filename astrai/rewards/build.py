@@ -75,7 +75,7 @@ def build_rewards(config, prompts: Sequence[Any], *, device: torch.device = torc
         model, rm_tokenizer = load_reward_model(r.model_path, dtype=getattr(torch, config.model.dtype), device=device)
         scorer = RewardModelScorer(prepare_model(model) if prepare_model is not None else model, model.config,
                                    rm_tokenizer, batch_size=r.model_batch_size, device=device,
-                                   system_prompt=config.data.system_prompt)
+                                   system_prompt=config.data.system_prompt, chat_template=config.data.chat_template)
         spec = RewardFunctionSpec(name="reward_model", function="reward_model", index=None,
                                   weight=r.model_weight)
         extra.append((spec, scorer))

@@ -32,18 +32,23 @@ class RewardModelScorer:
             position_ids) -> (B,)`); config: its `ModelConfig` (position limit, eos ids).
         tokenizer: the reward model's tokenizer; batch_size: rows per forward; device: where its inputs go.
         system_prompt: the job's `data.system_prompt` (used for prompts stored as plain text).
+        chat_template: the job's `data.chat_template` (`astrai.data.prompt_format`), applied to the reward model's
+            tokenizer, so its prompts are rendered as the policy's are.
     """
 
-    def __init__(self, model, config, tokenizer, *, batch_size: int, device, system_prompt: Optional[str] = None):
+    def __init__(self, model, config, tokenizer, *, batch_size: int, device, system_prompt: Optional[str] = None,
+                 chat_template: Optional[bool] = None):
         self.model, self.tokenizer, self.batch_size, self.device = model, tokenizer, batch_size, device
         self.system_prompt, self.limit = system_prompt, config.max_position_embeddings
+        self.chat_template = chat_template
         self.end_id = response_end_id(tokenizer, stop_token_ids(config, tokenizer))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def encode(self, prompt, completion) -> tuple[list[int], list[int]]:
         """(prompt ids, completion ids + end of turn) with the reward model's tokenizer, within its position
         limit (the completion is cut first, to at least one token)."""
-        prompt_ids, _ = encode_prompt(self.tokenizer, prompt, system_prompt=self.system_prompt, where="reward model")
+        prompt_ids, _ = encode_prompt(self.tokenizer, prompt, system_prompt=self.system_prompt,
+                                      chat_template=self.chat_template, where="reward model")
         prompt_ids = prompt_ids[-(self.limit - 1):]
         response = self.tokenizer.encode_text(completion_text(completion)) + [self.end_id]
         return prompt_ids, response[:max(1, self.limit - len(prompt_ids))]

@@ -136,6 +136,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     app = create_app(engine, tokenizer, model_name=name, max_tokens=args.max_tokens)
+    from astrai.data.prompt_format import uses_chat_template
+
+    if not uses_chat_template(tokenizer):
+        logger.info("%s has no chat template: /v1/chat/completions answers 400, /v1/completions takes raw text", name)
     logger.info("serving %s (%s on %s) at http://%s:%d/v1", name, engine.dtype, engine.device, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

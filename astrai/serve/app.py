@@ -1,6 +1,10 @@
 """The FastAPI application: OpenAI-compatible routes over an `EngineLoop` that steps the paged engine.
 
 Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`, `POST /v1/chat/completions`.
+A completion's text prompt is raw text, encoded as training encodes raw prompts (`data.chat_template` false,
+`astrai.data.prompt_format.raw_prompt_ids`: the BOS token first when the tokenizer adds one), with control tokens
+spelled in it read as such; a chat request is rendered with the chat template and answered 400 when the tokenizer has
+none (a base model: send the text to `/v1/completions`).
 Requests join the engine's running batch at its next decode step and leave it when they end (`engine_loop`), so a
 short request is not held up by a long one. Every failure is answered in the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}`: bad JSON, invalid fields or text, unknown model or route, a
@@ -23,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from astrai.data.prompt_format import raw_prompt_ids, uses_chat_template
 from astrai.rollout.engine import StreamingEngine
 from astrai.serve.detokenize import TextStream
 from astrai.serve.engine_loop import EngineLoop, Job
@@ -61,13 +66,16 @@ class _Server:
                            status=404, param="model", code="model_not_found")
 
     def prompts_of(self, req: CompletionRequest) -> list[list[int]]:
-        """Token ids of each prompt of a completion request; APIError for empty, invalid or out-of-vocabulary ones."""
+        """Token ids of each prompt of a completion request (text as raw text: `prompt_format.raw_prompt_ids`, the
+        BOS token first when the tokenizer adds one; token ids as given); APIError for empty, invalid or
+        out-of-vocabulary ones."""
         p = req.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
             p = [p]
         if not p:
             raise APIError("prompt: must not be empty", param="prompt")
-        ids = [self.tokenizer.encode(check_text(x, "prompt")) if isinstance(x, str) else list(x) for x in p]
+        ids = [raw_prompt_ids(self.tokenizer, check_text(x, "prompt"), special_tokens=True) if isinstance(x, str)
+               else list(x) for x in p]
         for i, prompt in enumerate(ids):
             if not prompt:
                 raise APIError("prompt: must not be empty", param="prompt")
@@ -215,6 +223,10 @@ def create_app(engine, tokenizer, *, model_name: str, max_tokens: int = 512) -> 
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         server.check_model(req.model)
         messages = [message_text(m, i) for i, m in enumerate(req.messages)]
+        if not uses_chat_template(tokenizer):
+            raise APIError(f"messages: the model '{server.model_name}' has no chat template (a base model), so chat "
+                           "messages cannot be rendered; send the text as a prompt to /v1/completions",
+                           param="messages", code="chat_template_missing")
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as err:  # noqa: BLE001 - a template's raise_exception or a missing template

@@ -8,4 +8,5 @@ TRAIN_TYPE = TrainType(
     builder="astrai.trainer.learners.seq:build_seq",
     data="astrai.trainer.learners.seq:seq_data",
     packs=True,
+    renders="text",
 )

@@ -8,4 +8,5 @@ TRAIN_TYPE = TrainType(
     builder="astrai.trainer.learners.sft:build_sft",
     data="astrai.trainer.learners.sft:sft_data",
     packs=True,
+    renders="chats",
 )

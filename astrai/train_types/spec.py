@@ -114,6 +114,9 @@ class TrainType:
             must hold to resume.
         packs: its data step packs several examples into each `data.max_length` row when `data.packing` is set
             (so what it counts are rows, not examples).
+        renders: what of its data becomes model input through a tokenizer (`astrai.data.prompt_format`):
+            "prompts" (rendered as `data.chat_template` says: the template or raw text), "chats" (always the chat
+            template: sft) or "text" (raw documents, never a template: seq).
     """
 
     name: str
@@ -132,6 +135,7 @@ class TrainType:
     unread: Callable[[Any], tuple[str, ...]] = _all_read
     legacy_required_files: tuple[str, ...] = ()
     packs: bool = False
+    renders: str = "prompts"
 
     def build(self, config, dist, policy, tokenizer):
         """The learner of this train type for a validated job (the `builder`, imported now)."""

@@ -19,6 +19,7 @@ from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_ch
 from astrai.checkpoint.fsutil import nearest_existing
 from astrai.config import Config, config_to_dict, dump_config
 from astrai.data.limits import check_model_limits
+from astrai.data.prompt_format import check_job_prompt_format
 from astrai.distributed import run_device, setup_distributed
 from astrai.distributed.launch import check_step_sizes, resolve_launch
 from astrai.distributed.rank_checks import check_ranks_agree
@@ -140,6 +141,10 @@ def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trai
     return trainer
 
 
+def _quiet(message: str) -> None:
+    """A log that prints nothing (ranks other than the main one)."""
+
+
 def _lock_output_dir(output_dir: Path, dist) -> OutputDirLock:
     """Rank 0 takes the output directory's lock; every rank raises `OutputDirLocked` when it is held elsewhere."""
     lock = OutputDirLock(output_dir)
@@ -160,7 +165,7 @@ def _lock_output_dir(output_dir: Path, dist) -> OutputDirLock:
 
 def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, signals) -> Trainer:
     """`build_trainer` once the directory is this job's: recovery, the run, the model, the learner, the resume and
-    the callbacks."""
+    the callbacks. Says once (rank 0) when prompts are raw text because the tokenizer has no chat template."""
     if dist.is_main and checkpoints_root(output_dir).is_dir():
         recover(output_dir)
     dist.barrier()
@@ -171,6 +176,7 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
     engine_factory(config.rollout.engine)  # an unknown rollout.engine, before the model loads
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
+    check_job_prompt_format(config, tokenizer, say=print if dist.is_main else _quiet)  # data.chat_template
     policy.train()
     policy.gradient_checkpointing = config.model.gradient_checkpointing
     spec = train_types.get(config.train.type)
@@ -265,11 +271,12 @@ def check_job(config: Config, *, world_size: int) -> str:
     or an optimizer, in this one process: the launch mode (`distributed.strategy` against the accelerate launch
     environment in `os.environ`) and its precision, DeepSpeed step sizes for `world_size` ranks, `train.report_to`,
     the output directory (not locked by another job) and `checkpoint.resume` (read only: nothing is written),
-    `runtime.device`, the model (loaded on CPU) and its length and vocabulary limits, the data as the train type will
-    train on it, for online train types the rollout engine's settings on the run's device (`rollout.engine`, dtype,
-    attention backend, CUDA graphs) and the reward functions (imported and matched to the data's columns, in this
-    process), and the held-out data of `train.eval_steps`. Launch scripts run it before
-    they start the ranks, so a refusal is one line with exit 2 instead of one line per rank followed by the
+    `runtime.device`, the model (loaded on CPU) and its length and vocabulary limits, how prompts are rendered
+    (`data.chat_template` against the tokenizer, `prompt_format.check_job_prompt_format`: the raw-text line is said
+    here too), the data as the train type will train on it, for online train types the rollout engine's settings on
+    the run's device (`rollout.engine`, dtype, attention backend, CUDA graphs) and the reward functions (imported and
+    matched to the data's columns, in this process), and the held-out data of `train.eval_steps`. Launch scripts run
+    it before they start the ranks, so a refusal is one line with exit 2 instead of one line per rank followed by the
     launcher's traceback.
 
     Returns: a one-line summary of what was checked.
@@ -291,6 +298,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     spec = train_types.get(config.train.type)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
     check_model_limits(config, policy.config, tokenizer)
+    check_job_prompt_format(config, tokenizer)  # data.chat_template against the tokenizer, said once
     data = spec.load_data(config, policy.config, tokenizer, main=True)
     if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
         check_rollout_engine(config, policy.config, device)

@@ -12,7 +12,7 @@ answer, response, extracted answer, scores, rewards, correct ..., as `python -m 
 to `<train.output_dir>/eval/step-<N>.jsonl`, so what the model answers can be read as it learns.
 
 What is measured is exactly what `python -m astrai.evaluate` measures on the job's config
-(`astrai.evaluation.accuracy.evaluate`): prompts built as for training (`data.system_prompt`,
+(`astrai.evaluation.accuracy.evaluate`): prompts built as for training (`data.chat_template`, `data.system_prompt`,
 `data.max_prompt_length`), greedy decoding with `rollout.max_new_tokens`, the job's reward functions
 (`reward.functions` or `reward.name`, with training's weights, kwargs, workers and timeouts; the reward model of
 `reward.model_path` is left out: `astrai.rewards.build.evaluation_specs`). A reward call that fails is counted and
@@ -71,7 +71,8 @@ class EvaluationCallback(Callback):
         eval_steps: evaluate when `global_step % eval_steps == 0` (> 0), and after the last step.
         learner: the train type's learner: its `policy` (a `TrainedModel`) and `rollout_engine` (None for offline types).
         dist: `DistributedContext` (device, rank, world size, all-reduce).
-        max_prompt_length, system_prompt, truncation: prompt building as in training (`source` names the data).
+        max_prompt_length, system_prompt, truncation, chat_template: prompt building as in training
+            (`data.chat_template`: the chat template or raw text); `source` names the data.
         seed: seed of the dedicated sampling generator.
         printer: prints one line per evaluation on the main process.
         progress: show a progress bar over the questions on the main process.
@@ -89,7 +90,8 @@ class EvaluationCallback(Callback):
 
     def __init__(self, *, records: Sequence, tokenizer, rewards, settings: EvalSettings, eval_steps: int,
                  learner, dist, max_prompt_length: int, system_prompt: Optional[str] = None,
-                 truncation: str = "error", source: str = "data.eval_path", seed: int = 0,
+                 truncation: str = "error", chat_template: Optional[bool] = None, source: str = "data.eval_path",
+                 seed: int = 0,
                  printer=tqdm.write, progress: bool = True, output_dir: Optional[Path] = None,
                  extract_answer=None, eval_on_start: bool = False, make_engine=None,
                  pass_threshold: float = CORRECT_SCORE):
@@ -103,7 +105,7 @@ class EvaluationCallback(Callback):
         self.pass_threshold = pass_threshold
         self.learner, self.dist, self.seed, self.printer = learner, dist, seed, printer
         self.max_prompt_length, self.system_prompt = max_prompt_length, system_prompt
-        self.truncation, self.source = truncation, source
+        self.truncation, self.source, self.chat_template = truncation, source, chat_template
         self.progress = progress and dist.is_main
         self.output_dir, self.extract_answer = output_dir, extract_answer
         self.eval_on_start = eval_on_start
@@ -171,7 +173,7 @@ class EvaluationCallback(Callback):
                 generator = torch.Generator(device=self.dist.device).manual_seed(self.seed)
                 result = evaluate(engine, self.tokenizer, self.records, rewards=self.rewards, settings=self.settings,
                                   max_prompt_length=self.max_prompt_length, system_prompt=self.system_prompt,
-                                  truncation=self.truncation, source=self.source,
+                                  truncation=self.truncation, chat_template=self.chat_template, source=self.source,
                                   stop_token_ids=stop_token_ids(self.learner.policy.model.config, self.tokenizer),
                                   generator=generator, extract_answer=self.extract_answer,
                                   pass_threshold=self.pass_threshold, progress=self.progress, leave=False,
@@ -233,7 +235,7 @@ def build_evaluation(config, dist, learner, tokenizer) -> Optional[EvaluationCal
         records=records, tokenizer=tokenizer, rewards=build_rewards(config, records, specs=specs),
         settings=EvalSettings(max_new_tokens=config.rollout.max_new_tokens), eval_steps=config.train.eval_steps,
         learner=learner, dist=dist, max_prompt_length=d.max_prompt_length, system_prompt=d.system_prompt,
-        truncation=d.truncation, source=str(d.eval_path),
+        truncation=d.truncation, chat_template=d.chat_template, source=str(d.eval_path),
         seed=config.train.seed, progress=config.train.progress_bar, output_dir=Path(config.train.output_dir),
         extract_answer=answer_extractor(specs), eval_on_start=config.train.eval_on_start,
         make_engine=lambda model: build_rollout_engine(config, model, tokenizer, policy_version=-1))
@@ -263,8 +265,9 @@ def load_eval_records(config, tokenizer, *, main: bool = True, check_rewards: bo
         if message:
             warnings.warn(message, stacklevel=2)
     encode_prompt_records([r.prompt for r in records], tokenizer, system_prompt=d.system_prompt,
-                          limit=d.max_prompt_length, limit_name="data.max_prompt_length", policy=d.truncation,
-                          source=str(d.eval_path), log=print if main else _quiet)
+                          chat_template=d.chat_template, limit=d.max_prompt_length,
+                          limit_name="data.max_prompt_length", policy=d.truncation, source=str(d.eval_path),
+                          log=print if main else _quiet)
     if check_rewards:
         build_rewards(config, records, specs=specs, num_workers=0).close()
     return records

@@ -1,7 +1,7 @@
 """dpo: Direct Preference Optimization against a frozen reference (Rafailov et al. 2023).
 
-Each record holds a prompt and a chosen and a rejected response (strings). The prompt goes through the chat
-template like online rollouts; each response is its text's tokens + the end-of-turn id
+Each record holds a prompt and a chosen and a rejected response (strings). The prompt is rendered like online
+rollouts (the chat template or raw text, `data.chat_template`); each response is its text's tokens + the end-of-turn id
 (`special_tokens.response_end_id`). Chosen and rejected rows of a micro-batch
 share one forward in the rollout layout (`Sequences.from_tokens`) and are scored by the same
 `response_logprobs` as RL (temperature 1); the sequence log-prob is the sum over real response tokens. The loss

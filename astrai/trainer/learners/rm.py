@@ -3,7 +3,7 @@
 Each record holds a prompt and a chosen and a rejected response (strings), as for dpo, and optionally a margin
 (`data.margin_field`: Llama 2's margin, Touvron et al. 2023, section 3.2.2). The model is the policy's trunk with
 a zero-initialised scalar `score` head (`models.RewardModel`); chosen and rejected rows of a micro-batch share one
-forward in the rollout layout (`Sequences.from_tokens`: chat-templated prompt + response tokens + end of turn),
+forward in the rollout layout (`Sequences.from_tokens`: prompt rendered as dpo's + response tokens + end of turn),
 each scored at its last real token. The loss (`algos.bradley_terry_loss`) is divided by the GLOBAL number of pairs of
 the optimizer step. Its checkpoints hold the reward model in transformers' `...ForSequenceClassification` layout,
 which `reward.model_path` of an online job (or transformers) loads.
