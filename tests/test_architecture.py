@@ -96,7 +96,7 @@ LAYERS = {
     "rewards": {"data", "models", "sandbox", "deps"},
     "agents": {"models", "deps"},                      # tools, tool-call format, token-exact chat rendering
     # floor 6
-    "experience": {"algos", "data", "forward", "models", "rewards", "rollout"},
+    "experience": {"agents", "algos", "data", "forward", "models", "rewards", "rollout"},
     "evaluation": {"algos", "checkpoint", "config", "config_schema", "data", "models", "rewards", "rollout"},
     # floor 7
     "trainer": {"algos", "checkpoint", "config", "config_schema", "data", "deps", "distributed", "evaluation",

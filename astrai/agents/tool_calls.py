@@ -25,7 +25,8 @@ from typing import Any, Collection, Mapping, Optional, Sequence
 from astrai.agents.tools import Tool
 
 __all__ = ["ToolCall", "ToolCallError", "parse_tool_calls", "format_tool_call", "tools_system_prompt",
-           "with_tools_prompt", "template_supports_tools", "call_tool", "schema_of"]
+           "with_tools_prompt", "template_supports_tools", "call_tool", "argument_problem", "result_text",
+           "schema_of"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
@@ -158,7 +159,7 @@ def call_tool(tool: Tool, arguments: Mapping[str, Any]) -> tuple[str, Optional[s
     JSON when a dict or list, else by `str`. Never raises (but lets KeyboardInterrupt through).
     Isolation (worker processes, a hard timeout, truncation of long results) is a later slice.
     """
-    problem = _argument_problem(tool, arguments)
+    problem = argument_problem(tool, arguments)
     if problem is not None:
         return problem, problem
     try:
@@ -166,17 +167,23 @@ def call_tool(tool: Tool, arguments: Mapping[str, Any]) -> tuple[str, Optional[s
     except (Exception, SystemExit) as err:
         text = f"Error: {type(err).__name__}: {_one_line(err)}"
         return text, text
+    return result_text(result), None
+
+
+def result_text(result: Any) -> str:
+    """How the model sees a tool's return value: a string as itself, a dict or list as JSON, anything else by
+    `str`."""
     if isinstance(result, str):
-        return result, None
+        return result
     if isinstance(result, (dict, list)):
         try:
-            return json.dumps(result, ensure_ascii=False, default=str), None
+            return json.dumps(result, ensure_ascii=False, default=str)
         except (TypeError, ValueError):
             pass
-    return str(result), None
+    return str(result)
 
 
-def _argument_problem(tool: Tool, arguments: Mapping[str, Any]) -> Optional[str]:
+def argument_problem(tool: Tool, arguments: Mapping[str, Any]) -> Optional[str]:
     """The error text for `arguments` that do not fit `tool` (signature, then schema types), or None."""
     try:
         params = list(inspect.signature(tool.function).parameters.values())

@@ -97,7 +97,7 @@ def load_tools(references: Sequence[ToolReference], base_dir: str | Path | None 
     taken from `base_dir` (default: the working directory).
 
     Raises:
-        ToolError: one line naming the entry (``rollout.tools[i]``): a malformed reference, a missing file, an
+        ToolError: one line naming the entry (``rollout.tools.<i>``): a malformed reference, a missing file, an
             import that fails, no such attribute, something not callable, a schema that cannot be derived, or a
             tool name another entry already has.
     """
@@ -105,13 +105,13 @@ def load_tools(references: Sequence[ToolReference], base_dir: str | Path | None 
     tools: list[Tool] = []
     taken: dict[str, int] = {}
     for i, reference in enumerate(references):
-        label = f"{where}[{i}]"
+        label = f"{where}.{i}"
         try:
             tool = _load_one(reference, base)
         except ToolError as err:
             raise ToolError(f"{label}: {err}") from None
         if tool.name in taken:
-            raise ToolError(f"{label}: tool name {tool.name!r} is already taken by {where}[{taken[tool.name]}]; "
+            raise ToolError(f"{label}: tool name {tool.name!r} is already taken by {where}.{taken[tool.name]}; "
                             "give one of them another `name`")
         taken[tool.name] = i
         tools.append(tool)

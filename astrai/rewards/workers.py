@@ -302,12 +302,14 @@ class RewardWorkerPool:
     Args:
         specs: the functions the workers may be asked to run (by index; each worker imports one on first use).
         num_workers: processes (>= 1); timeout_seconds: the limit of one call, wall clock.
+        timeout_setting: the setting that limit comes from, named in timeout messages.
     """
 
-    def __init__(self, specs: Sequence[RewardFunctionSpec], *, num_workers: int, timeout_seconds: float):
+    def __init__(self, specs: Sequence[RewardFunctionSpec], *, num_workers: int, timeout_seconds: float,
+                 timeout_setting: str = "reward.timeout_seconds"):
         if num_workers < 1:
             raise ValueError(f"reward.num_workers: a worker pool needs >= 1 workers, got {num_workers}")
-        self.specs, self.timeout_seconds = list(specs), timeout_seconds
+        self.specs, self.timeout_seconds, self.timeout_setting = list(specs), timeout_seconds, timeout_setting
         self._workers: list[Optional[_Worker]] = [None] * num_workers
         self.restarts = 0
         _POOLS.add(self)
@@ -369,7 +371,7 @@ class RewardWorkerPool:
                     self._workers[slot] = None
                     self.restarts += 1
         for slot in pending.values():  # past the deadline: kill and start afresh on the next call
-            results[slot] = ("error", f"timed out after {self.timeout_seconds:g} s (reward.timeout_seconds)", None)
+            results[slot] = ("error", f"timed out after {self.timeout_seconds:g} s ({self.timeout_setting})", None)
             self._workers[slot].kill()
             self._workers[slot] = None
             self.restarts += 1

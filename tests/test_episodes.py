@@ -1,0 +1,182 @@
+"""Multi-turn episodes with tools (astrai.experience.episodes) on SmolLM2's real tokenizer and template, with a
+scripted engine that "samples" given assistant texts: the ids are token-exact (prompt + sampled turns verbatim +
+separators and tool results equal the whole conversation rendered and tokenized), the loss mask is 1 exactly on
+sampled tokens, every cap ends an episode for its reason, malformed and surplus calls become error results, tools
+run in worker processes with a hard timeout, and the episode collates into the training batch."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from astrai.agents.chat import render
+from astrai.agents.tool_calls import format_tool_call
+from astrai.agents.tools import load_tools
+from astrai.experience.episodes import EpisodeLimits, ToolExecutor, episode_metrics, run_episodes
+from astrai.experience.trajectory import Experience
+from astrai.rollout.generation import Generation
+from astrai.rollout.sampling import SamplingParams
+from test_agents_chat import smollm2
+
+TOOLS = '''
+import time
+
+def calculator(expression: str) -> str:
+    """Evaluate a product of two integers.
+
+    Args:
+        expression: two integers joined by '*', e.g. "12 * 34".
+    """
+    a, b = (int(x) for x in expression.split("*"))
+    return str(a * b)
+
+
+def sleepy(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: how long.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def shout(text: str) -> str:
+    """Repeat the text many times.
+
+    Args:
+        text: what to repeat.
+    """
+    return " ".join([text.upper()] * 200)
+'''
+
+
+class ScriptedEngine:
+    """A `GenerationEngine` stand-in: row i of each call "samples" the next scripted text of the episode whose
+    context it continues (found by its prompt), through the end-of-turn token, cut at its max_new_tokens; every
+    sampled token has log-prob -0.5. Records the contexts it was given."""
+
+    def __init__(self, tokenizer, scripts: dict[tuple[int, ...], list[str]], policy_version: int = 7):
+        self.tokenizer, self.scripts, self.policy_version = tokenizer, scripts, policy_version
+        self.end = tokenizer.special_tokens["<|im_end|>"]
+        self.contexts: list[list[int]] = []
+        self._turn: dict[tuple[int, ...], int] = {}
+
+    def generate(self, prompts, params, generator=None) -> Generation:
+        rows, finished = [], []
+        for context, p in zip(prompts, params):
+            self.contexts.append(list(context))
+            key = next(k for k in self.scripts if tuple(context[:len(k)]) == k)
+            turn = self._turn.get(key, 0)
+            self._turn[key] = turn + 1
+            ids = self.tokenizer.encode(self.scripts[key][turn]) + [self.end]
+            finished.append(len(ids) <= p.max_new_tokens)
+            rows.append(ids[:p.max_new_tokens])
+        width = max(map(len, rows))
+        response = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
+        return Generation(prompt_ids=torch.zeros(len(rows), 1, dtype=torch.long),
+                          prompt_mask=torch.ones(len(rows), 1, dtype=torch.bool), response_ids=response,
+                          action_mask=mask, old_logprobs=torch.where(mask, -0.5, 0.0), finished=torch.tensor(finished),
+                          policy_version=self.policy_version)
+
+
+@pytest.fixture()
+def tools(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(TOOLS)
+    references = [{"function": name, "path": str(path)} for name in ("calculator", "sleepy", "shout")]
+    return load_tools(references), [(name, str(path)) for name in ("calculator", "sleepy", "shout")]
+
+
+def _run(tok, tools, conversations, scripts, *, budget=400, limits=EpisodeLimits(), workers=0, timeout=30.0):
+    loaded, references = tools
+    prompt_keys = [tuple(tok.encode(render(tok, c, loaded))) for c in conversations]
+    engine = ScriptedEngine(tok, dict(zip(prompt_keys, scripts)))
+    executor = ToolExecutor(loaded, references, num_workers=workers, timeout_seconds=timeout)
+    try:
+        sampling = SamplingParams(max_new_tokens=budget, stop_token_ids=(engine.end,))
+        return run_episodes(engine, tok, conversations, loaded, executor, sampling, limits), engine
+    finally:
+        executor.close()
+
+
+ASK = [{"role": "user", "content": "What is 12 * 34?"}]
+CALL = "Let me compute.\n" + format_tool_call("calculator", {"expression": "12 * 34"})
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_episode_is_token_exact_and_masks_only_sampled_tokens(tools, workers):
+    tok = smollm2()
+    (episode,), engine = _run(tok, tools, [ASK], [[CALL, "12 * 34 = 408."]], workers=workers)
+    assert episode.ended_by == "answer" and episode.text == "12 * 34 = 408."
+    assert episode.completion == [{"role": "assistant", "content": CALL},
+                                  {"role": "tool", "name": "calculator", "content": "408"},
+                                  {"role": "assistant", "content": "12 * 34 = 408."}]
+    full = tok.encode(render(tok, ASK + episode.completion, tools[0], add_generation_prompt=False))
+    separator = tok.encode("\n")
+    assert episode.prompt_ids + episode.response_ids + separator == full  # token-exact, as rendered in one piece
+    sampled = [tok.encode(CALL) + [engine.end], tok.encode("12 * 34 = 408.") + [engine.end]]
+    starts = episode.turn_starts
+    assert episode.response_ids[starts[0]:starts[0] + len(sampled[0])] == sampled[0]
+    assert episode.response_ids[starts[1]:] == sampled[1]  # the sampled ids verbatim
+    assert sum(episode.loss_mask) == sum(map(len, sampled))
+    assert all(m == (lp == -0.5) == (v == 7) for m, lp, v in zip(episode.loss_mask, episode.logprobs,
+                                                              episode.policy_versions))
+    # the engine continued the episode's own ids: the second turn's context is prompt + first turn + tool result
+    assert engine.contexts[1] == episode.prompt_ids + episode.response_ids[:starts[1]]
+    traj = episode.trajectory(score=1.0)
+    batch = Experience.from_trajectories([traj, traj], pad_token_id=0)
+    assert batch.sequences.action_mask.sum().item() == 2 * sum(map(len, sampled))
+    assert batch.trajectories()[0] == dataclasses.replace(traj, metadata={})  # the batch keeps no metadata
+
+
+def test_every_cap_ends_an_episode_for_its_reason(tools):
+    tok = smollm2()
+    asks = [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)]
+    scripts = [[CALL, CALL, CALL],                          # keeps calling: max_turns (2)
+               ["An answer far too long to fit " * 40],   # cut by the budget mid-turn: length
+               [format_tool_call("shout", {"text": "hey"})],  # a long result leaves no room: budget
+               ["Done."]]                                   # answers
+    limits = EpisodeLimits(max_turns=2, max_tool_response_tokens=150)
+    episodes, _ = _run(tok, tools, asks, scripts, budget=160, limits=limits)
+    assert [e.ended_by for e in episodes] == ["max_turns", "length", "budget", "answer"]
+    assert [len(e.turn_starts) for e in episodes] == [2, 1, 1, 1]
+    assert all(len(e.response_ids) <= 160 for e in episodes)
+    assert episodes[2].messages[-1]["role"] == "assistant"  # the result that did not fit was not appended
+    metrics = episode_metrics(episodes)
+    assert metrics["ended/max_turns"] == metrics["ended/length"] == metrics["ended/budget"] == 0.25
+    assert metrics["turns"] == 5 / 4 and metrics["tool_calls/calculator"] == 1 / 4  # one result ran, then the cap
+    assert 0 < metrics["masked_out_fraction"] < 1
+
+
+def test_malformed_and_surplus_calls_become_error_results(tools):
+    tok = smollm2()
+    turn = ("<tool_call>{not json}</tool_call>" + format_tool_call("calculator", {"expression": "2 * 3"})
+            + format_tool_call("calculator", {"expression": "4 * 5"})
+            + format_tool_call("nope", {}) + format_tool_call("calculator", {"wrong": 1}))
+    limits = EpisodeLimits(max_parallel_tool_calls=2)
+    (episode,), _ = _run(tok, tools, [ASK], [[turn, "ok"]], limits=limits)
+    results = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert results[0].startswith("Error: ") and results[1:3] == ["6", "20"]
+    assert "nope" in results[3] and results[3].startswith("Error")
+    assert results[4].startswith("Error: at most 2 tool calls run per turn")
+    assert episode.ended_by == "answer" and episode.tool_errors["calculator"] == 1
+
+
+def test_a_hanging_tool_is_killed_at_the_timeout_and_long_results_are_cut(tools):
+    tok = smollm2()
+    turn = format_tool_call("sleepy", {"seconds": 100}) + format_tool_call("shout", {"text": "hi"})
+    limits = EpisodeLimits(max_tool_response_tokens=30, tool_response_truncation="left")
+    (episode,), _ = _run(tok, tools, [ASK], [[turn, "ok"]], workers=1, timeout=1.0, limits=limits)
+    sleepy, shout = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert sleepy == "Error: timed out after 1 s (rollout.tool_timeout_seconds)"
+    assert shout.startswith("[... cut to the last 30 tokens]") and shout.endswith("HI")
+    assert episode.tool_errors == {"sleepy": 1, "shout": 0}
+
+
+def test_the_end_of_turn_token_must_stop_the_sampler(tools):
+    tok = smollm2()
+    with pytest.raises(ValueError, match="not a stop token of the sampler"):
+        run_episodes(ScriptedEngine(tok, {}), tok, [ASK], tools[0], ToolExecutor(tools[0]),
+                     SamplingParams(max_new_tokens=8, stop_token_ids=(0,)), EpisodeLimits())
