@@ -83,6 +83,17 @@ class RewardFunction(Record, item="function"):
     kwargs: dict[str, Any] = field_spec({}, "keyword arguments passed on every call")
 
 
+@dataclass
+class ToolEntry(Record, item="tool"):
+    """One item of `rollout.tools` (docs/agents.md)."""
+
+    function: str = field_spec(REQUIRED, "'package.module:name', or a name in `path` ('module:name' or 'name'); a "
+                                         "function with type hints and a Google-style docstring (its JSON schema)")
+    path: Optional[str] = field_spec(None, "a .py file holding it (relative paths from the working directory)")
+    name: Optional[str] = field_spec(None, "the name the model calls it by; null = the function's",
+                                     Pattern(r"[A-Za-z_][A-Za-z0-9_.-]*", "a tool name"))
+
+
 # ----------------------------------------------------------------------------------------- sections
 @dataclass
 class ModelSection(Section, name="model"):
@@ -207,6 +218,20 @@ class RolloutSection(Section, name="rollout"):
     generation_batch_size: Optional[int] = field_spec(
         None, "dynamic_sampling: prompts drawn and sampled per generation round; null = rollout.batch_size. Larger "
               "rounds decode faster per token and fill the batch in fewer rounds; surplus groups are dropped", GT0)
+    tools: list[ToolEntry] = field_spec(
+        [], "tools the policy may call, each {function, path, name}: every sample becomes a multi-turn episode "
+            "(turns and tool results within rollout.max_new_tokens; docs/agents.md)")
+    max_turns: int = field_spec(4, "rollout.tools: policy turns per episode at most", GT0)
+    max_tool_response_tokens: int = field_spec(256, "rollout.tools: most tokens of one tool result (cut and "
+                                                    "marked beyond)", GT0)
+    tool_response_truncation: str = field_spec("right", "rollout.tools: a long result keeps its start ('right' cut) "
+                                                        "or its end ('left')", Choices(("right", "left")))
+    max_parallel_tool_calls: int = field_spec(4, "rollout.tools: calls run per turn at most (the others get an error "
+                                                 "result)", GT0)
+    tool_workers: int = field_spec(1, "rollout.tools: worker processes running the calls (with "
+                                      "rollout.tool_timeout_seconds); 0 = in the trainer's process, no timeout", GE0)
+    tool_timeout_seconds: float = field_spec(30.0, "rollout.tools: hard limit per call in a worker; a call past it "
+                                                   "is killed and its result is an error", GT0)
 
 
 @dataclass
@@ -424,6 +449,12 @@ class Config:
         elif self.rollout.generation_batch_size is not None:
             raise ConfigError("rollout.generation_batch_size: only used with rollout.dynamic_sampling (without it "
                               "each rollout samples rollout.batch_size prompts once); set it to null")
+        if self.rollout.tools and not spec.online:
+            raise ConfigError(f"rollout.tools: multi-turn episodes are sampled by the online train types; train.type "
+                              f"{kind} samples none")
+        if self.rollout.tools and self.data.chat_template is False:
+            raise ConfigError("rollout.tools: multi-turn episodes are chats and need the chat template; "
+                              "data.chat_template is false")
         if self.rollout.correction != "none" and not spec.online:
             raise ConfigError(f"rollout.correction: corrects rollouts sampled by the engine; train.type {kind} samples "
                               "none; set it to none")
@@ -485,7 +516,8 @@ def ignored_settings(config: Config) -> list[str]:
     ``ppo.critic_layers`` in an ``online_grpo`` job), and the fields of its own section that the job leaves unread
     (`TrainType.unread`: ``grpo.std_eps`` / ``grpo.std_floor`` when ``grpo.scale_rewards`` is ``none``), and
     ``reward.format_bonus`` / ``reward.partial_credit`` (options of the single ``reward.name``) when
-    ``reward.functions`` or ``reward.model_path`` replace it. Empty when there are none."""
+    ``reward.functions`` or ``reward.model_path`` replace it, and the episode caps (`EPISODE_FIELDS`) without
+    ``rollout.tools``. Empty when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -494,12 +526,18 @@ def ignored_settings(config: Config) -> list[str]:
         unread = spec.unread(config) if section == spec.section else tuple(f.name for f in dataclasses.fields(current))
         names += [f"{section}.{f.name}" for f in dataclasses.fields(current)
                   if f.name in unread and getattr(current, f.name) != getattr(default, f.name)]
+    if not config.rollout.tools:  # the episode caps, without tools
+        default = RolloutSection()
+        names += [f"rollout.{f}" for f in EPISODE_FIELDS if getattr(config.rollout, f) != getattr(default, f)]
     reward = config.reward  # the single reward.name's options, when reward.functions or the reward model replace it
     if reward.functions or reward.model_path:
         names += [f"reward.{option}" for option in ("format_bonus", "partial_credit") if getattr(reward, option)]
     return names
 
 
+EPISODE_FIELDS = ("max_turns", "max_tool_response_tokens", "tool_response_truncation", "max_parallel_tool_calls",
+                  "tool_workers", "tool_timeout_seconds")
+"""The `rollout` fields that shape multi-turn episodes, read only with `rollout.tools`."""
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 """Section name -> section dataclass, in declaration order."""
 ALIASES: dict[str, tuple[str, str]] = {"ddp_timeout": ("distributed", "timeout_seconds")}

@@ -5,6 +5,7 @@ sampled tokens, every cap ends an episode for its reason, malformed and surplus 
 run in worker processes with a hard timeout, and the episode collates into the training batch."""
 
 import dataclasses
+import textwrap
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from astrai.agents.tool_calls import format_tool_call
 from astrai.agents.tools import load_tools
 from astrai.experience.episodes import EpisodeLimits, ToolExecutor, episode_metrics, run_episodes
 from astrai.experience.trajectory import Experience
+from astrai.models import Tokenizer
 from astrai.rollout.generation import Generation
 from astrai.rollout.sampling import SamplingParams
 from test_agents_chat import smollm2
@@ -180,3 +182,80 @@ def test_the_end_of_turn_token_must_stop_the_sampler(tools):
     with pytest.raises(ValueError, match="not a stop token of the sampler"):
         run_episodes(ScriptedEngine(tok, {}), tok, [ASK], tools[0], ToolExecutor(tools[0]),
                      SamplingParams(max_new_tokens=8, stop_token_ids=(0,)), EpisodeLimits())
+
+
+@pytest.mark.parametrize("kind", ["online_grpo", "online_ppo"])
+def test_online_train_types_train_on_multi_turn_episodes_with_tools(tiny_model_dir, tmp_path, tools, kind):
+    """rollout.tools on a job: every sample is an episode (the tiny random model rarely calls a tool, so the engine
+    is wrapped to answer its first turn with a calculator call): online_grpo and online_ppo (its critic and GAE
+    across the masked tool tokens) train 2 steps, log the episode metrics, and the reward sees each episode's
+    messages."""
+    import json
+    import shutil
+
+    from astrai.rollout import engine as engines
+    from astrai.train import main
+
+    model_dir = tmp_path / "model"  # the tiny model with room for the tool schemas its character-level tokenizer
+    shutil.copytree(tiny_model_dir, model_dir)  # spells out (RoPE positions: any length works)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+
+    reward = tmp_path / "episode_reward.py"
+    reward.write_text(textwrap.dedent('''\
+        def used_tool(completions, **kw):
+            return [float(any(m["role"] == "tool" and m["content"] == "408" for m in c)) for c in completions]
+        '''))
+    paged = engines.engine_factory("paged")
+
+    def scripted(model, **kwargs):
+        engine = paged(model, **kwargs)
+        generate, tok = engine.generate, Tokenizer.from_dir(model_dir)
+        call = tok.encode(format_tool_call("calculator", {"expression": "12 * 34"})) + [tok.eos_token_id]
+
+        def first_turn_calls(prompts, params, generator=None):
+            out = generate(prompts, params, generator)
+            fresh = [p.max_new_tokens == 160 for p in params]  # a first turn: nothing of the budget spent yet
+            rows = [(call if f else ids[:n]) for f, ids, n in zip(fresh, out.response_ids.tolist(),
+                                                                  out.action_mask.sum(-1).tolist())]
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+            mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
+            lps = torch.where(mask, -1.0, 0.0)
+            for i, f in enumerate(fresh):
+                if not f:
+                    lps[i, :len(rows[i])] = out.old_logprobs[i, :len(rows[i])]
+            return dataclasses.replace(out, response_ids=ids, action_mask=mask, old_logprobs=lps,
+                                       finished=torch.tensor([True if f else bool(d) for f, d in
+                                                              zip(fresh, out.finished.tolist())]))
+        engine.generate = first_turn_calls
+        return engine
+    engines.register_engine("scripted_test", scripted)
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent(f"""\
+        train: {{type: {kind}, max_steps: 2, output_dir: {tmp_path / 'run'}, progress_bar: false,
+                report_to: [none]}}
+        data: {{max_prompt_length: 64}}
+        reward:
+          functions: [{{function: used_tool, path: {reward}}}]
+          num_workers: 0
+        rollout:
+          batch_size: 2
+          max_new_tokens: 160
+          engine: scripted_test
+          tools: [{{function: calculator, path: {tools[1][0][1]}}}]
+          max_turns: 2
+          tool_workers: 1
+        grpo: {{group_size: 2, minibatch_size: 4, micro_batch_size: 2}}
+        ppo: {{minibatch_size: 2, micro_batch_size: 2, kl_coef: 0.0}}
+        checkpoint: {{save_at_end: false}}
+        """))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is 12 * {i}?", "answer": "0"}) + "\n" for i in range(4)))
+    assert main(["--config", str(job), "--model.path", str(model_dir), "--data.path", str(data)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        assert r["rewards/used_tool/mean"] == 1.0  # every episode's tool result reached the reward
+        assert r["rollout/episodes/tool_calls/calculator"] == 1.0 and r["rollout/episodes/tool_errors"] == 0.0
+        assert r["rollout/episodes/turns"] >= 1.0 and 0 < r["rollout/episodes/masked_out_fraction"] < 1

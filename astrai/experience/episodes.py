@@ -27,21 +27,25 @@ the final answer.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from astrai.agents.chat import render, suffix_ids, turn_end
+from astrai.agents.chat import check_prefix_preserving, render, suffix_ids, turn_end
 from astrai.agents.tool_calls import (ToolCall, ToolCallError, argument_problem, call_tool, parse_tool_calls,
                                       result_text, template_supports_tools)
 from astrai.agents.tools import Tool
-from astrai.experience.trajectory import NOT_SAMPLED, Trajectory
+from astrai.experience.trajectory import NOT_SAMPLED, Experience, Trajectory
 from astrai.rewards.workers import RewardFunctionSpec, RewardWorkerPool
 from astrai.rollout.sampling import SamplingParams
 
-__all__ = ["EpisodeLimits", "Episode", "ToolExecutor", "run_episodes", "episode_metrics", "ENDINGS"]
+__all__ = ["EpisodeLimits", "Episode", "EpisodeRunner", "ToolExecutor", "check_episodes", "run_episodes",
+           "episode_metrics", "tool_references", "ENDINGS"]
 
 ENDINGS = ("answer", "max_turns", "length", "budget")
 """Why an episode ended: the policy answered without a tool call, `max_turns` turns were sampled, a turn was cut by
@@ -295,3 +299,119 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     out.update({f"tool_calls/{name or 'unknown'}": count / n for name, count in calls.items()})
     out.update({f"tool_errors/{name or 'unknown'}": count / n for name, count in errors.items()})
     return out
+
+
+def tool_references(entries, base_dir: Optional[str] = None) -> list[tuple[Mapping[str, Any], tuple[str, Optional[str]]]]:
+    """Per `rollout.tools` entry (`astrai.config.ToolEntry` records): the reference `astrai.agents.tools.load_tools`
+    takes ({function, path, name}) and the (function, absolute path or None) a worker loads it by; relative paths
+    from `base_dir` (default: the working directory)."""
+    base = Path.cwd() if base_dir is None else Path(base_dir)
+    out = []
+    for entry in entries:
+        path = None if entry.path is None else str((base / Path(entry.path).expanduser()).resolve())
+        reference = {"function": entry.function, **({"path": path} if path else {}),
+                     **({"name": entry.name} if entry.name else {})}
+        out.append((reference, (entry.function, path)))
+    return out
+
+
+class EpisodeRunner:
+    """The online train types' runner when `rollout.tools` is set: `RolloutRunner`'s interface (`sample`, `collect`,
+    `add_reference`, `truncated_fraction`, `engine`), each sample a multi-turn episode (`run_episodes`) from its
+    prompt record's conversation (`data.system_prompt`, then the stored prompt as the user turn, or the stored chat).
+
+    Args:
+        runner: the single-turn runner whose engine, sampling settings, reference model and score function it uses;
+            the score function receives each episode's new messages as its completion (TRL's convention).
+        tokenizer: the policy's; tools, executor, limits: as `run_episodes`'s; system_prompt: `data.system_prompt`.
+
+    Raises:
+        ValueError: from construction, as `check_episodes` (the template, the stop token, the length limit).
+    """
+
+    def __init__(self, runner, tokenizer, tools: Sequence[Tool], executor: ToolExecutor, limits: EpisodeLimits, *,
+                 system_prompt: Optional[str] = None):
+        self.runner, self.tokenizer, self.tools, self.executor = runner, tokenizer, list(tools), executor
+        self.limits, self.system_prompt = limits, system_prompt
+
+    @property
+    def engine(self):
+        """The single-turn runner's engine."""
+        return self.runner.engine
+
+    def conversation(self, record) -> list[dict[str, Any]]:
+        """The first messages of `record`'s episode."""
+        prompt = record.prompt
+        if isinstance(prompt, list):
+            messages = [dict(m) for m in prompt]
+        else:
+            messages = [{"role": "user", "content": str(prompt)}]
+        if self.system_prompt is not None and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def sample(self, prompt_ids, records, generator: Optional[torch.Generator] = None) -> Experience:
+        """One episode per record (`prompt_ids`, the single-turn renderings, are not used), scored; stats: the
+        `episode_metrics` (as `episodes/<name>`) and `truncated_fraction`."""
+        start = time.perf_counter()
+        episodes = run_episodes(self.runner.engine, self.tokenizer, [self.conversation(r) for r in records],
+                                self.tools, self.executor, self.runner.sampling, self.limits, generator)
+        timings = {"generate": time.perf_counter() - start}
+        start = time.perf_counter()
+        scored = self.runner.score_fn([e.completion for e in episodes], list(records),
+                                      [[t for t, m in zip(e.response_ids, e.loss_mask) if m] for e in episodes])
+        timings["reward"] = time.perf_counter() - start
+        components = getattr(scored, "components", {})
+        failed = getattr(scored, "failed", {})
+        scores = torch.as_tensor(getattr(scored, "total", scored), dtype=torch.float32).tolist()
+        trajectories = [e.trajectory(score=scores[i],
+                                     reward_components={k: (None if math.isnan(v[i]) else float(v[i]))
+                                                        for k, v in components.items()},
+                                     reward_failed={k: bool(v[i]) for k, v in failed.items()})
+                        for i, e in enumerate(episodes)]
+        stats = {f"episodes/{k}": v for k, v in episode_metrics(episodes).items()}
+        experience = Experience.from_trajectories(trajectories, pad_token_id=self.engine.pad_token_id,
+                                                  device=self.engine.device, timings=timings, stats=stats)
+        experience.stats["truncated_fraction"] = self.runner.truncated_fraction(experience)
+        return experience
+
+    def collect(self, prompt_ids, records, generator: Optional[torch.Generator] = None) -> Experience:
+        """`sample`, then the reference log-probs (`add_reference`)."""
+        return self.add_reference(self.sample(prompt_ids, records, generator))
+
+    def add_reference(self, experience: Experience) -> Experience:
+        """As `RolloutRunner.add_reference`."""
+        return self.runner.add_reference(experience)
+
+    def truncated_fraction(self, experience: Experience) -> float:
+        """As `RolloutRunner.truncated_fraction`: episodes whose last turn the budget cut."""
+        return self.runner.truncated_fraction(experience)
+
+    def close(self) -> None:
+        """End the tool workers."""
+        self.executor.close()
+
+
+def check_episodes(tokenizer, tools: Sequence[Tool], sampling: SamplingParams, *, max_prompt_length: int,
+                   max_position_embeddings: int) -> None:
+    """The start-up checks of a job with tools: the tokenizer has a chat template that preserves prefixes
+    (`astrai.agents.chat.check_prefix_preserving`), its end-of-turn token stops the sampler, and
+    `data.max_prompt_length` plus the tools' share of the prompt plus `rollout.max_new_tokens` fits the model.
+
+    Raises:
+        ValueError: one line naming the setting (TemplatePrefixError for the template).
+    """
+    if not tokenizer.chat_template:
+        raise ValueError("rollout.tools: multi-turn episodes need the tokenizer's chat template, and it has none")
+    check_prefix_preserving(tokenizer, tools)
+    end_token, _ = turn_end(tokenizer, tools)
+    if tokenizer.token_to_id(end_token) not in sampling.stop_token_ids:
+        raise ValueError(f"rollout.tools: the chat template ends a turn with {end_token!r}, which is not a stop token "
+                         f"of the model (its eos ids {list(sampling.stop_token_ids)})")
+    probe = [{"role": "user", "content": "?"}]
+    overhead = len(tokenizer.encode(render(tokenizer, probe, tools))) - len(tokenizer.encode(render(tokenizer, probe)))
+    need = max_prompt_length + max(overhead, 0) + sampling.max_new_tokens
+    if need > max_position_embeddings:
+        raise ValueError(f"rollout.tools: data.max_prompt_length ({max_prompt_length}) + the tools' schemas in the "
+                         f"prompt ({overhead} tokens) + rollout.max_new_tokens ({sampling.max_new_tokens}) = {need} "
+                         f"exceeds max_position_embeddings ({max_position_embeddings})")

@@ -50,7 +50,8 @@ class OnlineExperience:
         sync_weights: `sync_weights(policy_version)` makes the runner's engine hold the policy's weights of that
             version before each batch (a no-op when it does already; `astrai.rollout.engine.sync_weights` over the
             trained model's `full_weights`).
-        runner: the rollout runner (its `engine` is the colocated `GenerationEngine`).
+        runner: the rollout runner (`RolloutRunner`; with `rollout.tools` an `astrai.experience.episodes.EpisodeRunner`,
+            the same interface); its `engine` is the colocated `GenerationEngine`.
         sampler: endless resumable sampler of records with `.prompt_ids` (rendered, within the prompt
             budget), `.answer`, `.prompt` and `.columns` (`PromptSampler` over `data.truncation.EncodedPrompt`s).
         batch_size: B, prompts per batch; group_size: G, samples per prompt (rows b * G ... b * G + G - 1).

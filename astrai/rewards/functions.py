@@ -194,9 +194,10 @@ class RewardFunctions:
         """The functions' metric names, in order."""
         return [spec.name for spec in self.specs]
 
-    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], completion_ids: Sequence[list[int]],
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Sequence[list[int]],
                  columns: Mapping[str, Sequence[Any]]) -> ScoredRewards:
-        """Score B completions (see the module docstring for what each function receives).
+        """Score B completions (see the module docstring for what each function receives): texts, or a multi-turn
+        episode's new messages (a list of {"role", "content"} dicts, passed as they are).
 
         Raises:
             RewardFunctionError: a function returned the wrong number of values, a non-number or a non-finite
@@ -204,7 +205,8 @@ class RewardFunctions:
         """
         n = len(completions)
         chat = [isinstance(p, list) for p in prompts]
-        shown = [[{"role": "assistant", "content": c}] if is_chat else c for c, is_chat in zip(completions, chat)]
+        shown = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] if is_chat else c
+                 for c, is_chat in zip(completions, chat)]  # a list already: an episode's messages
         offered = {"prompts": list(prompts), "completions": shown, "completion_ids": [list(i) for i in completion_ids],
                    **{name: list(values) for name, values in columns.items()}}
         total = torch.zeros(n, dtype=torch.float32)

@@ -27,6 +27,7 @@ from astrai.models import load_pretrained
 from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
 from astrai.trainer.evaluation_callback import build_evaluation, load_eval_records
+from astrai.experience.build import load_job_tools
 from astrai.rewards.build import build_rewards
 from astrai.rollout.build import check_rollout_engine
 from astrai.trainer.faults import StepBoundary, StopSignals
@@ -303,6 +304,8 @@ def check_job(config: Config, *, world_size: int) -> str:
     if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
         check_rollout_engine(config, policy.config, device)
         build_rewards(config, data, num_workers=0).close()
+        if config.rollout.tools:  # imported, their schemas derived, the template and length checked
+            load_job_tools(config, tokenizer, policy.config)
     if config.train.eval_steps:
         load_eval_records(config, tokenizer)
     params = sum(p.numel() for p in policy.parameters())
