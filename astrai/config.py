@@ -342,6 +342,9 @@ class TrainSection(Section, name="train"):
     report_to: list[str] = field_spec(DEFAULT_REPORT_TO, "where metrics also go besides metrics.jsonl: "
                                       "'tensorboard' (event files in output_dir), 'wandb', or 'none'",
                                       SubsetOf(REPORT_TO, alone=("none",)))
+    log_completions: int = field_spec(0, "online_grpo/online_ppo: write the first N samples of each rollout (prompt, "
+                                         "completion, each reward, advantage) to output_dir/completions.jsonl, and "
+                                         "as a table to train.report_to's TensorBoard / W&B; 0 = off", GE0)
     overwrite_output_dir: bool = field_spec(False, "start fresh in an output_dir that holds checkpoints of "
                                             "another run (they are left alone and ignored)")
     bf16: bool = field_spec(False, "bf16 mixed precision: bf16 compute, fp32 master weights and optimizer state")
@@ -449,6 +452,10 @@ class Config:
         elif self.rollout.generation_batch_size is not None:
             raise ConfigError("rollout.generation_batch_size: only used with rollout.dynamic_sampling (without it "
                               "each rollout samples rollout.batch_size prompts once); set it to null")
+        if self.train.log_completions and not spec.online:  # asked to see what the job never writes: refused
+            online = " and ".join(t.name for t in train_types.all_train_types() if t.online)
+            raise ConfigError(f"train.log_completions: shows the completions the online train types sample "
+                              f"({online}); train.type {kind} samples none; set it to 0")
         if self.rollout.tools and not spec.online:
             raise ConfigError(f"rollout.tools: multi-turn episodes are sampled by the online train types; train.type "
                               f"{kind} samples none")

@@ -25,7 +25,8 @@ from astrai.distributed.launch import check_step_sizes, resolve_launch
 from astrai.distributed.rank_checks import check_ranks_agree
 from astrai.models import load_pretrained
 from astrai.rollout.engine import engine_factory
-from astrai.trainer.callbacks import CheckpointCallback, MetricsLogger, ProgressBar, StepTimer
+from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, MetricsLogger, ProgressBar,
+                                      StepTimer)
 from astrai.trainer.evaluation_callback import build_evaluation, load_eval_records
 from astrai.experience.build import load_job_tools
 from astrai.rewards.build import build_rewards
@@ -208,9 +209,18 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
 
 def _callbacks(config: Config, dist, output_dir: Path, trainer: Trainer, tokenizer, config_text: str, reporters,
                run_id: str, resume_from: Optional[Path], manifest_fields: dict) -> list:
-    """The job's callbacks, in order: evaluation, timing, metrics, progress, checkpoints, reporters."""
+    """The job's callbacks, in order: evaluation, timing, metrics, completions (`train.log_completions` > 0; they
+    reach the reporters too), progress, checkpoints, reporters."""
+    resume_step = None if resume_from is None else trainer.state.global_step
     logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main,
-                           resume_step=None if resume_from is None else trainer.state.global_step)
+                           resume_step=resume_step)
+    logs = [logger]
+    if config.train.log_completions:
+        logs.append(CompletionsLogger(output_dir, enabled=dist.is_main, resume_step=resume_step, reporters=reporters))
+
+    def flush_logs() -> None:  # before a checkpoint: the logs never lag behind it
+        for log in logs:
+            log.flush()
 
     def save(trainer: Trainer) -> None:
         publish_checkpoint(
@@ -223,9 +233,9 @@ def _callbacks(config: Config, dist, output_dir: Path, trainer: Trainer, tokeniz
     evaluation = build_evaluation(config, dist, trainer.learner, tokenizer)  # None unless train.eval_steps > 0
     return [
         *([evaluation] if evaluation is not None else []),  # first: its eval/* metrics reach the logger
-        StepTimer(), logger, ProgressBar(enabled=dist.is_main and config.train.progress_bar),
+        StepTimer(), *logs, ProgressBar(enabled=dist.is_main and config.train.progress_bar),
         CheckpointCallback(save, save_steps=config.checkpoint.save_steps,
-                           save_at_end=config.checkpoint.save_at_end, before_save=logger.flush,
+                           save_at_end=config.checkpoint.save_at_end, before_save=flush_logs,
                            saved_step=-1 if resume_from is None else trainer.state.global_step),
         *reporters,
     ]

@@ -1,4 +1,5 @@
-"""Standard callbacks: metrics logging (metrics.jsonl + console), progress bar, timing, checkpointing."""
+"""Standard callbacks: metrics logging (metrics.jsonl + console), completions logging (completions.jsonl), progress
+bar, timing, checkpointing. `JsonlFile` is the run's jsonl file behaviour both loggers share."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -76,8 +77,89 @@ class DegenerateSignals:
         if self._constant and self._seen >= self.rollouts and len(self._rewards) == 1:
             warnings.warn(f"the reward was {next(iter(self._rewards)):g} on every sample of all {self._seen} "
                           f"rollouts of this run: it never told responses apart, so nothing was learned from it; "
-                          f"check the reward functions against a few completions (train.eval_steps, "
-                          f"python -m astrai.evaluate)", stacklevel=2)
+                          f"check the reward functions against a few completions (train.log_completions, "
+                          f"train.eval_steps, python -m astrai.evaluate)", stacklevel=2)
+
+
+class JsonlFile:
+    """A run's jsonl file under the output directory, one JSON object per line, each with a "step" (main process).
+
+    `open()` prepares what an earlier run left there: a fresh run (`resume_step` None) keeps an existing file under a
+    timestamped name (`<stem>.<YYYYmmdd-HHMMSS>.jsonl`, never overwritten); a resumed run drops the records of steps
+    after the resumed checkpoint (they are about to be redone) and torn (crash-truncated) lines, rewriting the file
+    atomically. The file is then opened in append mode, line-buffered; `flush()` fsyncs it.
+
+    Args:
+        path: the file (`<output_dir>/metrics.jsonl` ...); its parent is created on `open()`.
+        resume_step: the step of the checkpoint the run resumed from, or None for a fresh run.
+        printer: says where a previous run's file was kept.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, resume_step: Optional[int] = None,
+                 printer: Callable[[str], None] = tqdm.write):
+        self.path, self.resume_step, self.printer = Path(path), resume_step, printer
+        self._file = None
+
+    @property
+    def is_open(self) -> bool:
+        """Whether `open()` was called and `close()` not yet."""
+        return self._file is not None
+
+    def open(self) -> None:
+        """Prepare an existing file (see the class docstring) and open it for appending."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            self._prepare_existing()
+        self._file = open(self.path, "a", encoding="utf-8", buffering=1)
+
+    def _prepare_existing(self) -> None:
+        """Keep (fresh run) or cut back to the resumed step (resumed run) the file an earlier run left."""
+        if self.resume_step is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            kept = self.path.with_name(f"{self.path.stem}.{stamp}{self.path.suffix}")
+            count = 1
+            while kept.exists():  # two fresh starts within a second
+                kept, count = self.path.with_name(f"{self.path.stem}.{stamp}-{count}{self.path.suffix}"), count + 1
+            os.replace(self.path, kept)
+            self.printer(f"kept the previous run's {self.path.stem} as {kept}")
+            return
+        lines = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                 if _record_step(line) is not None and _record_step(line) <= self.resume_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict) -> None:
+        """Append one record (one line)."""
+        self._file.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        """Flush and fsync the file (no-op when it is not open)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        """Flush, fsync and close the file (no-op when it is not open)."""
+        if self._file is not None:
+            self.flush()
+            self._file.close()
+            self._file = None
+
+    def abort(self) -> None:
+        """The run failed: close what was written, as `close`; a full disk may refuse it: nothing more to do then."""
+        try:
+            self.close()
+        except OSError:
+            self._file = None
+
+
+def _record_step(line: str) -> Optional[int]:
+    """The "step" of one jsonl line; None for a blank or torn (crash-truncated) line."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class MetricsLogger(Callback):
@@ -86,41 +168,26 @@ class MetricsLogger(Callback):
     warns once when the signal is degenerate (`DegenerateSignals`).
 
     Metrics arrive as detached tensors; this is the one place that turns them into Python numbers.
-    The file is opened in append mode, line-buffered, and fsynced by `flush()`. On a resumed run, records of
-    steps after the resumed checkpoint are dropped first; on a fresh run an existing file is kept under a
-    timestamped name, never overwritten.
+    The file is a `JsonlFile`: on a resumed run, records of steps after the resumed checkpoint are dropped first; on
+    a fresh run an existing file is kept under a timestamped name, never overwritten.
     """
 
     def __init__(self, output_dir: str | os.PathLike, *, logging_steps: int, enabled: bool = True,
                  resume_step: Optional[int] = None, printer: Callable[[str], None] = tqdm.write):
         self.signals = DegenerateSignals()
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.file = JsonlFile(Path(output_dir) / "metrics.jsonl", resume_step=resume_step, printer=printer)
         self.logging_steps = logging_steps
         self.enabled = enabled
-        self.resume_step = resume_step
         self.printer = printer
-        self._file = None
 
-    def _prepare_existing(self) -> None:
-        """A fresh run keeps an old metrics.jsonl under a timestamped name; a resumed run drops the records
-        of steps after the checkpoint (they are about to be redone), rewriting the file atomically."""
-        if self.resume_step is None:
-            kept = self.path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-            os.replace(self.path, kept)
-            self.printer(f"kept the previous run's metrics as {kept}")
-            return
-        lines = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                 if _record_step(line) is not None and _record_step(line) <= self.resume_step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        os.replace(tmp, self.path)
+    @property
+    def path(self) -> Path:
+        """`<output_dir>/metrics.jsonl`."""
+        return self.file.path
 
     def on_train_begin(self, trainer) -> None:
         if self.enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self.path.exists():
-                self._prepare_existing()
-            self._file = open(self.path, "a", encoding="utf-8", buffering=1)
+            self.file.open()
 
     def on_log(self, trainer, metrics) -> None:
         """Write `metrics` (the step-0 record) as the record of the current step, without a console line."""
@@ -145,40 +212,71 @@ class MetricsLogger(Callback):
         values = torch.stack([metrics[k].detach().float().cpu().reshape(()) for k in names]).tolist()
         record = {"step": trainer.state.global_step, **dict(zip(names, values))}
         record["policy_version"] = trainer.state.policy_version
-        self._file.write(json.dumps(record) + "\n")
+        self.file.write(record)
         return record
 
     def flush(self) -> None:
         """Flush and fsync metrics.jsonl (called before a checkpoint covering these steps is published)."""
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        self.file.flush()
 
     def on_train_end(self, trainer) -> None:
-        if self._file is not None:
+        if self.file.is_open:
             self.signals.finish()
-        self._close()
-
-    def _close(self) -> None:
-        if self._file is not None:
-            self.flush()
-            self._file.close()
-            self._file = None
+        self.file.close()
 
     def on_train_abort(self, trainer) -> None:
         """The run failed: flush and fsync what was logged (a full disk may refuse it: nothing more to do then)."""
-        try:
-            self._close()
-        except OSError:
-            self._file = None
+        self.file.abort()
 
 
-def _record_step(line: str) -> Optional[int]:
-    """The "step" of one metrics.jsonl line; None for a blank or torn (crash-truncated) line."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
+COMPLETION_FIELDS = ("step", "policy_version", "prompt", "completion", "score", "rewards", "advantage",
+                     "response_length")
+"""The keys of a completions.jsonl record, in order (`policy_gradient.completion_samples` and the step)."""
+
+
+class CompletionsLogger(Callback):
+    """`train.log_completions`: writes the samples the learner exposes for each new rollout (`take_completions()`:
+    the first N rows of rank 0's rollout, `policy_gradient.completion_samples`) to `<output_dir>/completions.jsonl`,
+    one JSON object per sample with the keys of `COMPLETION_FIELDS` (main process only), and hands them to each of
+    `reporters` that has `log_completions(step, records)` (TensorBoard text, a W&B table: `trainer.reporting`).
+
+    `step` is the optimizer step the rollout trained first (the step that collected it). The file is a `JsonlFile`,
+    as metrics.jsonl: a resumed run drops the records of steps after its checkpoint, a fresh run keeps an old file
+    under a timestamped name.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, *, enabled: bool = True, resume_step: Optional[int] = None,
+                 reporters: Sequence[Callback] = (), printer: Callable[[str], None] = tqdm.write):
+        self.file = JsonlFile(Path(output_dir) / "completions.jsonl", resume_step=resume_step, printer=printer)
+        self.enabled = enabled
+        self.sinks = [r.log_completions for r in reporters if callable(getattr(r, "log_completions", None))]
+
+    def on_train_begin(self, trainer) -> None:
+        if self.enabled:
+            self.file.open()
+
+    def on_step_end(self, trainer, metrics) -> None:
+        take = getattr(trainer.learner, "take_completions", None)
+        samples = take() if take is not None else []
+        if not self.enabled or not samples:
+            return
+        step = trainer.state.global_step
+        records = [{"step": step, **sample} for sample in samples]
+        for record in records:
+            self.file.write(record)
+        for sink in self.sinks:
+            sink(step, records)
+
+    def flush(self) -> None:
+        """Flush and fsync completions.jsonl (before a checkpoint covering these steps is published)."""
+        self.file.flush()
+
+    def on_train_end(self, trainer) -> None:
+        self.file.close()
+
+    def on_train_abort(self, trainer) -> None:
+        """The run failed: flush and fsync what was logged."""
+        self.file.abort()
 
 
 class ProgressBar(Callback):

@@ -4,20 +4,30 @@ Both receive, once per optimizer step, the same scalars as a metrics.jsonl recor
 `policy_version`) at `global_step`. They run on the main process only. `tensorboard` and `wandb` are optional
 packages, imported when a reporter is built: TensorBoard is on by default when installed (`astrai[tensorboard]`);
 W&B only when `train.report_to` names it.
+
+With `train.log_completions`, both also receive each logged rollout's samples (`log_completions`, from
+`callbacks.CompletionsLogger`): TensorBoard as a markdown table under the text tag `completions`, W&B as a
+`wandb.Table` under the key `completions`; `completion_table` builds the rows both show.
 """
 
 from __future__ import annotations
 
+import html
 import os
+import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from astrai.deps import unavailable_reason
 from astrai.trainer.loop import Callback
 
-__all__ = ["scalar_record", "TensorBoardLogger", "WandbLogger", "build_reporters"]
+__all__ = ["scalar_record", "completion_table", "completions_markdown", "TensorBoardLogger", "WandbLogger",
+           "build_reporters"]
+
+COMPLETIONS_TAG = "completions"
+"""The TensorBoard text tag and W&B key of the logged completions."""
 
 
 def scalar_record(metrics: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -27,6 +37,42 @@ def scalar_record(metrics: Mapping[str, torch.Tensor]) -> dict[str, float]:
         return {}
     values = torch.stack([metrics[k].detach().float().cpu().reshape(()) for k in names]).tolist()
     return dict(zip(names, values))
+
+
+def completion_table(records: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """completions.jsonl records (`callbacks.COMPLETION_FIELDS`) -> `(columns, rows)`, one row per record: the
+    record's fields in order, with `rewards` spread into one `rewards/<name>` column per reward function (the names of
+    all records, first seen first; None where a function does not apply or a record lacks it)."""
+    names = list(dict.fromkeys(name for record in records for name in record.get("rewards", {})))
+    columns = ["step", "policy_version", "prompt", "completion", "score", *[f"rewards/{n}" for n in names],
+               "advantage", "response_length"]
+    rows = [[record["step"], record["policy_version"], record["prompt"], record["completion"], record["score"],
+             *[record.get("rewards", {}).get(n) for n in names], record["advantage"], record["response_length"]]
+            for record in records]
+    return columns, rows
+
+
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_|~\[\]])")
+"""Characters a markdown table cell would read as markup (emphasis, code, links, a cell boundary)."""
+
+
+def _markdown_cell(value: Any) -> str:
+    """One markdown table cell showing `value` as it is: numbers to 4 significant digits, None empty, HTML (a
+    `<think>` tag) and markdown characters escaped, line breaks as <br>."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = _MARKDOWN_SPECIAL.sub(r"\\\1", html.escape(str(value), quote=False))
+    return text.replace("\r\n", "\n").replace("\n", "<br>")
+
+
+def completions_markdown(records: Sequence[Mapping[str, Any]]) -> str:
+    """The rows of `completion_table` as one markdown table (what TensorBoard's text tab renders)."""
+    columns, rows = completion_table(records)
+    lines = ["| " + " | ".join(map(_markdown_cell, columns)) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_markdown_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 class TensorBoardLogger(Callback):
@@ -71,6 +117,12 @@ class TensorBoardLogger(Callback):
         """The step-0 record, as a step's."""
         self.on_step_end(trainer, metrics)
 
+    def log_completions(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """One rollout's logged samples as a markdown table (`completions_markdown`) under the text tag
+        `completions` at `step`."""
+        if self.writer is not None:
+            self.writer.add_text(COMPLETIONS_TAG, completions_markdown(records), global_step=step)
+
     def on_train_end(self, trainer) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -111,6 +163,15 @@ class WandbLogger(Callback):
     def on_log(self, trainer, metrics) -> None:
         """The step-0 record, as a step's."""
         self.on_step_end(trainer, metrics)
+
+    def log_completions(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """One rollout's logged samples as a `wandb.Table` (`completion_table`) under the key `completions` at
+        `step`."""
+        if self.run is not None:
+            import wandb
+
+            columns, rows = completion_table(records)
+            self.run.log({COMPLETIONS_TAG: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def on_train_end(self, trainer) -> None:
         if self.run is not None:

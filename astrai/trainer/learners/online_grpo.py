@@ -25,7 +25,7 @@ from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.experience.replay import RolloutReplay
-from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience
+from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, text_decoder
 from astrai.trainer.learners.policy_loss import RolloutCorrection, loss_agg_mode, policy_objective
 
 
@@ -148,14 +148,17 @@ class GRPOLearner(RolloutLearner):
             clipping, KL, reward scaling); temperature: the sampling temperature; log_entropy: log `policy/entropy`.
         loss_scale_factor: L of `loss_agg_mode: seq-mean-token-sum-norm` (the response-length cap).
         correction: the rollout correction, or None.
+        log_completions, decode: as `RolloutLearner`'s (`train.log_completions`; online only).
     """
 
     def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
                  settings: GRPOSection, temperature: float, log_entropy: bool = False,
-                 loss_scale_factor: Optional[float] = None, correction: Optional[RolloutCorrection] = None):
+                 loss_scale_factor: Optional[float] = None, correction: Optional[RolloutCorrection] = None,
+                 log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
-                         log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction)
+                         log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction,
+                         log_completions=log_completions, decode=decode)
         self.settings = settings
         self.objective = grpo_loss_fn(settings, loss_scale_factor=loss_scale_factor)
 
@@ -187,15 +190,17 @@ class GRPOLearner(RolloutLearner):
 
 
 def grpo_learner(config, dist, policy: TrainedModel, experience: ExperienceSource, *,
-                  online: bool = True) -> GRPOLearner:
+                  online: bool = True, decode: Optional[Callable[[list[int]], str]] = None) -> GRPOLearner:
     """The GRPO learner of a validated config over `experience`: online (the response-length cap is
-    `rollout.max_new_tokens`, and `rollout.correction` applies) or offline (the cap is `data.max_length`)."""
+    `rollout.max_new_tokens`; `rollout.correction` and `train.log_completions`, with `decode` for the prompts,
+    apply) or offline (the cap is `data.max_length`)."""
     g, r = config.grpo, config.rollout
     replay = RolloutReplay(minibatch_size=g.minibatch_size, epochs=g.epochs, seed=config.train.seed + 1000 * dist.rank)
     return GRPOLearner(policy=policy, experience=experience, replay=replay, settings=g, temperature=r.temperature,
                         log_entropy="policy/entropy" in config.train.metrics,
                         loss_scale_factor=r.max_new_tokens if online else config.data.max_length,
-                        correction=RolloutCorrection.from_config(r, chunk_size=g.micro_batch_size) if online else None)
+                        correction=RolloutCorrection.from_config(r, chunk_size=g.micro_batch_size) if online else None,
+                        log_completions=config.train.log_completions if online else 0, decode=decode)
 
 
 def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
@@ -209,4 +214,4 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=g.micro_batch_size, group_size=g.group_size)
-    return grpo_learner(config, dist, trained, experience)
+    return grpo_learner(config, dist, trained, experience, decode=text_decoder(tokenizer))

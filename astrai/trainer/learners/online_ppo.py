@@ -10,7 +10,7 @@ reference log-probs, critic values, k-estimated KL, per-token rewards and GAE on
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -25,7 +25,7 @@ from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
 from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
 from astrai.experience.replay import RolloutReplay
-from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, action_tokens
+from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, action_tokens, text_decoder
 from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection, loss_agg_mode, policy_objective
 
 
@@ -40,14 +40,17 @@ class OnlinePPOLearner(RolloutLearner):
             loss); temperature: the sampling temperature; log_entropy: log `policy/entropy`.
         objective: the policy objective (default: `policy_loss.policy_objective(settings)`).
         correction: the rollout correction, or None.
+        log_completions, decode: as `RolloutLearner`'s (`train.log_completions`).
     """
 
     def __init__(self, *, policy: TrainedModel, critic: TrainedModel, experience: ExperienceSource,
                  replay: RolloutReplay, settings: PPOSection, temperature: float, log_entropy: bool = False,
-                 objective: Optional[Objective] = None, correction: Optional[RolloutCorrection] = None):
+                 objective: Optional[Objective] = None, correction: Optional[RolloutCorrection] = None,
+                 log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
-                         log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction)
+                         log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction,
+                         log_completions=log_completions, decode=decode)
         self.critic, self.settings = critic, settings
         self.objective = objective or policy_objective(settings)
 
@@ -152,4 +155,5 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
     return OnlinePPOLearner(policy=trained, critic=critic, experience=experience, replay=replay, settings=p,
                              temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics,
                              objective=policy_objective(p, loss_scale_factor=r.max_new_tokens),
-                             correction=RolloutCorrection.from_config(r, chunk_size=p.micro_batch_size))
+                             correction=RolloutCorrection.from_config(r, chunk_size=p.micro_batch_size),
+                             log_completions=config.train.log_completions, decode=text_decoder(tokenizer))

@@ -5,14 +5,16 @@
 load it into the `RolloutReplay`; then `update` the models on the next minibatch. `policy_update` is the policy
 optimizer step both share: the train type's objective on log-probs computed by the one scoring function the
 engine's `old_logprobs` are aligned with (`astrai.forward.response_logprobs`, docs/conventions.md section 2).
-`online_experience` wires the online train types' experience source to the trained policy.
+`online_experience` wires the online train types' experience source to the trained policy; `completion_samples`
+are the rows of a rollout that `train.log_completions` shows (`trainer.callbacks.CompletionsLogger`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,55 @@ def online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: 
         chunk_size=chunk_size, group_size=group_size, prepare_model=lambda model: prepare_reference(dist, model))
 
 
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """Token ids -> text without special tokens (a chat-templated prompt's role markers are left out)."""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def completion_samples(experience: Experience, rollout: RolloutResult, count: int,
+                       decode: Callable[[list[int]], str]) -> list[dict]:
+    """The first `count` samples of a rollout (all when it has fewer; GRPO: whole groups first) as
+    `completions.jsonl` records without their "step", with one host transfer for every number.
+
+    Each record: `policy_version` (the weights that sampled the rollout), `prompt` (the prompt's token ids decoded by
+    `decode`, padding dropped), `completion` (the response text the reward saw, `Experience.responses`), `score`
+    (the total reward), `rewards` (each reward function's value by name, None where it does not apply or was
+    skipped), `advantage` (the mean of the pinned advantages over the sample's action tokens: GRPO's per-sample
+    advantage, PPO's mean GAE advantage) and `response_length` (its action tokens, as `rollout/response_length`).
+
+    Args:
+        experience: the scored experience the rollout was pinned from (same rows).
+        rollout: the rollout with its advantages.
+        count: how many rows (> 0).
+        decode: token ids -> text.
+    """
+    n = min(count, len(experience))
+    seq = experience.sequences
+    width = seq.prompt_length
+    mask = rollout.sequences.action_mask[:n]
+    lengths = mask.sum(-1)
+    advantage = (rollout.advantages[:n].float() * mask).sum(-1) / lengths.clamp(min=1)
+    prompts = torch.where(seq.attention_mask[:n, :width].bool(), seq.input_ids[:n, :width], -1)  # -1: padding
+    names = list(experience.reward_components)
+    columns = [experience.scores[:n], advantage, lengths] + [experience.reward_components[k][:n] for k in names]
+    numbers = torch.stack([c.to(device=prompts.device, dtype=torch.float64) for c in columns], dim=1)
+    table = torch.cat([prompts.double(), numbers], dim=1).tolist()  # ids < 2**53 are exact in float64
+    samples = []
+    for i, row in enumerate(table):
+        score, adv, length, *values = row[width:]
+        samples.append({
+            "policy_version": int(experience.policy_version),
+            "prompt": decode([int(x) for x in row[:width] if x >= 0]),
+            "completion": experience.responses[i],
+            "score": score,
+            "rewards": {k: None if math.isnan(v) else v for k, v in zip(names, values)},
+            "advantage": adv,
+            "response_length": int(length),
+        })
+    return samples
+
+
 def action_tokens(micro: RolloutResult) -> torch.Tensor:
     """The loss units of an RL micro-batch: its real response tokens (0-dim int64)."""
     return micro.sequences.action_mask.sum()
@@ -61,16 +112,30 @@ class RolloutLearner:
         loss_agg_mode: how the policy objective aggregates (`algos.LOSS_AGG_MODES`): it sets the loss units the
             step counts (`algos.loss_units`: tokens, or sequences for the seq-mean modes).
         correction: the rollout correction (`policy_loss.RolloutCorrection`) or None.
+        log_completions: `train.log_completions`: on the main process, keep the first N samples of each new rollout
+            (`completion_samples`) for `take_completions`; 0: none (nothing is computed).
+        decode: token ids -> prompt text (`text_decoder`); required when `log_completions` > 0.
 
     Subclasses implement `pin_targets` and `update`.
     """
 
     def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
                  micro_batch_size: int, temperature: float, log_entropy: bool = False,
-                 loss_agg_mode: str = "token-mean", correction: Optional[RolloutCorrection] = None):
+                 loss_agg_mode: str = "token-mean", correction: Optional[RolloutCorrection] = None,
+                 log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None):
+        if log_completions and decode is None:
+            raise ValueError("train.log_completions: the learner needs a decode function to show prompts")
         self.policy, self.experience, self.replay = policy, experience, replay
         self.micro_batch_size, self.temperature, self.log_entropy = micro_batch_size, temperature, log_entropy
         self.loss_agg_mode, self.correction = loss_agg_mode, correction
+        self.log_completions, self.decode = log_completions, decode
+        self._completions: list[dict] = []
+
+    def take_completions(self) -> list[dict]:
+        """The samples of the newest rollout not taken yet (`completion_samples`, `train.log_completions` of them),
+        then [] until the next rollout; always [] on other processes than the main one or with log_completions 0."""
+        taken, self._completions = self._completions, []
+        return taken
 
     @property
     def data_sampler(self):
@@ -106,7 +171,8 @@ class RolloutLearner:
         """Collect experience of the weights of `policy_version` and pin the targets: `(rollout, metrics)`, the
         metrics with the phase timings (`time/<phase>_seconds`, `time/rollout_seconds` for the whole), the
         experience's stats (`rollout/<name>`) and each reward function's (`rewards/<name>/mean`, `std`, `applies`,
-        `failed`: `reward_functions.reward_metrics`)."""
+        `failed`: `reward_functions.reward_metrics`). With `log_completions`, the main process keeps the rollout's
+        first samples for `take_completions`."""
         start = time.perf_counter()
         experience = self.experience.collect(policy_version)
         engine_logprobs = weights = None
@@ -121,6 +187,8 @@ class RolloutLearner:
                         for phase, seconds in experience.timings.items()})
         metrics.update({f"rollout/{name}": torch.tensor(value) for name, value in experience.stats.items()})
         metrics.update(reward_metrics(experience.reward_components, experience.reward_failed))
+        if self.log_completions and self.policy.dist.is_main:
+            self._completions = completion_samples(experience, rollout, self.log_completions, self.decode)
         return rollout, metrics
 
     def policy_update(self, trainer, minibatch: RolloutResult, first: bool,
