@@ -22,7 +22,7 @@ from astrai.models import load_pretrained
 from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.sampling import SamplingParams
 
-MODEL = "step-00000002"  # the served name defaults to the checkpoint directory's name
+MODEL = "step-00000002"  # the served checkpoint's folder name: accepted besides the path given (vLLM's id)
 
 
 def http(method, url, body=None, raw=None):
@@ -93,11 +93,14 @@ def reference(tiny_ppo_run):
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the answer"}]
 
 
-def test_models_and_health(server):
+def test_models_and_health(server, tiny_ppo_run):
     base, client = server
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [str(tiny_ppo_run)]  # the checkpoint as given, as vLLM
+    step = sorted((tiny_ppo_run / "checkpoints").glob("step-*"))[-1]
+    for name in (str(tiny_ppo_run), str(step), MODEL):  # the path given, the step it resolved to, its folder
+        assert client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=1).choices
     health = http("GET", f"{base}/health")[1]
-    assert health["status"] == "ok" and health["model"] == MODEL and health["policy_version"] == 2  # the checkpoint's
+    assert health["status"] == "ok" and health["model"] == str(tiny_ppo_run) and health["policy_version"] == 2  # the checkpoint's
 
 
 def test_chat_greedy_matches_the_engine(server, reference):
@@ -280,7 +283,8 @@ def test_logprobs_in_openai_shapes(server, reference):
 def test_models_by_id_and_json_errors_for_invalid_text(server):
     base, _ = server
     status, card = http("GET", f"{base}/v1/models/{MODEL}")
-    assert status == 200 and card["id"] == MODEL and card["object"] == "model"
+    listed = http("GET", f"{base}/v1/models")[1]["data"][0]["id"]
+    assert status == 200 and card["id"] == listed != MODEL and card["object"] == "model"  # found by its alias
     status, body = http("GET", f"{base}/v1/models/other")
     assert status == 404 and body["error"]["code"] == "model_not_found"
     lone = b'"\\ud800"'  # JSON allows the escape; the text is not valid Unicode
@@ -310,6 +314,8 @@ def test_models_by_id_and_json_errors_for_invalid_text(server):
     ({"max_tokens": 100000}, 400, "max_tokens", "context_length_exceeded"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
     ({"presence_penalty": 1.0}, 400, "presence_penalty", "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
+    ({"extra_body": {"min_p": 0.1}}, 400, "min_p", "unsupported_parameter"),  # unknown: refused, not ignored
     ({"model": "gpt-4o"}, 404, "model", "model_not_found"),
     ({"messages": []}, 400, "messages", None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

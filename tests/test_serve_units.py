@@ -91,6 +91,18 @@ def test_sampling_mapping_follows_openai_semantics():
     assert info.value.body()["error"]["param"] == "stop"
 
 
+def test_top_k_is_honoured_and_unknown_options_are_named():
+    from astrai.serve.protocol import ChatCompletionRequest, sampling_for
+
+    def request(**extra):
+        return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **extra)
+
+    assert sampling_for(request(top_k=5), max_new_tokens=3, stop_token_ids=(2,))[0].top_k == 5  # vLLM's extension
+    assert sampling_for(request(top_k=-1), max_new_tokens=3, stop_token_ids=(2,))[0].top_k == 0  # -1: off
+    assert request(response_format={"type": "text"}, metadata={"a": "b"}).unsupported() == []
+    assert request(response_format={"type": "json_schema"}, min_p=0.1).unsupported() == ["response_format", "min_p"]
+
+
 def test_lone_surrogates_and_logprobs_options_are_named():
     with pytest.raises(APIError) as info:
         check_text("ok \ud800", "messages.[0].content")

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from astrai.checkpoint.fsutil import fsync_dir
 from astrai.checkpoint.parts import write_json
-from astrai.checkpoint.manifest import CheckpointError, PEFT_FILES
+from astrai.checkpoint.manifest import GENERATION_CONFIG, PEFT_FILES, CheckpointError
 from astrai.models import hf_state_dict, load_pretrained
 from astrai.models.lora_merge import load_merged
 
@@ -48,6 +48,7 @@ def export_merged(checkpoint: str | Path, out: str | Path, *, base: Optional[str
         save_file({k: v.detach().cpu().contiguous() for k, v in hf_state_dict(model).items()},
                   str(staging / "model.safetensors"), metadata={"format": "pt"})
         write_json(staging / "config.json", model.config.to_hf_dict())
+        write_json(staging / GENERATION_CONFIG, model.config.generation_config_dict())
         tokenizer.save(staging)
         for name in os.listdir(staging):
             with open(staging / name, "rb") as f:

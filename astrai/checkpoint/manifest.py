@@ -33,6 +33,9 @@ MANIFEST_NAME = "manifest.json"
 POLICY_FILES = ("model.safetensors", "config.json")  # make a directory without a manifest a (legacy) checkpoint
 KINDS = ("hf_model", "hf_tokenizer", "torch", "json", "yaml", "dcp", "peft")  # kinds of parts, see parts.py
 HF_MODEL_FILES = POLICY_FILES
+GENERATION_CONFIG = "generation_config.json"
+"""Written beside a model's config.json (its stop and pad ids, for transformers' and vLLM's generate); not required:
+checkpoints written before it have none."""
 PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 """The files of a "peft" part (PEFT's adapter layout)."""
 _SUFFIX = {"torch": ".pt", "json": ".json", "yaml": ".yaml"}

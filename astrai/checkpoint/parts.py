@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from astrai.checkpoint.manifest import HF_MODEL_FILES, PEFT_FILES, CheckpointError, part_files
+from astrai.checkpoint.manifest import GENERATION_CONFIG, HF_MODEL_FILES, PEFT_FILES, CheckpointError, part_files
 from astrai.models import hf_state_dict
 
 RESTORABLE_KINDS = ("hf_model", "torch", "json", "dcp", "peft")
@@ -141,7 +141,8 @@ def _write_part(directory: Path, name: str, part: Part, rank: int) -> list[str]:
         del tensors
         _use_default_mode(directory / "model.safetensors")
         write_json(directory / "config.json", part.obj.config.to_hf_dict())
-        return list(HF_MODEL_FILES)
+        write_json(directory / GENERATION_CONFIG, part.obj.config.generation_config_dict())
+        return [*HF_MODEL_FILES, GENERATION_CONFIG]
     if part.kind == "peft":
         tensors = {k: v.detach().cpu().contiguous() for k, v in part.obj.state_dict().items()}
         save_file(tensors, str(directory / PEFT_FILES[0]), metadata={"format": "pt"})

@@ -158,6 +158,16 @@ class ModelConfig:
         """The sliding window of layer `layer_idx` (None: full causal attention)."""
         return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
 
+    def generation_config_dict(self) -> dict[str, Any]:
+        """A `generation_config.json` dict: the special ids transformers' and vLLM's `generate` stop and pad with
+        (`eos_token_id` every id of `eos_token_ids`, as a list when there are several); only the ids that are set.
+        Its sampling settings are left to the library's defaults."""
+        eos = list(self.eos_token_ids)
+        d: dict[str, Any] = {"bos_token_id": self.bos_token_id,
+                             "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+                             "pad_token_id": self.pad_token_id}
+        return {k: v for k, v in d.items() if v is not None}
+
     def to_hf_dict(self) -> dict[str, Any]:
         """Return a `config.json` dict that transformers' config class of `model_type` (v4 and v5) reads as this
         model; an MoE model gets `model_type` `MOE_MODEL_TYPE`, its family under `base_model_type`, and the MoE

@@ -36,7 +36,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served_model_name", default=None,
-                   help="model id clients send (default: the checkpoint directory's name)")
+                   help="model id clients send (default: the checkpoint as given on the command line, as vLLM; "
+                        "its resolved path and folder name are accepted too)")
     p.add_argument("--max_batch", type=int, default=32,
                    help="most sequences decoded at once, also the most choices per request (default 32)")
     p.add_argument("--max_tokens", type=int, default=512,
@@ -110,8 +111,10 @@ def build_engine(args: argparse.Namespace):
     if not isinstance(engine, StreamingEngine):
         raise ValueError(f"--engine {args.engine}: the server needs an engine that streams (submit / step); this "
                          "one generates whole batches only")
-    name = args.served_model_name or (path.name if path.exists() else str(args.checkpoint))
-    return engine, tokenizer, name
+    given = str(args.checkpoint)
+    name = given if args.served_model_name is None else args.served_model_name
+    aliases = () if args.served_model_name is not None else (str(path), path.name, str(path.resolve()))
+    return engine, tokenizer, name, aliases
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -131,11 +134,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: --log_level: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        engine, tokenizer, name = build_engine(args)
+        engine, tokenizer, name, aliases = build_engine(args)
     except (FileNotFoundError, NotADirectoryError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    app = create_app(engine, tokenizer, model_name=name, max_tokens=args.max_tokens)
+    app = create_app(engine, tokenizer, model_name=name, max_tokens=args.max_tokens, aliases=aliases)
     from astrai.data.prompt_format import uses_chat_template
 
     if not uses_chat_template(tokenizer):

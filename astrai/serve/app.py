@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,9 +44,10 @@ logger = logging.getLogger(__name__)
 class _Server:
     """State behind the routes: the engine loop, tokenizer, served name, limits."""
 
-    def __init__(self, engine, tokenizer, *, model_name: str, max_tokens: int):
+    def __init__(self, engine, tokenizer, *, model_name: str, max_tokens: int, aliases: Sequence[str] = ()):
         self.loop = EngineLoop(engine)
         self.engine, self.tokenizer, self.model_name, self.max_tokens = engine, tokenizer, model_name, max_tokens
+        self.names = {model_name, *aliases}
         self.text_of = TokenText(tokenizer)
         capacity = engine.capacity
         self.context, self.max_batch = capacity.max_position_embeddings, capacity.max_num_seqs
@@ -60,8 +61,8 @@ class _Server:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "astrai"}
 
     def check_model(self, name: str) -> None:
-        """APIError 404 (`model_not_found`) unless `name` is the served model."""
-        if name != self.model_name:
+        """APIError 404 (`model_not_found`) unless `name` is the served model (its id or an alias)."""
+        if name not in self.names:
             raise APIError(f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            status=404, param="model", code="model_not_found")
 
@@ -175,18 +176,19 @@ def _json(content, status: int = 200) -> Response:
     return Response(json.dumps(content, ensure_ascii=True), status_code=status, media_type="application/json")
 
 
-def create_app(engine, tokenizer, *, model_name: str, max_tokens: int = 512) -> FastAPI:
+def create_app(engine, tokenizer, *, model_name: str, max_tokens: int = 512, aliases: Sequence[str] = ()) -> FastAPI:
     """The OpenAI-compatible app over `engine` (a `StreamingEngine`, e.g. the paged engine) and its `tokenizer`.
 
     Args:
-        model_name: the id served by `/v1/models`; requests naming another model get 404.
+        model_name: the id served by `/v1/models`; requests naming another model (not in `aliases`) get 404.
+        aliases: other names requests may give the model (the checkpoint's path as given, resolved, its folder).
         max_tokens: default response budget when a chat request sets none (capped by the context).
     The engine's `capacity.max_num_seqs` bounds the choices decoded at once and the choices per request.
     """
     if not isinstance(engine, StreamingEngine):
         raise TypeError(f"astrai.serve needs an engine with the streaming API (add_request, step, abort); "
                         f"{type(engine).__name__} has none")
-    server = _Server(engine, tokenizer, model_name=model_name, max_tokens=max_tokens)
+    server = _Server(engine, tokenizer, model_name=model_name, max_tokens=max_tokens, aliases=aliases)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -39,10 +39,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+NO_EFFECT_FIELDS = ("metadata", "store", "service_tier")
+"""OpenAI request fields that change nothing about the answer (bookkeeping on OpenAI's side): accepted and unused.
+Any other field this server does not know is refused (`unsupported_parameter`), never silently ignored."""
+
+
 class _Sampling(BaseModel):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     temperature: Optional[float] = Field(None, ge=0, le=2)
@@ -57,11 +62,16 @@ class _Sampling(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     ignore_eos: bool = False
+    top_k: Optional[int] = Field(None, ge=-1)  # vLLM's extension: keep the k most likely tokens; 0 or -1 = off
+    response_format: Optional[dict[str, Any]] = None
 
     def unsupported(self) -> list[str]:
-        """Names of fields that ask for something this server does not do."""
+        """Names of fields that ask for something this server does not do: an option it does not implement, or a
+        field it does not know (except `NO_EFFECT_FIELDS`)."""
         bad = ["presence_penalty"] if self.presence_penalty else []
-        return bad + (["logit_bias"] if self.logit_bias else [])
+        bad += ["logit_bias"] if self.logit_bias else []
+        bad += ["response_format"] if self.response_format not in (None, {"type": "text"}) else []
+        return bad + sorted(k for k in (self.model_extra or {}) if k not in NO_EFFECT_FIELDS)
 
 
 class CompletionRequest(_Sampling):
@@ -158,14 +168,15 @@ def sampling_for(request: _Sampling, *, max_new_tokens: int, stop_token_ids: tup
     """Engine `SamplingParams` (+ frequency penalty) for a validated request.
 
     temperature 0 (or below the engine's 1e-4 floor) or top_p 0 means greedy decoding (top_k = 1). Defaults are
-    OpenAI's: temperature 1, top_p 1. `ignore_eos` drops `stop_token_ids`. A negative frequency_penalty raises
+    OpenAI's: temperature 1, top_p 1; `top_k` (vLLM's extension) keeps the k most likely tokens (0 or -1: off). `ignore_eos` drops `stop_token_ids`. A negative frequency_penalty raises
     APIError (the engine penalises only).
     """
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
     greedy = temperature < MIN_TEMPERATURE or top_p == 0
+    top_k = 0 if request.top_k is None or request.top_k < 1 else request.top_k
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0 if greedy else temperature,
-                            top_k=1 if greedy else 0, top_p=1.0 if greedy else top_p,
+                            top_k=1 if greedy else top_k, top_p=1.0 if greedy else top_p,
                             stop_token_ids=() if request.ignore_eos else stop_token_ids)
     if request.frequency_penalty < 0:
         raise APIError("frequency_penalty: only values >= 0 are supported", param="frequency_penalty")
