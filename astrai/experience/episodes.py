@@ -372,8 +372,7 @@ class EpisodeRunner:
         stats = {f"episodes/{k}": v for k, v in episode_metrics(episodes).items()}
         experience = Experience.from_trajectories(trajectories, pad_token_id=self.engine.pad_token_id,
                                                   device=self.engine.device, timings=timings, stats=stats)
-        experience.stats["truncated_fraction"] = self.runner.truncated_fraction(experience)
-        return experience
+        return self.runner.count_truncated(experience)
 
     def collect(self, prompt_ids, records, generator: Optional[torch.Generator] = None) -> Experience:
         """`sample`, then the reference log-probs (`add_reference`)."""

@@ -86,13 +86,18 @@ class RolloutRunner:
                                 scores=scores.to(generation.old_logprobs.device), responses=responses,
                                 policy_version=generation.policy_version, timings=timings,
                                 reward_components=dict(components), reward_failed=dict(failed))
+        return self.count_truncated(experience)
+
+    def count_truncated(self, experience: Experience) -> Experience:
+        """`experience` with `stats["truncated_fraction"]` (`truncated_fraction`); the first time it is more than
+        half, a warning says so (once per runner)."""
         truncated = self.truncated_fraction(experience)
         if truncated > 0.5 and not self._said_truncated:
             self._said_truncated = True
             warnings.warn(f"rollout.max_new_tokens ({self.sampling.max_new_tokens}) cut {truncated:.0%} of this "
                           f"rollout's responses before they ended: the rewards scored unfinished answers; raise it "
                           f"unless that is meant (rollout/truncated_fraction counts it on every rollout; said once)",
-                          stacklevel=2)
+                          stacklevel=3)
         experience.stats["truncated_fraction"] = truncated
         return experience
 
