@@ -547,9 +547,37 @@ EPISODE_FIELDS = ("max_turns", "max_tool_response_tokens", "tool_response_trunca
 """The `rollout` fields that shape multi-turn episodes, read only with `rollout.tools`."""
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 """Section name -> section dataclass, in declaration order."""
-ALIASES: dict[str, tuple[str, str]] = {"ddp_timeout": ("distributed", "timeout_seconds")}
-"""Other names of fields, as users of transformers' `TrainingArguments` know them: name -> (section, field). Accepted
-bare (`--ddp_timeout 60`) and inside the field's section (`distributed: {ddp_timeout: 60}`)."""
+ALIASES: dict[str, tuple[str, str]] = {
+    # transformers' TrainingArguments and TRL's GRPOConfig / PPOConfig / scripts
+    "ddp_timeout": ("distributed", "timeout_seconds"), "num_generations": ("grpo", "group_size"),
+    "max_completion_length": ("rollout", "max_new_tokens"), "num_iterations": ("grpo", "epochs"),
+    "epsilon": ("grpo", "clip_eps"), "epsilon_high": ("grpo", "clip_ratio_high"), "cliprange": ("ppo", "clip_eps"),
+    "cliprange_value": ("ppo", "value_clip"), "save_total_limit": ("checkpoint", "keep_last"),
+    "resume_from_checkpoint": ("checkpoint", "resume"), "model_name_or_path": ("model", "path"),
+    "dataset_name": ("data", "path"), "lr": ("optim", "learning_rate"),
+    # verl and OpenRLHF
+    "max_response_length": ("rollout", "max_new_tokens"), "generate_max_len": ("rollout", "max_new_tokens"),
+    "prompt_max_len": ("data", "max_prompt_length"), "n_samples_per_prompt": ("grpo", "group_size"),
+    "rollout_batch_size": ("rollout", "batch_size"), "actor_learning_rate": ("optim", "learning_rate"),
+    "lambd": ("ppo", "gae_lambda"),
+}
+"""Other names of fields with the same meaning, as users of transformers, TRL, verl and OpenRLHF know them: name ->
+(section, field). Accepted bare (`--num_generations 8`) and inside the field's section (`grpo: {num_generations:
+8}`); listed in `--help` and docs/names.md."""
+REFUSED_NAMES: dict[str, str] = {
+    "num_train_epochs": "astrai counts optimizer steps: set train.max_steps",
+    "loss_type": ("TRL's loss_type is grpo.loss_agg_mode in verl's names (grpo: seq-mean-token-mean, bnpo and "
+                  "dapo: token-mean, dr_grpo: seq-mean-token-sum-norm with grpo.scale_rewards none)"),
+    "save_strategy": "checkpoints are published every checkpoint.save_steps steps or checkpoint.save_minutes",
+    "eval_strategy": "held-out evaluation runs every train.eval_steps steps",
+    "num_completions_to_print": "train.log_completions writes N samples of each rollout to completions.jsonl",
+    "adv_estimator": "grpo.advantage_estimator (grpo, rloo, reinforce_pp, reinforce_pp_baseline; gae is online_ppo's)",
+}
+"""Names from TRL, verl and OpenRLHF whose meaning differs from any one astrai field: refused in one line saying what
+to set instead."""
+TRL_BETA = ("beta: in TRL's GRPOConfig beta is the reference-KL coefficient, grpo.kl_coef (ppo.kl_coef for "
+            "online_ppo); dpo.beta is DPO's beta, which train.type {kind} does not read")
+"""`--beta` means dpo.beta (TRL's DPOConfig); in a job of another train type it is refused with this line."""
 HOST_SECTIONS = ("infra",)
 """Top-level sections for the host-side launch tools (launch/train.sh, docker/*_runtime.py), skipped here."""
 
@@ -577,6 +605,8 @@ def _resolve_key(key: str) -> tuple[str, str, str]:
     key = key.replace("-", "_")
     if key in ALIASES:
         return (*ALIASES[key], "")
+    if key.rpartition(".")[2] in REFUSED_NAMES:
+        raise ConfigError(f"{key}: {REFUSED_NAMES[key.rpartition('.')[2]]}")
     if "." in key:
         section, _, rest = key.partition(".")
         name, _, sub = rest.partition(".")
@@ -602,7 +632,7 @@ def _resolve_key(key: str) -> tuple[str, str, str]:
     if prefix in SECTIONS and rest:
         raise ConfigError(_unknown_key(prefix, rest))
     everything = [f"{s}.{n}" for s, cls in SECTIONS.items() for n in field_specs(cls)]
-    raise ConfigError(_unknown("key", key, everything + [n.partition(".")[2] for n in everything]))
+    raise ConfigError(_unknown("key", key, everything + [n.partition(".")[2] for n in everything] + list(ALIASES)))
 
 
 def _leaf_hint(section: str, name: str, sub: str) -> Any:
@@ -710,13 +740,21 @@ def config_from_dict(data: Any, overrides: Iterable[str] = (), source: Optional[
                 if name in (body or {}):
                     raise ConfigError(f"{where}{section}.{alias}: set together with {section}.{name} (the same "
                                       "setting); keep one of them")
+            if name in REFUSED_NAMES and name not in specs:
+                raise ConfigError(f"{where}{section}.{name}: {REFUSED_NAMES[name]}")
             if name not in specs:
                 raise ConfigError(where + _unknown_key(section, str(name)))
             try:
                 values[section][name] = convert_value(f"{section}.{name}", *specs[name], value)
             except ConfigError as e:
                 raise ConfigError(f"{where}{e}") from None
-    parsed = list(_parse_overrides(overrides))
+    tokens = list(overrides)
+    parsed = list(_parse_overrides(tokens))
+    if any(t.startswith("--") and t[2:].split("=")[0] == "beta" for t in tokens):  # TRL's two meanings of beta
+        kind = next((v for s, n, sub, v in reversed(parsed) if (s, n, sub) == ("train", "type", "")),
+                    values["train"].get("type", TrainSection().type))
+        if kind != "dpo":
+            raise ConfigError(TRL_BETA.format(kind=kind))
     for section, name, sub, value in parsed:
         if sub:  # into a record: the field's plain form, changed at `sub`, is converted with the section
             current = values[section].get(name, getattr(SECTIONS[section](), name))

@@ -22,13 +22,17 @@ def fields_help() -> str:
     """One line per config field: `--section.key  meaning (default: value)`, for `--help`."""
     import dataclasses
 
-    from astrai.config import SECTIONS
+    from astrai.config import ALIASES, REFUSED_NAMES, SECTIONS
 
     lines = ["config fields (YAML section.key; override with --section.key VALUE):"]
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             lines.append(f"  --{section}.{f.name:<30} {f.metadata.get('doc', '')} (default: {default!r})")
+    lines.append("names from transformers, TRL, verl and OpenRLHF with the same meaning (docs/names.md):")
+    lines += [f"  --{alias:<37} = --{section}.{name}" for alias, (section, name) in ALIASES.items()]
+    lines.append("their names with another meaning, refused with what to set instead:")
+    lines += [f"  --{name:<37} {why}" for name, why in REFUSED_NAMES.items()]
     return "\n".join(lines)
 
 

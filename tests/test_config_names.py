@@ -1,0 +1,60 @@
+"""TRL / transformers / verl / OpenRLHF names (issue 41.6): accepted as aliases where the meaning is the same (bare and
+inside their section, listed in --help), refused with the right astrai name where it differs; TRL's `beta` is DPO's
+in a dpo job and refused elsewhere; did-you-mean knows the aliases."""
+
+import pytest
+
+from astrai.config import ALIASES, REFUSED_NAMES, ConfigError, config_from_dict, load_config
+
+
+@pytest.mark.parametrize("args, field, value", [
+    (["--num_generations", "8"], ("grpo", "group_size"), 8),
+    (["--max_completion_length", "32"], ("rollout", "max_new_tokens"), 32),
+    (["--num_iterations", "2"], ("grpo", "epochs"), 2),
+    (["--epsilon_high", "0.28"], ("grpo", "clip_ratio_high"), 0.28),
+    (["--save_total_limit", "3"], ("checkpoint", "keep_last"), 3),
+    (["--lr", "2e-5"], ("optim", "learning_rate"), 2e-5),
+    (["--max_response_length", "100"], ("rollout", "max_new_tokens"), 100),
+    (["--n_samples_per_prompt", "6"], ("grpo", "group_size"), 6),
+    (["--grpo.num_generations", "5"], ("grpo", "group_size"), 5),
+])
+def test_their_names_with_the_same_meaning_set_astrai_fields(args, field, value):
+    config = load_config(None, args)
+    assert getattr(getattr(config, field[0]), field[1]) == pytest.approx(value)
+
+
+def test_aliases_work_inside_their_section_in_a_job_file_and_clash_with_the_field():
+    assert config_from_dict({"grpo": {"num_generations": 6}}).grpo.group_size == 6
+    with pytest.raises(ConfigError, match="grpo.num_generations: set together with grpo.group_size"):
+        config_from_dict({"grpo": {"num_generations": 6, "group_size": 4}})
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_NAMES))
+def test_their_names_with_another_meaning_are_refused_with_what_to_set(name):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"--{name}", "1"])
+    assert str(err.value) == f"{name}: {REFUSED_NAMES[name]}"
+    with pytest.raises(ConfigError, match=f"^train.{name}: "):
+        config_from_dict({"train": {name: 1}})
+
+
+def test_beta_is_dpo_beta_in_a_dpo_job_and_refused_elsewhere():
+    assert load_config(None, ["--train.type", "dpo", "--beta", "0.3"]).dpo.beta == 0.3
+    assert load_config(None, ["--beta=0.2", "--train.type=dpo"]).dpo.beta == 0.2
+    with pytest.raises(ConfigError, match=r"^beta: in TRL's GRPOConfig beta is the reference-KL coefficient, "
+                                          r"grpo.kl_coef .* train.type online_grpo does not read$"):
+        load_config(None, ["--train.type", "online_grpo", "--beta", "0.04"])
+    assert load_config(None, ["--train.type", "online_grpo", "--dpo.beta", "0.3"]).dpo.beta == 0.3  # explicit
+
+
+def test_did_you_mean_knows_the_aliases_and_help_lists_them():
+    with pytest.raises(ConfigError, match=r"did you mean 'num_generations'"):
+        load_config(None, ["--num_generationz", "3"])
+    from astrai.train import fields_help
+    text = fields_help()
+    for alias, (section, name) in ALIASES.items():
+        assert f"--{alias}" in text and f"= --{section}.{name}" in text
+    assert "--num_train_epochs" in text
+    # every alias names a real field
+    from astrai.config import SECTIONS, field_specs
+    assert all(name in field_specs(SECTIONS[section]) for section, name in ALIASES.values())
