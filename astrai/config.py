@@ -547,20 +547,20 @@ EPISODE_FIELDS = ("max_turns", "max_tool_response_tokens", "tool_response_trunca
 """The `rollout` fields that shape multi-turn episodes, read only with `rollout.tools`."""
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 """Section name -> section dataclass, in declaration order."""
-ALIASES: dict[str, tuple[str, str]] = {
+ALIASES: dict[str, tuple[str, str]] = {alias: tuple(target.split(".")) for alias, target in {
     # transformers' TrainingArguments and TRL's GRPOConfig / PPOConfig / scripts
-    "ddp_timeout": ("distributed", "timeout_seconds"), "num_generations": ("grpo", "group_size"),
-    "max_completion_length": ("rollout", "max_new_tokens"), "num_iterations": ("grpo", "epochs"),
-    "epsilon": ("grpo", "clip_eps"), "epsilon_high": ("grpo", "clip_ratio_high"), "cliprange": ("ppo", "clip_eps"),
-    "cliprange_value": ("ppo", "value_clip"), "save_total_limit": ("checkpoint", "keep_last"),
-    "resume_from_checkpoint": ("checkpoint", "resume"), "model_name_or_path": ("model", "path"),
-    "dataset_name": ("data", "path"), "lr": ("optim", "learning_rate"),
+    "ddp_timeout": "distributed.timeout_seconds", "num_generations": "grpo.group_size",
+    "max_completion_length": "rollout.max_new_tokens", "num_iterations": "grpo.epochs",
+    "epsilon": "grpo.clip_eps", "epsilon_high": "grpo.clip_ratio_high", "cliprange": "ppo.clip_eps",
+    "cliprange_value": "ppo.value_clip", "save_total_limit": "checkpoint.keep_last",
+    "resume_from_checkpoint": "checkpoint.resume", "model_name_or_path": "model.path",
+    "dataset_name": "data.path", "lr": "optim.learning_rate",
     # verl and OpenRLHF
-    "max_response_length": ("rollout", "max_new_tokens"), "generate_max_len": ("rollout", "max_new_tokens"),
-    "prompt_max_len": ("data", "max_prompt_length"), "n_samples_per_prompt": ("grpo", "group_size"),
-    "rollout_batch_size": ("rollout", "batch_size"), "actor_learning_rate": ("optim", "learning_rate"),
-    "lambd": ("ppo", "gae_lambda"),
-}
+    "max_response_length": "rollout.max_new_tokens", "generate_max_len": "rollout.max_new_tokens",
+    "prompt_max_len": "data.max_prompt_length", "n_samples_per_prompt": "grpo.group_size",
+    "rollout_batch_size": "rollout.batch_size", "actor_learning_rate": "optim.learning_rate",
+    "lambd": "ppo.gae_lambda",
+}.items()}
 """Other names of fields with the same meaning, as users of transformers, TRL, verl and OpenRLHF know them: name ->
 (section, field). Accepted bare (`--num_generations 8`) and inside the field's section (`grpo: {num_generations:
 8}`); listed in `--help` and docs/names.md."""
@@ -753,7 +753,7 @@ def config_from_dict(data: Any, overrides: Iterable[str] = (), source: Optional[
     if any(t.startswith("--") and t[2:].split("=")[0] == "beta" for t in tokens):  # TRL's two meanings of beta
         kind = next((v for s, n, sub, v in reversed(parsed) if (s, n, sub) == ("train", "type", "")),
                     values["train"].get("type", TrainSection().type))
-        if kind != "dpo":
+        if train_types.get(kind).section != DPOSection.section:
             raise ConfigError(TRL_BETA.format(kind=kind))
     for section, name, sub, value in parsed:
         if sub:  # into a record: the field's plain form, changed at `sub`, is converted with the section

@@ -1,4 +1,5 @@
-"""Entry point: `python -m astrai.train --config FILE [--section.key VALUE ...]`.
+"""Entry point: `python -m astrai.train --config FILE [--section.key VALUE ...]`, and `from astrai import train` for
+notebooks and scripts (`train("job.yaml", max_steps=2, reward_funcs=[my_reward])`, see `fit`).
 
 Also runs under `accelerate launch -m astrai.train ...`. Parses the config, exports `runtime.environment`
 (`astrai.runtime_env`), builds the trainer, fits.
@@ -10,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
-from typing import Optional, Sequence
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 EXIT_BAD_INPUT = 2
 
@@ -185,5 +190,94 @@ def _stalled(config, trainer, err: RuntimeError, rank: int):
     return EXIT_TIMEOUT
 
 
+@dataclass(frozen=True)
+class TrainResult:
+    """What `fit` returns.
+
+    Attributes:
+        output_dir: the run's output directory (config.yaml, metrics.jsonl, checkpoints/).
+        global_step: optimizer steps done; policy_version: the version of the final weights.
+        checkpoint: the newest complete checkpoint directory, or None.
+        metrics: the records of metrics.jsonl, one dict per logged step.
+        stopped_by: the signal that stopped the run early, or None.
+    """
+
+    output_dir: Path
+    global_step: int
+    policy_version: int
+    checkpoint: Optional[Path]
+    metrics: list[dict]
+    stopped_by: Optional[str]
+
+
+def fit(config: Union[str, os.PathLike, Mapping[str, Any], None] = None, *,
+        reward_funcs: Sequence[Callable] = (), **overrides: Any) -> TrainResult:
+    """Train in this process, as `python -m astrai.train` does: `from astrai import train; train(...)` calls this.
+
+    Args:
+        config: a YAML job file, a sectioned mapping (`{"train": {"type": "online_grpo"}, ...}`) or None (defaults).
+        reward_funcs: reward functions as callables, in TRL's convention (`fn(prompts, completions, **columns)`),
+            added to `reward.functions` (weight 1, named after the function). One importable from a module runs in
+            the reward workers like a configured one; one defined in a notebook or `__main__` runs in this process
+            (no timeout).
+        overrides: fields by any name the command line takes: `max_steps=2`, `num_generations=8`, or dotted names
+            through a mapping (`**{"grpo.group_size": 4}`).
+
+    Returns: a `TrainResult`.
+    Raises: `astrai.config.ConfigError` and the other bad-input errors the CLI answers with exit code 2 (ValueError,
+        FileNotFoundError, DataError, CheckpointError), and `astrai.trainer.faults.JobFault` for a job that fails
+        while it runs; nothing is swallowed.
+    """
+    from astrai.config import config_from_dict, config_to_dict, load_config
+    from astrai.rewards.functions import reward_reference
+    from astrai.runtime_env import job_runtime
+    from astrai.trainer.build import build_trainer
+    from astrai.trainer.faults import StopSignals
+
+    tokens = []
+    for key, value in overrides.items():
+        tokens += [f"--{key}", value if isinstance(value, str) else json.dumps(value)]
+    if isinstance(config, Mapping):
+        job = config_from_dict(dict(config), tokens)
+    else:
+        job = load_config(None if config is None else str(config), tokens)
+    if reward_funcs:  # after the configured functions (they replace the single reward.name, as configured ones do)
+        data = config_to_dict(job)
+        data["reward"]["functions"] += [{"function": reward_reference(fn)} for fn in reward_funcs]
+        job = config_from_dict(data)
+    signals = StopSignals(rank=int(os.environ.get("RANK", "0"))).install()
+    trainer = None
+    try:
+        with job_runtime(job.runtime.environment):
+            trainer = build_trainer(job, signals)
+            state = trainer.fit()
+            trainer.dist.shutdown()
+    finally:
+        signals.restore()
+        if trainer is not None:
+            trainer.lock.release()
+    output_dir = Path(job.train.output_dir)
+    metrics_file = output_dir / "metrics.jsonl"
+    records = []
+    if metrics_file.is_file():
+        for line in metrics_file.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a torn last line
+                pass
+    steps = sorted((output_dir / "checkpoints").glob("step-*")) if (output_dir / "checkpoints").is_dir() else []
+    return TrainResult(output_dir=output_dir, global_step=state.global_step, policy_version=state.policy_version,
+                       checkpoint=steps[-1] if steps else None, metrics=records, stopped_by=state.stopped_by)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: `from astrai import train; train("job.yaml", max_steps=2)` runs `fit`."""
+
+    def __call__(self, config=None, **kwargs):
+        return fit(config, **kwargs)
+
+
 if __name__ == "__main__":
     sys.exit(main())
+else:
+    sys.modules[__name__].__class__ = _CallableModule

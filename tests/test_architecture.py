@@ -103,7 +103,8 @@ LAYERS = {
                 "experience", "forward", "models", "rewards", "rollout", "runtime_env", "train_types"},
     "serve": {"checkpoint", "deps", "models", "rollout", "runtime_env", "data"},
     # floor 8: entry points (`python -m astrai.<name>`)
-    "train": {"checkpoint", "config", "data", "distributed", "kernels", "runtime_env", "train_types", "trainer"},
+    "train": {"checkpoint", "config", "data", "distributed", "kernels", "rewards", "runtime_env", "train_types",
+              "trainer"},
     "evaluate": {"evaluation"},
     "plot": {"checkpoint", "deps"},
 }

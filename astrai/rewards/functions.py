@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import importlib
 import inspect
 import math
 import numbers
@@ -44,10 +45,40 @@ from astrai.rewards.workers import (RewardFunctionError, RewardFunctionSpec, Rew
                                     call_reward, load_reward_function, user_traceback)
 
 __all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardFunctions", "ScoredRewards", "resolve_specs",
-           "reward_metrics"]
+           "reward_metrics", "reward_reference"]
 
 STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
 """What every call offers besides the columns and the configured kwargs."""
+
+IN_PROCESS_PREFIX = "python:"
+"""`reward.functions[].function` of a callable handed over in Python (`reward_reference`), run in this process."""
+_CALLABLES: dict[str, Callable] = {}
+
+
+def reward_reference(fn: Callable) -> str:
+    """How `reward.functions` names the callable `fn` handed over in Python (`astrai.train.fit`'s `reward_funcs`):
+    "module:qualname" when that import gives `fn` back (it then runs in the reward workers, with the timeout), else
+    "python:<name>" for a function defined in a notebook or `__main__`, which runs in this process.
+
+    Raises:
+        TypeError: `fn` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"reward_funcs: expected callables, got {type(fn).__name__}")
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and "<" not in qualname:
+        try:
+            imported = importlib.import_module(module)
+            for part in qualname.split("."):
+                imported = getattr(imported, part)
+            if imported is fn:
+                return f"{module}:{qualname}"
+        except (ImportError, AttributeError):
+            pass
+    name = getattr(fn, "__name__", type(fn).__name__)
+    key = name if _CALLABLES.get(name, fn) is fn else f"{name}_{len(_CALLABLES)}"
+    _CALLABLES[key] = fn
+    return IN_PROCESS_PREFIX + key
 
 
 def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None = None,
@@ -168,6 +199,11 @@ class RewardFunctions:
             builtin = BUILTIN_REWARDS.get(spec.function) if spec.path is None else None
             if builtin is not None:
                 fn = builtin.load()
+            elif spec.function.startswith(IN_PROCESS_PREFIX):
+                fn = _CALLABLES.get(spec.function[len(IN_PROCESS_PREFIX):])
+                if fn is None:
+                    raise RewardFunctionError(f"{spec.label}: {spec.function} names a callable handed over in Python "
+                                              "(astrai.train.fit's reward_funcs) in another process")
             elif ":" not in spec.function and spec.path is None:
                 raise RewardFunctionError(f"{spec.label}: unknown built-in reward {spec.function!r} (built-in: "
                                           f"{', '.join(sorted(BUILTIN_REWARDS))}; or 'package.module:function')")
