@@ -62,7 +62,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run one training job; returns the process exit code."""
+    """Run one training job; returns the process exit code. Rank 0 also writes it to the file `ASTRAI_EXIT_FILE`
+    names when set (launch/*.sh exit with it instead of the launcher's own code, which hides the ranks')."""
+    code = _main(argv)
+    exit_file = os.environ.get("ASTRAI_EXIT_FILE")
+    if exit_file and os.environ.get("RANK", "0") == "0":
+        try:
+            Path(exit_file).write_text(f"{code}\n")
+        except OSError:
+            pass  # the launcher's own code then stands
+    return code
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     from astrai.config import ConfigError, ignored_settings, load_config
 
     from astrai.runtime_env import job_runtime
@@ -149,8 +161,11 @@ def _run(config) -> int:
         if state.stopped_by is not None:
             saved = (f"with a checkpoint of step {state.global_step}" if ran else
                      "before its first step (nothing new to checkpoint)")
-            print(f"stopped by {state.stopped_by} after {steps}, {saved}; exit code {EXIT_PREEMPTED}: resume with "
-                  f"--checkpoint.resume auto (a requeued or restarted job does so itself); outputs in "
+            launcher = ("" if "ASTRAI_EXIT_FILE" in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ else
+                        " (the ranks'; a bare launcher reports its own, e.g. accelerate 128 + the signal: "
+                        "launch/accelerate.sh and launch/torchrun.sh exit with the ranks' code)")
+            print(f"stopped by {state.stopped_by} after {steps}, {saved}; exit code {EXIT_PREEMPTED}{launcher}: "
+                  f"resume with --checkpoint.resume auto (a requeued or restarted job does so itself); outputs in "
                   f"{config.train.output_dir}")
         elif state.out_of_time:
             print(f"stopped at train.max_minutes ({config.train.max_minutes:g} minutes of training) after {steps}, "

@@ -92,4 +92,4 @@ export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQ
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 require_command accelerate "it comes with astrai: pip install -e ."
 preflight accelerate -m astrai.distributed.preflight "${args[@]}" -m astrai.train --config "$job" "$@"
-exec accelerate launch "${args[@]}" -m astrai.train --config "$job" "$@"
+run_launcher accelerate launch "${args[@]}" -m astrai.train --config "$job" "$@"

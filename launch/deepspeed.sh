@@ -42,4 +42,4 @@ require_job_file "$job"
 shift
 require_command deepspeed "pip install 'astrai[deepspeed]'"
 preflight deepspeed -m astrai.train --check --config "$job" "$@"
-exec deepspeed "${args[@]}" --no_local_rank --module astrai.train --config "$job" "$@"
+run_launcher deepspeed "${args[@]}" --no_local_rank --module astrai.train --config "$job" "$@"

@@ -62,3 +62,31 @@ preflight() {  # preflight LAUNCHER ARGS...: check the job in one process before
 usage_from_header() {  # print the script's leading comment block (after the shebang) as its help
   sed -n '2,/^[^#]/{/^#/!q;s/^# \{0,1\}//;p}' "$1"
 }
+
+run_launcher() {  # run_launcher COMMAND...: run a launcher, pass stop signals to it, exit with the job's code
+  # The launcher's own code hides the ranks' (torchrun exits 1 when a rank exits non-zero, `accelerate launch`
+  # 128 + N after signal N). Rank 0 writes the job's code to ASTRAI_EXIT_FILE (75: stopped by a signal with a
+  # checkpoint, 2: refused, 124: a rank stopped answering); when the launcher fails, that code is this script's.
+  local exit_file rc=0 pid code sig
+  exit_file=$(mktemp "${TMPDIR:-/tmp}/astrai-exit.XXXXXX")
+  export ASTRAI_EXIT_FILE=$exit_file
+  "$@" &
+  pid=$!
+  for sig in TERM HUP USR1; do
+    # shellcheck disable=SC2064  # expand pid and sig now
+    trap "kill -s $sig $pid 2>/dev/null || true" "$sig"
+  done
+  # a background command ignores INT and QUIT (bash without job control): they reach it as TERM, which the ranks
+  # treat alike (stop at the next step with a checkpoint)
+  trap "kill -s TERM $pid 2>/dev/null || true" INT QUIT
+  while :; do  # `wait` returns early when a trapped signal arrives: wait again until the launcher has ended
+    wait "$pid" && rc=0 || rc=$?
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  code=$(cat "$exit_file" 2>/dev/null || true)
+  rm -f "$exit_file"
+  if ((rc != 0)) && [[ $code =~ ^[0-9]+$ ]]; then
+    exit "$code"
+  fi
+  exit "$rc"
+}

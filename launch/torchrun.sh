@@ -85,4 +85,4 @@ export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQ
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 require_command torchrun "it comes with torch"
 WORLD_SIZE=$((nnodes * nproc)) preflight torchrun -m astrai.train --check --config "$job" "$@"
-exec torchrun --nnodes "$nnodes" --nproc_per_node "$nproc" "${args[@]}" -m astrai.train --config "$job" "$@"
+run_launcher torchrun --nnodes "$nnodes" --nproc_per_node "$nproc" "${args[@]}" -m astrai.train --config "$job" "$@"

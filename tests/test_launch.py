@@ -534,3 +534,59 @@ def test_serve_local_and_docker(fake, tmp_path):
     assert calls[0]["args"] == ["compose", "-p", "astrai-chat-serve", "-f", str(REPO / "docker/compose.yaml"),
                                 "down"]
     one_line_error(fake.run("serve.sh", "up", job, "--port", "99999")[0], "port")
+
+
+@pytest.mark.parametrize("script, tool", [("accelerate.sh", "accelerate"), ("torchrun.sh", "torchrun")])
+def test_the_scripts_exit_with_the_job_code_not_the_launcher_code(fake, job, script, tool):
+    """Rank 0 writes the job's code to ASTRAI_EXIT_FILE; when the launcher fails with its own code (accelerate:
+    143 after SIGTERM, torchrun: 1), the script exits with the job's (75: stopped with a checkpoint)."""
+    wrapper = fake.bin / tool
+    wrapper.write_text(wrapper.read_text().replace(
+        "case ", 'if [[ -n ${FAKE_JOB_CODE:-} ]]; then echo "$FAKE_JOB_CODE" >"$ASTRAI_EXIT_FILE"; exit 143; fi\ncase ',
+        1))
+    out, calls = fake.run(script, job, env={"FAKE_JOB_CODE": "75"})
+    assert out.returncode == 75, out
+    assert calls.of(tool)[0]["env"]["ASTRAI_EXIT_FILE"]
+    out, _ = fake.run(script, job)
+    assert out.returncode == 0, out  # a launcher that succeeds: its code
+
+
+def test_a_stop_signal_to_the_script_reaches_the_job(fake, job):
+    """SIGTERM and SIGINT to launch/torchrun.sh reach the launcher (INT as TERM: a background command ignores INT),
+    and the job's code comes back."""
+    import signal
+    import time
+
+    wrapper = fake.bin / "torchrun"
+    wrapper.write_text(wrapper.read_text().replace(
+        "case ", "trap 'echo TERM >\"$d/signal\"; echo 75 >\"$ASTRAI_EXIT_FILE\"; exit 143' TERM\n"
+                 "touch \"$d/ready\"; while :; do sleep 0.05; done\ncase ", 1))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        log = fake.dir / "log"
+        shutil.rmtree(log)
+        log.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAIN_", "SLURM_"))}
+        env.update(PATH=f"{fake.bin}:{os.environ['PATH']}", FAKE_LOG=str(log), TRAIN_CHECK="0")
+        proc = subprocess.Popen(["bash", str(LAUNCH / "torchrun.sh"), str(job)], env=env, cwd=fake.dir,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not list(log.glob("*-torchrun/ready")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        proc.communicate(timeout=60)
+        assert proc.returncode == 75, sig
+        (torchrun_dir,) = log.glob("*-torchrun")
+        assert (torchrun_dir / "signal").read_text().strip() == "TERM"
+
+
+def test_rank_zero_writes_the_job_code_for_the_scripts(tmp_path, monkeypatch):
+    from astrai.train import main
+
+    exit_file = tmp_path / "code"
+    monkeypatch.setenv("ASTRAI_EXIT_FILE", str(exit_file))
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--max_steps", "0"]) == 2 and exit_file.read_text() == "2\n"
+    monkeypatch.setenv("RANK", "1")
+    exit_file.unlink()
+    assert main(["--max_steps", "0"]) == 2 and not exit_file.exists()  # only rank 0 speaks for the job
