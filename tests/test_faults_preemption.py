@@ -23,8 +23,8 @@ def chats(tmp_path):
 
 
 def signal_at_step(monkeypatch, step: int, signum: int) -> None:
-    """Deliver a real `signum` to this process when the metrics logger records step `step` (after the boundary of
-    that step: the next step is trained, then the ranks stop)."""
+    """Deliver a real `signal` to this process when the metrics logger records step `step` (in that step's
+    callbacks, after its boundary: the ranks agree again after the callbacks and stop at that step)."""
     logged = callbacks.MetricsLogger.on_step_end
 
     def on_step_end(self, trainer, metrics):
@@ -46,11 +46,11 @@ def test_a_signal_stops_at_a_step_boundary_publishes_and_resumes_exactly(tiny_mo
     assert main(sft_args(tiny_model_dir, split, chats, "--max_steps", 6)) == EXIT_PREEMPTED
     print(f"signal -> exit: {time.perf_counter() - start:.2f} s (whole run)")
     monkeypatch.undo()
-    assert checkpoint_steps(split) == [3] and steps_of(split) == [1, 2, 3]
-    state = json.loads((split / "checkpoints/step-00000003/trainer_state.json").read_text())
+    assert checkpoint_steps(split) == [2] and steps_of(split) == [1, 2]  # not one more step (issue 42, class 5)
+    state = json.loads((split / "checkpoints/step-00000002/trainer_state.json").read_text())
     assert state["stopped_by"] == signal.Signals(signum).name
     out = capfd.readouterr()
-    assert f"stopped by {signal.Signals(signum).name} after 3 steps, with a checkpoint of step 3; exit code 75" \
+    assert f"stopped by {signal.Signals(signum).name} after 2 steps, with a checkpoint of step 2; exit code 75" \
         in out.out
     assert f"rank 0: {signal.Signals(signum).name} received: stopping at the end of this optimizer step" in out.err
     assert signal.getsignal(signum) == before  # handlers put back
@@ -78,8 +78,8 @@ def test_signals_during_the_save_change_nothing(tiny_model_dir, chats, tmp_path,
     assert main(sft_args(tiny_model_dir, split, chats, "--max_steps", 4)) == EXIT_PREEMPTED
     monkeypatch.undo()
     assert "received again: already stopping" in capfd.readouterr().err
-    assert checkpoint_steps(split) == [2]
-    assert verify_checkpoint(split / "checkpoints/step-00000002").exit_code == 0
+    assert checkpoint_steps(split) == [1]
+    assert verify_checkpoint(split / "checkpoints/step-00000001").exit_code == 0
     assert main(sft_args(tiny_model_dir, split, chats, "--max_steps", 4, "--checkpoint.resume", "auto")) == 0
     assert_same(weights(straight, 4), weights(split, 4))
 
@@ -172,3 +172,33 @@ def test_a_signal_while_the_job_starts_stops_it_before_the_first_step(tiny_model
     assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 4)) == EXIT_PREEMPTED
     assert checkpoint_steps(out) == [] and steps_of(out) == []
     assert "stopped by SIGTERM after 0 steps, before its first step (nothing new to checkpoint)" in capfd.readouterr().out
+
+
+def test_a_signal_during_evaluation_ends_it_and_stops_at_that_step(tiny_model_dir, tmp_path, monkeypatch, capfd):
+    """Issue 42, class 5: a SIGTERM that lands during in-training evaluation ends the evaluation before its next
+    batch (no eval metrics, no answers file for that step) and the job stops at that step with its checkpoint,
+    not after one more step and one more evaluation."""
+    from astrai.trainer import evaluation_callback
+
+    original = evaluation_callback.evaluate
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives as the evaluation starts
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation_callback, "evaluate", signalled)
+    out = tmp_path / "run"
+    code = main(["--model.path", str(tiny_model_dir), "--train.type", "online_grpo", "--train.output_dir", str(out),
+                 "--train.max_steps", "4", "--train.eval_steps", "1", "--data.eval_path", "builtin:arithmetic_test",
+                 "--data.path", "builtin:arithmetic_test", "--data.eval_limit", "8", "--data.max_prompt_length", "128",
+                 "--rollout.batch_size", "2",
+                 "--rollout.max_new_tokens", "4", "--grpo.group_size", "2", "--grpo.minibatch_size", "4",
+                 "--grpo.micro_batch_size", "2", "--train.progress_bar", "false", "--train.report_to", "none"])
+    assert code == EXIT_PREEMPTED
+    assert checkpoint_steps(out) == [1] and steps_of(out) == [1]
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert not any(key.startswith("eval/") for key in record)
+    assert not (out / "eval" / "step-00000001.jsonl").exists()
+    printed = capfd.readouterr().out
+    assert "eval step 1: interrupted by a stop signal" in printed
+    assert "stopped by SIGTERM after 1 step, with a checkpoint of step 1" in printed

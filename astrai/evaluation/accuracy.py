@@ -161,6 +161,7 @@ class EvalResult:
         generated_tokens: response tokens generated over all samples.
         generation_seconds: wall time spent inside the engine.
         wall_seconds: wall time of the whole evaluation (prompt building, generation, decoding, scoring).
+        interrupted: `evaluate`'s `should_stop` ended it before its last question.
     """
 
     examples: list[dict] = field(default_factory=list)
@@ -171,6 +172,7 @@ class EvalResult:
     generated_tokens: int = 0
     generation_seconds: float = 0.0
     wall_seconds: float = 0.0
+    interrupted: bool = False
 
     @property
     def num_questions(self) -> int:
@@ -204,7 +206,8 @@ class EvalResult:
         count) and `<name>/failed`. Every key is present (zeros) without examples."""
         means = [sum(ex["scores"]) / len(ex["scores"]) for ex in self.examples]
         out = {"questions": float(self.num_questions), "samples": float(self.num_questions * self.num_samples),
-               "correct": self.correct, "reward_sum": sum(means), "reward_sumsq": sum(m * m for m in means)}
+               "correct": self.correct, "reward_sum": sum(means), "reward_sumsq": sum(m * m for m in means),
+               "interrupted": float(self.interrupted)}
         for name in self.reward_names:
             values = [v for ex in self.examples for v in ex["rewards"][name] if v is not None]
             out.update({f"{name}/sum": sum(values), f"{name}/applied": float(len(values)),
@@ -243,7 +246,7 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
              stop_token_ids: Optional[Sequence[int]] = None, source: str = "evaluation data",
              generator: Optional[torch.Generator] = None, extract_answer: Optional[Callable] = None,
              pass_threshold: float = CORRECT_SCORE, progress: bool = False, leave: bool = True, desc: str = "eval",
-             log: Callable[[str], None] = print) -> EvalResult:
+             log: Callable[[str], None] = print, should_stop: Callable[[], bool] = lambda: False) -> EvalResult:
     """Generate `settings.num_samples` responses per record with `engine`, score them, collect the results.
 
     Args:
@@ -266,6 +269,8 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
             `BuiltinReward.extract_answer`.
         pass_threshold: the total reward a sample needs to pass (count as correct).
         progress, leave, desc: a tqdm bar over questions (with ETA) when `progress`.
+        should_stop: asked before each batch; True ends the evaluation there, marked `interrupted` (a stop signal
+            during in-training evaluation).
 
     Returns:
         `EvalResult` (examples in record order).
@@ -292,6 +297,9 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
     with tqdm(total=len(kept), desc=desc, unit="question", disable=not progress, leave=leave,
               dynamic_ncols=True) as bar:
         for first in range(0, len(kept), settings.batch_size):
+            if should_stop():
+                result.interrupted = True
+                break
             batch = [record for record, _ in kept[first:first + settings.batch_size]]
             prompt_ids = [ids for _, ids in kept[first:first + settings.batch_size]]
             generate_start = time.perf_counter()

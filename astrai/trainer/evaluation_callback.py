@@ -34,7 +34,7 @@ import json
 import time
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -138,13 +138,15 @@ class EvaluationCallback(Callback):
     def before_first_step(self, trainer, metrics) -> None:
         """With `eval_on_start`, evaluate the starting policy (step 0 of a fresh run), adding `eval/*` in place."""
         if self.eval_on_start:
-            metrics.update(self.run(trainer.state.policy_version, 0))
+            metrics.update(self.run(trainer.state.policy_version, 0, should_stop=_stop_requested(trainer)))
 
     def on_step_end(self, trainer, metrics) -> None:
-        """Evaluate after every `eval_steps`-th and after the last step, adding the `eval/*` metrics in place."""
+        """Evaluate after every `eval_steps`-th and after the last step, adding the `eval/*` metrics in place; not
+        when the step boundary already agreed to stop (a stop signal: the checkpoint comes first)."""
         step = trainer.state.global_step
-        if step % self.eval_steps == 0 or step == trainer.state.max_steps:
-            metrics.update(self.run(trainer.state.policy_version, step))
+        stopping = trainer.boundary is not None and trainer.boundary.stop
+        if (step % self.eval_steps == 0 or step == trainer.state.max_steps) and not stopping:
+            metrics.update(self.run(trainer.state.policy_version, step, should_stop=_stop_requested(trainer)))
 
     def on_train_end(self, trainer) -> None:
         """End the reward functions' worker processes."""
@@ -155,8 +157,11 @@ class EvaluationCallback(Callback):
         self.rewards.close()
 
     @torch.no_grad()
-    def run(self, policy_version: int, step: int) -> dict[str, torch.Tensor]:
-        """Evaluate the current policy; returns the `eval/*` metrics (0-dim tensors) of all ranks' questions.
+    def run(self, policy_version: int, step: int, *, should_stop: Callable[[], bool] = lambda: False
+            ) -> dict[str, torch.Tensor]:
+        """Evaluate the current policy; returns the `eval/*` metrics (0-dim tensors) of all ranks' questions, or none
+        when `should_stop` (asked before each batch; a stop signal) ended it on some rank: then no answers are
+        written and one line says so.
 
         Raises:
             RewardFunctionError: a reward function's bug, or too many failed reward calls (as in training).
@@ -177,7 +182,7 @@ class EvaluationCallback(Callback):
                                   stop_token_ids=stop_token_ids(self.learner.policy.model.config, self.tokenizer),
                                   generator=generator, extract_answer=self.extract_answer,
                                   pass_threshold=self.pass_threshold, progress=self.progress, leave=False,
-                                  desc=f"eval step {step}", log=_quiet)
+                                  desc=f"eval step {step}", log=_quiet, should_stop=should_stop)
         finally:
             if getattr(engine, "prefix_cache", None) is not None:
                 engine.prefix_cache.clear()
@@ -186,6 +191,11 @@ class EvaluationCallback(Callback):
         local = result.sums()
         summed = dict(zip(local, self.dist.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64,
                                                                        device=self.dist.device)).tolist()))
+        if summed["interrupted"]:  # the same decision on every rank: the sums are
+            if self.dist.is_main:
+                self.printer(f"eval step {step}: interrupted by a stop signal after {time.perf_counter() - start:.1f} "
+                             f"s; no eval metrics for this step")
+            return {}
         stats = eval_statistics(summed, result.reward_names)
         if self.output_dir is not None:
             self.write_examples(step, result.examples)
@@ -271,3 +281,9 @@ def load_eval_records(config, tokenizer, *, main: bool = True, check_rewards: bo
     if check_rewards:
         build_rewards(config, records, specs=specs, num_workers=0).close()
     return records
+
+
+def _stop_requested(trainer) -> Callable[[], bool]:
+    """Whether a stop signal arrived on this rank (`StopSignals.requested`), asked between evaluation batches."""
+    boundary = trainer.boundary
+    return (lambda: False) if boundary is None else (lambda: boundary.signals.requested)

@@ -161,8 +161,9 @@ class Trainer:
             getattr(callback, hook)(self, *args)
 
     def fit(self) -> TrainerState:
-        """Run the loop to `max_steps`, or until a stop signal (`boundary`: agreed by every rank after a step, and
-        once before the first) or, after a step, the boundary's time limit (`train.max_minutes`, counted from here);
+        """Run the loop to `max_steps`, or until a stop signal (`boundary`: agreed by every rank after a step, again
+        after the step's callbacks when they ran long (an evaluation), and once before the first) or, after a step,
+        the boundary's time limit (`train.max_minutes`, counted from here);
         returns the final state (`stopped_by` names the signal, `out_of_time` says the time ran out). Callbacks
         receive each step's metrics averaged over ranks (`mean_over_ranks`), plus `policy_version` and
         `train/skipped_steps`.
@@ -187,6 +188,8 @@ class Trainer:
                 metrics["train/skipped_steps"] = torch.tensor(float(self.state.skipped_steps))
                 stop = self.boundary is not None and self.boundary.agree(self.dist)[0]
                 self._emit("on_step_end", metrics)
+                if not stop and self.boundary is not None:  # a signal during the callbacks' work (an evaluation)
+                    stop = self.boundary.agree(self.dist, timed=False)[0]  # stops now, not after one more step
             if stop and self.state.global_step < self.state.max_steps:
                 if self.boundary.stop:
                     self.state.stopped_by = self.boundary.signals.received or "a signal on another rank"
