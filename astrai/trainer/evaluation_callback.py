@@ -49,6 +49,7 @@ from astrai.rewards.build import answer_extractor, answer_readers, build_rewards
 from astrai.rewards.builtins import unscorable_warning
 from astrai.rollout.build import build_rollout_engine
 from astrai.rollout.engine import build_engine, sync_weights
+from astrai.trainer.faults import nonfinite_sampling
 from astrai.trainer.loop import Callback
 
 __all__ = ["EvaluationCallback", "build_evaluation"]
@@ -183,6 +184,8 @@ class EvaluationCallback(Callback):
                                   generator=generator, extract_answer=self.extract_answer,
                                   pass_threshold=self.pass_threshold, progress=self.progress, leave=False,
                                   desc=f"eval step {step}", log=_quiet, should_stop=should_stop)
+        except FloatingPointError as err:  # non-finite logits in the sampler: one line, not its traceback
+            raise nonfinite_sampling("evaluation", policy_version, err) from None
         finally:
             if getattr(engine, "prefix_cache", None) is not None:
                 engine.prefix_cache.clear()

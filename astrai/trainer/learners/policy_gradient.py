@@ -30,6 +30,7 @@ from astrai.experience.sources import ExperienceSource, OnlineExperience
 from astrai.forward import response_logprobs
 from astrai.rewards.functions import reward_metrics
 from astrai.rollout.engine import GenerationEngine, sync_weights
+from astrai.trainer.faults import nonfinite_sampling
 from astrai.trainer.models import TrainedModel
 from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection
 
@@ -174,7 +175,10 @@ class RolloutLearner:
         `failed`: `reward_functions.reward_metrics`). With `log_completions`, the main process keeps the rollout's
         first samples for `take_completions`."""
         start = time.perf_counter()
-        experience = self.experience.collect(policy_version)
+        try:
+            experience = self.experience.collect(policy_version)
+        except FloatingPointError as err:  # non-finite logits in the sampler: one line, not its traceback
+            raise nonfinite_sampling("the rollout", policy_version, err) from None
         engine_logprobs = weights = None
         if self.correction is not None:  # the trainer's own old log-probs, before any update from this rollout
             experience, engine_logprobs, weights, rescored = self.correction.rescore(self.policy.module, experience)
