@@ -224,3 +224,21 @@ def test_template_supports_tools_reads_the_variable_not_the_text():
     with pytest.raises(ValueError, match="not valid Jinja2"):
         template_supports_tools("{% if tools %}")
     assert isinstance(tool_from_function(calculator), Tool)
+
+
+def test_an_async_tool_is_awaited_not_shown_as_a_coroutine():
+    import asyncio
+
+    from astrai.agents.tool_calls import call_tool
+    from astrai.agents.tools import tool_from_function
+
+    async def lookup(city: str) -> str:
+        """Look a city up.
+
+        Args:
+            city: its name.
+        """
+        await asyncio.sleep(0)
+        return city.upper()
+
+    assert call_tool(tool_from_function(lookup), {"city": "paris"}) == ("PARIS", None)

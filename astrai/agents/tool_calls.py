@@ -16,6 +16,7 @@ eval) and never raises: every malformed call becomes an error entry whose text t
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
@@ -164,10 +165,16 @@ def call_tool(tool: Tool, arguments: Mapping[str, Any]) -> tuple[str, Optional[s
         return problem, problem
     try:
         result = tool.function(**arguments)
+        if inspect.isawaitable(result):  # an `async def` tool: awaited here (in a worker: under the timeout)
+            result = asyncio.run(_awaited(result))
     except (Exception, SystemExit) as err:
         text = f"Error: {type(err).__name__}: {_one_line(err)}"
         return text, text
     return result_text(result), None
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def result_text(result: Any) -> str:
