@@ -97,8 +97,13 @@ class ToolEntry(Record, item="tool"):
 # ----------------------------------------------------------------------------------------- sections
 @dataclass
 class ModelSection(Section, name="model"):
-    path: str = field_spec("smollm2-135m-instruct", "model name, Hugging Face-format directory or .gguf file",
+    path: str = field_spec("smollm2-135m-instruct", "model name, Hugging Face-format directory, .gguf file, or "
+                                                    "Hugging Face Hub id (org/name, org/name/<file>.gguf: from the "
+                                                    "cache, downloaded when online; a local path wins)",
                            Pattern(r"\s*\S.*", "a model name or path"))
+    revision: Optional[str] = field_spec(None, "model.path's Hub revision (a branch, tag or commit hash); null = "
+                                               "main; TRL's model_revision",
+                                         Pattern(r"\S+", "a branch, tag or commit hash"))
     dtype: str = field_spec("float32", "parameter/compute dtype", Choices(("float32", "bfloat16", "float16")))
     gradient_checkpointing: bool = field_spec(False, "recompute decoder-block activations in backward")
     moe_num_experts: int = field_spec(0, "routed experts per MoE feed-forward (0 = dense model as loaded)", GE0)
@@ -113,7 +118,10 @@ class ModelSection(Section, name="model"):
 
 @dataclass
 class DataSection(Section, name="data"):
-    path: str = field_spec("builtin:math_prompts", "'builtin:<name>' dataset or a .jsonl file path")
+    path: str = field_spec("builtin:math_prompts", "'builtin:<name>' dataset, a .jsonl/.json/.parquet/.csv file or "
+                                                   "save_to_disk directory, or a Hugging Face dataset id "
+                                                   "org/name[@revision][:config[:split]] (openai/gsm8k:main:train; "
+                                                   "a local path wins)")
     prompt_field: str = field_spec("question", "record field holding the prompt text")
     answer_field: str = field_spec("answer", "record field holding the reference answer (for the reward)")
     system_prompt: Optional[str] = field_spec(None, "system message prepended through the chat template (needs "
@@ -139,7 +147,8 @@ class DataSection(Section, name="data"):
     max_length: int = field_spec(512, "sft/dpo/seq/grpo: tokens per training sequence (longer are truncated)", GT0)
     packing: bool = field_spec(False, "sft/seq: pack several examples into each max_length row")
     eval_path: Optional[str] = field_spec(None, "held-out question/answer set for train.eval_steps: "
-                                          "'builtin:<name>' or a GSM8K-format .jsonl")
+                                          "'builtin:<name>', a GSM8K-format .jsonl, or a dataset id (its test "
+                                          "split unless one is named: openai/gsm8k:main:test)")
     eval_limit: Optional[int] = field_spec(None, "evaluate only the first N questions of data.eval_path", GT0)
     mixture: list[MixtureFile] = field_spec([], "online prompts blended from several files instead of data.path: "
                                                 "[{path, weight}], each file contributing in proportion to its "
@@ -154,8 +163,9 @@ class RewardSection(Section, name="reward"):
             "(a .py file holding it), kwargs}: called as fn(prompts, completions, **columns) (TRL's convention), "
             "the total is the weighted sum (docs/rewards.md)")
     model_path: Optional[str] = field_spec(
-        None, "a reward model (a ...ForSequenceClassification directory, e.g. an rm checkpoint) whose score joins "
-              "reward.functions in the total, or alone when there are none", Pattern(r"\s*\S.*", "a directory path"))
+        None, "a reward model (a ...ForSequenceClassification directory, e.g. an rm checkpoint, or its Hub id) whose "
+              "score joins reward.functions in the total, or alone when there are none",
+        Pattern(r"\s*\S.*", "a directory path"))
     model_weight: float = field_spec(1.0, "weight of reward.model_path's score in the total reward")
     model_batch_size: int = field_spec(8, "rows per reward-model forward", GT0)
     num_workers: int = field_spec(1, "worker processes that run the reward.functions given by import path or file "
@@ -284,7 +294,8 @@ class GRPOSection(PolicyLossFields, Section, name="grpo"):
     clip_eps: float = field_spec(0.2, "ratio clip: ratio kept in [1 - eps, 1 + eps]", GT0)
     advantage_estimator: str = field_spec(
         "grpo", "grpo (group mean/std), rloo (leave-one-out baseline), reinforce_pp (REINFORCE++: returns whitened "
-                "over the batch) or reinforce_pp_baseline (group mean subtracted first)", Choices(ADVANTAGE_ESTIMATORS))
+                "over the batch), reinforce_pp_baseline (group mean subtracted first) or on_policy_distill "
+                "(teacher minus student log-prob per token; needs distill.teacher)", Choices(ADVANTAGE_ESTIMATORS))
     gamma: float = field_spec(1.0, "reinforce_pp / reinforce_pp_baseline: discount of the reward-to-go per token", UNIT)
     kl_coef: float = field_spec(0.04, "reference-KL (k3) weight in the loss; 0 = no reference model", GE0)
     kl_reward_coef: float = field_spec(0.0, "reference-KL weight subtracted from the reward instead", GE0)
@@ -294,6 +305,20 @@ class GRPOSection(PolicyLossFields, Section, name="grpo"):
         "group", "what the group-centred rewards are divided by: the group's std (GRPO), the std of the whole "
                  "rollout's rewards on all ranks ('batch', Lite PPO) or nothing ('none', Dr. GRPO)",
         Choices(registry.SCALE_REWARDS))
+
+
+@dataclass
+class DistillSection(Section, name="distill"):
+    """On-policy distillation (Lu and Thinking Machines Lab 2025): a frozen teacher scores the student's sampled
+    tokens; read by the train types that distill (`TrainType.distills`; docs/train_types.md)."""
+
+    teacher: Optional[str] = field_spec(
+        None, "teacher model (as model.path: a name, Hugging Face-format directory or .gguf file) scoring every "
+              "sampled token; it must share the student's tokenizer; null = no distillation",
+        Pattern(r"\s*\S.*", "a model name or path"))
+    reward_weight: float = field_spec(0.0, "weight of the task reward's advantage (online_grpo: its group "
+                                           "advantage; online_ppo: the score) added to the per-token "
+                                           "distillation advantage; 0 = pure distillation", GE0)
 
 
 @dataclass
@@ -411,6 +436,8 @@ class Config:
     """PPO: epochs per rollout, minibatch/micro-batch sizes (samples), clipping, GAE, KL penalty."""
     grpo: GRPOSection = field(default_factory=GRPOSection)
     """GRPO (online and offline): group size G, clipping, reference KL in the loss or in the reward."""
+    distill: DistillSection = field(default_factory=DistillSection)
+    """On-policy distillation: the teacher model and the task reward's weight."""
     dpo: DPOSection = field(default_factory=DPOSection)
     """DPO: beta, label smoothing."""
     optim: OptimSection = field(default_factory=OptimSection)
@@ -427,6 +454,10 @@ class Config:
     def __post_init__(self) -> None:
         kind = self.train.type
         spec = train_types.get(kind)
+        if self.distill.teacher and not spec.distills:
+            distillers = " and ".join(t.name for t in train_types.all_train_types() if t.distills)
+            raise ConfigError(f"distill.teacher: on-policy distillation scores the tokens sampled by {distillers}; "
+                              f"train.type {kind} samples none; set distill.teacher to null")
         spec.check(self)
         if self.rollout.dynamic_sampling:
             if spec.group_size(self) is None or not spec.online:
@@ -524,7 +555,7 @@ def ignored_settings(config: Config) -> list[str]:
     (`TrainType.unread`: ``grpo.std_eps`` / ``grpo.std_floor`` when ``grpo.scale_rewards`` is ``none``), and
     ``reward.format_bonus`` / ``reward.partial_credit`` (options of the single ``reward.name``) when
     ``reward.functions`` or ``reward.model_path`` replace it, and the episode caps (`EPISODE_FIELDS`) without
-    ``rollout.tools``. Empty when there are none."""
+    ``rollout.tools``, and ``distill.reward_weight`` without ``distill.teacher``. Empty when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -536,6 +567,8 @@ def ignored_settings(config: Config) -> list[str]:
     if not config.rollout.tools:  # the episode caps, without tools
         default = RolloutSection()
         names += [f"rollout.{f}" for f in EPISODE_FIELDS if getattr(config.rollout, f) != getattr(default, f)]
+    if not config.distill.teacher and config.distill.reward_weight != DistillSection().reward_weight:
+        names.append("distill.reward_weight")
     reward = config.reward  # the single reward.name's options, when reward.functions or the reward model replace it
     if reward.functions or reward.model_path:
         names += [f"reward.{option}" for option in ("format_bonus", "partial_credit") if getattr(reward, option)]
@@ -554,7 +587,7 @@ ALIASES: dict[str, tuple[str, str]] = {alias: tuple(target.split(".")) for alias
     "epsilon": "grpo.clip_eps", "epsilon_high": "grpo.clip_ratio_high", "cliprange": "ppo.clip_eps",
     "cliprange_value": "ppo.value_clip", "save_total_limit": "checkpoint.keep_last",
     "resume_from_checkpoint": "checkpoint.resume", "model_name_or_path": "model.path",
-    "dataset_name": "data.path", "lr": "optim.learning_rate",
+    "dataset_name": "data.path", "lr": "optim.learning_rate", "model_revision": "model.revision",
     # verl and OpenRLHF
     "max_response_length": "rollout.max_new_tokens", "generate_max_len": "rollout.max_new_tokens",
     "prompt_max_len": "data.max_prompt_length", "n_samples_per_prompt": "grpo.group_size",
@@ -571,7 +604,14 @@ REFUSED_NAMES: dict[str, str] = {
     "save_strategy": "checkpoints are published every checkpoint.save_steps steps or checkpoint.save_minutes",
     "eval_strategy": "held-out evaluation runs every train.eval_steps steps",
     "num_completions_to_print": "train.log_completions writes N samples of each rollout to completions.jsonl",
-    "adv_estimator": "grpo.advantage_estimator (grpo, rloo, reinforce_pp, reinforce_pp_baseline; gae is online_ppo's)",
+    "adv_estimator": "grpo.advantage_estimator (grpo, rloo, reinforce_pp, reinforce_pp_baseline, on_policy_distill; "
+                     "gae is online_ppo's)",
+    "dataset_config": "a dataset id names its config and split in data.path: org/name:config:split "
+                      "(openai/gsm8k:main:train)",
+    "dataset_train_split": "a dataset id names its split in data.path: org/name:config:split (openai/gsm8k:main:train)",
+    "dataset_test_split": "data.eval_path names the held-out split: org/name:config:split (openai/gsm8k:main:test)",
+    "trust_remote_code": "astrai never runs a repository's code: it implements the model families it loads "
+                         "(docs/models.md); remove trust_remote_code",
 }
 """Names from TRL, verl and OpenRLHF whose meaning differs from any one astrai field: refused in one line saying what
 to set instead."""

@@ -3,21 +3,25 @@
 One panel per quantity, against the optimizer step: held-out accuracy (`train.eval_steps`), reward, KL, policy
 loss, value loss, explained variance, response length and learning rate (`PANELS`). A panel whose metric never
 appears in the file (e.g. value loss for GRPO) is left out. Needs matplotlib (`pip install 'astrai[plot]'`);
-drawing uses the non-interactive Agg backend. Exit codes: 0 written, 2 bad input (no such run directory, no
-metrics.jsonl, nothing to plot, matplotlib missing).
+drawing uses the non-interactive Agg backend. A torn last line of metrics.jsonl (a crash or a full disk cut it) is
+skipped and said once. The PNG is replaced atomically. Exit codes: 0 written, 2 bad input (no such run directory, no
+metrics.jsonl, nothing to plot, matplotlib missing) or a PNG that cannot be written (one line naming it and the
+cause, e.g. a full disk; nothing partial is left).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import io
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from astrai.checkpoint.fsutil import nearest_existing
 from astrai.deps import MissingDependencyError, import_optional
+from astrai.outputs import cannot_write, read_jsonl, warn_line
 
 EXIT_BAD_INPUT = 2
 
@@ -38,24 +42,46 @@ PANEL_INCHES = (4.0, 3.0)
 COLUMNS = 3
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """The JSON objects of a metrics.jsonl file, skipping blank and torn (crash-truncated) lines.
+def read_records(path: str | Path, *, say=warn_line) -> list[dict]:
+    """The JSON objects of a metrics.jsonl file that have a step, skipping blank and torn (crash-truncated) lines;
+    what was skipped is said once through `say` (`outputs.read_jsonl`).
 
     Raises:
-        FileNotFoundError: one line naming the file.
+        FileNotFoundError: one line naming the file (also when it cannot be read).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path} (expected a run directory written by astrai.train)")
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        records = read_jsonl(path, say=say)
+    except OSError as err:
+        raise FileNotFoundError(f"cannot read {path}: {err.strerror or err}") from None
+    return [r for r in records if isinstance(r.get("step"), (int, float)) and not isinstance(r.get("step"), bool)]
+
+
+def save_png(fig, output: Path, dpi: int) -> None:
+    """Draw `fig` as a PNG and replace `output` with it atomically (a hidden sibling renamed over it), so a full
+    disk leaves the previous file or none, never half a PNG.
+
+    Raises:
+        OSError: the directory or the file cannot be written (the sibling is removed).
+    """
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=dpi, format="png")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getvalue())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, output)
+    except BaseException:
         try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), (int, float)):
-            records.append(record)
-    return records
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
 
 
 def series(records: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
@@ -134,8 +160,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=args.dpi, format="png")
+    try:
+        save_png(fig, output, args.dpi)
+    except OSError as err:
+        print(f"error: {cannot_write(output, err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"wrote {output}")
     return 0
 

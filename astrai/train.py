@@ -61,17 +61,76 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace
     return parser.parse_known_args(argv)
 
 
+_ENDED: dict[str, Any] = {}
+"""How this process's job ended besides its code: `line` (its one-line error), `said` (this process prints it),
+`agreed` (every rank ended with it at the same point), `handed_over` (the launch scripts have the code: see `main`)."""
+
+
+def _error(err, *, said: bool = True, agreed: bool = False) -> None:
+    """The job ends with the one line `error: ERR`; printed to stderr by `main` where `said` (unless it goes to the
+    launch scripts instead)."""
+    _ENDED.update(line=f"error: {' '.join(str(err).split())}", said=said, agreed=agreed)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run one training job; returns the process exit code. Rank 0 also writes it to the file `ASTRAI_EXIT_FILE`
-    names when set (launch/*.sh exit with it instead of the launcher's own code, which hides the ranks')."""
+    """Run one training job; returns the process exit code, after printing the job's one-line error (if any).
+
+    Under the launch scripts (`launch/*.sh`, which set `ASTRAI_EXIT_FILE`), rank 0 also writes the code and that
+    line to the file, and the script exits with the code and prints the line last, after anything the launcher
+    said: the launcher's own code hides the ranks' (torchrun exits 1 when a rank exits non-zero, `accelerate launch`
+    128 + N after signal N). When every rank ends at the same point (an agreed fault, a stop signal, one process)
+    and the launcher would not restart the ranks (no torchrun restart left), the line is left to the script and the
+    process exits 0 (`__main__`; the first rank of every other node writes the file too), so the launcher adds no
+    failure report of its own (`ChildFailedError` and its banner) and the script's output ends with the line once.
+    Otherwise the line is also printed at once and, under torchrun, written to the worker's error file, which the
+    launcher's report names as the root cause."""
+    _ENDED.clear()
     code = _main(argv)
-    exit_file = os.environ.get("ASTRAI_EXIT_FILE")
-    if exit_file and os.environ.get("RANK", "0") == "0":
-        try:
-            Path(exit_file).write_text(f"{code}\n")
-        except OSError:
-            pass  # the launcher's own code then stands
+    env = os.environ
+    exit_file, line = env.get("ASTRAI_EXIT_FILE"), _ENDED.get("line")
+    handing_over = bool(exit_file) and code != 0 and _no_restart_left(env) and (
+        _ENDED.get("agreed", False) or code == 75 or int(env.get("WORLD_SIZE", "1")) == 1)
+    writes = bool(exit_file) and (env.get("RANK", "0") == "0" or (handing_over and env.get("LOCAL_RANK") == "0"))
+    wrote = writes and _write_exit_file(Path(exit_file), code, line)
+    _ENDED["handed_over"] = handing_over and (wrote or not writes)
+    if line and _ENDED.get("said") and not _ENDED["handed_over"]:  # else the script prints it
+        print(line, file=sys.stderr)
+        _tell_torchelastic(line)
     return code
+
+
+def _tell_torchelastic(line: str) -> None:
+    """Under a bare torchrun (or `accelerate launch` on several processes), write the one-line error to the worker's
+    error file (TORCHELASTIC_ERROR_FILE), so that the launcher's failure report names it as the root cause instead
+    of a link to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {
+            "py_callstack": line, "timestamp": str(int(time.time()))}}}))
+    except OSError:
+        pass
+
+
+def _no_restart_left(env) -> bool:
+    """Whether a launcher would not start the ranks again after this exit (torchrun's `--max-restarts` used up)."""
+    try:
+        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) >= int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return False
+
+
+def _write_exit_file(path: Path, code: int, line: Optional[str]) -> bool:
+    """Replace `path` with the job's code and one-line error (one line each; whole or not at all); False when it
+    cannot be written (then the launcher's own code and this process's line stand)."""
+    from astrai.checkpoint.fsutil import write_atomic
+
+    try:
+        write_atomic(path, f"{code}\n" + (f"{line}\n" if line else ""))
+    except OSError:
+        return False
+    return True
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
@@ -85,7 +144,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         config = load_config(args.config, overrides)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        _error(err)
         return EXIT_BAD_INPUT
     ignored = ignored_settings(config)
     if ignored and os.environ.get("RANK", "0") == "0":
@@ -95,7 +154,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:  # runtime.environment is exported before build_trainer creates the process group
         job.enter_context(job_runtime(config.runtime.environment))
     except ValueError as err:  # an unknown ASTR_LOG_LEVEL
-        print(f"error: {err}", file=sys.stderr)
+        _error(err)
         return EXIT_BAD_INPUT
     with job:  # and restored when the job ends
         return _check(config) if args.check else _run(config)
@@ -117,7 +176,7 @@ def _check(config) -> int:
     try:
         print(check_job(config, world_size=int(os.environ.get("WORLD_SIZE", "1"))))
     except _bad_input_errors() as err:
-        print(f"error: {err}", file=sys.stderr)
+        _error(err)
         return EXIT_BAD_INPUT
     return 0
 
@@ -126,6 +185,7 @@ def _run(config) -> int:
     """Build and fit the trainer for a loaded `Config`; returns the exit code (`astrai.trainer.faults`: 0 done,
     2 refused, 75 stopped by a signal after publishing a checkpoint, 124 a rank stopped answering)."""
     from astrai.trainer.build import build_trainer
+    from astrai.outputs import OutputWriteError
     from astrai.trainer.faults import EXIT_PREEMPTED, JobFault, StopSignals
 
     start = time.perf_counter()
@@ -138,12 +198,10 @@ def _run(config) -> int:
         state = trainer.fit()
         trainer.dist.shutdown()
     except _bad_input_errors() as err:
-        if rank == 0 or not _agreed(err):
-            print(f"error: {err}", file=sys.stderr)
+        _error(err, said=rank == 0 or not _agreed(err), agreed=_agreed(err))
         return EXIT_BAD_INPUT
-    except JobFault as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
+    except (JobFault, OutputWriteError) as err:  # OutputWriteError: a file the job writes cannot be written
+        _error(err, said=rank == 0, agreed=err.agreed)
         return err.exit_code
     except RuntimeError as err:
         stalled = _stalled(config, trainer, err, rank)
@@ -178,12 +236,12 @@ def _run(config) -> int:
 
 
 def _agreed(err: BaseException) -> bool:
-    """Errors every rank raises alike (rank 0 alone prints them)."""
+    """Errors every rank raises alike, after a collective carried them (rank 0 alone prints them)."""
     from astrai.checkpoint.safety import AGREED_ERRORS
     from astrai.distributed.rank_checks import RanksDisagree
     from astrai.trainer.lock import OutputDirLocked
 
-    return isinstance(err, (*AGREED_ERRORS.values(), RanksDisagree, OutputDirLocked))
+    return isinstance(err, (*AGREED_ERRORS.values(), RanksDisagree, OutputDirLocked)) or getattr(err, "agreed", False)
 
 
 def _stalled(config, trainer, err: RuntimeError, rank: int):
@@ -195,13 +253,12 @@ def _stalled(config, trainer, err: RuntimeError, rank: int):
         return None
     dist = trainer.dist if trainer is not None else None
     if dist is None:
-        print(f"error: rank {rank}: a collective did not complete within distributed.timeout_seconds "
-              f"{config.distributed.timeout_seconds:g} while the job started; the job stops", file=sys.stderr)
+        _error(f"rank {rank}: a collective did not complete within distributed.timeout_seconds "
+               f"{config.distributed.timeout_seconds:g} while the job started; the job stops")
         return EXIT_TIMEOUT
     line, silent = describe_stall(dist, config.distributed.timeout_seconds, err)
     alive = [r for r in range(dist.world_size) if r not in (silent or ())]
-    if not alive or rank == alive[0]:
-        print(f"error: {line}", file=sys.stderr)
+    _error(line, said=not alive or rank == alive[0])
     return EXIT_TIMEOUT
 
 
@@ -240,8 +297,9 @@ def fit(config: Union[str, os.PathLike, Mapping[str, Any], None] = None, *,
 
     Returns: a `TrainResult`.
     Raises: `astrai.config.ConfigError` and the other bad-input errors the CLI answers with exit code 2 (ValueError,
-        FileNotFoundError, DataError, CheckpointError), and `astrai.trainer.faults.JobFault` for a job that fails
-        while it runs; nothing is swallowed.
+        FileNotFoundError, DataError, CheckpointError), `astrai.trainer.faults.JobFault` for a job that fails
+        while it runs and `astrai.outputs.OutputWriteError` for a file it cannot write (metrics.jsonl on a full
+        disk ...); nothing is swallowed.
     """
     from astrai.config import config_from_dict, config_to_dict, load_config
     from astrai.rewards.functions import reward_reference
@@ -274,12 +332,12 @@ def fit(config: Union[str, os.PathLike, Mapping[str, Any], None] = None, *,
     output_dir = Path(job.train.output_dir)
     metrics_file = output_dir / "metrics.jsonl"
     records = []
-    if metrics_file.is_file():
-        for line in metrics_file.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # a torn last line
-                pass
+    if metrics_file.is_file():  # a torn last line (a crash, a full disk) is skipped and said once
+        import warnings
+
+        from astrai.outputs import read_jsonl
+
+        records = read_jsonl(metrics_file, say=lambda line: warnings.warn(line, stacklevel=3))
     steps = sorted((output_dir / "checkpoints").glob("step-*")) if (output_dir / "checkpoints").is_dir() else []
     return TrainResult(output_dir=output_dir, global_step=state.global_step, policy_version=state.policy_version,
                        checkpoint=steps[-1] if steps else None, metrics=records, stopped_by=state.stopped_by)
@@ -293,6 +351,7 @@ class _CallableModule(types.ModuleType):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    sys.exit(0 if _ENDED.get("handed_over") else _code)  # handed over: the launch script exits with it
 else:
     sys.modules[__name__].__class__ = _CallableModule

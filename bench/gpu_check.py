@@ -293,7 +293,9 @@ def train_step(workdir: Path, device: torch.device) -> dict:
             "--rollout.dtype", "bfloat16", "--train.progress_bar", "false", "--checkpoint.save_at_end", "false",
             "--runtime.device", str(device), "--data.truncation", "left"]  # the tiny tokenizer makes long prompts
     code, seconds = timed(device, train_main, args)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if code == 0 else []
+    from astrai.outputs import read_jsonl  # a torn last line is skipped, said once
+
+    records = read_jsonl(out / "metrics.jsonl") if code == 0 else []
     last = records[-1] if records else {}
     keys = ("policy/loss", "critic/loss", "rollout/logprob_gap", "rollout/reward_mean", "policy_version")
     metrics = {k: last.get(k) for k in keys}

@@ -114,7 +114,9 @@ def train_astrai(args, workdir: Path) -> dict:
     if args.astrai_max_steps:
         command += ["--train.max_steps", str(args.astrai_max_steps)]
     run_logged(command, workdir / "astrai_train.log", astrai_env(args.threads), "astrai training")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from astrai.outputs import read_jsonl  # a torn last line is skipped, said once
+
+    records = read_jsonl(out / "metrics.jsonl")
     records = [r for r in records if "time/elapsed_seconds" in r]
     key = "rollout/sampled_reward_mean"  # every sample drawn; rollout/reward_mean is over the kept groups only
     curve = [{"step": r["step"], "seconds": r["time/elapsed_seconds"], "reward": r.get(key, r["rollout/reward_mean"])}

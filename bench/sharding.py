@@ -20,7 +20,6 @@ GPU speed. Every rank generates its own rollout batch (`rollout.batch_size` prom
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -48,7 +47,9 @@ def run_engine(engine: str, nproc: int, steps: int, threads: int, overrides: lis
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{engine}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    from astrai.outputs import read_jsonl  # a torn last line is skipped, said once
+
+    records = read_jsonl(out / "metrics.jsonl")
     measured = records[1:] or records
     result = {"wall": wall, "step": [r["time/step_seconds"] for r in measured]}
     for phase in PHASES:

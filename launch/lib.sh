@@ -66,8 +66,10 @@ usage_from_header() {  # print the script's leading comment block (after the she
 run_launcher() {  # run_launcher COMMAND...: run a launcher, pass stop signals to it, exit with the job's code
   # The launcher's own code hides the ranks' (torchrun exits 1 when a rank exits non-zero, `accelerate launch`
   # 128 + N after signal N). Rank 0 writes the job's code to ASTRAI_EXIT_FILE (75: stopped by a signal with a
-  # checkpoint, 2: refused, 124: a rank stopped answering); when the launcher fails, that code is this script's.
-  local exit_file rc=0 pid code sig
+  # checkpoint, 2: refused, 124: a rank stopped answering) and, on a second line, its one-line error, which this
+  # prints last, after anything the launcher said (its failure report). When every rank ended together the ranks
+  # exit 0, so the launcher reports nothing, and the code in the file is this script's (python -m astrai.train).
+  local exit_file rc=0 pid code="" line="" sig
   exit_file=$(mktemp "${TMPDIR:-/tmp}/astrai-exit.XXXXXX")
   export ASTRAI_EXIT_FILE=$exit_file
   "$@" &
@@ -83,9 +85,12 @@ run_launcher() {  # run_launcher COMMAND...: run a launcher, pass stop signals t
     wait "$pid" && rc=0 || rc=$?
     kill -0 "$pid" 2>/dev/null || break
   done
-  code=$(cat "$exit_file" 2>/dev/null || true)
+  { IFS= read -r code && IFS= read -r line; } <"$exit_file" 2>/dev/null || true
   rm -f "$exit_file"
-  if ((rc != 0)) && [[ $code =~ ^[0-9]+$ ]]; then
+  if [[ $code =~ ^[0-9]+$ ]] && ((rc != 0 || code != 0)); then
+    if ((code != 0)) && [[ -n $line ]]; then
+      echo "$line" >&2
+    fi
     exit "$code"
   fi
   exit "$rc"

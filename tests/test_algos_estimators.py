@@ -1,6 +1,7 @@
-"""astrai.algos advantage estimators (gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline): hand values, naive loops
-of the peers' formulas (verl core_algos, TRL RLOOTrainer, OpenRLHF), padding, and global whitening over two
-simulated data-parallel ranks (docs/conventions.md section 2)."""
+"""astrai.algos advantage estimators (gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline, on_policy_distill): hand
+values, naive loops of the peers' formulas (verl core_algos, TRL RLOOTrainer, OpenRLHF, Thinking Machines' on-policy
+distillation), padding, and global whitening over two simulated data-parallel ranks (docs/conventions.md
+section 2)."""
 
 from __future__ import annotations
 
@@ -177,6 +178,58 @@ def test_gae_estimator_is_gae_with_optional_whitening():
         estimate("gae", scores=scores, action_mask=mask)
 
 
+def naive_distill(old, teacher, lengths, scores=None, G=1, weight=0.0):
+    """On-policy distillation (Lu and Thinking Machines Lab 2025) token by token on plain floats: A_t = teacher_t -
+    old_t on the first `lengths[b]` tokens of row b, 0 after, plus `weight` times GRPO's (r - mean_G) /
+    (unbiased std_G + 1e-6) of the row's score."""
+    out = []
+    for b, n in enumerate(lengths):
+        bonus = 0.0
+        if weight:
+            group = scores[(b // G) * G:(b // G + 1) * G]
+            mean = sum(group) / G
+            std = math.sqrt(sum((x - mean) ** 2 for x in group) / (G - 1))
+            bonus = weight * (scores[b] - mean) / (std + 1e-6)
+        out.append([teacher[b][t] - old[b][t] + bonus if t < n else 0.0 for t in range(len(old[b]))])
+    return torch.tensor(out, dtype=D64)
+
+
+def test_on_policy_distill_hand_values_and_naive_loop():
+    nan = float("nan")
+    old = [[-1.0, -0.5, -2.0], [-0.25, nan, nan], [-3.0, -0.1, nan], [-0.7, -0.2, -0.9]]
+    teacher = [[-0.5, -1.5, -2.0], [-1.0, nan, -7.0], [-1.0, -0.1, nan], [-0.2, -0.2, -1.4]]
+    lengths = [3, 1, 2, 3]
+    mask = right_padded_mask(lengths, 3)
+    scores = torch.tensor([1.0, 0.0, 0.0, 2.0], dtype=D64)
+    kw = dict(scores=scores, action_mask=mask, old_logprobs=torch.tensor(old, dtype=D64),
+              teacher_logprobs=torch.tensor(teacher, dtype=D64), group_size=2)
+    adv, ret = estimate("on_policy_distill", **kw)
+    # by hand: teacher - student at each real token, nothing discounted or carried over, 0 at padding (NaN there)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, -1.0, 0.0], [-0.75, 0.0, 0.0], [2.0, 0.0, 0.0],
+                                                  [0.5, 0.0, -0.5]], dtype=D64))
+    assert ret is None and not adv.requires_grad and (adv[~mask] == 0).all()
+    torch.testing.assert_close(adv, naive_distill(old, teacher, lengths))
+    # with the task reward: groups (1, 0) and (0, 2): std_G = sqrt(0.5) and sqrt(2), so A_grpo = +-0.7071 in both
+    weighted, _ = estimate("on_policy_distill", **kw, reward_weight=0.5)
+    torch.testing.assert_close(weighted, naive_distill(old, teacher, lengths, scores.tolist(), G=2, weight=0.5))
+    bonus = 0.5 * 0.5 / (math.sqrt(0.5) + 1e-6)  # weight * (1 - 0.5) / std_G
+    assert weighted[0, 0].item() == pytest.approx(0.5 + bonus)
+    assert weighted[1, 0].item() == pytest.approx(-0.75 - bonus)
+    assert (weighted[~mask] == 0).all()
+    # random inputs against the loop, and the reward term is the grpo estimator's advantage, weighted
+    g = torch.Generator().manual_seed(9)
+    lengths = [4, 1, 3, 2, 4, 4]
+    mask = right_padded_mask(lengths, 4)
+    old, teacher = (-torch.rand(6, 4, generator=g, dtype=D64) * 4 for _ in range(2))
+    scores = torch.randn(6, generator=g, dtype=D64)
+    adv, _ = estimate("on_policy_distill", scores=scores, action_mask=mask, old_logprobs=with_garbage(old, mask),
+                      teacher_logprobs=with_garbage(teacher, mask), group_size=3, reward_weight=2.0)
+    torch.testing.assert_close(adv, naive_distill(old.tolist(), teacher.tolist(), lengths, scores.tolist(), G=3,
+                                                  weight=2.0))
+    grpo, _ = estimate("grpo", scores=scores, action_mask=mask, group_size=3)
+    torch.testing.assert_close(adv, (teacher - old) * mask + 2.0 * grpo)
+
+
 # ------------------------------------------------------------------------------ peers' formulas, naive
 
 
@@ -255,10 +308,13 @@ def _inputs(seed: int, lengths: list[int], T: int):
     kl = kl_k3(torch.randn(n, T, generator=g, dtype=D64) * 0.1, torch.randn(n, T, generator=g, dtype=D64) * 0.1)
     token_rewards = ppo_token_rewards(scores, kl, mask, kl_coef=0.1)
     values = torch.randn(n, T, generator=g, dtype=D64)
-    return dict(scores=scores, action_mask=mask, token_rewards=token_rewards, values=values)
+    old = -torch.rand(n, T, generator=g, dtype=D64) * 3
+    teacher = -torch.rand(n, T, generator=g, dtype=D64) * 3
+    return dict(scores=scores, action_mask=mask, token_rewards=token_rewards, values=values, old_logprobs=old,
+                teacher_logprobs=teacher)
 
 
-COMMON = dict(group_size=2, gamma=0.95, lam=0.9, scale="batch", whiten_advantages=True)
+COMMON = dict(group_size=2, gamma=0.95, lam=0.9, scale="batch", whiten_advantages=True, reward_weight=0.5)
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
@@ -266,7 +322,9 @@ def test_masked_positions_even_nan_influence_nothing(name):
     clean = _inputs(6, [5, 2, 4, 1, 3, 5], 5)
     mask = clean["action_mask"]
     dirty = dict(clean, token_rewards=with_garbage(clean["token_rewards"], mask),
-                 values=with_garbage(clean["values"], mask, float("inf")))
+                 values=with_garbage(clean["values"], mask, float("inf")),
+                 old_logprobs=with_garbage(clean["old_logprobs"], mask),
+                 teacher_logprobs=with_garbage(clean["teacher_logprobs"], mask, float("-inf")))
     adv, ret = estimate(name, **clean, **COMMON)
     adv_d, ret_d = estimate(name, **dirty, **COMMON)
     torch.testing.assert_close(adv_d, adv)
@@ -291,7 +349,8 @@ def test_two_ranks_equal_one_process_holding_both_halves(name):
     if one_ret is not None:
         torch.testing.assert_close(torch.cat([ret0, ret1]), one_ret)
     # all but rloo (purely per group) reduce over ranks with these settings (two all-reduces: (sum, count), then
-    # the squared deviations), and for them a half alone gives other numbers
+    # the squared deviations; on_policy_distill through its reward term's batch std), and for them a half alone
+    # gives other numbers
     alone, _ = estimate(name, **halves[0], **COMMON)
     if name == "rloo":
         assert ranks.calls == 0 and torch.equal(alone, adv0)
@@ -305,10 +364,13 @@ def test_two_ranks_equal_one_process_holding_both_halves(name):
 def test_registry_uniform_signature_records_and_errors():
     signatures = {str(inspect.signature(record.fn)) for record in ADVANTAGE_ESTIMATORS.values()}
     assert len(signatures) == 1
-    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                                         "on_policy_distill"}
     assert [n for n, r in ADVANTAGE_ESTIMATORS.items() if r.needs_values] == ["gae"]
     assert {n for n, r in ADVANTAGE_ESTIMATORS.items() if r.needs_groups} == {"grpo", "rloo",
-                                                                               "reinforce_pp_baseline"}
+                                                                               "reinforce_pp_baseline",
+                                                                               "on_policy_distill"}
+    assert [n for n, r in ADVANTAGE_ESTIMATORS.items() if r.needs_teacher] == ["on_policy_distill"]
     assert advantage_estimator("rloo").gives_returns is False
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'; choices: gae, grpo, rloo"):
         advantage_estimator("ppo")
@@ -317,3 +379,8 @@ def test_registry_uniform_signature_records_and_errors():
         estimate("grpo", scores=torch.zeros(3), action_mask=mask, group_size=1)
     with pytest.raises(ValueError, match="token_rewards must have the shape"):
         estimate("reinforce_pp", scores=torch.zeros(2), action_mask=mask, token_rewards=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="'on_policy_distill' needs old_logprobs and teacher_logprobs"):
+        estimate("on_policy_distill", scores=torch.zeros(2), action_mask=mask, old_logprobs=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="teacher_logprobs must have the shape"):
+        estimate("on_policy_distill", scores=torch.zeros(2), action_mask=mask, old_logprobs=torch.zeros(2, 2),
+                 teacher_logprobs=torch.zeros(2, 3))

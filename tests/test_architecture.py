@@ -77,6 +77,7 @@ LAYERS = {
     # floor 1: leaves
     "algos": set(),                                    # pure tensor math
     "deps": set(),                                     # optional imports, torch-free
+    "outputs": set(),                                  # the files written beside checkpoints: write errors, reader
     "config_schema": set(),                            # YAML 1.2 and the field machinery, torch-free
     "runtime_env": set(),
     "sandbox": set(),                                  # stdlib only
@@ -89,7 +90,7 @@ LAYERS = {
     "checkpoint": {"models", "train_types"},
     # floor 4
     "data": {"config", "config_schema", "train_types", "models", "deps"},
-    "distributed": {"checkpoint", "deps", "runtime_env"},
+    "distributed": {"checkpoint", "deps", "outputs", "runtime_env"},
     # floor 5
     "forward": {"algos", "data", "models"},            # the training forward: log-probs and values of sequences
     "rollout": {"data", "models", "kernels", "config", "deps"},  # generation engines only
@@ -97,16 +98,17 @@ LAYERS = {
     "agents": {"models", "deps"},                      # tools, tool-call format, token-exact chat rendering
     # floor 6
     "experience": {"agents", "algos", "data", "forward", "models", "rewards", "rollout"},
-    "evaluation": {"algos", "checkpoint", "config", "config_schema", "data", "models", "rewards", "rollout"},
+    "evaluation": {"algos", "checkpoint", "config", "config_schema", "data", "models", "outputs", "rewards",
+                   "rollout"},
     # floor 7
     "trainer": {"algos", "checkpoint", "config", "config_schema", "data", "deps", "distributed", "evaluation",
-                "experience", "forward", "models", "rewards", "rollout", "runtime_env", "train_types"},
+                "experience", "forward", "models", "outputs", "rewards", "rollout", "runtime_env", "train_types"},
     "serve": {"checkpoint", "deps", "models", "rollout", "runtime_env", "data"},
     # floor 8: entry points (`python -m astrai.<name>`)
-    "train": {"checkpoint", "config", "data", "distributed", "kernels", "rewards", "runtime_env", "train_types",
-              "trainer"},
+    "train": {"checkpoint", "config", "data", "distributed", "kernels", "outputs", "rewards", "runtime_env",
+              "train_types", "trainer"},
     "evaluate": {"evaluation"},
-    "plot": {"checkpoint", "deps"},
+    "plot": {"checkpoint", "deps", "outputs"},
 }
 
 

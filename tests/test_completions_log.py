@@ -214,7 +214,8 @@ def test_jsonl_file_keeps_an_old_run_and_cuts_a_resumed_one(tmp_path):
     fresh.close()
     (kept,) = tmp_path.glob("completions.*.jsonl")
     assert read_jsonl(kept)[-1] == {"step": 3, "x": 30} and path.read_text() == ""
-    assert said == [f"kept the previous run's completions as {kept}"]
+    assert said == [f"{path}: skipped its torn last line (line 4: cut off while it was written, by a crash or a "
+                    "full disk)", f"kept the previous run's completions as {kept}"]  # the torn line said once
     again = JsonlFile(path, printer=said.append)  # a second fresh start within the same second keeps both
     again.open()
     again.close()

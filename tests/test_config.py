@@ -39,7 +39,7 @@ def test_defaults_valid_and_documented():
     assert config.model.path == "smollm2-135m-instruct" and config.ppo.kl_estimator == "k3"
     assert config.ppo.value_clip == 0.2 and config.checkpoint.keep_last is None and config.train.metrics == []
     assert config.train.type in TRAIN_TYPES and isinstance(config.optim.learning_rate, float)
-    assert list(SECTIONS) == ["model", "data", "reward", "rollout", "ppo", "grpo", "dpo", "optim", "train",
+    assert list(SECTIONS) == ["model", "data", "reward", "rollout", "ppo", "grpo", "distill", "dpo", "optim", "train",
                               "checkpoint", "distributed", "runtime"]
     for cls in SECTIONS.values():
         for f in dataclasses.fields(cls):

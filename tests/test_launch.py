@@ -580,13 +580,16 @@ def test_a_stop_signal_to_the_script_reaches_the_job(fake, job):
         assert (torchrun_dir / "signal").read_text().strip() == "TERM"
 
 
-def test_rank_zero_writes_the_job_code_for_the_scripts(tmp_path, monkeypatch):
+def test_rank_zero_writes_the_job_code_for_the_scripts(tmp_path, monkeypatch, capsys):
+    """The code, and the one-line error the script prints last (the rank does not print it then)."""
     from astrai.train import main
 
     exit_file = tmp_path / "code"
     monkeypatch.setenv("ASTRAI_EXIT_FILE", str(exit_file))
     monkeypatch.setenv("RANK", "0")
-    assert main(["--max_steps", "0"]) == 2 and exit_file.read_text() == "2\n"
+    assert main(["--max_steps", "0"]) == 2
+    assert exit_file.read_text() == "2\nerror: train.max_steps: expected an integer > 0, got 0\n"
+    assert "error:" not in capsys.readouterr().err
     monkeypatch.setenv("RANK", "1")
     exit_file.unlink()
     assert main(["--max_steps", "0"]) == 2 and not exit_file.exists()  # only rank 0 speaks for the job

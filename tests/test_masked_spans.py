@@ -141,17 +141,19 @@ def test_every_estimator_ignores_masked_spans(name):
     scores = torch.randn(4, generator=g, dtype=D64)
     token_rewards = torch.randn(4, 6, generator=g, dtype=D64) * mask
     values = torch.randn(4, 6, generator=g, dtype=D64)
-    kwargs = dict(group_size=2, gamma=0.9, lam=0.95, whiten_advantages=True)
+    old, teacher = -torch.rand(4, 6, generator=g, dtype=D64), -torch.rand(4, 6, generator=g, dtype=D64)
+    kwargs = dict(group_size=2, gamma=0.9, lam=0.95, whiten_advantages=True, reward_weight=0.5)
     estimator = ADVANTAGE_ESTIMATORS[name].fn
     for rewards in (None, token_rewards):
-        adv, ret = estimator(scores=scores, action_mask=mask, token_rewards=rewards, values=values, **kwargs)
+        adv, ret = estimator(scores=scores, action_mask=mask, token_rewards=rewards, values=values, old_logprobs=old,
+                             teacher_logprobs=teacher, **kwargs)
         columns, width = _spread(mask)
         wide = torch.zeros(4, width, dtype=torch.bool)
         for b in range(4):
             wide[b, columns[b][columns[b] >= 0]] = True
         spread = lambda x: None if x is None else _place(x, mask, columns, width)  # noqa: E731
         adv2, ret2 = estimator(scores=scores, action_mask=wide, token_rewards=spread(rewards), values=spread(values),
-                               **kwargs)
+                               old_logprobs=spread(old), teacher_logprobs=spread(teacher), **kwargs)
         torch.testing.assert_close(_gather(adv2, mask, columns), adv * mask)
         assert bool((adv2[~wide] == 0).all())
         if ret is not None:

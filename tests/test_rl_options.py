@@ -37,7 +37,7 @@ def test_config_choices_are_the_registries():
 
 
 SCALARS = {"gamma": 0.5, "lam": 0.3, "eps": 0.7, "std_floor": 5.0, "scale": "none", "unbiased": False,
-           "whiten_advantages": True, "whiten_eps": 3.0, "group_size": 4}
+           "whiten_advantages": True, "whiten_eps": 3.0, "group_size": 4, "reward_weight": 2.0}
 """A value, other than the default, for every keyword scalar of the estimators' calling convention."""
 
 
@@ -49,7 +49,9 @@ def test_an_estimator_reads_exactly_the_scalars_its_record_says(name):
     mask = torch.arange(5)[None, :] < torch.tensor([5, 3, 4, 2, 5, 1, 4, 5])[:, None]
     inputs = dict(scores=torch.randn(8, generator=g, dtype=torch.float64), action_mask=mask,
                   token_rewards=torch.randn(8, 5, generator=g, dtype=torch.float64) * mask,
-                  values=torch.randn(8, 5, generator=g, dtype=torch.float64), group_size=2)
+                  values=torch.randn(8, 5, generator=g, dtype=torch.float64), group_size=2,
+                  old_logprobs=-torch.rand(8, 5, generator=g, dtype=torch.float64),
+                  teacher_logprobs=-torch.rand(8, 5, generator=g, dtype=torch.float64), reward_weight=0.5)
     record = algos.ADVANTAGE_ESTIMATORS[name]
 
     def differs(scalar, value) -> bool:

@@ -6,10 +6,10 @@ docs/conventions.md section 2. Modules: ``masked`` (masked reductions), ``logpro
 logits), ``kl`` (k1/k2/k3 estimators), ``advantages`` (PPO rewards, GAE, GRPO group advantages), ``losses``
 (value loss, explained variance, entropy, log-prob gap), ``preference`` (token cross-entropy, DPO),
 ``stats`` (evaluation statistics of counts: Wilson interval, pass@k, exact McNemar test); the named
-registries ``estimators`` (``ADVANTAGE_ESTIMATORS``: gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline),
-``policy_losses`` (``POLICY_LOSSES``: ppo_clip, gspo, cispo) with ``aggregation`` (``LOSS_AGG_MODES``), and
-``rollout_correction`` (``ROLLOUT_CORRECTIONS``: token_tis, seq_tis, seq_mask, icepop; mismatch metrics), whose
-names and needs are written once in the torch-free ``registry``.
+registries ``estimators`` (``ADVANTAGE_ESTIMATORS``: gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline,
+on_policy_distill), ``policy_losses`` (``POLICY_LOSSES``: ppo_clip, gspo, cispo) with ``aggregation``
+(``LOSS_AGG_MODES``), and ``rollout_correction`` (``ROLLOUT_CORRECTIONS``: token_tis, seq_tis, seq_mask, icepop;
+mismatch metrics), whose names and needs are written once in the torch-free ``registry``.
 """
 
 import importlib

@@ -1,4 +1,5 @@
-"""Advantage estimators by name: GAE, GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline, one calling convention.
+"""Advantage estimators by name: GAE, GRPO, RLOO, REINFORCE++, REINFORCE++-baseline and on-policy distillation, one
+calling convention.
 
 Methods (exact definitions: docs/conventions.md section 2):
 - ``gae``: Generalised Advantage Estimation with a critic (Schulman et al. 2016), `advantages.gae`, optionally
@@ -21,16 +22,22 @@ Methods (exact definitions: docs/conventions.md section 2):
   accumulated). verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage`` centres the SUM of the token
   rewards and broadcasts it to every token (no reward-to-go); both agree when the token rewards carry no KL term
   and ``gamma = 1`` (tested against both loops).
+- ``on_policy_distill``: on-policy distillation (Lu and Thinking Machines Lab 2025, "On-Policy Distillation";
+  Agarwal et al. 2024, GKD): the per-token advantage is the teacher's log-prob minus the student's at the sampled token (the
+  negative reverse-KL estimate), undiscounted, plus ``reward_weight`` times GRPO's group advantage of the task
+  reward. Cross-tokenizer distillation is out of scope: both log-probs score the same token ids.
 
 Calling convention (every estimator, `AdvantageEstimatorFn`): keyword-only ``scores`` (N,), ``action_mask`` (N, T),
-optional ``token_rewards`` (N, T) and ``values`` (N, T), and scalars; returns ``(advantages (N, T), returns (N, T)
+optional ``token_rewards`` (N, T) and ``values`` (N, T), optional ``old_logprobs`` (N, T) and ``teacher_logprobs``
+(N, T) (read only by the estimators that need a teacher), and scalars; returns ``(advantages (N, T), returns (N, T)
 or None)`` in float, both exactly 0 at padding, without grad. ``token_rewards`` are the full per-token rewards
 (KL penalty on every real token plus the score on the last one, `advantages.ppo_token_rewards`); when None they
 are the score on the last real token only. Outcome estimators (grpo, rloo) use the per-response return
 ``R_i = sum_t token_rewards[i, t]`` (= score minus the KL sum; the KL-in-reward of verl and TRL) or ``scores`` when
 no token rewards are given. Rows of a group are contiguous (G = ``group_size``). Masked positions (even NaN)
 influence nothing. An estimator that reduces over ranks (reinforce_pp*, grpo with ``scale="batch"``, gae with
-``whiten_advantages``) must be called on every rank together. Adding an estimator is one function with this
+``whiten_advantages``, on_policy_distill with ``reward_weight`` and ``scale="batch"``) must be called on every rank
+together. Adding an estimator is one function with this
 signature plus one `registry.ESTIMATORS` entry (its needs) and one `_FUNCTIONS` entry.
 """
 
@@ -47,8 +54,8 @@ from .masked import _real, global_moments, masked_whiten
 from .registry import ESTIMATORS, EstimatorSpec
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "AdvantageEstimatorFn", "advantage_estimator",
-           "estimate_gae", "estimate_grpo", "estimate_reinforce_pp", "estimate_reinforce_pp_baseline",
-           "estimate_rloo"]
+           "estimate_gae", "estimate_grpo", "estimate_on_policy_distill", "estimate_reinforce_pp",
+           "estimate_reinforce_pp_baseline", "estimate_rloo"]
 
 Reduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
 Result = tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -62,7 +69,8 @@ class AdvantageEstimatorFn(Protocol):
                  group_size: int = 1, gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6,
                  std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
                  whiten_advantages: bool = False, whiten_eps: float = 1e-8,
-                 all_reduce_sum: Reduce = None) -> Result: ...
+                 all_reduce_sum: Reduce = None, old_logprobs: torch.Tensor | None = None,
+                 teacher_logprobs: torch.Tensor | None = None, reward_weight: float = 0.0) -> Result: ...
 
 
 def _check(scores: torch.Tensor, action_mask: torch.Tensor, token_rewards: torch.Tensor | None,
@@ -121,7 +129,9 @@ def _reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> to
 def estimate_gae(*, scores: torch.Tensor, action_mask: torch.Tensor, token_rewards: torch.Tensor | None = None,
                  values: torch.Tensor | None = None, group_size: int = 1, gamma: float = 1.0, lam: float = 1.0,
                  eps: float = 1e-6, std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
-                 whiten_advantages: bool = False, whiten_eps: float = 1e-8, all_reduce_sum: Reduce = None) -> Result:
+                 whiten_advantages: bool = False, whiten_eps: float = 1e-8,
+                 all_reduce_sum: Reduce = None, old_logprobs: torch.Tensor | None = None,
+                 teacher_logprobs: torch.Tensor | None = None, reward_weight: float = 0.0) -> Result:
     """``gae``: `advantages.gae` of the per-token rewards against the critic's ``values`` (Schulman et al. 2016).
 
     Reads: ``scores`` or ``token_rewards``, ``values`` (required), ``gamma``, ``lam``; with ``whiten_advantages``
@@ -145,7 +155,8 @@ def estimate_grpo(*, scores: torch.Tensor, action_mask: torch.Tensor, token_rewa
                   values: torch.Tensor | None = None, group_size: int = 1, gamma: float = 1.0, lam: float = 1.0,
                   eps: float = 1e-6, std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
                   whiten_advantages: bool = False, whiten_eps: float = 1e-8,
-                  all_reduce_sum: Reduce = None) -> Result:
+                  all_reduce_sum: Reduce = None, old_logprobs: torch.Tensor | None = None,
+                  teacher_logprobs: torch.Tensor | None = None, reward_weight: float = 0.0) -> Result:
     """``grpo``: `advantages.group_advantages` of the returns R (N,), broadcast to the real tokens.
 
     Reads: ``scores`` or ``token_rewards`` (R = their row sum), ``group_size``, ``eps``, ``std_floor``, ``scale``,
@@ -153,12 +164,18 @@ def estimate_grpo(*, scores: torch.Tensor, action_mask: torch.Tensor, token_rewa
     ``(advantages, None)``. Raises: ValueError from `group_advantages` or on shape mismatches.
     """
     mask = _check(scores, action_mask, token_rewards, values)
+    return _broadcast(_group(scores, token_rewards, mask, group_size=group_size, eps=eps, std_floor=std_floor,
+                             scale=scale, unbiased=unbiased, all_reduce_sum=all_reduce_sum), mask), None
+
+
+def _group(scores: torch.Tensor, token_rewards: torch.Tensor | None, mask: torch.Tensor, *, group_size: int,
+           eps: float, std_floor: float | None, scale: str, unbiased: bool, all_reduce_sum: Reduce) -> torch.Tensor:
+    """GRPO's group advantage (N,) of the returns R (`_outcome`); with ``scale="batch"`` the std of every rank's R."""
     r = _outcome(scores, token_rewards, mask)
     batch_std = (global_moments(r, all_reduce_sum=all_reduce_sum, unbiased=unbiased)[1].sqrt()
                  if scale == "batch" else None)
-    adv = group_advantages(r, group_size=group_size, eps=eps, std_floor=std_floor, unbiased=unbiased,
-                           scale=scale, batch_std=batch_std)
-    return _broadcast(adv, mask), None
+    return group_advantages(r, group_size=group_size, eps=eps, std_floor=std_floor, unbiased=unbiased,
+                            scale=scale, batch_std=batch_std)
 
 
 def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -172,7 +189,8 @@ def estimate_rloo(*, scores: torch.Tensor, action_mask: torch.Tensor, token_rewa
                   values: torch.Tensor | None = None, group_size: int = 1, gamma: float = 1.0, lam: float = 1.0,
                   eps: float = 1e-6, std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
                   whiten_advantages: bool = False, whiten_eps: float = 1e-8,
-                  all_reduce_sum: Reduce = None) -> Result:
+                  all_reduce_sum: Reduce = None, old_logprobs: torch.Tensor | None = None,
+                  teacher_logprobs: torch.Tensor | None = None, reward_weight: float = 0.0) -> Result:
     """``rloo``: ``A_i = R_i - (sum_G R - R_i) / (G - 1)`` (Ahmadian et al. 2024), broadcast to the real tokens.
 
     Reads: ``scores`` or ``token_rewards`` (R = their row sum), ``group_size`` (G; G = 1 gives A = 0). Returns
@@ -192,7 +210,8 @@ def estimate_reinforce_pp(*, scores: torch.Tensor, action_mask: torch.Tensor,
                           group_size: int = 1, gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6,
                           std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
                           whiten_advantages: bool = False, whiten_eps: float = 1e-8,
-                          all_reduce_sum: Reduce = None) -> Result:
+                          all_reduce_sum: Reduce = None, old_logprobs: torch.Tensor | None = None,
+                          teacher_logprobs: torch.Tensor | None = None, reward_weight: float = 0.0) -> Result:
     """``reinforce_pp``: REINFORCE++ (Hu 2025): discounted reward-to-go, whitened over the whole batch.
 
     Reads: ``scores`` or ``token_rewards``, ``gamma``, ``unbiased``, ``whiten_eps``, ``all_reduce_sum``.
@@ -213,7 +232,8 @@ def estimate_reinforce_pp_baseline(*, scores: torch.Tensor, action_mask: torch.T
                                    group_size: int = 1, gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6,
                                    std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
                                    whiten_advantages: bool = False, whiten_eps: float = 1e-8,
-                                   all_reduce_sum: Reduce = None) -> Result:
+                                   all_reduce_sum: Reduce = None, old_logprobs: torch.Tensor | None = None,
+                                   teacher_logprobs: torch.Tensor | None = None, reward_weight: float = 0.0) -> Result:
     """``reinforce_pp_baseline``: REINFORCE++-baseline (Hu 2025; OpenRLHF's order, module docstring).
 
     Reads: ``scores`` (their group mean is the baseline), ``token_rewards`` (None: the score on the last real
@@ -231,6 +251,49 @@ def estimate_reinforce_pp_baseline(*, scores: torch.Tensor, action_mask: torch.T
     return advantages, returns
 
 
+@torch.no_grad()
+def estimate_on_policy_distill(*, scores: torch.Tensor, action_mask: torch.Tensor,
+                               token_rewards: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                               group_size: int = 1, gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6,
+                               std_floor: float | None = None, scale: str = "group", unbiased: bool = True,
+                               whiten_advantages: bool = False, whiten_eps: float = 1e-8,
+                               all_reduce_sum: Reduce = None, old_logprobs: torch.Tensor | None = None,
+                               teacher_logprobs: torch.Tensor | None = None, reward_weight: float = 0.0) -> Result:
+    """``on_policy_distill``: the negative reverse-KL estimate at each sampled token, plus the weighted task reward.
+
+    Source: Kevin Lu and Thinking Machines Lab, "On-Policy Distillation" (Connectionism, October 2025): the student samples, the teacher scores
+    every sampled token, and the per-token advantage is ``-(log pi_student - log pi_teacher)``, with no discount
+    (each token's own term only); on-policy distillation itself is Agarwal et al. 2024 (GKD) with the reverse KL.
+    Formula, per real token t of row i (0 at padding)::
+
+        A[i, t] = teacher_logprobs[i, t] - old_logprobs[i, t] + reward_weight * A_grpo[i]
+
+    ``old_logprobs`` (N, T) are the student's behaviour log-probs of the sampled tokens (the sampler's, at the
+    sampling temperature), ``teacher_logprobs`` (N, T) the teacher's of the same tokens at the same temperature;
+    ``A_grpo`` (N,) is `estimate_grpo`'s group advantage of the returns R (``scores`` or the row sums of
+    ``token_rewards``), computed only when ``reward_weight`` != 0 (then reading ``group_size``, ``eps``,
+    ``std_floor``, ``scale``, ``unbiased`` and, for ``scale="batch"``, ``all_reduce_sum``). The log-prob difference
+    is the single-sample (k1) estimate of ``-KL(pi_student || pi_teacher)`` at ``s_t``; its mean over the action
+    tokens is minus the logged ``distill/reverse_kl``. Floating inputs keep their dtype; returns
+    ``(advantages (N, T), None)``.
+    Raises: ValueError if ``old_logprobs`` or ``teacher_logprobs`` is None, or on shape mismatches.
+    """
+    mask = _check(scores, action_mask, token_rewards, values)
+    if old_logprobs is None or teacher_logprobs is None:
+        raise ValueError("advantage estimator 'on_policy_distill' needs old_logprobs and teacher_logprobs (the "
+                         "student's and the teacher's log-probs of the sampled tokens)")
+    for name, x in (("old_logprobs", old_logprobs), ("teacher_logprobs", teacher_logprobs)):
+        if x.shape != action_mask.shape:
+            raise ValueError(f"{name} must have the shape of action_mask {tuple(action_mask.shape)}, "
+                             f"got {tuple(x.shape)}")
+    advantages = _real(_float(teacher_logprobs), mask) - _real(_float(old_logprobs), mask)
+    if reward_weight != 0:
+        task = _group(scores, token_rewards, mask, group_size=group_size, eps=eps, std_floor=std_floor, scale=scale,
+                      unbiased=unbiased, all_reduce_sum=all_reduce_sum)
+        advantages = advantages + reward_weight * _broadcast(task.to(advantages.dtype), mask)
+    return advantages, None
+
+
 @dataclass(frozen=True)
 class AdvantageEstimator(EstimatorSpec):
     """A registered advantage estimator: its `registry.EstimatorSpec` (needs, reads, source) and ``fn``, the
@@ -241,7 +304,7 @@ class AdvantageEstimator(EstimatorSpec):
 
 _FUNCTIONS: dict[str, AdvantageEstimatorFn] = {
     "gae": estimate_gae, "grpo": estimate_grpo, "rloo": estimate_rloo, "reinforce_pp": estimate_reinforce_pp,
-    "reinforce_pp_baseline": estimate_reinforce_pp_baseline,
+    "reinforce_pp_baseline": estimate_reinforce_pp_baseline, "on_policy_distill": estimate_on_policy_distill,
 }
 if set(_FUNCTIONS) != set(ESTIMATORS):
     raise ImportError(f"astrai.algos.estimators: functions {sorted(_FUNCTIONS)} != registry {sorted(ESTIMATORS)}")

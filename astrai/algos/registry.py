@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["ESTIMATORS", "EstimatorSpec", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSSES", "PolicyLossSpec",
-           "ROLLOUT_CORRECTIONS", "SCALE_REWARDS", "critic_free_estimators"]
+           "ROLLOUT_CORRECTIONS", "SCALE_REWARDS", "critic_free_estimators", "teacher_estimators"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class EstimatorSpec:
     ``token_rewards`` matters (KL per token, reward-to-go), not only their row sum; ``gives_returns`` the second
     output is a tensor (critic targets / returns), not None; ``reads`` the keyword scalars of the calling convention
     it reads (``gamma``, ``lam``, ``eps``, ``std_floor``, ``scale``, ``unbiased``, ``whiten_advantages``,
-    ``whiten_eps``, ``group_size``); ``source`` the paper.
+    ``whiten_eps``, ``group_size``, ``reward_weight``); ``needs_teacher`` it reads a teacher's log-probs
+    (``teacher_logprobs``) and the behaviour log-probs (``old_logprobs``) of the sampled tokens (the job must name
+    a teacher, `distill.teacher`); ``source`` the paper.
     """
 
     needs_values: bool
@@ -31,25 +33,31 @@ class EstimatorSpec:
     per_token_rewards: bool
     gives_returns: bool
     reads: frozenset[str]
+    needs_teacher: bool
     source: str
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
     "gae": EstimatorSpec(needs_values=True, needs_groups=False, per_token_rewards=True, gives_returns=True,
                          reads=frozenset({"gamma", "lam", "whiten_advantages", "whiten_eps", "unbiased"}),
-                         source="Schulman et al. 2016, GAE"),
+                         needs_teacher=False, source="Schulman et al. 2016, GAE"),
     "grpo": EstimatorSpec(needs_values=False, needs_groups=True, per_token_rewards=False, gives_returns=False,
                           reads=frozenset({"group_size", "eps", "std_floor", "scale", "unbiased"}),
-                          source="Shao et al. 2024, DeepSeekMath (GRPO)"),
+                          needs_teacher=False, source="Shao et al. 2024, DeepSeekMath (GRPO)"),
     "rloo": EstimatorSpec(needs_values=False, needs_groups=True, per_token_rewards=False, gives_returns=False,
-                          reads=frozenset({"group_size"}), source="Ahmadian et al. 2024, Back to Basics (RLOO)"),
+                          reads=frozenset({"group_size"}), needs_teacher=False,
+                          source="Ahmadian et al. 2024, Back to Basics (RLOO)"),
     "reinforce_pp": EstimatorSpec(needs_values=False, needs_groups=False, per_token_rewards=True, gives_returns=True,
                                   reads=frozenset({"gamma", "whiten_eps", "unbiased"}),
-                                  source="Hu 2025, REINFORCE++"),
+                                  needs_teacher=False, source="Hu 2025, REINFORCE++"),
     "reinforce_pp_baseline": EstimatorSpec(needs_values=False, needs_groups=True, per_token_rewards=True,
                                            gives_returns=True,
                                            reads=frozenset({"group_size", "gamma", "whiten_eps", "unbiased"}),
-                                           source="Hu 2025, REINFORCE++-baseline"),
+                                           needs_teacher=False, source="Hu 2025, REINFORCE++-baseline"),
+    "on_policy_distill": EstimatorSpec(
+        needs_values=False, needs_groups=True, per_token_rewards=False, gives_returns=False,
+        reads=frozenset({"group_size", "eps", "std_floor", "scale", "unbiased", "reward_weight"}), needs_teacher=True,
+        source="Lu and Thinking Machines Lab 2025, On-Policy Distillation; Agarwal et al. 2024, GKD"),
 }
 """Advantage estimators by name (`estimators.ADVANTAGE_ESTIMATORS` gives each its function)."""
 
@@ -57,6 +65,11 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
 def critic_free_estimators() -> tuple[str, ...]:
     """The estimators that need no critic (`grpo.advantage_estimator`'s choices), in registry order."""
     return tuple(name for name, spec in ESTIMATORS.items() if not spec.needs_values)
+
+
+def teacher_estimators() -> tuple[str, ...]:
+    """The estimators that read a teacher's log-probs (chosen together with `distill.teacher`), in registry order."""
+    return tuple(name for name, spec in ESTIMATORS.items() if spec.needs_teacher)
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,22 @@ def write_atomic(path: Path, text: str) -> None:
     old file or the whole new one, never half of it.
 
     Raises:
-        OSError: when the sibling cannot be written or renamed (the parent directory must exist).
+        OSError: when the sibling cannot be written or renamed (the parent directory must exist); the sibling is
+            removed then (a full disk leaves nothing behind).
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
 
 
 def nearest_existing(path: Path) -> Optional[Path]:

@@ -5,6 +5,7 @@ the loaders share."""
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Iterator
@@ -15,6 +16,8 @@ __all__ = ["BUILTIN_PREFIX", "DataError", "builtin_names", "generated_records", 
            "resolve_prompt_path"]
 
 BUILTIN_PREFIX = "builtin:"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A lone surrogate in a str (`json.loads` joins a valid pair of escapes into one character)."""
 
 
 class DataError(ValueError):
@@ -91,4 +94,39 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, dict]]:
                 raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            check_text(obj, where)
             yield where, obj
+
+
+def check_json_text(path: Path) -> None:
+    """`check_text` over a .json file's rows (a top-level list: "<file> row N"), read with Python's JSON parser: the
+    one `datasets` uses turns a lone surrogate into U+FFFD without a word. A file Python cannot parse is left to
+    `datasets` to report."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except ValueError:
+        return
+    if isinstance(data, list):
+        for number, row in enumerate(data, start=1):
+            check_text(row, f"{path} row {number}")
+    else:
+        check_text(data, str(path))
+
+
+def check_text(value, where: str, field: str = "") -> None:
+    """DataError when a string in `value` (a row: nested dicts and lists) holds a lone surrogate, such as the escape
+    `\\ud800` in valid JSON: half of a UTF-16 pair, no character, which no tokenizer or UTF-8 writer accepts. One
+    line naming `where` (file and line or row), the field and the position."""
+    if isinstance(value, str):
+        bad = _SURROGATE.search(value)
+        if bad is not None:
+            raise DataError(f"{where}: {'field ' + field if field else 'a key'} holds a lone surrogate "
+                            f"\\u{ord(bad.group()):04x} at character {bad.start()} (half of a UTF-16 pair, not text): "
+                            "the file was written from broken text; fix or drop this row")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, where, field)
+            check_text(item, where, f"{field}[{key!r}]" if field else repr(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_text(item, where, f"{field}[{index}]")

@@ -1,7 +1,8 @@
 """Prompt datasets for online RL (online_ppo, online_grpo): loading and deterministic sampling.
 
 A prompt file is jsonl (one JSON object per line; blank lines are skipped), json, parquet, csv, or a directory
-written by `datasets.Dataset.save_to_disk` (the non-jsonl ones are read through `datasets`, `data.records`). The
+written by `datasets.Dataset.save_to_disk` (the non-jsonl ones are read through `datasets`, `data.records`), or a
+Hugging Face dataset id ``org/name[@revision][:config[:split]]`` (``openai/gsm8k:main:train``, `data.hub`). The
 GSM8K layout is the default: ``question`` and ``answer``, the answer ending in ``#### <final answer>``. The prompt
 field holds a plain string or a chat, a list of ``{"role", "content"}`` messages (rendered with the model's chat
 template; a plain string with it too, or as raw text, as ``data.chat_template`` says: ``astrai.data.prompt_format``);
@@ -141,7 +142,9 @@ class PromptDataset:
     """An in-memory list of ``PromptRecord`` loaded from a jsonl file.
 
     Args:
-        path: a jsonl file or ``builtin:<name>`` (e.g. ``builtin:math_prompts``, ``builtin:arithmetic``).
+        path: a jsonl / json / parquet / csv file, a `save_to_disk` directory, ``builtin:<name>`` (e.g.
+            ``builtin:math_prompts``, ``builtin:arithmetic``), or a Hugging Face dataset id
+            ``org/name[@revision][:config[:split]]`` (`astrai.data.hub`; a local path spelled the same wins).
         prompt_field: key of the prompt text in each object (default ``question``).
         answer_field: key of the reference answer (default ``answer``), or ``None``.
         field: the config key or option named in errors about the path.
@@ -149,10 +152,11 @@ class PromptDataset:
             answers are then "").
 
     Attributes:
-        path: the resolved file, or None for a generated built-in set.
+        path: the resolved file, the dataset id with its split (a string, ``openai/gsm8k:main:train``), or None
+            for a generated built-in set.
 
     Raises:
-        DataError: see ``resolve_prompt_path`` and ``read_prompt_records``.
+        DataError: see ``resolve_prompt_path``, ``read_prompt_records`` and ``astrai.data.hub.load_hub_dataset``.
     """
 
     def __init__(self, path: str | Path, *, prompt_field: str = "question", answer_field: str | None = "answer",

@@ -1,5 +1,6 @@
-"""Records from local jsonl / json / parquet / csv files or `datasets.save_to_disk` directories, through the
-`datasets` library (jsonl is parsed line by line first, so a broken line is named by its number).
+"""Records from local jsonl / json / parquet / csv files, `datasets.save_to_disk` directories or Hugging Face
+dataset ids (``org/name[@revision][:config[:split]]``, `astrai.data.hub`), through the `datasets` library (jsonl
+is parsed line by line first, so a broken line is named by its number).
 
 Used by the offline train types (sft, dpo, seq, grpo) (`load_records`) and by the prompt sets (`read_rows`). `builtin:<name>` resolves to
 ``astrai/data/assets/<name>.jsonl`` shipped with the package (small example sets for the example configs).
@@ -12,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from astrai.data.files import DataError, jsonl_objects, resolve_prompt_path
+from astrai.data.files import BUILTIN_PREFIX, DataError, jsonl_objects, resolve_prompt_path
+from astrai.data.hub import HubDataset, load_hub_dataset, parse_dataset_id
 from astrai.deps import MissingDependencyError, import_optional
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -37,6 +39,17 @@ def _resolve(path: str | Path, field: str) -> Path:
     return resolved
 
 
+def _source(path: str | Path, field: str) -> Path | HubDataset:
+    """A local data file or saved dataset directory (`_resolve`), or the Hugging Face dataset id `path` spells when
+    no such local path exists (a local path always wins)."""
+    text = str(path)
+    if not text.startswith(BUILTIN_PREFIX) and not Path(text).expanduser().exists():
+        spec = parse_dataset_id(text)
+        if spec is not None:
+            return spec
+    return _resolve(path, field)
+
+
 def _dataset(resolved: Path) -> Any:
     """The `datasets.Dataset` of a resolved file or directory (a `DatasetDict` directory: its train split)."""
     if resolved.is_dir():
@@ -44,16 +57,21 @@ def _dataset(resolved: Path) -> Any:
     return _read(BUILDERS[resolved.suffix.lower()], resolved)
 
 
-def read_rows(path: str | Path, *, field: str = "data.path") -> tuple[Path, list[tuple[str, dict]]]:
-    """(resolved path, [(location, row)]) of a data file or saved dataset, rows in order, every column kept.
+def read_rows(path: str | Path, *, field: str = "data.path") -> tuple[Path | str, list[tuple[str, dict]]]:
+    """(resolved path, [(location, row)]) of a data file, saved dataset or Hugging Face dataset id, rows in order,
+    every column kept. For an id the "path" is the id with its split (``openai/gsm8k:main:train``; a string).
 
     Locations are "<file> line N" for jsonl (blank lines are skipped and not counted as rows) and
     "<file> row N" otherwise.
 
     Raises:
-        DataError: one line naming `field` or the file: not found, unsupported type, unreadable content.
+        DataError: one line naming `field` or the file: not found, unsupported type, unreadable content; for an id
+            what `astrai.data.hub.load_hub_dataset` raises (not cached offline, no such config or split, ...).
     """
-    resolved = _resolve(path, field)
+    resolved = _source(path, field)
+    if isinstance(resolved, HubDataset):
+        label, dataset = load_hub_dataset(resolved, field=field)
+        return label, [(f"{label} row {i}", row) for i, row in enumerate(dataset.to_list(), start=1)]
     if resolved.is_file() and resolved.suffix.lower() == ".jsonl":
         return resolved, list(jsonl_objects(resolved))
     rows = _dataset(resolved).to_list()
@@ -61,10 +79,11 @@ def read_rows(path: str | Path, *, field: str = "data.path") -> tuple[Path, list
 
 
 def load_records(path: str | Path, fields: Mapping[str, str], *, optional: Mapping[str, str] = {}) -> list[dict]:
-    """Rows of a local data file as dicts holding the requested fields.
+    """Rows of a local data file or Hugging Face dataset as dicts holding the requested fields.
 
     Args:
-        path: a .jsonl / .json / .parquet / .csv file, a `save_to_disk` directory, or ``builtin:<name>``.
+        path: a .jsonl / .json / .parquet / .csv file, a `save_to_disk` directory, ``builtin:<name>``, or a
+            dataset id ``org/name[@revision][:config[:split]]`` (split default: its only one, else ``train``).
         fields: config key -> field name that every row must hold non-null (e.g.
             ``{"data.messages_field": "messages"}``).
         optional: config key -> field name kept when the file has that column (rows may hold null).
@@ -74,10 +93,14 @@ def load_records(path: str | Path, fields: Mapping[str, str], *, optional: Mappi
 
     Raises:
         DataError: file not found / unsupported suffix / unreadable or malformed content / no rows / a missing
-            column or a null value in a required field (naming the config key and 1-based row).
+            column or a null value in a required field (naming the config key and 1-based row); a dataset id not
+            cached offline or not loadable (`astrai.data.hub.load_hub_dataset`).
     """
-    resolved = _resolve(path, "data.path")
-    dataset = _dataset(resolved)
+    resolved = _source(path, "data.path")
+    if isinstance(resolved, HubDataset):
+        resolved, dataset = load_hub_dataset(resolved, field="data.path")
+    else:
+        dataset = _dataset(resolved)
     present = list(dataset.column_names)
     for key, name in fields.items():
         if name not in present:
@@ -110,6 +133,10 @@ def _read(builder: str, path: Path) -> Any:
 
     if path.suffix.lower() == ".jsonl" and sum(1 for _ in jsonl_objects(path)) == 0:  # every line parsed
         raise DataError(f"{path}: no records (the file is empty or holds only blank lines)")
+    if path.suffix.lower() == ".json":  # a lone surrogate, which datasets would silently replace
+        from astrai.data.files import check_json_text
+
+        check_json_text(path)
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()

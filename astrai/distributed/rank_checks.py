@@ -53,13 +53,29 @@ def check_ranks_agree(dist, output_dir: Path, config_hash: str) -> list[dict]:
         per rank, in rank order: {"rank", "host", "pid", "version", "config", "world_size", "sees_output_dir"}.
     Raises:
         RanksDisagree: one line, the same on every rank, naming the first rank that differs from rank 0 and its host.
+        OutputWriteError: on every rank (`agreed`), when rank 0 cannot write the token file (a full disk, a read-only
+            filesystem: one line naming it).
     """
     token = None
     if dist.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
         token = uuid.uuid4().hex
-        (output_dir / f"{TOKEN_PREFIX}{token}").write_text(token, encoding="utf-8")
+        path = output_dir / f"{TOKEN_PREFIX}{token}"
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(token, encoding="utf-8")
+        except OSError as err:
+            from astrai.outputs import cannot_write
+
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+            token = {"cannot_write": cannot_write(path, err)}  # carried to every rank by the broadcast
     token = dist.broadcast_object(token)
+    if isinstance(token, dict):
+        from astrai.outputs import OutputWriteError
+
+        raise OutputWriteError.carried(token["cannot_write"])
     dist.barrier()
     path = output_dir / f"{TOKEN_PREFIX}{token}"
     try:

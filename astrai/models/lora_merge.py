@@ -82,9 +82,10 @@ def merge_adapter(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.
 def load_merged(path: str | Path, load_base: Callable[..., tuple[Any, Any]], *, dtype: torch.dtype = torch.float32,
                 device: Any = "cpu", base: str | None = None):
     """(AutoRegressiveLM, Tokenizer) of an adapter directory: the base model (`base`, else the config's
-    ``base_model_name_or_path``: a model name, Hugging Face directory or .gguf file, loaded by
-    `load_base(name, dtype=, device=)`: `astrai.models.loading.load_pretrained`) with the adapter merged in; the
-    tokenizer of the directory when it holds one, else the base's.
+    ``base_model_name_or_path``: a model name, Hugging Face directory, .gguf file or Hub id, at the config's
+    ``revision`` when it records one (PEFT's field; not for an overriding `base`), loaded by
+    `load_base(name, dtype=, device=[, revision=])`: `astrai.models.loading.load_pretrained`) with the adapter merged
+    in; the tokenizer of the directory when it holds one, else the base's.
 
     Raises:
         FileNotFoundError / ValueError: a missing adapter file or base model, or an adapter that does not fit it.
@@ -96,7 +97,9 @@ def load_merged(path: str | Path, load_base: Callable[..., tuple[Any, Any]], *, 
     base_path = base or config.get("base_model_name_or_path")
     if not base_path:
         raise ValueError(f"{path / 'adapter_config.json'}: no base_model_name_or_path; name the base model")
-    model, tokenizer = load_base(base_path, dtype=dtype, device=device)
+    revision = None if base else config.get("revision")
+    model, tokenizer = load_base(base_path, dtype=dtype, device=device,
+                                 **({"revision": revision} if revision else {}))
     adapter = load_file(str(path / "adapter_model.safetensors"))
     merged = merge_adapter(model.state_dict(), adapter, scaling=adapter_scaling(config))
     model.load_state_dict(merged, strict=True)

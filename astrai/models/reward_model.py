@@ -22,6 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .llama import AutoRegressiveLM, LlamaTrunk
+from .hub import download_model, is_hub_id
 from .loading import _read_hf_dir, state_mismatch
 from .tokenizer import Tokenizer
 
@@ -90,13 +91,18 @@ class RewardModel(nn.Module):
 def load_reward_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                       device: Any = "cpu") -> tuple[RewardModel, Tokenizer]:
     """A `...ForSequenceClassification` checkpoint directory (config.json, safetensors with `model.*` and
-    `score.weight`, tokenizer files) as a `RewardModel` in eval mode, and its tokenizer.
+    `score.weight`, tokenizer files), or a Hugging Face Hub id of one (`org/name`, not a local path: from the cache
+    or downloaded, `astrai.models.hub.download_model`), as a `RewardModel` in eval mode, and its tokenizer.
 
     Raises:
-        FileNotFoundError: no such directory. ValueError: one line naming the path for a config astrai does not
-            support, a head that is not one label (`score.weight` of shape (1, H)), or missing/unexpected tensors.
+        FileNotFoundError: no such directory; `astrai.models.hub.HubError` for a Hub id neither cached nor
+            downloadable (naming the id and the cache). ValueError: one line naming the path for a config astrai
+            does not support (or one needing trust_remote_code), a head that is not one label (`score.weight` of
+            shape (1, H)), or missing/unexpected tensors.
     """
     path = Path(path)
+    if not path.exists() and is_hub_id(str(path)):
+        path = download_model(str(path), what="reward.model_path")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"reward.model_path: {path} is not a model directory (no config.json)")
     config, state, tokenizer = _read_hf_dir(path)

@@ -2,8 +2,9 @@
 
 DIR is a published checkpoint (`outputs/ppo/checkpoints/step-00000004`), a run's output directory (its newest
 complete checkpoint is served), or anything `astrai.models.load_pretrained` reads (a Hugging Face-format model
-directory, a `.gguf` file, a model alias). Bad arguments or an unloadable checkpoint exit with code 2 and a
-one-line error.
+directory, a `.gguf` file, a model alias, a Hugging Face Hub id such as `Qwen/Qwen2.5-0.5B-Instruct` at
+`--revision`, from the cache or downloaded). Bad arguments or an unloadable checkpoint (an id offline and not
+cached included) exit with code 2 and a one-line error.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                             "/v1/models, /health) over astrai's paged engine, batching "
                                             "continuously (requests join and leave between decode steps).")
     p.add_argument("--checkpoint", required=True,
-                   help="checkpoint directory, run output directory (newest checkpoint), HF model dir, .gguf or "
-                        "a model alias (smollm2-135m-instruct, gemma3-270m)")
+                   help="checkpoint directory, run output directory (newest checkpoint), HF model dir, .gguf, "
+                        "a model alias (smollm2-135m-instruct, gemma3-270m) or a Hugging Face Hub id (org/name)")
+    p.add_argument("--revision", default=None,
+                   help="the Hub id's branch, tag or commit hash (default: main), as vLLM's --revision")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--served_model_name", default=None,
@@ -101,7 +104,8 @@ def build_engine(args: argparse.Namespace):
         raise ValueError(f"--device {args.device}: CUDA is not available")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     path = resolve_checkpoint(args.checkpoint)
-    model, tokenizer = load_pretrained(str(path), dtype=getattr(torch, dtype_name), device=device)
+    model, tokenizer = load_pretrained(str(path), dtype=getattr(torch, dtype_name), device=device,
+                                       revision=args.revision)
     if tokenizer.pad_token_id is None:
         raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
     engine = build_engine(args.engine, model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
@@ -113,7 +117,8 @@ def build_engine(args: argparse.Namespace):
                          "one generates whole batches only")
     given = str(args.checkpoint)
     name = given if args.served_model_name is None else args.served_model_name
-    aliases = () if args.served_model_name is not None else (str(path), path.name, str(path.resolve()))
+    local = path.exists()  # a Hub id has no resolved path or folder name to be asked by
+    aliases = () if args.served_model_name is not None or not local else (str(path), path.name, str(path.resolve()))
     return engine, tokenizer, name, aliases
 
 

@@ -1,14 +1,17 @@
 """online_grpo: GRPO on groups sampled by the colocated engine (learner: `trainer/learners/online_grpo.py`).
 
 Its rules, shared with offline `grpo`: the `grpo` minibatch sizes divide the rollout, and the reference KL goes
-in the loss (`grpo.kl_coef`) or in the reward (`grpo.kl_reward_coef`), not both.
+in the loss (`grpo.kl_coef`) or in the reward (`grpo.kl_reward_coef`), not both. On-policy distillation
+(`distill.teacher`, online_grpo only: the config refuses it for offline grpo) goes with an estimator that reads the
+teacher (`grpo.advantage_estimator: on_policy_distill`) and with neither reference-KL term.
 """
 
 from __future__ import annotations
 
 from astrai.algos import registry
 from astrai.config_schema import ConfigError
-from astrai.train_types.spec import TrainType, check_policy_loss, check_rollout_minibatches, rollout_step_sizes
+from astrai.train_types.spec import (TrainType, check_policy_loss, check_rollout_minibatches, check_teacher,
+                                     rollout_step_sizes)
 
 
 def check_grpo(config) -> None:
@@ -18,6 +21,16 @@ def check_grpo(config) -> None:
     if config.grpo.kl_coef > 0 and config.grpo.kl_reward_coef > 0:
         raise ConfigError("grpo.kl_reward_coef: KL in the reward and KL in the loss (grpo.kl_coef) are mutually "
                           "exclusive; set one of them to 0")
+    estimator = config.grpo.advantage_estimator
+    reads_teacher = registry.ESTIMATORS[estimator].needs_teacher
+    if reads_teacher and not config.distill.teacher:
+        raise ConfigError(f"grpo.advantage_estimator: {estimator} scores the samples with a teacher's log-probs; "
+                          f"name the teacher in distill.teacher (online_grpo; a model with the student's tokenizer)")
+    if config.distill.teacher and not reads_teacher:
+        choices = ", ".join(registry.teacher_estimators())
+        raise ConfigError(f"distill.teacher: set, but grpo.advantage_estimator {estimator} does not read a teacher; "
+                          f"set grpo.advantage_estimator to {choices} (or distill.teacher to null)")
+    check_teacher(config, "grpo", ("kl_coef", "kl_reward_coef"))
 
 
 GRPO_SCALARS = {"std_eps": "eps", "std_floor": "std_floor", "scale_rewards": "scale", "gamma": "gamma"}
@@ -51,4 +64,5 @@ TRAIN_TYPE = TrainType(
     step_sizes=grpo_step_sizes,
     check=check_grpo,
     unread=grpo_unread,
+    distills=True,
 )

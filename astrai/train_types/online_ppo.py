@@ -1,9 +1,10 @@
 """online_ppo: PPO with a learned critic on freshly sampled rollouts (learner: `trainer/learners/online_ppo.py`).
 
-Its own rules: the `ppo` minibatch sizes divide the rollout; the critic (`ppo.critic_layers` decoder layers, all
-of the policy's by default) fits the loaded model; each checkpoint records the critic's size in its manifest and
-resumes only into a job that builds the same critic; checkpoints from before parts were recorded must hold the
-critic extras.
+Its own rules: the `ppo` minibatch sizes divide the rollout; with `distill.teacher` (on-policy distillation: the
+teacher's log-prob gap is the per-token reward) `ppo.kl_coef` is 0; the critic (`ppo.critic_layers` decoder
+layers, all of the policy's by default) fits the loaded model; each checkpoint records the critic's size in its
+manifest and resumes only into a job that builds the same critic; checkpoints from before parts were recorded must
+hold the critic extras.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from astrai.config_schema import ConfigError
-from astrai.train_types.spec import TrainType, check_policy_loss, check_rollout_minibatches, rollout_step_sizes
+from astrai.train_types.spec import (TrainType, check_policy_loss, check_rollout_minibatches, check_teacher,
+                                     rollout_step_sizes)
 
 
 def _check(config) -> None:
     check_rollout_minibatches(config, "ppo", "group_size")
     check_policy_loss(config, "ppo")
+    check_teacher(config, "ppo", ("kl_coef",))
 
 
 def _check_model(config, model_config) -> None:
@@ -65,4 +68,5 @@ TRAIN_TYPE = TrainType(
     manifest_fields=critic_fields,
     resume_problem=critic_mismatch,
     legacy_required_files=("value_model.pt", "value_optimizer.pt"),
+    distills=True,
 )

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from astrai.config_schema import ConfigError, check_divides
 
-__all__ = ["TrainType", "check_policy_loss", "check_rollout_minibatches", "rollout_step_sizes",
+__all__ = ["TrainType", "check_policy_loss", "check_rollout_minibatches", "check_teacher", "rollout_step_sizes",
            "supervised_step_sizes"]
 
 
@@ -78,6 +78,28 @@ def check_policy_loss(config, section: str) -> None:
                           f"{s.policy_loss!r}; set clip_ratio_c to null")
 
 
+def check_teacher(config, section: str, kl_fields: tuple[str, ...]) -> None:
+    """The rules of on-policy distillation shared by the train types that distill (`TrainType.distills`): the
+    teacher takes the reference model's place (its log-probs are scored where the reference's would be), so a
+    reference-KL term of `section` (each of `kl_fields` > 0) is refused together with `distill.teacher`; and so is
+    `rollout.dynamic_sampling`, which drops a group whose rewards are all equal as one without signal, while the
+    teacher gives every sampled token its own.
+
+    Raises:
+        ConfigError: one line naming the field.
+    """
+    if not config.distill.teacher:
+        return
+    if config.rollout.dynamic_sampling:
+        raise ConfigError("rollout.dynamic_sampling: drops groups whose rewards are all equal as carrying no signal, "
+                          "but with distill.teacher every sampled token carries the teacher's; set it to false")
+    for name in kl_fields:
+        if getattr(getattr(config, section), name) > 0:
+            raise ConfigError(f"{section}.{name}: a reference-KL term is set together with distill.teacher; the "
+                              f"teacher replaces the reference model (its per-token log-prob gap is the signal), "
+                              f"so set {section}.{name} to 0")
+
+
 def _resolve(reference: str) -> Callable:
     """The function named by `reference` ("package.module:function"), imported now."""
     module, _, name = reference.partition(":")
@@ -114,6 +136,9 @@ class TrainType:
             must hold to resume.
         packs: its data step packs several examples into each `data.max_length` row when `data.packing` is set
             (so what it counts are rows, not examples).
+        distills: it learns from a teacher's log-probs of its sampled tokens when `distill.teacher` is set
+            (on-policy distillation; its `check` holds the rules, e.g. `check_teacher`); other train types refuse
+            `distill.teacher`.
         renders: what of its data becomes model input through a tokenizer (`astrai.data.prompt_format`):
             "prompts" (rendered as `data.chat_template` says: the template or raw text), "chats" (always the chat
             template: sft) or "text" (raw documents, never a template: seq).
@@ -136,6 +161,7 @@ class TrainType:
     legacy_required_files: tuple[str, ...] = ()
     packs: bool = False
     renders: str = "prompts"
+    distills: bool = False
 
     def build(self, config, dist, policy, tokenizer):
         """The learner of this train type for a validated job (the `builder`, imported now)."""

@@ -16,7 +16,7 @@ import torch
 
 from astrai import train_types
 from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_checkpoint, recover
-from astrai.checkpoint.fsutil import nearest_existing
+from astrai.checkpoint.fsutil import nearest_existing, write_atomic
 from astrai.config import Config, config_to_dict, dump_config
 from astrai.data.limits import check_model_limits
 from astrai.data.prompt_format import check_job_prompt_format
@@ -24,6 +24,7 @@ from astrai.distributed import run_device, setup_distributed
 from astrai.distributed.launch import check_step_sizes, resolve_launch
 from astrai.distributed.rank_checks import check_ranks_agree
 from astrai.models import load_pretrained
+from astrai.outputs import OutputWriteError
 from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, MetricsLogger, ProgressBar,
                                       StepTimer)
@@ -36,7 +37,7 @@ from astrai.trainer.lora import lora_summary
 from astrai.trainer.lock import OutputDirLock, OutputDirLocked
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
-from astrai.trainer.models import apply_model_options
+from astrai.trainer.models import apply_model_options, load_teacher
 from astrai.trainer.resume import check_resume, restore
 from astrai.trainer.resume_changes import ConfiguredSchedule, config_changes
 from astrai.trainer.resume_changes import describe as describe_changes
@@ -148,18 +149,21 @@ def _quiet(message: str) -> None:
 
 
 def _lock_output_dir(output_dir: Path, dist) -> OutputDirLock:
-    """Rank 0 takes the output directory's lock; every rank raises `OutputDirLocked` when it is held elsewhere."""
+    """Rank 0 takes the output directory's lock; every rank raises `OutputDirLocked` when it is held elsewhere, and
+    `OutputWriteError` when rank 0 cannot write the lock file (a full disk, a read-only filesystem)."""
     lock = OutputDirLock(output_dir)
     refused, note = None, None
     if dist.is_main:
         try:
             note = lock.acquire(None)
-        except OutputDirLocked as err:
-            refused = str(err)
+        except (OutputDirLocked, OutputWriteError) as err:
+            refused = (type(err) is OutputWriteError, str(err))
     refused = dist.broadcast_object(refused)
     if refused is not None:
         lock.release()
-        raise OutputDirLocked(refused)
+        if refused[0]:
+            raise OutputWriteError.carried(refused[1])
+        raise OutputDirLocked(refused[1])
     if note is not None:
         print(note)
     return lock
@@ -176,7 +180,8 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
     if resume_from is not None:  # refused before anything loads (restore() checks again, with sha256 if asked)
         check_resume(resume_from, config=config, world_size=dist.world_size, strategy=dist.strategy)
     engine_factory(config.rollout.engine)  # an unknown rollout.engine, before the model loads
-    policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
+    policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
+                                        revision=config.model.revision)
     check_model_limits(config, policy.config, tokenizer)
     check_job_prompt_format(config, tokenizer, say=print if dist.is_main else _quiet)  # data.chat_template
     policy.train()
@@ -198,13 +203,31 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
         changes = describe_changes(config_changes(resume_from, config), resume_from, trainer.state.global_step)
     trainer.callbacks = _callbacks(config, dist, output_dir, trainer, tokenizer, config_text, reporters, run_id,
                                    resume_from, spec.manifest_fields(config, policy.config))
-    if dist.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(config_text)
-    record_run(output_dir, run_id, resume_from=resume_from, resume=config.checkpoint.resume, dist=dist)
+    _write_run_files(config, dist, output_dir, config_text, run_id, resume_from)
     if dist.is_main:
         _say_start(config, trainer, resume_from, resized, changes)
     return trainer
+
+
+def _write_run_files(config: Config, dist, output_dir: Path, config_text: str, run_id: str,
+                     resume_from: Optional[Path]) -> None:
+    """Rank 0 writes `<output_dir>/config.yaml` (atomically) and run.json (`runs.record_run`); when either cannot be
+    written, every rank raises the same `OutputWriteError` (one broadcast), and no torn file is left."""
+    line = None
+    if dist.is_main:
+        path = output_dir / "config.yaml"
+        try:
+            try:
+                output_dir.mkdir(parents=True, exist_ok=True)
+                write_atomic(path, config_text)
+            except OSError as err:
+                raise OutputWriteError.of(path, err) from None
+            record_run(output_dir, run_id, resume_from=resume_from, resume=config.checkpoint.resume, dist=dist)
+        except OutputWriteError as err:
+            line = str(err)
+    line = dist.broadcast_object(line)
+    if line is not None:
+        raise OutputWriteError.carried(line)
 
 
 def _callbacks(config: Config, dist, output_dir: Path, trainer: Trainer, tokenizer, config_text: str, reporters,
@@ -282,7 +305,8 @@ def check_job(config: Config, *, world_size: int) -> str:
     or an optimizer, in this one process: the launch mode (`distributed.strategy` against the accelerate launch
     environment in `os.environ`) and its precision, DeepSpeed step sizes for `world_size` ranks, `train.report_to`,
     the output directory (not locked by another job) and `checkpoint.resume` (read only: nothing is written),
-    `runtime.device`, the model (loaded on CPU) and its length and vocabulary limits, how prompts are rendered
+    `runtime.device`, the model (loaded on CPU) and its length and vocabulary limits, the teacher of
+    `distill.teacher` (loaded on CPU, its tokenizer the student's: `models.load_teacher`), how prompts are rendered
     (`data.chat_template` against the tokenizer, `prompt_format.check_job_prompt_format`: the raw-text line is said
     here too), the data as the train type will train on it, for online train types the rollout engine's settings on
     the run's device (`rollout.engine`, dtype, attention backend, CUDA graphs) and the reward functions (imported and
@@ -307,9 +331,12 @@ def check_job(config: Config, *, world_size: int) -> str:
     device = run_device(config.runtime.device)  # CUDA asked for where there is none
     engine_factory(config.rollout.engine)  # an unknown rollout.engine, before the model loads
     spec = train_types.get(config.train.type)
-    policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype])
+    policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
+                                        revision=config.model.revision)
     check_model_limits(config, policy.config, tokenizer)
     check_job_prompt_format(config, tokenizer)  # data.chat_template against the tokenizer, said once
+    if config.distill.teacher:  # loads, and shares the student's tokenizer
+        load_teacher(config, tokenizer)
     data = spec.load_data(config, policy.config, tokenizer, main=True)
     if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
         check_rollout_engine(config, policy.config, device)

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from astrai.outputs import OutputWriteError, skipped_lines
 from astrai.trainer.loop import Callback
 
 CONSOLE_KEYS = (
@@ -86,8 +87,13 @@ class JsonlFile:
 
     `open()` prepares what an earlier run left there: a fresh run (`resume_step` None) keeps an existing file under a
     timestamped name (`<stem>.<YYYYmmdd-HHMMSS>.jsonl`, never overwritten); a resumed run drops the records of steps
-    after the resumed checkpoint (they are about to be redone) and torn (crash-truncated) lines, rewriting the file
-    atomically. The file is then opened in append mode, line-buffered; `flush()` fsyncs it.
+    after the resumed checkpoint (they are about to be redone) and torn (crash-truncated) lines, said once, rewriting
+    the file atomically. The file is then opened for appending; each record is one line written whole (`os.write`
+    until all of it is written); `flush()` fsyncs it.
+
+    A write that fails (a full disk, a file-size limit, a read-only filesystem) cuts the file back to its last whole
+    record, so no reader meets a torn line, and raises `OutputWriteError` (one line naming the file and the cause);
+    the file then takes no more records.
 
     Args:
         path: the file (`<output_dir>/metrics.jsonl` ...); its parent is created on `open()`.
@@ -98,19 +104,30 @@ class JsonlFile:
     def __init__(self, path: str | os.PathLike, *, resume_step: Optional[int] = None,
                  printer: Callable[[str], None] = tqdm.write):
         self.path, self.resume_step, self.printer = Path(path), resume_step, printer
-        self._file = None
+        self._fd: Optional[int] = None
+        self._size = 0  # bytes of whole records in the file
+        self._failed = False
 
     @property
     def is_open(self) -> bool:
         """Whether `open()` was called and `close()` not yet."""
-        return self._file is not None
+        return self._fd is not None
 
     def open(self) -> None:
-        """Prepare an existing file (see the class docstring) and open it for appending."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            self._prepare_existing()
-        self._file = open(self.path, "a", encoding="utf-8", buffering=1)
+        """Prepare an existing file (see the class docstring) and open it for appending.
+
+        Raises:
+            OutputWriteError: the directory, the kept or rewritten file, or the file itself cannot be written.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                self._prepare_existing()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._size = os.fstat(self._fd).st_size
+        except OSError as err:
+            raise OutputWriteError.of(self.path, err) from None
+        self._failed = False
 
     def _prepare_existing(self) -> None:
         """Keep (fresh run) or cut back to the resumed step (resumed run) the file an earlier run left."""
@@ -123,41 +140,80 @@ class JsonlFile:
             os.replace(self.path, kept)
             self.printer(f"kept the previous run's {self.path.stem} as {kept}")
             return
-        lines = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                 if _record_step(line) is not None and _record_step(line) <= self.resume_step]
+        raw = self.path.read_bytes().split(b"\n")
+        steps = [(number, line, _record_step(line)) for number, line in enumerate(raw, start=1) if line.strip()]
+        bad = [number for number, _, step in steps if step is None]
+        if bad:
+            self.printer(skipped_lines(self.path, bad, last=steps[-1][0]))
+        lines = [line for _, line, step in steps if step is not None and step <= self.resume_step]
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_bytes(b"".join(line + b"\n" for line in lines))
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def write(self, record: dict) -> None:
-        """Append one record (one line)."""
-        self._file.write(json.dumps(record) + "\n")
+        """Append one record (one line, written whole). A file whose write failed takes no more (no-op).
+
+        Raises:
+            OutputWriteError: the write failed; the file was cut back to its last whole record.
+        """
+        if self._fd is None or self._failed:
+            return
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        data = memoryview(line)
+        try:
+            while data:  # a short write (the disk filling up) is followed by one that says why
+                data = data[os.write(self._fd, data):]
+        except OSError as err:
+            self._failed = True
+            try:  # drop the part of the record that was written (shrinking needs no space)
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                pass  # the readers skip a torn last line
+            raise OutputWriteError.of(self.path, err) from None
+        self._size += len(line)
 
     def flush(self) -> None:
-        """Flush and fsync the file (no-op when it is not open)."""
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        """fsync the file (no-op when it is not open, or after a failed write).
+
+        Raises:
+            OutputWriteError: the filesystem refused it (a network filesystem says a full disk here).
+        """
+        if self._fd is not None and not self._failed:
+            try:
+                os.fsync(self._fd)
+            except OSError as err:
+                self._failed = True
+                raise OutputWriteError.of(self.path, err) from None
 
     def close(self) -> None:
-        """Flush, fsync and close the file (no-op when it is not open)."""
-        if self._file is not None:
-            self.flush()
-            self._file.close()
-            self._file = None
+        """fsync and close the file (no-op when it is not open).
+
+        Raises:
+            OutputWriteError: the final fsync failed (the file is closed all the same).
+        """
+        if self._fd is not None:
+            try:
+                self.flush()
+            finally:
+                fd, self._fd = self._fd, None
+                os.close(fd)
 
     def abort(self) -> None:
         """The run failed: close what was written, as `close`; a full disk may refuse it: nothing more to do then."""
         try:
             self.close()
-        except OSError:
-            self._file = None
+        except (OSError, OutputWriteError):
+            self._fd = None
 
 
-def _record_step(line: str) -> Optional[int]:
-    """The "step" of one jsonl line; None for a blank or torn (crash-truncated) line."""
+def _record_step(line: bytes) -> Optional[int]:
+    """The "step" of one jsonl line; None for a blank, torn (crash-truncated) or undecodable line."""
     try:
-        return int(json.loads(line)["step"])
+        return int(json.loads(line.decode("utf-8"))["step"])
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -318,7 +374,9 @@ class CheckpointCallback(Callback):
 
     Args:
         save: called with the trainer; does the publishing (`astrai.checkpoint`).
-        before_save: called first (e.g. `MetricsLogger.flush`), so metrics never lag behind a checkpoint.
+        before_save: called first (e.g. `MetricsLogger.flush`), so metrics never lag behind a checkpoint: when it,
+            or an earlier callback of the step, could not write its file, every rank stops before the publish
+            (`Trainer.agree_faults`).
         saved_step: the step of the checkpoint the run resumed from (-1: none), so a run that trains no further
             step does not publish it again.
     """
@@ -330,7 +388,11 @@ class CheckpointCallback(Callback):
         self._last_saved = saved_step
 
     def _publish(self, trainer) -> None:
-        self.before_save()
+        try:
+            self.before_save()
+        except OutputWriteError as err:  # the logs cannot be flushed: no checkpoint gets ahead of them
+            trainer.keep_fault(err)
+        trainer.agree_faults()  # every rank stops here, before the publish, when a rank kept a write fault
         self.save(trainer)
         self._last_saved = trainer.state.global_step
         if trainer.boundary is not None:

@@ -50,6 +50,7 @@ from astrai.rewards.builtins import unscorable_warning
 from astrai.rollout.build import build_rollout_engine
 from astrai.rollout.engine import build_engine, sync_weights
 from astrai.trainer.faults import nonfinite_sampling
+from astrai.outputs import OutputWriteError
 from astrai.trainer.loop import Callback
 
 __all__ = ["EvaluationCallback", "build_evaluation"]
@@ -132,8 +133,14 @@ class EvaluationCallback(Callback):
             return
         folder = Path(self.output_dir) / "eval"
         if folder.is_dir() and any(folder.glob("step-*.jsonl")):
-            kept = folder.with_name(f"eval.{time.strftime('%Y%m%d-%H%M%S')}")
-            folder.rename(kept)
+            stamp = time.strftime('%Y%m%d-%H%M%S')
+            kept, count = folder.with_name(f"eval.{stamp}"), 1
+            while kept.exists():  # two fresh starts within a second
+                kept, count = folder.with_name(f"eval.{stamp}-{count}"), count + 1
+            try:
+                folder.rename(kept)
+            except OSError as err:
+                raise OutputWriteError.of(folder, err) from None
             self.printer(f"kept the previous run's evaluation answers in {kept}")
 
     def before_first_step(self, trainer, metrics) -> None:
@@ -220,14 +227,22 @@ class EvaluationCallback(Callback):
 
     def write_examples(self, step: int, examples: list[dict]) -> None:
         """Gather every rank's per-question results and write them, in question order, to
-        `output_dir/eval/step-<step>.jsonl` on the main process (`fsutil.write_atomic`)."""
+        `output_dir/eval/step-<step>.jsonl` on the main process (`fsutil.write_atomic`: a reader sees no file or
+        the whole of it).
+
+        Raises:
+            OutputWriteError: on the main process, the file cannot be written (nothing of it is left).
+        """
         gathered = [ex for part in self.dist.gather_objects(examples) for ex in part]
         if not self.dist.is_main:
             return
         path = Path(self.output_dir) / "eval" / f"step-{step:08d}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, "".join(json.dumps(ex, ensure_ascii=False) + "\n"
-                                   for ex in sorted(gathered, key=lambda ex: ex["index"])))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, "".join(json.dumps(ex, ensure_ascii=False) + "\n"
+                                       for ex in sorted(gathered, key=lambda ex: ex["index"])))
+        except OSError as err:
+            raise OutputWriteError.of(path, err) from None
 
 
 def build_evaluation(config, dist, learner, tokenizer) -> Optional[EvaluationCallback]:

@@ -9,8 +9,9 @@ is already set): a save in progress finishes; SIGKILL still kills at once, and t
 previous checkpoint visible (`astrai.checkpoint.publish`).
 
 Exit codes (docs/launch.md): 0 done; 1 an unexpected error (a traceback); `EXIT_REFUSED` (2) the job cannot go on
-as configured: bad input, no space for a checkpoint, `train.output_dir` locked by another job, ranks that disagree,
-non-finite training; `EXIT_PREEMPTED` (75, sysexits' EX_TEMPFAIL: "try again later") stopped by a signal after
+as configured: bad input, no space for a checkpoint, a file the job writes that cannot be written (a full disk for
+metrics.jsonl: `OutputWriteError`), `train.output_dir` locked by another job, ranks that disagree, non-finite
+training; `EXIT_PREEMPTED` (75, sysexits' EX_TEMPFAIL: "try again later") stopped by a signal after
 publishing a checkpoint, resume to continue; `EXIT_TIMEOUT` (124, as coreutils' `timeout`) a rank stopped answering
 within `distributed.timeout_seconds`.
 """
@@ -25,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from astrai.outputs import OutputWriteError  # noqa: F401 - a file the job writes cannot be written (exit code 2)
+
 EXIT_REFUSED = 2
 EXIT_PREEMPTED = 75
 EXIT_TIMEOUT = 124
@@ -32,9 +35,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class JobFault(RuntimeError):
-    """A fault the job stops for with one line and `exit_code` (every rank raises it; rank 0 prints it)."""
+    """A fault the job stops for with one line and `exit_code` (every rank raises it; rank 0 prints it).
+
+    `agreed` is True on an instance every rank raised at the same point (after a collective that carried it), so
+    every rank ends now and none waits for another in a collective (the launch scripts then take the job's code
+    without the launcher's failure report: `astrai.train`). `OutputWriteError` (`astrai.outputs`, torch-free so
+    that every layer can raise it) is the same kind of fault for a file the job writes."""
 
     exit_code = 1
+    agreed = False
 
 
 class NonFiniteError(JobFault):

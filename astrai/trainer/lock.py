@@ -81,21 +81,38 @@ class OutputDirLock:
             None, or one line about the previous holder when it ended without releasing the lock (killed, crashed).
         Raises:
             OutputDirLocked: another process holds it (naming the holder; saying when its pid is gone from this host).
+            OutputWriteError: the directory or the lock file cannot be created or written (a full disk, a read-only
+                filesystem: one line naming the file); nothing is held then, and no torn record is left.
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        key = str(self.path.resolve())
-        if key in _HELD:  # this process holds it already: take it over
-            fd, _ = _HELD[key]
-            self.previous = {}
-        else:
-            fd = self._lock_file()
-            self.previous = _read(self.path)
+        from astrai.outputs import OutputWriteError
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            key = str(self.path.resolve())
+            if key in _HELD:  # this process holds it already: take it over
+                fd, _ = _HELD[key]
+                self.previous = {}
+            else:
+                fd = self._lock_file()
+                self.previous = _read(self.path)
+        except OSError as err:
+            raise OutputWriteError.of(self.path, err) from None
         _HELD[key] = (fd, self)
         self._fd = fd
         record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id, "started": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            data, written = (json.dumps(record) + "\n").encode(), 0
+            while written < len(data):  # after a short write the next one says why (ENOSPC, EFBIG ...)
+                written += os.pwrite(fd, data[written:], written)
+            os.fsync(fd)
+        except OSError as err:
+            try:
+                os.ftruncate(fd, 0)  # no torn record for the next job to read
+            except OSError:
+                pass
+            self.release()
+            raise OutputWriteError.of(self.path, err) from None
         if self.previous.get("pid") is not None:
             return (f"train.lock: the previous job in {self.path.parent}, {_describe(self.previous)}, ended without "
                     "releasing its lock (killed or crashed); this job takes over")

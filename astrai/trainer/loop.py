@@ -25,6 +25,7 @@ import torch
 
 from astrai.checkpoint import Part
 from astrai.distributed import DistributedContext
+from astrai.outputs import OutputWriteError
 from astrai.trainer.faults import NonFiniteCounter, StepBoundary, poison_nonfinite
 from astrai.trainer.models import TrainedModel, moe_aux_loss
 
@@ -155,10 +156,50 @@ class Trainer:
         self.version_lock = threading.Lock()
         self.boundary = boundary
         self.nonfinite = NonFiniteCounter(max_nonfinite_steps)
+        self.fault: Optional[OutputWriteError] = None
 
     def _emit(self, hook: str, *args) -> None:
         for callback in self.callbacks:
-            getattr(callback, hook)(self, *args)
+            try:
+                getattr(callback, hook)(self, *args)
+            except OutputWriteError as err:  # a file of the main process (metrics.jsonl ...) cannot be written
+                self.keep_fault(err)
+
+    def keep_fault(self, err: OutputWriteError) -> None:
+        """A write fault this rank met (a callback's file cannot be written): raised at once in a one-process job
+        (and when already agreed); with several ranks kept, this rank's other callbacks run on (they may take part
+        in collectives, as a checkpoint publish does), and `agree_faults` raises it on every rank together."""
+        if err.agreed or self.dist.world_size == 1:
+            raise err
+        if self.fault is None:
+            self.fault = err
+
+    def agree_faults(self) -> None:
+        """Raise on every rank at once the write fault any rank kept (`keep_fault`): one all-reduce of a flag (no
+        collective with one process) and, when it is set, one gather of the line (prefixed "rank N: " by the other
+        ranks when N is not 0). `fit` calls it after the start-up hooks, after each step's callbacks and after the
+        end's; the checkpoint callback before it publishes (a checkpoint never gets ahead of its metrics)."""
+        fault, self.fault = self.fault, None
+        if self.dist.world_size > 1:
+            flag = torch.tensor([float(fault is not None)], device=self.dist.device)
+            if not self.dist.all_reduce_max(flag).item():
+                return
+            lines = self.dist.gather_objects(None if fault is None else str(fault))
+            rank, line = next((r, text) for r, text in enumerate(lines) if text is not None)
+            if fault is None:
+                fault = OutputWriteError(line if rank == 0 else f"rank {rank}: {line}")
+        if fault is not None:
+            fault.agreed = True  # every rank raises it here
+            raise fault
+
+    def _abort(self) -> None:
+        """`on_train_abort` of every callback (an exception ends the run; theirs are swallowed: the first is the one
+        to report)."""
+        for callback in self.callbacks:
+            try:
+                callback.on_train_abort(self)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
 
     def fit(self) -> TrainerState:
         """Run the loop to `max_steps`, or until a stop signal (`boundary`: agreed by every rank after a step, again
@@ -166,7 +207,8 @@ class Trainer:
         the boundary's time limit (`train.max_minutes`, counted from here);
         returns the final state (`stopped_by` names the signal, `out_of_time` says the time ran out). Callbacks
         receive each step's metrics averaged over ranks (`mean_over_ranks`), plus `policy_version` and
-        `train/skipped_steps`.
+        `train/skipped_steps`. A file a callback cannot write (`faults.OutputWriteError`: metrics.jsonl on a full
+        disk ...) stops every rank together, after that hook's callbacks (`agree_faults`).
         When an exception ends the loop, `on_train_abort` runs instead of `on_train_end` and it propagates."""
         try:
             self._emit("on_train_begin")
@@ -176,6 +218,7 @@ class Trainer:
                 if start:
                     start["policy_version"] = torch.tensor(self.state.policy_version)
                     self._emit("on_log", start)
+            self.agree_faults()  # a file the start-up wrote (metrics.jsonl, eval answers ...) stops every rank now
             if self.boundary is not None:
                 self.boundary.start()
             stop = self.boundary is not None and self.boundary.agree(self.dist, timed=False)[0]
@@ -188,6 +231,7 @@ class Trainer:
                 metrics["train/skipped_steps"] = torch.tensor(float(self.state.skipped_steps))
                 stop = self.boundary is not None and self.boundary.agree(self.dist)[0]
                 self._emit("on_step_end", metrics)
+                self.agree_faults()
                 if not stop and self.boundary is not None:  # a signal during the callbacks' work (an evaluation)
                     stop = self.boundary.agree(self.dist, timed=False)[0]  # stops now, not after one more step
             if stop and self.state.global_step < self.state.max_steps:
@@ -196,13 +240,14 @@ class Trainer:
                 else:
                     self.state.out_of_time = True
         except BaseException:
-            for callback in self.callbacks:
-                try:
-                    callback.on_train_abort(self)
-                except Exception:  # noqa: BLE001 - the original error is the one to report
-                    pass
+            self._abort()
             raise
-        self._emit("on_train_end")
+        try:
+            self._emit("on_train_end")
+            self.agree_faults()  # the logs closed (flushed) at the end, the final checkpoint's agreement
+        except BaseException:
+            self._abort()
+            raise
         return self.state
 
     def accumulate_and_step(self, trained: TrainedModel, micro_batches: Sequence[Any], loss_fn: LossFn, *,

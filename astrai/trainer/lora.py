@@ -39,7 +39,9 @@ HEADS = ("value_head", "score")
 @dataclasses.dataclass(frozen=True)
 class LoraSettings:
     """`model.lora`, resolved: rank `r`, `alpha` (default 2 r), `dropout`, `target_modules`, `use_rslora`, and the
-    base model's path (`model.path`, recorded in `adapter_config.json`)."""
+    base model's path (`model.path`, recorded in `adapter_config.json` as `base_model_name_or_path`: a Hub id stays
+    the id, which peft and astrai load from the Hub or its cache) and its Hub revision (`model.revision`, recorded
+    as PEFT's `revision`; None = main)."""
 
     r: int
     alpha: float
@@ -47,6 +49,7 @@ class LoraSettings:
     target_modules: tuple[str, ...]
     use_rslora: bool
     base_model: str
+    base_revision: Optional[str] = None
 
     @property
     def scaling(self) -> float:
@@ -60,7 +63,8 @@ class LoraSettings:
         d = peft.LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, bias="none",
                             target_modules=list(self.target_modules), use_rslora=self.use_rslora,
                             task_type=task_type, modules_to_save=modules_to_save,
-                            base_model_name_or_path=self.base_model, inference_mode=True).to_dict()
+                            base_model_name_or_path=self.base_model, revision=self.base_revision,
+                            inference_mode=True).to_dict()
         return {k: sorted(v) if isinstance(v, set) else v for k, v in d.items()}
 
 
@@ -79,7 +83,8 @@ def lora_settings(config) -> Optional[LoraSettings]:
         raise ConfigError(reason)
     return LoraSettings(r=lora.r, alpha=lora.alpha or 2.0 * lora.r, dropout=lora.dropout,
                         target_modules=tuple(lora.target_modules),
-                        use_rslora=lora.use_rslora, base_model=config.model.path)
+                        use_rslora=lora.use_rslora, base_model=config.model.path,
+                        base_revision=config.model.revision)
 
 
 def lora_summary(config, model: torch.nn.Module) -> str:

@@ -1,7 +1,8 @@
 """The models of a job as the trainer holds them: trained models (`astrai.distributed.sharding.TrainedModel`: a
 model with its optimizer and schedule under the run's data-parallel engine, the unit `Trainer.accumulate_and_step`
-steps) built from the config, frozen reference copies, and the model options applied before a learner is built
-(MoE).
+steps) built from the config, frozen reference copies, the frozen teacher of on-policy distillation
+(`distill.teacher`, checked to share the student's tokenizer), and the model options applied before a learner is
+built (MoE).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import torch
 
 from astrai.config import ConfigError
 from astrai.distributed.sharding import TrainedModel, prepare_reference, prepare_trained
+from astrai.models import load_pretrained
 from astrai.models.moe import collect_aux_loss, convert_to_moe
 from astrai.trainer.lora import AdaptersOff, LoraAdapters, lora_settings, shared_base_model
 from astrai.trainer.optim import build_optimizer, build_scheduler
 
-__all__ = ["TrainedModel", "apply_model_options", "build_trained_model", "frozen_copy", "moe_aux_loss",
-           "reference_model"]
+__all__ = ["TrainedModel", "apply_model_options", "build_trained_model", "frozen_copy", "load_teacher",
+           "moe_aux_loss", "reference_model", "teacher_model", "vocabulary_mismatch"]
 
 
 def build_trained_model(config, dist, model: torch.nn.Module, *, name: str,
@@ -72,6 +74,49 @@ def reference_model(dist, policy: torch.nn.Module, config=None) -> torch.nn.Modu
             return shared_base_model(policy)
         return AdaptersOff(policy)
     return prepare_reference(dist, frozen_copy(policy))
+
+
+def vocabulary_mismatch(student, teacher) -> Optional[str]:
+    """Why tokenizer `teacher` does not spell text as tokenizer `student` does (`astrai.models.Tokenizer`s), or None
+    when they share one vocabulary: the same size and the same token -> id map (added tokens included)."""
+    if student.vocab_size != teacher.vocab_size:
+        return f"its tokenizer has {teacher.vocab_size} tokens, the student's {student.vocab_size}"
+    ours, theirs = (t.backend.get_vocab(with_added_tokens=True) for t in (student, teacher))
+    if ours != theirs:
+        token = min((t for t in ours if theirs.get(t) != ours[t]), key=ours.get)
+        return f"token {token!r} is id {ours[token]} for the student, {theirs.get(token)} for the teacher"
+    return None
+
+
+def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The teacher of on-policy distillation: `distill.teacher` loaded as `model.path` is (`models.load_pretrained`,
+    `model.dtype`, on `device`), in eval mode with every parameter frozen, once it is checked to score the
+    student's token ids: its tokenizer equals the student's `tokenizer` (`vocabulary_mismatch`; cross-tokenizer
+    distillation is out of scope) and its embedding holds every id of it. Also what `--check` runs.
+
+    Raises:
+        ConfigError: one line naming `distill.teacher`, for another tokenizer or too small an embedding;
+            FileNotFoundError / ValueError from loading.
+    """
+    path = config.distill.teacher
+    teacher, teacher_tokenizer = load_pretrained(path, dtype=getattr(torch, config.model.dtype), device=device)
+    why = vocabulary_mismatch(tokenizer, teacher_tokenizer)
+    if why is not None:
+        raise ConfigError(f"distill.teacher: {path} does not share the student's tokenizer ({config.model.path}): "
+                          f"{why}; the teacher scores the student's token ids, so cross-tokenizer distillation is "
+                          f"not supported")
+    if teacher.config.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"distill.teacher: {path} has vocab_size={teacher.config.vocab_size} embedding rows for "
+                          f"a tokenizer of {tokenizer.vocab_size} tokens")
+    return teacher.eval().requires_grad_(False)
+
+
+def teacher_model(dist, config, tokenizer) -> torch.nn.Module:
+    """The frozen teacher of `distill.teacher` (`load_teacher`) prepared for inference like the reference model
+    (`astrai.distributed.sharding.prepare_reference`: partitioned under fsdp2 and zero3, whole on every rank
+    otherwise). Always its own model: under LoRA too (where the reference is the policy's shared base), since the
+    teacher's weights are not the student's."""
+    return prepare_reference(dist, load_teacher(config, tokenizer))
 
 
 def apply_model_options(config, policy: torch.nn.Module) -> torch.nn.Module:

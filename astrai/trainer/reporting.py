@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from astrai.deps import unavailable_reason
+from astrai.outputs import OutputWriteError
 from astrai.trainer.loop import Callback
 
 __all__ = ["scalar_record", "completion_table", "completions_markdown", "TensorBoardLogger", "WandbLogger",
@@ -82,6 +83,10 @@ class TensorBoardLogger(Callback):
     already in `log_dir` at steps after the one training starts from are purged (hidden by TensorBoard): on a
     resumed run those steps are redone, and a fresh run replaces an earlier run's curves.
 
+    An event file that cannot be written (a full disk ...) raises `OutputWriteError` naming it, from the call that
+    finds out (the writer writes in a thread of its own: at the latest the step's flush); the writer's thread then
+    prints no traceback of its own (`_quiet_event_writer_thread`). TensorBoard's reader skips a torn last record.
+
     Raises:
         ValueError: from construction when the `tensorboard` package is missing (one line, with the pip fix) or
             fails to import (the import error's first line).
@@ -102,16 +107,34 @@ class TensorBoardLogger(Callback):
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=trainer.state.global_step + 1)
+        _quiet_event_writer_thread()
+        try:
+            self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=trainer.state.global_step + 1)
+        except OSError as err:
+            raise OutputWriteError.of(self.log_dir, err) from None
+
+    def _guarded(self, call, *args, **kwargs) -> None:
+        """`call(*args, **kwargs)` on the writer; a failed write closes it and raises `OutputWriteError`."""
+        try:
+            call(*args, **kwargs)
+        except OSError as err:
+            writer, self.writer = self.writer, None
+            path = getattr(getattr(getattr(writer, "file_writer", None), "event_writer", None), "_file_name",
+                           self.log_dir)
+            try:
+                writer.close()
+            except OSError:
+                pass
+            raise OutputWriteError.of(path, err) from None
 
     def on_step_end(self, trainer, metrics) -> None:
         if self.writer is None:
             return
         step = trainer.state.global_step
         for key, value in scalar_record(metrics).items():
-            self.writer.add_scalar(key, value, global_step=step)
+            self._guarded(self.writer.add_scalar, key, value, global_step=step)
         if step % self.flush_steps == 0:
-            self.writer.flush()
+            self._guarded(self.writer.flush)
 
     def on_log(self, trainer, metrics) -> None:
         """The step-0 record, as a step's."""
@@ -121,12 +144,41 @@ class TensorBoardLogger(Callback):
         """One rollout's logged samples as a markdown table (`completions_markdown`) under the text tag
         `completions` at `step`."""
         if self.writer is not None:
-            self.writer.add_text(COMPLETIONS_TAG, completions_markdown(records), global_step=step)
+            self._guarded(self.writer.add_text, COMPLETIONS_TAG, completions_markdown(records), global_step=step)
 
     def on_train_end(self, trainer) -> None:
         if self.writer is not None:
-            self.writer.close()
+            self._guarded(self.writer.close)
             self.writer = None
+
+    def on_train_abort(self, trainer) -> None:
+        """The run failed: close the event file (a full disk may refuse the last events: nothing more to do)."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass
+
+
+def _quiet_event_writer_thread() -> None:
+    """TensorBoard writes events in a thread of its own; when a write fails there, the thread prints the exception's
+    traceback and the writer raises it again at its next call, which `TensorBoardLogger` says in one line. This
+    wraps `threading.excepthook` (once per process) so that that thread's OSError prints nothing; everything else
+    goes to the previous hook."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "astrai_event_writer", False):
+        return
+
+    def excepthook(args) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            return
+        previous(args)
+
+    excepthook.astrai_event_writer = True
+    threading.excepthook = excepthook
 
 
 class WandbLogger(Callback):
@@ -152,7 +204,10 @@ class WandbLogger(Callback):
             return
         import wandb
 
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OutputWriteError.of(self.output_dir, err) from None
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "astrai"), name=self.output_dir.name,
                               dir=str(self.output_dir), config=self.config)
 

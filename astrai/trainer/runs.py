@@ -94,9 +94,18 @@ def _step_dirs(output_dir: Path) -> list[Path]:
 
 
 def _write_run_file(output_dir: Path, run_id: str) -> None:
-    """Atomically replace `<output_dir>/run.json` (the run id and this process's `launch_id`)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(output_dir / RUN_FILE, json.dumps({"run_id": run_id, "launch_id": launch_id()}) + "\n")
+    """Atomically replace `<output_dir>/run.json` (the run id and this process's `launch_id`).
+
+    Raises:
+        OutputWriteError: it cannot be written (one line naming it; the previous run.json stays whole).
+    """
+    from astrai.outputs import OutputWriteError
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(output_dir / RUN_FILE, json.dumps({"run_id": run_id, "launch_id": launch_id()}) + "\n")
+    except OSError as err:
+        raise OutputWriteError.of(output_dir / RUN_FILE, err) from None
 
 
 def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -> tuple[Optional[Path], str]:
@@ -141,7 +150,11 @@ def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -
 
 def record_run(output_dir: str | Path, run_id: str, *, resume_from: Optional[Path], resume: str, dist) -> None:
     """Name `run_id` in `<output_dir>/run.json` (main rank), once the job has built, and say what the run does
-    with the checkpoints of other runs in the directory."""
+    with the checkpoints of other runs in the directory.
+
+    Raises:
+        OutputWriteError: on the main rank, run.json cannot be written.
+    """
     output_dir = Path(output_dir)
     if not dist.is_main:
         return

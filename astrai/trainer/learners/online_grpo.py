@@ -9,6 +9,12 @@ the PPO-clip surrogate against the sampler-aligned `old_logprobs` of the engine 
 (Schulman 2020) in the loss; alternatively `kl_reward_coef` subtracts the per-sequence k3 KL from the reward
 before normalisation (the two are mutually exclusive). No critic. Every `train_step` is one minibatch: one
 policy optimizer step; `grpo.epochs` passes of shuffled minibatches replay each rollout.
+
+On-policy distillation (`distill.teacher` with `grpo.advantage_estimator: on_policy_distill`; Lu and Thinking
+Machines Lab 2025): the frozen teacher takes the reference model's place, so the rollout's `ref_logprobs` hold the
+teacher's log-probs of the sampled tokens (at the sampling temperature, as the reference's would be) and the
+per-token advantage is `teacher_logprobs - old_logprobs` plus `distill.reward_weight` times the group advantage;
+`distill/reverse_kl` logs the mean over action tokens of `old_logprobs - teacher_logprobs`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from astrai.experience.result import RolloutResult
 from astrai.experience.trajectory import Experience
 from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
-from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
+from astrai.trainer.models import TrainedModel, build_trained_model, reference_model, teacher_model
 from astrai.experience.replay import RolloutReplay
 from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, text_decoder
 from astrai.trainer.learners.policy_loss import RolloutCorrection, loss_agg_mode, policy_objective
@@ -78,8 +84,8 @@ def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
 @torch.no_grad()
 def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0.0, std_eps: float = 1e-6,
                   std_floor: Optional[float] = None, scale_rewards: str = "group", estimator: str = "grpo",
-                  gamma: float = 1.0, all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                  ) -> RolloutResult:
+                  gamma: float = 1.0, all_reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                  reward_weight: float = 0.0) -> RolloutResult:
     """Pin the targets of a critic-free estimator on sampled experience (the G samples of a prompt contiguous).
 
     Shapes: N = B * G rows, T response tokens. `kl` = k3(old_logprobs, ref_logprobs) per real token (N, T)
@@ -90,22 +96,29 @@ def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0
     with `gamma`, `reinforce_pp_baseline`), zeroed at padding (float32). `all_reduce_sum` sums a tensor over the
     data-parallel ranks for the batch statistics (`scale_rewards` batch, the REINFORCE++ whitening); None: this
     rank's N rows only. `values` and `returns` are None (no critic); `rewards` holds r broadcast over real tokens.
+    An estimator that reads a teacher (`on_policy_distill`) takes `exp.ref_logprobs` as the teacher's log-probs
+    (the teacher takes the reference's place), with `reward_weight` (the task reward's weight); `kl` is then None.
 
     Raises:
-        ValueError: from `validate_group_rollout`, or `kl_reward_coef > 0` without reference log-probs.
+        ValueError: from `validate_group_rollout`, `kl_reward_coef > 0` without reference log-probs, or a teacher
+            estimator without them.
     """
     validate_group_rollout(exp, group_size=group_size, need_ref=exp.ref_logprobs is not None)
     mask = exp.sequences.action_mask
     old = exp.old_logprobs * mask
     ref = exp.ref_logprobs * mask if exp.ref_logprobs is not None else None
-    kl = kl_k3(old, ref) * mask if ref is not None else None
+    record = advantage_estimator(estimator)
+    if record.needs_teacher and ref is None:
+        raise ValueError(f"grpo.advantage_estimator {estimator} needs the teacher's log-probs (distill.teacher)")
+    kl = kl_k3(old, ref) * mask if ref is not None and not record.needs_teacher else None
     if kl_reward_coef > 0 and kl is None:
         raise ValueError("grpo.kl_reward_coef > 0 needs reference log-probs")
     token_rewards = ppo_token_rewards(exp.scores.float(), kl if kl_reward_coef > 0 else torch.zeros_like(old), mask,
                                       kl_coef=kl_reward_coef)
-    adv, _ = advantage_estimator(estimator).fn(
+    teacher = dict(old_logprobs=old, teacher_logprobs=ref, reward_weight=reward_weight) if record.needs_teacher else {}
+    adv, _ = record.fn(
         scores=exp.scores, action_mask=mask, token_rewards=token_rewards, group_size=group_size, gamma=gamma,
-        eps=std_eps, std_floor=std_floor, scale=scale_rewards, all_reduce_sum=all_reduce_sum)
+        eps=std_eps, std_floor=std_floor, scale=scale_rewards, all_reduce_sum=all_reduce_sum, **teacher)
     rewards = token_rewards.sum(-1)
     result = RolloutResult(sequences=exp.sequences, old_logprobs=old, ref_logprobs=ref, values=None,
                            scores=exp.scores, kl=kl, rewards=rewards[:, None] * mask,
@@ -146,6 +159,7 @@ class GRPOLearner(RolloutLearner):
         replay: the rollout replay (`grpo.minibatch_size`, `grpo.epochs`; sizes count samples).
         settings: the job's `grpo` section (`astrai.config.GRPOSection`: group size, estimator, policy loss,
             clipping, KL, reward scaling); temperature: the sampling temperature; log_entropy: log `policy/entropy`.
+        reward_weight: `distill.reward_weight`, the task reward's weight for an estimator that reads a teacher.
         loss_scale_factor: L of `loss_agg_mode: seq-mean-token-sum-norm` (the response-length cap).
         correction: the rollout correction, or None.
         log_completions, decode: as `RolloutLearner`'s (`train.log_completions`; online only).
@@ -154,21 +168,24 @@ class GRPOLearner(RolloutLearner):
     def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
                  settings: GRPOSection, temperature: float, log_entropy: bool = False,
                  loss_scale_factor: Optional[float] = None, correction: Optional[RolloutCorrection] = None,
-                 log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None):
+                 log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None,
+                 reward_weight: float = 0.0):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
                          log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction,
                          log_completions=log_completions, decode=decode)
-        self.settings = settings
+        self.settings, self.reward_weight = settings, reward_weight
         self.objective = grpo_loss_fn(settings, loss_scale_factor=loss_scale_factor)
 
     def pin_targets(self, exp: Experience) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
-        """Group advantages (`group_rollout`) and the rollout's metrics."""
+        """Group advantages (`group_rollout`) and the rollout's metrics; with a teacher also `distill/reverse_kl`,
+        the mean over this rank's action tokens of `old_logprobs - teacher_logprobs` (the k1 estimate of
+        KL(student || teacher) per token)."""
         s = self.settings
         result = group_rollout(exp, group_size=s.group_size, kl_reward_coef=s.kl_reward_coef,
                                std_eps=s.std_eps, std_floor=s.std_floor, scale_rewards=s.scale_rewards,
                                estimator=s.advantage_estimator, gamma=s.gamma,
-                               all_reduce_sum=self.policy.dist.all_reduce_sum)
+                               all_reduce_sum=self.policy.dist.all_reduce_sum, reward_weight=self.reward_weight)
         mask = result.sequences.action_mask
         groups = exp.scores.reshape(-1, s.group_size)
         metrics = {
@@ -182,6 +199,8 @@ class GRPOLearner(RolloutLearner):
         }
         if result.kl is not None:
             metrics["rollout/kl"] = result.kl.sum(-1).mean()
+        if advantage_estimator(s.advantage_estimator).needs_teacher:
+            metrics["distill/reverse_kl"] = masked_mean(result.old_logprobs - result.ref_logprobs, mask)
         return result, metrics
 
     def update(self, trainer, minibatch: RolloutResult, first: bool) -> dict[str, torch.Tensor]:
@@ -200,16 +219,24 @@ def grpo_learner(config, dist, policy: TrainedModel, experience: ExperienceSourc
                         log_entropy="policy/entropy" in config.train.metrics,
                         loss_scale_factor=r.max_new_tokens if online else config.data.max_length,
                         correction=RolloutCorrection.from_config(r, chunk_size=g.micro_batch_size) if online else None,
-                        log_completions=config.train.log_completions if online else 0, decode=decode)
+                        log_completions=config.train.log_completions if online else 0, decode=decode,
+                        reward_weight=config.distill.reward_weight)
 
 
 def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     """Assemble online_grpo from a validated `astrai.config.Config`: frozen reference (only when a KL term is
-    on), one AdamW + schedule, the online experience source with G = `grpo.group_size`. Raises DataError for bad
-    prompt files."""
+    on) or, with `distill.teacher`, the frozen teacher in its place (`models.teacher_model`: the reference
+    log-probs the runner scores are then the teacher's), one AdamW + schedule, the online experience source with
+    G = `grpo.group_size`. Raises DataError for bad prompt files, ConfigError for a teacher with another
+    tokenizer."""
     g = config.grpo
     policy = policy.to(dist.device)
-    ref_model = reference_model(dist, policy, config) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
+    if config.distill.teacher:
+        ref_model = teacher_model(dist, config, tokenizer)
+    elif g.kl_coef > 0 or g.kl_reward_coef > 0:
+        ref_model = reference_model(dist, policy, config)
+    else:
+        ref_model = None
     engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,

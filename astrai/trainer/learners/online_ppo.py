@@ -5,6 +5,12 @@ sample; `rollout.dynamic_sampling` can drop prompts whose responses all score th
 reference log-probs, critic values, k-estimated KL, per-token rewards and GAE once, and pin the targets on a
 `RolloutResult`. Then `ppo.epochs` passes of shuffled minibatches replay those fixed targets; every
 `train_step` is one minibatch: one policy optimizer step and one critic optimizer step.
+
+On-policy distillation (`distill.teacher`; Lu and Thinking Machines Lab 2025): the frozen teacher takes the
+reference model's place (the rollout's `ref_logprobs` are the teacher's log-probs of the sampled tokens) and the
+per-token reward is the negative reverse-KL estimate `teacher_logprobs - old_logprobs` on every action token, plus
+`distill.reward_weight` times the score at the last one; GAE with the critic then turns it into advantages as it
+does the KL-penalised reward (with `ppo.gamma` 0 each token's advantage is its own gap minus its value).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from astrai.experience.trajectory import Experience
 from astrai.forward import response_values, score_in_chunks
 from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
-from astrai.trainer.models import TrainedModel, build_trained_model, reference_model
+from astrai.trainer.models import TrainedModel, build_trained_model, reference_model, teacher_model
 from astrai.experience.replay import RolloutReplay
 from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, action_tokens, text_decoder
 from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection, loss_agg_mode, policy_objective
@@ -41,17 +47,21 @@ class OnlinePPOLearner(RolloutLearner):
         objective: the policy objective (default: `policy_loss.policy_objective(settings)`).
         correction: the rollout correction, or None.
         log_completions, decode: as `RolloutLearner`'s (`train.log_completions`).
+        distill: the experience's `ref_logprobs` are a teacher's (on-policy distillation, see the module
+            docstring); reward_weight: then the score's weight in the rewards (`distill.reward_weight`).
     """
 
     def __init__(self, *, policy: TrainedModel, critic: TrainedModel, experience: ExperienceSource,
                  replay: RolloutReplay, settings: PPOSection, temperature: float, log_entropy: bool = False,
                  objective: Optional[Objective] = None, correction: Optional[RolloutCorrection] = None,
-                 log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None):
+                 log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None,
+                 distill: bool = False, reward_weight: float = 0.0):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
                          log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction,
                          log_completions=log_completions, decode=decode)
         self.critic, self.settings = critic, settings
+        self.distill, self.reward_weight = distill, reward_weight
         self.objective = objective or policy_objective(settings)
 
     @torch.no_grad()
@@ -59,7 +69,9 @@ class OnlinePPOLearner(RolloutLearner):
         """Critic values, k-estimated KL, per-token rewards, GAE advantages (whitened when configured) and returns
         (docs/conventions.md section 2), computed once; with the rollout's metrics. Without reference log-probs
         (`ppo.kl_coef` 0: no reference model) the rewards carry no KL term and `kl`, `ref_logprobs` and the
-        `rollout/kl` metric are absent."""
+        `rollout/kl` metric are absent. With a teacher (`distill`) `kl` is the per-token reverse-KL estimate
+        `old_logprobs - teacher_logprobs` (k1), the rewards are `-kl` per token plus `reward_weight` times the score
+        at the last token, and `distill/reverse_kl` (the mean of `kl` over action tokens) replaces `rollout/kl`."""
         s = self.settings
         mask = exp.sequences.action_mask
         start = time.perf_counter()
@@ -70,6 +82,10 @@ class OnlinePPOLearner(RolloutLearner):
         if exp.ref_logprobs is None:  # kl_coef 0: no reference model, no KL term
             ref_logprobs, kl = None, None
             rewards = ppo_token_rewards(exp.scores, torch.zeros_like(exp.old_logprobs), mask, kl_coef=0.0)
+        elif self.distill:  # the teacher's log-probs: the reverse-KL gap is the reward on every token
+            ref_logprobs = exp.ref_logprobs * mask
+            kl = (exp.old_logprobs * mask - ref_logprobs) * mask
+            rewards = ppo_token_rewards(self.reward_weight * exp.scores, kl, mask, kl_coef=1.0)
         else:
             ref_logprobs = exp.ref_logprobs * mask
             kl = kl_estimate(exp.old_logprobs, exp.ref_logprobs, estimator=s.kl_estimator) * mask
@@ -93,7 +109,9 @@ class OnlinePPOLearner(RolloutLearner):
             "rollout/policy_version": torch.tensor(float(exp.policy_version)),
             "time/critic_scoring_seconds": torch.tensor(scored),
         }
-        if kl is not None:
+        if kl is not None and self.distill:
+            metrics["distill/reverse_kl"] = masked_mean(kl, mask)
+        elif kl is not None:
             metrics["rollout/kl"] = kl.sum(-1).mean()
         return result, metrics
 
@@ -135,16 +153,21 @@ class OnlinePPOLearner(RolloutLearner):
 def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
     """Assemble the online_ppo learner from a validated `astrai.config.Config`.
 
-    Builds the frozen reference model (none when `ppo.kl_coef` is 0: nothing would use it), the critic
-    (warm-started from the policy), one AdamW optimizer + schedule for each of policy and critic, the online
-    experience source (engine, runner, prompt sampler) and the replay.
+    Builds the frozen reference model (none when `ppo.kl_coef` is 0: nothing would use it; with `distill.teacher`
+    the frozen teacher in its place, `models.teacher_model`), the critic (warm-started from the policy), one AdamW
+    optimizer + schedule for each of policy and critic, the online experience source (engine, runner, prompt
+    sampler) and the replay.
 
     Raises:
         DataError: for a missing or malformed prompt file.
+        ConfigError: for a teacher with another tokenizer than the student's.
     """
     r, p = config.rollout, config.ppo
     policy = policy.to(dist.device)
-    ref_model = reference_model(dist, policy, config) if p.kl_coef > 0 else None
+    if config.distill.teacher:
+        ref_model = teacher_model(dist, config, tokenizer)
+    else:
+        ref_model = reference_model(dist, policy, config) if p.kl_coef > 0 else None
     engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
     critic = build_trained_model(config, dist, ValueModel.from_policy(policy, p.critic_layers), name="critic",
                                  lr=config.optim.critic_learning_rate)
@@ -156,4 +179,5 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
                              temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics,
                              objective=policy_objective(p, loss_scale_factor=r.max_new_tokens),
                              correction=RolloutCorrection.from_config(r, chunk_size=p.micro_batch_size),
-                             log_completions=config.train.log_completions, decode=text_decoder(tokenizer))
+                             log_completions=config.train.log_completions, decode=text_decoder(tokenizer),
+                             distill=bool(config.distill.teacher), reward_weight=config.distill.reward_weight)
