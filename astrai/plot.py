@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import io
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from astrai.checkpoint.fsutil import nearest_existing
+from astrai.checkpoint.fsutil import nearest_existing, write_atomic
 from astrai.deps import MissingDependencyError, import_optional
 from astrai.outputs import cannot_write, read_jsonl, warn_line
 
@@ -69,19 +68,7 @@ def save_png(fig, output: Path, dpi: int) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=dpi, format="png")
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, output)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
+    write_atomic(output, buffer.getvalue())
 
 
 def series(records: Sequence[dict], key: str) -> tuple[list[float], list[float]]:

@@ -35,9 +35,9 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` (UTF-8) to a hidden sibling of `path`, fsync it and rename it over `path`, so a reader sees the
-    old file or the whole new one, never half of it.
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write `text` (a str as UTF-8, or bytes as they are) to a hidden sibling of `path`, fsync it and rename it over
+    `path`, so a reader sees the old file or the whole new one, never half of it.
 
     Raises:
         OSError: when the sibling cannot be written or renamed (the parent directory must exist); the sibling is
@@ -45,8 +45,8 @@ def write_atomic(path: Path, text: str) -> None:
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(text.encode("utf-8") if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
