@@ -238,3 +238,36 @@ def test_lora_resume_is_exact(tiny_model_dir, tmp_path):
     b = load_file(tmp_path / "b/checkpoints/step-00000004/adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(".lora_B." in k and v.abs().max() > 0 for k, v in a.items())  # not vacuous: they trained
+
+
+def test_the_adapter_names_its_base_so_it_loads_from_any_folder(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 41.8: a relative `model.path` is recorded absolute in adapter_config.json, so astrai and peft load the
+    checkpoint from another folder; an alias is recorded as the absolute path of its file; a Hub id as the id."""
+    import os
+    import shutil
+
+    import peft
+    import transformers
+
+    from astrai.models import load_pretrained
+    from astrai.models.loading import model_reference, resolve_model_path
+
+    job = tmp_path / "job"
+    shutil.copytree(tiny_model_dir, job / "base")
+    monkeypatch.chdir(job)
+    _run("base", tmp_path / "run", "sft.yaml", "--max_steps", "1", "--data.max_length", "128")
+    ckpt = next((tmp_path / "run" / "checkpoints").glob("step-*"))
+    recorded = json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(job / "base")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    ours, _ = load_pretrained(str(ckpt))
+    theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(recorded), str(ckpt))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(IDS), theirs.eval()(input_ids=IDS).logits, rtol=1e-4, atol=1e-4)
+
+    alias = model_reference("smollm2-135m-instruct")
+    assert os.path.isabs(alias) and Path(alias) == resolve_model_path("smollm2-135m-instruct").absolute()
+    assert model_reference("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert model_reference("./../elsewhere") == str(elsewhere)  # normalized

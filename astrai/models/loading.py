@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -31,7 +32,7 @@ from .lora_merge import load_merged
 from .moe import convert_to_moe
 from .tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
-__all__ = ["resolve_model_path", "is_model_directory", "load_pretrained", "hf_state_dict", "state_mismatch",
+__all__ = ["resolve_model_path", "model_reference", "is_model_directory", "load_pretrained", "hf_state_dict", "state_mismatch",
            "MODEL_ALIASES", "remote_code_refusal"]
 
 # name -> (package holding the file, file name or None when the package's `assemble()` builds it, install command)
@@ -113,6 +114,24 @@ def resolve_model_path(name_or_path: str | Path, *, revision: Optional[str] = No
         return file
     aliases = ", ".join(sorted(MODEL_ALIASES))
     raise FileNotFoundError(f"model path {path} does not exist: expected {_EXPECTED}, {_HUB}, or one of: {aliases}")
+
+
+def model_reference(name_or_path: str | Path) -> str:
+    """How a saved file names model `name_or_path` so that it loads from any folder (a LoRA adapter's
+    `base_model_name_or_path`): an alias becomes the absolute path of the file it resolves to (peft knows no
+    astrai alias), a local directory or file its absolute path (`os.path.abspath`: normalized, symlinks kept), and
+    anything else (a Hub id) is returned as given.
+
+    Raises:
+        FileNotFoundError: an alias whose wheel is missing (one line with the install command).
+    """
+    key = str(name_or_path).strip()
+    if key.lower() in MODEL_ALIASES:
+        return str(_alias_path(key.lower()).absolute())
+    path = Path(key).expanduser()
+    if path.exists():
+        return os.path.abspath(path)
+    return key
 
 
 def _no_revision(key: str, revision: Optional[str], what: str) -> None:

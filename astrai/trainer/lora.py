@@ -26,6 +26,7 @@ from astrai.checkpoint import CheckpointError
 from astrai.config import LORA_TARGET_MODULES, ConfigError
 from astrai.deps import unavailable_reason
 from astrai.models.lora_merge import module_name, peft_name
+from astrai.models.loading import model_reference
 
 __all__ = ["AdaptersOff", "DEFAULT_TARGET_MODULES", "LoraSettings", "LoraCheckpointState", "apply_lora",
            "lora_settings", "lora_summary", "merged_weights", "shared_base_model", "LoraAdapters"]
@@ -39,8 +40,9 @@ HEADS = ("value_head", "score")
 @dataclasses.dataclass(frozen=True)
 class LoraSettings:
     """`model.lora`, resolved: rank `r`, `alpha` (default 2 r), `dropout`, `target_modules`, `use_rslora`, and the
-    base model's path (`model.path`, recorded in `adapter_config.json` as `base_model_name_or_path`: a Hub id stays
-    the id, which peft and astrai load from the Hub or its cache) and its Hub revision (`model.revision`, recorded
+    base model (`model.path` as `astrai.models.loading.model_reference` records it in `adapter_config.json`'s
+    `base_model_name_or_path`: a local path made absolute, an alias the absolute path of its file, a Hub id the id,
+    which peft and astrai load from the Hub or its cache) and its Hub revision (`model.revision`, recorded
     as PEFT's `revision`; None = main)."""
 
     r: int
@@ -83,7 +85,7 @@ def lora_settings(config) -> Optional[LoraSettings]:
         raise ConfigError(reason)
     return LoraSettings(r=lora.r, alpha=lora.alpha or 2.0 * lora.r, dropout=lora.dropout,
                         target_modules=tuple(lora.target_modules),
-                        use_rslora=lora.use_rslora, base_model=config.model.path,
+                        use_rslora=lora.use_rslora, base_model=model_reference(config.model.path),
                         base_revision=config.model.revision)
 
 
