@@ -86,7 +86,7 @@ def test_custom_fields_blank_lines_and_no_answer(tmp_path):
         ('{"question": "a", "answer": "1"}\n{"question": "b", "answer": \n', r"line 2: invalid JSON"),
         ('\n["question", "answer"]\n', r"line 2: expected a JSON object, got list"),
         ('{"question": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n',
-         r"line 2: missing field 'question' \(data.prompt_field\); present keys: 'prompt', 'answer'"),
+         r"line 2: missing field 'question' \(data.prompt_field\); present keys: 'prompt', 'answer'; set data.prompt_field: prompt \(TRL's prompt column\)$"),
         ('{"question": "a", "answer": 7}\n', r"line 1: field 'answer' must be a string, got int"),
         ("", r"no records"),
         ("\n \n", r"no records"),

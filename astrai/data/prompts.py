@@ -70,7 +70,9 @@ def _field(obj: dict[str, Any], name: str, where: str, key: str = "data.answer_f
     """Return ``obj[name]`` as a string or raise a DataError naming the field, its config `key` and location."""
     if name not in obj:
         keys = ", ".join(repr(k) for k in obj) or "none"
-        raise DataError(f"{where}: missing field {name!r} ({key}); present keys: {keys}")
+        hint = (f"; set {key}: prompt (TRL's prompt column)" if key == "data.prompt_field" and "prompt" in obj
+                else "")
+        raise DataError(f"{where}: missing field {name!r} ({key}); present keys: {keys}{hint}")
     value = obj[name]
     if not isinstance(value, str):
         raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
