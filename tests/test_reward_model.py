@@ -100,3 +100,36 @@ def test_degenerate_pairs_and_examples_are_found_at_load_time(tiny_model_dir, tm
                                         r"\(first row 1\)"):
         sft_data(load_config(None, sft), policy.config, tokenizer)
     assert len(sft_data(load_config(None, sft + ["--data.truncation", "filter"]), policy.config, tokenizer)) == 1
+
+
+def test_each_dropped_pair_is_counted_once_under_its_reason(tiny_model_dir, tmp_path, capsys):
+    """Issue 42, class 8: under data.truncation filter a pair dropped as identical is not reported again as dropped
+    for prompt length (dpo and rm), and a file of identical pairs is not called 'every prompt is too long'."""
+    from astrai.config import load_config
+    from astrai.data import DataError
+    from astrai.models import load_pretrained
+    from astrai.trainer.learners.dpo import dpo_data
+    from astrai.trainer.learners.rm import rm_data
+
+    policy, tokenizer = load_pretrained(tiny_model_dir)
+    pairs = tmp_path / "pairs.jsonl"
+    same = {"prompt": "q", "chosen": "a" * 200 + "good", "rejected": "a" * 200 + "bad"}
+    long_prompt = {"prompt": "x " * 300, "chosen": "yes", "rejected": "no"}
+    fine = {"prompt": "q", "chosen": "yes", "rejected": "no"}
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in (same, long_prompt, fine)))
+    for train_type, load in (("dpo", dpo_data), ("rm", rm_data)):
+        args = ["--train.type", train_type, "--data.path", str(pairs), "--data.max_length", "64",
+                "--data.max_prompt_length", "32", "--data.prompt_field", "prompt", "--data.truncation", "filter"]
+        capsys.readouterr()
+        assert len(load(load_config(None, args), policy.config, tokenizer)) == 1
+        said = [line for line in capsys.readouterr().out.splitlines() if "dropped" in line]
+        assert len(said) == 2, said
+        assert "dropped 1 of 3 records" in said[0] and "prompt is longer" in said[0]
+        assert "dropped 1 pairs" in said[1] and "identical" in said[1]
+
+    pairs.write_text(json.dumps(same) + "\n" + json.dumps(long_prompt) + "\n")
+    args = ["--train.type", "dpo", "--data.path", str(pairs), "--data.max_length", "64", "--data.max_prompt_length",
+            "32", "--data.prompt_field", "prompt", "--data.truncation", "filter"]
+    with pytest.raises(DataError, match=r"no pair left to train on: data.truncation=filter dropped 1 of 2 for prompt "
+                                        r"length and 1 with identical chosen and rejected tokens$"):
+        dpo_data(load_config(None, args), policy.config, tokenizer)

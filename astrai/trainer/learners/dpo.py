@@ -79,14 +79,16 @@ def preference_triples(rows, tokenizer, config, *, end_id: int, keep_index: bool
 
     A pair whose chosen and rejected tokens are identical after truncation (their difference lies beyond the
     response budget, or the texts are equal) would train on no preference at all (loss ln 2, accuracy 0): such pairs
-    are counted and refused, or dropped (and reported through `log`) under `data.truncation=filter`.
+    are counted and refused, or dropped under `data.truncation=filter`. Each dropped record is reported (through
+    `log`) once, under its reason: prompt length or identical pair.
 
     Raises:
         DataError: a non-string field (naming the row and config key), an overlong prompt
-            (`prompt_ids_and_budget`), or degenerate pairs (their count and first row).
+            (`prompt_ids_and_budget`), degenerate pairs (their count and first row), or no pair left after
+            `filter` (both counts).
     """
     d = config.data
-    out, degenerate = [], []
+    out, degenerate, too_long = [], [], 0
     for i, row in enumerate(rows):
         where = f"{d.path} row {i + 1}"
         prompt = require_str(row, d.prompt_field, "data.prompt_field", where)
@@ -94,6 +96,7 @@ def preference_triples(rows, tokenizer, config, *, end_id: int, keep_index: bool
         rejected = require_str(row, d.rejected_field, "data.rejected_field", where)
         fitted = prompt_ids_and_budget(prompt, tokenizer, d, where)
         if fitted is None:
+            too_long += 1
             continue
         ids, budget = fitted
         pair = (ids, response_tokens(chosen, tokenizer, budget=budget, end_id=end_id),
@@ -107,9 +110,14 @@ def preference_triples(rows, tokenizer, config, *, end_id: int, keep_index: bool
                         f"within data.max_length={d.max_length} (equal texts, or their difference lies beyond the "
                         f"response budget; first row {degenerate[0]}): they would train on nothing; raise "
                         "data.max_length, fix the data, or set data.truncation filter to drop them")
+    report_dropped(len(rows) - too_long, len(rows), source=d.path, log=log)  # each drop counted once, by reason
     if degenerate:
         log(f"data.truncation=filter: dropped {len(degenerate)} pairs of {d.path} whose chosen and rejected tokens "
-              f"are identical within data.max_length={d.max_length}")
+            f"are identical within data.max_length={d.max_length}")
+    if not out:
+        raise DataError(f"{d.path}: no pair left to train on: data.truncation=filter dropped {too_long} of "
+                        f"{len(rows)} for prompt length and {len(degenerate)} with identical chosen and rejected "
+                        "tokens")
     return out
 
 
@@ -119,14 +127,12 @@ def _quiet(message: str) -> None:
 
 def dpo_data(config, model_config, tokenizer, *, main: bool = True) -> list:
     """The dpo preference triples of `data.path` (prompt, chosen, rejected fields), tokenised; the main rank
-    reports rows dropped by the length policy. Raises DataError for bad data."""
+    reports rows dropped by `data.truncation=filter` (`preference_triples`). Raises DataError for bad data."""
     d = config.data
     rows = load_records(d.path, {"data.prompt_field": d.prompt_field, "data.chosen_field": d.chosen_field,
                                  "data.rejected_field": d.rejected_field})
     end_id = response_end_id(tokenizer, stop_token_ids(model_config, tokenizer))
-    triples = preference_triples(rows, tokenizer, config, end_id=end_id, log=print if main else _quiet)
-    report_dropped(len(triples), len(rows), source=d.path, log=print if main else _quiet)
-    return triples
+    return preference_triples(rows, tokenizer, config, end_id=end_id, log=print if main else _quiet)
 
 
 def build_dpo(config, dist, policy, tokenizer) -> DPOLearner:

@@ -19,7 +19,6 @@ from astrai.algos import bradley_terry_loss
 from astrai.data import DataError, PromptSampler
 from astrai.data.records import load_records
 from astrai.data.sequences import Sequences
-from astrai.data.truncation import report_dropped
 from astrai.models import RewardModel
 from astrai.models.special_tokens import response_end_id, stop_token_ids
 from astrai.trainer.models import TrainedModel, build_trained_model
@@ -88,7 +87,6 @@ def rm_data(config, model_config, tokenizer, *, main: bool = True) -> list:
     end_id = response_end_id(tokenizer, stop_token_ids(model_config, tokenizer))
     triples = preference_triples(rows, tokenizer, config, end_id=end_id, keep_index=True,
                                  log=print if main else _quiet)
-    report_dropped(len(triples), len(rows), source=d.path, log=print if main else _quiet)
     return [(p, c, r, margins[i]) for i, p, c, r in triples]
 
 
