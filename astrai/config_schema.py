@@ -324,4 +324,6 @@ def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
         wrong_type = out is _coerce
         expected = kind if check is None or (wrong_type and isinstance(check, Pattern)) else check.describe(kind)
         raise ConfigError(f"{name}: expected {'null or ' if optional else ''}{expected}, got {value!r}")
+    if base is float and not math.isfinite(out):  # YAML's .nan / .inf that a range did not refuse: never a setting
+        raise ConfigError(f"{name}: expected {'null or ' if optional else ''}a finite number, got {value!r}")
     return out

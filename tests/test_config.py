@@ -336,3 +336,19 @@ def test_the_cli_warns_in_one_line_about_ignored_settings(tiny_model_dir, tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 0, err
     assert err == ["warning: train.type online_grpo does not read ppo.critic_layers: it has no effect on this job"]
+
+
+def test_no_float_field_takes_nan_or_infinity(tmp_path):
+    """Issue 42: YAML's .nan / .inf / -.inf are refused in one line for every float field of every section (a NaN
+    reward.error_score used to pass --check and poison each failed sample's advantage)."""
+    from typing import get_type_hints
+
+    from astrai.config_schema import split_optional
+
+    fields = [(section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+              if split_optional(get_type_hints(cls)[f.name])[0] is float]
+    assert ("reward", "error_score") in fields and len(fields) > 20
+    for section, name in fields:
+        for text in (".nan", ".inf", "-.inf"):
+            message = error(write(tmp_path, f"{section}:\n  {name}: {text}\n"))
+            assert f": {section}.{name}: expected " in message and message.endswith(("got nan", "got inf", "got -inf")), message
