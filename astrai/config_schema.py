@@ -326,4 +326,25 @@ def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
         raise ConfigError(f"{name}: expected {'null or ' if optional else ''}{expected}, got {value!r}")
     if base is float and not math.isfinite(out):  # YAML's .nan / .inf that a range did not refuse: never a setting
         raise ConfigError(f"{name}: expected {'null or ' if optional else ''}a finite number, got {value!r}")
+    bad = _invalid_text(out)
+    if bad:
+        raise ConfigError(f"{name}: {bad}")
     return out
+
+
+def _invalid_text(value: Any) -> Optional[str]:
+    """Why `value` (a str, or a list / mapping holding strings) is not valid Unicode text, or None: a lone surrogate
+    such as "\\ud800" (which YAML and JSON escapes allow) cannot be encoded as UTF-8, tokenized or written."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return (f"not valid Unicode text (a lone surrogate, U+{ord(value[err.start]):04X}, at character "
+                    f"{err.start})")
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        bad = _invalid_text(key) or _invalid_text(item)
+        if bad:
+            return f"{key}: {bad}" if isinstance(key, str) and isinstance(value, dict) else bad
+    return None

@@ -352,3 +352,17 @@ def test_no_float_field_takes_nan_or_infinity(tmp_path):
         for text in (".nan", ".inf", "-.inf"):
             message = error(write(tmp_path, f"{section}:\n  {name}: {text}\n"))
             assert f": {section}.{name}: expected " in message and message.endswith(("got nan", "got inf", "got -inf")), message
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('data:\n  system_prompt: "bad \\ud800 text"\n',
+     "data.system_prompt: not valid Unicode text (a lone surrogate, U+D800, at character 4)"),
+    ('model:\n  lora: {r: 4, target_modules: ["q_proj", "\\udfff"]}\n',
+     "model.lora: target_modules: not valid Unicode text (a lone surrogate, U+DFFF, at character 0)"),
+    ('reward:\n  functions:\n    - {function: math_exact_match, kwargs: {a: ["x\\udc80"]}}\n',
+     "reward.functions.0: kwargs: a: not valid Unicode text (a lone surrogate, U+DC80, at character 1)"),
+])
+def test_lone_surrogates_in_settings_are_refused(tmp_path, text, expected):
+    """Issue 42, class 7: text that cannot be encoded (YAML allows "\\ud800") is refused in one line naming the field,
+    not met later as the tokenizer's TypeError traceback."""
+    assert error(write(tmp_path, text)).endswith(expected)
