@@ -83,7 +83,7 @@ def lora_settings(config) -> Optional[LoraSettings]:
     reason = unavailable_reason("peft", needed_by="model.lora", install="pip install 'astrai[lora]'")
     if reason is not None:
         raise ConfigError(reason)
-    return LoraSettings(r=lora.r, alpha=lora.alpha or 2.0 * lora.r, dropout=lora.dropout,
+    return LoraSettings(r=lora.r, alpha=2.0 * lora.r if lora.alpha is None else lora.alpha, dropout=lora.dropout,
                         target_modules=tuple(lora.target_modules),
                         use_rslora=lora.use_rslora, base_model=model_reference(config.model.path),
                         base_revision=config.model.revision)
