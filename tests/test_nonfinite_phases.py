@@ -39,3 +39,31 @@ def test_nan_logits_stop_the_job_in_one_line_naming_the_phase(nan_model, tmp_pat
     assert err[-1].startswith(f"error: {phase} of policy_version 0 met non-finite logits (sample_rows: row 0 "), err
     assert not any("Traceback" in line for line in err)
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step-*"))
+
+
+def test_evaluation_raises_the_fault_on_every_rank_together():
+    """Non-finite logits met by one rank's evaluation: its sums carry a flag, so every rank raises the same
+    `agreed` fault after the one all-reduce every rank reaches (no rank left waiting in a collective, and the launch
+    scripts take the job's code without the launcher's report); the line is the failing rank's, named."""
+    import types
+
+    from astrai.trainer.evaluation_callback import EvaluationCallback
+    from astrai.trainer.faults import NonFiniteError
+
+    err = FloatingPointError("sample_rows: row 0 has non-finite logits (max nan)")
+    for rank, failed, want in ((0, None, "rank 1: evaluation of policy_version 3 met non-finite logits"),
+                               (1, err, "evaluation of policy_version 3 met non-finite logits")):
+        lines = [None, f"evaluation of policy_version 3 met non-finite logits ({err}); ..."]
+        fake = types.SimpleNamespace(dist=types.SimpleNamespace(rank=rank, gather_objects=lambda line: lines))
+        fault = EvaluationCallback._nonfinite_on_some_rank(fake, failed, 3)
+        assert isinstance(fault, NonFiniteError) and fault.agreed and str(fault).startswith(want), str(fault)
+
+
+def test_the_evaluator_says_non_finite_logits_in_one_line(nan_model, tmp_path, capfd):
+    from astrai import evaluate
+
+    code = evaluate.main(["--model", str(nan_model), "--data", "builtin:arithmetic_test", "--limit", "2",
+                          "--max_new_tokens", "4", "--output_dir", str(tmp_path / "eval"), "--no_progress_bar"])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: the evaluation met non-finite logits (sample_rows: row 0 "), err
+    assert not any("Traceback" in line for line in err) and not (tmp_path / "eval").exists()

@@ -20,7 +20,7 @@ from test_train_e2e import EXAMPLE, tiny_args
 
 EVAL = ("--train.eval_steps", "2", "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "5")
 KEYS = ("eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high", "eval/reward_mean", "eval/reward_mean_ci_low",
-        "eval/reward_mean_ci_high", "eval/num_questions", "time/eval_seconds")
+        "eval/reward_mean_ci_high", "eval/num_questions", "eval/truncated_fraction", "time/eval_seconds")
 
 
 def reward_keys(name):
@@ -78,6 +78,9 @@ def test_eval_logged_at_steps_and_end_matches_cli_and_leaves_training_bitwise_eq
     assert sorted(p.name for p in (with_eval / "eval").iterdir()) == ["step-00000002.jsonl", "step-00000003.jsonl"]
     written = [json.loads(line) for line in (with_eval / "eval" / "step-00000003.jsonl").read_text().splitlines()]
     cli = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    cut = [not f for ex in written for f in ex["finished"]]  # samples max_new_tokens (6) cut, counted (issue 42)
+    assert any(cut) and logged[-1]["eval/truncated_fraction"] == pytest.approx(sum(cut) / len(cut))
+    assert summary["truncated_fraction"] == pytest.approx(sum(cut) / len(cut))
     assert written == cli and sum(ex["num_correct"] for ex in written) == logged[-1]["eval/accuracy"] * 5
 
 

@@ -125,8 +125,9 @@ def mean_interval(total: float, total_sq: float, n: int, *, confidence: float = 
 def eval_statistics(sums: Mapping[str, float], names: Sequence[str]) -> dict:
     """The statistics of an evaluation (module docstring) from its additive sums (`EvalResult.sums`, possibly summed
     over ranks) and reward function `names`: `accuracy`, `ci_low`, `ci_high` (95% Wilson), `reward_mean`,
-    `reward_mean_ci_low`, `reward_mean_ci_high` (95% normal over questions) and `rewards`: name -> {`mean`,
-    `applies`, `failed`}. Plain floats.
+    `reward_mean_ci_low`, `reward_mean_ci_high` (95% normal over questions), `truncated_fraction` (the share of
+    samples the `max_new_tokens` cap cut before a stop token: their rewards scored unfinished answers) and
+    `rewards`: name -> {`mean`, `applies`, `failed`}. Plain floats.
 
     Raises:
         ValueError: no question (`sums["questions"]` < 1).
@@ -141,7 +142,8 @@ def eval_statistics(sums: Mapping[str, float], names: Sequence[str]) -> dict:
                       "applies": sums[f"{name}/applied"] / samples, "failed": sums[f"{name}/failed"]}
                for name in names}
     return {"accuracy": sums["correct"] / n, "ci_low": low, "ci_high": high, "reward_mean": sums["reward_sum"] / n,
-            "reward_mean_ci_low": reward_low, "reward_mean_ci_high": reward_high, "rewards": rewards}
+            "reward_mean_ci_low": reward_low, "reward_mean_ci_high": reward_high,
+            "truncated_fraction": sums["unfinished"] / samples, "rewards": rewards}
 
 
 @dataclass
@@ -202,11 +204,13 @@ class EvalResult:
     def sums(self) -> dict[str, float]:
         """The additive sums the statistics are computed from (`eval_statistics`; summed over ranks in training):
         `questions`, `samples`, `correct` (as `correct`), `reward_sum` / `reward_sumsq` (of the per-question mean
-        total rewards), and per reward function `<name>/sum` (of the values that apply), `<name>/applied` (their
+        total rewards), `unfinished` (samples cut by `max_new_tokens` before a stop token), `interrupted`, and per
+        reward function `<name>/sum` (of the values that apply), `<name>/applied` (their
         count) and `<name>/failed`. Every key is present (zeros) without examples."""
         means = [sum(ex["scores"]) / len(ex["scores"]) for ex in self.examples]
         out = {"questions": float(self.num_questions), "samples": float(self.num_questions * self.num_samples),
                "correct": self.correct, "reward_sum": sum(means), "reward_sumsq": sum(m * m for m in means),
+               "unfinished": float(sum(not f for ex in self.examples for f in ex["finished"])),
                "interrupted": float(self.interrupted)}
         for name in self.reward_names:
             values = [v for ex in self.examples for v in ex["rewards"][name] if v is not None]
@@ -222,8 +226,8 @@ class EvalResult:
     def metrics(self) -> dict:
         """Summary numbers (plain JSON): n, num_samples, correct, accuracy (the pass rate), ci_low/ci_high (95%
         Wilson), pass_threshold, pass_at_k, mean_score (= reward_mean), reward_mean with reward_mean_ci_low/high
-        (95% normal over questions), rewards (name -> mean, applies, failed), generated_tokens, tokens_per_second,
-        generation_seconds, wall_seconds.
+        (95% normal over questions), truncated_fraction (samples `max_new_tokens` cut before they ended), rewards
+        (name -> mean, applies, failed), generated_tokens, tokens_per_second, generation_seconds, wall_seconds.
 
         Raises:
             ValueError: no question was evaluated.
@@ -235,7 +239,8 @@ class EvalResult:
                 "pass_at_k": {str(k): v for k, v in self.pass_at().items()},
                 "mean_score": stats["reward_mean"], "reward_mean": stats["reward_mean"],
                 "reward_mean_ci_low": stats["reward_mean_ci_low"], "reward_mean_ci_high": stats["reward_mean_ci_high"],
-                "reward_mean_interval": "normal, 95%, over questions", "rewards": stats["rewards"],
+                "reward_mean_interval": "normal, 95%, over questions",
+                "truncated_fraction": stats["truncated_fraction"], "rewards": stats["rewards"],
                 "generated_tokens": self.generated_tokens, "tokens_per_second": self.tokens_per_second,
                 "generation_seconds": self.generation_seconds, "wall_seconds": self.wall_seconds}
 

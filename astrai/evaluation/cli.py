@@ -290,6 +290,10 @@ def report(summary: dict, out: Path) -> None:
           f"[{summary['reward_mean_ci_low']:.4f}, {summary['reward_mean_ci_high']:.4f}]")
     print("  ".join(f"{name}: mean {r['mean']:.4f}, applies {r['applies']:.2f}"
                     + (f", failed {r['failed']:g}" if r["failed"] else "") for name, r in summary["rewards"].items()))
+    if summary["truncated_fraction"] > 0:
+        print(f"{summary['truncated_fraction']:.1%} of the responses were cut by --max_new_tokens "
+              f"({s['max_new_tokens']}) before they ended: their rewards scored unfinished answers"
+              + ("; raise it" if summary["truncated_fraction"] > 0.5 else ""))
     threads = f"{s['threads']} thread{'' if s['threads'] == 1 else 's'}"
     print(f"{summary['generated_tokens']} tokens in {summary['generation_seconds']:.1f} s "
           f"({summary['tokens_per_second']:.1f} tok/s, {threads}); evaluation {summary['wall_seconds']:.1f} s in all")
@@ -298,7 +302,8 @@ def report(summary: dict, out: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command; returns the exit code (0, or 2 with a one-line message on stderr for bad input, a reward
-    function's bug, too many failed reward calls, or a results file that cannot be written)."""
+    function's bug, too many failed reward calls, a results file that cannot be written, or a model whose logits
+    are not finite)."""
     from astrai.checkpoint import CheckpointError
     from astrai.config import ConfigError
     from astrai.data import DataError
@@ -311,6 +316,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError,
             OutputWriteError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except FloatingPointError as err:  # the sampler met non-finite logits: one line, not its traceback
+        print(f"error: the evaluation met non-finite logits ({err}): a model with NaN/inf weights, or activations "
+              "that overflow its dtype (try --dtype float32)", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"done in {time.perf_counter() - start:.1f} s (model loading included)", file=sys.stderr)
     return 0

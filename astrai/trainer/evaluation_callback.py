@@ -49,7 +49,7 @@ from astrai.rewards.build import answer_extractor, answer_readers, build_rewards
 from astrai.rewards.builtins import unscorable_warning
 from astrai.rollout.build import build_rollout_engine
 from astrai.rollout.engine import build_engine, sync_weights
-from astrai.trainer.faults import nonfinite_sampling
+from astrai.trainer.faults import NonFiniteError, nonfinite_sampling
 from astrai.outputs import OutputWriteError
 from astrai.trainer.loop import Callback
 
@@ -112,6 +112,7 @@ class EvaluationCallback(Callback):
         self.output_dir, self.extract_answer = output_dir, extract_answer
         self.eval_on_start = eval_on_start
         self._own_engine = None
+        self._said_truncated = False  # the once-note on responses cut by max_new_tokens
         self.make_engine = make_engine or (lambda model: build_engine("paged", model, policy_version=-1,
                                                                       pad_token_id=tokenizer.pad_token_id))
 
@@ -181,6 +182,7 @@ class EvaluationCallback(Callback):
         if asleep:
             engine.wake()
         result = EvalResult(reward_names=list(self.rewards.names))  # a rank without questions adds zeros
+        nonfinite = None
         try:
             if self.records:
                 generator = torch.Generator(device=self.dist.device).manual_seed(self.seed)
@@ -191,16 +193,19 @@ class EvaluationCallback(Callback):
                                   generator=generator, extract_answer=self.extract_answer,
                                   pass_threshold=self.pass_threshold, progress=self.progress, leave=False,
                                   desc=f"eval step {step}", log=_quiet, should_stop=should_stop)
-        except FloatingPointError as err:  # non-finite logits in the sampler: one line, not its traceback
-            raise nonfinite_sampling("evaluation", policy_version, err) from None
+        except FloatingPointError as err:  # non-finite logits in the sampler: one line, not its traceback, raised
+            nonfinite = err                 # on every rank together once the sums below carried the flag
+            result = EvalResult(reward_names=list(self.rewards.names))
         finally:
             if getattr(engine, "prefix_cache", None) is not None:
                 engine.prefix_cache.clear()
             if asleep:
                 engine.sleep()
-        local = result.sums()
+        local = {**result.sums(), "nonfinite": float(nonfinite is not None)}
         summed = dict(zip(local, self.dist.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64,
                                                                        device=self.dist.device)).tolist()))
+        if summed["nonfinite"]:
+            raise self._nonfinite_on_some_rank(nonfinite, policy_version)
         if summed["interrupted"]:  # the same decision on every rank: the sums are
             if self.dist.is_main:
                 self.printer(f"eval step {step}: interrupted by a stop signal after {time.perf_counter() - start:.1f} "
@@ -216,14 +221,30 @@ class EvaluationCallback(Callback):
                          f"{stats['ci_high']:.4f}]), mean reward {stats['reward_mean']:.4f} "
                          f"([{stats['reward_mean_ci_low']:.4f}, {stats['reward_mean_ci_high']:.4f}]) on "
                          f"{questions} questions, {seconds:.1f} s")
+        if stats["truncated_fraction"] > 0.5 and not self._said_truncated and self.dist.is_main:
+            self._said_truncated = True
+            self.printer(f"eval step {step}: max_new_tokens ({self.settings.max_new_tokens}) cut "
+                         f"{stats['truncated_fraction']:.0%} of the responses before they ended: the rewards scored "
+                         "unfinished answers (eval/truncated_fraction counts it at every evaluation; said once)")
         metrics = {"eval/accuracy": stats["accuracy"], "eval/accuracy_ci_low": stats["ci_low"],
                    "eval/accuracy_ci_high": stats["ci_high"], "eval/reward_mean": stats["reward_mean"],
                    "eval/reward_mean_ci_low": stats["reward_mean_ci_low"],
-                   "eval/reward_mean_ci_high": stats["reward_mean_ci_high"], "eval/num_questions": float(questions)}
+                   "eval/reward_mean_ci_high": stats["reward_mean_ci_high"], "eval/num_questions": float(questions),
+                   "eval/truncated_fraction": stats["truncated_fraction"]}
         for name, values in stats["rewards"].items():
             metrics.update({f"eval/rewards/{name}/{key}": value for key, value in values.items()})
         metrics["time/eval_seconds"] = seconds
         return {key: torch.tensor(value) for key, value in metrics.items()}
+
+    def _nonfinite_on_some_rank(self, err: Optional[FloatingPointError], policy_version: int) -> NonFiniteError:
+        """The `NonFiniteError` every rank raises together (`agreed`) when the sampler met non-finite logits on some
+        rank: this rank's own line, else the first failing rank's, prefixed "rank N: " (one gather, only then)."""
+        lines = self.dist.gather_objects(None if err is None else str(nonfinite_sampling("evaluation", policy_version,
+                                                                                         err)))
+        rank, line = next((r, text) for r, text in enumerate(lines) if text is not None)
+        fault = NonFiniteError(lines[self.dist.rank] or f"rank {rank}: {line}")
+        fault.agreed = True
+        return fault
 
     def write_examples(self, step: int, examples: list[dict]) -> None:
         """Gather every rank's per-question results and write them, in question order, to
