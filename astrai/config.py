@@ -313,9 +313,16 @@ class DistillSection(Section, name="distill"):
     tokens; read by the train types that distill (`TrainType.distills`; docs/train_types.md)."""
 
     teacher: Optional[str] = field_spec(
-        None, "teacher model (as model.path: a name, Hugging Face-format directory or .gguf file) scoring every "
+        None, "teacher model (as model.path: a name, Hugging Face-format directory or .gguf file, or the URL of an "
+              "OpenAI-compatible server, http://host:8000/v1, that echoes prompt log-probs) scoring every "
               "sampled token; it must share the student's tokenizer; null = no distillation",
         Pattern(r"\s*\S.*", "a model name or path"))
+
+    @property
+    def served(self) -> bool:
+        """Whether `teacher` names a server (an http:// or https:// URL) rather than a model to load."""
+        return bool(self.teacher) and self.teacher.strip().lower().startswith(("http://", "https://"))
+
     reward_weight: float = field_spec(0.0, "weight of the task reward's advantage (online_grpo: its group "
                                            "advantage; online_ppo: the score) added to the per-token "
                                            "distillation advantage; 0 = pure distillation", GE0)
@@ -458,6 +465,10 @@ class Config:
             distillers = " and ".join(t.name for t in train_types.all_train_types() if t.distills)
             raise ConfigError(f"distill.teacher: on-policy distillation scores the tokens sampled by {distillers}; "
                               f"train.type {kind} samples none; set distill.teacher to null")
+        if self.distill.served and self.rollout.temperature != 1.0:
+            raise ConfigError(f"distill.teacher: a served teacher returns log-probs of its raw distribution (as vLLM "
+                              f"echoes prompt log-probs), which match the student's only at rollout.temperature 1, "
+                              f"got {self.rollout.temperature:g}; set it to 1 or load the teacher locally")
         spec.check(self)
         if self.rollout.dynamic_sampling:
             if spec.group_size(self) is None or not spec.online:

@@ -115,6 +115,10 @@ def test_group_rollout_takes_the_teachers_logprobs_from_the_reference_slot():
       "grpo": {"advantage_estimator": "on_policy_distill", "kl_coef": 0}},
      "distill.teacher: on-policy distillation scores the tokens sampled by online_ppo and online_grpo; train.type "
      "grpo samples none"),
+    ({"distill": {"teacher": "http://127.0.0.1:8000/v1"}, "rollout": {"temperature": 0.7},
+      "grpo": {"advantage_estimator": "on_policy_distill", "kl_coef": 0}},
+     "distill.teacher: a served teacher returns log-probs of its raw distribution (as vLLM echoes prompt log-probs), "
+     "which match the student's only at rollout.temperature 1, got 0.7"),
 ])
 def test_config_refuses_a_teacher_without_its_estimator_and_with_a_reference_kl(settings, message):
     with pytest.raises(ConfigError) as info:
@@ -122,7 +126,7 @@ def test_config_refuses_a_teacher_without_its_estimator_and_with_a_reference_kl(
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
     ok = config_from_dict({"train": {"type": "online_grpo"}, "distill": {"teacher": "t", "reward_weight": 0.3},
                            "grpo": {"advantage_estimator": "on_policy_distill", "kl_coef": 0}})
-    assert ok.distill.teacher == "t" and ok.distill.reward_weight == 0.3
+    assert ok.distill.teacher == "t" and ok.distill.reward_weight == 0.3 and not ok.distill.served
     assert config_from_dict({"train": {"type": "online_ppo"}, "distill": {"teacher": "t"},
                              "ppo": {"kl_coef": 0}}).distill.teacher == "t"
     assert ignored_settings(ok) == []

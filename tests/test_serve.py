@@ -356,3 +356,85 @@ def test_cli_bad_checkpoint_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--checkpoint", str(tmp_path), "--max_batch", "0"])
     assert info.value.code == 2
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server, tiny_ppo_run):
+    """vLLM's prompt scoring: `echo` + `max_tokens: 0` answers the log-probs of the prompt's own tokens (null for the
+    first), equal to the model's forward; echo with tokens to generate, max_tokens 0 alone, n > 1 are 400s."""
+    base, client = server
+    ckpt = sorted((tiny_ppo_run / "checkpoints").glob("step-*"))[-1]
+    model, _ = load_pretrained(str(ckpt))
+    ids = [[5, 9, 12, 7, 3, 30], [8, 4, 6]]
+    status, reply = http("POST", f"{base}/v1/completions", {"model": MODEL, "prompt": ids, "echo": True,
+                                                            "max_tokens": 0, "logprobs": 2})
+    assert status == 200 and reply["usage"] == {"prompt_tokens": 9, "completion_tokens": 0, "total_tokens": 9}
+    for choice, row in zip(reply["choices"], ids):
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and len(lp["tokens"]) == len(row)
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([row]))[0, :-1].float(), -1)
+        assert lp["token_logprobs"][1:] == pytest.approx(want.gather(1, torch.tensor(row[1:])[:, None])[:, 0].tolist(),
+                                                         abs=1e-5)
+        assert all(len(top) == 2 for top in lp["top_logprobs"][1:]) and choice["text"] == "".join(lp["tokens"])
+    sdk = client.completions.create(model=MODEL, prompt=ids[0], echo=True, max_tokens=0, logprobs=0)
+    assert sdk.choices[0].logprobs.token_logprobs[1:] == pytest.approx(reply["choices"][0]["logprobs"]
+                                                                       ["token_logprobs"][1:], abs=1e-6)
+    for extra, param in (({"echo": True, "max_tokens": 3}, "echo"), ({"max_tokens": 0}, "max_tokens"),
+                         ({"echo": True, "max_tokens": 0, "n": 2}, "n")):
+        status, reply = http("POST", f"{base}/v1/completions", {"model": MODEL, "prompt": ids[0], **extra})
+        assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_a_served_teacher_scores_as_the_local_one(server, tiny_ppo_run):
+    """Issue 45: distill.teacher as a URL (this server) gives the response tokens the log-probs the local teacher
+    (the same checkpoint loaded here) gives them; its tokenizer check passes for the same tokenizer and names the
+    first token that differs for another; a dead URL is one line naming distill.teacher."""
+    from astrai.data.sequences import Sequences
+    from astrai.experience.served_teacher import ServedTeacher, TeacherServerError
+    from astrai.forward import response_logprobs
+
+    base, _ = server
+    ckpt = sorted((tiny_ppo_run / "checkpoints").glob("step-*"))[-1]
+    model, tokenizer = load_pretrained(str(ckpt))
+    teacher = ServedTeacher(base, rows_per_request=2)
+    assert teacher.model == str(tiny_ppo_run)
+    teacher.check_tokenizer(tokenizer)
+    seq = Sequences.from_tokens([[5, 9, 12], [8, 4], [3, 3, 3, 3]], [[7, 3, 30, 2], [6], [11, 12]], pad_token_id=2)
+    served = teacher.response_logprobs(seq)
+    with torch.no_grad():
+        local = response_logprobs(model, seq, temperature=1.0)[0]
+    mask = seq.action_mask
+    assert served.shape == local.shape and served.dtype == torch.float32 and not served[~mask].any()
+    torch.testing.assert_close(served[mask], local[mask], rtol=0, atol=1e-5)
+
+    class Shifted:  # a tokenizer that spells every token differently
+        def encode(self, text):
+            return tokenizer.encode(text)
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "x" + tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    with pytest.raises(TeacherServerError, match=r"^distill.teacher: .* does not share the student's tokenizer: "):
+        teacher.check_tokenizer(Shifted())
+    with pytest.raises(TeacherServerError, match=r"^distill.teacher: GET http://127.0.0.1:\d+/v1/models failed after "
+                                                 r"1 attempts: "):
+        ServedTeacher(f"http://127.0.0.1:{free_port()}", retries=0)
+
+
+def test_online_grpo_distills_from_a_served_teacher_as_from_the_local_one(server, tiny_ppo_run, tmp_path):
+    """The served checkpoint as both student and teacher: at step 1 the reverse KL is ~0 and the first step's
+    metrics equal those of the same job with the teacher loaded locally (deterministic sampling)."""
+    from test_distill import grpo_args, records
+
+    from astrai.train import main
+
+    base, _ = server
+    ckpt = sorted((tiny_ppo_run / "checkpoints").glob("step-*"))[-1]
+    runs = {}
+    for name, teacher in (("local", ckpt), ("served", f"{base}/v1")):
+        out = tmp_path / name
+        assert main(grpo_args(ckpt, teacher, out, "--runtime.deterministic", "true", "--max_steps", "1")) == 0
+        runs[name] = records(out)[0]
+    assert abs(runs["served"]["distill/reverse_kl"]) < 1e-5
+    for key in ("distill/reverse_kl", "policy/loss", "rollout/advantage_abs_mean"):
+        assert runs["served"][key] == pytest.approx(runs["local"][key], abs=1e-5), key

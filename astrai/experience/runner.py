@@ -30,7 +30,9 @@ class RolloutRunner:
         sampling: sampling settings (temperature is also used to score, docs/conventions.md section 2).
         decode: token ids -> text (special tokens skipped).
         score_fn: the reward, see `ScoreFn`.
-        ref_model: frozen reference policy, or None.
+        ref_model: frozen reference policy (or the teacher of on-policy distillation in its place), or None; an
+            object that is not a module scores by its own `response_logprobs(sequences) -> (B, T) float32` (a
+            served teacher, `astrai.experience.served_teacher.ServedTeacher`).
         chunk_size: rows per no-grad scoring forward.
     """
 
@@ -118,8 +120,11 @@ class RolloutRunner:
         if self.ref_model is None:
             return experience
         start = time.perf_counter()
-        ref_logprobs = score_in_chunks(
-            lambda chunk: response_logprobs(self.ref_model, chunk, temperature=self.sampling.temperature)[0],
-            experience.sequences, self.chunk_size)
+        if isinstance(self.ref_model, torch.nn.Module):
+            ref_logprobs = score_in_chunks(
+                lambda chunk: response_logprobs(self.ref_model, chunk, temperature=self.sampling.temperature)[0],
+                experience.sequences, self.chunk_size)
+        else:  # a scorer of its own (a served teacher: `served_teacher.ServedTeacher`)
+            ref_logprobs = self.ref_model.response_logprobs(experience.sequences)
         timings = {**experience.timings, "reference": time.perf_counter() - start}
         return dataclasses.replace(experience, ref_logprobs=ref_logprobs, timings=timings)

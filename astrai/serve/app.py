@@ -8,7 +8,9 @@ none (a base model: send the text to `/v1/completions`).
 Requests join the engine's running batch at its next decode step and leave it when they end (`engine_loop`), so a
 short request is not held up by a long one. Every failure is answered in the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}`: bad JSON, invalid fields or text, unknown model or route, a
-prompt longer than the context, unsupported options (4xx), and anything unexpected (500). Streaming
+prompt longer than the context, unsupported options (4xx), and anything unexpected (500). A completion request
+with `echo: true` and `max_tokens: 0` scores its prompt instead (`astrai.serve.scoring`: the log-probs of the
+prompt's own tokens, as vLLM answers it; what a served teacher of on-policy distillation is asked). Streaming
 (`"stream": true`) sends server-sent events in the OpenAI chunk format, ending with `data: [DONE]`. A client that
 disconnects, streaming or not, has its request aborted in the engine before the next step.
 """
@@ -20,6 +22,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request
@@ -35,6 +38,7 @@ from astrai.serve.logprobs import TokenText
 from astrai.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_supported, check_text,
                                    logprobs_k, message_text, sampling_for, stop_strings)
 from astrai.serve.responses import Run, body, sse_lines
+from astrai.serve.scoring import PromptScorer
 
 __all__ = ["create_app"]
 
@@ -49,6 +53,7 @@ class _Server:
         self.engine, self.tokenizer, self.model_name, self.max_tokens = engine, tokenizer, model_name, max_tokens
         self.names = {model_name, *aliases}
         self.text_of = TokenText(tokenizer)
+        self.scorer = PromptScorer(engine, self.text_of)
         capacity = engine.capacity
         self.context, self.max_batch = capacity.max_position_embeddings, capacity.max_num_seqs
         self.vocab = engine.model.config.vocab_size
@@ -96,6 +101,19 @@ class _Server:
                            f"{len(prompt)} tokens and {asked} more were requested ({param})",
                            param=param if room >= 1 else "messages", code="context_length_exceeded")
         return asked
+
+    def score(self, req: CompletionRequest, prompts: list[list[int]]) -> dict:
+        """The body of a prompt-scoring request (`echo` with `max_tokens` 0): one choice per prompt with the log-probs
+        of its own tokens (`scoring.PromptScorer`), no token generated."""
+        check_supported(req)
+        k = req.logprobs or 0
+        choices = [self.scorer.echo_choice(i, ids, k) for i, ids in enumerate(prompts)]
+        if req.logprobs is None:
+            choices = [{**choice, "logprobs": None} for choice in choices]
+        tokens = sum(len(p) for p in prompts)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}}
 
     def run(self, req, prompts: list[list[int]], budgets: list[int], *, chat: bool) -> Run:
         """Validate the request's options and submit one job per prompt."""
@@ -218,6 +236,8 @@ def create_app(engine, tokenizer, *, model_name: str, max_tokens: int = 512, ali
     async def completions(req: CompletionRequest, request: Request):
         server.check_model(req.model)
         prompts = server.prompts_of(req)
+        if req.scores_prompt():
+            return _json(await asyncio.to_thread(server.score, req, prompts))
         budgets = [server.budget(p, req.max_tokens, "max_tokens") for p in prompts]
         return await _respond(server, request, req, prompts, budgets, chat=False)
 

@@ -2,8 +2,9 @@
 
 Field names, ranges and defaults follow the OpenAI API reference for `/v1/completions` and `/v1/chat/completions`.
 Unknown fields are ignored (clients send many optional ones); fields the engine cannot honour
-(`presence_penalty`, `logit_bias`, `best_of`, `echo`, `suffix`, `tools`, non-text message parts) are rejected with
-a 400 naming them when they ask for something, rather than silently dropped. `ignore_eos` is vLLM's extension
+(`presence_penalty`, `logit_bias`, `best_of`, `suffix`, `tools`, non-text message parts, `echo` with generated
+tokens) are rejected with a 400 naming them when they ask for something, rather than silently dropped. `echo` with
+`max_tokens: 0` scores the prompt instead (`astrai.serve.scoring`). `ignore_eos` is vLLM's extension
 (generate exactly `max_tokens` tokens, as load benchmarks need). Text that cannot be encoded as UTF-8 (a lone
 surrogate such as "\ud800", which JSON allows) is refused with a 400 naming the field.
 """
@@ -78,15 +79,34 @@ class CompletionRequest(_Sampling):
     """`POST /v1/completions`: `prompt` is a string, a list of strings, a token-id list or a list of those."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0)  # 0 only with echo: score the prompt (vLLM's convention)
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS["completions"])
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported() + (["echo"] if self.echo else []) + (["suffix"] if self.suffix else [])
+        bad = super().unsupported() + (["suffix"] if self.suffix else [])
         return bad + (["best_of"] if self.best_of not in (None, 1) else [])
+
+    def scores_prompt(self) -> bool:
+        """Whether this request asks for the prompt's own log-probs (`echo` with `max_tokens` 0), not a completion.
+
+        Raises:
+            APIError: `echo` with tokens to generate, `max_tokens` 0 without `echo`, or a scoring request that
+                streams or asks for several choices (naming the field).
+        """
+        if self.echo and self.max_tokens != 0:
+            raise APIError("echo: supported with max_tokens 0 (the prompt's own log-probs, vLLM's convention), not "
+                           "together with generated tokens", param="echo", code="unsupported_parameter")
+        if not self.echo and self.max_tokens == 0:
+            raise APIError("max_tokens: 0 generates nothing; it is meant with echo true (the prompt's log-probs)",
+                           param="max_tokens")
+        if self.echo and (self.stream or self.n != 1):
+            param = "stream" if self.stream else "n"
+            raise APIError(f"{param}: not supported when scoring a prompt (echo with max_tokens 0)", param=param,
+                           code="unsupported_parameter")
+        return self.echo
 
 
 class ChatMessage(BaseModel):

@@ -14,6 +14,7 @@ import torch
 
 from astrai.config import ConfigError
 from astrai.distributed.sharding import TrainedModel, prepare_reference, prepare_trained
+from astrai.experience.served_teacher import ServedTeacher
 from astrai.models import load_pretrained
 from astrai.models.moe import collect_aux_loss, convert_to_moe
 from astrai.trainer.lora import AdaptersOff, LoraAdapters, lora_settings, shared_base_model
@@ -88,17 +89,24 @@ def vocabulary_mismatch(student, teacher) -> Optional[str]:
     return None
 
 
-def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu") -> torch.nn.Module:
+def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu") -> torch.nn.Module | ServedTeacher:
     """The teacher of on-policy distillation: `distill.teacher` loaded as `model.path` is (`models.load_pretrained`,
     `model.dtype`, on `device`), in eval mode with every parameter frozen, once it is checked to score the
     student's token ids: its tokenizer equals the student's `tokenizer` (`vocabulary_mismatch`; cross-tokenizer
-    distillation is out of scope) and its embedding holds every id of it. Also what `--check` runs.
+    distillation is out of scope) and its embedding holds every id of it. A URL (`http://host:8000/v1`) is a
+    served teacher instead (`astrai.experience.served_teacher.ServedTeacher`), checked to spell the student's
+    tokens. Also what `--check` runs.
 
     Raises:
         ConfigError: one line naming `distill.teacher`, for another tokenizer or too small an embedding;
-            FileNotFoundError / ValueError from loading.
+            FileNotFoundError / ValueError from loading; TeacherServerError (a ValueError) for a server that does
+            not answer, or answers with another tokenizer.
     """
     path = config.distill.teacher
+    if config.distill.served:
+        served = ServedTeacher(path)
+        served.check_tokenizer(tokenizer)
+        return served
     teacher, teacher_tokenizer = load_pretrained(path, dtype=getattr(torch, config.model.dtype), device=device)
     why = vocabulary_mismatch(tokenizer, teacher_tokenizer)
     if why is not None:
@@ -111,12 +119,13 @@ def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu") -> to
     return teacher.eval().requires_grad_(False)
 
 
-def teacher_model(dist, config, tokenizer) -> torch.nn.Module:
+def teacher_model(dist, config, tokenizer) -> torch.nn.Module | ServedTeacher:
     """The frozen teacher of `distill.teacher` (`load_teacher`) prepared for inference like the reference model
     (`astrai.distributed.sharding.prepare_reference`: partitioned under fsdp2 and zero3, whole on every rank
-    otherwise). Always its own model: under LoRA too (where the reference is the policy's shared base), since the
-    teacher's weights are not the student's."""
-    return prepare_reference(dist, load_teacher(config, tokenizer))
+    otherwise), or the served teacher (each rank sends its own rows). Always its own model: under LoRA too (where
+    the reference is the policy's shared base), since the teacher's weights are not the student's."""
+    teacher = load_teacher(config, tokenizer)
+    return teacher if isinstance(teacher, ServedTeacher) else prepare_reference(dist, teacher)
 
 
 def apply_model_options(config, policy: torch.nn.Module) -> torch.nn.Module:
