@@ -286,3 +286,47 @@ def test_the_config_sets_the_generation_batch(tiny_model_dir, tmp_path):
     exp = experience.collect(policy_version=0)
     rounds = int(exp.stats["sampling_rounds"])
     assert experience.data_sampler.drawn == 3 * rounds and exp.scores.shape == (4,)
+
+
+def test_with_several_ranks_every_rank_samples_while_any_rank_lacks_groups():
+    """Issue 42: the ranks agree on each further round (`any_rank`), so a rank that has its B groups after round 2
+    samples a third round with a rank that still lacks some: the same number of engine and scoring calls on every rank
+    (a sharded reward model's collectives, the failure agreement), its own first B groups kept."""
+    script = [[0, 0, 0, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 0, 1, 0], [1, 0, 1, 0, 1, 0, 1, 0]]
+    asked = []
+    source = _source(script, max_rounds=4)
+    source.any_rank = lambda flag: asked.append(flag) or len(asked) <= 3  # another rank needs 3 rounds
+    exp = source.collect(policy_version=0)
+    texts = source.runner.score_fn.calls
+    assert len(texts) == 3 and asked == [True, True, False, False]  # it had its groups after round 2
+    assert exp.responses == tuple(texts[0][G:2 * G] + texts[1][:G])  # the same kept groups as alone
+    assert exp.stats["sampling_rounds"] == 3.0
+
+
+def test_non_finite_logits_on_any_rank_stop_every_rank_before_scoring():
+    """`RolloutRunner.agree`: the rank whose sampler met non-finite logits and a rank that did not both raise the
+    agreed FloatingPointError right after generating, carrying the failing rank's line, and neither scores."""
+    from astrai.experience.runner import first_line_of_any_rank
+
+    class NaNEngine(ReferenceEngine):
+        def generate(self, *args, **kwargs):
+            raise FloatingPointError("sample_rows: row 0 has non-finite logits (max nan)")
+
+    policy = small_model()
+    for engine, other in ((NaNEngine(policy, pad_token_id=EOS), None),
+                          (ReferenceEngine(policy, pad_token_id=EOS), "sample_rows: row 3 has non-finite logits")):
+        scores = ScriptedScores([[0] * B * G])
+        fake = type("Dist", (), {"world_size": 2, "rank": 0, "device": torch.device("cpu"),
+                                 "all_reduce_max": staticmethod(lambda t: torch.ones_like(t)),
+                                 "gather_objects": staticmethod(lambda line: [line, other])})()
+        runner = RolloutRunner(engine, SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(EOS,)),
+                               decode=lambda ids: " ".join(map(str, ids)), score_fn=scores,
+                               agree=lambda line: first_line_of_any_rank(fake, line))
+        with pytest.raises(FloatingPointError) as info:
+            runner.sample([[5, 6]] * (B * G), [None] * (B * G))
+        assert info.value.agreed and scores.calls == []
+        assert str(info.value) == ("sample_rows: row 0 has non-finite logits (max nan)" if other is None
+                                   else "rank 1: sample_rows: row 3 has non-finite logits")
+    quiet = type("Dist", (), {"world_size": 2, "device": torch.device("cpu"),
+                              "all_reduce_max": staticmethod(lambda t: t)})()
+    assert first_line_of_any_rank(quiet, None) is None  # no rank failed: one all-reduce, no gather

@@ -22,6 +22,21 @@ ScoreFn = Callable[[list[str], list[Any], list[list[int]]], Any]
 and per-function values). `targets` are what the caller passed per sample (answers, prompt records ...)."""
 
 
+def first_line_of_any_rank(dist, line: Optional[str]) -> Optional[str]:
+    """Agree over the ranks of `dist` (a distributed context: `world_size`, `rank`, `device`, `all_reduce_max`,
+    `gather_objects`) on whether any rank has a failure `line`: None when none has (one all-reduce of a flag), else
+    this rank's own line or the first failing rank's, prefixed "rank N: " (one gather more, only then). Every rank
+    must call it at the same point."""
+    if dist.world_size == 1:
+        return line
+    flag = torch.tensor([float(line is not None)], device=dist.device)
+    if not dist.all_reduce_max(flag).item():
+        return None
+    lines = dist.gather_objects(line)
+    rank, first = next((r, text) for r, text in enumerate(lines) if text is not None)
+    return line if line is not None else f"rank {rank}: {first}"
+
+
 class RolloutRunner:
     """Turns prompt token ids into scored `Experience` with the colocated engine.
 
@@ -34,18 +49,45 @@ class RolloutRunner:
             object that is not a module scores by its own `response_logprobs(sequences) -> (B, T) float32` (a
             served teacher, `astrai.experience.served_teacher.ServedTeacher`).
         chunk_size: rows per no-grad scoring forward.
+        agree: with several ranks, `agree(line or None) -> line or None` (`first_line_of_any_rank` over the
+            distributed context): the ranks agree right after generating whether the sampler met non-finite logits
+            on any of them, before scoring (which may run collectives: a sharded reward model), so that every rank
+            raises together; None (one process) raises at once.
     """
 
     def __init__(self, engine, sampling: SamplingParams, *,
                  decode: Callable[[list[int]], str], score_fn: ScoreFn,
-                 ref_model: Optional[torch.nn.Module] = None, chunk_size: int = 8):
+                 ref_model: Optional[torch.nn.Module] = None, chunk_size: int = 8,
+                 agree: Optional[Callable[[Optional[str]], Optional[str]]] = None):
         self.engine = engine
         self.sampling = sampling
         self.decode = decode
         self.score_fn = score_fn
         self.ref_model = ref_model
         self.chunk_size = chunk_size
+        self.agree = agree
         self._said_truncated = False
+
+    def generate_agreed(self, generate: Callable[[], Any]) -> Any:
+        """`generate()` (the engine's call), with non-finite logits met on any rank raised on every rank together
+        (`agree`): a `FloatingPointError` whose `agreed` is True, carrying the failing rank's line.
+
+        Raises:
+            FloatingPointError: the sampler met non-finite logits here or (with `agree`) on another rank.
+        """
+        if self.agree is None:
+            return generate()
+        failure = None
+        try:
+            out = generate()
+        except FloatingPointError as err:
+            out, failure = None, str(err)
+        line = self.agree(failure)
+        if line is not None:
+            err = FloatingPointError(line)
+            err.agreed = True
+            raise err
+        return out
 
     def collect(self, prompt_ids: Sequence[Sequence[int]], answers: Sequence[Any],
                 generator: Optional[torch.Generator] = None) -> Experience:
@@ -67,11 +109,12 @@ class RolloutRunner:
         Raises:
             ValueError: when `prompt_ids` and `answers` differ in length, or the score function returns a
                 tensor of the wrong shape or with non-finite values.
+            FloatingPointError: non-finite logits in the sampler (`generate_agreed`).
         """
         if len(prompt_ids) != len(answers):
             raise ValueError(f"collect: {len(prompt_ids)} prompts but {len(answers)} answers")
         start = time.perf_counter()
-        generation = self.engine.generate(prompt_ids, self.sampling, generator)
+        generation = self.generate_agreed(lambda: self.engine.generate(prompt_ids, self.sampling, generator))
         timings = {"generate": time.perf_counter() - start}
         sequences = generation.sequences()
         response_ids = [row[mask].tolist() for row, mask in

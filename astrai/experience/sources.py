@@ -64,6 +64,11 @@ class OnlineExperience:
             the batch is filled up with dropped groups (in the order they were sampled), so a step never stalls.
         generation_batch_size: prompts drawn and sampled per round with `dynamic_sampling` (None = B). More than B
             makes fewer, larger rounds: a decode step over more rows runs its GEMMs nearer the matmul peak.
+        any_rank: with several ranks, `any_rank(flag) -> bool` (the maximum of `flag` over the ranks): with
+            `dynamic_sampling` every rank samples another round while any rank still lacks B groups, so that the
+            ranks make the same number of engine and scoring calls (which agree on failures and may run collectives:
+            a sharded reward model); a rank that has its groups samples on (the surplus is dropped) where it would
+            otherwise wait for the slowest rank at the next collective. None (one process): each rank decides alone.
 
     With `dynamic_sampling` each round consumes `generation_batch_size` records of the sampler; reference
     log-probs are computed once, for the B * G kept samples. The experience's stats hold `sampling_rounds` and
@@ -78,7 +83,8 @@ class OnlineExperience:
 
     def __init__(self, *, sync_weights: Callable[[int], None], runner: RolloutRunner, sampler, batch_size: int,
                  group_size: int = 1, seed: int, device: torch.device, dynamic_sampling: bool = False,
-                 max_sampling_rounds: int = 1, generation_batch_size: Optional[int] = None):
+                 max_sampling_rounds: int = 1, generation_batch_size: Optional[int] = None,
+                 any_rank: Optional[Callable[[bool], bool]] = None):
         if dynamic_sampling and group_size < 2:
             raise ValueError(f"dynamic_sampling needs groups of at least 2 samples, got group_size={group_size}")
         if max_sampling_rounds < 1:
@@ -93,6 +99,7 @@ class OnlineExperience:
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
         self.generation_batch_size = generation_batch_size or batch_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.any_rank = any_rank or bool
 
     @property
     def engine(self) -> GenerationEngine:
@@ -129,7 +136,7 @@ class OnlineExperience:
         """B groups without reference log-probs (see the class docstring): the first B groups of unequal rewards,
         or at the round cap all of those filled up with the first dropped ones; in the order they were sampled."""
         g, rounds, kept, dropped = self.group_size, [], [], []
-        while len(kept) < self.batch_size and len(rounds) < self.max_sampling_rounds:
+        while len(rounds) < self.max_sampling_rounds and self.any_rank(len(kept) < self.batch_size):
             part = self.runner.sample(*self._next_prompts(self.generation_batch_size), self.generator)
             spread = part.scores.reshape(-1, g).amax(dim=1) > part.scores.reshape(-1, g).amin(dim=1)
             for group, useful in enumerate(spread.tolist()):

@@ -57,9 +57,11 @@ def nonfinite_sampling(phase: str, policy_version: int, err: FloatingPointError)
     """The one-line fault of a sampler that met non-finite logits (`FloatingPointError` from
     `astrai.rollout.row_sampling`) while `phase` ("the rollout", "evaluation") sampled the weights of
     `policy_version`: the guard of the optimizer step, carried to the phases that sample."""
-    return NonFiniteError(f"{phase} of policy_version {policy_version} met non-finite logits ({err}); the job stops "
-                          "and publishes nothing of this step (a model loaded with NaN/inf weights, or activations "
-                          "that overflow its dtype: try float32)")
+    fault = NonFiniteError(f"{phase} of policy_version {policy_version} met non-finite logits ({err}); the job "
+                           "stops and publishes nothing of this step (a model loaded with NaN/inf weights, or "
+                           "activations that overflow its dtype: try float32)")
+    fault.agreed = getattr(err, "agreed", False)  # every rank raises it together (`RolloutRunner.generate_agreed`)
+    return fault
 
 
 class StalledRankError(JobFault):
