@@ -133,3 +133,33 @@ def test_each_dropped_pair_is_counted_once_under_its_reason(tiny_model_dir, tmp_
     with pytest.raises(DataError, match=r"no pair left to train on: data.truncation=filter dropped 1 of 2 for prompt "
                                         r"length and 1 with identical chosen and rejected tokens$"):
         dpo_data(load_config(None, args), policy.config, tokenizer)
+
+
+def test_a_reward_model_shorter_than_the_samples_is_said_at_start_and_its_cuts_counted(tmp_path, monkeypatch):
+    """Issue 42, class 1: a reward model whose position limit is below data.max_prompt_length + max_new_tokens is
+    named at start-up; at run time the samples it scored cut are counted and warned about once."""
+    import warnings
+
+    import astrai.rewards.build as build
+    from astrai.config import config_from_dict
+    from astrai.models import AutoRegressiveLM, tiny_config, tiny_tokenizer
+    from astrai.models.reward_model import RewardModel
+
+    torch.manual_seed(0)
+    model = RewardModel.from_policy(AutoRegressiveLM(tiny_config(max_position_embeddings=24))).eval()
+    monkeypatch.setattr(build, "load_reward_model", lambda *a, **k: (model, tiny_tokenizer()))
+    config = config_from_dict({"reward": {"model_path": "rm"}, "data": {"max_prompt_length": 16},
+                               "rollout": {"max_new_tokens": 16}})
+    with pytest.warns(UserWarning, match=r"reward.model_path: the reward model reads at most 24 positions, but a "
+                                         r"prompt .* can take 33 "):
+        rewards = build.build_rewards(config, [], num_workers=0)
+    scorer = rewards._functions[rewards.names.index("reward_model")]
+    with pytest.warns(UserWarning, match=r"reward model: 1 of 2 samples of this batch were longer than its 24 "
+                                         r"positions and were scored cut"):
+        scores = scorer(["a short question", "q"], ["x" * 60, "ok"])
+    assert len(scores) == 2 and scorer.cut == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: the second batch only counts
+        scorer(["q"], ["y" * 80])
+    assert scorer.cut == 2
+    rewards.close()

@@ -5,6 +5,7 @@ model out (`evaluation_specs`)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -76,6 +77,13 @@ def build_rewards(config, prompts: Sequence[Any], *, device: torch.device = torc
         scorer = RewardModelScorer(prepare_model(model) if prepare_model is not None else model, model.config,
                                    rm_tokenizer, batch_size=r.model_batch_size, device=device,
                                    system_prompt=config.data.system_prompt, chat_template=config.data.chat_template)
+        longest = config.data.max_prompt_length + config.rollout.max_new_tokens + 1
+        if model.config.max_position_embeddings < longest:  # what can be known at start-up (issue 42, class 1)
+            warnings.warn(f"reward.model_path: the reward model reads at most {model.config.max_position_embeddings} "
+                          f"positions, but a prompt (data.max_prompt_length {config.data.max_prompt_length}) and its "
+                          f"response (rollout.max_new_tokens {config.rollout.max_new_tokens}) can take {longest} "
+                          "(in the policy's tokens): longer samples are scored cut, the prompt's start first",
+                          stacklevel=2)
         spec = RewardFunctionSpec(name="reward_model", function="reward_model", index=None,
                                   weight=r.model_weight)
         extra.append((spec, scorer))

@@ -12,6 +12,7 @@ of forwards (one per `batch_size` rows).
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -43,24 +44,36 @@ class RewardModelScorer:
         self.chat_template = chat_template
         self.end_id = response_end_id(tokenizer, stop_token_ids(config, tokenizer))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.cut = 0  # samples read cut to the position limit so far
+        self._said_cut = False
 
-    def encode(self, prompt, completion) -> tuple[list[int], list[int]]:
-        """(prompt ids, completion ids + end of turn) with the reward model's tokenizer, within its position
-        limit (the completion is cut first, to at least one token)."""
+    def encode(self, prompt, completion) -> tuple[list[int], list[int], bool]:
+        """(prompt ids, completion ids + end of turn, whether anything was cut) with the reward model's tokenizer,
+        within its position limit (the prompt's start is cut to leave one position, then the completion's end)."""
         prompt_ids, _ = encode_prompt(self.tokenizer, prompt, system_prompt=self.system_prompt,
                                       chat_template=self.chat_template, where="reward model")
-        prompt_ids = prompt_ids[-(self.limit - 1):]
         response = self.tokenizer.encode_text(completion_text(completion)) + [self.end_id]
-        return prompt_ids, response[:max(1, self.limit - len(prompt_ids))]
+        cut = len(prompt_ids) + len(response) > self.limit
+        prompt_ids = prompt_ids[-(self.limit - 1):]
+        return prompt_ids, response[:max(1, self.limit - len(prompt_ids))], cut
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence, completions: Sequence, **columns) -> list[float]:
-        """One reward per completion (floats), `batch_size` rows per forward."""
+        """One reward per completion (floats), `batch_size` rows per forward. Samples longer than the position limit
+        are scored cut (`encode`), counted in `cut` and warned about once."""
         encoded = [self.encode(p, c) for p, c in zip(prompts, completions)]
+        cut = sum(was_cut for _, _, was_cut in encoded)
+        self.cut += cut
+        if cut and not self._said_cut:
+            self._said_cut = True
+            warnings.warn(f"reward model: {cut} of {len(encoded)} samples of this batch were longer than its "
+                          f"{self.limit} positions and were scored cut (the prompt's start, then the completion's "
+                          "end left out); a reward model with a longer context, or shorter prompts and responses, "
+                          "avoid it (said once)", stacklevel=2)
         scores: list[float] = []
         for start in range(0, len(encoded), self.batch_size):
             chunk = encoded[start:start + self.batch_size]
-            seqs = Sequences.from_tokens([p for p, _ in chunk], [r for _, r in chunk], pad_token_id=self.pad_id,
+            seqs = Sequences.from_tokens([p for p, _, _ in chunk], [r for _, r, _ in chunk], pad_token_id=self.pad_id,
                                          device=self.device)
             scores += self.model(seqs.input_ids, seqs.attention_mask, seqs.position_ids).float().cpu().tolist()
         return scores
