@@ -275,11 +275,33 @@ def main() -> None:
             if "ddp" not in results:
                 sys.exit(f"ddp did not run at {world} ranks: no baseline to compare with")
             report(results, world, args.bf16)
+            report_plan(results, world, args)
             worst[world] = [r["step_bytes"] / results["ddp"]["step_bytes"] for e, r in results.items()
                             if e in ("fsdp2", "zero3")]
     largest = max(worst)
     print(f"ratio: {max(worst[largest]):.2f}" if worst[largest] else
           f"ratio: n/a (no fully sharded engine ran at {largest} ranks)")
+
+
+def report_plan(results: dict[str, dict], world: int, args) -> None:
+    """One line per engine: the state at the step that `astrai.trainer.memory_plan` plans for this model, engine and
+    world size (an sft-like job: the policy's parameters, gradients, optimizer state, DeepSpeed's master, gradient
+    partition and bucket), and the measured / planned ratio; the last such line of the run is `plan_ratio: LO..HI`."""
+    import torch
+
+    from astrai.config import config_from_dict
+    from astrai.models.config import ModelConfig
+    from astrai.trainer.memory_plan import plan_memory
+
+    config = config_from_dict({"train": {"type": "sft", "bf16": bool(args.bf16)}})
+    model_config = ModelConfig(num_hidden_layers=args.layers, **SMOLLM2_135M)
+    ratios = []
+    print("planned by astrai.trainer.memory_plan (GiB; measured / planned):")
+    for engine, r in results.items():
+        plan = plan_memory(config, model_config, strategy=engine, world_size=world, device=torch.device("cpu"))
+        ratios.append(r["step_bytes"] / plan.total)
+        print(f"  {engine:6s} {plan.total / 2**30:6.3f}  measured {r['step_bytes'] / 2**30:6.3f}  ({ratios[-1]:.3f})")
+    print(f"plan_ratio: {min(ratios):.3f}..{max(ratios):.3f}")
 
 
 def report(results: dict[str, dict], world: int, bf16: bool) -> None:

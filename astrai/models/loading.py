@@ -183,7 +183,7 @@ def remote_code_refusal(config_file: Path, *, name: Optional[str] = None) -> Opt
 
 def load_pretrained(
     name_or_path: str | Path, dtype: torch.dtype = torch.float32, *, device: torch.device | str = "cpu",
-    revision: Optional[str] = None,
+    revision: Optional[str] = None, shapes_only: bool = False,
 ) -> tuple[AutoRegressiveLM, Tokenizer]:
     """Load `(AutoRegressiveLM, Tokenizer)` from an alias, an HF directory, a `.gguf` file, a Hugging Face Hub id
     (`revision`: its branch, tag or commit; see `resolve_model_path`), or an adapter directory or Hub repository
@@ -191,10 +191,16 @@ def load_pretrained(
     `lora_merge.load_merged`, the base at the `revision` the adapter config records).
 
     All parameters end up in `dtype` on `device`; GGUF tensors are dequantized to float32 first. The model is
-    returned in eval mode (call `.train()` to train). Raises what `resolve_model_path` raises, and `ValueError`
-    (one line, naming the path) for an unsupported architecture or missing/unexpected/misshapen tensors.
+    returned in eval mode (call `.train()` to train). With `shapes_only`, a Hugging Face directory without weight
+    files (config.json and tokenizer files only: planning a model too big to download, `--check`) gives the model
+    on the meta device (shapes, no memory) instead of the missing-weights error. Raises what `resolve_model_path`
+    raises, and `ValueError` (one line, naming the path) for an unsupported architecture or
+    missing/unexpected/misshapen tensors.
     """
     path = resolve_model_path(name_or_path, revision=revision)
+    if shapes_only and path.is_dir() and not _weight_files(path):
+        config = _hf_config(path)
+        return empty_model(config, dtype=dtype, device="meta"), Tokenizer.from_dir(path)
     if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "model.safetensors").exists():
         # a LoRA checkpoint or PEFT adapter: its base with the adapter merged
         model, tokenizer = load_merged(path, load_pretrained, dtype=dtype, device=device)
@@ -260,16 +266,28 @@ def _build_model(
 
 
 # Hugging Face directory -------------------------------------------------------------------------------------------
-def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """config.json, safetensors weights (single file or sharded index) and tokenizer files of an HF directory."""
-    from safetensors.torch import load_file
-
+def _hf_config(path: Path) -> ModelConfig:
+    """The `ModelConfig` of HF directory `path` (config.json, the eos ids of generation_config.json merged in);
+    ValueError naming the file for a config astrai does not support (or that needs remote code)."""
     try:
         config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
     except (ValueError, KeyError, TypeError) as e:
         refusal = remote_code_refusal(path / "config.json")
         raise ValueError(refusal or f"{path / 'config.json'}: not a supported config ({e!s})") from None
     config.eos_token_id = merge_eos_ids(config.eos_token_id, _generation_eos(path))
+    return config
+
+
+def _weight_files(path: Path) -> bool:
+    """Whether HF directory `path` has weights (model.safetensors or its sharded index)."""
+    return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+
+
+def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """config.json, safetensors weights (single file or sharded index) and tokenizer files of an HF directory."""
+    from safetensors.torch import load_file
+
+    config = _hf_config(path)
     index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]

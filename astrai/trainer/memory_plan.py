@@ -1,0 +1,286 @@
+"""The memory a job holds per rank, planned from its config and its model's shape before anything is built, and a
+one-line refusal (with the setting that would make it fit) when it cannot fit the device.
+
+What is counted, per rank, in bytes (`plan_memory`):
+- the trained models' state (the policy; online_ppo's critic): parameters in `model.dtype`, gradients of the trained
+  parameters in the same dtype, AdamW's two moments in float32 (8 bytes per trained parameter), and under DeepSpeed
+  with bf16/fp16 (and zero1 / zero2 in fp32 too, as measured by bench/memory.py) an fp32 master copy (4 bytes per
+  trained parameter), and DeepSpeed's fp32 reduce bucket (an eighth of the trained parameters, clamped to
+  [1e6, 5e8], `astrai.distributed.sharding.deepspeed_config`). Sharding divides them by the world size N
+  (ZeRO, Rajbhandari et al. 2020, section 5): zero1 and zero2 the optimizer state and master, plus an fp32
+  gradient partition beside whole gradients (DeepSpeed 0.19.8 at the step: ZeRO-2's `.grad` are views into a
+  whole-model buffer, so it holds what ZeRO-1 does); zero3 and fsdp2 parameters, gradients and optimizer state; ddp
+  nothing. The sums agree with `bench/memory.py`'s measured state at the step (tests/test_memory_plan.py). Under LoRA (`model.lora`) only the adapters are trained: the
+  base parameters have no gradient and no optimizer state;
+- the frozen models: the reference policy of a KL term (none under LoRA: it is the policy's own base), the teacher of
+  on-policy distillation, each in `model.dtype`, partitioned (/ N) under fsdp2 and zero3;
+- the colocated rollout engine (online train types): its weight copy in `rollout.dtype` (else `model.dtype`) and its
+  KV cache at `rollout.engine_options.max_kv_tokens` (the paged engine's default 32768 tokens when unset), 2 x layers
+  x KV heads x head_dim per token; both split over `rollout.tensor_parallel_size` T (KV heads below T replicated, as
+  Megatron does).
+Not counted: activations (they depend on micro-batch size, sequence length and activation checkpointing), transient
+all-gathers of sharded weights, communication buckets, the CUDA context and the allocator's fragmentation: the plan
+is a floor, so `check_fits` refuses only what cannot fit even then and warns above `WARN_FRACTION` of the device.
+
+Parameter counts are exact: the model classes are built on the meta device (no memory) and their tensors counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+from astrai.models import AutoRegressiveLM
+from astrai.models.config import ModelConfig
+from astrai.models.value_model import ValueModel
+
+__all__ = ["MemoryPlan", "MemoryItem", "plan_memory", "device_bytes", "check_fits", "WARN_FRACTION"]
+
+WARN_FRACTION = 0.8
+"""Above this share of the device, the plan warns that activations and runtime may not fit beside it."""
+DEFAULT_KV_TOKENS = 32768
+"""The paged engine's `max_kv_tokens` when `rollout.engine_options` does not set it."""
+SHARDS_PARAMETERS = ("zero3", "fsdp2")
+SHARDS_GRADIENTS = ("zero3", "fsdp2")  # at the step: ZeRO-2's .grad are views into a whole-model buffer
+SHARDS_OPTIMIZER = ("zero1", "zero2", "zero3", "fsdp2")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryItem:
+    """One line of the plan: what it is, its bytes per rank, and how they were counted (for the table)."""
+
+    name: str
+    bytes: int
+    how: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The planned bytes per rank of one job (`plan_memory`): `items`, the `world_size`, `strategy` and tensor-parallel
+    size `tp` they assume, and the device's bytes per rank (`available`, None when unknown)."""
+
+    items: tuple[MemoryItem, ...]
+    world_size: int
+    strategy: str
+    tp: int
+    device: str
+    available: Optional[int]
+
+    @property
+    def total(self) -> int:
+        """Planned bytes per rank, every item."""
+        return sum(item.bytes for item in self.items)
+
+    def table(self) -> str:
+        """The plan as lines of text: one per item (bytes and how counted), the total, and the device's share."""
+        width = max(len(item.name) for item in self.items)
+        head = (f"memory per rank, planned ({self.world_size} rank{'s' if self.world_size > 1 else ''}, "
+                f"{self.strategy}, rollout tensor parallel {self.tp}; activations and transient gathers not "
+                "included):")
+        lines = [head] + [f"  {item.name:<{width}}  {_gib(item.bytes):>10}  {item.how}" for item in self.items]
+        share = (f" of {_gib(self.available)} per rank on {self.device} ({self.total / self.available:.0%})"
+                 if self.available else f" (the {self.device}'s memory is unknown)")
+        return "\n".join(lines + [f"  {'total':<{width}}  {_gib(self.total):>10}{share}"])
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
+def parameter_count(model_config: ModelConfig) -> int:
+    """Exact parameter count of the causal LM of `model_config` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoRegressiveLM(model_config).parameters())
+
+
+def critic_count(model_config: ModelConfig, num_layers: Optional[int]) -> int:
+    """Exact parameter count of online_ppo's critic (`ValueModel.from_policy` with `ppo.critic_layers`)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in ValueModel.from_policy(AutoRegressiveLM(model_config), num_layers).parameters())
+
+
+def lora_count(model_config: ModelConfig, lora) -> int:
+    """Trained parameters of `model.lora` on the model of `model_config`: r x (in + out) per targeted Linear."""
+    with torch.device("meta"):
+        model = AutoRegressiveLM(model_config)
+    targets = set(lora.target_modules)
+    return sum(lora.r * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+
+
+def kv_bytes_per_token(model_config: ModelConfig, dtype_bytes: int, tp: int) -> int:
+    """KV cache bytes per token on one rank of a tensor-parallel group of `tp`: 2 (K and V) x layers x local KV
+    heads (at least 1: heads fewer than `tp` are replicated) x head_dim x `dtype_bytes`."""
+    heads = max(1, model_config.num_key_value_heads // tp)
+    return 2 * model_config.num_hidden_layers * heads * model_config.head_dim * dtype_bytes
+
+
+def device_bytes(device: torch.device, local_world_size: int = 1) -> Optional[int]:
+    """Memory of `device` per rank: a CUDA device's total memory, or the machine's physical memory shared by the
+    `local_world_size` ranks of this node (CPU); None when it cannot be read."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world_size)
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def _trained(name: str, params: int, trained: int, *, param_bytes: int, strategy: str, n: int,
+             master: bool) -> list[MemoryItem]:
+    """The items of one trained model: parameters, gradients, optimizer state (and the fp32 master copy)."""
+    shard = lambda kinds: n if strategy in kinds else 1  # noqa: E731
+    note = lambda kinds: f" / {n} ranks ({strategy})" if strategy in kinds and n > 1 else ""  # noqa: E731
+    items = [MemoryItem(f"{name} parameters", params * param_bytes // shard(SHARDS_PARAMETERS),
+                        f"{params / 1e6:.1f}M x {param_bytes} B{note(SHARDS_PARAMETERS)}"),
+             MemoryItem(f"{name} gradients", trained * param_bytes // shard(SHARDS_GRADIENTS),
+                        f"{trained / 1e6:.1f}M trained x {param_bytes} B{note(SHARDS_GRADIENTS)}"),
+             MemoryItem(f"{name} optimizer", trained * 8 // shard(SHARDS_OPTIMIZER),
+                        f"AdamW: 2 x {trained / 1e6:.1f}M x 4 B{note(SHARDS_OPTIMIZER)}")]
+    if strategy in ("zero1", "zero2"):  # the fp32 gradient partition the optimizer steps (measured: bench/memory.py)
+        items.append(MemoryItem(f"{name} gradient partition", trained * 4 // n,
+                                f"{trained / 1e6:.1f}M x 4 B / {n} ranks ({strategy})"))
+    if master:
+        items.append(MemoryItem(f"{name} fp32 master", trained * 4 // shard(SHARDS_OPTIMIZER),
+                                f"{trained / 1e6:.1f}M x 4 B{note(SHARDS_OPTIMIZER)}"))
+    if strategy.startswith("zero"):  # the reduce bucket astrai configures (`sharding.deepspeed_config`), fp32
+        bucket = int(min(5e8, max(trained // 8, 1_000_000)))
+        items.append(MemoryItem(f"{name} reduce bucket", bucket * 4, f"{bucket / 1e6:.1f}M x 4 B (DeepSpeed)"))
+    return items
+
+
+def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size: int, device: torch.device,
+                local_world_size: int = 1, teacher_config: Optional[ModelConfig] = None) -> MemoryPlan:
+    """The planned bytes per rank of the job of `config` (a validated `astrai.config.Config`) for a policy of
+    `model_config`, under the resolved `strategy` (ddp, zero1, zero2, zero3, fsdp2) at `world_size` ranks on `device`
+    (`local_world_size` ranks per node share a CPU's memory); `teacher_config` is the local teacher's shape (None:
+    the policy's). See the module docstring for what is counted."""
+    from astrai import train_types
+
+    spec = train_types.get(config.train.type)
+    n, param_bytes = world_size, _DTYPE_BYTES[config.model.dtype]
+    # DeepSpeed keeps an fp32 master partition under bf16/fp16, and under zero1 / zero2 in fp32 too (measured:
+    # bench/memory.py); astrai aliases zero3's fp32 one to the parameters (`distributed.zero_memory`)
+    master = strategy in ("zero1", "zero2") or (strategy == "zero3" and config.train.mixed_precision != "no")
+    params = parameter_count(model_config)
+    lora = config.model.lora
+    trained = lora_count(model_config, lora) if lora else params
+    items = _trained("policy", params + (trained if lora else 0), trained, param_bytes=param_bytes,
+                     strategy=strategy, n=n, master=master)
+    if config.train.type == "online_ppo":
+        critic = critic_count(model_config, config.ppo.critic_layers)
+        items += _trained("critic", critic, critic, param_bytes=param_bytes, strategy=strategy, n=n, master=master)
+    frozen_shard = n if strategy in SHARDS_PARAMETERS else 1
+    frozen_note = f" / {n} ranks ({strategy})" if frozen_shard > 1 else ""
+    teacher = config.distill.teacher and not config.distill.served
+    if teacher:
+        count = parameter_count(teacher_config or model_config)
+        items.append(MemoryItem("teacher", count * param_bytes // frozen_shard,
+                                f"{count / 1e6:.1f}M x {param_bytes} B{frozen_note}"))
+    elif _has_reference(config) and not lora:
+        items.append(MemoryItem("reference", params * param_bytes // frozen_shard,
+                                f"{params / 1e6:.1f}M x {param_bytes} B{frozen_note}"))
+    if spec.online:
+        r = config.rollout
+        tp = getattr(r, "tensor_parallel_size", 1)
+        engine_bytes = _DTYPE_BYTES[r.dtype or config.model.dtype]
+        split = f" / {tp} (tensor parallel)" if tp > 1 else ""
+        items.append(MemoryItem("engine weights", params * engine_bytes // tp,
+                                f"{params / 1e6:.1f}M x {engine_bytes} B{split}"))
+        tokens = r.engine_options.get("max_kv_tokens", DEFAULT_KV_TOKENS) if r.engine == "paged" else None
+        if isinstance(tokens, int):
+            per_token = kv_bytes_per_token(model_config, engine_bytes, tp)
+            items.append(MemoryItem("engine KV cache", tokens * per_token,
+                                    f"{tokens} tokens x {per_token / 1024:.1f} KiB (max_kv_tokens)"))
+    else:
+        tp = 1
+    return MemoryPlan(items=tuple(items), world_size=n, strategy=strategy, tp=tp, device=device.type,
+                      available=device_bytes(device, local_world_size))
+
+
+def _has_reference(config) -> bool:
+    """Whether the job holds a frozen reference policy (a KL term, or dpo's reference)."""
+    kind = config.train.type
+    if kind == "dpo":
+        return True
+    if kind in ("online_grpo", "grpo"):
+        return config.grpo.kl_coef > 0 or config.grpo.kl_reward_coef > 0
+    if kind == "online_ppo":
+        return config.ppo.kl_coef > 0
+    return False
+
+
+def check_fits(plan: MemoryPlan, alternatives: dict[str, MemoryPlan]) -> Optional[str]:
+    """None when `plan` fits its device (or the device is unknown); a warning line (starting "memory:") when it
+    takes more than `WARN_FRACTION` of it; raises ValueError with one line when the plan alone exceeds the device,
+    naming the first of `alternatives` (a setting, e.g. "distributed.strategy fsdp2", -> its plan) that would fit.
+
+    Raises:
+        ValueError: "memory: ... needs X GiB per rank ... but the device has Y GiB; setting S would plan Z GiB".
+    """
+    if not plan.available:
+        return None
+    if plan.total > plan.available:
+        largest = max(plan.items, key=lambda item: item.bytes)
+        fits = [(name, alt) for name, alt in alternatives.items() if alt.total <= WARN_FRACTION * plan.available]
+        hint = (f"; {fits[0][0]} would plan {_gib(fits[0][1].total)}" if fits else
+                "; none of " + ", ".join(alternatives) + " alone would fit" if alternatives else "")
+        raise ValueError(f"memory: this job needs at least {_gib(plan.total)} per rank ({largest.name} "
+                         f"{_gib(largest.bytes)} the largest part; activations not counted) but the {plan.device} has "
+                         f"{_gib(plan.available)} per rank{hint} (--check prints the whole plan)")
+    if plan.total > WARN_FRACTION * plan.available:
+        return (f"memory: the planned state takes {plan.total / plan.available:.0%} of the {plan.device}'s "
+                f"{_gib(plan.available)} per rank before activations; the job may run out of memory")
+    return None
+
+
+def planned_job(config, model_config: ModelConfig, *, strategy: str, world_size: int, device: torch.device,
+                local_world_size: int = 1, teacher_config: Optional[ModelConfig] = None) -> tuple[MemoryPlan,
+                                                                                                  Optional[str]]:
+    """The job's plan (`plan_memory`) and `check_fits`'s warning (or None), with the settings that would make a
+    plan that cannot fit smaller tried in this order: a fully sharded strategy (fsdp2, at several ranks), LoRA
+    (`model.lora` r 16, for full training), the rollout engine split over the ranks
+    (`rollout.tensor_parallel_size`, online train types at several ranks) and a smaller KV cache (a quarter of
+    `max_kv_tokens`).
+
+    Raises:
+        ValueError: the plan cannot fit (one line, `check_fits`).
+    """
+    from astrai import train_types
+    from astrai.config import config_from_dict, config_to_dict
+
+    kwargs = dict(world_size=world_size, device=device, local_world_size=local_world_size,
+                  teacher_config=teacher_config)
+    plan = plan_memory(config, model_config, strategy=strategy, **kwargs)
+    if not plan.available or plan.total <= plan.available:
+        return plan, check_fits(plan, {})
+    tries: dict[str, tuple[list[str], str]] = {}
+    if world_size > 1 and strategy not in SHARDS_PARAMETERS:
+        tries["distributed.strategy fsdp2"] = ([], "fsdp2")
+    if not config.model.lora:
+        tries["model.lora {r: 16}"] = (["--model.lora", "{r: 16}"], strategy)
+    online = train_types.get(config.train.type).online
+    if online and world_size > 1 and hasattr(config.rollout, "tensor_parallel_size") \
+            and config.rollout.tensor_parallel_size < world_size:
+        tries[f"rollout.tensor_parallel_size {world_size}"] = (
+            ["--rollout.tensor_parallel_size", str(world_size)], strategy)
+    if online and config.rollout.engine == "paged":
+        kv = config.rollout.engine_options.get("max_kv_tokens", DEFAULT_KV_TOKENS)
+        if isinstance(kv, int) and kv >= 4096:
+            options = {**config.rollout.engine_options, "max_kv_tokens": kv // 4}
+            tries[f"rollout.engine_options.max_kv_tokens {kv // 4}"] = (
+                ["--rollout.engine_options", repr(options).replace("'", "")], strategy)
+    alternatives = {}
+    for name, (overrides, their_strategy) in tries.items():
+        try:
+            changed = config_from_dict(config_to_dict(config), overrides)
+        except ValueError:  # the setting is refused for this job (e.g. TP that does not divide the world)
+            continue
+        alternatives[name] = plan_memory(changed, model_config, strategy=their_strategy, **kwargs)
+    return plan, check_fits(plan, alternatives)
