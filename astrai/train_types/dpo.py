@@ -1,6 +1,6 @@
 """dpo: Direct Preference Optimization (learner: `trainer/learners/dpo.py`); reads the `dpo` section."""
 
-from astrai.train_types.spec import TrainType
+from astrai.train_types.spec import ModelsHeld, TrainType
 
 TRAIN_TYPE = TrainType(
     name="dpo",
@@ -8,4 +8,5 @@ TRAIN_TYPE = TrainType(
     builder="astrai.trainer.learners.dpo:build_dpo",
     data="astrai.trainer.learners.dpo:dpo_data",
     section="dpo",
+    models_held=lambda config: ModelsHeld(reference=True),
 )

@@ -3,7 +3,7 @@ the `grpo` rules of online_grpo (`online_grpo.check_grpo`)."""
 
 from __future__ import annotations
 
-from astrai.train_types.online_grpo import check_grpo, grpo_step_sizes, grpo_unread
+from astrai.train_types.online_grpo import check_grpo, grpo_models_held, grpo_step_sizes, grpo_unread
 from astrai.train_types.spec import TrainType
 
 TRAIN_TYPE = TrainType(
@@ -16,4 +16,5 @@ TRAIN_TYPE = TrainType(
     step_sizes=grpo_step_sizes,
     check=check_grpo,
     unread=grpo_unread,
+    models_held=grpo_models_held,
 )

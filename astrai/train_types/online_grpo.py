@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from astrai.algos import registry
 from astrai.config_schema import ConfigError
-from astrai.train_types.spec import (TrainType, check_policy_loss, check_rollout_minibatches, check_teacher,
+from astrai.train_types.spec import (ModelsHeld, TrainType, check_policy_loss, check_rollout_minibatches, check_teacher,
                                      rollout_step_sizes)
 
 
@@ -47,6 +47,11 @@ def grpo_unread(config) -> tuple[str, ...]:
                  if scalar not in reads or (name in ("std_eps", "std_floor") and not dividing))
 
 
+def grpo_models_held(config) -> ModelsHeld:
+    """The reference of a KL term (`grpo.kl_coef` or `grpo.kl_reward_coef` > 0)."""
+    return ModelsHeld(reference=config.grpo.kl_coef > 0 or config.grpo.kl_reward_coef > 0)
+
+
 def grpo_step_sizes(config) -> tuple[int, int]:
     """The `grpo` section's micro-batch size and micro-batches per optimizer step."""
     return rollout_step_sizes(config.grpo)
@@ -65,4 +70,5 @@ TRAIN_TYPE = TrainType(
     check=check_grpo,
     unread=grpo_unread,
     distills=True,
+    models_held=grpo_models_held,
 )

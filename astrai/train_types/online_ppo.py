@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from astrai.config_schema import ConfigError
-from astrai.train_types.spec import (TrainType, check_policy_loss, check_rollout_minibatches, check_teacher,
+from astrai.train_types.spec import (ModelsHeld, TrainType, check_policy_loss, check_rollout_minibatches, check_teacher,
                                      rollout_step_sizes)
 
 
@@ -53,6 +53,11 @@ def critic_mismatch(manifest: Mapping, config) -> Optional[str]:
            f"--ppo.critic_layers {held}"
 
 
+def _models_held(config) -> ModelsHeld:
+    """The reference of `ppo.kl_coef` > 0 and the critic of `ppo.critic_layers` layers."""
+    return ModelsHeld(reference=config.ppo.kl_coef > 0, critic=True, critic_layers=config.ppo.critic_layers)
+
+
 TRAIN_TYPE = TrainType(
     name="online_ppo",
     summary="PPO with a learned critic on rollouts sampled by the colocated engine",
@@ -69,4 +74,5 @@ TRAIN_TYPE = TrainType(
     resume_problem=critic_mismatch,
     legacy_required_files=("value_model.pt", "value_optimizer.pt"),
     distills=True,
+    models_held=_models_held,
 )

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from astrai.config_schema import ConfigError, check_divides
 
-__all__ = ["TrainType", "check_policy_loss", "check_rollout_minibatches", "check_teacher", "rollout_step_sizes",
+__all__ = ["ModelsHeld", "TrainType", "check_policy_loss", "check_rollout_minibatches", "check_teacher", "rollout_step_sizes",
            "supervised_step_sizes"]
 
 
@@ -37,6 +37,22 @@ def _no_resume_rule(manifest: Mapping, config) -> Optional[str]:
 def _all_read(config) -> tuple[str, ...]:
     """The default `unread`: the job reads every field of its section."""
     return ()
+
+
+@dataclass(frozen=True)
+class ModelsHeld:
+    """The models a job holds beside its policy (and beside the teacher of `distill.teacher`, which takes the
+    reference's place), for the memory planner (`astrai.trainer.memory_plan`): a frozen `reference` policy, and a
+    trained `critic` of `critic_layers` decoder layers (None: all of the policy's)."""
+
+    reference: bool = False
+    critic: bool = False
+    critic_layers: Optional[int] = None
+
+
+def _policy_only(config) -> ModelsHeld:
+    """The default `models_held`: the policy alone."""
+    return ModelsHeld()
 
 
 def supervised_step_sizes(config) -> tuple[int, int]:
@@ -142,6 +158,7 @@ class TrainType:
         renders: what of its data becomes model input through a tokenizer (`astrai.data.prompt_format`):
             "prompts" (rendered as `data.chat_template` says: the template or raw text), "chats" (always the chat
             template: sft) or "text" (raw documents, never a template: seq).
+        models_held: config -> `ModelsHeld`, the models its job builds beside the policy (a reference, a critic).
     """
 
     name: str
@@ -162,6 +179,7 @@ class TrainType:
     packs: bool = False
     renders: str = "prompts"
     distills: bool = False
+    models_held: Callable[[Any], ModelsHeld] = _policy_only
 
     def build(self, config, dist, policy, tokenizer):
         """The learner of this train type for a validated job (the `builder`, imported now)."""

@@ -12,8 +12,8 @@ What is counted, per rank, in bytes (`plan_memory`):
   whole-model buffer, so it holds what ZeRO-1 does); zero3 and fsdp2 parameters, gradients and optimizer state; ddp
   nothing. The sums agree with `bench/memory.py`'s measured state at the step (tests/test_memory_plan.py). Under LoRA (`model.lora`) only the adapters are trained: the
   base parameters have no gradient and no optimizer state;
-- the frozen models: the reference policy of a KL term (none under LoRA: it is the policy's own base), the teacher of
-  on-policy distillation, each in `model.dtype`, partitioned (/ N) under fsdp2 and zero3;
+- the frozen models (the train type's `models_held`): the reference policy of a KL term or of dpo (none under LoRA:
+  it is the policy's own base), the teacher of on-policy distillation in its place, each in `model.dtype`, partitioned (/ N) under fsdp2 and zero3;
 - the colocated rollout engine (online train types): its weight copy in `rollout.dtype` (else `model.dtype`) and its
   KV cache at `rollout.engine_options.max_kv_tokens` (the paged engine's default 32768 tokens when unset), 2 x layers
   x KV heads x head_dim per token; both split over `rollout.tensor_parallel_size` T (KV heads below T replicated, as
@@ -173,8 +173,9 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
     trained = lora_count(model_config, lora) if lora else params
     items = _trained("policy", params + (trained if lora else 0), trained, param_bytes=param_bytes,
                      strategy=strategy, n=n, master=master)
-    if config.train.type == "online_ppo":
-        critic = critic_count(model_config, config.ppo.critic_layers)
+    held = spec.models_held(config)
+    if held.critic:
+        critic = critic_count(model_config, held.critic_layers)
         items += _trained("critic", critic, critic, param_bytes=param_bytes, strategy=strategy, n=n, master=master)
     frozen_shard = n if strategy in SHARDS_PARAMETERS else 1
     frozen_note = f" / {n} ranks ({strategy})" if frozen_shard > 1 else ""
@@ -183,7 +184,7 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
         count = parameter_count(teacher_config or model_config)
         items.append(MemoryItem("teacher", count * param_bytes // frozen_shard,
                                 f"{count / 1e6:.1f}M x {param_bytes} B{frozen_note}"))
-    elif _has_reference(config) and not lora:
+    elif held.reference and not lora:
         items.append(MemoryItem("reference", params * param_bytes // frozen_shard,
                                 f"{params / 1e6:.1f}M x {param_bytes} B{frozen_note}"))
     if spec.online:
@@ -202,18 +203,6 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
         tp = 1
     return MemoryPlan(items=tuple(items), world_size=n, strategy=strategy, tp=tp, device=device.type,
                       available=device_bytes(device, local_world_size))
-
-
-def _has_reference(config) -> bool:
-    """Whether the job holds a frozen reference policy (a KL term, or dpo's reference)."""
-    kind = config.train.type
-    if kind == "dpo":
-        return True
-    if kind in ("online_grpo", "grpo"):
-        return config.grpo.kl_coef > 0 or config.grpo.kl_reward_coef > 0
-    if kind == "online_ppo":
-        return config.ppo.kl_coef > 0
-    return False
 
 
 def check_fits(plan: MemoryPlan, alternatives: dict[str, MemoryPlan]) -> Optional[str]:
