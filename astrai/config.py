@@ -211,6 +211,10 @@ class RolloutSection(Section, name="rollout"):
     cuda_graphs: bool = field_spec(
         False, "pad decode steps to batch-size buckets and replay them as CUDA graphs (on CUDA: needs the triton "
                "attention backend, which auto then picks; elsewhere the padded steps run eagerly); docs/kernels.md")
+    tensor_parallel_size: int = field_spec(
+        1, "ranks that split the rollout engine's weight copy and KV cache (attention heads, MLP, vocabulary; "
+           "docs/tensor_parallel.md); must divide the world size; every rank of one group samples the same prompts. "
+           "Training stays sharded over the whole world (distributed.strategy)", GT0)
     dynamic_sampling: bool = field_spec(False, "online train types with groups: resample prompts whose "
                                                "rewards are all equal (DAPO dynamic sampling) until "
                                                "rollout.batch_size groups differ")

@@ -25,8 +25,11 @@ class OneRankOf:
     strategy, mixed_precision, deepspeed_config = "ddp", "no", None
     device = torch.device("cpu")
 
+    tp_group = None  # no tensor parallelism: every rank its own data-parallel group
+
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
+        self.dp_rank, self.dp_size = rank, world_size
 
     def all_reduce_sum(self, tensor):
         return tensor

@@ -37,6 +37,9 @@ class DistributedContext:
         timeout_seconds: `distributed.timeout_seconds`: the process group's timeout for every collective, and
             astrai's own waits on other ranks.
         peers: per rank, {"host", "pid", ...} as `rank_checks.check_ranks_agree` gathered them (empty before).
+        mesh: the 2-D (data x tensor) `torch.distributed.device_mesh.DeviceMesh` with dims ("dp", "tp") when
+            `rollout.tensor_parallel_size` T > 1 (`build_device_mesh`), else None (every rank a data-parallel rank,
+            as before). Ranks r and r + 1 .. are one tensor-parallel group (T consecutive ranks: on one node).
     """
 
     accelerator: object
@@ -46,6 +49,7 @@ class DistributedContext:
     deepspeed_config: Optional[dict] = None
     timeout_seconds: float = 600.0
     peers: list = field(default_factory=list)
+    mesh: Optional[object] = None
 
     @property
     def rank(self) -> int:
@@ -56,6 +60,28 @@ class DistributedContext:
     def world_size(self) -> int:
         """Number of processes in the job."""
         return self.accelerator.num_processes
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks of one tensor-parallel group (`rollout.tensor_parallel_size`; 1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh.size(1)
+
+    @property
+    def tp_group(self):
+        """The torch process group of this rank's tensor-parallel group (what the rollout engine splits its copy
+        over), or None without a mesh."""
+        return None if self.mesh is None else self.mesh.get_group("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data-parallel group (its tensor-parallel group): what the prompt sampler shares by,
+        so every rank of one tensor-parallel group draws the same prompts. The rank itself without a mesh."""
+        return self.rank // self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel groups: world size / `tp_size`."""
+        return self.world_size // self.tp_size
 
     @property
     def is_main(self) -> bool:
@@ -128,8 +154,36 @@ def run_device(device: str = "auto") -> torch.device:
     return torch.device(device if device.startswith("cuda:") else "cuda" if want_cuda else "cpu")
 
 
+def check_mesh(world_size: int, tensor_parallel_size: int) -> None:
+    """LaunchError (one line naming `rollout.tensor_parallel_size`) unless it is an integer >= 1 dividing
+    `world_size`."""
+    tp = tensor_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise LaunchError(f"rollout.tensor_parallel_size: expected an integer >= 1, got {tp!r}")
+    if world_size % tp:
+        raise LaunchError(f"rollout.tensor_parallel_size: {tp} does not divide the world size {world_size} "
+                          "(processes); each tensor-parallel group takes that many ranks")
+
+
+def build_device_mesh(device: torch.device, world_size: int, tensor_parallel_size: int):
+    """The 2-D (data x tensor) device mesh of the job, dims ("dp", "tp") of sizes (world / T, T), over the default
+    process group (a collective: every rank calls it); None when T is 1 (no mesh: every rank data-parallel, the
+    behaviour without tensor parallelism, with no extra process group). Raises LaunchError as `check_mesh`.
+
+    Training is not on the mesh: FSDP2 / ZeRO / DDP shard and average over the whole world as before (the rollout
+    engine is the only tensor-parallel part; each rank of a tensor-parallel group then trains on the rollouts its
+    group sampled together)."""
+    check_mesh(world_size, tensor_parallel_size)
+    if tensor_parallel_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world_size // tensor_parallel_size, tensor_parallel_size),
+                            mesh_dim_names=("dp", "tp"))
+
+
 def setup_distributed(device: str = "auto", strategy: str = "auto", *, mixed_precision: str = "no",
-                      timeout_seconds: float = 600.0) -> DistributedContext:
+                      timeout_seconds: float = 600.0, tensor_parallel_size: int = 1) -> DistributedContext:
     """Resolve the engine and create the process state.
 
     Args:
@@ -139,10 +193,12 @@ def setup_distributed(device: str = "auto", strategy: str = "auto", *, mixed_pre
         mixed_precision: "no", "bf16" or "fp16".
         timeout_seconds: the process group's timeout (`init_process_group(timeout=...)`, through Accelerate's
             `InitProcessGroupKwargs`): a collective that waits longer raises on the ranks still running.
+        tensor_parallel_size: `rollout.tensor_parallel_size` T: > 1 builds the (world / T, T) device mesh
+            (`build_device_mesh`).
 
     Raises:
         ValueError: on a CUDA device without CUDA. LaunchError (a ValueError, one line): a launch mode astrai
-            cannot honour (see `launch.resolve_launch`), or fp16 on CPU.
+            cannot honour (see `launch.resolve_launch`), fp16 on CPU, or a T that does not divide the world size.
     """
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
@@ -158,9 +214,10 @@ def setup_distributed(device: str = "auto", strategy: str = "auto", *, mixed_pre
     chosen = torch.device(device) if device.startswith("cuda:") else accelerator.device
     if chosen.type == "cpu":  # Accelerate says "cpu:0" under a launcher; tensors live on "cpu", and .to("cpu:0")
         chosen = torch.device("cpu")  # copies every tensor (a model moved twice: two copies, shared weights broken)
+    mesh = build_device_mesh(chosen, accelerator.num_processes, tensor_parallel_size)
     return DistributedContext(accelerator=accelerator, device=chosen, strategy=plan.strategy,
                               mixed_precision=plan.mixed_precision, deepspeed_config=plan.deepspeed_config,
-                              timeout_seconds=timeout_seconds)
+                              timeout_seconds=timeout_seconds, mesh=mesh)
 
 
 @contextlib.contextmanager

@@ -15,13 +15,20 @@ from astrai.rollout.engine import ATTENTION_BACKEND_ENV, GenerationEngine, atten
 __all__ = ["build_rollout_engine", "check_rollout_engine"]
 
 
-def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_version: int = 0) -> GenerationEngine:
+def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_version: int = 0,
+                         tp_group=None) -> GenerationEngine:
     """The colocated rollout engine `rollout.engine` (`astrai.rollout.engine.build_engine`): an inference copy of
     `policy` (made before the policy is sharded) in `rollout.dtype`, attending with `rollout.attention_backend`
     (`ASTR_BACKEND` overrides it), with CUDA graphs when `rollout.cuda_graphs` (passed only then: other registered
-    engines need not know the option). Raises ValueError / BackendUnavailableError (one line) for what it refuses."""
+    engines need not know the option), split over `tp_group` (the distributed context's tensor-parallel group,
+    passed as the factory's `tp_group` only when `rollout.tensor_parallel_size` > 1; None: a whole copy, as the
+    in-training evaluation and the evaluate CLI hold). Raises ValueError / BackendUnavailableError (one line) for
+    what it refuses."""
     r = config.rollout
     options = _engine_options(r)
+    _check_tensor_parallel(r)
+    if tp_group is not None and r.tensor_parallel_size > 1:
+        options["tp_group"] = tp_group
     _check_capacity(config)
     with _naming_the_backend_field():
         engine = build_engine(r.engine, policy, pad_token_id=tokenizer.pad_token_id, policy_version=policy_version,
@@ -34,10 +41,13 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_v
 
 def check_rollout_engine(config, model_config, device: torch.device) -> None:
     """What `build_rollout_engine` would refuse for a model of `model_config` on `device` (the engine name, its
-    dtype, `rollout.attention_backend` or `ASTR_BACKEND`, `rollout.cuda_graphs`), without building the engine.
+    dtype, `rollout.attention_backend` or `ASTR_BACKEND`, `rollout.cuda_graphs`, a `rollout.tensor_parallel_size`
+    the model's heads cannot split over), without building the engine.
     Raises what it raises."""
     r = config.rollout
     options = _engine_options(r)
+    if _check_tensor_parallel(r) > 1:
+        options["tensor_parallel_size"] = r.tensor_parallel_size
     _check_capacity(config)
     with _naming_the_backend_field():
         check_engine(r.engine, model_config, device=device, dtype=r.dtype or config.model.dtype,
@@ -50,12 +60,23 @@ def _engine_options(rollout) -> dict:
 
     Raises:
         ValueError: `rollout.engine_options` naming a common argument (set through its own field)."""
-    common = {"pad_token_id", "policy_version", "dtype", "attention_backend", "cuda_graphs"}
+    common = {"pad_token_id", "policy_version", "dtype", "attention_backend", "cuda_graphs", "tp_group",
+              "tensor_parallel_size"}
     clash = sorted(common & set(rollout.engine_options))
     if clash:
         raise ValueError(f"rollout.engine_options: {clash[0]!r} is set through its own field (rollout.dtype, "
-                         "rollout.attention_backend, rollout.cuda_graphs), not as an engine option")
+                         "rollout.attention_backend, rollout.cuda_graphs, rollout.tensor_parallel_size), not as an "
+                         "engine option")
     return {**rollout.engine_options, **({"cuda_graphs": True} if rollout.cuda_graphs else {})}
+
+
+def _check_tensor_parallel(rollout) -> int:
+    """`rollout.tensor_parallel_size`; ValueError (one line) when it is > 1 with an engine other than `paged` (the
+    one that splits its copy over a tensor-parallel group, astrai.rollout.tensor_parallel)."""
+    if rollout.tensor_parallel_size > 1 and rollout.engine != "paged":
+        raise ValueError(f"rollout.tensor_parallel_size: {rollout.tensor_parallel_size} needs rollout.engine 'paged' "
+                         f"(the engine that splits its copy over the group), got {rollout.engine!r}")
+    return rollout.tensor_parallel_size
 
 
 def _check_capacity(config) -> None:

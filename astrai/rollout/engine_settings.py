@@ -78,10 +78,16 @@ def engine_backend(model_config, *, device, dtype: torch.dtype, backend: Optiona
 
 
 def check_paged_engine(model_config, *, device, dtype=None, attention_backend: Optional[str] = None,
-                       **options) -> None:
+                       tensor_parallel_size: int = 1, **options) -> None:
     """What `paged_engine` would refuse for a model of `model_config` on `device`, without building it (the
     factory's `check`, `astrai.rollout.engine.check_engine`): the dtype (None: float32), the attention backend, CUDA
-    graphs and the block size (`engine_backend`), and the option names (`check_paged_options`)."""
+    graphs and the block size (`engine_backend`), the option names (`check_paged_options`), and a model that
+    `tensor_parallel_size` ranks cannot split (`tensor_parallel.check_tensor_parallel`; CUDA graphs with it)."""
+    from astrai.rollout.tensor_parallel import check_tensor_parallel
+
+    check_tensor_parallel(model_config, tensor_parallel_size)
+    if tensor_parallel_size > 1 and options.get("cuda_graphs"):
+        raise ValueError("rollout.cuda_graphs: not yet supported with rollout.tensor_parallel_size > 1")
     check_paged_options(options)
     dtype = resolve_dtype(dtype) or torch.float32
     engine_backend(model_config, device=torch.device(device), dtype=dtype, backend=attention_backend,

@@ -39,6 +39,7 @@ from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
 from astrai.rollout.streaming import StepOutput, StreamSession
+from astrai.rollout.tensor_parallel import TensorParallelRunner, local_kv_heads, parallel_copy, request_digest
 
 __all__ = ["PagedGenerationEngine", "paged_engine"]
 
@@ -70,24 +71,36 @@ class PagedGenerationEngine:
         cuda_graphs: pad decode-only steps to batch buckets and replay them as CUDA graphs on CUDA
             (`astrai.rollout.cuda_graphs`; `auto` then picks the triton backend); on other devices the padded steps
             run eagerly (same tokens, for tests).
+        tp_group: a torch process group of more than one rank: the copy is split over it
+            (`astrai.rollout.tensor_parallel`: heads, MLP columns/rows and vocabulary; every rank of the group must
+            make the same calls with the same prompts, and samples the same tokens). None (or a group of one): the
+            whole copy, as before.
 
     Raises:
         BackendUnavailableError: when the requested backend cannot serve the engine's device, dtype or block size,
             or `cuda_graphs` cannot be captured with it (one line).
         ValueError: naming a size argument that is not a positive integer (or a block_size the backend cannot
-            use, max_kv_tokens below one block, or an unknown dtype).
+            use, max_kv_tokens below one block, or an unknown dtype); a model `tp_group` cannot split
+            (`tensor_parallel.check_tensor_parallel`), or `cuda_graphs` with a tensor-parallel group.
     """
 
     def __init__(self, model, *, pad_token_id: int, policy_version: int = 0, block_size: Optional[int] = None,
                  max_kv_tokens: int = 32768, max_batch_tokens: int = 2048, max_num_seqs: int = 256,
                  prefix_cache: bool = True, backend: Optional[str] = None, dense_decode: bool = True,
-                 dtype: Union[None, str, torch.dtype] = None, cuda_graphs: bool = False):
+                 dtype: Union[None, str, torch.dtype] = None, cuda_graphs: bool = False, tp_group=None):
         for name, value in (("block_size", block_size), ("max_kv_tokens", max_kv_tokens),
                             ("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"PagedGenerationEngine: {name} must be a positive integer, got {value!r}")
         dtype = _resolve_dtype(dtype)
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.tp = None
+        if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+            if cuda_graphs:
+                raise ValueError("rollout.cuda_graphs: not yet supported with rollout.tensor_parallel_size > 1")
+            self.model, self.tp = parallel_copy(model, tp_group)  # this rank's heads, MLP slices, vocabulary rows
+            self.model.eval().requires_grad_(False)
+        else:
+            self.model = copy.deepcopy(model).eval().requires_grad_(False)
         if dtype is not None:
             self.model.to(dtype)
         fuse_projections(self.model)  # one GEMM for q/k/v and one for gate/up (the Parameters become views)
@@ -144,6 +157,8 @@ class PagedGenerationEngine:
             self._end_session("load_weights")
             if not isinstance(state_dict, Mapping):
                 self.policy_version = -1  # until the stream is complete
+            if self.tp is not None:  # this rank's slice of each full tensor (a view): no second full copy
+                state_dict = self.tp.shard_all(state_dict)
             copy_weights(self.model, state_dict)
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
@@ -178,9 +193,11 @@ class PagedGenerationEngine:
             target = max(target, self.pool.num_blocks)
             self.workspace.release()
         self._graphs = None
-        self.workspace = InferenceWorkspace.for_model(self.model.config, num_blocks=target + int(self.cuda_graphs),
-                                                      block_size=self.block_size, dtype=self.dtype,
-                                                      device=self.device)
+        config = self.model.config  # the KV heads as the weights hold them: a tensor-parallel rank's own only
+        self.workspace = InferenceWorkspace(
+            num_layers=config.num_hidden_layers, num_kv_heads=local_kv_heads(self.model), head_dim=config.head_dim,
+            num_blocks=target + int(self.cuda_graphs), block_size=self.block_size, dtype=self.dtype,
+            device=self.device)
         self.pool = BlockPool(target)
         self.prefix_cache = PrefixCache(self.pool, self.block_size) if self.use_prefix_cache else None
 
@@ -236,11 +253,14 @@ class PagedGenerationEngine:
 
         Raises:
             ValueError: naming the bad argument (see `StreamSession.add`; a prompt as for `generate`).
-            RuntimeError: while asleep.
+            RuntimeError: while asleep, or on a tensor-parallel engine.
         """
         with self._lock:
             if self.asleep:
                 raise RuntimeError("add_request: the engine is asleep; call wake() first")
+            if self.tp is not None:  # its ranks would need one seed and one request order: generate() agrees on both
+                raise RuntimeError("add_request: the streaming API is not supported on a tensor-parallel engine "
+                                   "(rollout.tensor_parallel_size > 1); use generate()")
             prompt = check_prompt_ids([prompt_ids], self.model.config.vocab_size)[0]
             if self._session is None:
                 self._session = StreamSession(self)
@@ -293,6 +313,8 @@ class PagedGenerationEngine:
         limit = self.model.config.max_position_embeddings
         base = int(torch.randint(0, 2**62, (1,), generator=generator,
                                  device=generator.device if generator is not None else "cpu"))
+        if self.tp is not None:  # one seed and one batch for the whole group: every rank draws the same tokens
+            base = self.tp.agree(base, request_digest(prompts, per_params, n, per_penalty))
         requests = []
         for b, prompt in enumerate(prompts):
             if len(prompt) + per_params[b].max_new_tokens > limit:
@@ -340,6 +362,9 @@ class PagedGenerationEngine:
             self._graphs = DecodeGraphs(self.model, self.workspace, self.backend,
                                         buckets=decode_buckets(self.max_num_seqs), scratch_block=self.pool.num_blocks,
                                         capture=self.device.type == "cuda")
+        if self.tp is not None:
+            return TensorParallelRunner(self.model, self.workspace, self.backend, self.tp,
+                                        dense_decode=self.dense_decode)
         return PagedModelRunner(self.model, self.workspace, self.backend, dense_decode=self.dense_decode,
                                 graphs=self._graphs if self.cuda_graphs else None)
 
@@ -363,16 +388,17 @@ class PagedGenerationEngine:
 
 
 def paged_engine(model, *, pad_token_id: int, policy_version: int = 0, dtype=None,
-                 attention_backend: Optional[str] = None, **options) -> PagedGenerationEngine:
+                 attention_backend: Optional[str] = None, tp_group=None, **options) -> PagedGenerationEngine:
     """The `paged` entry of the engine factory (`astrai.rollout.engine.build_engine`): a `PagedGenerationEngine`
     with `attention_backend` as its `backend` and `options` as its sizes (`max_num_seqs`, `max_kv_tokens`,
-    `max_batch_tokens`, `block_size`, `prefix_cache`, `dense_decode`, `cuda_graphs`: `PAGED_OPTIONS`).
+    `max_batch_tokens`, `block_size`, `prefix_cache`, `dense_decode`, `cuda_graphs`: `PAGED_OPTIONS`), split
+    over `tp_group` when it is a group of several ranks (`rollout.tensor_parallel_size`).
 
     Raises:
         ValueError: an option it does not take (one line)."""
     check_paged_options(options)
     return PagedGenerationEngine(model, pad_token_id=pad_token_id, policy_version=policy_version, dtype=dtype,
-                                 backend=attention_backend, **options)
+                                 backend=attention_backend, tp_group=tp_group, **options)
 
 
 paged_engine.check = check_paged_engine

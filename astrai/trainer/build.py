@@ -21,6 +21,7 @@ from astrai.config import Config, config_to_dict, dump_config
 from astrai.data.limits import check_model_limits
 from astrai.data.prompt_format import check_job_prompt_format
 from astrai.distributed import run_device, setup_distributed
+from astrai.distributed.context import check_mesh
 from astrai.distributed.launch import check_step_sizes, resolve_launch
 from astrai.distributed.rank_checks import check_ranks_agree
 from astrai.models import load_pretrained
@@ -126,7 +127,8 @@ def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trai
     apply_runtime(config)
     dist = setup_distributed(config.runtime.device, config.distributed.strategy,
                              mixed_precision=config.train.mixed_precision,
-                             timeout_seconds=config.distributed.timeout_seconds)
+                             timeout_seconds=config.distributed.timeout_seconds,
+                             tensor_parallel_size=config.rollout.tensor_parallel_size)
     check_job_step_sizes(config, dist.strategy, dist.deepspeed_config, dist.world_size)
     reporters = build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config),
                                 enabled=dist.is_main)  # train.report_to; fails before the model loads
@@ -303,14 +305,18 @@ def checkpoint_plan(config: Config) -> Optional[str]:
 def check_job(config: Config, *, world_size: int) -> str:
     """Pre-flight: every check `build_trainer` makes before it trains, without creating a process group, an engine
     or an optimizer, in this one process: the launch mode (`distributed.strategy` against the accelerate launch
-    environment in `os.environ`) and its precision, DeepSpeed step sizes for `world_size` ranks, `train.report_to`,
+    environment in `os.environ`) and its precision, DeepSpeed step sizes for `world_size` ranks, the tensor-parallel
+    groups (`rollout.tensor_parallel_size` dividing `world_size`), `train.report_to`,
     the output directory (not locked by another job) and `checkpoint.resume` (read only: nothing is written),
-    `runtime.device`, the model (loaded on CPU) and its length and vocabulary limits, the teacher of
+    `runtime.device`, the model (loaded on CPU; a directory without weights, config.json and tokenizer only, as its
+    shapes on the meta device) and its length and vocabulary limits, the memory per rank (`memory_plan.planned_job`:
+    its table follows the summary line; refused in one line when it cannot fit), the teacher of
     `distill.teacher` (loaded on CPU, its tokenizer the student's: `models.load_teacher`), how prompts are rendered
     (`data.chat_template` against the tokenizer, `prompt_format.check_job_prompt_format`: the raw-text line is said
     here too), the data as the train type will train on it, for online train types the rollout engine's settings on
-    the run's device (`rollout.engine`, dtype, attention backend, CUDA graphs) and the reward functions (imported and
-    matched to the data's columns, in this process), and the held-out data of `train.eval_steps`. Launch scripts run
+    the run's device (`rollout.engine`, dtype, attention backend, CUDA graphs), the reward functions (imported and
+    matched to the data's columns, in this process), the tools and environment classes of multi-turn episodes
+    (`load_job_tools`, `load_job_environment`: imported, schemas, template, data columns), and the held-out data of `train.eval_steps`. Launch scripts run
     it before they start the ranks, so a refusal is one line with exit 2 instead of one line per rank followed by the
     launcher's traceback.
 
@@ -320,6 +326,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     """
     plan = resolve_launch(config.distributed.strategy, mixed_precision=config.train.mixed_precision, env=os.environ)
     check_job_step_sizes(config, plan.strategy, plan.deepspeed_config, world_size)
+    check_mesh(world_size, config.rollout.tensor_parallel_size)  # the (data x tensor) mesh the ranks would build
     build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config), enabled=False)
     output_dir = checked_output_dir(config.train.output_dir, output_subdirs(config))
     OutputDirLock(output_dir).check_free()  # another job training there: refused now, not after the launch

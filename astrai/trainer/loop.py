@@ -225,7 +225,9 @@ class Trainer:
             while not stop and self.state.global_step < self.state.max_steps:
                 drawn = self.learner.data_sampler.drawn
                 metrics = mean_over_ranks(self.learner.train_step(self), self.dist)
-                self.state.consumed_samples += (self.learner.data_sampler.drawn - drawn) * self.dist.world_size
+                # the data-parallel groups' draws (the ranks of one tensor-parallel group draw the same prompts)
+                groups = getattr(self.dist, "dp_size", self.dist.world_size)
+                self.state.consumed_samples += (self.learner.data_sampler.drawn - drawn) * groups
                 self.state.global_step += 1
                 metrics["policy_version"] = torch.tensor(self.state.policy_version)
                 metrics["train/skipped_steps"] = torch.tensor(float(self.state.skipped_steps))

@@ -214,7 +214,7 @@ def grpo_learner(config, dist, policy: TrainedModel, experience: ExperienceSourc
     `rollout.max_new_tokens`; `rollout.correction` and `train.log_completions`, with `decode` for the prompts,
     apply) or offline (the cap is `data.max_length`)."""
     g, r = config.grpo, config.rollout
-    replay = RolloutReplay(minibatch_size=g.minibatch_size, epochs=g.epochs, seed=config.train.seed + 1000 * dist.rank)
+    replay = RolloutReplay(minibatch_size=g.minibatch_size, epochs=g.epochs, seed=config.train.seed + 1000 * dist.dp_rank)
     return GRPOLearner(policy=policy, experience=experience, replay=replay, settings=g, temperature=r.temperature,
                         log_entropy="policy/entropy" in config.train.metrics,
                         loss_scale_factor=r.max_new_tokens if online else config.data.max_length,
@@ -237,7 +237,8 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
         ref_model = reference_model(dist, policy, config)
     else:
         ref_model = None
-    engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
+    # whole copies before the policy is sharded (split over the tensor-parallel group with rollout.tensor_parallel_size)
+    engine = build_rollout_engine(config, policy, tokenizer, tp_group=dist.tp_group)
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=g.micro_batch_size, group_size=g.group_size)

@@ -168,13 +168,14 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
         ref_model = teacher_model(dist, config, tokenizer)
     else:
         ref_model = reference_model(dist, policy, config) if p.kl_coef > 0 else None
-    engine = build_rollout_engine(config, policy, tokenizer)  # whole copies before the policy is sharded
+    # whole copies before the policy is sharded (split over the tensor-parallel group with rollout.tensor_parallel_size)
+    engine = build_rollout_engine(config, policy, tokenizer, tp_group=dist.tp_group)
     critic = build_trained_model(config, dist, ValueModel.from_policy(policy, p.critic_layers), name="critic",
                                  lr=config.optim.critic_learning_rate)
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=p.micro_batch_size, group_size=p.group_size)
-    replay = RolloutReplay(minibatch_size=p.minibatch_size, epochs=p.epochs, seed=config.train.seed + 1000 * dist.rank)
+    replay = RolloutReplay(minibatch_size=p.minibatch_size, epochs=p.epochs, seed=config.train.seed + 1000 * dist.dp_rank)
     return OnlinePPOLearner(policy=trained, critic=critic, experience=experience, replay=replay, settings=p,
                              temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics,
                              objective=policy_objective(p, loss_scale_factor=r.max_new_tokens),
