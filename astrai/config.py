@@ -200,10 +200,12 @@ class RolloutSection(Section, name="rollout"):
               "policy: faster rollouts, and rollout/logprob_gap then shows the rounding drift)",
         Choices(("float32", "bfloat16", "float16")))
     engine: str = field_spec("paged", "rollout engine by registered name (astrai.rollout.engine: 'paged', the paged "
-                                      "continuous-batching engine)", Pattern(r"[A-Za-z_][A-Za-z0-9_.-]*", "an engine name"))
+                                      "continuous-batching engine; 'vllm', vLLM's offline LLM, optional: "
+                                      "docs/vllm.md)", Pattern(r"[A-Za-z_][A-Za-z0-9_.-]*", "an engine name"))
     engine_options: dict[str, Any] = field_spec(
         {}, "keyword options passed to rollout.engine's factory as given (paged: max_num_seqs, max_kv_tokens, "
-            "max_batch_tokens, block_size, prefix_cache, dense_decode; astrai.rollout.paged_engine.paged_engine)")
+            "max_batch_tokens, block_size, prefix_cache, dense_decode; astrai.rollout.paged_engine.paged_engine; "
+            "vllm: astrai.rollout.vllm_engine.VLLM_OPTIONS)")
     attention_backend: str = field_spec(
         "auto", "the engine's attention kernels: torch, triton, flash_attn or auto (the fastest available); the "
                 "ASTR_BACKEND environment variable overrides it (docs/kernels.md)",

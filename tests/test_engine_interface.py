@@ -45,8 +45,9 @@ def test_the_factory_builds_engines_that_satisfy_the_protocol(reference):
 
 def test_unknown_engines_and_refused_settings_are_one_line(reference):
     model = AutoRegressiveLM(tiny_config())
-    with pytest.raises(ValueError, match="rollout.engine: unknown engine 'vllm'; registered: paged, reference"):
-        build_engine("vllm", model, pad_token_id=0)
+    with pytest.raises(ValueError, match="rollout.engine: unknown engine 'sglang'; registered: paged, vllm, "
+                                         "reference"):
+        build_engine("sglang", model, pad_token_id=0)
     with pytest.raises(ValueError, match="the reference engine takes no dtype 'bfloat16'"):
         build_engine("reference", model, pad_token_id=0, dtype="bfloat16")
 
@@ -83,9 +84,9 @@ def test_check_refuses_an_unknown_engine_before_the_model_loads(tiny_model_dir, 
     from astrai.train import main
 
     code = main(["--check", "--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "o"),
-                 "--rollout.engine", "vllm"])
+                 "--rollout.engine", "sglang"])
     assert code == 2
-    assert "rollout.engine: unknown engine 'vllm'" in capsys.readouterr().err
+    assert "rollout.engine: unknown engine 'sglang'" in capsys.readouterr().err
 
 
 def test_check_refuses_what_the_run_would_refuse_at_start_up(tiny_model_dir, tmp_path, capsys):

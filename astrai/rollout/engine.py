@@ -7,7 +7,8 @@ contract is docs/conventions.md section 4: its own inference copy of the weights
 weight loading acknowledged and never interleaved with generation, KV memory released by `sleep()` and taken back
 by `wake()`, behaviour log-probs as section 2 defines them.
 
-Registered: `paged` (`paged_engine.PagedGenerationEngine`, the default). The tests register their dense
+Registered: `paged` (`paged_engine.PagedGenerationEngine`, the default) and `vllm` (`vllm_engine`: vLLM's offline
+`LLM`, optional; docs/vllm.md). The tests register their dense
 contiguous-cache reference engine as `reference` and run the same trainer paths through it.
 """
 
@@ -112,7 +113,8 @@ EngineFactory = Callable[..., GenerationEngine]
 """`(model, *, pad_token_id, policy_version=0, dtype=None, attention_backend=None, **options) -> engine`: the
 engine makes its own inference copy of `model` (before the policy is sharded)."""
 
-_ENGINES: dict[str, Union[str, EngineFactory]] = {"paged": "astrai.rollout.paged_engine:paged_engine"}
+_ENGINES: dict[str, Union[str, EngineFactory]] = {"paged": "astrai.rollout.paged_engine:paged_engine",
+                                                   "vllm": "astrai.rollout.vllm_engine:vllm_engine"}
 
 
 def register_engine(name: str, factory: Union[str, EngineFactory]) -> None:
