@@ -94,6 +94,58 @@ class ToolEntry(Record, item="tool"):
                                      Pattern(r"[A-Za-z_][A-Za-z0-9_.-]*", "a tool name"))
 
 
+class EnvironmentReference:
+    """The check of `rollout.environment`: null, "package.module:Class", {class, path}, or a non-empty mapping of
+    such entries by name (the rows' `rollout.environment_field` column picks one); a mapping with a `class` or
+    `path` key is one entry (docs/agents.md)."""
+
+    def problem(self, value: Any) -> Optional[str]:
+        """One line saying what is wrong with `value`, or None."""
+        if isinstance(value, dict) and not ({"class", "path"} & set(value)):
+            if not value:
+                return "expected a class, not an empty mapping"
+            for route, entry in value.items():
+                if not isinstance(route, str) or not route:
+                    return f"route {route!r}: expected a non-empty string as the name of a class"
+                detail = self._entry(entry)
+                if detail:
+                    return f"{route}: {detail}"
+            return None
+        return self._entry(value)
+
+    @staticmethod
+    def _entry(value: Any) -> Optional[str]:
+        if isinstance(value, str):
+            module, sep, name = value.rpartition(":")
+            return None if sep and module.strip() and name.strip() else (
+                f"expected 'package.module:Class' (or {{class: Class, path: file.py}}), got {value!r}")
+        if isinstance(value, dict):
+            unknown = sorted(set(map(str, value)) - {"class", "path"})
+            if unknown:
+                return f"unknown key {unknown[0]!r} (keys: class, path)"
+            name, path = value.get("class"), value.get("path")
+            if not isinstance(name, str) or not name.strip():
+                return f"expected {{class: 'Class' or 'module:Class', path: file.py}}, got {value!r}"
+            if path is not None and (not isinstance(path, str) or not path.strip()):
+                return f"path: expected a .py file, got {path!r}"
+            if path is None and ":" not in name:
+                return f"class {name!r}: expected 'package.module:Class', or a `path` to its file"
+            return None
+        return (f"expected 'package.module:Class', {{class, path}} or a mapping of them by name, got "
+                f"{type(value).__name__}")
+
+    @staticmethod
+    def routes(value: Any) -> bool:
+        """Whether a valid value routes rows to several classes by name."""
+        return isinstance(value, dict) and not ({"class", "path"} & set(value))
+
+    def ok(self, value: Any) -> bool:
+        return self.problem(value) is None
+
+    def describe(self, kind: str) -> str:
+        return "'package.module:Class', {class, path} or a mapping of them by name"
+
+
 # ----------------------------------------------------------------------------------------- sections
 @dataclass
 class ModelSection(Section, name="model"):
@@ -248,6 +300,21 @@ class RolloutSection(Section, name="rollout"):
                                       "rollout.tool_timeout_seconds); 0 = in the trainer's process, no timeout", GE0)
     tool_timeout_seconds: float = field_spec(30.0, "rollout.tools: hard limit per call in a worker; a call past it "
                                                    "is killed and its result is an error", GT0)
+    environment: Optional[Any] = field_spec(
+        None, "an environment class, one instance per episode (TRL's environment_factory): 'package.module:Class' "
+              "or {class, path}, or a mapping of them by name routing each row by its rollout.environment_field "
+              "column; reset(**row), public methods as tools, optional step, get_reward, close (docs/agents.md)",
+        EnvironmentReference())
+    environment_field: str = field_spec("environment", "rollout.environment as a mapping: the column whose value "
+                                                       "names each row's class (TRL's)",
+                                        Pattern(r"\S+", "a column name"))
+    environment_workers: int = field_spec(1, "rollout.environment: worker processes holding the instances (with "
+                                             "rollout.environment_timeout_seconds); 0 = in the trainer's process, "
+                                             "no timeout", GE0)
+    environment_timeout_seconds: float = field_spec(30.0, "rollout.environment: limit per call of the environment "
+                                                          "(reset, a method, step, get_reward, close); the episode "
+                                                          "ends, counted; a call still running at twice it is killed "
+                                                          "with its worker", GT0)
 
 
 @dataclass
@@ -510,6 +577,12 @@ class Config:
         if self.rollout.tools and self.data.chat_template is False:
             raise ConfigError("rollout.tools: multi-turn episodes are chats and need the chat template; "
                               "data.chat_template is false")
+        if self.rollout.environment is not None and not spec.online:
+            raise ConfigError(f"rollout.environment: multi-turn episodes are sampled by the online train types; "
+                              f"train.type {kind} samples none")
+        if self.rollout.environment is not None and self.data.chat_template is False:
+            raise ConfigError("rollout.environment: multi-turn episodes are chats and need the chat template; "
+                              "data.chat_template is false")
         if self.rollout.correction != "none" and not spec.online:
             raise ConfigError(f"rollout.correction: corrects rollouts sampled by the engine; train.type {kind} samples "
                               "none; set it to none")
@@ -572,7 +645,9 @@ def ignored_settings(config: Config) -> list[str]:
     (`TrainType.unread`: ``grpo.std_eps`` / ``grpo.std_floor`` when ``grpo.scale_rewards`` is ``none``), and
     ``reward.format_bonus`` / ``reward.partial_credit`` (options of the single ``reward.name``) when
     ``reward.functions`` or ``reward.model_path`` replace it, and the episode caps (`EPISODE_FIELDS`) without
-    ``rollout.tools``, and ``distill.reward_weight`` without ``distill.teacher``. Empty when there are none."""
+    ``rollout.tools`` or ``rollout.environment``, the `ENVIRONMENT_FIELDS` without ``rollout.environment``
+    (``environment_field`` unless it routes rows), and ``distill.reward_weight`` without ``distill.teacher``. Empty
+    when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -581,9 +656,13 @@ def ignored_settings(config: Config) -> list[str]:
         unread = spec.unread(config) if section == spec.section else tuple(f.name for f in dataclasses.fields(current))
         names += [f"{section}.{f.name}" for f in dataclasses.fields(current)
                   if f.name in unread and getattr(current, f.name) != getattr(default, f.name)]
-    if not config.rollout.tools:  # the episode caps, without tools
-        default = RolloutSection()
-        names += [f"rollout.{f}" for f in EPISODE_FIELDS if getattr(config.rollout, f) != getattr(default, f)]
+    default, rollout = RolloutSection(), config.rollout
+    if not rollout.tools and rollout.environment is None:  # the episode caps, without episodes
+        names += [f"rollout.{f}" for f in EPISODE_FIELDS if getattr(rollout, f) != getattr(default, f)]
+    env = rollout.environment
+    unread = list(ENVIRONMENT_FIELDS) if env is None else [] if EnvironmentReference.routes(env) else [
+        "environment_field"]
+    names += [f"rollout.{f}" for f in unread if getattr(rollout, f) != getattr(default, f)]
     if not config.distill.teacher and config.distill.reward_weight != DistillSection().reward_weight:
         names.append("distill.reward_weight")
     reward = config.reward  # the single reward.name's options, when reward.functions or the reward model replace it
@@ -594,7 +673,9 @@ def ignored_settings(config: Config) -> list[str]:
 
 EPISODE_FIELDS = ("max_turns", "max_tool_response_tokens", "tool_response_truncation", "max_parallel_tool_calls",
                   "tool_workers", "tool_timeout_seconds")
-"""The `rollout` fields that shape multi-turn episodes, read only with `rollout.tools`."""
+"""The `rollout` fields that shape multi-turn episodes, read only with `rollout.tools` or `rollout.environment`."""
+ENVIRONMENT_FIELDS = ("environment_field", "environment_workers", "environment_timeout_seconds")
+"""The `rollout` fields read only with `rollout.environment` (`environment_field` only when it routes rows)."""
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}
 """Section name -> section dataclass, in declaration order."""
 ALIASES: dict[str, tuple[str, str]] = {alias: tuple(target.split(".")) for alias, target in {
@@ -605,6 +686,7 @@ ALIASES: dict[str, tuple[str, str]] = {alias: tuple(target.split(".")) for alias
     "cliprange_value": "ppo.value_clip", "save_total_limit": "checkpoint.keep_last",
     "resume_from_checkpoint": "checkpoint.resume", "model_name_or_path": "model.path",
     "dataset_name": "data.path", "lr": "optim.learning_rate", "model_revision": "model.revision",
+    "environment_factory": "rollout.environment",
     # verl and OpenRLHF
     "max_response_length": "rollout.max_new_tokens", "generate_max_len": "rollout.max_new_tokens",
     "prompt_max_len": "data.max_prompt_length", "n_samples_per_prompt": "grpo.group_size",

@@ -284,6 +284,8 @@ def split_optional(hint: Any) -> tuple[Any, bool]:
 
 def _coerce(base: Any, v: Any) -> Any:
     """`v` as type `base`, or the sentinel `_coerce` itself when it is the wrong type (bool is never a number)."""
+    if base is Any:  # any YAML value: the field's check says what it accepts
+        return v
     if base in (int, float) and isinstance(v, (int, float)) and not isinstance(v, bool):
         return float(v) if base is float else (v if isinstance(v, int) else _coerce)
     if base in (str, bool) and isinstance(v, base):

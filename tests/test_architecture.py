@@ -77,6 +77,7 @@ LAYERS = {
     # floor 1: leaves
     "algos": set(),                                    # pure tensor math
     "deps": set(),                                     # optional imports, torch-free
+    "imports": set(),                                  # user code named in a job ("module:name", a file), stdlib
     "outputs": set(),                                  # the files written beside checkpoints: write errors, reader
     "config_schema": set(),                            # YAML 1.2 and the field machinery, torch-free
     "runtime_env": set(),
@@ -94,10 +95,10 @@ LAYERS = {
     # floor 5
     "forward": {"algos", "data", "models"},            # the training forward: log-probs and values of sequences
     "rollout": {"data", "models", "kernels", "config", "deps"},  # generation engines only
-    "rewards": {"data", "models", "sandbox", "deps"},
-    "agents": {"models", "deps"},                      # tools, tool-call format, token-exact chat rendering
+    "rewards": {"data", "models", "sandbox", "deps", "imports"},
+    "agents": {"models", "deps", "imports"},           # tools, environments, tool-call format, chat rendering
     # floor 6
-    "experience": {"agents", "algos", "data", "forward", "models", "rewards", "rollout"},
+    "experience": {"agents", "algos", "data", "forward", "imports", "models", "rewards", "rollout"},
     "evaluation": {"algos", "checkpoint", "config", "config_schema", "data", "models", "outputs", "rewards",
                    "rollout"},
     # floor 7

@@ -16,21 +16,18 @@ type is annotated), so a template renders exactly what it renders for a TRL or t
 
 The job lists its tools as reward functions are listed (`astrai.rewards.workers`): ``"package.module:function"``
 imported from ``sys.path``, or ``{function: "function", path: "tools.py"}`` (``"module:function"`` also accepted
-with ``path``) loaded from a file under a private module name. `load_tools` has its own small loader rather than
-importing the rewards' one (both packages sit on floor 5; imports only point down); it also accepts functions and
-`Tool` records already in hand. Running tools in worker processes with a timeout is a later slice.
+with ``path``) loaded from a file under a private module name, through `astrai.imports`, the loader reward
+functions and environment classes share. `load_tools` also accepts functions and `Tool` records already in hand.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from astrai.deps import import_optional
+from astrai.imports import ImportFailure, load_attribute, split_reference
 
 __all__ = ["Tool", "ToolError", "tool_from_function", "load_tools"]
 
@@ -139,35 +136,14 @@ def _load_one(reference: ToolReference, base: Path) -> Tool:
 
 
 def _import(function: str, path: Path | None) -> Callable:
-    """The callable `function` names: "module:attr" from sys.path, or "attr" / "module:attr" in the file `path`."""
-    module_name, sep, attr = function.rpartition(":")
-    if path is None and (not sep or not module_name or not attr):
+    """The callable `function` names: "module:attr" from sys.path, or "attr" / "module:attr" in the file `path`
+    (`astrai.imports.load_attribute`)."""
+    if split_reference(function, path) is None:
         raise ToolError(f"function {function!r}: expected 'package.module:function', or a `path` to its file")
     try:
-        if path is not None:
-            if not path.is_file():
-                raise ToolError(f"path {path}: file not found")
-            private = f"astrai_tools_{abs(hash(str(path)))}_{path.stem}"
-            module = sys.modules.get(private)
-            if module is None:
-                spec = importlib.util.spec_from_file_location(private, path)
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[private] = module
-                try:
-                    spec.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[private]
-                    raise
-        else:
-            module = importlib.import_module(module_name)
-    except ToolError:
-        raise
-    except Exception as err:
-        raise ToolError(f"cannot import {path or module_name}: {type(err).__name__}: "
-                        f"{' '.join(str(err).split())[:200]}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ToolError(f"{path or module_name} has no attribute {attr!r}")
+        fn = load_attribute(function, path)
+    except ImportFailure as err:
+        raise ToolError(str(err)) from None
     if not callable(fn):
         raise ToolError(f"{function} is a {type(fn).__name__}, not a function")
     return fn

@@ -1,5 +1,6 @@
-"""Multi-turn episodes with tools: the policy samples a turn, its tool calls run, their results are appended, and so
-on until it answers, a cap ends the episode, or the token budget runs out. Token-in, token-out.
+"""Multi-turn episodes with tools and environments: the policy samples a turn, its tool calls run (or its
+environment's step answers), the results are appended, and so on until it answers, the environment ends the
+episode, a cap ends it, or the token budget runs out. Token-in, token-out.
 
 Per episode (all episodes of a batch advance together, one engine call per turn; `astrai.agents.chat` has the
 rendering rules):
@@ -17,6 +18,12 @@ rendering rules):
 4. a turn the budget cut before its end-of-turn token ends the episode ("length"); results that would leave no
    room for another token end it too ("budget"), not appended.
 
+With an environment (`rollout.environment`, `astrai.experience.episode_environments`): before the first turn each
+episode's instance is created and reset with its row (which may change the first messages); the episode offers the
+job's tools and its class's methods, the methods' calls run on its instance; a turn without a call goes to the
+class's ``step`` when it has one, whose observation is appended as tool results are (None ends the episode:
+"environment"); a failure of the environment ends the episode ("env_error"); at the end get_reward and close run.
+
 The budget is the response side of the sequence, `SamplingParams.max_new_tokens` (`rollout.max_new_tokens`): every
 turn and every tool result together, so the start-up check of prompt + response length against the model's
 position limit holds for episodes as for single turns. What the reward sees of an episode is its new messages (the
@@ -31,25 +38,28 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from astrai.agents.chat import check_prefix_preserving, render, suffix_ids, turn_end
-from astrai.agents.tool_calls import (ToolCall, ToolCallError, argument_problem, call_tool, parse_tool_calls,
-                                      result_text, template_supports_tools)
+from astrai.agents.tool_calls import ToolCall, ToolCallError, parse_tool_calls, template_supports_tools
 from astrai.agents.tools import Tool
+from astrai.experience.episode_environments import ENV_ERROR_KINDS, EpisodeEnvironment
+from astrai.experience.tool_executor import ToolExecutor, tool_references
 from astrai.experience.trajectory import NOT_SAMPLED, Experience, Trajectory
-from astrai.rewards.workers import RewardFunctionSpec, RewardWorkerPool
 from astrai.rollout.sampling import SamplingParams
 
 __all__ = ["EpisodeLimits", "Episode", "EpisodeRunner", "ToolExecutor", "check_episodes", "run_episodes",
-           "episode_metrics", "tool_references", "ENDINGS"]
+           "episode_metrics", "tool_references", "ENDINGS", "ENVIRONMENT_REWARD"]
 
-ENDINGS = ("answer", "max_turns", "length", "budget")
+ENVIRONMENT_REWARD = "environment"
+"""The name of the environment's reward among the reward functions' (`rewards/environment/...`)."""
+
+ENDINGS = ("answer", "max_turns", "length", "budget", "environment", "env_error")
 """Why an episode ended: the policy answered without a tool call, `max_turns` turns were sampled, a turn was cut by
-the budget before its end of turn, or the tool results would have left no room for another token."""
+the budget before its end of turn, the tool results (or observation) would have left no room for another token, the
+environment's step returned None, or its environment failed (`astrai.experience.episode_environments`)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,12 @@ class Episode:
         tool_calls, tool_errors: per tool name (None for a call whose name could not be read), the calls made and
             those whose result was an error.
         ended_by: one of `ENDINGS`, None while it runs.
+        tools: the tools this episode offers (the job's, then its environment's methods).
+        env_key, env_route: its environment instance's key in the pool and its class's route (None without an
+            environment / for a single class).
+        env_errors: per kind (`ENV_ERROR_KINDS`), the environment failures it met; env_error: the first one's text.
+        env_reward: what its environment's get_reward returned (None: no get_reward, or it failed);
+        env_reward_failed: whether that reward is missing because of a failure.
     """
 
     prompt_ids: list[int]
@@ -95,6 +111,13 @@ class Episode:
     tool_calls: Counter = field(default_factory=Counter)
     tool_errors: Counter = field(default_factory=Counter)
     ended_by: Optional[str] = None
+    tools: list[Tool] = field(default_factory=list)
+    env_key: Optional[int] = None
+    env_route: Optional[str] = None
+    env_errors: Counter = field(default_factory=Counter)
+    env_error: Optional[str] = None
+    env_reward: Optional[float] = None
+    env_reward_failed: bool = False
 
     @property
     def completion(self) -> list[dict[str, Any]]:
@@ -108,10 +131,11 @@ class Episode:
 
     def trajectory(self, **scored: Any) -> Trajectory:
         """The episode as a `Trajectory` (`scored`: score, reward_components, reward_failed)."""
+        metadata = {"ended_by": self.ended_by, **({"env_error": self.env_error} if self.env_error else {})}
         return Trajectory(prompt_ids=tuple(self.prompt_ids), response_ids=tuple(self.response_ids),
                           loss_mask=tuple(self.loss_mask), logprobs=tuple(self.logprobs),
                           policy_versions=tuple(self.policy_versions), text=self.text,
-                          turn_starts=tuple(self.turn_starts), metadata={"ended_by": self.ended_by}, **scored)
+                          turn_starts=tuple(self.turn_starts), metadata=metadata, **scored)
 
     def _append(self, ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] = (), version: int = 0):
         self.response_ids += list(ids)
@@ -120,62 +144,11 @@ class Episode:
         self.policy_versions += [version if sampled else NOT_SAMPLED] * len(ids)
 
 
-class ToolExecutor:
-    """Runs tool calls: in `num_workers` worker processes with a hard `timeout_seconds` per call
-    (`astrai.rewards.workers.RewardWorkerPool`, loading each tool by its reference), or with `num_workers` 0 in this
-    process (no timeout). Arguments are checked against the tool's signature and schema here first. Never raises on
-    a call: a bad argument, an exception, a timeout or a dead worker is the error text the model sees.
-
-    Args:
-        tools: the loaded tools (schemas, and the callables for in-process calls).
-        references: per tool, the (function, path) it was loaded from, for the workers; None: in process only.
-    """
-
-    def __init__(self, tools: Sequence[Tool], references: Optional[Sequence[tuple[str, Optional[str]]]] = None, *,
-                 num_workers: int = 1, timeout_seconds: float = 30.0):
-        self.tools = {tool.name: tool for tool in tools}
-        self._index = {tool.name: i for i, tool in enumerate(tools)}
-        self.pool = None
-        if references is not None and num_workers > 0:
-            specs = [RewardFunctionSpec(name=tool.name, function=function, index=i, path=path)
-                     for i, (tool, (function, path)) in enumerate(zip(tools, references))]
-            self.pool = RewardWorkerPool(specs, num_workers=num_workers, timeout_seconds=timeout_seconds,
-                                         timeout_setting="rollout.tool_timeout_seconds")
-
-    def run(self, calls: Sequence[ToolCall]) -> list[tuple[str, Optional[str]]]:
-        """(result text, error text or None) per call, in order."""
-        if self.pool is None:
-            return [call_tool(self.tools[c.name], c.arguments) for c in calls]
-        out: list[Optional[tuple[str, Optional[str]]]] = [None] * len(calls)
-        pending: dict[str, list[int]] = {}
-        for k, c in enumerate(calls):
-            problem = argument_problem(self.tools[c.name], c.arguments)
-            if problem is not None:
-                out[k] = (problem, problem)
-            else:
-                pending.setdefault(c.name, []).append(k)
-        width = self.pool.num_workers
-        for name, ks in pending.items():
-            for start in range(0, len(ks), width):
-                chunk = ks[start:start + width]
-                for k, (status, value, _) in zip(chunk, self.pool.run(self._index[name],
-                                                                      [calls[k].arguments for k in chunk])):
-                    if status == "ok":
-                        out[k] = (result_text(value), None)
-                    else:
-                        text = f"Error: {value}"
-                        out[k] = (text, text)
-        return out
-
-    def close(self) -> None:
-        """End the worker processes (idempotent)."""
-        if self.pool is not None:
-            self.pool.close()
-
-
 def run_episodes(engine, tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]], tools: Sequence[Tool],
                  executor: ToolExecutor, sampling: SamplingParams, limits: EpisodeLimits,
-                 generator: Optional[torch.Generator] = None) -> list[Episode]:
+                 generator: Optional[torch.Generator] = None, *, environment: Optional[EpisodeEnvironment] = None,
+                 routes: Optional[Sequence[Optional[str]]] = None,
+                 rows: Optional[Sequence[Mapping[str, Any]]] = None) -> list[Episode]:
     """Run one episode per conversation (module docstring) and return them, ended.
 
     Args:
@@ -185,71 +158,155 @@ def run_episodes(engine, tokenizer, conversations: Sequence[Sequence[Mapping[str
         sampling: the sampling settings; its `max_new_tokens` is each episode's whole response budget and its
             `stop_token_ids` must hold the template's end-of-turn token.
         limits: the episode caps.
+        environment: the job's environment classes (`rollout.environment`), None without; then `routes` (per
+            episode its class's route, None for a single class) and `rows` (per episode the row its reset
+            receives) are required. Each episode also offers its class's methods as tools, steps a class with
+            ``step`` on every turn that calls no tool, and gets its environment reward (`EpisodeEnvironment`).
 
     Raises:
         ValueError: the end-of-turn token of the template is not a stop token (a turn would never end), or a
             rendered prompt is empty. `astrai.agents.chat.TemplatePrefixError`: the template rewrites earlier
-            turns.
+            turns. `astrai.experience.environments.EnvironmentFailure`: past the environment failures' threshold.
     """
+    episodes = _open_episodes(tokenizer, conversations, tools, sampling, environment, routes, rows)
+    budget = sampling.max_new_tokens
+    native = template_supports_tools(tokenizer.chat_template or "")
+    try:
+        for turn in range(limits.max_turns):
+            active = [e for e in episodes if e.ended_by is None]
+            if not active:
+                break
+            params = [dataclasses.replace(sampling, max_new_tokens=budget - len(e.response_ids)) for e in active]
+            generation = engine.generate([e.prompt_ids + e.response_ids for e in active], params, generator)
+            rows_out = zip(active, generation.response_ids.tolist(), generation.action_mask.tolist(),
+                           generation.old_logprobs.tolist(), generation.finished.tolist())
+            calling, stepping = [], []
+            last = turn == limits.max_turns - 1
+            for e, ids, mask, logprobs, finished in rows_out:
+                sampled = [t for t, m in zip(ids, mask) if m]
+                e.turn_starts.append(len(e.response_ids))
+                e._append(sampled, sampled=True, logprobs=[lp for lp, m in zip(logprobs, mask) if m],
+                          version=generation.policy_version)
+                calls, errors = _read_turn(tokenizer, e, sampled, native)
+                if not finished:
+                    e.ended_by = "length"
+                elif e.env_errors:  # its reset failed: the first turn is sampled on the row's prompt, then it ends
+                    e.ended_by = "env_error"
+                elif calls or errors:
+                    if last:
+                        e.ended_by = "max_turns"
+                    else:
+                        calling.append((e, calls, errors))
+                elif environment is not None and environment.steps.get(e.env_route):
+                    stepping.append(e)  # on the last turn too: the environment sees every finished action
+                else:
+                    e.ended_by = "answer"
+            _answer_calls(tokenizer, calling, executor, limits, budget, environment)
+            for e, observation in zip(stepping, environment.step(stepping) if stepping else ()):
+                if observation is not None and last:
+                    e.ended_by = "max_turns"
+                elif observation is not None:
+                    _append_observation(tokenizer, e, observation, budget)
+            if environment is not None:
+                environment.end_lost(active)
+    except BaseException:  # the instances are closed before the error goes on
+        if environment is not None:
+            environment.abandon(episodes)
+        raise
+    for e in episodes:
+        e.ended_by = e.ended_by or "max_turns"
+    if environment is not None:
+        environment.finish(episodes)
+    return episodes
+
+
+def _open_episodes(tokenizer, conversations, tools: Sequence[Tool], sampling: SamplingParams,
+                   environment: Optional[EpisodeEnvironment], routes, rows) -> list[Episode]:
+    """The episodes of `conversations` before their first turn: with an environment, each instance created and
+    reset (its observation applied to the first messages; a failure counted, the row's prompt kept), the tools
+    each offers, and the prompt rendered (a template whose end of turn does not stop the sampler refused)."""
+    n = len(conversations)
+    episodes = [Episode(prompt_ids=[], messages=[dict(m) for m in c], first=len(c), tools=list(tools))
+                for c in conversations]
+    if environment is not None:
+        for e, reply in zip(episodes, environment.start(episodes, routes or [None] * n, rows or [{}] * n)):
+            e.tools = list(tools) + list(environment.tools[e.env_route])
+            if not reply.ok:
+                environment.fail(e, "lost" if environment.pool.lost(e.env_key) else "reset", reply.value, reply.trace)
+            else:
+                e.messages = environment.first_messages(e.messages, reply.value)
+                e.first = len(e.messages)
+    checked: set[tuple[str, ...]] = set()
+    for e, conversation in zip(episodes, conversations):
+        if tuple(t.name for t in e.tools) not in checked:
+            _check_turn_end(tokenizer, e.tools, sampling)
+            checked.add(tuple(t.name for t in e.tools))
+        e.prompt_ids = tokenizer.encode(render(tokenizer, e.messages, e.tools, add_generation_prompt=True))
+        limit = environment.max_prompt_tokens if environment is not None else None
+        if limit is not None and len(e.prompt_ids) > limit and not e.env_errors:  # reset's messages: too long
+            environment.fail(e, "reset", f"its first messages render to {len(e.prompt_ids)} tokens, more than the "
+                                         f"{limit} the model's positions leave after rollout.max_new_tokens")
+            e.messages = [dict(m) for m in conversation]
+            e.first = len(e.messages)
+            e.prompt_ids = tokenizer.encode(render(tokenizer, e.messages, e.tools, add_generation_prompt=True))
+        if not e.prompt_ids:
+            if environment is not None:
+                environment.abandon(episodes)
+            raise ValueError("multi-turn episodes: a prompt renders to no tokens")
+    return episodes
+
+
+def _read_turn(tokenizer, e: Episode, sampled: list[int], native: bool) -> tuple[list, list]:
+    """Append the assistant message of the turn `sampled` to `e.messages` (its calls in ``tool_calls`` for a template
+    with tool support, else in its text); return the turn's (calls, malformed calls), none for an episode without
+    tools."""
+    text = tokenizer.decode(sampled, skip_special_tokens=True)
+    content, calls, errors = parse_tool_calls(text, [t.name for t in e.tools]) if e.tools else (text, [], [])
+    message: dict[str, Any] = {"role": "assistant", "content": content if native else text}
+    if native and calls:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in calls]
+    e.messages.append(message)
+    return calls, errors
+
+
+def _check_turn_end(tokenizer, tools: Sequence[Tool], sampling: SamplingParams) -> None:
+    """Refuse a template whose end-of-turn token (with these tools) is not a stop token of the sampler."""
     end_token, _ = turn_end(tokenizer, tools)
     end_id = tokenizer.token_to_id(end_token)
     if end_id not in sampling.stop_token_ids:
         raise ValueError(f"multi-turn episodes: the chat template ends a turn with {end_token!r} (id {end_id}), "
                          f"which is not a stop token of the sampler {list(sampling.stop_token_ids)}")
-    native = template_supports_tools(tokenizer.chat_template or "")
-    names = [tool.name for tool in tools]
-    episodes = []
-    for conversation in conversations:
-        messages = [dict(m) for m in conversation]
-        ids = tokenizer.encode(render(tokenizer, messages, tools, add_generation_prompt=True))
-        if not ids:
-            raise ValueError("multi-turn episodes: a prompt renders to no tokens")
-        episodes.append(Episode(prompt_ids=ids, messages=messages, first=len(messages)))
-    budget = sampling.max_new_tokens
-    for turn in range(limits.max_turns):
-        active = [e for e in episodes if e.ended_by is None]
-        if not active:
-            break
-        params = [dataclasses.replace(sampling, max_new_tokens=budget - len(e.response_ids)) for e in active]
-        generation = engine.generate([e.prompt_ids + e.response_ids for e in active], params, generator)
-        rows = zip(generation.response_ids.tolist(), generation.action_mask.tolist(),
-                   generation.old_logprobs.tolist(), generation.finished.tolist())
-        calling = []
-        for e, (ids, mask, logprobs, finished) in zip(active, rows):
-            sampled = [t for t, m in zip(ids, mask) if m]
-            e.turn_starts.append(len(e.response_ids))
-            e._append(sampled, sampled=True, logprobs=[lp for lp, m in zip(logprobs, mask) if m],
-                      version=generation.policy_version)
-            text = tokenizer.decode(sampled, skip_special_tokens=True)
-            content, calls, errors = parse_tool_calls(text, names)
-            message: dict[str, Any] = {"role": "assistant", "content": content if native else text}
-            if native and calls:
-                message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                         for c in calls]
-            e.messages.append(message)
-            if not finished:
-                e.ended_by = "length"
-            elif not calls and not errors:
-                e.ended_by = "answer"
-            elif turn == limits.max_turns - 1:
-                e.ended_by = "max_turns"
-            else:
-                calling.append((e, calls, errors))
-        _answer_calls(tokenizer, calling, tools, executor, limits, budget)
-    for e in episodes:
-        e.ended_by = e.ended_by or "max_turns"
-    return episodes
 
 
-def _answer_calls(tokenizer, calling, tools, executor: ToolExecutor, limits: EpisodeLimits, budget: int) -> None:
-    """Run the calls of every episode in `calling` ((episode, calls, errors) triples) and append their results."""
-    runnable, over = [], {}
+def _append_observation(tokenizer, e: Episode, messages: list[dict[str, Any]], budget: int) -> None:
+    """Append `messages` (tool results or an environment's observation) to episode `e` with loss mask 0, as the
+    template renders them after its last turn; when they would leave no room for another token, end it
+    ("budget") without them."""
+    suffix = suffix_ids(tokenizer, e.messages, messages, e.tools)
+    added = suffix.separator_ids + suffix.ids
+    if len(e.response_ids) + len(added) >= budget:
+        e.ended_by = "budget"
+        return
+    e._append(added, sampled=False)
+    e.messages += messages
+
+
+def _answer_calls(tokenizer, calling, executor: ToolExecutor, limits: EpisodeLimits, budget: int,
+                  environment: Optional[EpisodeEnvironment] = None) -> None:
+    """Run the calls of every episode in `calling` ((episode, calls, errors) triples) and append their results:
+    plain tools through `executor`, the methods of an episode's environment on its instance."""
+    runnable, on_instance, over = [], [], {}
     for e, calls, errors in calling:
         for c in calls[limits.max_parallel_tool_calls:]:
             over[id(c)] = (f"Error: at most {limits.max_parallel_tool_calls} tool calls run per turn "
                            f"(rollout.max_parallel_tool_calls); this one did not")
-        runnable += calls[:limits.max_parallel_tool_calls]
+        methods = {t.name for t in environment.tools[e.env_route]} if environment is not None else set()
+        for c in calls[:limits.max_parallel_tool_calls]:
+            (on_instance.append((e, c)) if c.name in methods else runnable.append(c))
     results = dict(zip(map(id, runnable), executor.run(runnable)))
+    if on_instance:
+        results.update(environment.call_tools(on_instance))
     for e, calls, errors in calling:
         items: list[ToolCall | ToolCallError] = sorted([*calls, *errors], key=lambda item: item.index)
         tool_messages = []
@@ -262,13 +319,8 @@ def _answer_calls(tokenizer, calling, tools, executor: ToolExecutor, limits: Epi
             e.tool_errors[item.name] += error is not None
             tool_messages.append({"role": "tool", "name": item.name or "unknown",
                                   "content": _cut(tokenizer, text, limits)})
-        suffix = suffix_ids(tokenizer, e.messages, tool_messages, tools)
-        added = suffix.separator_ids + suffix.ids
-        if len(e.response_ids) + len(added) >= budget:
-            e.ended_by = "budget"
-            continue
-        e._append(added, sampled=False)
-        e.messages += tool_messages
+        if e.ended_by is None:  # a call that timed out or lost the instance ended it: nothing more is appended
+            _append_observation(tokenizer, e, tool_messages, budget)
 
 
 def _cut(tokenizer, text: str, limits: EpisodeLimits) -> str:
@@ -285,7 +337,9 @@ def _cut(tokenizer, text: str, limits: EpisodeLimits) -> str:
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Per-rollout agent metrics: `turns` (mean policy turns per episode), `tool_calls` and `tool_errors` (mean per
     episode, and per tool as `tool_calls/<name>`), `ended/<why>` (the share of episodes per `ENDINGS` entry) and
-    `masked_out_fraction` (the share of response tokens with loss mask 0: tool results and separators)."""
+    `masked_out_fraction` (the share of response tokens with loss mask 0: tool results, observations and
+    separators); with an environment, `env_errors` (failures per episode) and `env_errors/<kind>` per
+    `ENV_ERROR_KINDS` entry."""
     n = max(len(episodes), 1)
     calls, errors = Counter(), Counter()
     for e in episodes:
@@ -298,41 +352,40 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     out.update({f"ended/{why}": sum(e.ended_by == why for e in episodes) / n for why in ENDINGS})
     out.update({f"tool_calls/{name or 'unknown'}": count / n for name, count in calls.items()})
     out.update({f"tool_errors/{name or 'unknown'}": count / n for name, count in errors.items()})
-    return out
-
-
-def tool_references(entries, base_dir: Optional[str] = None) -> list[tuple[Mapping[str, Any], tuple[str, Optional[str]]]]:
-    """Per `rollout.tools` entry (`astrai.config.ToolEntry` records): the reference `astrai.agents.tools.load_tools`
-    takes ({function, path, name}) and the (function, absolute path or None) a worker loads it by; relative paths
-    from `base_dir` (default: the working directory)."""
-    base = Path.cwd() if base_dir is None else Path(base_dir)
-    out = []
-    for entry in entries:
-        path = None if entry.path is None else str((base / Path(entry.path).expanduser()).resolve())
-        reference = {"function": entry.function, **({"path": path} if path else {}),
-                     **({"name": entry.name} if entry.name else {})}
-        out.append((reference, (entry.function, path)))
+    if any(e.env_key is not None for e in episodes):
+        failures = Counter()
+        for e in episodes:
+            failures.update(e.env_errors)
+        out["env_errors"] = sum(failures.values()) / n
+        out.update({f"env_errors/{kind}": failures[kind] / n for kind in ENV_ERROR_KINDS})
     return out
 
 
 class EpisodeRunner:
-    """The online train types' runner when `rollout.tools` is set: `RolloutRunner`'s interface (`sample`, `collect`,
-    `add_reference`, `truncated_fraction`, `engine`), each sample a multi-turn episode (`run_episodes`) from its
-    prompt record's conversation (`data.system_prompt`, then the stored prompt as the user turn, or the stored chat).
+    """The online train types' runner when `rollout.tools` or `rollout.environment` is set: `RolloutRunner`'s
+    interface (`sample`, `collect`, `add_reference`, `truncated_fraction`, `engine`), each sample a multi-turn
+    episode (`run_episodes`) from its prompt record's conversation (`data.system_prompt`, then the stored prompt as
+    the user turn, or the stored chat).
 
     Args:
         runner: the single-turn runner whose engine, sampling settings, reference model and score function it uses;
             the score function receives each episode's new messages as its completion (TRL's convention).
         tokenizer: the policy's; tools, executor, limits: as `run_episodes`'s; system_prompt: `data.system_prompt`.
+        environment: the job's environment classes (None: none); prompt_field: `data.prompt_field` (the key of
+            the stored prompt in the row a reset receives); on_error, error_score: `reward.on_error` and
+            `reward.error_score`, for an environment reward that failed. The environment's reward is added to the
+            total with weight 1 and kept as the reward component `ENVIRONMENT_REWARD`.
 
     Raises:
         ValueError: from construction, as `check_episodes` (the template, the stop token, the length limit).
     """
 
     def __init__(self, runner, tokenizer, tools: Sequence[Tool], executor: ToolExecutor, limits: EpisodeLimits, *,
-                 system_prompt: Optional[str] = None):
+                 system_prompt: Optional[str] = None, environment: Optional[EpisodeEnvironment] = None,
+                 prompt_field: str = "question", on_error: str = "score", error_score: float = 0.0):
         self.runner, self.tokenizer, self.tools, self.executor = runner, tokenizer, list(tools), executor
-        self.limits, self.system_prompt = limits, system_prompt
+        self.limits, self.system_prompt, self.environment = limits, system_prompt, environment
+        self.prompt_field, self.on_error, self.error_score = prompt_field, on_error, error_score
 
     @property
     def engine(self):
@@ -354,16 +407,25 @@ class EpisodeRunner:
         """One episode per record (`prompt_ids`, the single-turn renderings, are not used), scored; stats: the
         `episode_metrics` (as `episodes/<name>`) and `truncated_fraction`."""
         start = time.perf_counter()
-        episodes = run_episodes(self.runner.engine, self.tokenizer, [self.conversation(r) for r in records],
-                                self.tools, self.executor, self.runner.sampling, self.limits, generator)
+        env = self.environment
+        routed = [env.route_and_row(r, self.prompt_field) for r in records] if env is not None else []
+        episodes = self.runner.generate_agreed(lambda: run_episodes(  # non-finite logits: every rank stops
+            self.runner.engine, self.tokenizer, [self.conversation(r) for r in records], self.tools, self.executor,
+            self.runner.sampling, self.limits, generator, environment=env,
+            routes=[route for route, _ in routed] or None, rows=[row for _, row in routed] or None))
         timings = {"generate": time.perf_counter() - start}
         start = time.perf_counter()
         scored = self.runner.score_fn([e.completion for e in episodes], list(records),
                                       [[t for t, m in zip(e.response_ids, e.loss_mask) if m] for e in episodes])
         timings["reward"] = time.perf_counter() - start
-        components = getattr(scored, "components", {})
-        failed = getattr(scored, "failed", {})
+        components = dict(getattr(scored, "components", {}))
+        failed = dict(getattr(scored, "failed", {}))
         scores = torch.as_tensor(getattr(scored, "total", scored), dtype=torch.float32).tolist()
+        if env is not None and env.has_reward:  # the environment's reward: one more weight-1 reward, TRL's rule
+            values = self.environment_rewards(episodes)
+            scores = [s + (0.0 if math.isnan(v) else v) for s, v in zip(scores, values)]
+            components[ENVIRONMENT_REWARD] = torch.tensor(values, dtype=torch.float32)
+            failed[ENVIRONMENT_REWARD] = torch.tensor([e.env_reward_failed for e in episodes], dtype=torch.bool)
         trajectories = [e.trajectory(score=scores[i],
                                      reward_components={k: (None if math.isnan(v[i]) else float(v[i]))
                                                         for k, v in components.items()},
@@ -373,6 +435,13 @@ class EpisodeRunner:
         experience = Experience.from_trajectories(trajectories, pad_token_id=self.engine.pad_token_id,
                                                   device=self.engine.device, timings=timings, stats=stats)
         return self.runner.count_truncated(experience)
+
+    def environment_rewards(self, episodes: Sequence[Episode]) -> list[float]:
+        """Per episode its environment reward: get_reward's value; NaN where its class has none (it does not
+        apply), and for a failure ``reward.error_score`` (``reward.on_error: score``) or NaN (``skip``)."""
+        failed = self.error_score if self.on_error == "score" else math.nan
+        return [failed if e.env_reward_failed else math.nan if e.env_reward is None else e.env_reward
+                for e in episodes]
 
     def collect(self, prompt_ids, records, generator: Optional[torch.Generator] = None) -> Experience:
         """`sample`, then the reference log-probs (`add_reference`)."""
@@ -387,30 +456,33 @@ class EpisodeRunner:
         return self.runner.truncated_fraction(experience)
 
     def close(self) -> None:
-        """End the tool workers."""
+        """End the tool and environment workers."""
         self.executor.close()
+        if self.environment is not None:
+            self.environment.close()
 
 
 def check_episodes(tokenizer, tools: Sequence[Tool], sampling: SamplingParams, *, max_prompt_length: int,
-                   max_position_embeddings: int) -> None:
-    """The start-up checks of a job with tools: the tokenizer has a chat template that preserves prefixes
-    (`astrai.agents.chat.check_prefix_preserving`), its end-of-turn token stops the sampler, and
+                   max_position_embeddings: int, with_user_turn: bool = False, where: str = "rollout.tools") -> None:
+    """The start-up checks of a job with tools (or an environment; `where` names the setting): the tokenizer has a
+    chat template that preserves prefixes (`astrai.agents.chat.check_prefix_preserving`; `with_user_turn`: also
+    across an injected user turn, as an environment's step appends), its end-of-turn token stops the sampler, and
     `data.max_prompt_length` plus the tools' share of the prompt plus `rollout.max_new_tokens` fits the model.
 
     Raises:
         ValueError: one line naming the setting (TemplatePrefixError for the template).
     """
     if not tokenizer.chat_template:
-        raise ValueError("rollout.tools: multi-turn episodes need the tokenizer's chat template, and it has none")
-    check_prefix_preserving(tokenizer, tools)
+        raise ValueError(f"{where}: multi-turn episodes need the tokenizer's chat template, and it has none")
+    check_prefix_preserving(tokenizer, tools, with_user_turn=with_user_turn)
     end_token, _ = turn_end(tokenizer, tools)
     if tokenizer.token_to_id(end_token) not in sampling.stop_token_ids:
-        raise ValueError(f"rollout.tools: the chat template ends a turn with {end_token!r}, which is not a stop token "
+        raise ValueError(f"{where}: the chat template ends a turn with {end_token!r}, which is not a stop token "
                          f"of the model (its eos ids {list(sampling.stop_token_ids)})")
     probe = [{"role": "user", "content": "?"}]
     overhead = len(tokenizer.encode(render(tokenizer, probe, tools))) - len(tokenizer.encode(render(tokenizer, probe)))
     need = max_prompt_length + max(overhead, 0) + sampling.max_new_tokens
     if need > max_position_embeddings:
-        raise ValueError(f"rollout.tools: data.max_prompt_length ({max_prompt_length}) + the tools' schemas in the "
+        raise ValueError(f"{where}: data.max_prompt_length ({max_prompt_length}) + the tools' schemas in the "
                          f"prompt ({overhead} tokens) + rollout.max_new_tokens ({sampling.max_new_tokens}) = {need} "
                          f"exceeds max_position_embeddings ({max_position_embeddings})")

@@ -2,7 +2,8 @@
 
 A reward function is named by ``"package.module:function"`` (imported from `sys.path`, the job's working
 directory included) or by ``"module:function"`` plus ``path`` (a ``.py`` file, loaded under a private module name,
-so a file outside the package works). `load_reward_function` imports it; `RewardWorkerPool` runs calls in
+so a file outside the package works: `astrai.imports`, the loader tools and environments share). `load_reward_function`
+imports it; `RewardWorkerPool` runs calls in
 ``num_workers`` processes, each a fresh interpreter (``python -m astrai.rewards.workers``: no forked trainer
 threads or CUDA state) in a session of its own, so a call that does not return within ``timeout_seconds`` is ended by
 killing the worker's whole process group (anything it started included) and the worker is started again for the
@@ -15,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import importlib
-import importlib.util
 import inspect
 import os
 import signal
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
+
+from astrai.imports import ImportFailure, load_attribute, one_line as _one_line, split_reference
 
 __all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardWorkerPool", "call_reward", "load_reward_function"]
 
@@ -77,38 +78,13 @@ def load_reward_function(spec: RewardFunctionSpec) -> Callable:
         RewardFunctionError: no ":" in the reference, a missing file, an import that fails (with its exception's
             one-line text), no such attribute, or an attribute that is not callable.
     """
-    module_name, sep, attr = spec.function.partition(":")
-    if not sep and spec.path is not None:  # verl's custom_reward_function {path, name}: the name alone
-        module_name, sep, attr = Path(spec.path).stem, ":", spec.function
-    if not sep or not module_name or not attr:
+    if split_reference(spec.function, spec.path) is None:
         raise RewardFunctionError(f"{spec.label}: function {spec.function!r}: expected 'package.module:function' "
                                   "or a built-in reward name")
     try:
-        if spec.path is not None:
-            path = Path(spec.path)
-            if not path.is_file():
-                raise RewardFunctionError(f"{spec.label}: path {path}: file not found")
-            private = f"astrai_reward_{abs(hash(str(path)))}_{module_name.replace('.', '_')}"
-            module = sys.modules.get(private)
-            if module is None:
-                loader_spec = importlib.util.spec_from_file_location(private, path)
-                module = importlib.util.module_from_spec(loader_spec)
-                sys.modules[private] = module
-                try:
-                    loader_spec.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[private]
-                    raise
-        else:
-            module = importlib.import_module(module_name)
-    except RewardFunctionError:
-        raise
-    except Exception as err:
-        raise RewardFunctionError(f"{spec.label}: cannot import {spec.path or module_name}: "
-                                  f"{type(err).__name__}: {_one_line(err)}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise RewardFunctionError(f"{spec.label}: {spec.path or module_name} has no attribute {attr!r}")
+        fn = load_attribute(spec.function, spec.path)
+    except ImportFailure as err:
+        raise RewardFunctionError(f"{spec.label}: {err}") from None
     if not callable(fn):
         raise RewardFunctionError(f"{spec.label}: {spec.function} is a {type(fn).__name__}, not a function")
     return VerlScore(fn, spec.answer_field, tuple(spec.kwargs)) if VerlScore.takes(fn) else fn
@@ -173,22 +149,17 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def user_traceback(err: BaseException) -> str:
-    """The traceback of `err` from the first frame outside astrai's reward package on (the user's code), as
-    `traceback.format_exception` writes it."""
+def user_traceback(err: BaseException, package: Optional[Path] = None) -> str:
+    """The traceback of `err` from the first frame outside `package` (a folder and its subfolders; default astrai's
+    reward package) on (the user's code), as `traceback.format_exception` writes it."""
+    package = _HERE if package is None else package
     tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None and Path(tb.tb_frame.f_code.co_filename).parent == _HERE:
+    while tb is not None and tb.tb_next is not None and Path(tb.tb_frame.f_code.co_filename).is_relative_to(package):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(err), err, tb))
 
 
 _HERE = Path(__file__).resolve().parent
-
-
-def _one_line(err: BaseException, limit: int = 200) -> str:
-    """An exception's text on one line, at most `limit` characters."""
-    text = " ".join(str(err).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def as_list(result: Any) -> Any:
@@ -252,14 +223,16 @@ STARTUP_SECONDS = 120.0
 
 
 class _Worker:
-    """One worker process (`python -m astrai.rewards.workers`, a session of its own) and two pipes to it;
-    `ready()` waits for its start-up message. A plain subprocess, not `multiprocessing`: it never re-imports the
-    trainer's `__main__` module, so a user script without an `if __name__ == "__main__"` guard works too."""
+    """One worker process (`python -m <module>`, default `astrai.rewards.workers`, a session of its own) and two
+    pipes to it; `ready()` waits for its start-up message. A plain subprocess, not `multiprocessing`: it never
+    re-imports the trainer's `__main__` module, so a user script without an `if __name__ == "__main__"` guard works
+    too. The module's main takes the two pipe descriptors as arguments, receives ``(sys.path, specs)`` first and
+    answers ``("ready", ...)`` (`_worker_main`'s protocol)."""
 
-    def __init__(self, specs):
+    def __init__(self, specs, module: str = "astrai.rewards.workers"):
         to_child, from_parent = os.pipe()
         from_child, to_parent = os.pipe()
-        self.process = subprocess.Popen([sys.executable, "-m", "astrai.rewards.workers", str(to_child),
+        self.process = subprocess.Popen([sys.executable, "-m", module, str(to_child),
                                          str(to_parent)], pass_fds=(to_child, to_parent), start_new_session=True,
                                         stdin=subprocess.DEVNULL)
         os.close(to_child)

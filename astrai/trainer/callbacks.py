@@ -258,6 +258,8 @@ class MetricsLogger(Callback):
             parts = [f"{short} {record[key]:.4g}" for key, short in CONSOLE_KEYS if key in record]
             parts += [f"{key[len('rewards/'):-len('/failed')]} failed on {record[key]:.4g} samples" for key in record
                       if key.startswith("rewards/") and key.endswith("/failed") and record[key] > 0]
+            if record.get("rollout/episodes/env_errors", 0) > 0:  # rollout.environment failures (docs/agents.md)
+                parts.append(f"environment errors {record['rollout/episodes/env_errors']:.4g} per episode")
             self.printer(f"step {trainer.state.global_step}/{trainer.state.max_steps} | " + " | ".join(parts))
 
     def _write(self, trainer, metrics) -> Optional[dict]:

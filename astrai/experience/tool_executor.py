@@ -1,0 +1,81 @@
+"""Running the job's plain tools (`rollout.tools`) for multi-turn episodes: in worker processes with a hard timeout
+(the reward workers' `RewardWorkerPool`, loading each tool by its reference) or in the trainer's process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from astrai.agents.tool_calls import ToolCall, argument_problem, call_tool, result_text
+from astrai.agents.tools import Tool
+from astrai.rewards.workers import RewardFunctionSpec, RewardWorkerPool
+
+__all__ = ["ToolExecutor", "tool_references"]
+
+
+class ToolExecutor:
+    """Runs tool calls: in `num_workers` worker processes with a hard `timeout_seconds` per call
+    (`astrai.rewards.workers.RewardWorkerPool`, loading each tool by its reference), or with `num_workers` 0 in this
+    process (no timeout). Arguments are checked against the tool's signature and schema here first. Never raises on
+    a call: a bad argument, an exception, a timeout or a dead worker is the error text the model sees.
+
+    Args:
+        tools: the loaded tools (schemas, and the callables for in-process calls).
+        references: per tool, the (function, path) it was loaded from, for the workers; None: in process only.
+    """
+
+    def __init__(self, tools: Sequence[Tool], references: Optional[Sequence[tuple[str, Optional[str]]]] = None, *,
+                 num_workers: int = 1, timeout_seconds: float = 30.0):
+        self.tools = {tool.name: tool for tool in tools}
+        self._index = {tool.name: i for i, tool in enumerate(tools)}
+        self.pool = None
+        if references is not None and num_workers > 0:
+            specs = [RewardFunctionSpec(name=tool.name, function=function, index=i, path=path)
+                     for i, (tool, (function, path)) in enumerate(zip(tools, references))]
+            self.pool = RewardWorkerPool(specs, num_workers=num_workers, timeout_seconds=timeout_seconds,
+                                         timeout_setting="rollout.tool_timeout_seconds")
+
+    def run(self, calls: Sequence[ToolCall]) -> list[tuple[str, Optional[str]]]:
+        """(result text, error text or None) per call, in order."""
+        if self.pool is None:
+            return [call_tool(self.tools[c.name], c.arguments) for c in calls]
+        out: list[Optional[tuple[str, Optional[str]]]] = [None] * len(calls)
+        pending: dict[str, list[int]] = {}
+        for k, c in enumerate(calls):
+            problem = argument_problem(self.tools[c.name], c.arguments)
+            if problem is not None:
+                out[k] = (problem, problem)
+            else:
+                pending.setdefault(c.name, []).append(k)
+        width = self.pool.num_workers
+        for name, ks in pending.items():
+            for start in range(0, len(ks), width):
+                chunk = ks[start:start + width]
+                for k, (status, value, _) in zip(chunk, self.pool.run(self._index[name],
+                                                                      [calls[k].arguments for k in chunk])):
+                    if status == "ok":
+                        out[k] = (result_text(value), None)
+                    else:
+                        text = f"Error: {value}"
+                        out[k] = (text, text)
+        return out
+
+    def close(self) -> None:
+        """End the worker processes (idempotent)."""
+        if self.pool is not None:
+            self.pool.close()
+
+
+def tool_references(entries, base_dir: Optional[str] = None
+                    ) -> list[tuple[Mapping[str, Any], tuple[str, Optional[str]]]]:
+    """Per `rollout.tools` entry (`astrai.config.ToolEntry` records): the reference `astrai.agents.tools.load_tools`
+    takes ({function, path, name}) and the (function, absolute path or None) a worker loads it by; relative paths
+    from `base_dir` (default: the working directory)."""
+    base = Path.cwd() if base_dir is None else Path(base_dir)
+    out = []
+    for entry in entries:
+        path = None if entry.path is None else str((base / Path(entry.path).expanduser()).resolve())
+        reference = {"function": entry.function, **({"path": path} if path else {}),
+                     **({"name": entry.name} if entry.name else {})}
+        out.append((reference, (entry.function, path)))
+    return out
