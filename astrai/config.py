@@ -285,7 +285,17 @@ class RolloutSection(Section, name="rollout"):
                                              "batch is filled up with all-equal groups", GT0)
     generation_batch_size: Optional[int] = field_spec(
         None, "dynamic_sampling: prompts drawn and sampled per generation round; null = rollout.batch_size. Larger "
-              "rounds decode faster per token and fill the batch in fewer rounds; surplus groups are dropped", GT0)
+              "rounds decode faster per token and fill the batch in fewer rounds; surplus groups are dropped. "
+              "rollout.partial: groups in flight per rollout (> rollout.batch_size); null = 2 x rollout.batch_size",
+        GT0)
+    partial: bool = field_spec(
+        False, "partial rollouts on the colocated engine (docs/async.md): decode until rollout.batch_size groups are "
+               "complete, then stop; the unfinished samples keep their tokens and continue in the next rollout under "
+               "the new weights (re-prefilled). Needs rollout.max_off_policy_steps >= 1 and rollout.correction")
+    max_off_policy_steps: int = field_spec(
+        0, "rollout.partial: the most policy versions (optimizer steps) a trained token may lag the weights being "
+           "trained; a carried sample whose oldest token would lag more is re-generated from its prompt. 0 = "
+           "synchronous rollouts", GE0)
     tools: list[ToolEntry] = field_spec(
         [], "tools the policy may call, each {function, path, name}: every sample becomes a multi-turn episode "
             "(turns and tool results within rollout.max_new_tokens; docs/agents.md)")
@@ -531,6 +541,36 @@ class Config:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     """Device, CPU threads, determinism, per-job environment variables."""
 
+    def _check_partial(self, kind: str, spec) -> None:
+        """`rollout.partial` against the rest of the job (docs/async.md); raises ConfigError (one line)."""
+        r = self.rollout
+        refused = (("rollout.dynamic_sampling", r.dynamic_sampling), ("rollout.tools", bool(r.tools)),
+                   ("rollout.environment", r.environment is not None),
+                   ("rollout.tensor_parallel_size > 1", r.tensor_parallel_size > 1),
+                   ("rollout.engine vllm", r.engine == "vllm"))
+        for name, on in refused:
+            if on:
+                raise ConfigError(f"rollout.partial: not supported yet with {name}; set rollout.partial false")
+        if not spec.online:
+            raise ConfigError(f"rollout.partial: continues the samples of the online train types; train.type {kind} "
+                              "samples none")
+        if r.max_off_policy_steps < 1:
+            raise ConfigError("rollout.partial: carried samples are trained on by newer weights; set "
+                              "rollout.max_off_policy_steps >= 1 (the staleness bound), got 0")
+        if r.correction == "none":
+            raise ConfigError("rollout.partial: tokens of older policy versions need an importance-sampling "
+                              "correction (decoupled PPO, Hilton et al. 2022); set rollout.correction, e.g. token_tis")
+        if r.generation_batch_size is not None and r.generation_batch_size <= r.batch_size:
+            raise ConfigError(f"rollout.generation_batch_size: with rollout.partial, the groups in flight must exceed "
+                              f"rollout.batch_size {r.batch_size} (else every group must end), got "
+                              f"{r.generation_batch_size}")
+        section = getattr(self, spec.group_size_field.partition(".")[0])
+        steps = r.batch_size * spec.group_size(self) // section.minibatch_size * section.epochs
+        if r.max_off_policy_steps < steps:
+            raise ConfigError(f"rollout.max_off_policy_steps: {r.max_off_policy_steps} is below the {steps} optimizer "
+                              f"steps each rollout takes, so every carried sample would be re-generated; set it >= "
+                              f"{steps}")
+
     def __post_init__(self) -> None:
         kind = self.train.type
         spec = train_types.get(kind)
@@ -543,6 +583,8 @@ class Config:
                               f"echoes prompt log-probs), which match the student's only at rollout.temperature 1, "
                               f"got {self.rollout.temperature:g}; set it to 1 or load the teacher locally")
         spec.check(self)
+        if self.rollout.partial:
+            self._check_partial(kind, spec)
         if self.rollout.dynamic_sampling:
             if spec.group_size(self) is None or not spec.online:
                 samplers = [t.name for t in train_types.all_train_types() if t.online and t.group_size_field]
@@ -564,9 +606,14 @@ class Config:
                                   f"rollout.max_sampling_rounds {r.max_sampling_rounds} cannot fill "
                                   f"rollout.batch_size {r.batch_size}; expected at least "
                                   f"{-(-r.batch_size // r.max_sampling_rounds)}")
-        elif self.rollout.generation_batch_size is not None:
-            raise ConfigError("rollout.generation_batch_size: only used with rollout.dynamic_sampling (without it "
-                              "each rollout samples rollout.batch_size prompts once); set it to null")
+        elif self.rollout.generation_batch_size is not None and not self.rollout.partial:
+            raise ConfigError("rollout.generation_batch_size: only used with rollout.dynamic_sampling or "
+                              "rollout.partial (without them each rollout samples rollout.batch_size prompts once); "
+                              "set it to null")
+        if self.rollout.max_off_policy_steps and not self.rollout.partial:
+            raise ConfigError(f"rollout.max_off_policy_steps: {self.rollout.max_off_policy_steps} bounds the staleness "
+                              "of partial rollouts, but rollout.partial is false (rollouts are synchronous); set it "
+                              "to 0 or rollout.partial to true")
         if self.train.log_completions and not spec.online:  # asked to see what the job never writes: refused
             online = " and ".join(t.name for t in train_types.all_train_types() if t.online)
             raise ConfigError(f"train.log_completions: shows the completions the online train types sample "

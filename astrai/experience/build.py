@@ -4,22 +4,29 @@ colocated engine, from the validated config."""
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from astrai.agents.environments import (EnvironmentSpec, environment_specs, environment_tools,
+                                        load_environment_class, missing_reset_columns)
 from astrai.agents.tools import load_tools
 from astrai.data import PromptSampler
-from astrai.experience.episodes import EpisodeLimits, EpisodeRunner, ToolExecutor, check_episodes, tool_references
+from astrai.experience.environments import EnvironmentFailures
+from astrai.experience.episode_environments import EpisodeEnvironment, routes_of
+from astrai.experience.episodes import (ENVIRONMENT_REWARD, EpisodeLimits, EpisodeRunner, ToolExecutor,
+                                        check_episodes, tool_references)
+from astrai.experience.partial import PartialRollouts, check_partial_rollouts
 from astrai.experience.prompts import load_online_prompts
-from astrai.experience.runner import RolloutRunner
+from astrai.experience.runner import RolloutRunner, first_line_of_any_rank
 from astrai.experience.sources import OnlineExperience
 from astrai.models.special_tokens import stop_token_ids, strip_stop
-from astrai.rewards.build import build_rewards, score_records
+from astrai.rewards.build import build_rewards, reward_specs, score_records
 from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.sampling import SamplingParams
 
-__all__ = ["build_online_experience", "build_episode_runner", "load_job_tools", "sampling_params"]
+__all__ = ["build_online_experience", "build_episode_runner", "load_job_environment", "load_job_tools",
+           "sampling_params"]
 
 
 def sampling_params(config, model_config, tokenizer) -> SamplingParams:
@@ -46,21 +53,86 @@ def load_job_tools(config, tokenizer, model_config) -> tuple[list, list]:
     return tools, [source for _, source in references]
 
 
-def build_episode_runner(config, runner, tokenizer, model_config) -> EpisodeRunner:
-    """The multi-turn runner of a job with `rollout.tools` over the single-turn `runner`: the tools
-    (`load_job_tools`), their executor (`rollout.tool_workers` processes, `rollout.tool_timeout_seconds`) and the
-    episode caps.
+def load_job_environment(config, tokenizer, model_config, records: Sequence[Any], tools: Sequence = ()
+                         ) -> list[EnvironmentSpec]:
+    """The classes of `rollout.environment`, loaded in this process (relative paths from the working directory)
+    and checked against the job: each a class with reset (whose required parameters every row of `records`, the
+    prompt records, offers), its public methods' schemas derivable and named apart from `tools` (the job's plain
+    tools: both are offered, an environment's methods after them), the template with each class's tools (and an
+    injected user turn for a class with step, `check_episodes`), the routing column present in every row and naming
+    a class, and no reward function named `ENVIRONMENT_REWARD` when a class has get_reward. `--check` runs it too.
 
     Raises:
-        astrai.agents.tools.ToolError / ValueError: as `load_job_tools`.
+        astrai.agents.environments.EnvironmentClassError / ValueError: one line naming the entry or the setting.
+    """
+    r, d = config.rollout, config.data
+    specs = environment_specs(r.environment)
+    classes = {spec.route: load_environment_class(spec) for spec in specs}
+    routed_by = r.environment_field if routes_of(r.environment) is not None else None
+    if routed_by is not None:
+        for record in records:
+            route = record.columns.get(routed_by)
+            if route is None:
+                raise ValueError(f"rollout.environment: routes rows by their {routed_by!r} column "
+                                 f"(rollout.environment_field), which row {record.index} of {d.path} lacks")
+            if str(route) not in classes:
+                raise ValueError(f"rollout.environment: row {record.index} of {d.path} names {route!r} in its "
+                                 f"{routed_by!r} column, not one of rollout.environment's: {', '.join(classes)}")
+    offered = set.intersection(*[set(record.columns) for record in records]) if records else set()
+    offered = (offered | {d.prompt_field}) - {routed_by}
+    sampling = sampling_params(config, model_config, tokenizer)
+    names = {tool.name for tool in tools}
+    for spec in specs:
+        cls = classes[spec.route]
+        own = environment_tools(spec, cls)
+        clash = sorted(names & {tool.name for tool in own})
+        if clash:
+            raise ValueError(f"{spec.label}: method {cls.__name__}.{clash[0]} has the name of a tool of "
+                             "rollout.tools; rename one of them")
+        missing = missing_reset_columns(cls, sorted(offered))
+        if missing:
+            raise ValueError(f"{spec.label}: {cls.__name__}.reset requires {missing[0]!r}, a column the rows do not "
+                             f"all have (they have: {', '.join(sorted(offered))})")
+        check_episodes(tokenizer, [*tools, *own], sampling, max_prompt_length=d.max_prompt_length,
+                       max_position_embeddings=model_config.max_position_embeddings,
+                       with_user_turn=callable(getattr(cls, "step", None)), where=spec.label)
+    rewarded = [c.__name__ for c in classes.values() if callable(getattr(c, "get_reward", None))]
+    if rewarded and ENVIRONMENT_REWARD in [spec.name for spec in reward_specs(config)]:
+        raise ValueError(f"reward.functions: a function is named {ENVIRONMENT_REWARD!r}, the name of the reward of "
+                         f"rollout.environment ({rewarded[0]}.get_reward); name it otherwise")
+    return specs
+
+
+def build_episode_runner(config, runner, tokenizer, model_config, records: Sequence[Any] = ()) -> EpisodeRunner:
+    """The multi-turn runner of a job with `rollout.tools` or `rollout.environment` over the single-turn `runner`:
+    the tools (`load_job_tools`), their executor (`rollout.tool_workers` processes, `rollout.tool_timeout_seconds`),
+    the environment classes (`load_job_environment`, checked against the prompt `records`) in
+    `rollout.environment_workers` processes (`rollout.environment_timeout_seconds`; failures stop the job as the
+    reward functions' do: `reward.max_error_fraction`, `reward.error_window`) and the episode caps.
+
+    Raises:
+        astrai.agents.tools.ToolError / EnvironmentClassError / ValueError: as `load_job_tools` and
+            `load_job_environment`.
     """
     r = config.rollout
-    tools, sources = load_job_tools(config, tokenizer, model_config)
-    executor = ToolExecutor(tools, sources, num_workers=r.tool_workers, timeout_seconds=r.tool_timeout_seconds)
+    tools, sources = load_job_tools(config, tokenizer, model_config) if r.tools else ([], [])
+    environment = None
+    if r.environment is not None:
+        specs = load_job_environment(config, tokenizer, model_config, records, tools)
+        failures = EnvironmentFailures(max_error_fraction=config.reward.max_error_fraction,
+                                       error_window=config.reward.error_window)
+        environment = EpisodeEnvironment.load(
+            specs, num_workers=r.environment_workers, timeout_seconds=r.environment_timeout_seconds,
+            routed_by=r.environment_field if routes_of(r.environment) is not None else None, failures=failures,
+            max_prompt_tokens=model_config.max_position_embeddings - r.max_new_tokens)
+    executor = ToolExecutor(tools, sources, num_workers=r.tool_workers if tools else 0,
+                            timeout_seconds=r.tool_timeout_seconds)
     limits = EpisodeLimits(max_turns=r.max_turns, max_tool_response_tokens=r.max_tool_response_tokens,
                            tool_response_truncation=r.tool_response_truncation,
                            max_parallel_tool_calls=r.max_parallel_tool_calls)
-    return EpisodeRunner(runner, tokenizer, tools, executor, limits, system_prompt=config.data.system_prompt)
+    return EpisodeRunner(runner, tokenizer, tools, executor, limits, system_prompt=config.data.system_prompt,
+                         environment=environment, prompt_field=config.data.prompt_field,
+                         on_error=config.reward.on_error, error_score=config.reward.error_score)
 
 
 def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine, model_config,
@@ -72,16 +144,23 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
     `OnlineExperience`'s): sampling settings (stop on every id of `special_tokens.stop_token_ids`: the tokenizer's
     EOS and the eos list of the policy's `model_config`), reward (it sees the response text without a final stop
     token; a reward model goes through `prepare_model` as `build_rewards` says), runner, the prompts
-    (`load_online_prompts`) and their sampler (seed `train.seed` on every rank, each rank drawing its own share of
-    `dist.world_size`), and the sampling RNG (seed `train.seed + 1000 * dist.rank`, on `dist.device`);
+    (`load_online_prompts`) and their sampler (seed `train.seed` on every rank, each data-parallel group drawing its
+    own share of `dist.dp_size`: with `rollout.tensor_parallel_size` T > 1 the T ranks of one tensor-parallel group
+    draw the same prompts, which their engines generate together; T = 1: each rank its own share of the world), and
+    the sampling RNG (seed `train.seed + 1000 * dist.dp_rank`, on `dist.device`);
     `rollout.dynamic_sampling`, `rollout.max_sampling_rounds` and `rollout.generation_batch_size` as
-    `OnlineExperience`'s. With `rollout.tools` every sample is a multi-turn episode (`build_episode_runner`).
+    `OnlineExperience`'s; `rollout.partial` as `partial_rollouts` (one process only: `check_partial_rollouts`). With
+    `rollout.tools` or `rollout.environment` every sample is a multi-turn episode (`build_episode_runner`). With
+    several ranks, the ranks agree after each generation on non-finite logits met by any of them
+    (`RolloutRunner.agree`) and, with dynamic sampling, on another round while any rank lacks groups
+    (`OnlineExperience.any_rank`), so that they make the same collective calls and stop together.
 
     Raises:
         DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
         RewardFunctionError: a reward function that cannot be loaded or served (`build_rewards`).
     """
     r = config.rollout
+    check_partial_rollouts(config, dist.world_size)
     sampling = sampling_params(config, model_config, tokenizer)
     stops = sampling.stop_token_ids
     if sampling.truncates:
@@ -92,14 +171,29 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
     runner = RolloutRunner(
         engine, sampling, decode=lambda ids: tokenizer.decode(strip_stop(ids, stops), skip_special_tokens=True),
         score_fn=lambda texts, records, ids: score_records(rewards, texts, records, ids),
-        ref_model=ref_model, chunk_size=chunk_size)
-    if r.tools:  # every sample a multi-turn episode
-        runner = build_episode_runner(config, runner, tokenizer, model_config)
-    sampler = PromptSampler(prompts, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.rank,
-                            world_size=dist.world_size)
+        ref_model=ref_model, chunk_size=chunk_size,
+        agree=(lambda line: first_line_of_any_rank(dist, line)) if dist.world_size > 1 else None)
+    if r.tools or r.environment is not None:  # every sample a multi-turn episode
+        runner = build_episode_runner(config, runner, tokenizer, model_config, prompts)
+    sampler = PromptSampler(prompts, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.dp_rank,
+                            world_size=dist.dp_size)
     return OnlineExperience(sync_weights=sync_weights, runner=runner, sampler=sampler, batch_size=r.batch_size,
-                            group_size=group_size, seed=config.train.seed + 1000 * dist.rank, device=dist.device,
+                            group_size=group_size, seed=config.train.seed + 1000 * dist.dp_rank, device=dist.device,
                             dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
-                            generation_batch_size=r.generation_batch_size)
+                            generation_batch_size=r.generation_batch_size,
+                            any_rank=(lambda flag: bool(dist.all_reduce_max(torch.tensor([float(flag)],
+                                                                                         device=dist.device)).item()))
+                            if dist.world_size > 1 else None, partial=partial_rollouts(config, group_size))
+
+
+def partial_rollouts(config, group_size: int) -> Optional[PartialRollouts]:
+    """The groups in flight of `rollout.partial` (`rollout.generation_batch_size` of them, null = 2 x
+    `rollout.batch_size`; bound `rollout.max_off_policy_steps`), or None without it."""
+    r = config.rollout
+    if not r.partial:
+        return None
+    return PartialRollouts(batch_size=r.batch_size, group_size=group_size,
+                           in_flight=r.generation_batch_size or 2 * r.batch_size,
+                           max_off_policy_steps=r.max_off_policy_steps)
 
 

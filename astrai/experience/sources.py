@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from astrai.experience.partial import PartialRollouts
 from astrai.experience.trajectory import Experience, concat_experiences, summed_timings
 from astrai.experience.runner import RolloutRunner
 from astrai.rollout.engine import GenerationEngine
@@ -69,6 +70,9 @@ class OnlineExperience:
             ranks make the same number of engine and scoring calls (which agree on failures and may run collectives:
             a sharded reward model); a rank that has its groups samples on (the surplus is dropped) where it would
             otherwise wait for the slowest rank at the next collective. None (one process): each rank decides alone.
+        partial: `rollout.partial` (`astrai.experience.partial.PartialRollouts`, without `dynamic_sampling`): each
+            batch is the first B groups completed by a partial rollout, the others carried to the next; None: every
+            batch samples B fresh prompts to the end.
 
     With `dynamic_sampling` each round consumes `generation_batch_size` records of the sampler; reference
     log-probs are computed once, for the B * G kept samples. The experience's stats hold `sampling_rounds` and
@@ -84,7 +88,7 @@ class OnlineExperience:
     def __init__(self, *, sync_weights: Callable[[int], None], runner: RolloutRunner, sampler, batch_size: int,
                  group_size: int = 1, seed: int, device: torch.device, dynamic_sampling: bool = False,
                  max_sampling_rounds: int = 1, generation_batch_size: Optional[int] = None,
-                 any_rank: Optional[Callable[[bool], bool]] = None):
+                 any_rank: Optional[Callable[[bool], bool]] = None, partial: Optional[PartialRollouts] = None):
         if dynamic_sampling and group_size < 2:
             raise ValueError(f"dynamic_sampling needs groups of at least 2 samples, got group_size={group_size}")
         if max_sampling_rounds < 1:
@@ -100,6 +104,7 @@ class OnlineExperience:
         self.generation_batch_size = generation_batch_size or batch_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.any_rank = any_rank or bool
+        self.partial = partial
 
     @property
     def engine(self) -> GenerationEngine:
@@ -116,7 +121,10 @@ class OnlineExperience:
         self.sync_weights(policy_version)
         synced = time.perf_counter() - start
         try:
-            if self.dynamic_sampling:
+            if self.partial is not None:
+                experience = self.runner.add_reference(
+                    self.partial.collect(self.runner, self.data_sampler, self.generator, policy_version))
+            elif self.dynamic_sampling:
                 experience = self.runner.add_reference(self._sample_dynamically(engine.pad_token_id))
             else:
                 experience = self.runner.collect(*self._next_prompts(self.batch_size), self.generator)
@@ -155,11 +163,17 @@ class OnlineExperience:
         return experience
 
     def state_dict(self) -> dict:
-        """The sampling RNG state."""
-        return {"sampling_rng": self.generator.get_state()}
+        """The sampling RNG state, and with `partial` the groups in flight (`PartialRollouts.state_dict`)."""
+        state = {"sampling_rng": self.generator.get_state()}
+        if self.partial is not None:
+            state["partial_rollouts"] = self.partial.state_dict(getattr(self.data_sampler, "dataset", None))
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Inverse of `state_dict`."""
+        """Inverse of `state_dict` (a state saved without groups in flight leaves none)."""
         self.generator.set_state(state["sampling_rng"])
+        if self.partial is not None:
+            self.partial.load_state_dict(state.get("partial_rollouts", {"groups": []}),
+                                         getattr(self.data_sampler, "dataset", ()))
 
 

@@ -30,7 +30,8 @@ from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, MetricsLogger, ProgressBar,
                                       StepTimer)
 from astrai.trainer.evaluation_callback import build_evaluation, load_eval_records
-from astrai.experience.build import load_job_tools
+from astrai.experience.build import load_job_environment, load_job_tools
+from astrai.experience.partial import check_partial_rollouts
 from astrai.rewards.build import build_rewards
 from astrai.rollout.build import check_rollout_engine
 from astrai.trainer.faults import StepBoundary, StopSignals
@@ -38,6 +39,7 @@ from astrai.trainer.lora import lora_summary
 from astrai.trainer.lock import OutputDirLock, OutputDirLocked
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
+from astrai.trainer.memory_plan import planned_job
 from astrai.trainer.models import apply_model_options, load_teacher
 from astrai.trainer.resume import check_resume, restore
 from astrai.trainer.resume_changes import ConfiguredSchedule, config_changes
@@ -110,7 +112,8 @@ def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trai
     takes the output directory's lock (`trainer.lock`, rank 0: one job per directory), cleans up after a crashed
     publish (main process), resolves the run (`trainer.runs`: a fresh start in a directory holding checkpoints
     needs `train.overwrite_output_dir`; a restarted job resumes itself), checks the length budgets and vocabulary
-    against the model (`data.limits`), resumes when `checkpoint.resume` says so (applying and listing the config
+    against the model (`data.limits`), plans the memory per rank (`memory_plan.planned_job`: its table printed by
+    the main process, a job that cannot fit refused in one line naming a setting that would), resumes when `checkpoint.resume` says so (applying and listing the config
     changes that may change, `resume_changes`), and writes the resolved config to `<output_dir>/config.yaml` and
     the run id to `<output_dir>/run.json` once everything has been built (a start that fails leaves the
     directory's run as it was, and its lock released).
@@ -185,6 +188,10 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
                                         revision=config.model.revision)
     check_model_limits(config, policy.config, tokenizer)
+    memory, memory_note = planned_job(config, policy.config, strategy=dist.strategy, world_size=dist.world_size,
+                                      device=dist.device, local_world_size=_local_world_size(1))  # or refused
+    if dist.is_main:
+        print(memory.table() + (f"\n{memory_note}" if memory_note else ""))
     check_job_prompt_format(config, tokenizer, say=print if dist.is_main else _quiet)  # data.chat_template
     policy.train()
     policy.gradient_checkpointing = config.model.gradient_checkpointing
@@ -339,17 +346,21 @@ def check_job(config: Config, *, world_size: int) -> str:
     engine_factory(config.rollout.engine)  # an unknown rollout.engine, before the model loads
     spec = train_types.get(config.train.type)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
-                                        revision=config.model.revision)
+                                        revision=config.model.revision, shapes_only=True)  # weights not needed
     check_model_limits(config, policy.config, tokenizer)
     check_job_prompt_format(config, tokenizer)  # data.chat_template against the tokenizer, said once
-    if config.distill.teacher:  # loads, and shares the student's tokenizer
-        load_teacher(config, tokenizer)
+    teacher = load_teacher(config, tokenizer) if config.distill.teacher else None  # shares the student's tokenizer
+    memory, memory_note = planned_job(config, policy.config, strategy=plan.strategy, world_size=world_size,
+                                      device=device, local_world_size=_local_world_size(world_size),
+                                      teacher_config=getattr(teacher, "config", None))  # refused if it cannot fit
     data = spec.load_data(config, policy.config, tokenizer, main=True)
     if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
         check_rollout_engine(config, policy.config, device)
+        check_partial_rollouts(config, world_size)
         build_rewards(config, data, num_workers=0).close()
-        if config.rollout.tools:  # imported, their schemas derived, the template and length checked
-            load_job_tools(config, tokenizer, policy.config)
+        tools = load_job_tools(config, tokenizer, policy.config)[0] if config.rollout.tools else []
+        if config.rollout.environment is not None:  # classes imported and checked against the data and the tools
+            load_job_environment(config, tokenizer, policy.config, data, tools)
     if config.train.eval_steps:
         load_eval_records(config, tokenizer)
     params = sum(p.numel() for p in policy.parameters())
@@ -359,7 +370,16 @@ def check_job(config: Config, *, world_size: int) -> str:
     return (f"check passed: {config.train.type} on {world_size} process(es) with {plan.strategy} "
             f"({plan.mixed_precision} mixed precision); model {config.model.path} ({params / 1e6:.1f}M parameters)"
             f"{lora_summary(config, policy)}; {len(data)} {counted} from {data_source(config)}; {start} in "
-            f"{output_dir}")
+            f"{output_dir}\n{memory.table()}" + (f"\n{memory_note}" if memory_note else ""))
+
+
+def _local_world_size(world_size: int) -> int:
+    """Ranks sharing this node's memory: LOCAL_WORLD_SIZE when a launcher set it, else all `world_size` (--check
+    runs before the launch: planned as if every rank were here)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    except ValueError:
+        return world_size
 
 
 def data_source(config) -> str:

@@ -1,0 +1,133 @@
+"""Partial rollouts against synchronous ones on a long-tailed workload: the generation phase alone, same engine.
+
+    python bench/partial_rollouts.py [--threads 1] [--batch-size 4] [--group-size 4] [--in-flight 8]
+                                     [--max-new-tokens 256] [--stop-ids 3] [--rollouts 6] [--hidden 256]
+
+A random-weight decoder (astrai's `tiny_config` at `--hidden` width, 4 layers, vocabulary 512, float32) on the paged
+engine (torch backend). Random weights give near-flat logits, so with `--stop-ids` k stop tokens each token ends its
+response with probability about k / 512: geometric, long-tailed response lengths (mean about 512 / k, cut at
+`--max-new-tokens`), the shape of reasoning answers. Each rollout needs B = `--batch-size` complete groups of G =
+`--group-size` samples of random prompts (8 to 24 ids):
+
+- synchronous: one `generate` of the B prompts x G, to the longest response;
+- partial (`astrai.experience.partial.PartialRollouts`, `--in-flight` groups in flight): the engine streamed step by
+  step until B groups are complete, the unfinished samples carried to the next rollout (re-prefilled there). The
+  staleness bound is set high enough that no sample is re-generated (the weights do not change here).
+
+Prints per mode, over `--rollouts` rollouts after one warm-up rollout: seconds per rollout, decode steps per rollout,
+mean rows per decode step (the batch-size profile: generated tokens / steps), generated tokens per second, and the
+ratio `sync s/rollout / partial s/rollout`. Generation only: the training step and the staleness it costs are not
+part of it (docs/async.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from astrai.experience.partial import PartialRollouts  # noqa: E402
+from astrai.models import AutoRegressiveLM, tiny_config  # noqa: E402
+from astrai.rollout.paged_engine import PagedGenerationEngine  # noqa: E402
+from astrai.rollout.sampling import SamplingParams  # noqa: E402
+
+VOCAB, EOS = 512, 2
+
+
+class CountingEngine:
+    """The engine with its streamed steps and their rows counted (everything else passed through)."""
+
+    def __init__(self, engine):
+        self.engine, self.steps, self.tokens = engine, 0, 0
+
+    def step(self):
+        out = self.engine.step()
+        self.steps += bool(out)
+        self.tokens += len(out)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def prompts(generator: torch.Generator, n: int) -> list[SimpleNamespace]:
+    lengths = torch.randint(8, 25, (n,), generator=generator).tolist()
+    return [SimpleNamespace(prompt_ids=torch.randint(100, VOCAB, (k,), generator=generator).tolist(), answer="")
+            for k in lengths]
+
+
+def synchronous(engine, params, args, generator) -> tuple[float, int, int]:
+    batch = prompts(generator, args.batch_size)
+    start = time.perf_counter()
+    out = engine.generate([p.prompt_ids for p in batch], params, generator, n=args.group_size)
+    return time.perf_counter() - start, engine.last_stats["steps"], int(out.action_mask.sum())
+
+
+def partial_rollout(engine, params, args, generator, source, version) -> tuple[float, int, int]:
+    counted = CountingEngine(engine)
+    runner = SimpleNamespace(engine=counted, sampling=params, decode=lambda ids: "", generate_agreed=lambda f: f(),
+                             score_fn=lambda texts, records, ids: torch.zeros(len(ids)),
+                             count_truncated=lambda exp: exp)
+    sampler = SimpleNamespace(next_batch=lambda n: prompts(generator, n))
+    engine.wake()
+    start = time.perf_counter()
+    source.collect(runner, sampler, generator, version)
+    seconds = time.perf_counter() - start
+    engine.sleep()
+    return seconds, counted.steps, counted.tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--in-flight", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--stop-ids", type=int, default=3)
+    parser.add_argument("--rollouts", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=256)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = tiny_config(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS,
+                         pad_token_id=EOS, bos_token_id=1, max_position_embeddings=2048)
+    model = AutoRegressiveLM(config).eval()
+    engine = PagedGenerationEngine(model, pad_token_id=EOS, backend="torch", block_size=16)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                            stop_token_ids=tuple(range(EOS, EOS + args.stop_ids)))
+    print(f"threads {args.threads}; B {args.batch_size} x G {args.group_size}; {args.in_flight} groups in flight; "
+          f"max_new_tokens {args.max_new_tokens}; {args.stop_ids} stop ids of {VOCAB} (mean length about "
+          f"{VOCAB // args.stop_ids}); hidden {args.hidden}, 4 layers; {args.rollouts} rollouts after a warm-up")
+    results = {}
+    for mode in ("sync", "partial"):
+        generator = torch.Generator().manual_seed(1)
+        source = PartialRollouts(batch_size=args.batch_size, group_size=args.group_size, in_flight=args.in_flight,
+                                 max_off_policy_steps=10**6)
+        runs = []
+        for r in range(args.rollouts + 1):
+            if mode == "sync":
+                runs.append(synchronous(engine, params, args, generator))
+            else:
+                runs.append(partial_rollout(engine, params, args, generator, source, r))
+        runs = runs[1:]
+        seconds = statistics.mean(s for s, _, _ in runs)
+        steps = statistics.mean(n for _, n, _ in runs)
+        tokens = sum(t for _, _, t in runs)
+        results[mode] = seconds
+        print(f"{mode:8s} {seconds:7.2f} s/rollout  {steps:6.1f} decode steps/rollout  "
+              f"{tokens / sum(n for _, n, _ in runs):5.1f} rows/step  {tokens / sum(s for s, _, _ in runs):7.1f} "
+              f"tokens/s")
+    print(f"ratio: {results['sync'] / results['partial']:.2f} (sync s/rollout / partial s/rollout)")
+
+
+if __name__ == "__main__":
+    main()
