@@ -103,7 +103,7 @@ def test_a_plan_that_cannot_fit_is_refused_in_one_line_with_a_setting_that_fits(
     message = str(info.value)
     assert message == ("memory: this job needs at least 31.00 GiB per rank (policy optimizer 30.00 GiB the largest "
                        "part; activations not counted) but the cuda has 24.00 GiB per rank; distributed.strategy "
-                       "fsdp2 would plan 10.00 GiB (--check prints the whole plan)")
+                       "fsdp2 would plan 10.00 GiB")
     warn = dataclasses.replace(big, items=(MemoryItem("policy optimizer", 20 * 2**30, "x"),))
     assert check_fits(warn, {}).startswith("memory: the planned state takes 83% of the cuda's 24.00 GiB per rank")
     assert check_fits(small, {}) is None
@@ -174,3 +174,21 @@ def test_a_config_only_directory_loads_as_shapes_and_plans_a_70b_job(tmp_path):
     p = 70_553_706_496
     assert planned["policy parameters"] == 2 * p // 16 and planned["policy optimizer"] == 8 * p // 16
     assert planned["engine weights"] == 2 * p  # a whole bf16 copy per rank without tensor parallelism: 141 GB
+
+
+def test_check_prints_the_plan_and_refuses_a_70b_on_this_machine(tmp_path, capsys, monkeypatch):
+    """`--check` on a config-only 70B directory (no weights): 16 ranks of fsdp2 on this CPU's memory cannot hold
+    it: one line, exit 2, naming the largest part; the tiny model's check prints the table after its summary."""
+    import json
+
+    from astrai.models import tiny_tokenizer
+    from astrai.train import main
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_70B, "vocab_size": 512}))
+    tiny_tokenizer().save(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    code = main(["--check", "--model.path", str(tmp_path), "--train.type", "online_grpo", "--distributed.strategy",
+                 "fsdp2", "--train.output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and re.match(r"error: memory: this job needs at least [\d.]+ GiB per rank \(engine weights "
+                                  r"[\d.]+ GiB the largest part; activations not counted\) but the cpu has ", err[-1])

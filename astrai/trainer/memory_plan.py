@@ -222,7 +222,7 @@ def check_fits(plan: MemoryPlan, alternatives: dict[str, MemoryPlan]) -> Optiona
                 "; none of " + ", ".join(alternatives) + " alone would fit" if alternatives else "")
         raise ValueError(f"memory: this job needs at least {_gib(plan.total)} per rank ({largest.name} "
                          f"{_gib(largest.bytes)} the largest part; activations not counted) but the {plan.device} has "
-                         f"{_gib(plan.available)} per rank{hint} (--check prints the whole plan)")
+                         f"{_gib(plan.available)} per rank{hint}")
     if plan.total > WARN_FRACTION * plan.available:
         return (f"memory: the planned state takes {plan.total / plan.available:.0%} of the {plan.device}'s "
                 f"{_gib(plan.available)} per rank before activations; the job may run out of memory")
