@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from astrai import train_types
 from astrai.data import DataError, PromptSampler
 from astrai.data.examples import response_tokens
 from astrai.data.records import check_token_ids, load_records, require_str
@@ -170,7 +171,8 @@ def build_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     d, g = config.data, config.grpo
     records = grpo_data(config, policy.config, tokenizer, main=dist.is_main)
     policy = policy.to(dist.device)
-    ref_model = reference_model(dist, policy, config) if (g.kl_coef > 0 or g.kl_reward_coef > 0) else None
+    held = train_types.get(config.train.type).models_held(config)  # a KL term's reference
+    ref_model = reference_model(dist, policy, config) if held.reference else None
     trained = build_trained_model(config, dist, policy, name="policy")
     sampler = PromptSampler(records, seed=config.train.seed, shuffle=d.shuffle, rank=dist.rank,
                             world_size=dist.world_size)

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from astrai import train_types
 from astrai.algos import advantage_estimator, aggregate_loss, kl_k3, masked_mean, ppo_token_rewards
 from astrai.config import GRPOSection
 from astrai.experience.result import RolloutResult
@@ -233,7 +234,7 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     policy = policy.to(dist.device)
     if config.distill.teacher:
         ref_model = teacher_model(dist, config, tokenizer)
-    elif g.kl_coef > 0 or g.kl_reward_coef > 0:
+    elif train_types.get(config.train.type).models_held(config).reference:  # a KL term's reference
         ref_model = reference_model(dist, policy, config)
     else:
         ref_model = None

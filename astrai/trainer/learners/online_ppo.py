@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from astrai import train_types
 from astrai.algos import advantage_estimator, explained_variance, kl_estimate, masked_mean, ppo_token_rewards, value_loss
 from astrai.checkpoint import Part
 from astrai.config import PPOSection
@@ -167,7 +168,8 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
     if config.distill.teacher:
         ref_model = teacher_model(dist, config, tokenizer)
     else:
-        ref_model = reference_model(dist, policy, config) if p.kl_coef > 0 else None
+        held = train_types.get(config.train.type).models_held(config)  # a KL term's reference
+        ref_model = reference_model(dist, policy, config) if held.reference else None
     # whole copies before the policy is sharded (split over the tensor-parallel group with rollout.tensor_parallel_size)
     engine = build_rollout_engine(config, policy, tokenizer, tp_group=dist.tp_group)
     critic = build_trained_model(config, dist, ValueModel.from_policy(policy, p.critic_layers), name="critic",
