@@ -108,7 +108,7 @@ LAYERS = {
     # floor 8: entry points (`python -m astrai.<name>`)
     "train": {"checkpoint", "config", "data", "distributed", "kernels", "outputs", "rewards", "runtime_env",
               "train_types", "trainer"},
-    "evaluate": {"evaluation"},
+    "evaluate": {"evaluation", "experience"},
     "plot": {"checkpoint", "deps", "outputs"},
 }
 

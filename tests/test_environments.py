@@ -709,3 +709,11 @@ def test_online_grpo_trains_on_a_step_environment_end_to_end(long_model_dir, tmp
         assert r["rollout/episodes/env_errors"] == 0.0 and r["rewards/environment/failed"] == 0.0
         assert r["rewards/environment/mean"] == pytest.approx(1.2)  # (1.1 + 1.3) / 2, by hand
         assert 0 < r["rollout/episodes/masked_out_fraction"] < 1
+    # evaluated with the environment: the held-out rows (start 10 and 30) each play an episode, the environment's
+    # reward joining the reward function's in the total, logged as eval/rewards/environment
+    out = tmp_path / "eval-run"
+    assert main(["--config", str(job), "--model.path", str(model_dir), "--data.shuffle", "false", "--max_steps", "1",
+                 "--train.output_dir", str(out), "--train.eval_steps", "1", "--data.eval_path", str(data)]) == 0
+    logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["eval/rewards/environment/mean"] == pytest.approx(1.2) and logged["eval/rewards/half/mean"] == 0.5
+    assert logged["eval/reward_mean"] == pytest.approx(1.7)  # 0.5 + (1.1 + 1.3) / 2

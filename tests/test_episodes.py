@@ -259,3 +259,18 @@ def test_online_train_types_train_on_multi_turn_episodes_with_tools(tiny_model_d
         assert r["rewards/used_tool/mean"] == 1.0  # every episode's tool result reached the reward
         assert r["rollout/episodes/tool_calls/calculator"] == 1.0 and r["rollout/episodes/tool_errors"] == 0.0
         assert r["rollout/episodes/turns"] >= 1.0 and 0 < r["rollout/episodes/masked_out_fraction"] < 1
+    # evaluated as it trains: in training (data.eval_path) and by python -m astrai.evaluate with the job's config,
+    # each question an episode with the same tools, scored by the job's reward on the episode's messages
+    from astrai import evaluate
+
+    out = tmp_path / "eval-run"
+    assert main(["--config", str(job), "--model.path", str(model_dir), "--data.path", str(data), "--train.output_dir",
+                 str(out), "--max_steps", "1", "--train.eval_steps", "1", "--data.eval_path", str(data)]) == 0
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert logged["eval/rewards/used_tool/mean"] == 1.0 and logged["eval/num_questions"] == 4
+    answers = [json.loads(line) for line in (out / "eval" / "step-00000001.jsonl").read_text().splitlines()]
+    assert len(answers) == 4 and all(ex["rewards"]["used_tool"] == [1.0] for ex in answers)
+    assert evaluate.main(["--model", str(model_dir), "--config", str(job), "--data", str(data), "--output_dir",
+                          str(tmp_path / "cli"), "--no_progress_bar"]) == 0
+    summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
+    assert summary["rewards"]["used_tool"]["mean"] == 1.0 and summary["n"] == 4

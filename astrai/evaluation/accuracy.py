@@ -251,7 +251,8 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
              stop_token_ids: Optional[Sequence[int]] = None, source: str = "evaluation data",
              generator: Optional[torch.Generator] = None, extract_answer: Optional[Callable] = None,
              pass_threshold: float = CORRECT_SCORE, progress: bool = False, leave: bool = True, desc: str = "eval",
-             log: Callable[[str], None] = print, should_stop: Callable[[], bool] = lambda: False) -> EvalResult:
+             log: Callable[[str], None] = print, should_stop: Callable[[], bool] = lambda: False,
+             player=None) -> EvalResult:
     """Generate `settings.num_samples` responses per record with `engine`, score them, collect the results.
 
     Args:
@@ -276,6 +277,12 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
         progress, leave, desc: a tqdm bar over questions (with ETA) when `progress`.
         should_stop: asked before each batch; True ends the evaluation there, marked `interrupted` (a stop signal
             during in-training evaluation).
+        player: multi-turn episodes instead of one response per prompt (a job with `rollout.tools` or
+            `rollout.environment`: `astrai.experience.episodes.EpisodeRunner`): `player.play(records, params,
+            generator)` returns per record a sample with `completion` (what the reward functions receive: the
+            episode's messages), `text`, `action_ids`, `finished` and `rewards` (name -> value or None, added to
+            the total: the environment's), whose names `player.reward_names` lists; the prompts above only decide
+            which records are evaluated (an overlong one is cut or dropped as in training).
 
     Returns:
         `EvalResult` (examples in record order).
@@ -295,7 +302,7 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
                                     chat_template=chat_template, limit=max_prompt_length,
                                     limit_name="max_prompt_length", policy=truncation, source=source, log=log)
     kept = [(record, ids) for record, ids in zip(records, encoded) if ids is not None]
-    names = list(rewards.names)
+    names = list(rewards.names) + list(getattr(player, "reward_names", ()))
     result = EvalResult(num_samples=settings.num_samples, reward_names=names, pass_threshold=pass_threshold,
                         failed=dict.fromkeys(names, 0))
     k = settings.num_samples
@@ -308,19 +315,28 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
             batch = [record for record, _ in kept[first:first + settings.batch_size]]
             prompt_ids = [ids for _, ids in kept[first:first + settings.batch_size]]
             generate_start = time.perf_counter()
-            generation = engine.generate(prompt_ids, params, generator, n=k)
+            repeated = [record for record in batch for _ in range(k)]
+            if player is None:
+                generation = engine.generate(prompt_ids, params, generator, n=k)
+                mask = generation.action_mask.cpu()
+                ids = [row[m].tolist() for row, m in zip(generation.response_ids.cpu(), mask)]
+                responses = [tokenizer.decode(strip_stop(r, stops), skip_special_tokens=True) for r in ids]
+                completions, finished, extra = responses, generation.finished.cpu().tolist(), []
+            else:
+                played = player.play(repeated, params, generator)
+                ids, responses = [p.action_ids for p in played], [p.text for p in played]
+                completions, finished, extra = [p.completion for p in played], [p.finished for p in played], played
             result.generation_seconds += time.perf_counter() - generate_start
-            mask = generation.action_mask.cpu()
-            ids = [row[m].tolist() for row, m in zip(generation.response_ids.cpu(), mask)]
-            responses = [tokenizer.decode(strip_stop(r, stops), skip_special_tokens=True) for r in ids]
-            scored = score_records(rewards, responses, [record for record in batch for _ in range(k)], ids)
+            scored = score_records(rewards, completions, repeated, ids)
             scores = scored.total.tolist()
             values = {name: [None if math.isnan(v) else v for v in scored.components[name].tolist()]
-                      for name in names}
-            for name in names:
+                      for name in rewards.names}
+            for name in getattr(player, "reward_names", ()):  # the episodes' own rewards join the total
+                values[name] = [p.rewards.get(name) for p in extra]
+                scores = [s + (v or 0.0) for s, v in zip(scores, values[name])]
+            for name in rewards.names:
                 result.failed[name] += int(scored.failed[name].sum()) if name in scored.failed else 0
-            result.generated_tokens += int(mask.sum())
-            finished = generation.finished.cpu().tolist()
+            result.generated_tokens += sum(len(r) for r in ids)
             for i, record in enumerate(batch):
                 rows = range(i * k, (i + 1) * k)
                 correct = [scores[r] >= pass_threshold for r in rows]

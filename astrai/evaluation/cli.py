@@ -39,7 +39,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 EXIT_BAD_INPUT = 2
 RESULTS_FILE, SUMMARY_FILE = "results.jsonl", "summary.json"
@@ -204,8 +204,11 @@ def load_scoring(args: argparse.Namespace, config, chosen: dict) -> tuple[list, 
     return records, build_rewards(config, records, specs=specs), specs
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Load, evaluate, write the files; returns the summary. Raises the errors `main` maps to exit code 2."""
+def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dict:
+    """Load, evaluate, write the files; returns the summary. A job with `rollout.tools` or `rollout.environment`
+    (its `--config`) plays multi-turn episodes through `make_player(config, engine, tokenizer, model_config,
+    records)` (`astrai.experience.build.build_episode_player`, given by `python -m astrai.evaluate`). Raises the
+    errors `main` maps to exit code 2."""
     import torch
 
     from astrai.checkpoint.fsutil import write_atomic
@@ -227,6 +230,7 @@ def run(args: argparse.Namespace) -> dict:
     except ValueError as err:
         raise UsageError(f"--{err}") from None
     records, rewards, specs = load_scoring(args, config, chosen)
+    player = None
     try:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -242,6 +246,11 @@ def run(args: argparse.Namespace) -> dict:
                                         model=model_path, say=lambda line: print(line, file=sys.stderr))
         engine = build_rollout_engine(config, model, tokenizer)  # the job's rollout.engine and its options
         stops = stop_token_ids(model.config, tokenizer)
+        if config.rollout.tools or config.rollout.environment is not None:  # the job's multi-turn episodes
+            if make_player is None:
+                raise UsageError("--config: the job's rollout.tools / rollout.environment play multi-turn episodes; "
+                                 "evaluate it with python -m astrai.evaluate")
+            player = make_player(config, engine, tokenizer, model.config, records)
         del model
         generator = torch.Generator(device=device).manual_seed(args.seed)
         result = evaluate(engine, tokenizer, records, rewards=rewards, settings=settings,
@@ -250,9 +259,11 @@ def run(args: argparse.Namespace) -> dict:
                           stop_token_ids=stops, source=args.data,
                           generator=generator, extract_answer=answer_extractor(specs),
                           pass_threshold=chosen["pass_threshold"], progress=not args.no_progress_bar,
-                          desc="evaluate")
+                          desc="evaluate", player=player)
     finally:
         rewards.close()
+        if player is not None:
+            player.close()
     functions = [{"name": s.name, "function": s.function, "weight": s.weight, "kwargs": dict(s.kwargs)}
                  for s in specs]
     summary = {"model": args.model, "model_path": model_path, "data": args.data, **result.metrics(),
@@ -300,7 +311,7 @@ def report(summary: dict, out: Path) -> None:
     print(f"wrote {out / RESULTS_FILE} and {out / SUMMARY_FILE}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, make_player: Optional[Callable] = None) -> int:
     """Run the command; returns the exit code (0, or 2 with a one-line message on stderr for bad input, a reward
     function's bug, too many failed reward calls, a results file that cannot be written, or a model whose logits
     are not finite)."""
@@ -312,7 +323,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.perf_counter()
     try:
         args = build_parser().parse_args(argv)
-        run(args)
+        run(args, make_player)
     except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError,
             OutputWriteError) as err:
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)

@@ -25,7 +25,7 @@ from astrai.rewards.build import build_rewards, reward_specs, score_records
 from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.sampling import SamplingParams
 
-__all__ = ["build_online_experience", "build_episode_runner", "load_job_environment", "load_job_tools",
+__all__ = ["build_online_experience", "build_episode_player", "build_episode_runner", "load_job_environment", "load_job_tools",
            "sampling_params"]
 
 
@@ -101,6 +101,27 @@ def load_job_environment(config, tokenizer, model_config, records: Sequence[Any]
         raise ValueError(f"reward.functions: a function is named {ENVIRONMENT_REWARD!r}, the name of the reward of "
                          f"rollout.environment ({rewarded[0]}.get_reward); name it otherwise")
     return specs
+
+
+def build_episode_player(config, engine: GenerationEngine, tokenizer, model_config,
+                         records: Sequence[Any] = ()) -> Optional[EpisodeRunner]:
+    """What plays the episodes of a job with `rollout.tools` or `rollout.environment` for `python -m
+    astrai.evaluate` (`EpisodeRunner.play` over `engine`, its classes checked against the held-out `records`), or
+    None for a single-turn job. Call its `close()` when done.
+
+    Raises:
+        as `build_episode_runner`.
+    """
+    if not config.rollout.tools and config.rollout.environment is None:
+        return None
+    runner = RolloutRunner(engine, sampling_params(config, model_config, tokenizer), decode=tokenizer.decode,
+                           score_fn=_unused_score)
+    return build_episode_runner(config, runner, tokenizer, model_config, records)
+
+
+def _unused_score(*args) -> None:
+    """The score function of a runner that only plays episodes (the evaluator scores them itself)."""
+    raise AssertionError("an evaluation's episodes are scored by the evaluator")
 
 
 def build_episode_runner(config, runner, tokenizer, model_config, records: Sequence[Any] = ()) -> EpisodeRunner:

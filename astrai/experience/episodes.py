@@ -50,7 +50,7 @@ from astrai.experience.tool_executor import ToolExecutor, tool_references
 from astrai.experience.trajectory import NOT_SAMPLED, Experience, Trajectory
 from astrai.rollout.sampling import SamplingParams
 
-__all__ = ["EpisodeLimits", "Episode", "EpisodeRunner", "ToolExecutor", "check_episodes", "run_episodes",
+__all__ = ["EpisodeLimits", "Episode", "EpisodeRunner", "PlayedSample", "ToolExecutor", "check_episodes", "run_episodes",
            "episode_metrics", "tool_references", "ENDINGS", "ENVIRONMENT_REWARD"]
 
 ENVIRONMENT_REWARD = "environment"
@@ -361,6 +361,25 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class PlayedSample:
+    """One evaluated episode (`EpisodeRunner.play`), in the shape `astrai.evaluation.accuracy.evaluate` scores.
+
+    Attributes:
+        completion: what the reward functions receive as the completion (the episode's new messages).
+        text: the final answer's text (the results files' response).
+        action_ids: the token ids the policy sampled (loss mask 1), in order.
+        finished: the policy ended the episode (an answer, max_turns, the environment), not the token budget.
+        rewards: the rewards it adds to the reward functions' total, by name (the environment's; None: none).
+    """
+
+    completion: Any
+    text: str
+    action_ids: list[int]
+    finished: bool
+    rewards: dict[str, Optional[float]] = field(default_factory=dict)
+
+
 class EpisodeRunner:
     """The online train types' runner when `rollout.tools` or `rollout.environment` is set: `RolloutRunner`'s
     interface (`sample`, `collect`, `add_reference`, `truncated_fraction`, `engine`), each sample a multi-turn
@@ -435,6 +454,36 @@ class EpisodeRunner:
         experience = Experience.from_trajectories(trajectories, pad_token_id=self.engine.pad_token_id,
                                                   device=self.engine.device, timings=timings, stats=stats)
         return self.runner.count_truncated(experience)
+
+    @property
+    def reward_names(self) -> tuple[str, ...]:
+        """The rewards its episodes add to the reward functions' (`ENVIRONMENT_REWARD` when an environment class
+        has `get_reward`)."""
+        env = self.environment
+        return (ENVIRONMENT_REWARD,) if env is not None and env.has_reward else ()
+
+    def play(self, records: Sequence[Any], sampling: SamplingParams,
+             generator: Optional[torch.Generator] = None) -> list[PlayedSample]:
+        """One unscored episode per record with `sampling` (an evaluation's settings, not the rollout's): what the
+        evaluator scores (`astrai.evaluation.accuracy.evaluate`'s `player`). No agreement across ranks: ranks
+        evaluate different numbers of questions.
+
+        Returns:
+            per record a `PlayedSample`: the episode's new messages (the reward functions' completion), its final
+            answer's text, the tokens the policy sampled, whether the policy ended it (not the token budget), and
+            the environment's reward (NaN-free: None where it does not apply or failed).
+        """
+        env = self.environment
+        routed = [env.route_and_row(r, self.prompt_field) for r in records] if env is not None else []
+        episodes = run_episodes(self.runner.engine, self.tokenizer, [self.conversation(r) for r in records],
+                                self.tools, self.executor, sampling, self.limits, generator, environment=env,
+                                routes=[route for route, _ in routed] or None, rows=[row for _, row in routed] or None)
+        rewards = self.environment_rewards(episodes) if self.reward_names else [math.nan] * len(episodes)
+        return [PlayedSample(completion=e.completion, text=e.text,
+                             action_ids=[t for t, m in zip(e.response_ids, e.loss_mask) if m],
+                             finished=e.ended_by not in ("length", "budget"),
+                             rewards={name: None if math.isnan(r) else r for name in self.reward_names})
+                for e, r in zip(episodes, rewards)]
 
     def environment_rewards(self, episodes: Sequence[Episode]) -> list[float]:
         """Per episode its environment reward: get_reward's value; NaN where its class has none (it does not

@@ -126,6 +126,12 @@ class EvaluationCallback(Callback):
             self._own_engine = self.make_engine(model)
         return self._own_engine
 
+    def player(self):
+        """The learner's multi-turn runner when its samples are episodes (`rollout.tools`, `rollout.environment`):
+        the evaluation plays episodes with the same tools, environment and caps; None for single-turn jobs."""
+        runner = getattr(getattr(self.learner, "experience", None), "runner", None)
+        return runner if hasattr(runner, "play") else None
+
     def on_train_begin(self, trainer) -> None:
         """A fresh run (global_step 0) keeps an earlier run's answers: an `eval/` folder with `step-*.jsonl` files is
         renamed to `eval.<timestamp>/` (main process), as `MetricsLogger` keeps an old metrics.jsonl. A resumed run
@@ -192,7 +198,8 @@ class EvaluationCallback(Callback):
                                   stop_token_ids=stop_token_ids(self.learner.policy.model.config, self.tokenizer),
                                   generator=generator, extract_answer=self.extract_answer,
                                   pass_threshold=self.pass_threshold, progress=self.progress, leave=False,
-                                  desc=f"eval step {step}", log=_quiet, should_stop=should_stop)
+                                  desc=f"eval step {step}", log=_quiet, should_stop=should_stop,
+                                  player=self.player())
         except FloatingPointError as err:  # non-finite logits in the sampler: one line, not its traceback, raised
             nonfinite = err                 # on every rank together once the sums below carried the flag
             result = EvalResult(reward_names=list(self.rewards.names))
