@@ -303,22 +303,26 @@ def _online_grpo_job(tmp, model_dir) -> str:
 def test_online_grpo_with_rollout_tp2_under_fsdp2_matches_one_process(tiny_model_dir, tmp_path):
     """2 ranks, fsdp2, rollout.tensor_parallel_size 2 (one data-parallel group: both ranks draw one process's
     prompts, generate them together and train on them) against one process with a whole engine: the same rewards,
-    losses, KL and gradient norms at every step (the second rollout after a weight sync)."""
+    losses, KL and gradient norms at every step (the second rollout after a weight sync), and the same in-training
+    evaluations (both ranks of the group evaluate the same questions on the split engine; counted once)."""
     import json
     import sys
 
     from test_distributed import ZERO, free_port, launched
 
     job = _online_grpo_job(tmp_path, tiny_model_dir)
-    one = launched({}, sys.executable, "-m", "astrai.train", "--config", job, "--train.output_dir", tmp_path / "one")
+    evaluated = ("--train.eval_steps", "2", "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "3")
+    one = launched({}, sys.executable, "-m", "astrai.train", "--config", job, "--train.output_dir", tmp_path / "one",
+                   *evaluated)
     assert one.returncode == 0, one.stderr[-3000:]
     two = launched({}, sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO / "fsdp2.yaml",
                    "--main_process_port", free_port(), "-m", "astrai.train", "--config", job,
-                   "--train.output_dir", tmp_path / "two", "--rollout.tensor_parallel_size", "2")
+                   "--train.output_dir", tmp_path / "two", "--rollout.tensor_parallel_size", "2", *evaluated)
     assert two.returncode == 0, two.stderr[-3000:]
     records = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
                for run in ("one", "two")]
     assert [r["step"] for r in records[1]] == [1, 2, 3, 4]
+    assert records[1][1]["eval/num_questions"] == 3  # the group evaluates its questions together, counted once
     assert records[0][0]["rollout/reward_std"] > 0 and records[0][0]["policy/grad_norm"] > 0
     second = records[0][2]  # step 3 trains on the rollout sampled after two updates: the engine took new weights
     assert second["rollout/policy_version"] == 2 and second["rollout/kl"] > 1e-4

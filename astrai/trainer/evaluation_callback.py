@@ -101,7 +101,11 @@ class EvaluationCallback(Callback):
             raise ValueError(f"train.eval_steps: expected >= 1 for an evaluation callback, got {eval_steps}")
         if len(records) == 0:
             raise ValueError("data.eval_path: no questions to evaluate")
-        self.records = list(records)[dist.rank::dist.world_size]
+        # every rank of a tensor-parallel group evaluates its group's share together (its engine is split over them);
+        # the group's first rank alone counts it (`lead`)
+        tp = getattr(dist, "tp_size", 1)
+        self.records = list(records)[dist.rank // tp::dist.world_size // tp]
+        self.tp, self.lead = tp, dist.rank % tp == 0
         self.num_questions = len(records)
         self.tokenizer, self.rewards, self.settings, self.eval_steps = tokenizer, rewards, settings, eval_steps
         self.pass_threshold = pass_threshold
@@ -198,7 +202,9 @@ class EvaluationCallback(Callback):
                                   stop_token_ids=stop_token_ids(self.learner.policy.model.config, self.tokenizer),
                                   generator=generator, extract_answer=self.extract_answer,
                                   pass_threshold=self.pass_threshold, progress=self.progress, leave=False,
-                                  desc=f"eval step {step}", log=_quiet, should_stop=should_stop,
+                                  desc=f"eval step {step}", log=_quiet,
+                                  should_stop=should_stop if self.tp == 1 else lambda: False,  # the group's batches
+                                  # must agree: under tensor parallelism the step boundary after it stops the job
                                   player=self.player())
         except FloatingPointError as err:  # non-finite logits in the sampler: one line, not its traceback, raised
             nonfinite = err                 # on every rank together once the sums below carried the flag
@@ -208,7 +214,8 @@ class EvaluationCallback(Callback):
                 engine.prefix_cache.clear()
             if asleep:
                 engine.sleep()
-        local = {**result.sums(), "nonfinite": float(nonfinite is not None)}
+        local = {key: value if self.lead or key == "interrupted" else 0.0 for key, value in result.sums().items()}
+        local["nonfinite"] = float(nonfinite is not None)
         summed = dict(zip(local, self.dist.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64,
                                                                        device=self.dist.device)).tolist()))
         if summed["nonfinite"]:
@@ -220,7 +227,7 @@ class EvaluationCallback(Callback):
             return {}
         stats = eval_statistics(summed, result.reward_names)
         if self.output_dir is not None:
-            self.write_examples(step, result.examples)
+            self.write_examples(step, result.examples if self.lead else [])
         seconds = time.perf_counter() - start
         questions = int(round(summed["questions"]))
         if self.dist.is_main:
