@@ -295,10 +295,16 @@ def test_with_several_ranks_every_rank_samples_while_any_rank_lacks_groups():
     script = [[0, 0, 0, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 0, 1, 0], [1, 0, 1, 0, 1, 0, 1, 0]]
     asked = []
     source = _source(script, max_rounds=4)
-    source.any_rank = lambda flag: asked.append(flag) or len(asked) <= 3  # another rank needs 3 rounds
+    def any_rank(flag):  # after each round: (a stop on any rank?, groups lacking on any rank?); another rank
+        asked.append(flag)  # lacks groups until its third round
+        stop_question = len(asked) % 2 == 1
+        return flag if stop_question else len(asked) <= 4
+
+    source.any_rank = any_rank
     exp = source.collect(policy_version=0)
     texts = source.runner.score_fn.calls
-    assert len(texts) == 3 and asked == [True, True, False, False]  # it had its groups after round 2
+    # this rank had its groups after round 2
+    assert len(texts) == 3 and asked == [False, True, False, False, False, False]
     assert exp.responses == tuple(texts[0][G:2 * G] + texts[1][:G])  # the same kept groups as alone
     assert exp.stats["sampling_rounds"] == 3.0
 
@@ -330,3 +336,18 @@ def test_non_finite_logits_on_any_rank_stop_every_rank_before_scoring():
     quiet = type("Dist", (), {"world_size": 2, "device": torch.device("cpu"),
                               "all_reduce_max": staticmethod(lambda t: t)})()
     assert first_line_of_any_rank(quiet, None) is None  # no rank failed: one all-reduce, no gather
+
+
+def test_a_stop_signal_ends_dynamic_sampling_after_the_round_in_flight():
+    """Issue 42, class 5: a stop requested during a rollout with dynamic sampling ends it after the current round
+    (filled up with dropped groups, as at the round cap) instead of after max_sampling_rounds, so the step and its
+    checkpoint come soon."""
+    script = [[0, 0, 0, 0, 1, 1, 1, 1]] * 4  # every group all equal: without the stop, 4 rounds
+    source = _source(script, max_rounds=4)
+    calls = []
+    source.should_stop = lambda: bool(calls.append(1)) or True  # a signal arrived during round 1
+    exp = source.collect(policy_version=0)
+    assert len(source.runner.score_fn.calls) == 1 and exp.stats["sampling_rounds"] == 1.0 and len(exp) == B * G
+    plain = _source(script, max_rounds=4)
+    plain.collect(policy_version=0)
+    assert len(plain.runner.score_fn.calls) == 4

@@ -14,7 +14,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -40,6 +40,8 @@ class DistributedContext:
         mesh: the 2-D (data x tensor) `torch.distributed.device_mesh.DeviceMesh` with dims ("dp", "tp") when
             `rollout.tensor_parallel_size` T > 1 (`build_device_mesh`), else None (every rank a data-parallel rank,
             as before). Ranks r and r + 1 .. are one tensor-parallel group (T consecutive ranks: on one node).
+        stop_requested: whether a stop signal reached this process (`trainer.faults.StopSignals.requested`), for
+            long work inside a step that can end early (dynamic-sampling rounds); never, without handlers.
     """
 
     accelerator: object
@@ -50,6 +52,7 @@ class DistributedContext:
     timeout_seconds: float = 600.0
     peers: list = field(default_factory=list)
     mesh: Optional[object] = None
+    stop_requested: Callable[[], bool] = field(default=lambda: False, repr=False)
 
     @property
     def rank(self) -> int:
@@ -183,7 +186,8 @@ def build_device_mesh(device: torch.device, world_size: int, tensor_parallel_siz
 
 
 def setup_distributed(device: str = "auto", strategy: str = "auto", *, mixed_precision: str = "no",
-                      timeout_seconds: float = 600.0, tensor_parallel_size: int = 1) -> DistributedContext:
+                      timeout_seconds: float = 600.0, tensor_parallel_size: int = 1,
+                      stop_requested: Optional[Callable[[], bool]] = None) -> DistributedContext:
     """Resolve the engine and create the process state.
 
     Args:
@@ -195,6 +199,7 @@ def setup_distributed(device: str = "auto", strategy: str = "auto", *, mixed_pre
             `InitProcessGroupKwargs`): a collective that waits longer raises on the ranks still running.
         tensor_parallel_size: `rollout.tensor_parallel_size` T: > 1 builds the (world / T, T) device mesh
             (`build_device_mesh`).
+        stop_requested: the context's `stop_requested` (None: never).
 
     Raises:
         ValueError: on a CUDA device without CUDA. LaunchError (a ValueError, one line): a launch mode astrai
@@ -217,7 +222,8 @@ def setup_distributed(device: str = "auto", strategy: str = "auto", *, mixed_pre
     mesh = build_device_mesh(chosen, accelerator.num_processes, tensor_parallel_size)
     return DistributedContext(accelerator=accelerator, device=chosen, strategy=plan.strategy,
                               mixed_precision=plan.mixed_precision, deepspeed_config=plan.deepspeed_config,
-                              timeout_seconds=timeout_seconds, mesh=mesh)
+                              timeout_seconds=timeout_seconds, mesh=mesh,
+                              stop_requested=stop_requested or (lambda: False))
 
 
 @contextlib.contextmanager

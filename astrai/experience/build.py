@@ -204,7 +204,8 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
                             generation_batch_size=r.generation_batch_size,
                             any_rank=(lambda flag: bool(dist.all_reduce_max(torch.tensor([float(flag)],
                                                                                          device=dist.device)).item()))
-                            if dist.world_size > 1 else None, partial=partial_rollouts(config, group_size))
+                            if dist.world_size > 1 else None, partial=partial_rollouts(config, group_size),
+                            should_stop=getattr(dist, "stop_requested", lambda: False))
 
 
 def partial_rollouts(config, group_size: int) -> Optional[PartialRollouts]:

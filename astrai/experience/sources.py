@@ -70,6 +70,9 @@ class OnlineExperience:
             ranks make the same number of engine and scoring calls (which agree on failures and may run collectives:
             a sharded reward model); a rank that has its groups samples on (the surplus is dropped) where it would
             otherwise wait for the slowest rank at the next collective. None (one process): each rank decides alone.
+        should_stop: whether a stop signal arrived (`DistributedContext.stop_requested`): with `dynamic_sampling`,
+            once any rank has one, no further round is sampled and the batch is filled up as at the round cap, so
+            the step ends after one round instead of `max_sampling_rounds` (its checkpoint follows at the boundary).
         partial: `rollout.partial` (`astrai.experience.partial.PartialRollouts`, without `dynamic_sampling`): each
             batch is the first B groups completed by a partial rollout, the others carried to the next; None: every
             batch samples B fresh prompts to the end.
@@ -88,7 +91,8 @@ class OnlineExperience:
     def __init__(self, *, sync_weights: Callable[[int], None], runner: RolloutRunner, sampler, batch_size: int,
                  group_size: int = 1, seed: int, device: torch.device, dynamic_sampling: bool = False,
                  max_sampling_rounds: int = 1, generation_batch_size: Optional[int] = None,
-                 any_rank: Optional[Callable[[bool], bool]] = None, partial: Optional[PartialRollouts] = None):
+                 any_rank: Optional[Callable[[bool], bool]] = None,
+                 should_stop: Callable[[], bool] = lambda: False, partial: Optional[PartialRollouts] = None):
         if dynamic_sampling and group_size < 2:
             raise ValueError(f"dynamic_sampling needs groups of at least 2 samples, got group_size={group_size}")
         if max_sampling_rounds < 1:
@@ -104,6 +108,7 @@ class OnlineExperience:
         self.generation_batch_size = generation_batch_size or batch_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.any_rank = any_rank or bool
+        self.should_stop = should_stop
         self.partial = partial
 
     @property
@@ -144,7 +149,9 @@ class OnlineExperience:
         """B groups without reference log-probs (see the class docstring): the first B groups of unequal rewards,
         or at the round cap all of those filled up with the first dropped ones; in the order they were sampled."""
         g, rounds, kept, dropped = self.group_size, [], [], []
-        while len(rounds) < self.max_sampling_rounds and self.any_rank(len(kept) < self.batch_size):
+        while len(rounds) < self.max_sampling_rounds:
+            if rounds and (self.any_rank(self.should_stop()) or not self.any_rank(len(kept) < self.batch_size)):
+                break  # a stop signal on any rank: filled up now, as at the round cap, so the step ends soon
             part = self.runner.sample(*self._next_prompts(self.generation_batch_size), self.generator)
             spread = part.scores.reshape(-1, g).amax(dim=1) > part.scores.reshape(-1, g).amin(dim=1)
             for group, useful in enumerate(spread.tolist()):

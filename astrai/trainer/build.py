@@ -131,7 +131,8 @@ def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trai
     dist = setup_distributed(config.runtime.device, config.distributed.strategy,
                              mixed_precision=config.train.mixed_precision,
                              timeout_seconds=config.distributed.timeout_seconds,
-                             tensor_parallel_size=config.rollout.tensor_parallel_size)
+                             tensor_parallel_size=config.rollout.tensor_parallel_size,
+                             stop_requested=(lambda: signals.requested) if signals is not None else None)
     check_job_step_sizes(config, dist.strategy, dist.deepspeed_config, dist.world_size)
     reporters = build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config),
                                 enabled=dist.is_main)  # train.report_to; fails before the model loads
