@@ -497,6 +497,10 @@ class DistributedSection(Section, name="distributed"):
                                         "take before the job stops, naming the timeout and the rank that stopped "
                                         "answering where it can; transformers' ddp_timeout is accepted as the name",
                                         GT0)
+    device_memory_gib: Optional[float] = field_spec(
+        None, "memory per rank the start-up memory plan checks the job against (GiB); null = the device's own (a "
+              "GPU's memory, or this node's RAM shared by its ranks); set it to plan a GPU job with --check on "
+              "another machine, or to leave room for other processes", GT0)
 
 
 @dataclass

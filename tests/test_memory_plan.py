@@ -192,3 +192,42 @@ def test_check_prints_the_plan_and_refuses_a_70b_on_this_machine(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and re.match(r"error: memory: this job needs at least [\d.]+ GiB per rank \(engine weights "
                                   r"[\d.]+ GiB the largest part; activations not counted\) but the cpu has ", err[-1])
+
+
+def _scaling_tables():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scaling_tables", REPO / "tools/scaling_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_scaling_holds_the_planners_current_tables():
+    """docs/scaling.md's tables are `tools/scaling_tables.py`'s output now (the planner and the doc agree)."""
+    assert _scaling_tables().tables() in (REPO / "docs/scaling.md").read_text()
+
+
+@pytest.mark.parametrize("model, job", [("qwen2.5-7b", "qwen2.5-7b-grpo-16gpu"), ("qwen3-32b", "qwen3-32b-grpo-16gpu"),
+                                        ("llama-3.1-70b", "llama-3.1-70b-grpo-lora-16gpu")])
+def test_the_scaling_examples_pass_check_from_config_only_directories(tmp_path, capsys, monkeypatch, model, job):
+    """Issue 43 part 5: each example job passes --check at 16 ranks against 80 GB GPUs (74.5 GiB) from a directory
+    with the model's config.json and a tokenizer only, and plans what docs/scaling.md says."""
+    from astrai.models import tiny_tokenizer
+    from astrai.train import main
+
+    tables = _scaling_tables()
+    folder = tmp_path / model
+    folder.mkdir()
+    (folder / "config.json").write_text(__import__("json").dumps(tables.MODELS[model]))
+    tiny_tokenizer().save(folder)  # a stand-in: the plan reads the model's shapes, not its vocabulary's text
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    code = main(["--check", "--config", str(REPO / "configs/examples/scaling" / f"{job}.yaml"), "--model.path",
+                 str(folder), "--distributed.device_memory_gib", "74.5", "--train.output_dir", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("check passed: online_grpo on 16 process(es) with fsdp2"), out
+    total = float(re.search(r"total\s+([\d.]+) GiB of 74.50 GiB", out).group(1)) * 2**30 / 1e9
+    method = "LoRA r=64" if "lora" in job else "full"
+    row = next(line for line in (REPO / "docs/scaling.md").read_text().splitlines()
+               if line.startswith(f"| {model} | 16 | {method} |"))
+    assert f"| {total:.1f} GB |" in row, (row, total)

@@ -159,8 +159,9 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
                 local_world_size: int = 1, teacher_config: Optional[ModelConfig] = None) -> MemoryPlan:
     """The planned bytes per rank of the job of `config` (a validated `astrai.config.Config`) for a policy of
     `model_config`, under the resolved `strategy` (ddp, zero1, zero2, zero3, fsdp2) at `world_size` ranks on `device`
-    (`local_world_size` ranks per node share a CPU's memory); `teacher_config` is the local teacher's shape (None:
-    the policy's). See the module docstring for what is counted."""
+    (`local_world_size` ranks per node share a CPU's memory; `distributed.device_memory_gib`, when set, is the
+    memory per rank instead); `teacher_config` is the local teacher's shape (None: the policy's). See the module
+    docstring for what is counted."""
     from astrai import train_types
 
     spec = train_types.get(config.train.type)
@@ -201,8 +202,10 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
                                     f"{tokens} tokens x {per_token / 1024:.1f} KiB (max_kv_tokens)"))
     else:
         tp = 1
-    return MemoryPlan(items=tuple(items), world_size=n, strategy=strategy, tp=tp, device=device.type,
-                      available=device_bytes(device, local_world_size))
+    budget = config.distributed.device_memory_gib
+    return MemoryPlan(items=tuple(items), world_size=n, strategy=strategy, tp=tp,
+                      device=device.type if budget is None else "budget (distributed.device_memory_gib)",
+                      available=device_bytes(device, local_world_size) if budget is None else int(budget * 2**30))
 
 
 def check_fits(plan: MemoryPlan, alternatives: dict[str, MemoryPlan]) -> Optional[str]:
