@@ -36,7 +36,7 @@ from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
 from astrai.rollout.prompt_ids import check_prompt_ids
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, request_seed
+from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, per_prompt_settings, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
 from astrai.rollout.streaming import StepOutput, StreamSession
 from astrai.rollout.tensor_parallel import TensorParallelRunner, local_kv_heads, parallel_copy, request_digest
@@ -296,20 +296,7 @@ class PagedGenerationEngine:
 
     def _make_requests(self, prompts, params, generator, n, penalties) -> list[Request]:
         """One `Request` per output row, each with its own seeded generator."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"generate: n must be an integer >= 1, got {n!r}")
-        if isinstance(params, SamplingParams):
-            per_params = [params] * len(prompts)
-        elif isinstance(params, Sequence) and all(isinstance(p, SamplingParams) for p in params):
-            per_params = list(params)
-        else:
-            raise ValueError("generate: params must be a SamplingParams or a list with one per prompt, got "
-                             f"{type(params).__name__}")
-        per_penalty = ([penalties] * len(prompts) if penalties is None or
-                       isinstance(penalties, FrequencyPenalty) else list(penalties))
-        if len(per_params) != len(prompts) or len(per_penalty) != len(prompts):
-            raise ValueError(f"generate: {len(prompts)} prompts but {len(per_params)} params / "
-                             f"{len(per_penalty)} penalties")
+        per_params, per_penalty = per_prompt_settings(prompts, params, n, penalties)
         limit = self.model.config.max_position_embeddings
         base = int(torch.randint(0, 2**62, (1,), generator=generator,
                                  device=generator.device if generator is not None else "cpu"))

@@ -17,7 +17,7 @@ import torch
 
 from astrai.rollout.sampling import SamplingParams, truncation_mask
 
-__all__ = ["FrequencyPenalty", "RowSampling", "sample_rows", "request_seed"]
+__all__ = ["FrequencyPenalty", "RowSampling", "per_prompt_settings", "sample_rows", "request_seed"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -56,6 +56,32 @@ class RowSampling:
     penalty: Optional[FrequencyPenalty]
     generator: torch.Generator
     generated: list[int]
+
+
+def per_prompt_settings(prompts: Sequence, params, n, penalties) -> tuple[list[SamplingParams], list]:
+    """The engine protocol's `generate` arguments checked and spread per prompt: (one `SamplingParams` per prompt,
+    one `FrequencyPenalty` or None per prompt), from `params` (one for all, or a list with one per prompt) and
+    `penalties` (None, one for all, or a list with one per prompt); `n` must be an integer >= 1.
+
+    Raises:
+        ValueError: `n` not an integer >= 1, `params` neither a `SamplingParams` nor a list of them, or lists whose
+            lengths differ from the prompts'.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"generate: n must be an integer >= 1, got {n!r}")
+    if isinstance(params, SamplingParams):
+        per_params = [params] * len(prompts)
+    elif isinstance(params, Sequence) and all(isinstance(p, SamplingParams) for p in params):
+        per_params = list(params)
+    else:
+        raise ValueError("generate: params must be a SamplingParams or a list with one per prompt, got "
+                         f"{type(params).__name__}")
+    per_penalty = ([penalties] * len(prompts) if penalties is None or isinstance(penalties, FrequencyPenalty)
+                   else list(penalties))
+    if len(per_params) != len(prompts) or len(per_penalty) != len(prompts):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(per_params)} params / "
+                         f"{len(per_penalty)} penalties")
+    return per_params, per_penalty
 
 
 def request_seed(base_seed: int, index: int) -> int:

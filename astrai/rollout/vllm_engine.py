@@ -48,7 +48,7 @@ from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.engine_settings import PAGED_OPTIONS, resolve_dtype
 from astrai.rollout.generation import Generation
 from astrai.rollout.prompt_ids import check_prompt_ids
-from astrai.rollout.row_sampling import request_seed
+from astrai.rollout.row_sampling import per_prompt_settings, request_seed
 from astrai.rollout.sampling import SamplingParams
 
 __all__ = ["INSTALL", "VLLM_OPTIONS", "VLLMGenerationEngine", "check_sampling", "check_vllm_engine",
@@ -355,19 +355,7 @@ class VLLMGenerationEngine:
 
     def _requests(self, prompts, params, generator, n, penalties) -> list[tuple[list[int], Any]]:
         """(prompt ids, vLLM SamplingParams) per output row, each row with its own seed."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"generate: n must be an integer >= 1, got {n!r}")
-        if isinstance(params, SamplingParams):
-            per_params = [params] * len(prompts)
-        elif isinstance(params, Sequence) and all(isinstance(p, SamplingParams) for p in params):
-            per_params = list(params)
-        else:
-            raise ValueError("generate: params must be a SamplingParams or a list with one per prompt, got "
-                             f"{type(params).__name__}")
-        per_penalty = (list(penalties) if isinstance(penalties, Sequence) else [penalties] * len(prompts))
-        if len(per_params) != len(prompts) or len(per_penalty) != len(prompts):
-            raise ValueError(f"generate: {len(prompts)} prompts but {len(per_params)} params / "
-                             f"{len(per_penalty)} penalties")
+        per_params, per_penalty = per_prompt_settings(prompts, params, n, penalties)
         base = int(torch.randint(0, 2**62, (1,), generator=generator,
                                  device=generator.device if generator is not None else "cpu"))
         rows = []
