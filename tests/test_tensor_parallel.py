@@ -95,7 +95,7 @@ def _family_run(family, dist, rank):
     try:  # ranks asking for other prompts: refused on both in one line, before any step could hang
         split.generate([[5 + rank, 6, 7]], greedy)
         out["mismatch"] = None
-    except RuntimeError as err:
+    except ValueError as err:
         out["mismatch"] = str(err)
     try:
         split.add_request(PROMPTS[0], greedy)
@@ -227,8 +227,8 @@ def test_each_rank_holds_its_slice_and_its_kv_heads(two_ranks, family):
         assert out["version_after_bad"] == 1  # refused before any copy: weights and version kept
         assert out["source_intact"]
         assert out["stream"].startswith("add_request: the streaming API is not supported on a tensor-parallel")
-        assert out["mismatch"].startswith("tensor-parallel engine: rank 1 of the tensor-parallel group asked for "
-                                          "other prompts")
+        assert out["mismatch"].startswith("rollout.tensor_parallel_size: rank 1 of a tensor-parallel group asked "
+                                          "its engine for other prompts") and "must return the same" in out["mismatch"]
 
 
 def test_bad_sizes_are_refused_in_one_line():
@@ -346,3 +346,18 @@ def test_check_refuses_a_size_that_does_not_divide_the_world(tiny_model_dir, tmp
                                 "--rollout.tensor_parallel_size", "2"])
     with pytest.raises(LaunchError, match=r"^rollout\.tensor_parallel_size: 2 does not divide the world size 3 "):
         check_job(config, world_size=3)
+
+
+def test_check_refuses_tensor_parallelism_with_upcycled_experts(tiny_model_dir, tmp_path):
+    """`model.moe_num_experts` upcycles the loaded dense model at start-up: `--check` judges the engine's MoE copy,
+    refusing tensor parallelism in the line the ranks would say (a fresh-user trial found it passing --check)."""
+    from astrai.config import load_config
+    from astrai.trainer.build import check_job
+
+    config = load_config(None, ["--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "run"),
+                                "--train.type", "online_grpo", "--rollout.tensor_parallel_size", "2",
+                                "--model.moe_num_experts", "4", "--data.max_prompt_length", "128",
+                                "--data.truncation", "left"])
+    with pytest.raises(ValueError, match=r"^rollout\.tensor_parallel_size: 2 > 1 is not supported for "
+                                         r"mixture-of-experts models \(num_local_experts 4\); use 1$"):
+        check_job(config, world_size=2)

@@ -83,6 +83,12 @@ def test_refused_options_backends_and_models_are_one_line(no_vllm):
         check_engine("vllm", config, device="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="rollout.engine: vllm cannot serve astrai's MoE model"):
         check_engine("vllm", tiny_config(num_local_experts=4, num_experts_per_tok=2), device="cpu")
+    # the paged engine's KV sizing rule is not applied to the vllm engine's options (a trial found that refusal)
+    from astrai.config import load_config
+    from astrai.rollout.build import check_rollout_engine
+    job = load_config(None, ["--rollout.engine", "vllm", "--rollout.engine_options", "{max_kv_tokens: 100}"])
+    with pytest.raises(ValueError, match=r"^rollout.engine_options: the vllm engine takes no option 'max_kv_tokens'"):
+        check_rollout_engine(job, config, "cpu")
 
 
 def test_sampling_settings_vllm_cannot_honour_are_refused_in_one_line():

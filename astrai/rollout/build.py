@@ -4,6 +4,7 @@ section through the engine factory (`astrai.rollout.engine.build_engine`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 
@@ -48,6 +49,8 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
     options = _engine_options(r)
     if _check_tensor_parallel(r) > 1:
         options["tensor_parallel_size"] = r.tensor_parallel_size
+    if config.model.moe_num_experts and not model_config.num_local_experts:  # upcycled at start-up: the engine's copy
+        model_config = dataclasses.replace(model_config, num_local_experts=config.model.moe_num_experts)
     _check_capacity(config)
     with _naming_the_backend_field():
         check_engine(r.engine, model_config, device=device, dtype=r.dtype or config.model.dtype,
@@ -80,11 +83,12 @@ def _check_tensor_parallel(rollout) -> int:
 
 
 def _check_capacity(config) -> None:
-    """ValueError when `rollout.engine_options.max_kv_tokens` cannot hold one sequence of the job (its longest prompt
-    plus its response budget), which would stop the first rollout."""
+    """ValueError when the paged engine's `rollout.engine_options.max_kv_tokens` cannot hold one sequence of the job
+    (its longest prompt plus its response budget), which would stop the first rollout (another engine judges its own
+    options)."""
     kv = config.rollout.engine_options.get("max_kv_tokens")
     need = config.data.max_prompt_length + config.rollout.max_new_tokens
-    if isinstance(kv, int) and not isinstance(kv, bool) and kv < need:
+    if config.rollout.engine == "paged" and isinstance(kv, int) and not isinstance(kv, bool) and kv < need:
         raise ValueError(f"rollout.engine_options.max_kv_tokens: {kv} cannot hold one sequence of "
                          f"data.max_prompt_length + rollout.max_new_tokens = {need} tokens")
 

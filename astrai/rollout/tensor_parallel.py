@@ -172,7 +172,7 @@ class TensorParallel:
         of its prompts and settings: the ranks run each step's collectives together). One all-gather per call.
 
         Raises:
-            RuntimeError: (on every rank alike) when the ranks' requests differ.
+            ValueError: (on every rank of the group alike, one line) when the ranks' requests differ.
         """
         digest = int.from_bytes(request_digest[:7], "little")
         mine = torch.tensor([base_seed, digest], dtype=torch.int64, device=self.device)
@@ -180,9 +180,10 @@ class TensorParallel:
         torch.distributed.all_gather(list(every.unbind(0)), mine, group=self.group)
         if not bool((every[:, 1] == every[0, 1]).all()):
             bad = int((every[:, 1] != every[0, 1]).nonzero()[0, 0])
-            raise RuntimeError(f"tensor-parallel engine: rank {bad} of the tensor-parallel group asked for other "
-                               "prompts or settings than its rank 0 (every rank of a group generates the same batch: "
-                               "the prompt sampler shares prompts among data-parallel groups)")
+            raise ValueError(f"rollout.tensor_parallel_size: rank {bad} of a tensor-parallel group asked its engine "
+                             "for other prompts or settings than the group's rank 0; every rank of a group generates "
+                             "the same batch, so multi-turn tools and environments must return the same on every rank "
+                             "(no randomness, clock or remote state) under tensor parallelism")
         return int(every[0, 0])
 
 
