@@ -861,6 +861,7 @@ def _parse_cli_value(hint: Any, where: str, text: str) -> Any:
 def _parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, str, Any]]:
     """argv leftovers -> [(section, field, sub-path, value)], values parsed but not yet validated."""
     tokens, out, i = list(tokens), [], 0
+    spelled: dict[tuple[str, str, str], str] = {}  # setting -> how the command line first named it
     while i < len(tokens):
         token = tokens[i]
         i += 1
@@ -869,6 +870,9 @@ def _parse_overrides(tokens: Iterable[str]) -> list[tuple[str, str, str, Any]]:
         key, eq, text = token[2:].partition("=")
         section, name, sub = _resolve_key(key)
         where = ".".join(p for p in (section, name, sub) if p)
+        first = spelled.setdefault((section, name, sub), key)
+        if first != key:  # an alias and its name (or two aliases): which was meant is not for us to guess
+            raise ConfigError(f"--{key}: set together with --{first} (the same setting, {where}); keep one of them")
         if not eq:
             if i >= len(tokens) or tokens[i].startswith("--"):
                 raise ConfigError(f"{where}: missing value after {token}")

@@ -58,3 +58,16 @@ def test_did_you_mean_knows_the_aliases_and_help_lists_them():
     # every alias names a real field
     from astrai.config import SECTIONS, field_specs
     assert all(name in field_specs(SECTIONS[section]) for section, name in ALIASES.values())
+
+
+def test_an_alias_and_its_name_together_on_the_command_line_are_refused():
+    """As in a job file: `--num_generations 4 --grpo.group_size 2` names one setting twice, which the command line
+    used to resolve silently by order (a fresh-user trial); the same spelling repeated keeps the last, as usual."""
+    from astrai.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^--grpo.group_size: set together with --num_generations \(the same "
+                                          r"setting, grpo.group_size\); keep one of them$"):
+        load_config(None, ["--num_generations", "4", "--grpo.group_size", "2"])
+    with pytest.raises(ConfigError, match=r"^--rollout.environment_factory: set together with --rollout.environment"):
+        load_config(None, ["--rollout.environment", "a:B", "--rollout.environment_factory", "c:D"])
+    assert load_config(None, ["--grpo.group_size", "4", "--grpo.group_size", "2"]).grpo.group_size == 2
