@@ -350,7 +350,16 @@ class _CallableModule(types.ModuleType):
         return fit(config, **kwargs)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+    """`warnings.showwarning` of the command line: "warning: MESSAGE", one line, without the file, line number and
+    source line of the code that warned (astrai's own code, which says nothing to a user)."""
+    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+
+
 if __name__ == "__main__":
+    import warnings
+
+    warnings.showwarning = _show_warning
     _code = main()
     sys.exit(0 if _ENDED.get("handed_over") else _code)  # handed over: the launch script exits with it
 else:
