@@ -231,3 +231,32 @@ def test_the_scaling_examples_pass_check_from_config_only_directories(tmp_path, 
     row = next(line for line in (REPO / "docs/scaling.md").read_text().splitlines()
                if line.startswith(f"| {model} | 16 | {method} |"))
     assert f"| {total:.1f} GB |" in row, (row, total)
+
+
+def test_a_kv_cache_too_big_is_answered_with_the_largest_that_fits_and_settings_combine(monkeypatch):
+    """A fresh-user trial: max_kv_tokens 2,000,000 was answered with "none of ... max_kv_tokens 500000 alone would
+    fit". The refusal now names the largest KV cache that leaves the rest room (a multiple of 1024 tokens holding one
+    sequence), and when no setting fits alone, all of them together."""
+    import astrai.trainer.memory_plan as memory_plan
+
+    cfg = tiny_config()
+    job = config_from_dict({"train": {"type": "online_grpo"},
+                            "rollout": {"engine_options": {"max_kv_tokens": 2_000_000}}})
+    plan = plan_memory(job, cfg, strategy="ddp", world_size=1, device=CPU)
+    kv = next(item for item in plan.items if item.name == "engine KV cache")
+    rest = plan.total - kv.bytes
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda device, local=1: 4 * rest)
+    with pytest.raises(ValueError) as info:
+        memory_plan.planned_job(job, cfg, strategy="ddp", world_size=1, device=CPU)
+    tokens = int(re.search(r"rollout.engine_options.max_kv_tokens (\d+) would plan", str(info.value)).group(1))
+    per_token = kv.bytes // 2_000_000
+    assert tokens % 1024 == 0 and rest + tokens * per_token <= 0.8 * 4 * rest < rest + (tokens + 1024) * per_token
+    small = config_from_dict({"train": {"type": "online_grpo"}, "rollout": {"engine_options": {"max_kv_tokens": 1024}}})
+    combined = plan_memory(config_from_dict({"train": {"type": "online_grpo"}, "model": {"lora": {"r": 16}},
+                                             "rollout": {"engine_options": {"max_kv_tokens": 1024},
+                                                         "tensor_parallel_size": 2}}),
+                           cfg, strategy="fsdp2", world_size=2, device=CPU)
+    monkeypatch.setattr(memory_plan, "device_bytes", lambda device, local=1: int(combined.total / 0.79))
+    with pytest.raises(ValueError, match=r"; distributed.strategy fsdp2 together with model.lora \{r: 16\} together "
+                                         r"with rollout.tensor_parallel_size 2 would plan "):
+        memory_plan.planned_job(small, cfg, strategy="ddp", world_size=2, device=CPU)

@@ -238,14 +238,13 @@ def planned_job(config, model_config: ModelConfig, *, strategy: str, world_size:
     """The job's plan (`plan_memory`) and `check_fits`'s warning (or None), with the settings that would make a
     plan that cannot fit smaller tried in this order: a fully sharded strategy (fsdp2, at several ranks), LoRA
     (`model.lora` r 16, for full training), the rollout engine split over the ranks
-    (`rollout.tensor_parallel_size`, online train types at several ranks) and a smaller KV cache (a quarter of
-    `max_kv_tokens`).
+    (`rollout.tensor_parallel_size`, online train types at several ranks) and the largest KV cache that leaves the
+    rest room (when it still holds one sequence); when none fits alone, all of them together.
 
     Raises:
         ValueError: the plan cannot fit (one line, `check_fits`).
     """
     from astrai import train_types
-    from astrai.config import config_from_dict, config_to_dict
 
     kwargs = dict(world_size=world_size, device=device, local_world_size=local_world_size,
                   teacher_config=teacher_config)
@@ -262,17 +261,36 @@ def planned_job(config, model_config: ModelConfig, *, strategy: str, world_size:
             and config.rollout.tensor_parallel_size < world_size:
         tries[f"rollout.tensor_parallel_size {world_size}"] = (
             ["--rollout.tensor_parallel_size", str(world_size)], strategy)
-    if online and config.rollout.engine == "paged":
+    kv_item = next((item for item in plan.items if item.name == "engine KV cache"), None)
+    if kv_item is not None:  # the largest KV cache that leaves the rest room, if it still holds one sequence
         kv = config.rollout.engine_options.get("max_kv_tokens", DEFAULT_KV_TOKENS)
-        if isinstance(kv, int) and kv >= 4096:
-            options = {**config.rollout.engine_options, "max_kv_tokens": kv // 4}
-            tries[f"rollout.engine_options.max_kv_tokens {kv // 4}"] = (
+        per_token = kv_item.bytes // kv
+        room = int(WARN_FRACTION * plan.available) - (plan.total - kv_item.bytes)
+        tokens = room // per_token // 1024 * 1024 if per_token else 0
+        if config.data.max_prompt_length + config.rollout.max_new_tokens <= tokens < kv:
+            options = {**config.rollout.engine_options, "max_kv_tokens": tokens}
+            tries[f"rollout.engine_options.max_kv_tokens {tokens}"] = (
                 ["--rollout.engine_options", repr(options).replace("'", "")], strategy)
     alternatives = {}
     for name, (overrides, their_strategy) in tries.items():
-        try:
-            changed = config_from_dict(config_to_dict(config), overrides)
-        except ValueError:  # the setting is refused for this job (e.g. TP that does not divide the world)
-            continue
-        alternatives[name] = plan_memory(changed, model_config, strategy=their_strategy, **kwargs)
+        changed = _changed(config, overrides)
+        if changed is not None:
+            alternatives[name] = plan_memory(changed, model_config, strategy=their_strategy, **kwargs)
+    if tries and not any(alt.total <= WARN_FRACTION * plan.available for alt in alternatives.values()):
+        together = [override for overrides, _ in tries.values() for override in overrides]
+        strategies = {their for _, their in tries.values()} - {strategy}
+        changed = _changed(config, together)
+        if changed is not None:  # none alone: all of them at once
+            alternatives[" together with ".join(tries)] = plan_memory(
+                changed, model_config, strategy=strategies.pop() if strategies else strategy, **kwargs)
     return plan, check_fits(plan, alternatives)
+
+
+def _changed(config, overrides: list[str]):
+    """`config` with command-line `overrides`, or None when the job refuses them (e.g. a TP that does not divide)."""
+    from astrai.config import config_from_dict, config_to_dict
+
+    try:
+        return config_from_dict(config_to_dict(config), overrides)
+    except ValueError:
+        return None
