@@ -28,12 +28,12 @@ GRPO = REPO / "configs/examples/grpo.yaml"
 PPO = REPO / "configs/examples/ppo.yaml"
 
 
-def save_tiny(path: Path, *, seed: int, tokenizer: Tokenizer | None = None) -> Path:
-    """A tiny random Llama of `seed` (tests/single_turn_reference.py's `tiny_model` with another seed) with
-    `tokenizer` (default: the tiny one, the student's)."""
+def save_tiny(path: Path, *, seed: int, tokenizer: Tokenizer | None = None, **config) -> Path:
+    """A tiny random Llama of `seed` (tests/single_turn_reference.py's `tiny_model` with another seed and the
+    `tiny_config` overrides `config`) with `tokenizer` (default: the tiny one, the student's)."""
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoRegressiveLM(tiny_config())
+    model = AutoRegressiveLM(tiny_config(**config))
     save_file({k: v.contiguous() for k, v in hf_state_dict(model).items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
     (tokenizer or tiny_tokenizer()).save(path)
@@ -157,6 +157,41 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line_by_check_and_at
         assert err[0].startswith(f"error: distill.teacher: {other} does not share the student's tokenizer"), err
         assert "cross-tokenizer distillation is not supported" in err[0]
     assert not (tmp_path / "run0" / "metrics.jsonl").exists()
+
+
+def one_error_line(capsys) -> str:
+    """The one line of stderr (warnings aside) a refused job printed."""
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning:")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_teacher_with_too_short_a_context_is_refused_by_check_and_at_start(teacher_dir, tmp_path, capsys):
+    """The student holds 512 positions, the teacher 256: 300 prompt + 64 response tokens are more than the teacher
+    can score, refused in one line naming distill.teacher (not scored silently past its rotary table)."""
+    student = save_tiny(tmp_path / "student", seed=0, max_position_embeddings=512)
+    long = ("--data.max_prompt_length", "300", "--rollout.max_new_tokens", "64")
+    for extra in (["--check"], []):
+        assert main(grpo_args(student, teacher_dir, tmp_path / f"run{len(extra)}", *long, *extra)) == 2
+        assert one_error_line(capsys) == (
+            f"error: distill.teacher: {teacher_dir} has max_position_embeddings=256, fewer than the 364 tokens it must "
+            "score (data.max_prompt_length 300 + rollout.max_new_tokens 64); use a teacher with a longer context or "
+            "lower them")
+    assert not (tmp_path / "run0" / "metrics.jsonl").exists()
+    assert main(grpo_args(student, teacher_dir, tmp_path / "fits", "--data.max_prompt_length", "200", "--check")) == 0
+
+
+@pytest.mark.parametrize("teacher, start", [
+    ("/nonexistent/teacher", "error: distill.teacher: model path /nonexistent/teacher does not exist: expected "),
+    ("ftp://host/teacher", "error: distill.teacher: ftp://host/teacher is a URL of scheme ftp; a served teacher is "
+                           "an http:// or https:// URL (the API root, e.g. http://host:8000/v1)"),
+])
+def test_a_teacher_that_cannot_load_is_named_as_distill_teacher(tiny_model_dir, tmp_path, capsys, teacher, start):
+    for extra in (["--check"], []):
+        assert main(grpo_args(tiny_model_dir, teacher, tmp_path / f"run{len(extra)}", *extra)) == 2
+        line = one_error_line(capsys)
+        assert line.startswith(start), line
+        assert "ftp:/host" not in line  # the URL is not read as a path
 
 
 # -------------------------------------------------------------------------------------------------- end to end

@@ -396,7 +396,7 @@ def test_a_served_teacher_scores_as_the_local_one(server, tiny_ppo_run):
     base, _ = server
     ckpt = sorted((tiny_ppo_run / "checkpoints").glob("step-*"))[-1]
     model, tokenizer = load_pretrained(str(ckpt))
-    teacher = ServedTeacher(base, rows_per_request=2)
+    teacher = ServedTeacher(f"{base}/v1", rows_per_request=2)
     assert teacher.model == str(tiny_ppo_run)
     teacher.check_tokenizer(tokenizer)
     seq = Sequences.from_tokens([[5, 9, 12], [8, 4], [3, 3, 3, 3]], [[7, 3, 30, 2], [6], [11, 12]], pad_token_id=2)
@@ -418,7 +418,60 @@ def test_a_served_teacher_scores_as_the_local_one(server, tiny_ppo_run):
         teacher.check_tokenizer(Shifted())
     with pytest.raises(TeacherServerError, match=r"^distill.teacher: GET http://127.0.0.1:\d+/v1/models failed after "
                                                  r"1 attempts: "):
-        ServedTeacher(f"http://127.0.0.1:{free_port()}", retries=0)
+        ServedTeacher(f"http://127.0.0.1:{free_port()}/v1", retries=0)
+
+
+def test_a_served_teachers_url_is_the_api_root_as_given_and_its_context_is_enforced(server, tiny_ppo_run, tmp_path,
+                                                                                    capsys):
+    """The URL is used as given (nothing appended): the server's root and another version answer 404, refused in one
+    line saying the URL must be the API root. A row longer than the server's context is a 400
+    `context_length_exceeded` (param `prompt`) that the client turns into one line naming distill.teacher, and a
+    job whose rollout outgrows the served model's `max_model_len` is refused by --check and at start-up."""
+    from test_distill import grpo_args, save_tiny
+
+    from astrai.data.sequences import Sequences
+    from astrai.experience.served_teacher import ServedTeacher, TeacherServerError
+    from astrai.train import main
+
+    base, _ = server
+    for url in (base, f"{base}/v2"):
+        with pytest.raises(TeacherServerError) as info:
+            ServedTeacher(url, retries=0)
+        message = str(info.value)
+        assert message.startswith(f"distill.teacher: GET {url}/models answered 404: ") and "\n" not in message
+        assert message.endswith("distill.teacher must be the server's API root, where /models and /completions are "
+                                "(e.g. http://host:8000/v1)")
+    teacher = ServedTeacher(f"{base}/v1/", retries=0)
+    assert teacher.base_url == f"{base}/v1" and teacher.max_model_len == 256
+    status, reply = http("POST", f"{base}/v1/completions", {"model": MODEL, "prompt": [5] * 257, "echo": True,
+                                                            "max_tokens": 0, "logprobs": 0})
+    assert status == 400 and reply["error"]["param"] == "prompt" and reply["error"]["code"] == "context_length_exceeded"
+    seq = Sequences.from_tokens([[5] * 200], [[7] * 60], pad_token_id=2)
+    with pytest.raises(TeacherServerError) as info:
+        teacher.response_logprobs(seq)
+    assert str(info.value) == (f"distill.teacher: {base}/v1 ({tiny_ppo_run}) cannot score a row this long: This "
+                               "model's maximum context length is 256 tokens; prompt[0] has 260 tokens to score; its "
+                               "context must hold data.max_prompt_length + rollout.max_new_tokens tokens")
+    student = save_tiny(tmp_path / "student", seed=0, max_position_embeddings=512)  # the served tokenizer's
+    long = ("--data.max_prompt_length", "300", "--rollout.max_new_tokens", "8")
+    for extra in (["--check"], []):
+        assert main(grpo_args(student, f"{base}/v1", tmp_path / f"run{len(extra)}", *long, *extra)) == 2
+        err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning:")]
+        assert err == [f"error: distill.teacher: {base}/v1 has max_model_len=256, fewer than the 308 tokens it must "
+                       "score (data.max_prompt_length 300 + rollout.max_new_tokens 8); use a teacher with a longer "
+                       "context or lower them"], err
+
+
+def test_an_over_context_prompt_names_prompt_for_completions_and_messages_for_chat(server):
+    base, _ = server
+    status, reply = http("POST", f"{base}/v1/completions", {"model": MODEL, "prompt": [5] * 256, "max_tokens": 4})
+    assert status == 400 and reply["error"]["param"] == "prompt" and reply["error"]["code"] == "context_length_exceeded"
+    status, reply = http("POST", f"{base}/v1/completions", {"model": MODEL, "prompt": [5] * 250, "max_tokens": 10})
+    assert status == 400 and reply["error"]["param"] == "max_tokens"
+    long = [{"role": "user", "content": " a" * 300}]
+    status, reply = http("POST", f"{base}/v1/chat/completions", {"model": MODEL, "messages": long, "max_tokens": 4})
+    assert status == 400 and reply["error"]["param"] == "messages"
+    assert reply["error"]["code"] == "context_length_exceeded"
 
 
 def test_online_grpo_distills_from_a_served_teacher_as_from_the_local_one(server, tiny_ppo_run, tmp_path):

@@ -218,3 +218,33 @@ def test_engine_loop_isolates_a_refused_request_and_a_failed_step(engine, monkey
     assert isinstance(failed[2][0], FloatingPointError)
     assert [o.done for outs in after[3] for o in outs] == [False, True]  # the loop kept serving
     assert not engine.has_unfinished_requests
+
+
+def test_over_context_prompts_are_named_by_their_field_and_scoring_enforces_the_context(engine):
+    """A prompt that leaves no room is `prompt` for /v1/completions and `messages` for chat; scoring (`echo` with
+    `max_tokens` 0, what a served teacher asks) refuses a prompt longer than the context (400
+    `context_length_exceeded`, param `prompt`) and scores one that fills it; the model card says the context."""
+    from astrai.serve.app import create_app
+
+    server = create_app(engine, tiny_tokenizer(), model_name="tiny").state.server
+    context = engine.capacity.max_position_embeddings
+    assert server.model_card()["max_model_len"] == context == 256
+    for field in ("prompt", "messages"):
+        with pytest.raises(APIError) as info:
+            server.budget([5] * context, 4, "max_tokens", prompt_param=field)
+        assert (info.value.status, info.value.param, info.value.code) == (400, field, "context_length_exceeded")
+    with pytest.raises(APIError) as info:  # room left, but fewer tokens than asked: the asked field
+        server.budget([5] * (context - 2), 4, "max_tokens", prompt_param="prompt")
+    assert info.value.param == "max_tokens"
+
+    def score(*lengths):
+        prompts = [[5, 6, 7][:1] * n for n in lengths]
+        req = CompletionRequest(model="tiny", prompt=prompts, echo=True, max_tokens=0, logprobs=0)
+        return server.score(req, prompts)
+
+    with pytest.raises(APIError) as info:
+        score(3, context + 1)
+    assert (info.value.status, info.value.param, info.value.code) == (400, "prompt", "context_length_exceeded")
+    assert f"maximum context length is {context} tokens; prompt[1] has {context + 1}" in info.value.message
+    full = score(context)["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(full) == context and full[0] is None and all(v <= 0 for v in full[1:])

@@ -1,13 +1,17 @@
 """A served teacher for on-policy distillation: `distill.teacher` given as the base URL of an OpenAI-compatible
 server (`http://host:8000/v1`, `astrai.config.DistillSection.served`: astrai's own `python -m astrai.serve`, or vLLM) scores the student's sampled tokens
-remotely instead of a local copy of the teacher.
+remotely instead of a local copy of the teacher. The URL is the API root, used as given (as OpenAI clients use
+`base_url`: routes are `{url}/models` and `{url}/completions`, so it usually ends in `/v1`); a 404 on `{url}/models`
+is refused in one line saying so.
 
 Each rollout's rows are sent as token-id prompts (prompt and response, the response's tool and environment tokens
-included) to `/v1/completions` with `echo: true`, `max_tokens: 0` and `logprobs: 0`, the convention by which vLLM and
+included) to `{url}/completions` with `echo: true`, `max_tokens: 0` and `logprobs: 0`, the convention by which vLLM and
 astrai's server return the log-probs of a prompt's own tokens; the response tokens' entries are the teacher's
 `log pi_teacher(a_t)` (natural log, float32, of its raw distribution: no temperature, which is why a served teacher
-needs `rollout.temperature` 1). The served model is the first of `GET /v1/models`; `OPENAI_API_KEY`, when set, is sent
-as the bearer token. Only the standard library speaks HTTP here.
+needs `rollout.temperature` 1). The served model is the first of `GET {url}/models`, its context `max_model_len` when
+the server says it (vLLM and astrai's server do); `OPENAI_API_KEY`, when set, is sent as the bearer token. A row
+longer than the server's context is answered 400 (`context_length_exceeded`), which stops the job in one line naming
+`distill.teacher`. Only the standard library speaks HTTP here.
 
 The teacher must share the student's tokenizer: at start-up (`ServedTeacher.check_tokenizer`) a probe text's token
 ids are scored and the token strings the server echoes must spell the student's tokens; otherwise the job is refused
@@ -42,24 +46,35 @@ class ServedTeacher:
     """Scores response tokens with a teacher behind an OpenAI-compatible server (see the module docstring).
 
     Args:
-        base_url: the server's API root, e.g. `http://127.0.0.1:8000/v1` (a trailing `/v1` is added when missing).
+        base_url: the server's API root as OpenAI clients take it, e.g. `http://127.0.0.1:8000/v1` (used as given:
+            nothing is appended).
         timeout_seconds: per HTTP request; retries: further attempts after a connection error or a 5xx answer,
             1 s, 2 s, 4 s ... apart.
         rows_per_request: rows sent in one request.
 
+    Attributes:
+        model: the served model's id; max_model_len: its context in tokens when `/models` says it, else None.
+
     Raises:
-        TeacherServerError: the server does not answer `GET /models` or serves no model.
+        TeacherServerError: the server does not answer `GET {base_url}/models` (a 404 says the URL must be the API
+            root), or serves no model.
     """
 
     def __init__(self, base_url: str, *, timeout_seconds: float = 300.0, retries: int = 3,
                  rows_per_request: int = 16):
-        url = base_url.strip().rstrip("/")
-        self.base_url = url if url.endswith("/v1") else url + "/v1"
+        self.base_url = base_url.strip().rstrip("/")
         self.timeout_seconds, self.retries, self.rows_per_request = timeout_seconds, retries, rows_per_request
-        models = self._call("GET", "/models").get("data") or []
+        self.model, self.max_model_len = "", None
+        try:
+            models = self._call("GET", "/models").get("data") or []
+        except _NotFound as err:
+            raise TeacherServerError(f"{err}; distill.teacher must be the server's API root, where /models and "
+                                     f"/completions are (e.g. http://host:8000/v1)") from None
         if not models or not isinstance(models[0], dict) or "id" not in models[0]:
             raise TeacherServerError(f"distill.teacher: {self.base_url}/models lists no model")
         self.model = models[0]["id"]
+        context = models[0].get("max_model_len")
+        self.max_model_len = context if isinstance(context, int) and context > 0 else None
 
     def check_tokenizer(self, tokenizer) -> None:
         """Refuse a teacher whose tokenizer is not the student's (`tokenizer`, an `astrai.models.Tokenizer`): the
@@ -127,9 +142,14 @@ class ServedTeacher:
                 with urllib.request.urlopen(request, timeout=self.timeout_seconds) as answer:
                     return json.loads(answer.read().decode())
             except urllib.error.HTTPError as err:
-                detail = _error_message(err)
+                detail, code = _error_message(err)
+                if code == "context_length_exceeded" or "maximum context length" in detail:
+                    raise TeacherServerError(
+                        f"distill.teacher: {self.base_url} ({self.model}) cannot score a row this long: {detail}; "
+                        "its context must hold data.max_prompt_length + rollout.max_new_tokens tokens") from None
                 if err.code < 500 or attempt == self.retries:
-                    raise TeacherServerError(f"distill.teacher: {method} {url} answered {err.code}: {detail}") from None
+                    kind = _NotFound if err.code == 404 else TeacherServerError
+                    raise kind(f"distill.teacher: {method} {url} answered {err.code}: {detail}") from None
             except (urllib.error.URLError, OSError, json.JSONDecodeError) as err:
                 if attempt == self.retries:
                     reason = getattr(err, "reason", err)
@@ -139,10 +159,19 @@ class ServedTeacher:
         raise AssertionError("unreachable")
 
 
-def _error_message(err: urllib.error.HTTPError) -> str:
-    """The OpenAI-shaped error's message of an HTTP error answer, else its first line."""
+class _NotFound(TeacherServerError):
+    """A 404 answer: the URL is not the API root (or the server lacks the route)."""
+
+
+def _error_message(err: urllib.error.HTTPError) -> tuple[str, Optional[str]]:
+    """(message, code) of the OpenAI-shaped error of an HTTP error answer, else (its first line, None); the message
+    on one line."""
+    text = None
     try:
         text = err.read().decode(errors="replace")
-        return str(json.loads(text)["error"]["message"])
-    except (ValueError, KeyError, TypeError, OSError):
-        return (text.strip().splitlines() or [err.reason])[0] if "text" in locals() else str(err.reason)
+        error = json.loads(text)["error"]
+        code = error.get("code")
+        return " ".join(str(error["message"]).split()), code if isinstance(code, str) else None
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        lines = text.strip().splitlines() if text else []
+        return str(lines[0] if lines else err.reason), None

@@ -62,8 +62,9 @@ class _Server:
         self.created = int(time.time())
 
     def model_card(self) -> dict:
-        """The served model in OpenAI's model object shape."""
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "astrai"}
+        """The served model in OpenAI's model object shape, with vLLM's `max_model_len` (the context in tokens)."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "astrai",
+                "max_model_len": self.context}
 
     def check_model(self, name: str) -> None:
         """APIError 404 (`model_not_found`) unless `name` is the served model (its id or an alias)."""
@@ -89,8 +90,13 @@ class _Server:
                 raise APIError(f"prompt[{i}]: token ids must lie in [0, {self.vocab})", param="prompt")
         return ids
 
-    def budget(self, prompt: list[int], asked: Optional[int], param: str) -> int:
-        """max_new_tokens for a prompt: the request's value (checked against the context) or the default."""
+    def budget(self, prompt: list[int], asked: Optional[int], param: str, *, prompt_param: str) -> int:
+        """max_new_tokens for a prompt: the request's value (checked against the context) or the default.
+
+        Raises:
+            APIError: 400 `context_length_exceeded` naming `prompt_param` (`prompt` for /v1/completions, `messages`
+                for chat) when the prompt leaves no room, else `param` when the asked tokens do not fit.
+        """
         room = self.context - len(prompt)
         if asked is None:
             asked = min(self.max_tokens, room)
@@ -99,13 +105,23 @@ class _Server:
         if room < 1 or asked > room:
             raise APIError(f"This model's maximum context length is {self.context} tokens; the prompt has "
                            f"{len(prompt)} tokens and {asked} more were requested ({param})",
-                           param=param if room >= 1 else "messages", code="context_length_exceeded")
+                           param=param if room >= 1 else prompt_param, code="context_length_exceeded")
         return asked
+
+    def check_context(self, prompts: list[list[int]]) -> None:
+        """APIError 400 `context_length_exceeded` (param `prompt`) for a prompt to score longer than the model's
+        context (`max_position_embeddings`): positions past it have no rotary angle, so its log-probs would be
+        meaningless."""
+        for i, ids in enumerate(prompts):
+            if len(ids) > self.context:
+                raise APIError(f"This model's maximum context length is {self.context} tokens; prompt[{i}] has "
+                               f"{len(ids)} tokens to score", param="prompt", code="context_length_exceeded")
 
     def score(self, req: CompletionRequest, prompts: list[list[int]]) -> dict:
         """The body of a prompt-scoring request (`echo` with `max_tokens` 0): one choice per prompt with the log-probs
         of its own tokens (`scoring.PromptScorer`), no token generated."""
         check_supported(req)
+        self.check_context(prompts)
         k = req.logprobs or 0
         choices = [self.scorer.echo_choice(i, ids, k) for i, ids in enumerate(prompts)]
         if req.logprobs is None:
@@ -238,7 +254,7 @@ def create_app(engine, tokenizer, *, model_name: str, max_tokens: int = 512, ali
         prompts = server.prompts_of(req)
         if req.scores_prompt():
             return _json(await asyncio.to_thread(server.score, req, prompts))
-        budgets = [server.budget(p, req.max_tokens, "max_tokens") for p in prompts]
+        budgets = [server.budget(p, req.max_tokens, "max_tokens", prompt_param="prompt") for p in prompts]
         return await _respond(server, request, req, prompts, budgets, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -255,7 +271,8 @@ def create_app(engine, tokenizer, *, model_name: str, max_tokens: int = 512, ali
             raise APIError(f"messages: the chat template rejected them: {err}", param="messages") from None
         prompt = tokenizer.encode(text)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        budget = server.budget(prompt, asked, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+        budget = server.budget(prompt, asked, "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+                               prompt_param="messages")
         return await _respond(server, request, req, [prompt], [budget], chat=True)
 
     return app

@@ -8,6 +8,7 @@ built (MoE).
 from __future__ import annotations
 
 import copy
+import re
 from typing import Optional
 
 import torch
@@ -93,21 +94,35 @@ def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu") -> to
     """The teacher of on-policy distillation: `distill.teacher` loaded as `model.path` is (`models.load_pretrained`,
     `model.dtype`, on `device`), in eval mode with every parameter frozen, once it is checked to score the
     student's token ids: its tokenizer equals the student's `tokenizer` (`vocabulary_mismatch`; cross-tokenizer
-    distillation is out of scope) and its embedding holds every id of it. A URL (`http://host:8000/v1`) is a
-    served teacher instead (`astrai.experience.served_teacher.ServedTeacher`), checked to spell the student's
-    tokens. Also what `--check` runs.
+    distillation is out of scope), its embedding holds every id of it, and its context (`max_position_embeddings`)
+    holds the longest sequence the rollout makes (`data.max_prompt_length + rollout.max_new_tokens`). A URL
+    (`http://host:8000/v1`, the API root as given) is a served teacher instead
+    (`astrai.experience.served_teacher.ServedTeacher`), checked to spell the student's tokens and, where the server
+    says its `max_model_len`, to hold that sequence too. Also what `--check` runs.
 
     Raises:
-        ConfigError: one line naming `distill.teacher`, for another tokenizer or too small an embedding;
-            FileNotFoundError / ValueError from loading; TeacherServerError (a ValueError) for a server that does
-            not answer, or answers with another tokenizer.
+        ConfigError: one line naming `distill.teacher`, for a URL of another scheme than http / https, another
+            tokenizer, too small an embedding or too short a context; FileNotFoundError / NotADirectoryError /
+            ValueError from loading, their message prefixed with `distill.teacher: `; TeacherServerError (a
+            ValueError) for a server that does not answer, or answers with another tokenizer.
     """
     path = config.distill.teacher
+    scheme = _URL_SCHEME.match(path.strip())
+    if scheme and not config.distill.served:
+        raise ConfigError(f"distill.teacher: {path} is a URL of scheme {scheme.group(1)}; a served teacher is an "
+                          f"http:// or https:// URL (the API root, e.g. http://host:8000/v1), a local one a model "
+                          f"name, directory or .gguf file")
     if config.distill.served:
         served = ServedTeacher(path)
         served.check_tokenizer(tokenizer)
+        _check_teacher_context(config, served.max_model_len, "max_model_len")
         return served
-    teacher, teacher_tokenizer = load_pretrained(path, dtype=getattr(torch, config.model.dtype), device=device)
+    try:
+        teacher, teacher_tokenizer = load_pretrained(path, dtype=getattr(torch, config.model.dtype), device=device)
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise type(err)(f"distill.teacher: {err}") from None
+    except ValueError as err:  # a file that is no model, a bad config.json ...: named as the teacher's
+        raise ConfigError(f"distill.teacher: {' '.join(str(err).split())}") from None
     why = vocabulary_mismatch(tokenizer, teacher_tokenizer)
     if why is not None:
         raise ConfigError(f"distill.teacher: {path} does not share the student's tokenizer ({config.model.path}): "
@@ -116,7 +131,24 @@ def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu") -> to
     if teacher.config.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"distill.teacher: {path} has vocab_size={teacher.config.vocab_size} embedding rows for "
                           f"a tokenizer of {tokenizer.vocab_size} tokens")
+    _check_teacher_context(config, teacher.config.max_position_embeddings, "max_position_embeddings")
     return teacher.eval().requires_grad_(False)
+
+
+_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+"""A URL's scheme (`ftp://...`): a teacher named so is a server, never a path."""
+
+
+def _check_teacher_context(config, context: Optional[int], name: str) -> None:
+    """ConfigError naming `distill.teacher` when the teacher's `context` (its `name`: `max_position_embeddings`, or
+    a server's `max_model_len`; None: unknown, not checked) is shorter than the rollout's longest sequence,
+    `data.max_prompt_length + rollout.max_new_tokens` tokens, all of which the teacher scores."""
+    need = config.data.max_prompt_length + config.rollout.max_new_tokens
+    if context is not None and context < need:
+        raise ConfigError(f"distill.teacher: {config.distill.teacher} has {name}={context}, fewer than the "
+                          f"{need} tokens it must score (data.max_prompt_length {config.data.max_prompt_length} + "
+                          f"rollout.max_new_tokens {config.rollout.max_new_tokens}); use a teacher with a longer "
+                          f"context or lower them")
 
 
 def teacher_model(dist, config, tokenizer) -> torch.nn.Module | ServedTeacher:
