@@ -406,3 +406,20 @@ def test_check_refuses_partial_rollouts_on_several_processes(tiny_model_dir, tmp
                  "--data.truncation", "left", *ON, "--check"])
     assert code == 2
     assert "rollout.partial: not supported yet on more than one process (got 2)" in capsys.readouterr().err
+
+
+def test_groups_in_flight_resumed_without_partial_rollouts_are_dropped_with_a_warning():
+    """A fresh-user trial: a partial-rollout checkpoint resumed with rollout.partial false dropped its groups in
+    flight without a word; the resume now says how many."""
+    import types
+
+    import pytest
+
+    from astrai.experience.sources import OnlineExperience
+
+    generator = torch.Generator()
+    fake = types.SimpleNamespace(generator=generator, partial=None, data_sampler=None)
+    state = {"sampling_rng": generator.get_state(), "partial_rollouts": {"groups": [{"samples": []}] * 3}}
+    with pytest.warns(UserWarning, match=r"^rollout.partial is false: the 3 group\(s\) in flight in the checkpoint "
+                                         r"are dropped"):
+        OnlineExperience.load_state_dict(fake, state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -177,10 +178,18 @@ class OnlineExperience:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Inverse of `state_dict` (a state saved without groups in flight leaves none)."""
+        """Inverse of `state_dict` (a state saved without groups in flight leaves none). Groups in flight saved by a
+        job with `rollout.partial`, resumed without it, are dropped with a warning saying how many (their prompts
+        were drawn: they are not drawn again)."""
         self.generator.set_state(state["sampling_rng"])
         if self.partial is not None:
             self.partial.load_state_dict(state.get("partial_rollouts", {"groups": []}),
                                          getattr(self.data_sampler, "dataset", ()))
+            return
+        dropped = len(state.get("partial_rollouts", {}).get("groups", []))
+        if dropped:
+            warnings.warn(f"rollout.partial is false: the {dropped} group(s) in flight in the checkpoint are dropped "
+                          "(their prompts were drawn and are not drawn again; resume with rollout.partial true to "
+                          "continue them)", stacklevel=2)
 
 
