@@ -722,6 +722,22 @@ def ignored_settings(config: Config) -> list[str]:
     return names
 
 
+def why_ignored(config: Config, name: str) -> str:
+    """Why setting `name` (one of `ignored_settings(config)`) has no effect on this job, as a phrase."""
+    field = name.partition(".")[2]
+    if name.startswith("rollout.") and field in EPISODE_FIELDS:
+        return "read only with rollout.tools or rollout.environment"
+    if name == "rollout.environment_field" and config.rollout.environment is not None:
+        return "read only when rollout.environment is a mapping of classes routed by a column"
+    if name.startswith("rollout.") and field in ENVIRONMENT_FIELDS:
+        return "read only with rollout.environment"
+    if name == "distill.reward_weight":
+        return "read only with distill.teacher"
+    if name.startswith("reward."):
+        return "an option of reward.name, which reward.functions / reward.model_path replace"
+    return f"not read by train.type {config.train.type}"
+
+
 EPISODE_FIELDS = ("max_turns", "max_tool_response_tokens", "tool_response_truncation", "max_parallel_tool_calls",
                   "tool_workers", "tool_timeout_seconds")
 """The `rollout` fields that shape multi-turn episodes, read only with `rollout.tools` or `rollout.environment`."""

@@ -134,7 +134,7 @@ def _write_exit_file(path: Path, code: int, line: Optional[str]) -> bool:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-    from astrai.config import ConfigError, ignored_settings, load_config
+    from astrai.config import ConfigError, ignored_settings, load_config, why_ignored
 
     from astrai.runtime_env import job_runtime
 
@@ -146,10 +146,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     except ConfigError as err:
         _error(err)
         return EXIT_BAD_INPUT
-    ignored = ignored_settings(config)
-    if ignored and os.environ.get("RANK", "0") == "0":
-        print(f"warning: train.type {config.train.type} does not read {', '.join(ignored)}: "
-              f"{'it has' if len(ignored) == 1 else 'they have'} no effect on this job", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":
+        reasons: dict[str, list[str]] = {}
+        for name in ignored_settings(config):
+            reasons.setdefault(why_ignored(config, name), []).append(name)
+        for why, names in reasons.items():
+            print(f"warning: {', '.join(names)} {'has' if len(names) == 1 else 'have'} no effect on this job "
+                  f"({why})", file=sys.stderr)
     job = contextlib.ExitStack()
     try:  # runtime.environment is exported before build_trainer creates the process group
         job.enter_context(job_runtime(config.runtime.environment))

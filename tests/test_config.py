@@ -332,10 +332,13 @@ def test_the_cli_warns_in_one_line_about_ignored_settings(tiny_model_dir, tmp_pa
     code = main(["--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "o"), "--train.type",
                  "online_grpo", "--grpo.group_size", "2", "--rollout.batch_size", "2", "--grpo.minibatch_size", "4",
                  "--grpo.micro_batch_size", "4", "--ppo.critic_layers", "1", "--data.truncation", "left",
-                 "--rollout.max_new_tokens", "8", "--data.max_prompt_length", "64", "--check"])
+                 "--rollout.max_new_tokens", "8", "--data.max_prompt_length", "64", "--rollout.max_turns", "3",
+                 "--rollout.tool_workers", "2", "--check"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 0, err
-    assert err == ["warning: train.type online_grpo does not read ppo.critic_layers: it has no effect on this job"]
+    assert err == ["warning: ppo.critic_layers has no effect on this job (not read by train.type online_grpo)",
+                   "warning: rollout.max_turns, rollout.tool_workers have no effect on this job (read only with "
+                   "rollout.tools or rollout.environment)"]  # the reason, not the train type (a fresh-user trial)
 
 
 def test_no_float_field_takes_nan_or_infinity(tmp_path):
