@@ -296,7 +296,11 @@ def fit(config: Union[str, os.PathLike, Mapping[str, Any], None] = None, *,
             the reward workers like a configured one; one defined in a notebook or `__main__` runs in this process
             (no timeout).
         overrides: fields by any name the command line takes: `max_steps=2`, `num_generations=8`, or dotted names
-            through a mapping (`**{"grpo.group_size": 4}`).
+            through a mapping (`**{"grpo.group_size": 4}`). `environment_factory` / `rollout.environment` and
+            `tools` / `rollout.tools` also take what TRL's trainer takes, a class (or a mapping of them by name) and
+            functions: each is named by its "module:qualname", which the worker processes import, so it must be
+            importable from a module; one defined in a notebook, `__main__` or a function is refused (`ConfigError`
+            naming the field: move it into a .py file and import it from there).
 
     Returns: a `TrainResult`.
     Raises: `astrai.config.ConfigError` and the other bad-input errors the CLI answers with exit code 2 (ValueError,
@@ -310,6 +314,10 @@ def fit(config: Union[str, os.PathLike, Mapping[str, Any], None] = None, *,
     from astrai.trainer.build import build_trainer
     from astrai.trainer.faults import StopSignals
 
+    overrides = {key: _python_objects(key, value) for key, value in overrides.items()}
+    if isinstance(config, Mapping) and isinstance(config.get("rollout"), Mapping):
+        config = {**config, "rollout": {key: _python_objects(f"rollout.{key}", value)
+                                        for key, value in config["rollout"].items()}}
     tokens = []
     for key, value in overrides.items():
         tokens += [f"--{key}", value if isinstance(value, str) else json.dumps(value)]
@@ -344,6 +352,56 @@ def fit(config: Union[str, os.PathLike, Mapping[str, Any], None] = None, *,
     steps = sorted((output_dir / "checkpoints").glob("step-*")) if (output_dir / "checkpoints").is_dir() else []
     return TrainResult(output_dir=output_dir, global_step=state.global_step, policy_version=state.policy_version,
                        checkpoint=steps[-1] if steps else None, metrics=records, stopped_by=state.stopped_by)
+
+
+_ENVIRONMENT_KEYS = ("environment_factory", "rollout.environment", "rollout.environment_factory")
+_TOOLS_KEYS = ("tools", "rollout.tools")
+
+
+def _python_objects(key: str, value: Any) -> Any:
+    """An override `value` of `fit` with the classes and functions TRL users pass (`environment_factory=Wordle`,
+    `tools=[count]`) replaced by their "module:qualname" references (`_importable_reference`); any other value as
+    it is. Raises ConfigError (via `_importable_reference`)."""
+    if key in _ENVIRONMENT_KEYS:
+        if isinstance(value, type):
+            return _importable_reference(value, "rollout.environment")
+        if isinstance(value, Mapping) and any(isinstance(v, type) for v in value.values()):
+            return {route: _importable_reference(v, f"rollout.environment.{route}") if isinstance(v, type) else v
+                    for route, v in value.items()}
+    if key in _TOOLS_KEYS:
+        items = [value] if callable(value) else value
+        if isinstance(items, (list, tuple)) and any(callable(item) for item in items):
+            return [{"function": _importable_reference(item, f"rollout.tools.{i}")} if callable(item) else item
+                    for i, item in enumerate(items)]
+    return value
+
+
+def _importable_reference(obj: Any, field: str) -> str:
+    """The "module:qualname" a worker process imports `obj` (a class or function handed to `fit`) by.
+
+    Raises:
+        ConfigError: one line naming `field` when that import would not give `obj` back (defined in a notebook,
+            `__main__` or inside a function).
+    """
+    import importlib
+
+    from astrai.config import ConfigError
+
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    name = getattr(obj, "__name__", None) or type(obj).__name__
+    if module and module != "__main__" and qualname and "<" not in qualname and "." not in qualname:
+        try:  # the jobs' references name a module's top-level attribute (`astrai.imports.load_attribute`)
+            if getattr(importlib.import_module(module), qualname, None) is obj:
+                return f"{module}:{qualname}"
+        except ImportError:
+            pass
+    where = ("a notebook or the __main__ script" if module == "__main__" or not module else
+             "a function (a local)" if qualname and "<locals>" in qualname else
+             "a class body" if qualname and "." in qualname else f"module {module}, under another name")
+    raise ConfigError(f"{field}: {name} is defined in {where}, which the worker processes cannot import; move it "
+                      "into a .py file and import it from there (or name it in the job by file: "
+                      f"{{{'class' if isinstance(obj, type) else 'function'}: {name}, "
+                      "path: file.py}) (docs/agents.md)")
 
 
 class _CallableModule(types.ModuleType):

@@ -358,7 +358,7 @@ def test_a_method_past_the_timeout_ends_its_episode_and_its_instance_is_closed(e
     tok = smollm2()
     environment = _environment(env_file, {None: "Counter"}, workers=1, timeout=1.0, window=1, fraction=1.0)
     try:
-        with pytest.warns(UserWarning, match="Counter: call failed: hang: timed out after 1 s"):
+        with pytest.warns(UserWarning, match="Counter: hang failed: timed out after 1 s"):
             (episode,) = _run(tok, environment, [{"question": "Wait.", "start": 4}],
                               lambda context: format_tool_call("hang", {}))
     finally:
@@ -392,6 +392,27 @@ def test_a_call_that_ignores_the_timeout_is_killed_with_its_worker(env_file):
         assert _tool_results(again) == ["total 6", "total 8"] and again.env_reward == 8.0
     finally:
         environment.close()
+
+
+def test_a_reset_that_ignores_the_timeout_is_named_as_the_failed_call(env_file):
+    """The reset that hung is the call the warning names (counted as lost: its worker was killed with it)."""
+    tok = smollm2()
+    (env_file.parent / "hard.py").write_text(
+        "import time\n\nclass HangHard:\n    def reset(self, **row):\n        while True:\n            try:\n"
+        "                time.sleep(100)\n            except BaseException:\n                pass\n")
+    environment = EpisodeEnvironment.load([EnvironmentSpec(None, "HangHard", str(env_file.parent / "hard.py"))],
+                                          num_workers=1, timeout_seconds=1.0, routed_by=None,
+                                          failures=EnvironmentFailures(max_error_fraction=1.0, error_window=1))
+    try:
+        with pytest.warns(UserWarning) as warned:
+            (episode,) = _run(tok, environment, [{"question": "Hi."}], lambda context: "Done.")
+    finally:
+        environment.close()
+    texts = [str(w.message) for w in warned]
+    assert any("rollout.environment: HangHard: reset failed: timed out after 1 s" in t
+               and "worker process was killed" in t for t in texts), texts
+    assert not any("lost failed" in t for t in texts), texts
+    assert episode.env_errors == {"lost": 1} and episode.ended_by == "env_error"
 
 
 def test_an_error_of_the_loop_itself_still_closes_the_instances(env_file):
@@ -585,6 +606,13 @@ class BadStep:
     def step(self):
         return None
 
+class NeedsArgs:
+    def __init__(self, size):
+        self.size = size
+
+    def reset(self, **row):
+        return None
+
 not_a_class = 3
 '''
 
@@ -603,6 +631,8 @@ not_a_class = 3
     ({"a": {"class": "Shout", "path": "bad.py"}}, "rollout.environment: row 0 of"),
     ({"class": "BadStep", "path": "bad.py"}, "rollout.environment: BadStep.step() cannot be called with one "
                                              "argument (the assistant message)"),
+    ({"class": "NeedsArgs", "path": "bad.py"}, "rollout.environment: NeedsArgs(size) cannot be created without "
+                                               "arguments"),
     ("Game", "rollout.environment: expected 'package.module:Class'"),
     ({"clas": "Game", "path": "bad.py"}, "rollout.environment: unknown key 'clas'"),
 ])
@@ -717,3 +747,84 @@ def test_online_grpo_trains_on_a_step_environment_end_to_end(long_model_dir, tmp
     logged = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert logged["eval/rewards/environment/mean"] == pytest.approx(1.2) and logged["eval/rewards/half/mean"] == 0.5
     assert logged["eval/reward_mean"] == pytest.approx(1.7)  # 0.5 + (1.1 + 1.3) / 2
+
+
+def _scripted_seven(model_dir, name):
+    """Register engine `name`: the paged engine whose every turn is "7" and the end of turn (finished)."""
+    from astrai.models import Tokenizer
+    from astrai.rollout import engine as engines
+
+    paged = engines.engine_factory("paged")
+
+    def scripted(model, **kwargs):
+        engine = paged(model, **kwargs)
+        generate, tok = engine.generate, Tokenizer.from_dir(model_dir)
+        said = tok.encode("7") + [tok.eos_token_id]
+
+        def say_seven(prompts, params, generator=None):
+            out = generate(prompts, params, generator)
+            n = len(prompts)
+            ids = torch.tensor([said] * n)
+            return dataclasses.replace(out, response_ids=ids, action_mask=torch.ones(n, len(said), dtype=torch.bool),
+                                       old_logprobs=torch.full(ids.shape, -1.0),
+                                       finished=torch.ones(n, dtype=torch.bool))
+        engine.generate = say_seven
+        return engine
+    engines.register_engine(name, scripted)
+
+
+def test_an_environment_with_get_reward_is_the_whole_reward_when_the_job_sets_none(long_model_dir, tmp_path,
+                                                                                  capsys):
+    """No reward section: the rows have no `answer` column (the default math_exact_match would need one), the
+    environment's get_reward (1 + start / 100) is the total, said once; completions.jsonl logs each episode's
+    messages (what a reward function receives), and evaluation scores with the environment alone."""
+    import yaml
+
+    from astrai.train import main
+
+    _scripted_seven(long_model_dir, "scripted_env_only_test")
+    (tmp_path / "game.py").write_text(GAME)
+    data = _data(tmp_path, [{"question": "Count.", "start": s} for s in (10, 30, 10, 30)])
+    job = _job(tmp_path, long_model_dir, data, {"class": "Countdown", "path": str(tmp_path / "game.py")},
+               extra="  engine: scripted_env_only_test\n  environment_workers: 0")
+    settings = yaml.safe_load(job.read_text())
+    del settings["reward"]
+    settings["train"]["log_completions"] = 2
+    job.write_text(yaml.safe_dump(settings))
+    assert main(["--config", str(job), "--model.path", str(long_model_dir), "--data.shuffle", "false",
+                 "--train.eval_steps", "1", "--data.eval_path", str(data)]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert out.count("reward: the environment's get_reward is the whole reward") == 1, out
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = next(r for r in records if "rollout/reward_mean" in r)
+    assert trained["rollout/reward_mean"] == pytest.approx(1.2)  # (1.1 + 1.3) / 2: the environment's alone
+    assert not any(key.startswith("rewards/math_exact_match") for key in trained), sorted(trained)
+    evaluated = next(r for r in records if "eval/reward_mean" in r)
+    assert evaluated["eval/reward_mean"] == pytest.approx(1.2)
+    completions = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(completions) == 2
+    for record in completions:  # the episode's messages: the policy's turn, step's observation, the last turn
+        assert [m["role"] for m in record["completion"]] == ["assistant", "user", "assistant"], record
+        assert record["completion"][1]["content"] == "Again." and record["completion"][-1]["content"] == "7"
+        assert record["score"] == pytest.approx(1.1) and list(record["rewards"]) == ["environment"]
+
+
+def test_a_job_that_sets_a_reward_keeps_it_beside_the_environments(long_model_dir, tmp_path):
+    """A job that sets its reward (reward.name another built-in, reward.functions or reward.model_path) keeps it,
+    the environment's reward added to it as before; a class without get_reward leaves the default built-in."""
+    from astrai.config import config_from_dict
+    from astrai.rewards.build import environment_is_the_reward, reward_specs
+
+    (tmp_path / "game.py").write_text(GAME)
+    (tmp_path / "plain.py").write_text("class Plain:\n    def reset(self, **row):\n        return None\n")
+    env = {"class": "Countdown", "path": str(tmp_path / "game.py")}
+    base = {"train": {"type": "online_grpo"}, "rollout": {"environment": env}}
+    assert environment_is_the_reward(config_from_dict(base)) and reward_specs(config_from_dict(base)) == []
+    for reward in ({"name": "code_unit_tests"}, {"functions": [{"function": "half", "path": "r.py"}]},
+                   {"model_path": str(tmp_path)}):
+        config = config_from_dict({**base, "reward": reward})
+        assert not environment_is_the_reward(config), reward
+    plain = config_from_dict({**base, "rollout": {"environment": {"class": "Plain",
+                                                                  "path": str(tmp_path / "plain.py")}}})
+    assert not environment_is_the_reward(plain)  # no get_reward: the default built-in stays
+    assert [spec.function for spec in reward_specs(plain)] == ["math_exact_match"]

@@ -166,11 +166,29 @@ def test_malformed_and_surplus_calls_become_error_results(tools):
     assert episode.ended_by == "answer" and episode.tool_errors["calculator"] == 1
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_raising_tool_is_warned_once_with_its_traceback_and_counted(tools, workers):
+    """Two episodes each call the calculator with a bad expression: one warning (the first failure) names the tool
+    and carries its traceback (the worker's user frames, or this process's); both failures are counted."""
+    tok = smollm2()
+    bad = format_tool_call("calculator", {"expression": "x * 2"})
+    asks = [ASK, [{"role": "user", "content": "What is x * 2?"}]]
+    with pytest.warns(UserWarning) as warned:
+        episodes, _ = _run(tok, tools, asks, [[bad, "ok"], [bad, "ok"]], workers=workers)
+    said = [str(w.message) for w in warned if "rollout.tools" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith("rollout.tools: calculator failed: ValueError: invalid literal for int()"), said
+    assert "rollout/episodes/tool_errors/calculator" in said[0]
+    assert "Traceback" in said[0] and 'a, b = (int(x) for x in expression.split("*"))' in said[0], said
+    assert [e.tool_errors["calculator"] for e in episodes] == [1, 1]
+
+
 def test_a_hanging_tool_is_killed_at_the_timeout_and_long_results_are_cut(tools):
     tok = smollm2()
     turn = format_tool_call("sleepy", {"seconds": 100}) + format_tool_call("shout", {"text": "hi"})
     limits = EpisodeLimits(max_tool_response_tokens=30, tool_response_truncation="left")
-    (episode,), _ = _run(tok, tools, [ASK], [[turn, "ok"]], workers=1, timeout=1.0, limits=limits)
+    with pytest.warns(UserWarning, match=r"rollout.tools: sleepy failed: timed out after 1 s"):
+        (episode,), _ = _run(tok, tools, [ASK], [[turn, "ok"]], workers=1, timeout=1.0, limits=limits)
     sleepy, shout = [m["content"] for m in episode.messages if m["role"] == "tool"]
     assert sleepy == "Error: timed out after 1 s (rollout.tool_timeout_seconds)"
     assert shout.startswith("[... cut to the last 30 tokens]") and shout.endswith("HI")

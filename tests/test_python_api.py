@@ -37,6 +37,86 @@ def test_train_is_callable_with_a_dict_overrides_and_reward_callables(tiny_model
                                                                      "python:shouts"]
 
 
+class Countdown:
+    """An environment TRL users pass as `environment_factory=Countdown`: importable from this module."""
+
+    def reset(self, start, **row):
+        self.steps, self.start = 0, int(start)
+        return f" Start at {start}."
+
+    def step(self, message):
+        self.steps += 1
+        return None if self.steps == 2 else "Again."
+
+    def get_reward(self):
+        return float(self.steps == 2) + self.start / 100
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b
+
+
+def test_an_environment_class_and_tool_functions_are_taken_by_their_import_path(tiny_model_dir, tmp_path):
+    """`environment_factory=Countdown, tools=[add]` as TRL takes them: named "module:qualname" in the saved job and
+    loaded by that name in the environment and tool workers (no JSON error); the environment is the reward."""
+    import json
+    import shutil
+
+    import yaml
+
+    from astrai import train
+    from test_environments import _scripted_seven
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    _scripted_seven(model_dir, "scripted_python_api_test")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": "Count.", "start": s}) + "\n" for s in (10, 30)))
+    result = train({"train": {"type": "online_grpo", "output_dir": str(tmp_path / "run"), "progress_bar": False,
+                              "report_to": ["none"]},
+                    "data": {"path": str(data), "max_prompt_length": 64, "shuffle": False},
+                    "rollout": {"batch_size": 1, "max_new_tokens": 96, "engine": "scripted_python_api_test",
+                                "max_turns": 3},
+                    "checkpoint": {"save_at_end": False}},
+                   environment_factory=Countdown, tools=[add], max_steps=1, num_generations=2,
+                   **{"model.path": str(model_dir), "grpo.minibatch_size": 2, "grpo.micro_batch_size": 2})
+    assert result.global_step == 1
+    assert result.metrics[0]["rewards/environment/mean"] == pytest.approx(1.1)
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["rollout"]["environment"] == "test_python_api:Countdown"
+    assert [t["function"] for t in saved["rollout"]["tools"]] == ["test_python_api:add"]
+
+
+def test_a_class_or_function_workers_cannot_import_is_refused_naming_the_field(tmp_path):
+    from astrai import train
+    from astrai.config import ConfigError
+
+    class Local:
+        def reset(self, **row):
+            return None
+
+    def shout(text: str) -> str:
+        return text
+
+    job = {"train": {"type": "online_grpo", "output_dir": str(tmp_path / "x")}}
+    with pytest.raises(ConfigError, match=r"^rollout.environment: .*Local is defined in a function \(a local\), "
+                                          r"which the worker processes cannot import; move it into a .py file"):
+        train(job, environment_factory=Local)
+    shout.__module__, shout.__qualname__ = "__main__", "shout"  # as a notebook cell's function is
+    with pytest.raises(ConfigError, match=r"^rollout.tools.1: shout is defined in a notebook or the __main__ script"):
+        train(job, tools=[add, shout])
+    with pytest.raises(ConfigError, match=r"^rollout.environment.b: .*Local is defined in a function"):
+        train({**job, "rollout": {"environment": {"a": Countdown, "b": Local}}})
+
+
 def test_bad_input_raises_instead_of_exiting(tmp_path):
     from astrai import train
     from astrai.config import ConfigError

@@ -227,6 +227,23 @@ def test_the_console_line_counts_failed_samples(tmp_path):
     assert "broken failed on 8 samples" in lines[-1] and "good failed" not in lines[-1], lines
 
 
+def test_the_console_line_shows_tool_errors_and_the_distillation_kl(tmp_path):
+    from types import SimpleNamespace
+
+    from astrai.trainer.callbacks import MetricsLogger
+    lines = []
+    logger = MetricsLogger(tmp_path, logging_steps=1, printer=lines.append)
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=1, max_steps=3, policy_version=1))
+    logger.on_train_begin(trainer)
+    logger.on_step_end(trainer, {"loss": torch.tensor(0.5), "rollout/episodes/tool_errors": torch.tensor(0.25),
+                                 "distill/reverse_kl": torch.tensor(0.125)})
+    trainer.state.global_step = 2
+    logger.on_step_end(trainer, {"loss": torch.tensor(0.5), "rollout/episodes/tool_errors": torch.tensor(0.0)})
+    logger.on_train_end(trainer)
+    assert "tool errors 0.25 per episode" in lines[0] and "reverse_kl 0.125" in lines[0], lines
+    assert "tool errors" not in lines[1] and "reverse_kl" not in lines[1], lines
+
+
 PARENT = '''
 import sys, threading, time
 sys.path.insert(0, {repo!r})

@@ -61,6 +61,22 @@ def _multi_turn_batch():
     return episodes, Experience.from_trajectories(episodes, pad_token_id=PAD)
 
 
+def test_an_episodes_messages_follow_its_row_through_select_concat_and_back():
+    """`Trajectory.messages` (the completion the reward saw) stays with its sample: collated, selected, concatenated
+    with a single-turn batch (None there) and split back; a batch without any keeps None."""
+    from astrai.experience.trajectory import concat_experiences
+
+    episodes, plain = _multi_turn_batch()
+    assert plain.messages is None
+    said = [[{"role": "assistant", "content": f"turn of {i}"}, {"role": "tool", "content": str(i)}] for i in range(4)]
+    exp = Experience.from_trajectories([dataclasses.replace(t, messages=m) for t, m in zip(episodes, said)],
+                                       pad_token_id=PAD)
+    assert exp.select([2, 0]).messages == (said[2], said[0])
+    both = concat_experiences([exp.select([3]), plain.select([1])], pad_token_id=PAD)
+    assert both.messages == (said[3], None)
+    assert [t.messages for t in both.trajectories()] == [said[3], None]
+
+
 def test_trajectory_refuses_inconsistent_fields():
     good = dict(prompt_ids=(1,), response_ids=(2, 3), loss_mask=(True, False), logprobs=(-0.5, 0.0),
                 policy_versions=(0, -1))

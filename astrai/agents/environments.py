@@ -105,7 +105,7 @@ def load_environment_class(spec: EnvironmentSpec) -> type:
 
     Raises:
         EnvironmentClassError: one line naming the entry (a malformed reference, a missing file, an import that
-            fails, no such attribute, not a class, no reset).
+            fails, no such attribute, not a class, an ``__init__`` that needs arguments, no reset).
     """
     if split_reference(spec.reference, spec.path) is None:
         raise EnvironmentClassError(f"{spec.label}: class {spec.reference!r}: expected 'package.module:Class', or "
@@ -119,6 +119,17 @@ def load_environment_class(spec: EnvironmentSpec) -> type:
     if not callable(getattr(cls, "reset", None)):
         raise EnvironmentClassError(f"{spec.label}: {cls.__name__} has no reset method (an environment class "
                                     "defines reset(**row); docs/agents.md)")
+    try:  # TRL's rule: every episode's instance is created with no arguments
+        init = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to check (a builtin base): left to the first instance
+        init = None
+    if init is not None:
+        try:
+            init.bind()
+        except TypeError:
+            raise EnvironmentClassError(f"{spec.label}: {cls.__name__}{init} cannot be created without arguments (each "
+                                        "episode's instance is created as Class(), TRL's rule; give its parameters "
+                                        "defaults, or read the row in reset)") from None
     for name in RESERVED[1:]:
         if hasattr(cls, name) and not callable(getattr(cls, name)):
             raise EnvironmentClassError(f"{spec.label}: {cls.__name__}.{name} is a "

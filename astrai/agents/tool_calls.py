@@ -20,14 +20,15 @@ import asyncio
 import inspect
 import json
 import re
+import traceback
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Optional, Sequence
 
 from astrai.agents.tools import Tool
 
 __all__ = ["ToolCall", "ToolCallError", "parse_tool_calls", "format_tool_call", "tools_system_prompt",
-           "with_tools_prompt", "template_supports_tools", "call_tool", "argument_problem", "result_text",
-           "schema_of"]
+           "with_tools_prompt", "template_supports_tools", "call_tool", "call_tool_traced",
+           "argument_problem", "result_text", "schema_of"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
@@ -160,17 +161,26 @@ def call_tool(tool: Tool, arguments: Mapping[str, Any]) -> tuple[str, Optional[s
     JSON when a dict or list, else by `str`. Never raises (but lets KeyboardInterrupt through).
     Isolation (worker processes, a hard timeout, truncation of long results) is a later slice.
     """
+    return call_tool_traced(tool, arguments)[:2]
+
+
+def call_tool_traced(tool: Tool, arguments: Mapping[str, Any]) -> tuple[str, Optional[str], Optional[str]]:
+    """`call_tool`'s (result text, error text or None) and the traceback of an exception the tool raised (from the
+    tool's own frame on, as `traceback.format_exception` writes it), else None. Never raises (but lets
+    KeyboardInterrupt through)."""
     problem = argument_problem(tool, arguments)
     if problem is not None:
-        return problem, problem
+        return problem, problem, None
     try:
         result = tool.function(**arguments)
         if inspect.isawaitable(result):  # an `async def` tool: awaited here (in a worker: under the timeout)
             result = asyncio.run(_awaited(result))
     except (Exception, SystemExit) as err:
         text = f"Error: {type(err).__name__}: {_one_line(err)}"
-        return text, text
-    return result_text(result), None
+        tb = err.__traceback__
+        tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb  # this frame left out
+        return text, text, "".join(traceback.format_exception(type(err), err, tb))
+    return result_text(result), None, None
 
 
 async def _awaited(awaitable: Any) -> Any:

@@ -21,7 +21,7 @@ from astrai.experience.prompts import load_online_prompts
 from astrai.experience.runner import RolloutRunner, first_line_of_any_rank
 from astrai.experience.sources import OnlineExperience
 from astrai.models.special_tokens import stop_token_ids, strip_stop
-from astrai.rewards.build import build_rewards, reward_specs, score_records
+from astrai.rewards.build import build_rewards, environment_is_the_reward, reward_specs, score_records
 from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.sampling import SamplingParams
 
@@ -189,6 +189,9 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
                       "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
     prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
     rewards = build_rewards(config, prompts, device=dist.device, prepare_model=prepare_model)
+    if dist.is_main and environment_is_the_reward(config):
+        print("reward: the environment's get_reward is the whole reward (rollout.environment; no reward.name, "
+              "reward.functions or reward.model_path set, so no built-in reward is added; docs/agents.md)")
     runner = RolloutRunner(
         engine, sampling, decode=lambda ids: tokenizer.decode(strip_stop(ids, stops), skip_special_tokens=True),
         score_fn=lambda texts, records, ids: score_records(rewards, texts, records, ids),

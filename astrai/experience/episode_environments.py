@@ -111,11 +111,15 @@ class EpisodeEnvironment:
         system = [conversation[0]] if conversation and conversation[0].get("role") == "system" else []
         return ([] if observation[0].get("role") == "system" else system) + [dict(m) for m in observation]
 
-    def fail(self, e: Any, kind: str, text: str, trace: Optional[str] = None) -> None:
-        """Count a failure of `kind` on episode `e` (the first one's text kept), warned about once per kind."""
+    def fail(self, e: Any, kind: str, text: str, trace: Optional[str] = None, call: Optional[str] = None) -> None:
+        """Count a failure of `kind` on episode `e` (the first one's text kept), warned about once per kind. `call`
+        (reset, step, get_reward, a method's name) is the call that failed, which the message names (the kind
+        ``lost`` is a counter, not a call); without one, a ``lost`` instance is said as `text` alone."""
         e.env_errors[kind] += 1
-        e.env_error = e.env_error or f"{kind}: {text}"
-        self.failures.warn_once(kind, f"{self.names.get(e.env_route, 'the environment')}: {kind} failed: {text}",
+        what = call or (None if kind == "lost" else kind)
+        e.env_error = e.env_error or f"{what or kind}: {text}"
+        self.failures.warn_once(kind, f"{self.names.get(e.env_route, 'the environment')}: "
+                                f"{f'{what} failed: {text}' if what else text}",
                                 trace, f"rollout/episodes/env_errors/{kind}")
 
     def call_tools(self, pairs: Sequence[tuple[Any, ToolCall]]) -> dict[int, tuple[str, Optional[str]]]:
@@ -139,7 +143,7 @@ class EpisodeEnvironment:
                 out[id(call)] = (f"Error: {reply.value}", f"Error: {reply.value}")
                 if e.ended_by is None:
                     self.fail(e, "lost" if self.pool.lost(e.env_key) and "timed out" not in reply.value else "call",
-                              f"{call.name}: {reply.value}", reply.trace)
+                              reply.value, reply.trace, call=call.name)
                     e.ended_by = "env_error"
             else:
                 text = f"Error: {reply.value}"
@@ -157,7 +161,7 @@ class EpisodeEnvironment:
         out = []
         for e, reply in zip(episodes, replies):
             if not reply.ok:
-                self.fail(e, "lost" if self.pool.lost(e.env_key) else "step", reply.value, reply.trace)
+                self.fail(e, "lost" if self.pool.lost(e.env_key) else "step", reply.value, reply.trace, call="step")
                 e.ended_by = "env_error"
                 out.append(None)
             elif reply.value is None:
@@ -188,10 +192,11 @@ class EpisodeEnvironment:
                 e.env_reward = reply.value
             else:
                 e.env_reward_failed = True
-                self.fail(e, "lost" if self.pool.lost(e.env_key) else "get_reward", reply.value, reply.trace)
+                self.fail(e, "lost" if self.pool.lost(e.env_key) else "get_reward", reply.value, reply.trace,
+                          call="get_reward")
         for e, reply in zip(episodes, self.pool.run([Request("close", e.env_key) for e in episodes])):
             if not reply.ok:
-                self.fail(e, "close", reply.value, reply.trace)
+                self.fail(e, "close", reply.value, reply.trace, call="close")
         failed = [e for e in episodes if e.env_errors]
         self.failures.account(len(failed), len(episodes), failed[0].env_error if failed else None)
 

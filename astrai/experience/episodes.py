@@ -135,7 +135,8 @@ class Episode:
         return Trajectory(prompt_ids=tuple(self.prompt_ids), response_ids=tuple(self.response_ids),
                           loss_mask=tuple(self.loss_mask), logprobs=tuple(self.logprobs),
                           policy_versions=tuple(self.policy_versions), text=self.text,
-                          turn_starts=tuple(self.turn_starts), metadata=metadata, **scored)
+                          turn_starts=tuple(self.turn_starts), metadata=metadata,
+                          messages=[dict(m) for m in self.completion], **scored)
 
     def _append(self, ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] = (), version: int = 0):
         self.response_ids += list(ids)
@@ -232,7 +233,8 @@ def _open_episodes(tokenizer, conversations, tools: Sequence[Tool], sampling: Sa
         for e, reply in zip(episodes, environment.start(episodes, routes or [None] * n, rows or [{}] * n)):
             e.tools = list(tools) + list(environment.tools[e.env_route])
             if not reply.ok:
-                environment.fail(e, "lost" if environment.pool.lost(e.env_key) else "reset", reply.value, reply.trace)
+                environment.fail(e, "lost" if environment.pool.lost(e.env_key) else "reset", reply.value, reply.trace,
+                                 call="reset")
             else:
                 e.messages = environment.first_messages(e.messages, reply.value)
                 e.first = len(e.messages)

@@ -1,12 +1,18 @@
 """Running the job's plain tools (`rollout.tools`) for multi-turn episodes: in worker processes with a hard timeout
-(the reward workers' `RewardWorkerPool`, loading each tool by its reference) or in the trainer's process."""
+(the reward workers' `RewardWorkerPool`, loading each tool by its reference) or in the trainer's process.
+
+A tool that fails (raises, times out, kills its worker) is loud: its first failure is warned about once per tool with
+the tool's traceback (from the worker, or from this process), later ones are counted
+(``rollout/episodes/tool_errors/<tool>``, and on the console line). A call the model got wrong (a missing or
+mistyped argument) is the model's error, not the tool's: counted, not warned about."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from astrai.agents.tool_calls import ToolCall, argument_problem, call_tool, result_text
+from astrai.agents.tool_calls import ToolCall, argument_problem, call_tool_traced, result_text
 from astrai.agents.tools import Tool
 from astrai.rewards.workers import RewardFunctionSpec, RewardWorkerPool
 
@@ -29,6 +35,7 @@ class ToolExecutor:
         self.tools = {tool.name: tool for tool in tools}
         self._index = {tool.name: i for i, tool in enumerate(tools)}
         self.pool = None
+        self._warned: set[str] = set()  # tools whose first failure was warned about
         if references is not None and num_workers > 0:
             specs = [RewardFunctionSpec(name=tool.name, function=function, index=i, path=path)
                      for i, (tool, (function, path)) in enumerate(zip(tools, references))]
@@ -38,7 +45,13 @@ class ToolExecutor:
     def run(self, calls: Sequence[ToolCall]) -> list[tuple[str, Optional[str]]]:
         """(result text, error text or None) per call, in order."""
         if self.pool is None:
-            return [call_tool(self.tools[c.name], c.arguments) for c in calls]
+            out = []
+            for c in calls:
+                text, error, trace = call_tool_traced(self.tools[c.name], c.arguments)
+                if trace is not None:
+                    self._warn_once(c.name, error, trace)
+                out.append((text, error))
+            return out
         out: list[Optional[tuple[str, Optional[str]]]] = [None] * len(calls)
         pending: dict[str, list[int]] = {}
         for k, c in enumerate(calls):
@@ -51,14 +64,24 @@ class ToolExecutor:
         for name, ks in pending.items():
             for start in range(0, len(ks), width):
                 chunk = ks[start:start + width]
-                for k, (status, value, _) in zip(chunk, self.pool.run(self._index[name],
-                                                                      [calls[k].arguments for k in chunk])):
+                for k, (status, value, trace) in zip(chunk, self.pool.run(self._index[name],
+                                                                          [calls[k].arguments for k in chunk])):
                     if status == "ok":
                         out[k] = (result_text(value), None)
                     else:
                         text = f"Error: {value}"
                         out[k] = (text, text)
+                        self._warn_once(name, text, trace)
         return out
+
+    def _warn_once(self, name: str, error: str, trace: Optional[str]) -> None:
+        """Warn about the first failure of tool `name` (its error text and traceback); later ones are counted."""
+        if name in self._warned:
+            return
+        self._warned.add(name)
+        warnings.warn(f"rollout.tools: {name} failed: {error.removeprefix('Error: ')} (the call's result, which the "
+                      f"model reads); later failures are counted (rollout/episodes/tool_errors/{name})"
+                      + (f"\n{trace.rstrip()}" if trace else ""), stacklevel=3)
 
     def close(self) -> None:
         """End the worker processes (idempotent)."""

@@ -50,6 +50,8 @@ class Trajectory:
         reward_failed: reward function name -> whether its call failed for this sample.
         turn_starts: the offsets into `response_ids` where each turn of the policy starts ((0,) for one turn).
         metadata: anything else the producer attaches (an environment's info, the prompt record's index ...).
+        messages: a multi-turn episode's new messages ([{"role", "content", ...}, ...]: the completion the reward
+            functions received), None for a single-turn sample (its completion is `text`).
 
     Raises:
         ValueError: from construction, when the per-token fields differ in length from `response_ids`, a prompt or
@@ -67,6 +69,7 @@ class Trajectory:
     reward_failed: Mapping[str, bool] = field(default_factory=dict)
     turn_starts: tuple[int, ...] = (0,)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    messages: Optional[Sequence[Mapping[str, Any]]] = None
 
     def __post_init__(self):
         n = len(self.response_ids)
@@ -111,6 +114,8 @@ class Experience:
         policy_versions: (B, T) int64, the version that sampled each action token (-1 elsewhere); None at
             construction means every action token was sampled by `policy_version`.
         turn_starts: per sample, the offsets where the policy's turns start in its response ((0,) each, single turn).
+        messages: per sample, a multi-turn episode's new messages (the completion the reward functions received;
+            `Trajectory.messages`), None for a single-turn sample; None altogether: no sample has them.
     """
 
     sequences: Sequences
@@ -125,6 +130,7 @@ class Experience:
     reward_failed: dict[str, torch.Tensor] = field(default_factory=dict)
     policy_versions: Optional[torch.Tensor] = None
     turn_starts: Optional[tuple[tuple[int, ...], ...]] = None
+    messages: Optional[tuple[Optional[Sequence[Mapping[str, Any]]], ...]] = None
 
     def __post_init__(self):
         if self.policy_versions is None:
@@ -145,7 +151,8 @@ class Experience:
             responses=tuple(self.responses[i] for i in rows),
             reward_components={k: v[index.cpu()] for k, v in self.reward_components.items()},
             reward_failed={k: v[index.cpu()] for k, v in self.reward_failed.items()},
-            policy_versions=self.policy_versions[index], turn_starts=tuple(self.turn_starts[i] for i in rows))
+            policy_versions=self.policy_versions[index], turn_starts=tuple(self.turn_starts[i] for i in rows),
+            messages=None if self.messages is None else tuple(self.messages[i] for i in rows))
 
     def trajectories(self) -> list[Trajectory]:
         """The batch's samples as trajectories (padding dropped); `from_trajectories` of them rebuilds this batch
@@ -165,7 +172,7 @@ class Experience:
                 policy_versions=tuple(versions[b][real].tolist()), score=float(self.scores[b]),
                 text=self.responses[b], reward_components=components,
                 reward_failed={k: bool(v[b]) for k, v in self.reward_failed.items()},
-                turn_starts=self.turn_starts[b]))
+                turn_starts=self.turn_starts[b], messages=None if self.messages is None else self.messages[b]))
         return out
 
     @classmethod
@@ -206,7 +213,9 @@ class Experience:
                                                       dtype=torch.float32) for k in names},
                    reward_failed={k: torch.tensor([bool(t.reward_failed.get(k, False)) for t in trajectories])
                                   for k in trajectories[0].reward_failed},
-                   policy_versions=versions, turn_starts=tuple(t.turn_starts for t in trajectories))
+                   policy_versions=versions, turn_starts=tuple(t.turn_starts for t in trajectories),
+                   messages=(None if all(t.messages is None for t in trajectories)
+                             else tuple(t.messages for t in trajectories)))
 
 
 def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experience:
@@ -241,7 +250,9 @@ def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experi
                                          for k in parts[0].reward_components},
                       reward_failed={k: torch.cat([p.reward_failed[k] for p in parts]) for k in parts[0].reward_failed},
                       policy_versions=per_token([p.policy_versions for p in parts], NOT_SAMPLED),
-                      turn_starts=tuple(s for p in parts for s in p.turn_starts))
+                      turn_starts=tuple(s for p in parts for s in p.turn_starts),
+                      messages=(None if all(p.messages is None for p in parts) else
+                                tuple(m for p in parts for m in (p.messages or (None,) * len(p)))))
 
 
 def summed_timings(experiences: Sequence[Experience]) -> dict[str, float]:

@@ -5,22 +5,59 @@ model out (`evaluation_specs`)."""
 
 from __future__ import annotations
 
+import functools
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from astrai.imports import ImportFailure, load_attribute
 from astrai.models import load_reward_model
 from astrai.rewards.builtins import BUILTIN_REWARDS
 from astrai.rewards.functions import RewardFunctions, RewardFunctionSpec, ScoredRewards, resolve_specs
 from astrai.rewards.reward_model import RewardModelScorer
 
-__all__ = ["answer_extractor", "answer_readers", "build_rewards", "evaluation_specs", "reward_specs", "score_records"]
+__all__ = ["answer_extractor", "answer_readers", "build_rewards", "environment_is_the_reward", "evaluation_specs",
+           "reward_specs", "score_records"]
 
 
 def reward_specs(config) -> list[RewardFunctionSpec]:
-    """The job's reward functions (`reward.functions`, or the single `reward.name`), resolved."""
+    """The job's reward functions (`reward.functions`, or the single `reward.name`), resolved; none when the
+    environment's reward is the whole reward (`environment_is_the_reward`)."""
+    if environment_is_the_reward(config):
+        return []
     return resolve_specs(config.reward, answer_field=config.data.answer_field)
+
+
+def environment_is_the_reward(config) -> bool:
+    """Whether the job's reward is its environment's alone: `rollout.environment` is set, a class of it has
+    ``get_reward``, and the job sets no reward itself (`reward.name` left at its default, no `reward.functions`, no
+    `reward.model_path`), so the default built-in is not added (docs/agents.md). A class that cannot be imported
+    counts as without ``get_reward`` here (the environment's own loading refuses it in one line)."""
+    r, environment = config.reward, getattr(getattr(config, "rollout", None), "environment", None)
+    if environment is None or r.functions or r.model_path or r.name != type(r)().name:
+        return False
+    single = isinstance(environment, str) or "class" in environment or "path" in environment
+    entries = [environment] if single else list(environment.values())
+    base = Path.cwd()  # relative paths as `astrai.agents.environments.environment_specs` takes them
+    for entry in entries:
+        reference, path = (entry, None) if isinstance(entry, str) else (entry.get("class"), entry.get("path"))
+        if isinstance(reference, str) and _has_get_reward(
+                reference, None if path is None else str((base / Path(path).expanduser()).resolve())):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _has_get_reward(reference: str, path: Optional[str]) -> bool:
+    """Whether the class `reference` (in the file `path`) has a callable ``get_reward`` (False when it cannot be
+    imported)."""
+    try:
+        cls = load_attribute(reference, path)
+    except ImportFailure:
+        return False
+    return callable(getattr(cls, "get_reward", None))
 
 
 def evaluation_specs(config, *, answer_field: Optional[str] = None,
@@ -31,6 +68,8 @@ def evaluation_specs(config, *, answer_field: Optional[str] = None,
     with its default options (`python -m astrai.evaluate --reward NAME`). `answer_field` (None: `data.answer_field`)
     is the column of reference answers. (An unknown `reward` is refused by `RewardFunctions`.)"""
     field = config.data.answer_field if answer_field is None else answer_field
+    if reward is None and environment_is_the_reward(config):
+        return []
     if reward is None:
         return resolve_specs(config.reward, answer_field=field, with_model=False)
     builtin = BUILTIN_REWARDS.get(reward)
@@ -91,7 +130,7 @@ def build_rewards(config, prompts: Sequence[Any], *, device: torch.device = torc
     return RewardFunctions(reward_specs(config) if specs is None else specs, columns=list(columns), num_workers=workers,
                            timeout_seconds=r.timeout_seconds, on_error=r.on_error, error_score=r.error_score,
                            max_error_fraction=r.max_error_fraction, error_window=r.error_window,
-                           extra=extra)
+                           extra=extra, allow_none=environment_is_the_reward(config))
 
 
 def score_records(rewards: RewardFunctions, texts: list[str], records: Sequence[Any],

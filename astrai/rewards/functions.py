@@ -174,6 +174,8 @@ class RewardFunctions:
     Args:
         specs: `resolve_specs`; columns: the column names every prompt record offers.
         extra: (spec, callable) pairs of rewards built in the trainer (the reward model), run in its process.
+        allow_none: no specs and no extra is fine (every total is 0): another reward, an environment's `get_reward`,
+            is the whole reward (`astrai.rewards.build.environment_is_the_reward`).
         num_workers, timeout_seconds, on_error, error_score, max_error_fraction, error_window: as `reward.*`
             (module docstring).
 
@@ -184,8 +186,8 @@ class RewardFunctions:
     def __init__(self, specs: Sequence[RewardFunctionSpec], *, columns: Collection[str], num_workers: int = 1,
                  timeout_seconds: float = 60.0, on_error: str = "score", error_score: float = 0.0,
                  max_error_fraction: float = 0.5, error_window: int = 3,
-                 extra: Sequence[tuple[RewardFunctionSpec, Callable]] = ()):
-        if not specs and not extra:
+                 extra: Sequence[tuple[RewardFunctionSpec, Callable]] = (), allow_none: bool = False):
+        if not specs and not extra and not allow_none:  # allow_none: another reward (an environment's) is the whole
             raise RewardFunctionError("reward.functions: no reward function")
         self.specs, self.on_error, self.error_score = list(specs), on_error, error_score
         self.max_error_fraction, self.error_window = max_error_fraction, error_window
@@ -256,7 +258,7 @@ class RewardFunctions:
             column = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
             components[spec.name] = column
             total += torch.nan_to_num(column, nan=0.0) * spec.weight
-        if n and not self._said_none_applies and all(bool(c.isnan().all()) for c in components.values()):
+        if n and components and not self._said_none_applies and all(bool(c.isnan().all()) for c in components.values()):
             self._said_none_applies = True
             warnings.warn(f"no reward function applies to any of the {n} samples of this rollout (each returned None "
                           f"for all): they all score 0 and teach nothing; check that the prompts' columns are what "

@@ -20,6 +20,7 @@ CONSOLE_KEYS = (
     ("rollout/reward_mean", "reward"), ("rollout/kl", "kl"), ("critic/loss", "value_loss"),
     ("critic/explained_variance", "explained_var"), ("policy/loss", "policy_loss"),
     ("policy/clipfrac", "clipfrac"), ("rollout/logprob_gap", "logprob_gap"), ("train/loss", "loss"),
+    ("distill/reverse_kl", "reverse_kl"),  # distillation (GRPO/PPO with a teacher): the KL to the teacher
     ("dpo/accuracy", "accuracy"), ("dpo/margin", "margin"), ("moe/aux_loss", "aux_loss"),
     ("time/step_seconds", "s/step"),
 )
@@ -260,6 +261,8 @@ class MetricsLogger(Callback):
                       if key.startswith("rewards/") and key.endswith("/failed") and record[key] > 0]
             if record.get("rollout/episodes/env_errors", 0) > 0:  # rollout.environment failures (docs/agents.md)
                 parts.append(f"environment errors {record['rollout/episodes/env_errors']:.4g} per episode")
+            if record.get("rollout/episodes/tool_errors", 0) > 0:  # failed tool calls (docs/agents.md)
+                parts.append(f"tool errors {record['rollout/episodes/tool_errors']:.4g} per episode")
             self.printer(f"step {trainer.state.global_step}/{trainer.state.max_steps} | " + " | ".join(parts))
 
     def _write(self, trainer, metrics) -> Optional[dict]:

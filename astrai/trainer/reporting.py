@@ -13,6 +13,7 @@ With `train.log_completions`, both also receive each logged rollout's samples (`
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 from pathlib import Path
@@ -47,10 +48,15 @@ def completion_table(records: Sequence[Mapping[str, Any]]) -> tuple[list[str], l
     names = list(dict.fromkeys(name for record in records for name in record.get("rewards", {})))
     columns = ["step", "policy_version", "prompt", "completion", "score", *[f"rewards/{n}" for n in names],
                "advantage", "response_length"]
-    rows = [[record["step"], record["policy_version"], record["prompt"], record["completion"], record["score"],
+    rows = [[record["step"], record["policy_version"], record["prompt"], _shown(record["completion"]), record["score"],
              *[record.get("rewards", {}).get(n) for n in names], record["advantage"], record["response_length"]]
             for record in records]
     return columns, rows
+
+
+def _shown(completion: Any) -> Any:
+    """A completion as a table cell: text as it is, an episode's messages (a list) as JSON."""
+    return completion if isinstance(completion, str) else json.dumps(completion, ensure_ascii=False, default=str)
 
 
 _MARKDOWN_SPECIAL = re.compile(r"([\\`*_|~\[\]])")

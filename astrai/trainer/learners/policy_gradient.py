@@ -59,7 +59,8 @@ def completion_samples(experience: Experience, rollout: RolloutResult, count: in
     `completions.jsonl` records without their "step", with one host transfer for every number.
 
     Each record: `policy_version` (the weights that sampled the rollout), `prompt` (the prompt's token ids decoded by
-    `decode`, padding dropped), `completion` (the response text the reward saw, `Experience.responses`), `score`
+    `decode`, padding dropped), `completion` (what the reward saw: the response text, `Experience.responses`; a
+    multi-turn episode's new messages, `Experience.messages`, a list of {"role", "content", ...}), `score`
     (the total reward), `rewards` (each reward function's value by name, None where it does not apply or was
     skipped), `advantage` (the mean of the pinned advantages over the sample's action tokens: GRPO's per-sample
     advantage, PPO's mean GAE advantage) and `response_length` (its action tokens, as `rollout/response_length`).
@@ -87,7 +88,8 @@ def completion_samples(experience: Experience, rollout: RolloutResult, count: in
         samples.append({
             "policy_version": int(experience.policy_version),
             "prompt": decode([int(x) for x in row[:width] if x >= 0]),
-            "completion": experience.responses[i],
+            "completion": (experience.responses[i] if experience.messages is None or experience.messages[i] is None
+                           else [dict(m) for m in experience.messages[i]]),
             "score": score,
             "rewards": {k: None if math.isnan(v) else v for k, v in zip(names, values)},
             "advantage": adv,
