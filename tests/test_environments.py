@@ -703,30 +703,11 @@ class Countdown:
 def test_online_grpo_trains_on_a_step_environment_end_to_end(long_model_dir, tmp_path):
     """A tool-less environment on a job: every episode steps twice (the engine's turns are scripted to end), the
     environment's reward (1 + start / 100) joins the reward function's 0.5, both logged apart; 2 steps train."""
-    from astrai.models import Tokenizer
-    from astrai.rollout import engine as engines
     from astrai.train import main
 
     model_dir = long_model_dir
     (tmp_path / "game.py").write_text(GAME)
-    paged = engines.engine_factory("paged")
-
-    def scripted(model, **kwargs):
-        engine = paged(model, **kwargs)
-        generate, tok = engine.generate, Tokenizer.from_dir(model_dir)
-        said = tok.encode("7") + [tok.eos_token_id]
-
-        def say_seven(prompts, params, generator=None):
-            out = generate(prompts, params, generator)
-            n = len(prompts)
-            ids = torch.tensor([said] * n)
-            mask = torch.ones(n, len(said), dtype=torch.bool)
-            return dataclasses.replace(out, response_ids=ids, action_mask=mask,
-                                       old_logprobs=torch.full(ids.shape, -1.0),
-                                       finished=torch.ones(n, dtype=torch.bool))
-        engine.generate = say_seven
-        return engine
-    engines.register_engine("scripted_env_test", scripted)
+    _scripted_seven(model_dir, "scripted_env_test")
     data = _data(tmp_path, [{"question": "Count.", "answer": "0", "start": s} for s in (10, 30, 10, 30)])
     job = _job(tmp_path, model_dir, data, {"class": "Countdown", "path": str(tmp_path / "game.py")},
                extra="  engine: scripted_env_test\n  environment_workers: 1", max_steps=2)
