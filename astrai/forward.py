@@ -16,12 +16,12 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 
 from astrai.algos import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
 from astrai.data.sequences import Sequences
 from astrai.models.llama import AutoRegressiveLM
 from astrai.models.value_model import ValueModel
+from astrai.models.wrappers import bare_module
 
 
 def whole_lm_head(model: torch.nn.Module) -> Optional[torch.Tensor]:
@@ -37,9 +37,9 @@ def whole_lm_head(model: torch.nn.Module) -> Optional[torch.Tensor]:
 def supports_packing(model: torch.nn.Module) -> bool:
     """True when `model` takes padding-free packed rows (`seq_lengths`): astrai's `AutoRegressiveLM` and
     `ValueModel`, bare or under a data-parallel wrapper (DDP, a DeepSpeed engine; unwrapped as
-    `DistributedContext.unwrap` does, by accelerate), or a view declaring `packed_rows` (a LoRA run's reference,
+    `DistributedContext.unwrap` does: `models.wrappers.bare_module`), or a view declaring `packed_rows` (a LoRA run's reference,
     `trainer.lora.AdaptersOff`); FSDP2 shards in place, so its model is itself."""
-    return (isinstance(extract_model_from_parallel(model), (AutoRegressiveLM, ValueModel))
+    return (isinstance(bare_module(model), (AutoRegressiveLM, ValueModel))
             or getattr(model, "packed_rows", False))
 
 

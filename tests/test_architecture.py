@@ -91,7 +91,7 @@ LAYERS = {
     "checkpoint": {"models", "train_types"},
     # floor 4
     "data": {"config", "config_schema", "train_types", "models", "deps"},
-    "distributed": {"checkpoint", "deps", "outputs", "runtime_env"},
+    "distributed": {"checkpoint", "deps", "models", "outputs", "runtime_env"},
     # floor 5
     "forward": {"algos", "data", "models"},            # the training forward: log-probs and values of sequences
     "rollout": {"data", "models", "kernels", "config", "deps"},  # generation engines only

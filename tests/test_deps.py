@@ -114,3 +114,25 @@ def test_attention_backends_report_an_installed_but_broken_package_as_such(tmp_p
     assert out.stdout.splitlines() == [
         f"the {name} attention backend needs the {name} package, which is installed but failed to import: "
         f"ImportError: {BROKEN}" for name in ("triton", "flash_attn")]
+
+
+def test_unwrapping_a_model_imports_no_deepspeed():
+    """A ddp run printed DeepSpeed's "Setting accelerator to CPU" line (a fresh-user trial): Accelerate's unwrapping
+    imports DeepSpeed whenever it is installed. astrai unwraps by class name (`models.wrappers.bare_module`)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from astrai.models import AutoRegressiveLM, tiny_config\n"
+            "from astrai.models.wrappers import bare_module\n"
+            "from astrai.forward import supports_packing\n"
+            "m = AutoRegressiveLM(tiny_config())\n"
+            "class DeepSpeedEngine(torch.nn.Module):\n"
+            "    def __init__(self, module):\n"
+            "        super().__init__(); self.module = module\n"
+            "wrapped = DeepSpeedEngine(torch.nn.DataParallel(m))\n"
+            "assert bare_module(wrapped) is m and supports_packing(wrapped)\n"
+            "assert bare_module(torch.nn.Linear(2, 2)).in_features == 2\n"
+            "sys.exit(1 if 'deepspeed' in sys.modules else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

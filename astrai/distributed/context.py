@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from astrai.distributed.launch import HIDDEN_FROM_ACCELERATE, LaunchError, resolve_launch
+from astrai.models.wrappers import bare_module
 
 
 @dataclass
@@ -116,8 +117,8 @@ class DistributedContext:
         return self.accelerator.prepare_model(model, device_placement=False)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The bare module under any data-parallel wrapper."""
-        return self.accelerator.unwrap_model(model)
+        """The bare module under any data-parallel wrapper (`astrai.models.wrappers.bare_module`)."""
+        return bare_module(model)
 
     def broadcast_object(self, obj):
         """The main rank's `obj` (any picklable value) on every rank; `obj` itself with one process."""
