@@ -561,7 +561,10 @@ def test_a_stop_signal_to_the_script_reaches_the_job(fake, job):
     wrapper.write_text(wrapper.read_text().replace(
         "case ", "trap 'echo TERM >\"$d/signal\"; echo 75 >\"$ASTRAI_EXIT_FILE\"; exit 143' TERM\n"
                  "touch \"$d/ready\"; while :; do sleep 0.05; done\ncase ", 1))
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # a shell started with SIGINT ignored (this test run under nohup, or as a background job of a shell without job
+    # control) cannot trap it (bash: "signals ignored upon entry cannot be trapped"), so INT is tried only when the
+    # test process itself receives it
+    for sig in (signal.SIGTERM, signal.SIGINT)[:1 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else 2]:
         log = fake.dir / "log"
         shutil.rmtree(log)
         log.mkdir()
