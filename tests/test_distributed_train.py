@@ -34,6 +34,9 @@ class OneRankOf:
     def all_reduce_sum(self, tensor):
         return tensor
 
+    def first_failure(self, line):
+        return line  # this rank's own, as its sums
+
     def prepare_model(self, model):
         return model
 

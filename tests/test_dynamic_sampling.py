@@ -312,7 +312,7 @@ def test_with_several_ranks_every_rank_samples_while_any_rank_lacks_groups():
 def test_non_finite_logits_on_any_rank_stop_every_rank_before_scoring():
     """`RolloutRunner.agree`: the rank whose sampler met non-finite logits and a rank that did not both raise the
     agreed FloatingPointError right after generating, carrying the failing rank's line, and neither scores."""
-    from astrai.experience.runner import first_line_of_any_rank
+    from astrai.distributed.context import DistributedContext
 
     class NaNEngine(ReferenceEngine):
         def generate(self, *args, **kwargs):
@@ -327,7 +327,7 @@ def test_non_finite_logits_on_any_rank_stop_every_rank_before_scoring():
                                  "gather_objects": staticmethod(lambda line: [line, other])})()
         runner = RolloutRunner(engine, SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(EOS,)),
                                decode=lambda ids: " ".join(map(str, ids)), score_fn=scores,
-                               agree=lambda line: first_line_of_any_rank(fake, line))
+                               agree=lambda line: DistributedContext.first_failure(fake, line))
         with pytest.raises(FloatingPointError) as info:
             runner.sample([[5, 6]] * (B * G), [None] * (B * G))
         assert info.value.agreed and scores.calls == []
@@ -335,7 +335,7 @@ def test_non_finite_logits_on_any_rank_stop_every_rank_before_scoring():
                                    else "rank 1: sample_rows: row 3 has non-finite logits")
     quiet = type("Dist", (), {"world_size": 2, "device": torch.device("cpu"),
                               "all_reduce_max": staticmethod(lambda t: t)})()
-    assert first_line_of_any_rank(quiet, None) is None  # no rank failed: one all-reduce, no gather
+    assert DistributedContext.first_failure(quiet, None) is None  # no rank failed: one all-reduce, no gather
 
 
 def test_a_stop_signal_ends_dynamic_sampling_after_the_round_in_flight():

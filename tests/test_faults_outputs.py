@@ -345,6 +345,9 @@ class GatherDist:
         torch.distributed.all_gather_object(box, obj)
         return box
 
+    from astrai.distributed.context import DistributedContext
+    first_failure = DistributedContext.first_failure  # the agreement itself, over these collectives
+
 
 def _agree(rank, tmp, results):
     import traceback

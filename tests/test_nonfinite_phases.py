@@ -42,11 +42,12 @@ def test_nan_logits_stop_the_job_in_one_line_naming_the_phase(nan_model, tmp_pat
 
 
 def test_evaluation_raises_the_fault_on_every_rank_together():
-    """Non-finite logits met by one rank's evaluation: its sums carry a flag, so every rank raises the same
-    `agreed` fault after the one all-reduce every rank reaches (no rank left waiting in a collective, and the launch
-    scripts take the job's code without the launcher's report); the line is the failing rank's, named."""
+    """Non-finite logits met by one rank's evaluation: the ranks agree on a flag before the sums, so every rank
+    raises the same `agreed` fault (no rank left waiting in a collective, and the launch scripts take the job's code
+    without the launcher's report); the line is the failing rank's, named; no failure anywhere raises nothing."""
     import types
 
+    from astrai.distributed.context import DistributedContext
     from astrai.trainer.evaluation_callback import EvaluationCallback
     from astrai.trainer.faults import NonFiniteError
 
@@ -54,9 +55,14 @@ def test_evaluation_raises_the_fault_on_every_rank_together():
     for rank, failed, want in ((0, None, "rank 1: evaluation of policy_version 3 met non-finite logits"),
                                (1, err, "evaluation of policy_version 3 met non-finite logits")):
         lines = [None, f"evaluation of policy_version 3 met non-finite logits ({err}); ..."]
-        fake = types.SimpleNamespace(dist=types.SimpleNamespace(rank=rank, gather_objects=lambda line: lines))
-        fault = EvaluationCallback._nonfinite_on_some_rank(fake, failed, 3)
+        dist = types.SimpleNamespace(rank=rank, world_size=2, device=torch.device("cpu"),
+                                     all_reduce_max=lambda t: torch.ones_like(t), gather_objects=lambda line: lines)
+        dist.first_failure = lambda line, dist=dist: DistributedContext.first_failure(dist, line)
+        fault = EvaluationCallback._nonfinite_on_some_rank(types.SimpleNamespace(dist=dist), failed, 3)
         assert isinstance(fault, NonFiniteError) and fault.agreed and str(fault).startswith(want), str(fault)
+    quiet = types.SimpleNamespace(world_size=2, device=torch.device("cpu"), all_reduce_max=lambda t: t)
+    quiet.first_failure = lambda line: DistributedContext.first_failure(quiet, line)
+    assert EvaluationCallback._nonfinite_on_some_rank(types.SimpleNamespace(dist=quiet), None, 3) is None
 
 
 def test_the_evaluator_says_non_finite_logits_in_one_line(nan_model, tmp_path, capfd):

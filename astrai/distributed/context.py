@@ -120,6 +120,18 @@ class DistributedContext:
         """The bare module under any data-parallel wrapper (`astrai.models.wrappers.bare_module`)."""
         return bare_module(model)
 
+    def first_failure(self, line: Optional[str]) -> Optional[str]:
+        """Agree over the ranks on whether any has a failure `line`: None when none has (one all-reduce of a flag),
+        else this rank's own line or the first failing rank's (prefixed "rank N: " when N is not 0; one gather
+        more, only then). Every rank must call it at the same point; with one process, `line` itself."""
+        if self.world_size == 1:
+            return line
+        flag = torch.tensor([float(line is not None)], device=self.device)
+        if not self.all_reduce_max(flag).item():
+            return None
+        rank, first = next((r, text) for r, text in enumerate(self.gather_objects(line)) if text is not None)
+        return line if line is not None else first if rank == 0 else f"rank {rank}: {first}"
+
     def broadcast_object(self, obj):
         """The main rank's `obj` (any picklable value) on every rank; `obj` itself with one process."""
         if self.world_size == 1:

@@ -18,7 +18,7 @@ from astrai.experience.episodes import (ENVIRONMENT_REWARD, EpisodeLimits, Episo
                                         check_episodes, tool_references)
 from astrai.experience.partial import PartialRollouts, check_partial_rollouts
 from astrai.experience.prompts import load_online_prompts
-from astrai.experience.runner import RolloutRunner, first_line_of_any_rank
+from astrai.experience.runner import RolloutRunner
 from astrai.experience.sources import OnlineExperience
 from astrai.models.special_tokens import stop_token_ids, strip_stop
 from astrai.rewards.build import build_rewards, environment_is_the_reward, reward_specs, score_records
@@ -196,7 +196,7 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
         engine, sampling, decode=lambda ids: tokenizer.decode(strip_stop(ids, stops), skip_special_tokens=True),
         score_fn=lambda texts, records, ids: score_records(rewards, texts, records, ids),
         ref_model=ref_model, chunk_size=chunk_size,
-        agree=(lambda line: first_line_of_any_rank(dist, line)) if dist.world_size > 1 else None)
+        agree=dist.first_failure if dist.world_size > 1 else None)
     if r.tools or r.environment is not None:  # every sample a multi-turn episode
         runner = build_episode_runner(config, runner, tokenizer, model_config, prompts)
     sampler = PromptSampler(prompts, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.dp_rank,

@@ -22,21 +22,6 @@ ScoreFn = Callable[[list[str], list[Any], list[list[int]]], Any]
 and per-function values). `targets` are what the caller passed per sample (answers, prompt records ...)."""
 
 
-def first_line_of_any_rank(dist, line: Optional[str]) -> Optional[str]:
-    """Agree over the ranks of `dist` (a distributed context: `world_size`, `rank`, `device`, `all_reduce_max`,
-    `gather_objects`) on whether any rank has a failure `line`: None when none has (one all-reduce of a flag), else
-    this rank's own line or the first failing rank's, prefixed "rank N: " (one gather more, only then). Every rank
-    must call it at the same point."""
-    if dist.world_size == 1:
-        return line
-    flag = torch.tensor([float(line is not None)], device=dist.device)
-    if not dist.all_reduce_max(flag).item():
-        return None
-    lines = dist.gather_objects(line)
-    rank, first = next((r, text) for r, text in enumerate(lines) if text is not None)
-    return line if line is not None else f"rank {rank}: {first}"
-
-
 class RolloutRunner:
     """Turns prompt token ids into scored `Experience` with the colocated engine.
 
@@ -49,8 +34,8 @@ class RolloutRunner:
             object that is not a module scores by its own `response_logprobs(sequences) -> (B, T) float32` (a
             served teacher, `astrai.experience.served_teacher.ServedTeacher`).
         chunk_size: rows per no-grad scoring forward.
-        agree: with several ranks, `agree(line or None) -> line or None` (`first_line_of_any_rank` over the
-            distributed context): the ranks agree right after generating whether the sampler met non-finite logits
+        agree: with several ranks, `agree(line or None) -> line or None` (the distributed context's
+            `first_failure`): the ranks agree right after generating whether the sampler met non-finite logits
             on any of them, before scoring (which may run collectives: a sharded reward model), so that every rank
             raises together; None (one process) raises at once.
     """

@@ -214,12 +214,12 @@ class EvaluationCallback(Callback):
                 engine.prefix_cache.clear()
             if asleep:
                 engine.sleep()
+        fault = self._nonfinite_on_some_rank(nonfinite, policy_version)
+        if fault is not None:
+            raise fault
         local = {key: value if self.lead or key == "interrupted" else 0.0 for key, value in result.sums().items()}
-        local["nonfinite"] = float(nonfinite is not None)
         summed = dict(zip(local, self.dist.all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64,
                                                                        device=self.dist.device)).tolist()))
-        if summed["nonfinite"]:
-            raise self._nonfinite_on_some_rank(nonfinite, policy_version)
         if summed["interrupted"]:  # the same decision on every rank: the sums are
             if self.dist.is_main:
                 self.printer(f"eval step {step}: interrupted by a stop signal after {time.perf_counter() - start:.1f} "
@@ -250,13 +250,17 @@ class EvaluationCallback(Callback):
         metrics["time/eval_seconds"] = seconds
         return {key: torch.tensor(value) for key, value in metrics.items()}
 
-    def _nonfinite_on_some_rank(self, err: Optional[FloatingPointError], policy_version: int) -> NonFiniteError:
+    def _nonfinite_on_some_rank(self, err: Optional[FloatingPointError],
+                                policy_version: int) -> Optional[NonFiniteError]:
         """The `NonFiniteError` every rank raises together (`agreed`) when the sampler met non-finite logits on some
-        rank: this rank's own line, else the first failing rank's, prefixed "rank N: " (one gather, only then)."""
-        lines = self.dist.gather_objects(None if err is None else str(nonfinite_sampling("evaluation", policy_version,
-                                                                                         err)))
-        rank, line = next((r, text) for r, text in enumerate(lines) if text is not None)
-        fault = NonFiniteError(lines[self.dist.rank] or f"rank {rank}: {line}")
+        rank (`err` on this one), or None: the ranks agree through `DistributedContext.first_failure` before the
+        sums, so no rank is left waiting in their all-reduce; the line is this rank's own, else the first failing
+        rank's."""
+        line = self.dist.first_failure(None if err is None else str(nonfinite_sampling("evaluation", policy_version,
+                                                                                       err)))
+        if line is None:
+            return None
+        fault = NonFiniteError(line)
         fault.agreed = True
         return fault
 

@@ -175,22 +175,18 @@ class Trainer:
             self.fault = err
 
     def agree_faults(self) -> None:
-        """Raise on every rank at once the write fault any rank kept (`keep_fault`): one all-reduce of a flag (no
-        collective with one process) and, when it is set, one gather of the line (prefixed "rank N: " by the other
-        ranks when N is not 0). `fit` calls it after the start-up hooks, after each step's callbacks and after the
+        """Raise on every rank at once the write fault any rank kept (`keep_fault`), agreed through
+        `DistributedContext.first_failure` (one all-reduce of a flag, no collective with one process; when it is set,
+        one gather of the line, prefixed "rank N: " by the other ranks when N is not 0). `fit` calls it after the start-up hooks, after each step's callbacks and after the
         end's; the checkpoint callback before it publishes (a checkpoint never gets ahead of its metrics)."""
         fault, self.fault = self.fault, None
-        if self.dist.world_size > 1:
-            flag = torch.tensor([float(fault is not None)], device=self.dist.device)
-            if not self.dist.all_reduce_max(flag).item():
-                return
-            lines = self.dist.gather_objects(None if fault is None else str(fault))
-            rank, line = next((r, text) for r, text in enumerate(lines) if text is not None)
-            if fault is None:
-                fault = OutputWriteError(line if rank == 0 else f"rank {rank}: {line}")
-        if fault is not None:
-            fault.agreed = True  # every rank raises it here
-            raise fault
+        line = self.dist.first_failure(None if fault is None else str(fault))
+        if line is None:
+            return
+        if fault is None:
+            fault = OutputWriteError(line)
+        fault.agreed = True  # every rank raises it here
+        raise fault
 
     def _abort(self) -> None:
         """`on_train_abort` of every callback (an exception ends the run; theirs are swallowed: the first is the one
