@@ -29,6 +29,7 @@ from astrai.rewards.functions import ScoredRewards
 from astrai.rollout.generation import Generation
 from astrai.rollout.sampling import SamplingParams
 from test_agents_chat import smollm2
+from test_episodes import scripted_generation
 
 ENVS = '''
 import json, os, re, time
@@ -167,13 +168,7 @@ class ContextEngine:
             ids = self.tokenizer.encode(self.policy(text)) + [self.end]
             finished.append(len(ids) <= p.max_new_tokens)
             rows.append(ids[:p.max_new_tokens])
-        width = max(map(len, rows))
-        response = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-        mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
-        return Generation(prompt_ids=torch.zeros(len(rows), 1, dtype=torch.long),
-                          prompt_mask=torch.ones(len(rows), 1, dtype=torch.bool), response_ids=response,
-                          action_mask=mask, old_logprobs=torch.where(mask, -0.5, 0.0),
-                          finished=torch.tensor(finished), policy_version=3)
+        return scripted_generation(rows, finished, 3)
 
 
 @pytest.fixture()

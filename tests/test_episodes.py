@@ -53,6 +53,17 @@ def shout(text: str) -> str:
 '''
 
 
+def scripted_generation(rows: list[list[int]], finished: list[bool], policy_version: int) -> Generation:
+    """The `Generation` of scripted response `rows` (right-padded with 0, log-prob -0.5 per sampled token)."""
+    width = max(map(len, rows))
+    response = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
+    return Generation(prompt_ids=torch.zeros(len(rows), 1, dtype=torch.long),
+                      prompt_mask=torch.ones(len(rows), 1, dtype=torch.bool), response_ids=response,
+                      action_mask=mask, old_logprobs=torch.where(mask, -0.5, 0.0), finished=torch.tensor(finished),
+                      policy_version=policy_version)
+
+
 class ScriptedEngine:
     """A `GenerationEngine` stand-in: row i of each call "samples" the next scripted text of the episode whose
     context it continues (found by its prompt), through the end-of-turn token, cut at its max_new_tokens; every
@@ -74,13 +85,7 @@ class ScriptedEngine:
             ids = self.tokenizer.encode(self.scripts[key][turn]) + [self.end]
             finished.append(len(ids) <= p.max_new_tokens)
             rows.append(ids[:p.max_new_tokens])
-        width = max(map(len, rows))
-        response = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-        mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
-        return Generation(prompt_ids=torch.zeros(len(rows), 1, dtype=torch.long),
-                          prompt_mask=torch.ones(len(rows), 1, dtype=torch.bool), response_ids=response,
-                          action_mask=mask, old_logprobs=torch.where(mask, -0.5, 0.0), finished=torch.tensor(finished),
-                          policy_version=self.policy_version)
+        return scripted_generation(rows, finished, self.policy_version)
 
 
 @pytest.fixture()
