@@ -187,6 +187,7 @@ def _check(config) -> int:
 def _run(config) -> int:
     """Build and fit the trainer for a loaded `Config`; returns the exit code (`astrai.trainer.faults`: 0 done,
     2 refused, 75 stopped by a signal after publishing a checkpoint, 124 a rank stopped answering)."""
+    from astrai.distributed.context import end_process_group
     from astrai.trainer.build import build_trainer
     from astrai.outputs import OutputWriteError
     from astrai.trainer.faults import EXIT_PREEMPTED, JobFault, StopSignals
@@ -194,12 +195,12 @@ def _run(config) -> int:
     start = time.perf_counter()
     rank = int(os.environ.get("RANK", "0"))
     signals = StopSignals(rank=rank).install()
-    trainer = None
+    trainer = state = None
     try:
         trainer = build_trainer(config, signals)
         first = trainer.state.global_step  # > 0 on a resume
         state = trainer.fit()
-        trainer.dist.shutdown()
+        is_main = trainer.dist.is_main
     except _bad_input_errors() as err:
         _error(err, said=rank == 0 or not _agreed(err), agreed=_agreed(err))
         return EXIT_BAD_INPUT
@@ -215,7 +216,9 @@ def _run(config) -> int:
         signals.restore()
         if trainer is not None:
             trainer.lock.release()
-    if trainer.dist.is_main:
+        trainer = None  # the models hold the process group: end_process_group destroys it once they are gone
+        end_process_group(wait=state is not None)
+    if is_main:
         ran = state.global_step - first
         steps = f"{ran} step{'' if ran == 1 else 's'}"
         steps += f" (resumed at step {first}, now at {state.global_step})" if first else ""
@@ -309,6 +312,7 @@ def fit(config: Union[str, os.PathLike, Mapping[str, Any], None] = None, *,
         disk ...); nothing is swallowed.
     """
     from astrai.config import config_from_dict, config_to_dict, load_config
+    from astrai.distributed.context import end_process_group
     from astrai.rewards.functions import reward_reference
     from astrai.runtime_env import job_runtime
     from astrai.trainer.build import build_trainer
@@ -330,16 +334,17 @@ def fit(config: Union[str, os.PathLike, Mapping[str, Any], None] = None, *,
         data["reward"]["functions"] += [{"function": reward_reference(fn)} for fn in reward_funcs]
         job = config_from_dict(data)
     signals = StopSignals(rank=int(os.environ.get("RANK", "0"))).install()
-    trainer = None
+    trainer = state = None
     try:
         with job_runtime(job.runtime.environment):
             trainer = build_trainer(job, signals)
             state = trainer.fit()
-            trainer.dist.shutdown()
     finally:
         signals.restore()
         if trainer is not None:
             trainer.lock.release()
+        trainer = None  # the models hold the process group (end_process_group)
+        end_process_group(wait=state is not None)
     output_dir = Path(job.train.output_dir)
     metrics_file = output_dir / "metrics.jsonl"
     records = []
@@ -421,7 +426,19 @@ if __name__ == "__main__":
     import warnings
 
     warnings.showwarning = _show_warning
-    _code = main()
-    sys.exit(0 if _ENDED.get("handed_over") else _code)  # handed over: the launch script exits with it
+    try:
+        _code = main()
+    except BaseException as _err:  # noqa: BLE001 - printed as Python would, then the same exit path
+        from astrai.distributed.context import had_process_group
+
+        if isinstance(_err, SystemExit) or not had_process_group():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        _code = 130 if isinstance(_err, KeyboardInterrupt) else 1
+    from astrai.distributed.context import exit_process  # a rank: no interpreter finalization
+
+    exit_process(0 if _ENDED.get("handed_over") else _code)  # handed over: the launch script exits with it
 else:
     sys.modules[__name__].__class__ = _CallableModule

@@ -249,7 +249,9 @@ def main() -> None:
     if args.worker:
         engine, _, rank = args.worker[0].partition(":")
         worker(engine, int(args.worker[1]), args.worker[2], args.bf16, lora=int(rank or 0), reference=args.reference)
-        return
+        from astrai.distributed.context import exit_process
+
+        exit_process(0)  # a rank: no interpreter finalization (a gloo thread can abort it)
     if args.nproc is not None and args.ranks is not None:
         parser.error("--nproc is an alias of --ranks N: give one of them")
     args.ranks = args.ranks or [args.nproc or 2]

@@ -8,6 +8,7 @@ Usage: python dist_probe.py OUT_DIR [STRATEGY]   (default auto)
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,10 +16,12 @@ import torch
 
 from astrai.data import PromptRecord, PromptSampler
 from astrai.distributed import setup_distributed
+from astrai.distributed.context import end_process_group
 from astrai.trainer.loop import mean_over_ranks
 
 
 def main() -> None:
+    threads = len(os.listdir("/proc/self/task"))  # before the process group's
     dist = setup_distributed("cpu", sys.argv[2] if len(sys.argv) > 2 else "auto")
     rank = dist.rank
     records = [PromptRecord(prompt=f"q{i}", answer="", index=i) for i in range(10)]
@@ -30,12 +33,13 @@ def main() -> None:
         mismatch = None
     except RuntimeError as err:
         mismatch = str(err)
-    (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "world_size": dist.world_size, "strategy": dist.strategy,
-        "mixed_precision": dist.mixed_precision, "sum": float(dist.all_reduce_sum(torch.tensor(rank + 1.0))),
-        "share": share, "sampler_state": sampler.state_dict(), "drawn": sampler.drawn,
-        "metrics": {k: float(v) for k, v in metrics.items()}, "mismatch": mismatch}))
-    dist.barrier()
+    found = {"rank": rank, "world_size": dist.world_size, "strategy": dist.strategy,
+             "mixed_precision": dist.mixed_precision, "sum": float(dist.all_reduce_sum(torch.tensor(rank + 1.0))),
+             "share": share, "sampler_state": sampler.state_dict(), "drawn": sampler.drawn,
+             "metrics": {k: float(v) for k, v in metrics.items()}, "mismatch": mismatch}
+    end_process_group()  # joins gloo's threads before the interpreter finalizes (nothing else holds the group)
+    found["threads_left"] = len(os.listdir("/proc/self/task")) - threads
+    (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(found))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 rank reports."""
 
 import multiprocessing as mp
+import os
 
 
 def spawn_ranks(worker, tmp, world: int, *, timeout: float = 180) -> dict:
@@ -10,7 +11,7 @@ def spawn_ranks(worker, tmp, world: int, *, timeout: float = 180) -> dict:
     process exited 0 and that no rank reported an error."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(rank, tmp, results)) for rank in range(world)]
+    procs = [ctx.Process(target=_rank, args=(worker, world, rank, tmp, results)) for rank in range(world)]
     for p in procs:
         p.start()
     outs = dict(results.get(timeout=timeout) for _ in procs)
@@ -20,3 +21,13 @@ def spawn_ranks(worker, tmp, world: int, *, timeout: float = 180) -> dict:
     for rank, out in outs.items():
         assert "error" not in out, f"rank {rank}:\n{out['error']}"
     return outs
+
+
+def _rank(worker, world: int, rank: int, tmp, results) -> None:
+    """One spawned rank: `worker`, then `exit_process(0)` (the atexit handlers, among them multiprocessing's, which
+    flush `results`, then no interpreter finalization, which a gloo worker thread can abort)."""
+    from astrai.distributed.context import exit_process
+
+    os.environ["WORLD_SIZE"] = str(world)
+    worker(rank, tmp, results)
+    exit_process(0)

@@ -198,12 +198,13 @@ def _probe(config: str, tmp_path) -> dict[int, dict]:
 
 def _check_probe(probes: dict[int, dict], strategy: str) -> None:
     """Both ranks resolved `strategy`, share one process group, drew disjoint halves of each epoch and averaged
-    their metrics; differing metric names are an error on every rank."""
+    their metrics; differing metric names are an error on every rank; `end_process_group` joined gloo's threads."""
     from astrai.data.prompts import epoch_order
 
     for rank, probe in probes.items():
         assert (probe["strategy"], probe["world_size"], probe["sum"]) == (strategy, 2, 3.0)
         assert probe["metrics"] == {"a": 0.5, "b": 6.0}
+        assert probe["threads_left"] == 0, probe["threads_left"]  # none may run into the interpreter's exit
         assert "metrics differ across ranks" in probe["mismatch"]
         assert probe["drawn"] == 10 and probe["sampler_state"]["epoch"] == 2
         for epoch in range(2):
@@ -270,3 +271,25 @@ def test_doc_command_trains_the_tiny_model_with_2_processes(name, tiny_model_dir
                     "--train.output_dir", out, *TINY_PPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("with_group", [False, True])
+def test_exit_process_runs_the_exit_handlers_flushes_and_keeps_the_code(tmp_path, with_group):
+    """A process with a process group ends without interpreter finalization (gloo's worker threads may still want
+    the GIL then: `exit_process`); its atexit handlers still run, buffered output still arrives and the exit code
+    is the job's. A process without one exits the ordinary way, with the same code."""
+    script = tmp_path / "ends.py"
+    group = ("import torch.distributed as d\n"
+             "d.init_process_group('gloo', store=d.HashStore(), rank=0, world_size=1)\n"
+             "d.all_reduce(__import__('torch').ones(3))\n") if with_group else ""
+    script.write_text(
+        "import atexit, pathlib, sys\n"
+        f"{group}"
+        "from astrai.distributed.context import exit_process, had_process_group\n"
+        f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'handler-ran')!r}).write_text('yes'))\n"
+        "sys.stdout.write(f'group {had_process_group()}, no newline, still buffered')\n"
+        "exit_process(7)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 7, done.stderr
+    assert done.stdout == f"group {with_group}, no newline, still buffered"
+    assert (tmp_path / "handler-ran").read_text() == "yes"

@@ -10,11 +10,14 @@ not run on CPU, so both sharding engines are applied through their own APIs, the
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, NoReturn, Optional
 
 import torch
 
@@ -152,13 +155,62 @@ class DistributedContext:
         """Block until every rank arrives (no-op with one process)."""
         self.accelerator.wait_for_everyone()
 
-    def shutdown(self) -> None:
-        """End of the job: wait for every rank, then destroy the default process group (no-op with one process).
-        Leaving it to interpreter exit let a gloo rank abort after its last step ("terminate called without an
-        active exception", exit -6) in 2 of 30 2-rank CPU runs here."""
-        if self.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            self.barrier()
-            torch.distributed.destroy_process_group()
+    def shutdown(self, *, wait: bool = True) -> None:
+        """End of the job: drop Accelerate's references to the models and optimizers it prepared, then
+        `end_process_group(wait)`. The caller drops its own references to the models first."""
+        self.accelerator.free_memory()
+        end_process_group(wait=wait)
+
+
+_GROUP_ENDED = False  # end_process_group destroyed a process group in this process
+
+
+def end_process_group(*, wait: bool = True) -> None:
+    """Destroy the process groups of a multi-process job (no-op without one, or once done): wait for every rank
+    first (`wait`; False on a failure path, where a peer may be gone), collect garbage, destroy. Every path that
+    ends a job which created a process group calls it, before the interpreter exits.
+
+    Why: a gloo worker thread frees the last finished collectives' tensors after the collective has returned, and
+    freeing a tensor that Python also saw takes the GIL (torch >= 2.10); a thread asking for the GIL while the
+    interpreter finalizes is ended inside a destructor and the process aborts ("terminate called without an
+    active exception", exit -6: 1 in ~20 loaded 2-rank CPU runs here, and the exit code the launcher reports is
+    lost; pytorch/pytorch#190489). Destroying the group joins those threads while the interpreter still runs
+    them, but only once nothing holds the group: a DDP or FSDP2 model (and the Accelerator that prepared it)
+    does, so the caller drops its models (`astrai.train` drops the trainer) before calling this."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.distributed.get_world_size() > 1 and wait:
+        torch.distributed.barrier()
+    global _GROUP_ENDED
+    gc.collect()
+    torch.distributed.destroy_process_group()
+    _GROUP_ENDED = True
+
+
+def had_process_group() -> bool:
+    """Whether this process has, or had (`end_process_group`), a torch.distributed process group."""
+    return _GROUP_ENDED or (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a process that created a process group (a rank of a multi-process job, or one process under ZeRO)
+    with exit code `code`, without interpreter finalization: run the `atexit` handlers (reward workers,
+    environment pools, logging, multiprocessing's queues), flush the standard streams, then `os._exit`. A process
+    that never had a process group (`had_process_group`) exits the ordinary way (`sys.exit(code)`).
+
+    Why: after the last collective a gloo worker thread may still have to free tensors that Python saw, which
+    takes the GIL; if the interpreter is finalizing by then, CPython ends the thread inside a C++ destructor and
+    the process aborts ("terminate called without an active exception", exit -6 in place of `code`; see
+    `end_process_group`). Destroying the process group joins those threads, but DDP and DeepSpeed keep the group
+    alive in C++ after their modules are gone (torch 2.13: gloo's threads outlive `destroy_process_group`), so only
+    skipping finalization is certain. Python's own `multiprocessing` ends forked children the same way."""
+    if not had_process_group():
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def run_device(device: str = "auto") -> torch.device:
