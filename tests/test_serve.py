@@ -350,12 +350,25 @@ def test_cli_bad_checkpoint_exits_2(tmp_path, capsys):
 
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     for path, needle in ((tmp_path / "missing", "missing"), (tmp_path / "run", "no complete checkpoint")):
-        assert main(["--checkpoint", str(path)]) == 2
+        assert main(["--checkpoint", str(path), "--port", str(free_port())]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and needle in err and "\n" not in err
     with pytest.raises(SystemExit) as info:
         main(["--checkpoint", str(tmp_path), "--max_batch", "0"])
     assert info.value.code == 2
+
+
+def test_cli_port_in_use_exits_2_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    import astrai.serve.__main__ as cli
+
+    monkeypatch.setattr(cli, "build_engine", lambda args: pytest.fail("the model loaded before the port was checked"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["--checkpoint", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --port {port}: cannot listen on 127.0.0.1:{port}") and "\n" not in err
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt(server, tiny_ppo_run):

@@ -122,6 +122,25 @@ def build_engine(args: argparse.Namespace):
     return engine, tokenizer, name, aliases
 
 
+def check_port(host: str, port: int) -> None:
+    """Raise ValueError (one line naming --host/--port) unless this process can listen on (`host`, `port`) now, as
+    uvicorn will (SO_REUSEADDR): checked before the model loads, so a port in use fails in a second, not after it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host}: cannot resolve it ({err.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as err:
+            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({err.strerror}); choose another "
+                             "--port or stop what uses it") from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Load the checkpoint and serve until interrupted; returns the exit code."""
     args = parse_args(argv)
@@ -139,6 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: --log_level: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
+        check_port(args.host, args.port)
         engine, tokenizer, name, aliases = build_engine(args)
     except (FileNotFoundError, NotADirectoryError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
