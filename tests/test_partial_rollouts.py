@@ -15,7 +15,7 @@ from toy_rl import RandomPrompts, trained
 from astrai.algos import correction_weights
 from astrai.config import ConfigError, load_config
 from astrai.data.sequences import Sequences
-from astrai.experience.partial import LAG_METRICS, PartialRollouts, check_partial_rollouts, staleness_stats
+from astrai.experience.partial import LAG_METRICS, PartialRollouts, staleness_stats
 from astrai.experience.result import RolloutResult
 from astrai.experience.runner import RolloutRunner
 from astrai.experience.sources import OnlineExperience
@@ -290,9 +290,6 @@ def test_config_defaults_are_synchronous_and_partial_accepts_in_flight_groups():
     assert config.rollout.partial is False and config.rollout.max_off_policy_steps == 0
     config = load_config(GRPO, ON + ["--rollout.generation_batch_size", "3"])
     assert config.rollout.partial and config.rollout.generation_batch_size == 3
-    check_partial_rollouts(config, 1)
-    with pytest.raises(ValueError, match="more than one process"):
-        check_partial_rollouts(config, 2)
 
 
 def test_without_partial_the_source_saves_no_groups_in_flight():
@@ -398,14 +395,65 @@ def test_online_ppo_with_partial_rollouts_trains(stopping_model_dir, tmp_path):
     assert sum(m["rollout/carried_samples"] for m in metrics) > 0
 
 
-def test_check_refuses_partial_rollouts_on_several_processes(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    from astrai.train import main
+def run_two_ranks(model_dir, root, steps, extra=()) -> list[dict]:
+    """`run_partial`'s job on 2 processes (torchrun, gloo): each rank its own partial rollouts and groups in flight."""
+    import socket
+    import subprocess
+    import sys
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    code = main(["--config", GRPO, "--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "run"),
-                 "--data.truncation", "left", *ON, "--check"])
-    assert code == 2
-    assert "rollout.partial: not supported yet on more than one process (got 2)" in capsys.readouterr().err
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "length.py").write_text(REWARD)
+    out = root / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           "-m", "astrai.train", "--config", GRPO, "--model.path", str(model_dir), "--train.output_dir", str(out),
+           "--max_steps", str(steps), "--rollout.max_new_tokens", "16", "--train.progress_bar", "false",
+           "--data.truncation", "left", "--train.report_to", "none", "--runtime.num_threads", "1",
+           "--runtime.deterministic", "true", "--grpo.group_size", "2", "--rollout.batch_size", "2",
+           "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2", "--optim.learning_rate", "1e-3",
+           "--rollout.temperature", "2.0", "--checkpoint.save_steps", "2", *ON,
+           "--reward.functions", json.dumps([{"function": "length", "path": str(root / "length.py")}]), *extra]
+    import os
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_ranks_run_partial_rollouts_and_resume_them_bitwise(stopping_model_dir, tmp_path):
+    """2 processes: each rank carries its own groups in flight (saved per rank) and a resume on 2 processes
+    continues them exactly: the metrics and weights equal an uninterrupted run's (the learning rate is constant,
+    so stopping the first half at max_steps 2 changes nothing else)."""
+    from safetensors.torch import load_file
+
+    straight = run_two_ranks(stopping_model_dir, tmp_path / "straight", 4)
+    assert sum(m["rollout/carried_samples"] for m in straight) > 0
+    assert all(m["rollout/staleness_max"] <= 1 for m in straight)
+    run_two_ranks(stopping_model_dir, tmp_path / "split", 2)
+    saved = [torch.load(tmp_path / f"split/run/checkpoints/step-00000002/strategy_state{suffix}.pt", weights_only=True)
+             for suffix in ("", "_rank00001")]
+    assert all(state["partial_rollouts"]["groups"] for state in saved)  # both ranks had groups in flight
+    resumed = run_two_ranks(stopping_model_dir, tmp_path / "split", 4, ["--checkpoint.resume", "auto"])
+    volatile = ("time/", "memory/", "perf/")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]  # noqa: E731
+    assert strip(resumed) == strip(straight)
+    a = load_file(str(tmp_path / "straight/run/checkpoints/step-00000004/model.safetensors"))
+    b = load_file(str(tmp_path / "split/run/checkpoints/step-00000004/model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_on_fewer_ranks_drops_their_groups_in_flight_with_a_warning():
+    """Resizing from 2 ranks to 1: rank 0 keeps its own state; rank 1's groups in flight cannot go anywhere, and
+    the warning says how many are dropped."""
+    from astrai.trainer.learners.policy_gradient import RolloutLearner
+
+    states = [{"pending": [], "partial_rollouts": {"groups": [{"record": 0}]}},
+              {"pending": [], "partial_rollouts": {"groups": [{"record": 1}, {"record": 2}]}}]
+    learner = SimpleNamespace(state_dict=lambda: pytest.fail("rank 0 had a saved state"))
+    with pytest.warns(UserWarning, match=r"the 2 group\(s\) in flight on the 1 rank\(s\) this job of 1 lacks are dropped"):
+        assert RolloutLearner.resized_state(learner, states, 0, 1) is states[0]
 
 
 def test_groups_in_flight_resumed_without_partial_rollouts_are_dropped_with_a_warning():

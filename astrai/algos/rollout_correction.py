@@ -41,7 +41,7 @@ from .masked import _real, masked_mean
 
 __all__ = ["MAX_METRICS", "ROLLOUT_CORRECTIONS", "correction_weights", "mismatch_metrics"]
 
-MAX_METRICS = frozenset({"rollout/mismatch_max_abs_diff"})
+MAX_METRICS = frozenset({"rollout/mismatch_max_abs_diff", "rollout/staleness_max"})
 """Metrics that are maxima, not additive shares: combine them over micro-batches and ranks with MAX."""
 
 

@@ -16,7 +16,7 @@ from astrai.experience.environments import EnvironmentFailures
 from astrai.experience.episode_environments import EpisodeEnvironment, routes_of
 from astrai.experience.episodes import (ENVIRONMENT_REWARD, EpisodeLimits, EpisodeRunner, ToolExecutor,
                                         check_episodes, tool_references)
-from astrai.experience.partial import PartialRollouts, check_partial_rollouts
+from astrai.experience.partial import PartialRollouts
 from astrai.experience.prompts import load_online_prompts
 from astrai.experience.runner import RolloutRunner
 from astrai.experience.sources import OnlineExperience
@@ -170,7 +170,7 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
     draw the same prompts, which their engines generate together; T = 1: each rank its own share of the world), and
     the sampling RNG (seed `train.seed + 1000 * dist.dp_rank`, on `dist.device`);
     `rollout.dynamic_sampling`, `rollout.max_sampling_rounds` and `rollout.generation_batch_size` as
-    `OnlineExperience`'s; `rollout.partial` as `partial_rollouts` (one process only: `check_partial_rollouts`). With
+    `OnlineExperience`'s; `rollout.partial` as `partial_rollouts` (each data-parallel rank its own groups in flight). With
     `rollout.tools` or `rollout.environment` every sample is a multi-turn episode (`build_episode_runner`). With
     several ranks, the ranks agree after each generation on non-finite logits met by any of them
     (`RolloutRunner.agree`) and, with dynamic sampling, on another round while any rank lacks groups
@@ -181,7 +181,6 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
         RewardFunctionError: a reward function that cannot be loaded or served (`build_rewards`).
     """
     r = config.rollout
-    check_partial_rollouts(config, dist.world_size)
     sampling = sampling_params(config, model_config, tokenizer)
     stops = sampling.stop_token_ids
     if sampling.truncates:

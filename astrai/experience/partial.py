@@ -31,8 +31,9 @@ group completes; a response cut there counts in `rollout/truncated_fraction` as 
 of training the samples still in flight are not trained on (their decode time is lost); checkpoints save them with
 the learner's state, so a resumed job continues them exactly.
 
-What it simplifies: one process (no data-parallel or tensor-parallel ranks yet), single-turn samples only (no tools
-or environments), no dynamic sampling.
+Over several processes each data-parallel rank runs its own partial rollouts on its share of the prompts and keeps
+its own groups in flight (saved per rank). What it simplifies: no tensor-parallel engine, single-turn samples only
+(no tools or environments), no dynamic sampling.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 from astrai.experience.trajectory import Experience, Trajectory
 from astrai.rollout.engine import StreamingEngine
 
-__all__ = ["InFlightGroup", "InFlightSample", "LAG_METRICS", "PartialRollouts", "check_partial_rollouts",
+__all__ = ["InFlightGroup", "InFlightSample", "LAG_METRICS", "PartialRollouts",
            "staleness_stats"]
 
 LAG_METRICS = 8
@@ -117,14 +118,6 @@ def staleness_stats(policy_versions: torch.Tensor, action_mask: torch.Tensor, po
     counts = torch.bincount(real.clamp(min=0, max=top + 1), minlength=top + 2).double() / max(real.numel(), 1)
     stats.update({f"staleness/lag_{k}": float(counts[k]) for k in range(top + 1)})
     return stats
-
-
-def check_partial_rollouts(config, world_size: int) -> None:
-    """What `rollout.partial` cannot run with beyond the config's own checks (`astrai.config`): more than one
-    process. Raises ValueError (one line); `--check` and the build call it."""
-    if config.rollout.partial and world_size > 1:
-        raise ValueError(f"rollout.partial: not supported yet on more than one process (got {world_size}); run it "
-                         "on one process or set rollout.partial false")
 
 
 class PartialRollouts:

@@ -31,7 +31,6 @@ from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, Met
                                       StepTimer)
 from astrai.trainer.evaluation_callback import build_evaluation, load_eval_records
 from astrai.experience.build import load_job_environment, load_job_tools
-from astrai.experience.partial import check_partial_rollouts
 from astrai.rewards.build import build_rewards
 from astrai.rollout.build import check_rollout_engine
 from astrai.trainer.faults import StepBoundary, StopSignals
@@ -357,7 +356,6 @@ def check_job(config: Config, *, world_size: int) -> str:
     data = spec.load_data(config, policy.config, tokenizer, main=True)
     if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
         check_rollout_engine(config, policy.config, device)
-        check_partial_rollouts(config, world_size)
         build_rewards(config, data, num_workers=0).close()
         tools = load_job_tools(config, tokenizer, policy.config)[0] if config.rollout.tools else []
         if config.rollout.environment is not None:  # classes imported and checked against the data and the tools

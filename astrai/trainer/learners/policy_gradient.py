@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 import dataclasses
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -191,7 +192,8 @@ class RolloutLearner:
         metrics["time/rollout_seconds"] = torch.tensor(time.perf_counter() - start)
         metrics.update({f"time/{phase}_seconds": torch.tensor(seconds)
                         for phase, seconds in experience.timings.items()})
-        metrics.update({f"rollout/{name}": torch.tensor(value) for name, value in experience.stats.items()})
+        metrics.update(self._max_over_ranks({f"rollout/{name}": torch.tensor(value)
+                                             for name, value in experience.stats.items()}))
         metrics.update(reward_metrics(experience.reward_components, experience.reward_failed))
         if self.log_completions and self.policy.dist.is_main:
             self._completions = completion_samples(experience, rollout, self.log_completions, self.decode)
@@ -267,6 +269,8 @@ class RolloutLearner:
     def resized_state(self, states: list[dict], rank: int, world_size: int) -> dict:
         """This rank's state when a checkpoint written by `len(states)` ranks resumes on `world_size` ranks: its own
         saved state when it had one, else the state it was built with (its RNGs seeded by train.seed and its rank).
+        The groups in flight of partial rollouts (`rollout.partial`) saved by ranks that the smaller job lacks are
+        dropped, with a warning (on rank 0) saying how many.
 
         Raises:
             CheckpointError: when a rollout was in progress on some rank (each rank's rollout holds its own share
@@ -280,6 +284,11 @@ class RolloutLearner:
                     f"which cannot be split over {world_size} ranks; resume with {len(states)} processes, or from a "
                     "checkpoint saved when a rollout was finished (checkpoint.save_steps a multiple of the optimizer "
                     "steps per rollout)")
+        gone = sum(len(state.get("partial_rollouts", {}).get("groups", ())) for state in states[world_size:])
+        if gone and rank == 0:
+            warnings.warn(f"rollout.partial: the {gone} group(s) in flight on the {len(states) - world_size} rank(s) "
+                          f"this job of {world_size} lacks are dropped (their prompts were drawn and are not drawn "
+                          f"again; resume with {len(states)} processes to continue them)", stacklevel=2)
         return states[rank] if rank < len(states) else self.state_dict()
 
     def checkpoint_parts(self) -> dict[str, Part]:
