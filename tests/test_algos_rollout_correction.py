@@ -38,7 +38,7 @@ def test_mismatch_metrics_hand_values():
     shares = mismatch_metrics(train, rollout, mask, num_tokens=6)
     assert shares["rollout/mismatch_k3_kl"].item() == pytest.approx(sum(k3) / 6)
     assert shares["rollout/mismatch_max_abs_diff"].item() == pytest.approx(-LN(0.4))  # a max, not a share
-    assert MAX_METRICS == {"rollout/mismatch_max_abs_diff"}
+    assert MAX_METRICS == {"rollout/mismatch_max_abs_diff", "rollout/staleness_max"}  # the maxima among metrics
     for val in m.values():
         assert val.dim() == 0 and not val.requires_grad
     empty = mismatch_metrics(train, rollout, torch.zeros_like(mask))
