@@ -321,6 +321,17 @@ def run_partial(model_dir, root, steps, extra=()):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_run(rows_a: list[dict], rows_b: list[dict], out_a: Path, out_b: Path, *, step: int) -> None:
+    """Two runs' metrics equal (but time, memory and speed) and their step-`step` weights bitwise equal."""
+    from safetensors.torch import load_file
+
+    volatile = ("time/", "memory/", "perf/")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]  # noqa: E731
+    assert strip(rows_b) == strip(rows_a)
+    a, b = (load_file(str(out / f"checkpoints/step-{step:08d}/model.safetensors")) for out in (out_a, out_b))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.fixture(scope="module")
 def stopping_model_dir(tmp_path_factory):
     """The tiny model with 41 stop ids (its eos list): its random answers end at uneven lengths, so partial rollouts
@@ -351,8 +362,6 @@ def test_online_grpo_with_partial_rollouts_trains_three_steps(stopping_model_dir
 
 
 def test_resume_mid_partial_rollout_is_bitwise_exact(stopping_model_dir, tmp_path, monkeypatch):
-    from safetensors.torch import load_file
-
     from astrai.trainer.loop import Trainer
 
     extra = ["--rollout.max_new_tokens", "16", "--checkpoint.save_steps", "2"]
@@ -371,12 +380,7 @@ def test_resume_mid_partial_rollout_is_bitwise_exact(stopping_model_dir, tmp_pat
     samples = [s for g in saved["partial_rollouts"]["groups"] for s in g["samples"]]
     assert any(s["response_ids"] and not s["done"] for s in samples)
     resumed = run_partial(stopping_model_dir, tmp_path / "split", 4, extra + ["--checkpoint.resume", "auto"])
-    volatile = ("time/", "memory/", "perf/")
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]  # noqa: E731
-    assert strip(resumed) == strip(straight)
-    a = load_file(str(tmp_path / "straight/run/checkpoints/step-00000004/model.safetensors"))
-    b = load_file(str(tmp_path / "split/run/checkpoints/step-00000004/model.safetensors"))
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_run(straight, resumed, tmp_path / "straight/run", tmp_path / "split/run", step=4)
 
 
 def test_online_ppo_with_partial_rollouts_trains(stopping_model_dir, tmp_path):
@@ -426,8 +430,6 @@ def test_two_ranks_run_partial_rollouts_and_resume_them_bitwise(stopping_model_d
     """2 processes: each rank carries its own groups in flight (saved per rank) and a resume on 2 processes
     continues them exactly: the metrics and weights equal an uninterrupted run's (the learning rate is constant,
     so stopping the first half at max_steps 2 changes nothing else)."""
-    from safetensors.torch import load_file
-
     straight = run_two_ranks(stopping_model_dir, tmp_path / "straight", 4)
     assert sum(m["rollout/carried_samples"] for m in straight) > 0
     assert all(m["rollout/staleness_max"] <= 1 for m in straight)
@@ -436,12 +438,7 @@ def test_two_ranks_run_partial_rollouts_and_resume_them_bitwise(stopping_model_d
              for suffix in ("", "_rank00001")]
     assert all(state["partial_rollouts"]["groups"] for state in saved)  # both ranks had groups in flight
     resumed = run_two_ranks(stopping_model_dir, tmp_path / "split", 4, ["--checkpoint.resume", "auto"])
-    volatile = ("time/", "memory/", "perf/")
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]  # noqa: E731
-    assert strip(resumed) == strip(straight)
-    a = load_file(str(tmp_path / "straight/run/checkpoints/step-00000004/model.safetensors"))
-    b = load_file(str(tmp_path / "split/run/checkpoints/step-00000004/model.safetensors"))
-    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_run(straight, resumed, tmp_path / "straight/run", tmp_path / "split/run", step=4)
 
 
 def test_a_resume_on_fewer_ranks_drops_their_groups_in_flight_with_a_warning():
