@@ -104,7 +104,7 @@ LAYERS = {
     # floor 7
     "trainer": {"algos", "checkpoint", "config", "config_schema", "data", "deps", "distributed", "evaluation",
                 "experience", "forward", "models", "outputs", "rewards", "rollout", "runtime_env", "train_types"},
-    "serve": {"checkpoint", "deps", "models", "rollout", "runtime_env", "data"},
+    "serve": {"agents", "checkpoint", "deps", "models", "rollout", "runtime_env", "data"},
     # floor 8: entry points (`python -m astrai.<name>`)
     "train": {"checkpoint", "config", "data", "distributed", "kernels", "outputs", "rewards", "runtime_env",
               "train_types", "trainer"},

@@ -4,7 +4,8 @@ Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/comple
 A completion's text prompt is raw text, encoded as training encodes raw prompts (`data.chat_template` false,
 `astrai.data.prompt_format.raw_prompt_ids`: the BOS token first when the tokenizer adds one), with control tokens
 spelled in it read as such; a chat request is rendered with the chat template and answered 400 when the tokenizer has
-none (a base model: send the text to `/v1/completions`).
+none (a base model: send the text to `/v1/completions`). A chat request's `tools` are rendered and its answer's tool
+calls parsed as the agents' rollout renders and writes them (`astrai.serve.tools`).
 Requests join the engine's running batch at its next decode step and leave it when they end (`engine_loop`), so a
 short request is not held up by a long one. Every failure is answered in the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}`: bad JSON, invalid fields or text, unknown model or route, a
@@ -30,15 +31,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from astrai.agents.chat import render
+from astrai.agents.tool_calls import template_supports_tools
 from astrai.data.prompt_format import raw_prompt_ids, uses_chat_template
 from astrai.rollout.engine import StreamingEngine
 from astrai.serve.detokenize import TextStream
 from astrai.serve.engine_loop import EngineLoop, Job
 from astrai.serve.logprobs import TokenText
 from astrai.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_supported, check_text,
-                                   logprobs_k, message_text, sampling_for, stop_strings)
+                                   logprobs_k, sampling_for, stop_strings)
 from astrai.serve.responses import Run, body, sse_lines
 from astrai.serve.scoring import PromptScorer
+from astrai.serve.tools import ToolSetup, conversation, tool_setup
 
 __all__ = ["create_app"]
 
@@ -60,6 +64,7 @@ class _Server:
         eos = tokenizer.eos_token_id
         self.stop_token_ids = () if eos is None else (eos,)
         self.created = int(time.time())
+        self.native_tools: Optional[bool] = None  # the chat template reads `tools` (found on the first chat request)
 
     def model_card(self) -> dict:
         """The served model in OpenAI's model object shape, with vLLM's `max_model_len` (the context in tokens)."""
@@ -131,8 +136,10 @@ class _Server:
                 "model": self.model_name, "choices": choices,
                 "usage": {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}}
 
-    def run(self, req, prompts: list[list[int]], budgets: list[int], *, chat: bool) -> Run:
-        """Validate the request's options and submit one job per prompt."""
+    def run(self, req, prompts: list[list[int]], budgets: list[int], *, chat: bool,
+            tools: Optional[frozenset[str]] = None) -> Run:
+        """Validate the request's options and submit one job per prompt; `tools`: the names the choices' tool calls
+        are parsed against (None: not parsed)."""
         check_supported(req)
         if req.n * len(prompts) > self.max_batch:
             raise APIError(f"n: at most {self.max_batch} choices per request (the server's --max_batch)", param="n")
@@ -144,7 +151,28 @@ class _Server:
             jobs.append(Job(prompt, params, n=req.n, penalty=penalty, seed=req.seed, top_logprobs=k or 0))
             streams += [TextStream(self.tokenizer, stop=stops, stop_token_ids=params.stop_token_ids, max_tokens=budget)
                         for _ in range(req.n)]
-        return Run(self, jobs, streams, logprobs=k, prompt_tokens=sum(len(p) for p in prompts), chat=chat)
+        return Run(self, jobs, streams, logprobs=k, prompt_tokens=sum(len(p) for p in prompts), chat=chat,
+                   tools=tools)
+
+    def chat_prompt(self, req: ChatCompletionRequest, tools: ToolSetup) -> list[int]:
+        """The token ids of a chat request's messages (with its tools) rendered as the rollout renders them
+        (`astrai.agents.chat.render`, generation prompt added); APIError when they cannot be."""
+        templated = uses_chat_template(self.tokenizer)
+        if templated and self.native_tools is None:
+            try:
+                self.native_tools = template_supports_tools(self.tokenizer.chat_template)
+            except ValueError as err:
+                raise APIError(f"messages: {err}", param="messages") from None
+        messages = conversation(req.messages, bool(self.native_tools))  # invalid messages are named first
+        if not templated:
+            raise APIError(f"messages: the model '{self.model_name}' has no chat template (a base model), so chat "
+                           "messages cannot be rendered; send the text as a prompt to /v1/completions",
+                           param="messages", code="chat_template_missing")
+        try:
+            text = render(self.tokenizer, messages, tools.schemas, add_generation_prompt=True)
+        except Exception as err:  # noqa: BLE001 - a template's raise_exception or a missing template
+            raise APIError(f"messages: the chat template rejected them: {err}", param="messages") from None
+        return self.tokenizer.encode(text)
 
 
 class _EventStream(StreamingResponse):
@@ -189,8 +217,9 @@ class _Gone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
-async def _respond(server: _Server, request: Request, req, prompts, budgets, *, chat: bool):
-    run = server.run(req, prompts, budgets, chat=chat)
+async def _respond(server: _Server, request: Request, req, prompts, budgets, *, chat: bool,
+                   tools: Optional[frozenset[str]] = None):
+    run = server.run(req, prompts, budgets, chat=chat, tools=tools)
     try:
         await _unless_disconnected(request, run.started())  # the engine's refusal is still a 4xx here
         if req.stream:
@@ -260,20 +289,12 @@ def create_app(engine, tokenizer, *, model_name: str, max_tokens: int = 512, ali
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         server.check_model(req.model)
-        messages = [message_text(m, i) for i, m in enumerate(req.messages)]
-        if not uses_chat_template(tokenizer):
-            raise APIError(f"messages: the model '{server.model_name}' has no chat template (a base model), so chat "
-                           "messages cannot be rendered; send the text as a prompt to /v1/completions",
-                           param="messages", code="chat_template_missing")
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as err:  # noqa: BLE001 - a template's raise_exception or a missing template
-            raise APIError(f"messages: the chat template rejected them: {err}", param="messages") from None
-        prompt = tokenizer.encode(text)
+        tools = tool_setup(req)
+        prompt = server.chat_prompt(req, tools)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         budget = server.budget(prompt, asked, "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                                prompt_param="messages")
-        return await _respond(server, request, req, [prompt], [budget], chat=True)
+        return await _respond(server, request, req, [prompt], [budget], chat=True, tools=tools.names)
 
     return app
 

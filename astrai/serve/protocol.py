@@ -2,11 +2,12 @@
 
 Field names, ranges and defaults follow the OpenAI API reference for `/v1/completions` and `/v1/chat/completions`.
 Unknown fields are ignored (clients send many optional ones); fields the engine cannot honour
-(`presence_penalty`, `logit_bias`, `best_of`, `suffix`, `tools`, non-text message parts, `echo` with generated
-tokens) are rejected with a 400 naming them when they ask for something, rather than silently dropped. `echo` with
+(`presence_penalty`, `logit_bias`, `best_of`, `suffix`, non-text message parts, `echo` with generated tokens)
+are rejected with a 400 naming them when they ask for something, rather than silently dropped. `echo` with
 `max_tokens: 0` scores the prompt instead (`astrai.serve.scoring`). `ignore_eos` is vLLM's extension
 (generate exactly `max_tokens` tokens, as load benchmarks need). Text that cannot be encoded as UTF-8 (a lone
-surrogate such as "\ud800", which JSON allows) is refused with a 400 naming the field.
+surrogate such as "\ud800", which JSON allows) is refused with a 400 naming the field. `tools`, `tool_choice` and
+`parallel_tool_calls` are checked by `astrai.serve.tools`.
 """
 
 from __future__ import annotations
@@ -126,10 +127,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS["chat"])
-    tools: Optional[list[Any]] = None
-
-    def unsupported(self) -> list[str]:
-        return super().unsupported() + (["tools"] if self.tools else [])
+    tools: Optional[list[Any]] = None  # OpenAI function tools, checked by `astrai.serve.tools.tool_setup`
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 def check_supported(request: _Sampling) -> None:

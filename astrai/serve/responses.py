@@ -4,7 +4,9 @@ A `Run` submits one `Job` per prompt to the `EngineLoop` (n choices each; choice
 i), and folds the tokens of every engine step into the choices' `TextStream`s and log-prob lists. A choice that a
 stop string ends is aborted in the engine at once (its KV blocks are freed rather than decoded to max_tokens), and
 `Run.close()` aborts whatever is still running: the routes call it when the client goes away, so a disconnected
-client's request stops within one engine step.
+client's request stops within one engine step. With tools (`astrai.serve.tools`), each chat choice's text is read
+for tool calls: `message.tool_calls` and finish_reason "tool_calls" in the body; when streaming, content deltas
+until a call may start, then the rest and one `tool_calls` delta per call at the end.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from astrai.serve.detokenize import TextStream
 from astrai.serve.engine_loop import Job
 from astrai.serve.logprobs import chat_logprobs, completion_logprobs
 from astrai.serve.protocol import APIError
+from astrai.serve.tools import ToolCallText, read_tool_calls
 
 __all__ = ["Run", "body", "sse_lines", "engine_error"]
 
@@ -38,12 +41,14 @@ class Run:
     Args:
         server: the app state (`loop`, `text_of`, `model_name`); jobs: one per prompt (validated);
         streams: one `TextStream` per choice; logprobs: k top tokens per generated token, None for no logprobs;
-        prompt_tokens: the usage count of the prompts; chat: chat or text completion shapes.
+        prompt_tokens: the usage count of the prompts; chat: chat or text completion shapes;
+        tools: the tool names a chat choice's calls are parsed against (None: its text is not parsed).
     """
 
     def __init__(self, server, jobs: list[Job], streams: list[TextStream], *, logprobs: Optional[int],
-                 prompt_tokens: int, chat: bool):
+                 prompt_tokens: int, chat: bool, tools: Optional[frozenset[str]] = None):
         self.server, self.streams, self.logprobs, self.chat = server, streams, logprobs, chat
+        self.tools = tools if chat else None
         self.n = jobs[0].n
         self.prompt_tokens = prompt_tokens
         self.tokens: list[list] = [[] for _ in streams]  # per choice: (token id, logprob, top) with logprobs on
@@ -118,9 +123,16 @@ async def body(run: Run) -> dict:
         pass
     choices = []
     for i, stream in enumerate(run.streams):
-        text = {"message": {"role": "assistant", "content": stream.text}} if run.chat else {"text": stream.text}
+        reason, calls = stream.finish_reason, None
+        if run.tools is not None:
+            content, calls = read_tool_calls(stream.text, run.tools)
+            message = {"role": "assistant", "content": content or None if calls else content}
+            text = {"message": {**message, "tool_calls": calls} if calls else message}
+            reason = "tool_calls" if calls else reason
+        else:
+            text = {"message": {"role": "assistant", "content": stream.text}} if run.chat else {"text": stream.text}
         choices.append({"index": i, **text, "logprobs": run.logprobs_block(run.tokens[i])[0],
-                        "finish_reason": stream.finish_reason})
+                        "finish_reason": reason})
     return {**run.head(), "object": "chat.completion" if run.chat else "text_completion", "choices": choices,
             "usage": run.usage()}
 
@@ -134,12 +146,16 @@ async def sse_lines(run: Run, include_usage: bool) -> AsyncIterator[str]:
     each choice's finish_reason, optional usage, `[DONE]`. Engine errors after the first byte are sent in-stream."""
     sent, offsets = [0] * len(run.streams), [0] * len(run.streams)
     usage = {"usage": None} if include_usage else {}
+    parsers = None if run.tools is None else [ToolCallText(run.tools) for _ in run.streams]
 
-    def chunk(index: int, text: Optional[str], reason: Optional[str], first: bool = False) -> str:
+    def chunk(index: int, text: Optional[str], reason: Optional[str], first: bool = False,
+              calls: Optional[list] = None) -> str:
         tokens, sent[index] = run.tokens[index][sent[index]:], len(run.tokens[index])
         logprobs, offsets[index] = run.logprobs_block(tokens, offsets[index]) if tokens else (None, offsets[index])
         if run.chat:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+            if calls is not None:
+                delta = {"tool_calls": calls}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
@@ -151,10 +167,20 @@ async def sse_lines(run: Run, include_usage: bool) -> AsyncIterator[str]:
                 yield chunk(i, None, None, first=True)
         async for deltas in run.steps():
             for index, text in deltas:
+                reason = run.streams[index].finish_reason
+                if parsers is not None:
+                    text, calls = parsers[index].push(text), None
+                    if reason is not None:
+                        rest, calls = parsers[index].finish()
+                        text += rest
+                        reason = "tool_calls" if calls else reason
                 if text:
                     yield chunk(index, text, None)
-                if run.streams[index].finish_reason is not None:
-                    yield chunk(index, None, run.streams[index].finish_reason)
+                if parsers is not None and reason == "tool_calls":
+                    for k, call in enumerate(calls):  # whole calls, as OpenAI's first delta of each
+                        yield chunk(index, None, None, calls=[{"index": k, **call}])
+                if reason is not None:
+                    yield chunk(index, None, reason)
     except APIError as err:  # the status line is gone: report in the stream
         yield _sse(err.body())
         yield "data: [DONE]\n\n"
