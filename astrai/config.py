@@ -390,25 +390,86 @@ class GRPOSection(PolicyLossFields, Section, name="grpo"):
         Choices(registry.SCALE_REWARDS))
 
 
+class TeacherMap:
+    """The check of `distill.teachers`: a mapping of route values (non-empty strings; the key `default` takes the
+    rows whose value has no teacher of its own) to teachers, each as `distill.teacher` takes one."""
+
+    def problem(self, value: dict) -> Optional[str]:
+        """One line saying what is wrong with `value`, or None."""
+        for route, teacher in value.items():
+            if not isinstance(route, str) or not route.strip():
+                return (f"route {route!r}: expected a non-empty string (the value of distill.route_field that picks "
+                        f"this teacher; quote a number: '{route}')")
+            if not isinstance(teacher, str) or not teacher.strip():
+                return f"{route}: expected a model name or path, or a server URL, got {teacher!r}"
+        return None
+
+    def ok(self, value: dict) -> bool:
+        return self.problem(value) is None
+
+    def describe(self, kind: str) -> str:
+        return "a mapping of route values to teachers (model names, paths or server URLs)"
+
+
+def served_url(teacher: Optional[str]) -> bool:
+    """Whether a teacher names a server (an http:// or https:// URL) rather than a model to load."""
+    return bool(teacher) and teacher.strip().lower().startswith(("http://", "https://"))
+
+
 @dataclass
 class DistillSection(Section, name="distill"):
     """On-policy distillation (Lu and Thinking Machines Lab 2025): a frozen teacher scores the student's sampled
-    tokens; read by the train types that distill (`TrainType.distills`; docs/train_types.md)."""
+    tokens; read by the train types that distill (`TrainType.distills`; docs/train_types.md). One teacher
+    (`teacher`), or several routed by a data column (`teachers` with `route_field`: each prompt row is scored by the
+    teacher its column's value names; TRL#6734)."""
 
     teacher: Optional[str] = field_spec(
         None, "teacher model (as model.path: a name, Hugging Face-format directory or .gguf file, or the URL of an "
               "OpenAI-compatible server, http://host:8000/v1, that echoes prompt log-probs) scoring every "
-              "sampled token; it must share the student's tokenizer; null = no distillation",
+              "sampled token; it must share the student's tokenizer; null = no distillation (or distill.teachers)",
         Pattern(r"\s*\S.*", "a model name or path"))
+    teachers: dict[str, str] = field_spec(
+        {}, "several teachers instead of distill.teacher: {route value: teacher} (each as distill.teacher takes "
+            "one), every prompt row scored by the teacher its distill.route_field column names; the key 'default' "
+            "scores the rows whose value has no teacher of its own (without it such a row is refused at start-up)",
+        TeacherMap())
+    route_field: Optional[str] = field_spec(
+        None, "distill.teachers: the data column whose value names each row's teacher",
+        Pattern(r"\S+", "a column name"))
+    reward_weight: float = field_spec(0.0, "weight of the task reward's advantage (online_grpo: its group "
+                                           "advantage; online_ppo: the score) added to the per-token "
+                                           "distillation advantage; 0 = pure distillation", GE0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.teacher and self.teachers:
+            raise ConfigError("distill.teachers: set together with distill.teacher; name one teacher in "
+                              "distill.teacher or several routed by a column in distill.teachers, not both")
+        if self.teachers and self.route_field is None:
+            raise ConfigError("distill.route_field: distill.teachers routes each prompt row by a data column; name "
+                              "it (e.g. distill.route_field: topic)")
 
     @property
     def served(self) -> bool:
         """Whether `teacher` names a server (an http:// or https:// URL) rather than a model to load."""
-        return bool(self.teacher) and self.teacher.strip().lower().startswith(("http://", "https://"))
+        return served_url(self.teacher)
 
-    reward_weight: float = field_spec(0.0, "weight of the task reward's advantage (online_grpo: its group "
-                                           "advantage; online_ppo: the score) added to the per-token "
-                                           "distillation advantage; 0 = pure distillation", GE0)
+    @property
+    def distills(self) -> bool:
+        """Whether the job distills: `teacher` or `teachers` is set."""
+        return bool(self.teacher or self.teachers)
+
+    @property
+    def teacher_field(self) -> str:
+        """The field that names the job's teacher(s), for messages: `distill.teachers` or `distill.teacher`."""
+        return "distill.teachers" if self.teachers else "distill.teacher"
+
+    def named_teachers(self) -> dict[str, str]:
+        """Each teacher of the job by the field that names it: {"distill.teacher": teacher}, or
+        {"distill.teachers.<route>": teacher} per route in `teachers`' order; {} without distillation."""
+        if self.teachers:
+            return {f"distill.teachers.{route}": teacher for route, teacher in self.teachers.items()}
+        return {"distill.teacher": self.teacher} if self.teacher else {}
 
 
 @dataclass
@@ -578,12 +639,14 @@ class Config:
     def __post_init__(self) -> None:
         kind = self.train.type
         spec = train_types.get(kind)
-        if self.distill.teacher and not spec.distills:
+        if self.distill.distills and not spec.distills:
             distillers = " and ".join(t.name for t in train_types.all_train_types() if t.distills)
-            raise ConfigError(f"distill.teacher: on-policy distillation scores the tokens sampled by {distillers}; "
-                              f"train.type {kind} samples none; set distill.teacher to null")
-        if self.distill.served and self.rollout.temperature != 1.0:
-            raise ConfigError(f"distill.teacher: a served teacher returns log-probs of its raw distribution (as vLLM "
+            name = self.distill.teacher_field
+            raise ConfigError(f"{name}: on-policy distillation scores the tokens sampled by {distillers}; "
+                              f"train.type {kind} samples none; set {name} to {'{}' if self.distill.teachers else 'null'}")
+        served = [name for name, teacher in self.distill.named_teachers().items() if served_url(teacher)]
+        if served and self.rollout.temperature != 1.0:
+            raise ConfigError(f"{served[0]}: a served teacher returns log-probs of its raw distribution (as vLLM "
                               f"echoes prompt log-probs), which match the student's only at rollout.temperature 1, "
                               f"got {self.rollout.temperature:g}; set it to 1 or load the teacher locally")
         spec.check(self)
@@ -697,8 +760,8 @@ def ignored_settings(config: Config) -> list[str]:
     ``reward.format_bonus`` / ``reward.partial_credit`` (options of the single ``reward.name``) when
     ``reward.functions`` or ``reward.model_path`` replace it, and the episode caps (`EPISODE_FIELDS`) without
     ``rollout.tools`` or ``rollout.environment``, the `ENVIRONMENT_FIELDS` without ``rollout.environment``
-    (``environment_field`` unless it routes rows), and ``distill.reward_weight`` without ``distill.teacher``. Empty
-    when there are none."""
+    (``environment_field`` unless it routes rows), ``distill.reward_weight`` without a teacher and
+    ``distill.route_field`` without ``distill.teachers``. Empty when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -714,8 +777,10 @@ def ignored_settings(config: Config) -> list[str]:
     unread = list(ENVIRONMENT_FIELDS) if env is None else [] if EnvironmentReference.routes(env) else [
         "environment_field"]
     names += [f"rollout.{f}" for f in unread if getattr(rollout, f) != getattr(default, f)]
-    if not config.distill.teacher and config.distill.reward_weight != DistillSection().reward_weight:
+    if not config.distill.distills and config.distill.reward_weight != DistillSection().reward_weight:
         names.append("distill.reward_weight")
+    if not config.distill.teachers and config.distill.route_field is not None:
+        names.append("distill.route_field")
     reward = config.reward  # the single reward.name's options, when reward.functions or the reward model replace it
     if reward.functions or reward.model_path:
         names += [f"reward.{option}" for option in ("format_bonus", "partial_credit") if getattr(reward, option)]
@@ -732,7 +797,9 @@ def why_ignored(config: Config, name: str) -> str:
     if name.startswith("rollout.") and field in ENVIRONMENT_FIELDS:
         return "read only with rollout.environment"
     if name == "distill.reward_weight":
-        return "read only with distill.teacher"
+        return "read only with distill.teacher or distill.teachers"
+    if name == "distill.route_field":
+        return "read only with distill.teachers"
     if name.startswith("reward."):
         return "an option of reward.name, which reward.functions / reward.model_path replace"
     return f"not read by train.type {config.train.type}"

@@ -455,6 +455,7 @@ class EpisodeRunner:
         stats = {f"episodes/{k}": v for k, v in episode_metrics(episodes).items()}
         experience = Experience.from_trajectories(trajectories, pad_token_id=self.engine.pad_token_id,
                                                   device=self.engine.device, timings=timings, stats=stats)
+        experience = dataclasses.replace(experience, routes=self.runner.routes_of(records))  # distill.teachers
         return self.runner.count_truncated(experience)
 
     @property

@@ -256,7 +256,8 @@ class PartialRollouts:
         return dataclasses.replace(batch, scores=scores.to(batch.old_logprobs.device), responses=responses,
                                    policy_version=policy_version,
                                    reward_components=dict(getattr(scored, "components", {})),
-                                   reward_failed=dict(getattr(scored, "failed", {})))
+                                   reward_failed=dict(getattr(scored, "failed", {})),
+                                   routes=runner.routes_of(answers))  # each sample's teacher (distill.teachers)
 
     def state_dict(self, records: Optional[Sequence[Any]]) -> dict:
         """The groups in flight (plain lists; loadable with `torch.load(weights_only=True)`), each record saved as

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from astrai.data.sequences import Sequences
+from astrai.experience.teachers import TeacherRoutes
 from astrai.experience.trajectory import Experience
 from astrai.forward import response_logprobs, score_in_chunks
 from astrai.rollout.sampling import SamplingParams
@@ -32,7 +34,9 @@ class RolloutRunner:
         score_fn: the reward, see `ScoreFn`.
         ref_model: frozen reference policy (or the teacher of on-policy distillation in its place), or None; an
             object that is not a module scores by its own `response_logprobs(sequences) -> (B, T) float32` (a
-            served teacher, `astrai.experience.served_teacher.ServedTeacher`).
+            served teacher, `astrai.experience.served_teacher.ServedTeacher`); several teachers routed by a data
+            column (`astrai.experience.teachers.TeacherRoutes`) score each sample with the teacher of its prompt
+            record (`routes_of`, carried by the experience as `Experience.routes`).
         chunk_size: rows per no-grad scoring forward.
         agree: with several ranks, `agree(line or None) -> line or None` (the distributed context's
             `first_failure`): the ranks agree right after generating whether the sampler met non-finite logits
@@ -115,8 +119,20 @@ class RolloutRunner:
         experience = Experience(sequences=sequences, old_logprobs=generation.old_logprobs, ref_logprobs=None,
                                 scores=scores.to(generation.old_logprobs.device), responses=responses,
                                 policy_version=generation.policy_version, timings=timings,
-                                reward_components=dict(components), reward_failed=dict(failed))
+                                reward_components=dict(components), reward_failed=dict(failed),
+                                routes=self.routes_of(answers))
         return self.count_truncated(experience)
+
+    def routes_of(self, records: Sequence[Any]) -> Optional[tuple[str, ...]]:
+        """Per prompt record (the score function's targets, one per sample) the route of the teacher that scores
+        it, when `ref_model` routes rows to several teachers (`teachers.TeacherRoutes.route_of`); None otherwise.
+
+        Raises:
+            ValueError: a record whose route value has no teacher (checked at start-up already).
+        """
+        if not isinstance(self.ref_model, TeacherRoutes):
+            return None
+        return tuple(self.ref_model.route_of(record) for record in records)
 
     def count_truncated(self, experience: Experience) -> Experience:
         """`experience` with `stats["truncated_fraction"]` (`truncated_fraction`); the first time it is more than
@@ -144,15 +160,30 @@ class RolloutRunner:
     def add_reference(self, experience: Experience) -> Experience:
         """`experience` with the reference model's log-probs (B, T) float32 of its responses at the sampling
         temperature, scored `chunk_size` rows per no-grad forward (timing "reference"); unchanged without a
-        reference model."""
+        reference model. Several routed teachers (`teachers.TeacherRoutes`) score the rows of each teacher
+        together, each row by the teacher of its route (`experience.routes`).
+
+        Raises:
+            ValueError: routed teachers and an experience without routes.
+        """
         if self.ref_model is None:
             return experience
         start = time.perf_counter()
-        if isinstance(self.ref_model, torch.nn.Module):
-            ref_logprobs = score_in_chunks(
-                lambda chunk: response_logprobs(self.ref_model, chunk, temperature=self.sampling.temperature)[0],
-                experience.sequences, self.chunk_size)
-        else:  # a scorer of its own (a served teacher: `served_teacher.ServedTeacher`)
-            ref_logprobs = self.ref_model.response_logprobs(experience.sequences)
+        if isinstance(self.ref_model, TeacherRoutes):
+            if experience.routes is None:
+                raise ValueError("distill.teachers: the experience carries no routes to pick each row's teacher by")
+            ref_logprobs = self.ref_model.response_logprobs(experience.sequences, experience.routes, self.score)
+        else:
+            ref_logprobs = self.score(self.ref_model, experience.sequences)
         timings = {**experience.timings, "reference": time.perf_counter() - start}
         return dataclasses.replace(experience, ref_logprobs=ref_logprobs, timings=timings)
+
+    def score(self, model, sequences: Sequences) -> torch.Tensor:
+        """The log-probs (B, T) float32 that `model` gives `sequences`' response tokens: a module at the sampling
+        temperature, `chunk_size` rows per no-grad forward; any other object by its own
+        `response_logprobs(sequences)` (a served teacher: `served_teacher.ServedTeacher`)."""
+        if isinstance(model, torch.nn.Module):
+            temperature = self.sampling.temperature
+            return score_in_chunks(lambda chunk: response_logprobs(model, chunk, temperature=temperature)[0],
+                                   sequences, self.chunk_size)
+        return model.response_logprobs(sequences)

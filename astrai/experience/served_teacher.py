@@ -11,7 +11,8 @@ astrai's server return the log-probs of a prompt's own tokens; the response toke
 needs `rollout.temperature` 1). The served model is the first of `GET {url}/models`, its context `max_model_len` when
 the server says it (vLLM and astrai's server do); `OPENAI_API_KEY`, when set, is sent as the bearer token. A row
 longer than the server's context is answered 400 (`context_length_exceeded`), which stops the job in one line naming
-`distill.teacher`. Only the standard library speaks HTTP here.
+`distill.teacher` (or the `distill.teachers.<route>` entry that names the server: several teachers routed by a data
+column, `astrai.experience.teachers`). Only the standard library speaks HTTP here.
 
 The teacher must share the student's tokenizer: at start-up (`ServedTeacher.check_tokenizer`) a probe text's token
 ids are scored and the token strings the server echoes must spell the student's tokens; otherwise the job is refused
@@ -39,7 +40,8 @@ PROBE = "The teacher scores 12 + 35 = 47, and then: done."
 
 class TeacherServerError(ValueError):
     """The served teacher cannot be reached or answers something else than prompt log-probs; one line naming
-    `distill.teacher`, the URL and the cause (exit code 2 from the trainer)."""
+    the teacher's field (`distill.teacher`, or `distill.teachers.<route>`), the URL and the cause (exit code 2 from
+    the trainer)."""
 
 
 class ServedTeacher:
@@ -51,6 +53,8 @@ class ServedTeacher:
         timeout_seconds: per HTTP request; retries: further attempts after a connection error or a 5xx answer,
             1 s, 2 s, 4 s ... apart.
         rows_per_request: rows sent in one request.
+        field: the config field that names this teacher, which every error message starts with
+            (`distill.teacher`, or `distill.teachers.<route>` for one of several routed teachers).
 
     Attributes:
         model: the served model's id; max_model_len: its context in tokens when `/models` says it, else None.
@@ -61,17 +65,18 @@ class ServedTeacher:
     """
 
     def __init__(self, base_url: str, *, timeout_seconds: float = 300.0, retries: int = 3,
-                 rows_per_request: int = 16):
+                 rows_per_request: int = 16, field: str = "distill.teacher"):
+        self.field = field
         self.base_url = base_url.strip().rstrip("/")
         self.timeout_seconds, self.retries, self.rows_per_request = timeout_seconds, retries, rows_per_request
         self.model, self.max_model_len = "", None
         try:
             models = self._call("GET", "/models").get("data") or []
         except _NotFound as err:
-            raise TeacherServerError(f"{err}; distill.teacher must be the server's API root, where /models and "
+            raise TeacherServerError(f"{err}; {self.field} must be the server's API root, where /models and "
                                      f"/completions are (e.g. http://host:8000/v1)") from None
         if not models or not isinstance(models[0], dict) or "id" not in models[0]:
-            raise TeacherServerError(f"distill.teacher: {self.base_url}/models lists no model")
+            raise TeacherServerError(f"{self.field}: {self.base_url}/models lists no model")
         self.model = models[0]["id"]
         context = models[0].get("max_model_len")
         self.max_model_len = context if isinstance(context, int) and context > 0 else None
@@ -87,12 +92,12 @@ class ServedTeacher:
         echoed = self._echo([ids])[0]["tokens"]
         ours = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
         if len(echoed) != len(ids):
-            raise TeacherServerError(f"distill.teacher: {self.base_url} echoed {len(echoed)} tokens for {len(ids)} "
+            raise TeacherServerError(f"{self.field}: {self.base_url} echoed {len(echoed)} tokens for {len(ids)} "
                                      "token ids: it does not score token-id prompts as sent")
         for position, (theirs, mine) in enumerate(zip(echoed, ours)):
             if theirs != mine:
                 raise TeacherServerError(
-                    f"distill.teacher: {self.base_url} ({self.model}) does not share the student's tokenizer: token "
+                    f"{self.field}: {self.base_url} ({self.model}) does not share the student's tokenizer: token "
                     f"id {ids[position]} is {theirs!r} for the teacher, {mine!r} for the student; the teacher scores "
                     "the student's token ids, so cross-tokenizer distillation is not supported")
 
@@ -113,7 +118,7 @@ class ServedTeacher:
             for b, (ids, logprobs) in enumerate(zip(chunk, self._echo(chunk)), start=first):
                 values = logprobs["token_logprobs"]
                 if len(values) != len(ids):
-                    raise TeacherServerError(f"distill.teacher: {self.base_url} scored {len(values)} tokens of a "
+                    raise TeacherServerError(f"{self.field}: {self.base_url} scored {len(values)} tokens of a "
                                              f"{len(ids)}-token row")
                 response = values[prompt_lengths[b]:]
                 out[b, :len(response)] = torch.tensor(response, dtype=torch.float32)
@@ -125,7 +130,7 @@ class ServedTeacher:
                                                    "max_tokens": 0, "logprobs": 0, "temperature": 1.0})
         choices = sorted(body.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != len(prompts) or any(not isinstance(c.get("logprobs"), dict) for c in choices):
-            raise TeacherServerError(f"distill.teacher: {self.base_url}/completions answered {len(choices)} choices "
+            raise TeacherServerError(f"{self.field}: {self.base_url}/completions answered {len(choices)} choices "
                                      f"with log-probs for {len(prompts)} prompts (it needs echo with max_tokens 0)")
         return [c["logprobs"] for c in choices]
 
@@ -145,15 +150,15 @@ class ServedTeacher:
                 detail, code = _error_message(err)
                 if code == "context_length_exceeded" or "maximum context length" in detail:
                     raise TeacherServerError(
-                        f"distill.teacher: {self.base_url} ({self.model}) cannot score a row this long: {detail}; "
+                        f"{self.field}: {self.base_url} ({self.model}) cannot score a row this long: {detail}; "
                         "its context must hold data.max_prompt_length + rollout.max_new_tokens tokens") from None
                 if err.code < 500 or attempt == self.retries:
                     kind = _NotFound if err.code == 404 else TeacherServerError
-                    raise kind(f"distill.teacher: {method} {url} answered {err.code}: {detail}") from None
+                    raise kind(f"{self.field}: {method} {url} answered {err.code}: {detail}") from None
             except (urllib.error.URLError, OSError, json.JSONDecodeError) as err:
                 if attempt == self.retries:
                     reason = getattr(err, "reason", err)
-                    raise TeacherServerError(f"distill.teacher: {method} {url} failed after {self.retries + 1} "
+                    raise TeacherServerError(f"{self.field}: {method} {url} failed after {self.retries + 1} "
                                              f"attempts: {reason}") from None
             time.sleep(2 ** attempt)
         raise AssertionError("unreachable")

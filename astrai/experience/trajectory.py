@@ -116,6 +116,9 @@ class Experience:
         turn_starts: per sample, the offsets where the policy's turns start in its response ((0,) each, single turn).
         messages: per sample, a multi-turn episode's new messages (the completion the reward functions received;
             `Trajectory.messages`), None for a single-turn sample; None altogether: no sample has them.
+        routes: per sample, the route of the teacher that scores it when several teachers are routed by a data
+            column (`distill.teachers`: its prompt record's value, `astrai.experience.teachers.route_of`; the G
+            samples of a prompt share it); None: not routed.
     """
 
     sequences: Sequences
@@ -131,6 +134,7 @@ class Experience:
     policy_versions: Optional[torch.Tensor] = None
     turn_starts: Optional[tuple[tuple[int, ...], ...]] = None
     messages: Optional[tuple[Optional[Sequence[Mapping[str, Any]]], ...]] = None
+    routes: Optional[tuple[str, ...]] = None
 
     def __post_init__(self):
         if self.policy_versions is None:
@@ -152,11 +156,12 @@ class Experience:
             reward_components={k: v[index.cpu()] for k, v in self.reward_components.items()},
             reward_failed={k: v[index.cpu()] for k, v in self.reward_failed.items()},
             policy_versions=self.policy_versions[index], turn_starts=tuple(self.turn_starts[i] for i in rows),
-            messages=None if self.messages is None else tuple(self.messages[i] for i in rows))
+            messages=None if self.messages is None else tuple(self.messages[i] for i in rows),
+            routes=None if self.routes is None else tuple(self.routes[i] for i in rows))
 
     def trajectories(self) -> list[Trajectory]:
         """The batch's samples as trajectories (padding dropped); `from_trajectories` of them rebuilds this batch
-        exactly (reference log-probs, timings and stats aside)."""
+        exactly (reference log-probs, timings, stats and teacher routes aside)."""
         seq = self.sequences
         prompt_mask = seq.attention_mask[:, :seq.prompt_length].bool().cpu()
         response_mask, actions = seq.response_mask.cpu(), seq.action_mask.bool().cpu()
@@ -224,8 +229,8 @@ def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experi
     the versions), the timings of the phases summed. Its stats are empty (the caller sets them).
 
     Raises:
-        ValueError: for no parts, parts of different policy versions, or some parts with reference log-probs and
-            some without.
+        ValueError: for no parts, parts of different policy versions, or some parts with reference log-probs (or
+            teacher routes) and some without.
     """
     if not parts:
         raise ValueError("concat_experiences: no parts")
@@ -234,6 +239,8 @@ def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experi
         raise ValueError(f"concat_experiences: parts of several policy versions {sorted(versions)}")
     if len({p.ref_logprobs is None for p in parts}) != 1:
         raise ValueError("concat_experiences: some parts have ref_logprobs and some do not")
+    if len({p.routes is None for p in parts}) != 1:
+        raise ValueError("concat_experiences: some parts have teacher routes and some do not")
     width = max(p.old_logprobs.shape[1] for p in parts)
 
     def per_token(tensors, value=0):
@@ -252,7 +259,8 @@ def concat_experiences(parts: Sequence[Experience], pad_token_id: int) -> Experi
                       policy_versions=per_token([p.policy_versions for p in parts], NOT_SAMPLED),
                       turn_starts=tuple(s for p in parts for s in p.turn_starts),
                       messages=(None if all(p.messages is None for p in parts) else
-                                tuple(m for p in parts for m in (p.messages or (None,) * len(p)))))
+                                tuple(m for p in parts for m in (p.messages or (None,) * len(p)))),
+                      routes=None if parts[0].routes is None else tuple(r for p in parts for r in p.routes))
 
 
 def summed_timings(experiences: Sequence[Experience]) -> dict[str, float]:

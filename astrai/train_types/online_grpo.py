@@ -23,13 +23,14 @@ def check_grpo(config) -> None:
                           "exclusive; set one of them to 0")
     estimator = config.grpo.advantage_estimator
     reads_teacher = registry.ESTIMATORS[estimator].needs_teacher
-    if reads_teacher and not config.distill.teacher:
+    if reads_teacher and not config.distill.distills:
         raise ConfigError(f"grpo.advantage_estimator: {estimator} scores the samples with a teacher's log-probs; "
                           f"name the teacher in distill.teacher (online_grpo; a model with the student's tokenizer)")
-    if config.distill.teacher and not reads_teacher:
-        choices = ", ".join(registry.teacher_estimators())
-        raise ConfigError(f"distill.teacher: set, but grpo.advantage_estimator {estimator} does not read a teacher; "
-                          f"set grpo.advantage_estimator to {choices} (or distill.teacher to null)")
+    if config.distill.distills and not reads_teacher:
+        choices, name = ", ".join(registry.teacher_estimators()), config.distill.teacher_field
+        raise ConfigError(f"{name}: set, but grpo.advantage_estimator {estimator} does not read a teacher; "
+                          f"set grpo.advantage_estimator to {choices} (or {name} to "
+                          f"{'{}' if config.distill.teachers else 'null'})")
     check_teacher(config, "grpo", ("kl_coef", "kl_reward_coef"))
 
 

@@ -104,7 +104,7 @@ def check_teacher(config, section: str, kl_fields: tuple[str, ...]) -> None:
     Raises:
         ConfigError: one line naming the field.
     """
-    if not config.distill.teacher:
+    if not config.distill.distills:  # distill.teacher, or distill.teachers routed by a column
         return
     if config.rollout.dynamic_sampling:
         raise ConfigError("rollout.dynamic_sampling: drops groups whose rewards are all equal as carrying no signal, "

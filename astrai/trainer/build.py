@@ -39,7 +39,7 @@ from astrai.trainer.lock import OutputDirLock, OutputDirLocked
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
 from astrai.trainer.memory_plan import planned_job
-from astrai.trainer.models import apply_model_options, load_teacher
+from astrai.trainer.models import apply_model_options, check_teacher_routes, load_teachers, local_teacher_configs
 from astrai.trainer.resume import check_resume, restore
 from astrai.trainer.resume_changes import ConfiguredSchedule, config_changes
 from astrai.trainer.resume_changes import describe as describe_changes
@@ -318,9 +318,10 @@ def check_job(config: Config, *, world_size: int) -> str:
     `runtime.device`, the model (loaded on CPU; a directory without weights, config.json and tokenizer only, as its
     shapes on the meta device) and its length and vocabulary limits, the memory per rank (`memory_plan.planned_job`:
     its table follows the summary line; refused in one line when it cannot fit), the teacher of
-    `distill.teacher` (loaded on CPU, its tokenizer the student's: `models.load_teacher`), how prompts are rendered
-    (`data.chat_template` against the tokenizer, `prompt_format.check_job_prompt_format`: the raw-text line is said
-    here too), the data as the train type will train on it, for online train types the rollout engine's settings on
+    `distill.teacher` or every teacher of `distill.teachers` (loaded on CPU, its tokenizer the student's:
+    `models.load_teachers`; the data's rows routed by `distill.route_field`, `models.check_teacher_routes`), how
+    prompts are rendered (`data.chat_template` against the tokenizer, `prompt_format.check_job_prompt_format`: the
+    raw-text line is said here too), the data as the train type will train on it, for online train types the rollout engine's settings on
     the run's device (`rollout.engine`, dtype, attention backend, CUDA graphs), the reward functions (imported and
     matched to the data's columns, in this process), the tools and environment classes of multi-turn episodes
     (`load_job_tools`, `load_job_environment`: imported, schemas, template, data columns), and the held-out data of `train.eval_steps`. Launch scripts run
@@ -349,11 +350,12 @@ def check_job(config: Config, *, world_size: int) -> str:
                                         revision=config.model.revision, shapes_only=True)  # weights not needed
     check_model_limits(config, policy.config, tokenizer)
     check_job_prompt_format(config, tokenizer)  # data.chat_template against the tokenizer, said once
-    teacher = load_teacher(config, tokenizer) if config.distill.teacher else None  # shares the student's tokenizer
+    teachers = load_teachers(config, tokenizer)  # each shares the student's tokenizer
     memory, memory_note = planned_job(config, policy.config, strategy=plan.strategy, world_size=world_size,
                                       device=device, local_world_size=_local_world_size(world_size),
-                                      teacher_config=getattr(teacher, "config", None))  # refused if it cannot fit
+                                      teacher_configs=local_teacher_configs(teachers))  # refused if it cannot fit
     data = spec.load_data(config, policy.config, tokenizer, main=True)
+    check_teacher_routes(config, data)  # distill.teachers: every row has a teacher
     if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
         check_rollout_engine(config, policy.config, device)
         build_rewards(config, data, num_workers=0).close()

@@ -13,7 +13,9 @@ What is counted, per rank, in bytes (`plan_memory`):
   nothing. The sums agree with `bench/memory.py`'s measured state at the step (tests/test_memory_plan.py). Under LoRA (`model.lora`) only the adapters are trained: the
   base parameters have no gradient and no optimizer state;
 - the frozen models (the train type's `models_held`): the reference policy of a KL term or of dpo (none under LoRA:
-  it is the policy's own base), the teacher of on-policy distillation in its place, each in `model.dtype`, partitioned (/ N) under fsdp2 and zero3;
+  it is the policy's own base), the teacher of on-policy distillation in its place (every distinct local teacher of
+  `distill.teachers`, one item each; served teachers none), each in `model.dtype`, partitioned (/ N) under fsdp2 and
+  zero3;
 - the colocated rollout engine (online train types): its weight copy in `rollout.dtype` (else `model.dtype`) and its
   KV cache at `rollout.engine_options.max_kv_tokens` (the paged engine's default 32768 tokens when unset), 2 x layers
   x KV heads x head_dim per token; both split over `rollout.tensor_parallel_size` T (KV heads below T replicated, as
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -37,7 +39,7 @@ from astrai.models import AutoRegressiveLM
 from astrai.models.config import ModelConfig
 from astrai.models.value_model import ValueModel
 
-__all__ = ["MemoryPlan", "MemoryItem", "plan_memory", "device_bytes", "check_fits", "WARN_FRACTION"]
+__all__ = ["MemoryPlan", "MemoryItem", "plan_memory", "device_bytes", "check_fits", "local_teachers", "WARN_FRACTION"]
 
 WARN_FRACTION = 0.8
 """Above this share of the device, the plan warns that activations and runtime may not fit beside it."""
@@ -155,12 +157,30 @@ def _trained(name: str, params: int, trained: int, *, param_bytes: int, strategy
     return items
 
 
+def local_teachers(config) -> dict[str, str]:
+    """The local teachers of on-policy distillation the job holds (served ones hold no memory here): memory item name
+    -> route. `distill.teacher`: {"teacher": ""}; `distill.teachers`: {"teacher <route>": route} per distinct
+    local teacher (routes naming the same one share its copy: the first route names it); {} otherwise."""
+    from astrai.config import served_url
+
+    distill = config.distill
+    if distill.teachers:
+        first = {}
+        for route, path in distill.teachers.items():
+            if not served_url(path):
+                first.setdefault(path.strip(), route)
+        return {f"teacher {route}": route for route in first.values()}
+    return {"teacher": ""} if distill.teacher and not distill.served else {}
+
+
 def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size: int, device: torch.device,
-                local_world_size: int = 1, teacher_config: Optional[ModelConfig] = None) -> MemoryPlan:
+                local_world_size: int = 1, teacher_config: Optional[ModelConfig] = None,
+                teacher_configs: Optional[Mapping[str, ModelConfig]] = None) -> MemoryPlan:
     """The planned bytes per rank of the job of `config` (a validated `astrai.config.Config`) for a policy of
     `model_config`, under the resolved `strategy` (ddp, zero1, zero2, zero3, fsdp2) at `world_size` ranks on `device`
     (`local_world_size` ranks per node share a CPU's memory; `distributed.device_memory_gib`, when set, is the
-    memory per rank instead); `teacher_config` is the local teacher's shape (None: the policy's). See the module
+    memory per rank instead); `teacher_config` is the local teacher's shape (None: the policy's), `teacher_configs`
+    each routed local teacher's by route (`distill.teachers`; one missing: the policy's). See the module
     docstring for what is counted."""
     from astrai import train_types
 
@@ -180,12 +200,13 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
         items += _trained("critic", critic, critic, param_bytes=param_bytes, strategy=strategy, n=n, master=master)
     frozen_shard = n if strategy in SHARDS_PARAMETERS else 1
     frozen_note = f" / {n} ranks ({strategy})" if frozen_shard > 1 else ""
-    teacher = config.distill.teacher and not config.distill.served
-    if teacher:
-        count = parameter_count(teacher_config or model_config)
-        items.append(MemoryItem("teacher", count * param_bytes // frozen_shard,
+    teachers = local_teachers(config)
+    for name, route in teachers.items():
+        shape = (teacher_configs or {}).get(route) or (teacher_config if route == "" else None) or model_config
+        count = parameter_count(shape)
+        items.append(MemoryItem(name, count * param_bytes // frozen_shard,
                                 f"{count / 1e6:.1f}M x {param_bytes} B{frozen_note}"))
-    elif held.reference and not lora:
+    if not teachers and held.reference and not lora:
         items.append(MemoryItem("reference", params * param_bytes // frozen_shard,
                                 f"{params / 1e6:.1f}M x {param_bytes} B{frozen_note}"))
     if spec.online:
@@ -233,8 +254,8 @@ def check_fits(plan: MemoryPlan, alternatives: dict[str, MemoryPlan]) -> Optiona
 
 
 def planned_job(config, model_config: ModelConfig, *, strategy: str, world_size: int, device: torch.device,
-                local_world_size: int = 1, teacher_config: Optional[ModelConfig] = None) -> tuple[MemoryPlan,
-                                                                                                  Optional[str]]:
+                local_world_size: int = 1, teacher_config: Optional[ModelConfig] = None,
+                teacher_configs: Optional[Mapping[str, ModelConfig]] = None) -> tuple[MemoryPlan, Optional[str]]:
     """The job's plan (`plan_memory`) and `check_fits`'s warning (or None), with the settings that would make a
     plan that cannot fit smaller tried in this order: a fully sharded strategy (fsdp2, at several ranks), LoRA
     (`model.lora` r 16, for full training), the rollout engine split over the ranks
@@ -247,7 +268,7 @@ def planned_job(config, model_config: ModelConfig, *, strategy: str, world_size:
     from astrai import train_types
 
     kwargs = dict(world_size=world_size, device=device, local_world_size=local_world_size,
-                  teacher_config=teacher_config)
+                  teacher_config=teacher_config, teacher_configs=teacher_configs)
     plan = plan_memory(config, model_config, strategy=strategy, **kwargs)
     if not plan.available or plan.total <= plan.available:
         return plan, check_fits(plan, {})

@@ -1,8 +1,8 @@
 """The models of a job as the trainer holds them: trained models (`astrai.distributed.sharding.TrainedModel`: a
 model with its optimizer and schedule under the run's data-parallel engine, the unit `Trainer.accumulate_and_step`
-steps) built from the config, frozen reference copies, the frozen teacher of on-policy distillation
-(`distill.teacher`, checked to share the student's tokenizer), and the model options applied before a learner is
-built (MoE).
+steps) built from the config, frozen reference copies, the frozen teacher(s) of on-policy distillation
+(`distill.teacher`, or `distill.teachers` routed by a data column; each checked to share the student's
+tokenizer), and the model options applied before a learner is built (MoE).
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ from typing import Optional
 
 import torch
 
-from astrai.config import ConfigError
+from astrai.config import ConfigError, served_url
 from astrai.distributed.sharding import TrainedModel, prepare_reference, prepare_trained
 from astrai.experience.served_teacher import ServedTeacher
+from astrai.experience.teachers import TeacherRoutes, check_routes
 from astrai.models import load_pretrained
 from astrai.models.moe import collect_aux_loss, convert_to_moe
 from astrai.trainer.lora import AdaptersOff, LoraAdapters, lora_settings, shared_base_model
 from astrai.trainer.optim import build_optimizer, build_scheduler
 
-__all__ = ["TrainedModel", "apply_model_options", "build_trained_model", "frozen_copy", "load_teacher",
-           "moe_aux_loss", "reference_model", "teacher_model", "vocabulary_mismatch"]
+__all__ = ["TrainedModel", "apply_model_options", "build_trained_model", "check_teacher_routes", "frozen_copy",
+           "load_teacher", "load_teachers", "local_teacher_configs", "moe_aux_loss", "reference_model", "teacher_model",
+           "vocabulary_mismatch"]
 
 
 def build_trained_model(config, dist, model: torch.nn.Module, *, name: str,
@@ -90,8 +92,10 @@ def vocabulary_mismatch(student, teacher) -> Optional[str]:
     return None
 
 
-def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu") -> torch.nn.Module | ServedTeacher:
-    """The teacher of on-policy distillation: `distill.teacher` loaded as `model.path` is (`models.load_pretrained`,
+def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu", path: Optional[str] = None,
+                 field: str = "distill.teacher") -> torch.nn.Module | ServedTeacher:
+    """The teacher of on-policy distillation: `distill.teacher` (or `path`, the teacher named by the config field
+    `field`: one of `distill.teachers`) loaded as `model.path` is (`models.load_pretrained`,
     `model.dtype`, on `device`), in eval mode with every parameter frozen, once it is checked to score the
     student's token ids: its tokenizer equals the student's `tokenizer` (`vocabulary_mismatch`; cross-tokenizer
     distillation is out of scope), its embedding holds every id of it, and its context (`max_position_embeddings`)
@@ -101,63 +105,130 @@ def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu") -> to
     says its `max_model_len`, to hold that sequence too. Also what `--check` runs.
 
     Raises:
-        ConfigError: one line naming `distill.teacher`, for a URL of another scheme than http / https, another
+        ConfigError: one line naming `field`, for a URL of another scheme than http / https, another
             tokenizer, too small an embedding or too short a context; FileNotFoundError / NotADirectoryError /
-            ValueError from loading, their message prefixed with `distill.teacher: `; TeacherServerError (a
+            ValueError from loading, their message prefixed with `{field}: `; TeacherServerError (a
             ValueError) for a server that does not answer, or answers with another tokenizer.
     """
-    path = config.distill.teacher
+    path = config.distill.teacher if path is None else path
     scheme = _URL_SCHEME.match(path.strip())
-    if scheme and not config.distill.served:
-        raise ConfigError(f"distill.teacher: {path} is a URL of scheme {scheme.group(1)}; a served teacher is an "
+    if scheme and not served_url(path):
+        raise ConfigError(f"{field}: {path} is a URL of scheme {scheme.group(1)}; a served teacher is an "
                           f"http:// or https:// URL (the API root, e.g. http://host:8000/v1), a local one a model "
                           f"name, directory or .gguf file")
-    if config.distill.served:
-        served = ServedTeacher(path)
+    if served_url(path):
+        served = ServedTeacher(path, field=field)
         served.check_tokenizer(tokenizer)
-        _check_teacher_context(config, served.max_model_len, "max_model_len")
+        _check_teacher_context(config, served.max_model_len, "max_model_len", path, field)
         return served
     try:
         teacher, teacher_tokenizer = load_pretrained(path, dtype=getattr(torch, config.model.dtype), device=device)
     except (FileNotFoundError, NotADirectoryError) as err:
-        raise type(err)(f"distill.teacher: {err}") from None
+        raise type(err)(f"{field}: {err}") from None
     except ValueError as err:  # a file that is no model, a bad config.json ...: named as the teacher's
-        raise ConfigError(f"distill.teacher: {' '.join(str(err).split())}") from None
+        raise ConfigError(f"{field}: {' '.join(str(err).split())}") from None
     why = vocabulary_mismatch(tokenizer, teacher_tokenizer)
     if why is not None:
-        raise ConfigError(f"distill.teacher: {path} does not share the student's tokenizer ({config.model.path}): "
+        raise ConfigError(f"{field}: {path} does not share the student's tokenizer ({config.model.path}): "
                           f"{why}; the teacher scores the student's token ids, so cross-tokenizer distillation is "
                           f"not supported")
     if teacher.config.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"distill.teacher: {path} has vocab_size={teacher.config.vocab_size} embedding rows for "
+        raise ConfigError(f"{field}: {path} has vocab_size={teacher.config.vocab_size} embedding rows for "
                           f"a tokenizer of {tokenizer.vocab_size} tokens")
-    _check_teacher_context(config, teacher.config.max_position_embeddings, "max_position_embeddings")
+    _check_teacher_context(config, teacher.config.max_position_embeddings, "max_position_embeddings", path, field)
     return teacher.eval().requires_grad_(False)
+
+
+def load_teachers(config, tokenizer, *, device: torch.device | str = "cpu"
+                  ) -> dict[str, torch.nn.Module | ServedTeacher]:
+    """Every teacher of the job by route: {"": `load_teacher`} for `distill.teacher`, or one per route of
+    `distill.teachers` (each checked as `load_teacher` checks one, its errors naming `distill.teachers.<route>`;
+    routes naming the same teacher share one loaded copy); {} without distillation."""
+    distill = config.distill
+    if not distill.teachers:
+        return {"": load_teacher(config, tokenizer, device=device)} if distill.teacher else {}
+    loaded: dict[str, torch.nn.Module | ServedTeacher] = {}
+    out = {}
+    for route, path in distill.teachers.items():
+        key = path.strip()
+        if key not in loaded:
+            loaded[key] = load_teacher(config, tokenizer, device=device, path=path, field=f"distill.teachers.{route}")
+        out[route] = loaded[key]
+    return out
+
+
+def local_teacher_configs(teachers: dict) -> dict[str, object]:
+    """The model configs of the distinct local teachers of `load_teachers`' answer, by route (the first route of a
+    shared one): what the memory plan counts (served teachers hold no memory here)."""
+    seen, out = set(), {}
+    for route, teacher in teachers.items():
+        if isinstance(teacher, torch.nn.Module) and id(teacher) not in seen:
+            seen.add(id(teacher))
+            out[route] = teacher.config
+    return out
 
 
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 """A URL's scheme (`ftp://...`): a teacher named so is a server, never a path."""
 
 
-def _check_teacher_context(config, context: Optional[int], name: str) -> None:
-    """ConfigError naming `distill.teacher` when the teacher's `context` (its `name`: `max_position_embeddings`, or
-    a server's `max_model_len`; None: unknown, not checked) is shorter than the rollout's longest sequence,
-    `data.max_prompt_length + rollout.max_new_tokens` tokens, all of which the teacher scores."""
+def _check_teacher_context(config, context: Optional[int], name: str, path: str, field: str) -> None:
+    """ConfigError naming `field` (the teacher `path`'s) when the teacher's `context` (its `name`:
+    `max_position_embeddings`, or a server's `max_model_len`; None: unknown, not checked) is shorter than the
+    rollout's longest sequence, `data.max_prompt_length + rollout.max_new_tokens` tokens, all of which the teacher
+    scores."""
     need = config.data.max_prompt_length + config.rollout.max_new_tokens
     if context is not None and context < need:
-        raise ConfigError(f"distill.teacher: {config.distill.teacher} has {name}={context}, fewer than the "
+        raise ConfigError(f"{field}: {path} has {name}={context}, fewer than the "
                           f"{need} tokens it must score (data.max_prompt_length {config.data.max_prompt_length} + "
                           f"rollout.max_new_tokens {config.rollout.max_new_tokens}); use a teacher with a longer "
                           f"context or lower them")
 
 
-def teacher_model(dist, config, tokenizer) -> torch.nn.Module | ServedTeacher:
+def teacher_model(dist, config, tokenizer) -> torch.nn.Module | ServedTeacher | TeacherRoutes:
     """The frozen teacher of `distill.teacher` (`load_teacher`) prepared for inference like the reference model
     (`astrai.distributed.sharding.prepare_reference`: partitioned under fsdp2 and zero3, whole on every rank
     otherwise), or the served teacher (each rank sends its own rows). Always its own model: under LoRA too (where
-    the reference is the policy's shared base), since the teacher's weights are not the student's."""
-    teacher = load_teacher(config, tokenizer)
-    return teacher if isinstance(teacher, ServedTeacher) else prepare_reference(dist, teacher)
+    the reference is the policy's shared base), since the teacher's weights are not the student's. With
+    `distill.teachers`, every teacher so (`load_teachers`: one copy per distinct teacher) behind a
+    `teachers.TeacherRoutes` routing the rows by `distill.route_field`; with local teachers partitioned over several
+    ranks, the ranks agree on the rows each one scores (`TeacherRoutes.agree_counts`, a max over the ranks)."""
+    if not config.distill.teachers:
+        teacher = load_teacher(config, tokenizer)
+        return teacher if isinstance(teacher, ServedTeacher) else prepare_reference(dist, teacher)
+    prepared: dict[int, torch.nn.Module | ServedTeacher] = {}
+    routes = {}
+    for route, teacher in load_teachers(config, tokenizer).items():
+        if id(teacher) not in prepared:
+            prepared[id(teacher)] = teacher if isinstance(teacher, ServedTeacher) else prepare_reference(dist, teacher)
+        routes[route] = prepared[id(teacher)]
+    partitioned = dist.world_size > 1 and dist.strategy in PARTITIONED_STRATEGIES
+    agree = (lambda counts: dist.all_reduce_max(counts.to(dist.device)).cpu()) if partitioned else None
+    return TeacherRoutes(routes, route_field=config.distill.route_field, agree_counts=agree,
+                         source=_data_name(config))
+
+
+PARTITIONED_STRATEGIES = ("fsdp2", "zero3")
+"""Engines under which `prepare_reference` partitions a frozen model: each forward runs collectives."""
+
+
+def _data_name(config) -> str:
+    """How messages name the job's prompt data: `data.path`, or `data.mixture` (a row's index is then its position
+    in the blend)."""
+    return "data.mixture" if config.data.mixture else config.data.path
+
+
+def check_teacher_routes(config, records) -> None:
+    """With `distill.teachers`, refuse prompt `records` (as the online train types read them) that the teachers
+    cannot route (`teachers.check_routes`: the `distill.route_field` column in no row, or a row whose value names no
+    teacher without a `default` one); nothing otherwise. Run at start-up and by `--check`.
+
+    Raises:
+        ValueError: one line naming the field and the data (and, for a row, its value and index).
+    """
+    d = config.distill
+    if d.teachers:
+        check_routes(records, tuple(d.teachers), d.route_field, source=_data_name(config))
 
 
 def apply_model_options(config, policy: torch.nn.Module) -> torch.nn.Module:

@@ -14,7 +14,9 @@ On-policy distillation (`distill.teacher` with `grpo.advantage_estimator: on_pol
 Machines Lab 2025): the frozen teacher takes the reference model's place, so the rollout's `ref_logprobs` hold the
 teacher's log-probs of the sampled tokens (at the sampling temperature, as the reference's would be) and the
 per-token advantage is `teacher_logprobs - old_logprobs` plus `distill.reward_weight` times the group advantage;
-`distill/reverse_kl` logs the mean over action tokens of `old_logprobs - teacher_logprobs`.
+`distill/reverse_kl` logs the mean over action tokens of `old_logprobs - teacher_logprobs`. With several teachers
+routed by a data column (`distill.teachers`, `astrai.experience.teachers`) each sample's `ref_logprobs` are its own
+teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from astrai.experience.result import RolloutResult
 from astrai.experience.trajectory import Experience
 from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
-from astrai.trainer.models import TrainedModel, build_trained_model, reference_model, teacher_model
+from astrai.experience.teachers import route_metrics
+from astrai.trainer.models import (TrainedModel, build_trained_model, check_teacher_routes, reference_model,
+                                   teacher_model)
 from astrai.experience.replay import RolloutReplay
 from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, text_decoder
 from astrai.trainer.learners.policy_loss import RolloutCorrection, loss_agg_mode, policy_objective
@@ -161,6 +165,8 @@ class GRPOLearner(RolloutLearner):
         settings: the job's `grpo` section (`astrai.config.GRPOSection`: group size, estimator, policy loss,
             clipping, KL, reward scaling); temperature: the sampling temperature; log_entropy: log `policy/entropy`.
         reward_weight: `distill.reward_weight`, the task reward's weight for an estimator that reads a teacher.
+        teacher_routes: the routes of `distill.teachers` (several teachers routed by a data column), each logged
+            as `distill/<route>/...` (`teachers.route_metrics`); () for one teacher or none.
         loss_scale_factor: L of `loss_agg_mode: seq-mean-token-sum-norm` (the response-length cap).
         correction: the rollout correction, or None.
         log_completions, decode: as `RolloutLearner`'s (`train.log_completions`; online only).
@@ -170,18 +176,20 @@ class GRPOLearner(RolloutLearner):
                  settings: GRPOSection, temperature: float, log_entropy: bool = False,
                  loss_scale_factor: Optional[float] = None, correction: Optional[RolloutCorrection] = None,
                  log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None,
-                 reward_weight: float = 0.0):
+                 reward_weight: float = 0.0, teacher_routes: tuple[str, ...] = ()):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
                          log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction,
                          log_completions=log_completions, decode=decode)
-        self.settings, self.reward_weight = settings, reward_weight
+        self.settings, self.reward_weight, self.teacher_routes = settings, reward_weight, tuple(teacher_routes)
         self.objective = grpo_loss_fn(settings, loss_scale_factor=loss_scale_factor)
 
     def pin_targets(self, exp: Experience) -> tuple[RolloutResult, dict[str, torch.Tensor]]:
         """Group advantages (`group_rollout`) and the rollout's metrics; with a teacher also `distill/reverse_kl`,
         the mean over this rank's action tokens of `old_logprobs - teacher_logprobs` (the k1 estimate of
-        KL(student || teacher) per token)."""
+        KL(student || teacher) per token), and with routed teachers (`teacher_routes`) each one's
+        `distill/<route>/reverse_kl` and `distill/<route>/share` over every rank's samples
+        (`teachers.route_metrics`)."""
         s = self.settings
         result = group_rollout(exp, group_size=s.group_size, kl_reward_coef=s.kl_reward_coef,
                                std_eps=s.std_eps, std_floor=s.std_floor, scale_rewards=s.scale_rewards,
@@ -202,6 +210,11 @@ class GRPOLearner(RolloutLearner):
             metrics["rollout/kl"] = result.kl.sum(-1).mean()
         if advantage_estimator(s.advantage_estimator).needs_teacher:
             metrics["distill/reverse_kl"] = masked_mean(result.old_logprobs - result.ref_logprobs, mask)
+            if self.teacher_routes:
+                dist = self.policy.dist
+                metrics.update(route_metrics(result.old_logprobs - result.ref_logprobs, mask, exp.routes,
+                                             self.teacher_routes,
+                                             all_reduce_sum=dist.all_reduce_sum if dist.world_size > 1 else None))
         return result, metrics
 
     def update(self, trainer, minibatch: RolloutResult, first: bool) -> dict[str, torch.Tensor]:
@@ -221,18 +234,19 @@ def grpo_learner(config, dist, policy: TrainedModel, experience: ExperienceSourc
                         loss_scale_factor=r.max_new_tokens if online else config.data.max_length,
                         correction=RolloutCorrection.from_config(r, chunk_size=g.micro_batch_size) if online else None,
                         log_completions=config.train.log_completions if online else 0, decode=decode,
-                        reward_weight=config.distill.reward_weight)
+                        reward_weight=config.distill.reward_weight, teacher_routes=tuple(config.distill.teachers))
 
 
 def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     """Assemble online_grpo from a validated `astrai.config.Config`: frozen reference (only when a KL term is
     on) or, with `distill.teacher`, the frozen teacher in its place (`models.teacher_model`: the reference
-    log-probs the runner scores are then the teacher's), one AdamW + schedule, the online experience source with
-    G = `grpo.group_size`. Raises DataError for bad prompt files, ConfigError for a teacher with another
-    tokenizer."""
+    log-probs the runner scores are then the teacher's; with `distill.teachers` every teacher, each row scored by
+    the one its `distill.route_field` names, the rows checked to have one: `models.check_teacher_routes`), one AdamW
+    + schedule, the online experience source with G = `grpo.group_size`. Raises DataError for bad prompt files,
+    ConfigError for a teacher with another tokenizer, ValueError for a row no teacher scores."""
     g = config.grpo
     policy = policy.to(dist.device)
-    if config.distill.teacher:
+    if config.distill.distills:
         ref_model = teacher_model(dist, config, tokenizer)
     elif train_types.get(config.train.type).models_held(config).reference:  # a KL term's reference
         ref_model = reference_model(dist, policy, config)
@@ -243,4 +257,5 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=g.micro_batch_size, group_size=g.group_size)
+    check_teacher_routes(config, experience.data_sampler.dataset)  # distill.teachers: every row has a teacher
     return grpo_learner(config, dist, trained, experience, decode=text_decoder(tokenizer))

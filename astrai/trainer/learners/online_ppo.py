@@ -10,7 +10,9 @@ On-policy distillation (`distill.teacher`; Lu and Thinking Machines Lab 2025): t
 reference model's place (the rollout's `ref_logprobs` are the teacher's log-probs of the sampled tokens) and the
 per-token reward is the negative reverse-KL estimate `teacher_logprobs - old_logprobs` on every action token, plus
 `distill.reward_weight` times the score at the last one; GAE with the critic then turns it into advantages as it
-does the KL-penalised reward (with `ppo.gamma` 0 each token's advantage is its own gap minus its value).
+does the KL-penalised reward (with `ppo.gamma` 0 each token's advantage is its own gap minus its value). With several
+teachers routed by a data column (`distill.teachers`, `astrai.experience.teachers`) each sample's gap is its own
+teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from astrai.experience.trajectory import Experience
 from astrai.forward import response_values, score_in_chunks
 from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
-from astrai.trainer.models import TrainedModel, build_trained_model, reference_model, teacher_model
+from astrai.experience.teachers import route_metrics
+from astrai.trainer.models import (TrainedModel, build_trained_model, check_teacher_routes, reference_model,
+                                   teacher_model)
 from astrai.experience.replay import RolloutReplay
 from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, action_tokens, text_decoder
 from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection, loss_agg_mode, policy_objective
@@ -50,19 +54,21 @@ class OnlinePPOLearner(RolloutLearner):
         log_completions, decode: as `RolloutLearner`'s (`train.log_completions`).
         distill: the experience's `ref_logprobs` are a teacher's (on-policy distillation, see the module
             docstring); reward_weight: then the score's weight in the rewards (`distill.reward_weight`).
+        teacher_routes: the routes of `distill.teachers` (several teachers routed by a data column), each logged
+            as `distill/<route>/...` (`teachers.route_metrics`); () for one teacher or none.
     """
 
     def __init__(self, *, policy: TrainedModel, critic: TrainedModel, experience: ExperienceSource,
                  replay: RolloutReplay, settings: PPOSection, temperature: float, log_entropy: bool = False,
                  objective: Optional[Objective] = None, correction: Optional[RolloutCorrection] = None,
                  log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None,
-                 distill: bool = False, reward_weight: float = 0.0):
+                 distill: bool = False, reward_weight: float = 0.0, teacher_routes: tuple[str, ...] = ()):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
                          log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction,
                          log_completions=log_completions, decode=decode)
         self.critic, self.settings = critic, settings
-        self.distill, self.reward_weight = distill, reward_weight
+        self.distill, self.reward_weight, self.teacher_routes = distill, reward_weight, tuple(teacher_routes)
         self.objective = objective or policy_objective(settings)
 
     @torch.no_grad()
@@ -72,7 +78,9 @@ class OnlinePPOLearner(RolloutLearner):
         (`ppo.kl_coef` 0: no reference model) the rewards carry no KL term and `kl`, `ref_logprobs` and the
         `rollout/kl` metric are absent. With a teacher (`distill`) `kl` is the per-token reverse-KL estimate
         `old_logprobs - teacher_logprobs` (k1), the rewards are `-kl` per token plus `reward_weight` times the score
-        at the last token, and `distill/reverse_kl` (the mean of `kl` over action tokens) replaces `rollout/kl`."""
+        at the last token, and `distill/reverse_kl` (the mean of `kl` over action tokens) replaces `rollout/kl`;
+        with routed teachers (`teacher_routes`) each one's `distill/<route>/reverse_kl` and `distill/<route>/share`
+        over every rank's samples (`teachers.route_metrics`)."""
         s = self.settings
         mask = exp.sequences.action_mask
         start = time.perf_counter()
@@ -112,6 +120,9 @@ class OnlinePPOLearner(RolloutLearner):
         }
         if kl is not None and self.distill:
             metrics["distill/reverse_kl"] = masked_mean(kl, mask)
+            if self.teacher_routes:
+                metrics.update(route_metrics(kl, mask, exp.routes, self.teacher_routes,
+                                             all_reduce_sum=dist.all_reduce_sum if dist.world_size > 1 else None))
         elif kl is not None:
             metrics["rollout/kl"] = kl.sum(-1).mean()
         return result, metrics
@@ -162,10 +173,11 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
     Raises:
         DataError: for a missing or malformed prompt file.
         ConfigError: for a teacher with another tokenizer than the student's.
+        ValueError: with `distill.teachers`, for a row that no teacher scores (`models.check_teacher_routes`).
     """
     r, p = config.rollout, config.ppo
     policy = policy.to(dist.device)
-    if config.distill.teacher:
+    if config.distill.distills:  # one teacher, or several routed by a data column (distill.teachers)
         ref_model = teacher_model(dist, config, tokenizer)
     else:
         held = train_types.get(config.train.type).models_held(config)  # a KL term's reference
@@ -177,10 +189,12 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=p.micro_batch_size, group_size=p.group_size)
+    check_teacher_routes(config, experience.data_sampler.dataset)  # distill.teachers: every row has a teacher
     replay = RolloutReplay(minibatch_size=p.minibatch_size, epochs=p.epochs, seed=config.train.seed + 1000 * dist.dp_rank)
     return OnlinePPOLearner(policy=trained, critic=critic, experience=experience, replay=replay, settings=p,
                              temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics,
                              objective=policy_objective(p, loss_scale_factor=r.max_new_tokens),
                              correction=RolloutCorrection.from_config(r, chunk_size=p.micro_batch_size),
                              log_completions=config.train.log_completions, decode=text_decoder(tokenizer),
-                             distill=bool(config.distill.teacher), reward_weight=config.distill.reward_weight)
+                             distill=config.distill.distills, reward_weight=config.distill.reward_weight,
+                             teacher_routes=tuple(config.distill.teachers))
