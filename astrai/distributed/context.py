@@ -166,8 +166,9 @@ _GROUP_ENDED = False  # end_process_group destroyed a process group in this proc
 
 
 def end_process_group(*, wait: bool = True) -> None:
-    """Destroy the process groups of a multi-process job (no-op without one, or once done): wait for every rank
-    first (`wait`; False on a failure path, where a peer may be gone), collect garbage, destroy. Every path that
+    """Destroy this process's process groups (a multi-process job's, or the one-process group ZeRO creates; no-op
+    without one, or once done): wait for every rank first (`wait`, with several; False on a failure path, where a
+    peer may be gone), collect garbage, destroy. Every path that
     ends a job which created a process group calls it, before the interpreter exits.
 
     Why: a gloo worker thread frees the last finished collectives' tensors after the collective has returned, and
@@ -175,8 +176,9 @@ def end_process_group(*, wait: bool = True) -> None:
     interpreter finalizes is ended inside a destructor and the process aborts ("terminate called without an
     active exception", exit -6: 1 in ~20 loaded 2-rank CPU runs here, and the exit code the launcher reports is
     lost; pytorch/pytorch#190489). Destroying the group joins those threads while the interpreter still runs
-    them, but only once nothing holds the group: a DDP or FSDP2 model (and the Accelerator that prepared it)
-    does, so the caller drops its models (`astrai.train` drops the trainer) before calling this."""
+    them, but only once nothing holds the group: a live DDP or FSDP2 model (and the Accelerator that prepared it)
+    does, so the caller drops its models (`astrai.train` drops the trainer) before calling this; DDP and DeepSpeed
+    hold it even after that (`exit_process`)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     if torch.distributed.get_world_size() > 1 and wait:
