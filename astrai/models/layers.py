@@ -145,8 +145,11 @@ class Attention(nn.Module):
     Attributes `qkv_weight` / `qkv_bias` (default None): an inference copy may store q/k/v as one
     ((Nh + 2 Nkv) D, H) tensor (and bias) whose row blocks ARE the three projections' parameters
     (`astrai.rollout.model_runner.fuse_projections`); the forward then makes one GEMM instead of three, with the
-    same result.
+    same result. `linear` (default `F.linear`) computes that fused GEMM; an inference copy may set it to a callable
+    of the same signature and result (`astrai.rollout.packed_linear`: prepacked oneDNN weights on CPU).
     """
+
+    linear = staticmethod(F.linear)
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -173,7 +176,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(b, s, nh + 2 * nkv, d)
+            qkv = self.linear(x, self.qkv_weight, self.qkv_bias).view(b, s, nh + 2 * nkv, d)
             q, k, v = qkv[:, :, :nh], qkv[:, :, nh:nh + nkv], qkv[:, :, nh + nkv:]
             if self.q_norm is None:
                 qk = apply_rotary(qkv[:, :, :nh + nkv], cos, sin)  # rotary over the q and k heads at once
@@ -197,8 +200,11 @@ class MLP(nn.Module):
     `gelu_pytorch_tanh` (GeGLU), biases when `config.mlp_bias`.
 
     Attribute `gate_up_weight` (default None): as `Attention.qkv_weight`, one (2 I, H) tensor over gate_proj and
-    up_proj in inference copies (one GEMM instead of two; bias-free MLPs only).
+    up_proj in inference copies (one GEMM instead of two; bias-free MLPs only), computed by `linear` (as
+    `Attention.linear`).
     """
+
+    linear = staticmethod(F.linear)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -215,7 +221,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, S, H) -> (B, S, H)."""
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate, up = self.linear(x, self.gate_up_weight).chunk(2, dim=-1)
             return self.down_proj(self._act(gate) * up)
         return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
 

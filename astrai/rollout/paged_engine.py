@@ -34,6 +34,7 @@ from astrai.rollout.engine_settings import resolve_dtype as _resolve_dtype
 from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
+from astrai.rollout.packed_linear import prepack_available, prepack_linears
 from astrai.rollout.prompt_ids import check_prompt_ids
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, per_prompt_settings, request_seed
@@ -67,7 +68,9 @@ class PagedGenerationEngine:
         dtype: dtype of the inference copy and its KV cache (`torch.float32`/`bfloat16`/`float16` or its name;
             None: the model's). `load_weights` casts incoming tensors to it; `old_logprobs` stay float32 (the
             logits are upcast before the log-softmax), so an fp32 policy can roll out from a bf16 copy: the
-            rounding then shows as a small nonzero `rollout/logprob_gap`.
+            rounding then shows as a small nonzero `rollout/logprob_gap`. In bfloat16 on a CPU the GEMM weights are
+            also kept prepacked in oneDNN's layout (`self.prepacked`, `astrai.rollout.packed_linear`: same results,
+            one more copy of those weights, repacked by `load_weights`).
         cuda_graphs: pad decode-only steps to batch buckets and replay them as CUDA graphs on CUDA
             (`astrai.rollout.cuda_graphs`; `auto` then picks the triton backend); on other devices the padded steps
             run eagerly (same tokens, for tests).
@@ -104,6 +107,9 @@ class PagedGenerationEngine:
         if dtype is not None:
             self.model.to(dtype)
         fuse_projections(self.model)  # one GEMM for q/k/v and one for gate/up (the Parameters become views)
+        # bf16 on CPU: GEMM weights kept in oneDNN's layout (not reordered in every call; same results)
+        self.prepacked = (prepack_linears(self.model) if self.tp is None and not cuda_graphs
+                          and prepack_available(self.device, self.dtype) else None)
         self.pad_token_id, self.policy_version = pad_token_id, policy_version
         self.backend, self.block_size = engine_backend(self.model.config, device=self.device, dtype=self.dtype,
                                                        backend=backend, block_size=block_size, cuda_graphs=cuda_graphs)
@@ -159,7 +165,11 @@ class PagedGenerationEngine:
                 self.policy_version = -1  # until the stream is complete
             if self.tp is not None:  # this rank's slice of each full tensor (a view): no second full copy
                 state_dict = self.tp.shard_all(state_dict)
-            copy_weights(self.model, state_dict)
+            try:
+                copy_weights(self.model, state_dict)
+            finally:  # the copied tensors reach the prepacked ones (stale ones would be repacked on use anyway)
+                if self.prepacked is not None:
+                    self.prepacked.refresh()
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
             self.policy_version = policy_version

@@ -8,13 +8,16 @@ longer, it only appends the new key/value of each row and attends over a view of
 set of sequences changes (a row joins or stops) or a row outgrows the buffer's capacity, it rebuilds from the
 paged cache, which stays the source of truth (prefix cache, copy-on-write sharing and later rebuilds read it).
 
-Layout per layer: keys (B, Nkv, D, capacity) and values (B, Nkv, capacity, D), row b = the step's b-th sequence,
-position p = its p-th token. Head-major, so each (row, kv head) is one contiguous matrix: attention reads it about 25%
-faster than the token-major paged layout (SDPA, 30 layers at B = 32, 250 positions, one thread: 59 vs 77 ms). Keys
-are stored transposed so that the scores are a plain (G, D) x (D, K) product with K contiguous, about 20% faster
-than multiplying by a transposed (K, D) view (30 layers at B = 32, 200 positions: 15.8 vs 19.4 ms with two threads,
-28.7 vs 36.0 with one). Buffers come from the `InferenceWorkspace` scratch space, so they are reused across steps
-and released with the workspace.
+Layout per layer: values (B, Nkv, capacity, D), row b = the step's b-th sequence, position p = its p-th token;
+keys the same in bfloat16/float16 and transposed, (B, Nkv, D, capacity), in float32. Head-major, so each (row, kv
+head) is one contiguous matrix: attention reads it about 25% faster than the token-major paged layout (SDPA, 30
+layers at B = 32, 250 positions, one thread: 59 vs 77 ms). float32 keys are stored transposed so that the scores
+are a plain (G, D) x (D, K) product with K contiguous, about 20% faster than multiplying by a transposed (K, D) view
+(30 layers at B = 32, 200 positions: 15.8 vs 19.4 ms with two threads, 28.7 vs 36.0 with one). Half-precision
+attention goes through SDPA, whose fused kernel wants D contiguous: there keys keep the (K, D) layout, because a
+transposed store cost a (B, Nkv, K, D) copy per layer and step (as long as SDPA itself: bf16, B = 32, K = 150, one
+thread, about 0.45 ms each) and an append that touched one cache line per element. Buffers come from the
+`InferenceWorkspace` scratch space, so they are reused across steps and released with the workspace.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class DenseDecodeCache:
         self._rows = self._positions = self._mask = self._bias = self._lens = None
         self._windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._scale = 1.0
+        # float32 keys are stored transposed (the matmul path reads (D, K)); half precision (SDPA) keeps (K, D).
+        self.keys_transposed = workspace.dtype == torch.float32
 
     def invalidate(self) -> None:
         """Forget the cached rows (the next `begin_step` rebuilds)."""
@@ -127,25 +132,26 @@ class DenseDecodeCache:
         ws = self.workspace
         bs, nkv, d = ws.block_size, ws.num_kv_heads, ws.head_dim
         numel = num_rows * capacity * nkv * d
-        self._keys = [ws.scratch(f"dense_k{i}", numel, ws.dtype).view(num_rows, nkv, d, capacity)
-                      for i in range(ws.num_layers)]
+        keys = [ws.scratch(f"dense_k{i}", numel, ws.dtype) for i in range(ws.num_layers)]
+        self._keys = [k.view(num_rows, nkv, d, capacity).transpose(-1, -2) if self.keys_transposed
+                      else k.view(num_rows, nkv, capacity, d) for k in keys]  # indexed (B, Nkv, cap, D) either way
         self._values = [ws.scratch(f"dense_v{i}", numel, ws.dtype).view(num_rows, nkv, capacity, d)
                         for i in range(ws.num_layers)]
         cols = -(-max(cached) // bs)
         for keys, values in zip(self._keys, self._values):  # masked positions must hold finite numbers (0 * NaN)
-            keys[..., cols * bs:].zero_()
+            keys[:, :, cols * bs:].zero_()
             values[:, :, cols * bs:].zero_()
         if cols:
             staging = ws.scratch("dense_staging", num_rows * cols * bs * nkv * d, ws.dtype)
             for keys, pages in zip(self._keys, ws.k_caches):
-                keys[..., :cols * bs].copy_(gather_kv(pages, block_tables, cols * bs, out=staging).transpose(-1, -2))
+                keys[:, :, :cols * bs].copy_(gather_kv(pages, block_tables, cols * bs, out=staging))
             for values, pages in zip(self._values, ws.v_caches):
                 values[:, :, :cols * bs].copy_(gather_kv(pages, block_tables, cols * bs, out=staging))
         self.rebuilds += 1
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's keys/values k, v (B, Nkv, D) of every row at its position kv_lens[b] - 1."""
-        keys = self._keys[layer].permute(0, 3, 1, 2)  # (B, cap, Nkv, D) views
+        keys = self._keys[layer].transpose(1, 2)  # (B, cap, Nkv, D) views
         values = self._values[layer].transpose(1, 2)
         keys.index_put_((self._rows, self._positions), k.to(keys.dtype))
         values.index_put_((self._rows, self._positions), v.to(values.dtype))
@@ -164,17 +170,16 @@ class DenseDecodeCache:
         mask, bias = self._masks(window)
         longest = bias.shape[-1]
         compute = q.dtype if softcap is None else torch.float32
-        keys = self._keys[layer][..., :longest].to(compute)  # (B, Nkv, D, K) view
+        keys = self._keys[layer][:, :, :longest].to(compute)  # (B, Nkv, K, D) view
         values = self._values[layer][:, :, :longest].to(compute)
         rows, heads, dim = q.shape
         # The G = Nh / Nkv query heads of a kv head act as G query positions of that head (no causal mask in
         # decode), so each kv head's keys/values are read once rather than once per query head.
         grouped = q.to(compute).view(rows, keys.shape[1], heads // keys.shape[1], dim)
-        if compute != torch.float32:
-            keys = keys.transpose(-1, -2).contiguous()  # SDPA's fused kernel wants D contiguous
+        if compute != torch.float32:  # half-precision keys are stored (K, D): what SDPA's fused kernel reads
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self._scale)
             return out.reshape(rows, heads, dim)
-        scores = torch.matmul(grouped, keys)  # (B, Nkv, G, K)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2))  # (B, Nkv, G, K); float32 keys are stored (D, K)
         scores.mul_(self._scale)
         if softcap is not None:
             scores = scores.div_(softcap).tanh_().mul_(softcap)
