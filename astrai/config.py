@@ -421,7 +421,8 @@ class DistillSection(Section, name="distill"):
     """On-policy distillation (Lu and Thinking Machines Lab 2025): a frozen teacher scores the student's sampled
     tokens; read by the train types that distill (`TrainType.distills`; docs/train_types.md). One teacher
     (`teacher`), or several routed by a data column (`teachers` with `route_field`: each prompt row is scored by the
-    teacher its column's value names; TRL#6734)."""
+    teacher its column's value names; TRL#6734). With one local teacher, `jsd_top_k` > 0 adds top-k logit distillation
+    (GKD's generalised JSD over the teacher's top-k tokens, `jsd_beta`, weighted by `jsd_coef`; docs/train_types.md)."""
 
     teacher: Optional[str] = field_spec(
         None, "teacher model (as model.path: a name, Hugging Face-format directory or .gguf file, or the URL of an "
@@ -439,9 +440,23 @@ class DistillSection(Section, name="distill"):
     reward_weight: float = field_spec(0.0, "weight of the task reward's advantage (online_grpo: its group "
                                            "advantage; online_ppo: the score) added to the per-token "
                                            "distillation advantage; 0 = pure distillation", GE0)
+    jsd_top_k: int = field_spec(0, "top-k logit distillation (GKD's generalised JSD, Agarwal et al. 2024) with a "
+                                   "local distill.teacher: its k most likely tokens at every sampled position, both "
+                                   "distributions renormalised over them, a loss term beside the policy loss; 0 = "
+                                   "off", GE0)
+    jsd_beta: float = field_spec(0.5, "distill.jsd_top_k: GKD's beta of the generalised JSD, 0 = forward "
+                                      "KL(teacher || student), 1 = reverse KL(student || teacher)", UNIT)
+    jsd_coef: float = field_spec(1.0, "distill.jsd_top_k: the weight of the JSD term in the policy loss", GE0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.jsd_top_k and (self.teachers or not self.teacher):
+            raise ConfigError("distill.jsd_top_k: top-k logit distillation reads one local teacher's logits; name "
+                              "it in distill.teacher" + (" (several routed teachers are not supported with it)"
+                                                         if self.teachers else "") + ", or set distill.jsd_top_k to 0")
+        if self.jsd_top_k and self.served:
+            raise ConfigError("distill.jsd_top_k: a served distill.teacher returns only the sampled tokens' log-probs, "
+                              "not its top-k logits; load the teacher locally or set distill.jsd_top_k to 0")
         if self.teacher and self.teachers:
             raise ConfigError("distill.teachers: set together with distill.teacher; name one teacher in "
                               "distill.teacher or several routed by a column in distill.teachers, not both")
@@ -761,7 +776,8 @@ def ignored_settings(config: Config) -> list[str]:
     ``reward.functions`` or ``reward.model_path`` replace it, and the episode caps (`EPISODE_FIELDS`) without
     ``rollout.tools`` or ``rollout.environment``, the `ENVIRONMENT_FIELDS` without ``rollout.environment``
     (``environment_field`` unless it routes rows), ``distill.reward_weight`` without a teacher and
-    ``distill.route_field`` without ``distill.teachers``. Empty when there are none."""
+    ``distill.route_field`` without ``distill.teachers``, ``distill.jsd_beta`` / ``distill.jsd_coef`` without
+    ``distill.jsd_top_k``. Empty when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -781,6 +797,9 @@ def ignored_settings(config: Config) -> list[str]:
         names.append("distill.reward_weight")
     if not config.distill.teachers and config.distill.route_field is not None:
         names.append("distill.route_field")
+    if not config.distill.jsd_top_k:
+        names += [f"distill.{f}" for f in ("jsd_beta", "jsd_coef")
+                  if getattr(config.distill, f) != getattr(DistillSection(), f)]
     reward = config.reward  # the single reward.name's options, when reward.functions or the reward model replace it
     if reward.functions or reward.model_path:
         names += [f"reward.{option}" for option in ("format_bonus", "partial_credit") if getattr(reward, option)]
@@ -800,6 +819,8 @@ def why_ignored(config: Config, name: str) -> str:
         return "read only with distill.teacher or distill.teachers"
     if name == "distill.route_field":
         return "read only with distill.teachers"
+    if name in ("distill.jsd_beta", "distill.jsd_coef"):
+        return "read only with distill.jsd_top_k > 0"
     if name.startswith("reward."):
         return "an option of reward.name, which reward.functions / reward.model_path replace"
     return f"not read by train.type {config.train.type}"

@@ -1,4 +1,6 @@
-"""Scoring sequences with a model: response log-probs (policy, reference) and values (critic).
+"""Scoring sequences with a model: response log-probs (policy, reference) and values (critic), and the two sides of
+top-k logit distillation (the teacher's top-k, `response_topk`; the student's log-probs at those ids,
+`response_logprobs_at`).
 
 One implementation serves rollout-time scoring (no grad, chunked) and the training forward (with grad), so
 `logprobs` and `old_logprobs` are computed by the same function and the same temperature (docs/conventions.md
@@ -17,7 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
-from astrai.algos import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+from astrai.algos import (entropy_from_logits, logprobs_at_ids, logprobs_from_hidden, logprobs_from_logits,
+                          topk_logprobs_from_logits)
 from astrai.data.sequences import Sequences
 from astrai.models.llama import AutoRegressiveLM
 from astrai.models.value_model import ValueModel
@@ -113,3 +116,102 @@ def score_in_chunks(fn: Callable[[Sequences], torch.Tensor], sequences: Sequence
     parts = [fn(sequences.select(torch.arange(start, min(start + chunk_size, rows))))
              for start in range(0, rows, chunk_size)]
     return torch.cat(parts, dim=0)
+
+
+def _scatter_actions(action_mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """values (A, k) at the action tokens (row-major) -> (B, T, k) with 0 at the other positions (differentiable)."""
+    full = torch.zeros((*action_mask.shape, values.shape[-1]), dtype=values.dtype, device=values.device)
+    return full.masked_scatter(action_mask.bool()[..., None], values)
+
+
+def response_logprobs_at(model: torch.nn.Module, sequences: Sequences, ids: torch.Tensor, *, temperature: float,
+                         with_entropy: bool = False,
+                         packed: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """`response_logprobs` (the sampled tokens' log-probs and entropy, same forward, same grad) plus the log-probs
+    of `ids` at every response position: the student's side of top-k logit distillation (`algos.topk_distill`).
+
+    Args:
+        ids: (B, T, k) int64, token ids per response position (the teacher's top-k, `response_topk`); read at the
+            action tokens only.
+        the rest: as `response_logprobs`.
+
+    Returns:
+        logprobs (B, T) float32, entropy (B, T) float32 or None, and `at` (B, T, k) float32: the full-vocabulary
+        `log_softmax(logits / temperature)` at `ids` (`algos.logprobs_at_ids`), 0 outside the action mask;
+        differentiable w.r.t. the model's parameters. The logits exist once, as in `response_logprobs`' grad path.
+
+    Raises:
+        ValueError: `ids` not (B, T, k) int64, or what `Sequences.packed` raises.
+    """
+    mask = sequences.action_mask.bool()
+    if ids.dim() != 3 or ids.shape[:2] != mask.shape or ids.dtype != torch.long:
+        raise ValueError(f"ids must be (B, T, k) int64 with (B, T) = {tuple(mask.shape)}, got {tuple(ids.shape)} "
+                         f"{ids.dtype}")
+    if packed and supports_packing(model):
+        batch = sequences.packed()
+        logits = model(batch.input_ids, position_ids=batch.position_ids, seq_lengths=batch.seq_lengths,
+                       logits_at=batch.score_at)  # (A, V)
+        logprobs = batch.unpack(logprobs_from_logits(logits, batch.labels, temperature=temperature))
+        entropy = batch.unpack(entropy_from_logits(logits, temperature=temperature)) if with_entropy else None
+        at = _scatter_actions(mask, logprobs_at_ids(logits, ids[mask], temperature=temperature))
+        return logprobs, entropy, at
+    logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
+                   position_ids=sequences.position_ids, logits_to_keep=mask.shape[1] + 1)[:, :-1]  # (B, T, V)
+    logprobs = logprobs_from_logits(logits, sequences.response_ids, temperature=temperature)
+    entropy = entropy_from_logits(logits, temperature=temperature) if with_entropy else None
+    at = logprobs_at_ids(logits, ids, temperature=temperature) * mask[..., None]
+    return logprobs, entropy, at
+
+
+@torch.no_grad()
+def response_topk(model: torch.nn.Module, sequences: Sequences, *, k: int, temperature: float,
+                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's side of top-k logit distillation: at every action token of `sequences`, the k most likely
+    next tokens under `model` at `temperature` and their log-probs (`algos.topk_logprobs_from_logits`), without
+    grad.
+
+    Memory: `chunk_size` rows per forward; a model with a `whole_lm_head` returns hidden states and the LM head is
+    applied a few hundred positions at a time, others return (A, V) logits of one row chunk's action tokens only
+    (packed) or (b, T, V) (padded); so no (B, T, V) tensor of the whole batch exists, only the (B, T, k) results.
+
+    Returns:
+        ids (B, T, k) int64 and logprobs (B, T, k) float32 (full-vocabulary log-softmax values, descending), both 0
+        outside the action mask.
+
+    Raises:
+        ValueError: `k` outside [1, V], `chunk_size < 1`, or what `Sequences.packed` raises.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    rows = sequences.input_ids.shape[0]
+    parts = [_topk_rows(model, sequences.select(torch.arange(start, min(start + chunk_size, rows))),
+                        k=k, temperature=temperature) for start in range(0, rows, chunk_size)]
+    if not parts:
+        shape = (*sequences.action_mask.shape, k)
+        device = sequences.input_ids.device
+        return torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(shape, device=device)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _topk_rows(model: torch.nn.Module, sequences: Sequences, *, k: int,
+               temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`response_topk` of one row chunk (one forward)."""
+    mask = sequences.action_mask.bool()
+    head = whole_lm_head(model)
+    if supports_packing(model):
+        batch = sequences.packed()
+        inputs = dict(position_ids=batch.position_ids, seq_lengths=batch.seq_lengths, logits_at=batch.score_at)
+        if head is not None:
+            hidden = model(batch.input_ids, return_hidden=True, **inputs)  # (A, H)
+            parts = [topk_logprobs_from_logits(torch.nn.functional.linear(hidden[s:s + 256], head), k=k,
+                                               temperature=temperature) for s in range(0, hidden.shape[0], 256)]
+            ids = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, k, dtype=torch.long,
+                                                                             device=hidden.device)
+            values = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, k, device=hidden.device)
+        else:
+            ids, values = topk_logprobs_from_logits(model(batch.input_ids, **inputs), k=k, temperature=temperature)
+        return _scatter_actions(mask, ids), _scatter_actions(mask, values)
+    logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
+                   position_ids=sequences.position_ids, logits_to_keep=mask.shape[1] + 1)[:, :-1]
+    ids, values = topk_logprobs_from_logits(logits, k=k, temperature=temperature)
+    return ids * mask[..., None], values * mask[..., None]

@@ -5,11 +5,12 @@ no distributed calls. Losses return ``(loss, metrics)`` with detached 0-dim metr
 docs/conventions.md section 2. Modules: ``masked`` (masked reductions), ``logprobs`` (log-probs/entropy from
 logits), ``kl`` (k1/k2/k3 estimators), ``advantages`` (PPO rewards, GAE, GRPO group advantages), ``losses``
 (value loss, explained variance, entropy, log-prob gap), ``preference`` (token cross-entropy, DPO),
-``stats`` (evaluation statistics of counts: Wilson interval, pass@k, exact McNemar test); the named
-registries ``estimators`` (``ADVANTAGE_ESTIMATORS``: gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline,
-on_policy_distill), ``policy_losses`` (``POLICY_LOSSES``: ppo_clip, gspo, cispo) with ``aggregation``
-(``LOSS_AGG_MODES``), and ``rollout_correction`` (``ROLLOUT_CORRECTIONS``: token_tis, seq_tis, seq_mask, icepop;
-mismatch metrics), whose names and needs are written once in the torch-free ``registry``.
+``stats`` (evaluation statistics of counts: Wilson interval, pass@k, exact McNemar test), ``topk_distill``
+(top-k logit distillation: GKD's generalised JSD over the teacher's top-k tokens); the named registries
+``estimators`` (``ADVANTAGE_ESTIMATORS``: gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline, on_policy_distill),
+``policy_losses`` (``POLICY_LOSSES``: ppo_clip, gspo, cispo) with ``aggregation`` (``LOSS_AGG_MODES``), and
+``rollout_correction`` (``ROLLOUT_CORRECTIONS``: token_tis, seq_tis, seq_mask, icepop; mismatch metrics), whose
+names and needs are written once in the torch-free ``registry``.
 """
 
 import importlib
@@ -26,6 +27,7 @@ _EXPORTS: dict[str, str] = {name: module for module, names in {
     "policy_losses": ("POLICY_LOSSES", "PolicyLoss", "PolicyLossFn", "cispo", "gspo", "policy_loss", "ppo_clip"),
     "preference": ("bradley_terry_loss", "dpo_loss", "token_cross_entropy"),
     "rollout_correction": ("MAX_METRICS", "ROLLOUT_CORRECTIONS", "correction_weights", "mismatch_metrics"),
+    "topk_distill": ("logprobs_at_ids", "topk_jsd", "topk_logprobs_from_logits"),
 }.items() for name in names}
 """Public name -> the submodule defining it. Submodules import lazily on first use (PEP 562), so the torch-free
 `astrai.algos.registry` (the registries' names and needs, which the job configuration reads) is importable without

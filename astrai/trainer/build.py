@@ -40,6 +40,7 @@ from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
 from astrai.trainer.memory_plan import planned_job
 from astrai.trainer.models import apply_model_options, check_teacher_routes, load_teachers, local_teacher_configs
+from astrai.trainer.learners.topk_distill import check_top_k
 from astrai.trainer.resume import check_resume, restore
 from astrai.trainer.resume_changes import ConfiguredSchedule, config_changes
 from astrai.trainer.resume_changes import describe as describe_changes
@@ -319,7 +320,8 @@ def check_job(config: Config, *, world_size: int) -> str:
     shapes on the meta device) and its length and vocabulary limits, the memory per rank (`memory_plan.planned_job`:
     its table follows the summary line; refused in one line when it cannot fit), the teacher of
     `distill.teacher` or every teacher of `distill.teachers` (loaded on CPU, its tokenizer the student's:
-    `models.load_teachers`; the data's rows routed by `distill.route_field`, `models.check_teacher_routes`), how
+    `models.load_teachers`; the data's rows routed by `distill.route_field`, `models.check_teacher_routes`;
+    `distill.jsd_top_k` against the teacher's vocabulary, `topk_distill.check_top_k`), how
     prompts are rendered (`data.chat_template` against the tokenizer, `prompt_format.check_job_prompt_format`: the
     raw-text line is said here too), the data as the train type will train on it, for online train types the rollout engine's settings on
     the run's device (`rollout.engine`, dtype, attention backend, CUDA graphs), the reward functions (imported and
@@ -351,6 +353,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     check_model_limits(config, policy.config, tokenizer)
     check_job_prompt_format(config, tokenizer)  # data.chat_template against the tokenizer, said once
     teachers = load_teachers(config, tokenizer)  # each shares the student's tokenizer
+    check_top_k(config, teachers.get(""))  # distill.jsd_top_k: a local teacher with at least k tokens
     memory, memory_note = planned_job(config, policy.config, strategy=plan.strategy, world_size=world_size,
                                       device=device, local_world_size=_local_world_size(world_size),
                                       teacher_configs=local_teacher_configs(teachers))  # refused if it cannot fit

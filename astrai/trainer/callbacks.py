@@ -21,6 +21,7 @@ CONSOLE_KEYS = (
     ("critic/explained_variance", "explained_var"), ("policy/loss", "policy_loss"),
     ("policy/clipfrac", "clipfrac"), ("rollout/logprob_gap", "logprob_gap"), ("train/loss", "loss"),
     ("distill/reverse_kl", "reverse_kl"),  # distillation (GRPO/PPO with a teacher): the KL to the teacher
+    ("distill/jsd", "jsd"),  # top-k logit distillation (distill.jsd_top_k): the generalised JSD to the teacher
     ("dpo/accuracy", "accuracy"), ("dpo/margin", "margin"), ("moe/aux_loss", "aux_loss"),
     ("time/step_seconds", "s/step"),
 )

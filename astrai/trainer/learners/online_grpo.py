@@ -16,7 +16,9 @@ teacher's log-probs of the sampled tokens (at the sampling temperature, as the r
 per-token advantage is `teacher_logprobs - old_logprobs` plus `distill.reward_weight` times the group advantage;
 `distill/reverse_kl` logs the mean over action tokens of `old_logprobs - teacher_logprobs`. With several teachers
 routed by a data column (`distill.teachers`, `astrai.experience.teachers`) each sample's `ref_logprobs` are its own
-teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part.
+teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part. With one local
+teacher and `distill.jsd_top_k` > 0, GKD's generalised JSD over the teacher's top-k tokens joins the policy loss
+(`topk_distill`; `distill/jsd`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from astrai.trainer.models import (TrainedModel, build_trained_model, check_teac
 from astrai.experience.replay import RolloutReplay
 from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, text_decoder
 from astrai.trainer.learners.policy_loss import RolloutCorrection, loss_agg_mode, policy_objective
+from astrai.trainer.learners.topk_distill import TopKDistillation, topk_distillation
 
 
 def validate_group_rollout(rollout, *, group_size: int, need_ref: bool) -> None:
@@ -170,17 +173,19 @@ class GRPOLearner(RolloutLearner):
         loss_scale_factor: L of `loss_agg_mode: seq-mean-token-sum-norm` (the response-length cap).
         correction: the rollout correction, or None.
         log_completions, decode: as `RolloutLearner`'s (`train.log_completions`; online only).
+        topk: top-k logit distillation (`distill.jsd_top_k`), as `RolloutLearner`'s.
     """
 
     def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
                  settings: GRPOSection, temperature: float, log_entropy: bool = False,
                  loss_scale_factor: Optional[float] = None, correction: Optional[RolloutCorrection] = None,
                  log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None,
-                 reward_weight: float = 0.0, teacher_routes: tuple[str, ...] = ()):
+                 reward_weight: float = 0.0, teacher_routes: tuple[str, ...] = (),
+                 topk: Optional[TopKDistillation] = None):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
                          log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction,
-                         log_completions=log_completions, decode=decode)
+                         log_completions=log_completions, decode=decode, topk=topk)
         self.settings, self.reward_weight, self.teacher_routes = settings, reward_weight, tuple(teacher_routes)
         self.objective = grpo_loss_fn(settings, loss_scale_factor=loss_scale_factor)
 
@@ -223,18 +228,24 @@ class GRPOLearner(RolloutLearner):
 
 
 def grpo_learner(config, dist, policy: TrainedModel, experience: ExperienceSource, *,
-                  online: bool = True, decode: Optional[Callable[[list[int]], str]] = None) -> GRPOLearner:
+                  online: bool = True, decode: Optional[Callable[[list[int]], str]] = None,
+                  teacher: Optional[torch.nn.Module] = None) -> GRPOLearner:
     """The GRPO learner of a validated config over `experience`: online (the response-length cap is
     `rollout.max_new_tokens`; `rollout.correction` and `train.log_completions`, with `decode` for the prompts,
-    apply) or offline (the cap is `data.max_length`)."""
+    apply) or offline (the cap is `data.max_length`). With `distill.jsd_top_k` > 0, `teacher` (the local teacher)
+    gives the top-k distillation term (`topk_distill.topk_distillation`; ConfigError as it raises)."""
     g, r = config.grpo, config.rollout
+    cap = r.max_new_tokens if online else config.data.max_length
+    topk = topk_distillation(config, teacher, chunk_size=g.micro_batch_size, loss_agg_mode=loss_agg_mode(g),
+                             loss_scale_factor=cap)
     replay = RolloutReplay(minibatch_size=g.minibatch_size, epochs=g.epochs, seed=config.train.seed + 1000 * dist.dp_rank)
     return GRPOLearner(policy=policy, experience=experience, replay=replay, settings=g, temperature=r.temperature,
                         log_entropy="policy/entropy" in config.train.metrics,
-                        loss_scale_factor=r.max_new_tokens if online else config.data.max_length,
+                        loss_scale_factor=cap,
                         correction=RolloutCorrection.from_config(r, chunk_size=g.micro_batch_size) if online else None,
                         log_completions=config.train.log_completions if online else 0, decode=decode,
-                        reward_weight=config.distill.reward_weight, teacher_routes=tuple(config.distill.teachers))
+                        reward_weight=config.distill.reward_weight, teacher_routes=tuple(config.distill.teachers),
+                        topk=topk)
 
 
 def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
@@ -258,4 +269,5 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=g.micro_batch_size, group_size=g.group_size)
     check_teacher_routes(config, experience.data_sampler.dataset)  # distill.teachers: every row has a teacher
-    return grpo_learner(config, dist, trained, experience, decode=text_decoder(tokenizer))
+    return grpo_learner(config, dist, trained, experience, decode=text_decoder(tokenizer),
+                        teacher=ref_model if config.distill.jsd_top_k else None)

@@ -12,7 +12,9 @@ per-token reward is the negative reverse-KL estimate `teacher_logprobs - old_log
 `distill.reward_weight` times the score at the last one; GAE with the critic then turns it into advantages as it
 does the KL-penalised reward (with `ppo.gamma` 0 each token's advantage is its own gap minus its value). With several
 teachers routed by a data column (`distill.teachers`, `astrai.experience.teachers`) each sample's gap is its own
-teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part.
+teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part. With one local
+teacher and `distill.jsd_top_k` > 0, GKD's generalised JSD over the teacher's top-k tokens joins the policy loss
+(`topk_distill`; `distill/jsd`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from astrai.trainer.models import (TrainedModel, build_trained_model, check_teac
 from astrai.experience.replay import RolloutReplay
 from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, action_tokens, text_decoder
 from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection, loss_agg_mode, policy_objective
+from astrai.trainer.learners.topk_distill import TopKDistillation, topk_distillation
 
 
 class OnlinePPOLearner(RolloutLearner):
@@ -56,17 +59,19 @@ class OnlinePPOLearner(RolloutLearner):
             docstring); reward_weight: then the score's weight in the rewards (`distill.reward_weight`).
         teacher_routes: the routes of `distill.teachers` (several teachers routed by a data column), each logged
             as `distill/<route>/...` (`teachers.route_metrics`); () for one teacher or none.
+        topk: top-k logit distillation (`distill.jsd_top_k`), as `RolloutLearner`'s.
     """
 
     def __init__(self, *, policy: TrainedModel, critic: TrainedModel, experience: ExperienceSource,
                  replay: RolloutReplay, settings: PPOSection, temperature: float, log_entropy: bool = False,
                  objective: Optional[Objective] = None, correction: Optional[RolloutCorrection] = None,
                  log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None,
-                 distill: bool = False, reward_weight: float = 0.0, teacher_routes: tuple[str, ...] = ()):
+                 distill: bool = False, reward_weight: float = 0.0, teacher_routes: tuple[str, ...] = (),
+                 topk: Optional[TopKDistillation] = None):
         super().__init__(policy=policy, experience=experience, replay=replay,
                          micro_batch_size=settings.micro_batch_size, temperature=temperature,
                          log_entropy=log_entropy, loss_agg_mode=loss_agg_mode(settings), correction=correction,
-                         log_completions=log_completions, decode=decode)
+                         log_completions=log_completions, decode=decode, topk=topk)
         self.critic, self.settings = critic, settings
         self.distill, self.reward_weight, self.teacher_routes = distill, reward_weight, tuple(teacher_routes)
         self.objective = objective or policy_objective(settings)
@@ -190,6 +195,8 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=p.micro_batch_size, group_size=p.group_size)
     check_teacher_routes(config, experience.data_sampler.dataset)  # distill.teachers: every row has a teacher
+    topk = topk_distillation(config, ref_model if config.distill.jsd_top_k else None, chunk_size=p.micro_batch_size,
+                             loss_agg_mode=loss_agg_mode(p), loss_scale_factor=r.max_new_tokens)
     replay = RolloutReplay(minibatch_size=p.minibatch_size, epochs=p.epochs, seed=config.train.seed + 1000 * dist.dp_rank)
     return OnlinePPOLearner(policy=trained, critic=critic, experience=experience, replay=replay, settings=p,
                              temperature=r.temperature, log_entropy="policy/entropy" in config.train.metrics,
@@ -197,4 +204,4 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
                              correction=RolloutCorrection.from_config(r, chunk_size=p.micro_batch_size),
                              log_completions=config.train.log_completions, decode=text_decoder(tokenizer),
                              distill=config.distill.distills, reward_weight=config.distill.reward_weight,
-                             teacher_routes=tuple(config.distill.teachers))
+                             teacher_routes=tuple(config.distill.teachers), topk=topk)

@@ -34,6 +34,7 @@ from astrai.rollout.engine import GenerationEngine, sync_weights
 from astrai.trainer.faults import nonfinite_sampling
 from astrai.trainer.models import TrainedModel
 from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection
+from astrai.trainer.learners.topk_distill import TopKDistillation
 
 
 def online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: GenerationEngine,
@@ -119,6 +120,8 @@ class RolloutLearner:
         log_completions: `train.log_completions`: on the main process, keep the first N samples of each new rollout
             (`completion_samples`) for `take_completions`; 0: none (nothing is computed).
         decode: token ids -> prompt text (`text_decoder`); required when `log_completions` > 0.
+        topk: top-k logit distillation (`topk_distill.TopKDistillation`, `distill.jsd_top_k` > 0): its term joins the
+            policy loss of every micro-batch, from the same student forward; None: off.
 
     Subclasses implement `pin_targets` and `update`.
     """
@@ -126,13 +129,14 @@ class RolloutLearner:
     def __init__(self, *, policy: TrainedModel, experience: ExperienceSource, replay: RolloutReplay,
                  micro_batch_size: int, temperature: float, log_entropy: bool = False,
                  loss_agg_mode: str = "token-mean", correction: Optional[RolloutCorrection] = None,
-                 log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None):
+                 log_completions: int = 0, decode: Optional[Callable[[list[int]], str]] = None,
+                 topk: Optional[TopKDistillation] = None):
         if log_completions and decode is None:
             raise ValueError("train.log_completions: the learner needs a decode function to show prompts")
         self.policy, self.experience, self.replay = policy, experience, replay
         self.micro_batch_size, self.temperature, self.log_entropy = micro_batch_size, temperature, log_entropy
         self.loss_agg_mode, self.correction = loss_agg_mode, correction
-        self.log_completions, self.decode = log_completions, decode
+        self.log_completions, self.decode, self.topk = log_completions, decode, topk
         self._completions: list[dict] = []
 
     def take_completions(self) -> list[dict]:
@@ -211,7 +215,8 @@ class RolloutLearner:
             from it: ~0 unless the engine held stale weights; repeated on the rollout's later minibatches), without
             a rollout correction the mismatch metrics of that minibatch (`rollout/mismatch_*`, against the
             engine's log-probs: `algos.mismatch_metrics`; with one they cover the whole rollout, from its rescore),
-            `policy/entropy` with `log_entropy`, and `time/policy_update_seconds`.
+            `policy/entropy` with `log_entropy`, `distill/jsd` with `topk` (its term added to the loss), and
+            `time/policy_update_seconds`.
         """
         start = time.perf_counter()
         shares = metric_agg_mode(self.loss_agg_mode)
@@ -220,9 +225,16 @@ class RolloutLearner:
 
         def loss_fn(micro: RolloutResult, num_units: torch.Tensor):
             mask = micro.sequences.action_mask
-            logprobs, entropy = response_logprobs(self.policy.module, micro.sequences, temperature=self.temperature,
-                                                  with_entropy=self.log_entropy)
-            loss, metrics = objective(logprobs, micro, num_units)
+            if self.topk is None:
+                logprobs, entropy = response_logprobs(self.policy.module, micro.sequences,
+                                                      temperature=self.temperature, with_entropy=self.log_entropy)
+                loss, metrics = objective(logprobs, micro, num_units)
+            else:  # one student forward gives the log-probs and the top-k distillation term
+                logprobs, entropy, term, extra = self.topk(self.policy.module, micro.sequences, num_units,
+                                                           with_entropy=self.log_entropy)
+                loss, metrics = objective(logprobs, micro, num_units)
+                loss = loss + term.to(loss.dtype)
+                metrics.update(extra)
             metrics["policy/loss"] = loss.detach()
             gap = (logprobs.detach() - micro.old_logprobs).abs()
             metrics["rollout/logprob_gap"] = aggregate_loss(gap, mask, loss_agg_mode=shares, num_units=num_units)
