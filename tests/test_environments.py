@@ -7,7 +7,6 @@ online_grpo end to end. The policy is a scripted engine whose turn is a function
 (so the G episodes of one prompt are driven alike and their difference can only come from the environment), on
 SmolLM2's real tokenizer and template for token-exactness."""
 
-import dataclasses
 import json
 import re
 import textwrap
@@ -28,6 +27,7 @@ from astrai.agents.environments import EnvironmentSpec
 from astrai.rewards.functions import ScoredRewards
 from astrai.rollout.generation import Generation
 from astrai.rollout.sampling import SamplingParams
+from scripted_turns import script_turns
 from test_agents_chat import smollm2
 from test_episodes import scripted_generation
 
@@ -732,20 +732,10 @@ def _scripted_seven(model_dir, name):
 
     paged = engines.engine_factory("paged")
 
-    def scripted(model, **kwargs):
-        engine = paged(model, **kwargs)
-        generate, tok = engine.generate, Tokenizer.from_dir(model_dir)
+    def scripted(model, **kwargs):  # both engine paths: generate and the streaming add_request / step
+        tok = Tokenizer.from_dir(model_dir)
         said = tok.encode("7") + [tok.eos_token_id]
-
-        def say_seven(prompts, params, generator=None):
-            out = generate(prompts, params, generator)
-            n = len(prompts)
-            ids = torch.tensor([said] * n)
-            return dataclasses.replace(out, response_ids=ids, action_mask=torch.ones(n, len(said), dtype=torch.bool),
-                                       old_logprobs=torch.full(ids.shape, -1.0),
-                                       finished=torch.ones(n, dtype=torch.bool))
-        engine.generate = say_seven
-        return engine
+        return script_turns(paged(model, **kwargs), lambda params: said)
     engines.register_engine(name, scripted)
 
 

@@ -18,6 +18,7 @@ from astrai.experience.trajectory import Experience
 from astrai.models import Tokenizer
 from astrai.rollout.generation import Generation
 from astrai.rollout.sampling import SamplingParams
+from scripted_turns import script_turns
 from test_agents_chat import smollm2
 
 TOOLS = '''
@@ -231,28 +232,10 @@ def test_online_train_types_train_on_multi_turn_episodes_with_tools(tiny_model_d
         '''))
     paged = engines.engine_factory("paged")
 
-    def scripted(model, **kwargs):
-        engine = paged(model, **kwargs)
-        generate, tok = engine.generate, Tokenizer.from_dir(model_dir)
+    def scripted(model, **kwargs):  # a first turn (nothing of the budget spent yet): a calculator call
+        tok = Tokenizer.from_dir(model_dir)
         call = tok.encode(format_tool_call("calculator", {"expression": "12 * 34"})) + [tok.eos_token_id]
-
-        def first_turn_calls(prompts, params, generator=None):
-            out = generate(prompts, params, generator)
-            fresh = [p.max_new_tokens == 160 for p in params]  # a first turn: nothing of the budget spent yet
-            rows = [(call if f else ids[:n]) for f, ids, n in zip(fresh, out.response_ids.tolist(),
-                                                                  out.action_mask.sum(-1).tolist())]
-            width = max(map(len, rows))
-            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-            mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
-            lps = torch.where(mask, -1.0, 0.0)
-            for i, f in enumerate(fresh):
-                if not f:
-                    lps[i, :len(rows[i])] = out.old_logprobs[i, :len(rows[i])]
-            return dataclasses.replace(out, response_ids=ids, action_mask=mask, old_logprobs=lps,
-                                       finished=torch.tensor([True if f else bool(d) for f, d in
-                                                              zip(fresh, out.finished.tolist())]))
-        engine.generate = first_turn_calls
-        return engine
+        return script_turns(paged(model, **kwargs), lambda params: call if params.max_new_tokens == 160 else None)
     engines.register_engine("scripted_test", scripted)
     job = tmp_path / "job.yaml"
     job.write_text(textwrap.dedent(f"""\
@@ -282,6 +265,14 @@ def test_online_train_types_train_on_multi_turn_episodes_with_tools(tiny_model_d
         assert r["rewards/used_tool/mean"] == 1.0  # every episode's tool result reached the reward
         assert r["rollout/episodes/tool_calls/calculator"] == 1.0 and r["rollout/episodes/tool_errors"] == 0.0
         assert r["rollout/episodes/turns"] >= 1.0 and 0 < r["rollout/episodes/masked_out_fraction"] < 1
+        # the paged engine streams the episodes: the second turn reuses the first turn's prompt blocks
+        assert r["rollout/episodes/prefill_tokens_reused"] > 0 and 0 < r["rollout/episodes/prefill_reused_fraction"] < 1
+    # runtime.deterministic: turn-synchronous episodes (bitwise reproducible), which report no prefix-cache reuse
+    det = tmp_path / "deterministic"
+    assert main(["--config", str(job), "--model.path", str(model_dir), "--data.path", str(data), "--train.output_dir",
+                 str(det), "--max_steps", "1", "--runtime.deterministic", "true"]) == 0
+    logged = json.loads((det / "metrics.jsonl").read_text().splitlines()[-1])
+    assert logged["rewards/used_tool/mean"] == 1.0 and "rollout/episodes/prefill_tokens_reused" not in logged
     # evaluated as it trains: in training (data.eval_path) and by python -m astrai.evaluate with the job's config,
     # each question an episode with the same tools, scored by the job's reward on the episode's messages
     from astrai import evaluate

@@ -153,7 +153,8 @@ def build_episode_runner(config, runner, tokenizer, model_config, records: Seque
                            max_parallel_tool_calls=r.max_parallel_tool_calls)
     return EpisodeRunner(runner, tokenizer, tools, executor, limits, system_prompt=config.data.system_prompt,
                          environment=environment, prompt_field=config.data.prompt_field,
-                         on_error=config.reward.on_error, error_score=config.reward.error_score)
+                         on_error=config.reward.on_error, error_score=config.reward.error_score,
+                         deterministic=config.runtime.deterministic)
 
 
 def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine, model_config,

@@ -2,8 +2,8 @@
 environment's step answers), the results are appended, and so on until it answers, the environment ends the
 episode, a cap ends it, or the token budget runs out. Token-in, token-out.
 
-Per episode (all episodes of a batch advance together, one engine call per turn; `astrai.agents.chat` has the
-rendering rules):
+Per episode (on a streaming engine each at its own pace, below; else all episodes of a batch turn by turn, one
+engine call per turn; `astrai.agents.chat` has the rendering rules):
 
 1. the prompt: the first messages rendered with the tools (in the template's ``tools`` variable when it has one,
    else listed in the system turn, Hermes format) and the generation prompt;
@@ -24,6 +24,21 @@ job's tools and its class's methods, the methods' calls run on its instance; a t
 class's ``step`` when it has one, whose observation is appended as tool results are (None ends the episode:
 "environment"); a failure of the environment ends the episode ("env_error"); at the end get_reward and close run.
 
+On a streaming engine (`streams`: the paged engine's add_request / step, not tensor-parallel) the episodes of a
+batch progress together but not in lockstep: an episode's next turn is added to the running batch as soon as its
+tool results (or observation) are in; its tool calls and environment steps run in a helper thread (one job per
+ended turn, in the order the turns ended) while the engine keeps stepping the other episodes' turns, so one
+episode waiting on a slow tool does not stall the others' decoding. (The jobs themselves run one at a time, as the
+tool workers and environment instances serve one caller: a call waits for the calls of turns that ended before
+it.) Each turn's context is the previous turn's plus its sampled tokens and results, so the version-tagged prefix
+cache serves the KV of the earlier turns' full blocks (`Episode.prefill_tokens_reused`, the metric
+`prefill_tokens_reused`). The trajectories are what the synchronous path gives: the same ids, loss mask,
+log-probs, `policy_version` per token and endings, and the same samples where the engine's arithmetic is
+batch-invariant (float32 on CPU) and the seeds agree. Turn t of episode i is seeded `request_seed(base_t, i)`,
+base_t the generator's t-th draw, as `generate` seeds row i of turn t; the synchronous path numbers the rows of
+turn t among the episodes still running, so the two agree on every turn that no earlier episode of the batch has
+ended before (always on the first turn; the tokens of greedy sampling always).
+
 The budget is the response side of the sequence, `SamplingParams.max_new_tokens` (`rollout.max_new_tokens`): every
 turn and every tool result together, so the start-up check of prompt + response length against the model's
 position limit holds for episodes as for single turns. What the reward sees of an episode is its new messages (the
@@ -37,6 +52,7 @@ import dataclasses
 import math
 import time
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -48,10 +64,12 @@ from astrai.agents.tools import Tool
 from astrai.experience.episode_environments import ENV_ERROR_KINDS, EpisodeEnvironment
 from astrai.experience.tool_executor import ToolExecutor, tool_references
 from astrai.experience.trajectory import NOT_SAMPLED, Experience, Trajectory
+from astrai.rollout.engine import StreamingEngine
 from astrai.rollout.sampling import SamplingParams
 
-__all__ = ["EpisodeLimits", "Episode", "EpisodeRunner", "PlayedSample", "ToolExecutor", "check_episodes", "run_episodes",
-           "episode_metrics", "tool_references", "ENDINGS", "ENVIRONMENT_REWARD"]
+__all__ = ["EpisodeLimits", "Episode", "EpisodeRunner", "PlayedSample", "ToolExecutor", "check_episodes",
+           "run_episodes", "episode_metrics", "streams", "tool_references", "turn_seed", "ENDINGS",
+           "ENVIRONMENT_REWARD"]
 
 ENVIRONMENT_REWARD = "environment"
 """The name of the environment's reward among the reward functions' (`rewards/environment/...`)."""
@@ -98,6 +116,10 @@ class Episode:
         env_errors: per kind (`ENV_ERROR_KINDS`), the environment failures it met; env_error: the first one's text.
         env_reward: what its environment's get_reward returned (None: no get_reward, or it failed);
         env_reward_failed: whether that reward is missing because of a failure.
+        prefill_tokens: on a streaming engine, the context tokens its turns submitted (prompt + everything before
+            each turn, summed over its turns; 0 on the synchronous path).
+        prefill_tokens_reused: of those, the tokens whose KV the engine's prefix cache served instead of a prefill
+            (`StepOutput.cached_tokens`; None when the engine does not say).
     """
 
     prompt_ids: list[int]
@@ -118,6 +140,8 @@ class Episode:
     env_error: Optional[str] = None
     env_reward: Optional[float] = None
     env_reward_failed: bool = False
+    prefill_tokens: int = 0
+    prefill_tokens_reused: Optional[int] = None
 
     @property
     def completion(self) -> list[dict[str, Any]]:
@@ -149,7 +173,8 @@ def run_episodes(engine, tokenizer, conversations: Sequence[Sequence[Mapping[str
                  executor: ToolExecutor, sampling: SamplingParams, limits: EpisodeLimits,
                  generator: Optional[torch.Generator] = None, *, environment: Optional[EpisodeEnvironment] = None,
                  routes: Optional[Sequence[Optional[str]]] = None,
-                 rows: Optional[Sequence[Mapping[str, Any]]] = None) -> list[Episode]:
+                 rows: Optional[Sequence[Mapping[str, Any]]] = None,
+                 streaming: Optional[bool] = None) -> list[Episode]:
     """Run one episode per conversation (module docstring) and return them, ended.
 
     Args:
@@ -163,53 +188,28 @@ def run_episodes(engine, tokenizer, conversations: Sequence[Sequence[Mapping[str
             episode its class's route, None for a single class) and `rows` (per episode the row its reset
             receives) are required. Each episode also offers its class's methods as tools, steps a class with
             ``step`` on every turn that calls no tool, and gets its environment reward (`EpisodeEnvironment`).
+        streaming: run on the engine's streaming API (module docstring, "On a streaming engine"); None: when the
+            engine offers it (`streams`), False: turn-synchronously with `engine.generate`.
 
     Raises:
-        ValueError: the end-of-turn token of the template is not a stop token (a turn would never end), or a
-            rendered prompt is empty. `astrai.agents.chat.TemplatePrefixError`: the template rewrites earlier
-            turns. `astrai.experience.environments.EnvironmentFailure`: past the environment failures' threshold.
+        ValueError: the end-of-turn token of the template is not a stop token (a turn would never end), a
+            rendered prompt is empty, or `streaming` True on an engine without the streaming API.
+            `astrai.agents.chat.TemplatePrefixError`: the template rewrites earlier turns.
+            `astrai.experience.environments.EnvironmentFailure`: past the environment failures' threshold.
     """
+    if streaming is None:
+        streaming = streams(engine)
+    elif streaming and not streams(engine):
+        raise ValueError(f"multi-turn episodes: streaming needs an engine with the streaming API and no tensor "
+                         f"parallelism, and {type(engine).__name__} is not one")
     episodes = _open_episodes(tokenizer, conversations, tools, sampling, environment, routes, rows)
-    budget = sampling.max_new_tokens
     native = template_supports_tools(tokenizer.chat_template or "")
     try:
-        for turn in range(limits.max_turns):
-            active = [e for e in episodes if e.ended_by is None]
-            if not active:
-                break
-            params = [dataclasses.replace(sampling, max_new_tokens=budget - len(e.response_ids)) for e in active]
-            generation = engine.generate([e.prompt_ids + e.response_ids for e in active], params, generator)
-            rows_out = zip(active, generation.response_ids.tolist(), generation.action_mask.tolist(),
-                           generation.old_logprobs.tolist(), generation.finished.tolist())
-            calling, stepping = [], []
-            last = turn == limits.max_turns - 1
-            for e, ids, mask, logprobs, finished in rows_out:
-                sampled = [t for t, m in zip(ids, mask) if m]
-                e.turn_starts.append(len(e.response_ids))
-                e._append(sampled, sampled=True, logprobs=[lp for lp, m in zip(logprobs, mask) if m],
-                          version=generation.policy_version)
-                calls, errors = _read_turn(tokenizer, e, sampled, native)
-                if not finished:
-                    e.ended_by = "length"
-                elif e.env_errors:  # its reset failed: the first turn is sampled on the row's prompt, then it ends
-                    e.ended_by = "env_error"
-                elif calls or errors:
-                    if last:
-                        e.ended_by = "max_turns"
-                    else:
-                        calling.append((e, calls, errors))
-                elif environment is not None and environment.steps.get(e.env_route):
-                    stepping.append(e)  # on the last turn too: the environment sees every finished action
-                else:
-                    e.ended_by = "answer"
-            _answer_calls(tokenizer, calling, executor, limits, budget, environment)
-            for e, observation in zip(stepping, environment.step(stepping) if stepping else ()):
-                if observation is not None and last:
-                    e.ended_by = "max_turns"
-                elif observation is not None:
-                    _append_observation(tokenizer, e, observation, budget)
-            if environment is not None:
-                environment.end_lost(active)
+        if streaming:
+            _streamed_turns(engine, tokenizer, episodes, executor, sampling, limits, generator, environment, native)
+        else:
+            _synchronous_turns(engine, tokenizer, episodes, executor, sampling, limits, generator, environment,
+                               native)
     except BaseException:  # the instances are closed before the error goes on
         if environment is not None:
             environment.abandon(episodes)
@@ -219,6 +219,166 @@ def run_episodes(engine, tokenizer, conversations: Sequence[Sequence[Mapping[str
     if environment is not None:
         environment.finish(episodes)
     return episodes
+
+
+def streams(engine) -> bool:
+    """Whether `run_episodes` runs on `engine`'s streaming API (`astrai.rollout.engine.StreamingEngine`: the paged
+    engine's add_request / step / abort): an engine that has it and is not tensor-parallel (its ranks must agree
+    on every batch, which `generate` does; the TP engine and the vLLM adapter run turn-synchronously)."""
+    return isinstance(engine, StreamingEngine) and getattr(engine, "tp", None) is None
+
+
+def _close_turn(tokenizer, e: Episode, sampled: list[int], logprobs: list[float], version: int, finished: bool,
+                last: bool, native: bool, environment: Optional[EpisodeEnvironment]) -> Optional[tuple]:
+    """Append the turn `sampled` (its behaviour `logprobs`, sampled by weights `version`; `finished`: it ended with
+    a stop token; `last`: it was the episode's `max_turns`-th) to `e` and decide what follows: None when the
+    turn ended the episode (`e.ended_by` set), ("call", calls, errors) when its tool calls run next, ("step",)
+    when its environment's step answers it next."""
+    e.turn_starts.append(len(e.response_ids))
+    e._append(sampled, sampled=True, logprobs=logprobs, version=version)
+    calls, errors = _read_turn(tokenizer, e, sampled, native)
+    if not finished:
+        e.ended_by = "length"
+    elif e.env_errors:  # its reset failed: the first turn is sampled on the row's prompt, then it ends
+        e.ended_by = "env_error"
+    elif calls or errors:
+        if last:
+            e.ended_by = "max_turns"
+        else:
+            return ("call", calls, errors)
+    elif environment is not None and environment.steps.get(e.env_route):
+        return ("step",)  # on the last turn too: the environment sees every finished action
+    else:
+        e.ended_by = "answer"
+    return None
+
+
+def _apply_observation(tokenizer, e: Episode, observation, last: bool, budget: int) -> None:
+    """An environment step's `observation` for `e` (None: the step ended it): appended, or at the last turn the
+    episode ends ("max_turns")."""
+    if observation is not None and last:
+        e.ended_by = "max_turns"
+    elif observation is not None:
+        _append_observation(tokenizer, e, observation, budget)
+
+
+def _synchronous_turns(engine, tokenizer, episodes: list[Episode], executor: ToolExecutor, sampling: SamplingParams,
+                       limits: EpisodeLimits, generator, environment: Optional[EpisodeEnvironment],
+                       native: bool) -> None:
+    """The turn-synchronous loop: every running episode's turn t in one `engine.generate` call (one base seed
+    drawn from `generator` per turn, row i of the running episodes seeded `request_seed(base, i)` by the engine),
+    then all their tool calls and environment steps, then turn t + 1."""
+    budget = sampling.max_new_tokens
+    for turn in range(limits.max_turns):
+        active = [e for e in episodes if e.ended_by is None]
+        if not active:
+            break
+        params = [dataclasses.replace(sampling, max_new_tokens=budget - len(e.response_ids)) for e in active]
+        generation = engine.generate([e.prompt_ids + e.response_ids for e in active], params, generator)
+        rows_out = zip(active, generation.response_ids.tolist(), generation.action_mask.tolist(),
+                       generation.old_logprobs.tolist(), generation.finished.tolist())
+        calling, stepping = [], []
+        last = turn == limits.max_turns - 1
+        for e, ids, mask, logprobs, finished in rows_out:
+            sampled = [t for t, m in zip(ids, mask) if m]
+            follow = _close_turn(tokenizer, e, sampled, [lp for lp, m in zip(logprobs, mask) if m],
+                                 generation.policy_version, bool(finished), last, native, environment)
+            if follow is not None and follow[0] == "call":
+                calling.append((e, follow[1], follow[2]))
+            elif follow is not None:
+                stepping.append(e)
+        _answer_calls(tokenizer, calling, executor, limits, budget, environment)
+        for e, observation in zip(stepping, environment.step(stepping) if stepping else ()):
+            _apply_observation(tokenizer, e, observation, last, budget)
+        if environment is not None:
+            environment.end_lost(active)
+
+
+_GOLDEN, _MASK64 = 0x9E3779B97F4A7C15, (1 << 64) - 1  # request_seed's increment and word (astrai.rollout.row_sampling)
+
+
+def turn_seed(bases: list[int], turn: int, index: int, generator: Optional[torch.Generator]) -> int:
+    """The `add_request` seed of episode `index`'s turn `turn` on the streaming path: the seed whose first choice
+    samples with `request_seed(base_turn, index)`, the generator `engine.generate` gives row `index` of a call
+    whose base seed is base_turn; base_turn is the turn-th int64 drawn from `generator` (into `bases`, when the
+    first episode reaches that turn, so the generator gives as many draws, in the same order, as the synchronous
+    path's one `generate` call per turn takes). As `request_seed(s, i)` hashes s + (i + 1) * 0x9E3779B97F4A7C15
+    (mod 2**64), `request_seed(base + index * 0x9E3779B97F4A7C15, 0) == request_seed(base, index)`."""
+    while len(bases) <= turn:
+        device = generator.device if generator is not None else "cpu"
+        bases.append(int(torch.randint(0, 2**62, (1,), generator=generator, device=device)))
+    return (bases[turn] + index * _GOLDEN) & _MASK64
+
+
+@torch.no_grad()
+def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolExecutor, sampling: SamplingParams,
+                    limits: EpisodeLimits, generator, environment: Optional[EpisodeEnvironment],
+                    native: bool) -> None:
+    """The streaming loop (module docstring, "On a streaming engine"): each episode's next turn is added to the
+    engine as soon as its tool results (or observation) are in; the tool calls and environment steps run in one
+    helper thread, in the order the turns ended, while this thread keeps stepping the engine over the other
+    episodes' turns; a finished job is polled between two steps (waited for when nothing decodes). Every live
+    request is aborted on the way out, an error included."""
+    budget = sampling.max_new_tokens
+    bases: list[int] = []
+    live: dict[int, tuple[int, list[int], list[float], int]] = {}  # request id -> (episode, ids, logprobs, version)
+    jobs: dict[Future, tuple[int, tuple]] = {}  # the helper's work -> (episode, what follows its turn)
+    ready = [i for i, e in enumerate(episodes) if e.ended_by is None]
+    requests: list[int] = []
+    helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="astrai-episode-tools")
+    failed = True
+    try:
+        while ready or live or jobs:
+            for i in ready:
+                e = episodes[i]
+                context = e.prompt_ids + e.response_ids
+                params = dataclasses.replace(sampling, max_new_tokens=budget - len(e.response_ids))
+                request = engine.add_request(context, params, seed=turn_seed(bases, len(e.turn_starts), i, generator))
+                requests.append(request)
+                live[request] = (i, [], [], engine.policy_version)
+                e.prefill_tokens += len(context)
+            ready = []
+            if engine.has_unfinished_requests:
+                for out in engine.step():
+                    i, ids, logprobs, version = live[out.request_id]
+                    e = episodes[i]
+                    if not ids and getattr(out, "cached_tokens", None) is not None:
+                        e.prefill_tokens_reused = (e.prefill_tokens_reused or 0) + out.cached_tokens
+                    ids.append(out.token_id)
+                    logprobs.append(out.logprob)
+                    if not out.done:
+                        continue
+                    del live[out.request_id]
+                    last = len(e.turn_starts) == limits.max_turns - 1
+                    follow = _close_turn(tokenizer, e, ids, logprobs, version, out.finished, last, native,
+                                         environment)
+                    if follow is not None and follow[0] == "call":
+                        work = (_run_calls, [(e, follow[1], follow[2])], executor, limits, environment)
+                        jobs[helper.submit(*work)] = (i, follow)
+                    elif follow is not None:
+                        jobs[helper.submit(environment.step, [e])] = (i, follow)
+            elif jobs:
+                wait(list(jobs), return_when=FIRST_COMPLETED)
+            elif live:
+                raise RuntimeError("multi-turn episodes: the engine has no unfinished request while "
+                                   f"{len(live)} turn(s) are not done")
+            for future in [f for f in jobs if f.done()]:
+                i, follow = jobs.pop(future)
+                e = episodes[i]
+                if follow[0] == "call":
+                    _append_results(tokenizer, [(e, follow[1], follow[2])], future.result(), limits, budget)
+                else:
+                    _apply_observation(tokenizer, e, future.result()[0], len(e.turn_starts) == limits.max_turns,
+                                       budget)
+                if environment is not None:
+                    environment.end_lost([e])
+                if e.ended_by is None:
+                    ready.append(i)
+        failed = False
+    finally:  # also on a failure (non-finite logits, a tool job's error): the engine must be able to sleep
+        for request in requests:
+            engine.abort(request)
+        helper.shutdown(wait=not failed, cancel_futures=True)
 
 
 def _open_episodes(tokenizer, conversations, tools: Sequence[Tool], sampling: SamplingParams,
@@ -298,17 +458,34 @@ def _answer_calls(tokenizer, calling, executor: ToolExecutor, limits: EpisodeLim
                   environment: Optional[EpisodeEnvironment] = None) -> None:
     """Run the calls of every episode in `calling` ((episode, calls, errors) triples) and append their results:
     plain tools through `executor`, the methods of an episode's environment on its instance."""
-    runnable, on_instance, over = [], [], {}
+    _append_results(tokenizer, calling, _run_calls(calling, executor, limits, environment), limits, budget)
+
+
+def _run_calls(calling, executor: ToolExecutor, limits: EpisodeLimits,
+               environment: Optional[EpisodeEnvironment] = None) -> dict[int, tuple[str, Optional[str]]]:
+    """Run the calls of every episode in `calling` ((episode, calls, errors) triples): by ``id(call)``, (result
+    text, error text or None); plain tools through `executor`, the methods of an episode's environment on its
+    instance, the calls past `max_parallel_tool_calls` an error result without running. Touches no tokenizer (the
+    streaming loop runs it in its helper thread)."""
+    runnable, on_instance, results = [], [], {}
     for e, calls, errors in calling:
         for c in calls[limits.max_parallel_tool_calls:]:
-            over[id(c)] = (f"Error: at most {limits.max_parallel_tool_calls} tool calls run per turn "
-                           f"(rollout.max_parallel_tool_calls); this one did not")
+            text = (f"Error: at most {limits.max_parallel_tool_calls} tool calls run per turn "
+                    f"(rollout.max_parallel_tool_calls); this one did not")
+            results[id(c)] = (text, text)
         methods = {t.name for t in environment.tools[e.env_route]} if environment is not None else set()
         for c in calls[:limits.max_parallel_tool_calls]:
             (on_instance.append((e, c)) if c.name in methods else runnable.append(c))
-    results = dict(zip(map(id, runnable), executor.run(runnable)))
+    results.update(zip(map(id, runnable), executor.run(runnable)))
     if on_instance:
         results.update(environment.call_tools(on_instance))
+    return results
+
+
+def _append_results(tokenizer, calling, results: Mapping[int, tuple[str, Optional[str]]], limits: EpisodeLimits,
+                    budget: int) -> None:
+    """Append to every episode of `calling` the results of its calls (`_run_calls`), in the order the turn made
+    them, malformed calls' errors included, each cut to `max_tool_response_tokens`; count calls and errors."""
     for e, calls, errors in calling:
         items: list[ToolCall | ToolCallError] = sorted([*calls, *errors], key=lambda item: item.index)
         tool_messages = []
@@ -316,7 +493,7 @@ def _answer_calls(tokenizer, calling, executor: ToolExecutor, limits: EpisodeLim
             if isinstance(item, ToolCallError):
                 text, error = item.message, item.message
             else:
-                text, error = results.get(id(item)) or (over[id(item)], over[id(item)])
+                text, error = results[id(item)]
             e.tool_calls[item.name] += 1
             e.tool_errors[item.name] += error is not None
             tool_messages.append({"role": "tool", "name": item.name or "unknown",
@@ -341,7 +518,9 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     episode, and per tool as `tool_calls/<name>`), `ended/<why>` (the share of episodes per `ENDINGS` entry) and
     `masked_out_fraction` (the share of response tokens with loss mask 0: tool results, observations and
     separators); with an environment, `env_errors` (failures per episode) and `env_errors/<kind>` per
-    `ENV_ERROR_KINDS` entry."""
+    `ENV_ERROR_KINDS` entry; on a streaming engine that reports prefix-cache hits, `prefill_tokens_reused` (mean
+    per episode: context tokens of its turns whose KV the prefix cache served, no prefill) and
+    `prefill_reused_fraction` (their share of all the context tokens its turns submitted)."""
     n = max(len(episodes), 1)
     calls, errors = Counter(), Counter()
     for e in episodes:
@@ -351,6 +530,11 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     out = {"turns": sum(len(e.turn_starts) for e in episodes) / n, "tool_calls": sum(calls.values()) / n,
            "tool_errors": sum(errors.values()) / n,
            "masked_out_fraction": sum(len(e.loss_mask) - sum(e.loss_mask) for e in episodes) / max(tokens, 1)}
+    reported = [e for e in episodes if e.prefill_tokens_reused is not None]
+    if reported:
+        out["prefill_tokens_reused"] = sum(e.prefill_tokens_reused for e in reported) / len(reported)
+        out["prefill_reused_fraction"] = (sum(e.prefill_tokens_reused for e in reported)
+                                          / max(sum(e.prefill_tokens for e in reported), 1))
     out.update({f"ended/{why}": sum(e.ended_by == why for e in episodes) / n for why in ENDINGS})
     out.update({f"tool_calls/{name or 'unknown'}": count / n for name, count in calls.items()})
     out.update({f"tool_errors/{name or 'unknown'}": count / n for name, count in errors.items()})
@@ -386,7 +570,7 @@ class EpisodeRunner:
     """The online train types' runner when `rollout.tools` or `rollout.environment` is set: `RolloutRunner`'s
     interface (`sample`, `collect`, `add_reference`, `truncated_fraction`, `engine`), each sample a multi-turn
     episode (`run_episodes`) from its prompt record's conversation (`data.system_prompt`, then the stored prompt as
-    the user turn, or the stored chat).
+    the user turn, or the stored chat); on the streaming API of the engine when it has one (`streams`).
 
     Args:
         runner: the single-turn runner whose engine, sampling settings, reference model and score function it uses;
@@ -396,6 +580,10 @@ class EpisodeRunner:
             the stored prompt in the row a reset receives); on_error, error_score: `reward.on_error` and
             `reward.error_score`, for an environment reward that failed. The environment's reward is added to the
             total with weight 1 and kept as the reward component `ENVIRONMENT_REWARD`.
+        deterministic: `runtime.deterministic`: run turn-synchronously even on a streaming engine. On the
+            streaming path the moment a tool's result joins the running batch depends on timing, and a row's
+            log-probs depend on the batch it is computed in by rounding (about 1e-6 in float32), so a run, or its
+            resume, is reproducible to that rounding only; the turn-synchronous path is bitwise.
 
     Raises:
         ValueError: from construction, as `check_episodes` (the template, the stop token, the length limit).
@@ -403,8 +591,10 @@ class EpisodeRunner:
 
     def __init__(self, runner, tokenizer, tools: Sequence[Tool], executor: ToolExecutor, limits: EpisodeLimits, *,
                  system_prompt: Optional[str] = None, environment: Optional[EpisodeEnvironment] = None,
-                 prompt_field: str = "question", on_error: str = "score", error_score: float = 0.0):
+                 prompt_field: str = "question", on_error: str = "score", error_score: float = 0.0,
+                 deterministic: bool = False):
         self.runner, self.tokenizer, self.tools, self.executor = runner, tokenizer, list(tools), executor
+        self.streaming = False if deterministic else None  # None: on the streaming API when the engine has one
         self.limits, self.system_prompt, self.environment = limits, system_prompt, environment
         self.prompt_field, self.on_error, self.error_score = prompt_field, on_error, error_score
 
@@ -433,7 +623,8 @@ class EpisodeRunner:
         episodes = self.runner.generate_agreed(lambda: run_episodes(  # non-finite logits: every rank stops
             self.runner.engine, self.tokenizer, [self.conversation(r) for r in records], self.tools, self.executor,
             self.runner.sampling, self.limits, generator, environment=env,
-            routes=[route for route, _ in routed] or None, rows=[row for _, row in routed] or None))
+            routes=[route for route, _ in routed] or None, rows=[row for _, row in routed] or None,
+            streaming=self.streaming))
         timings = {"generate": time.perf_counter() - start}
         start = time.perf_counter()
         scored = self.runner.score_fn([e.completion for e in episodes], list(records),
@@ -480,7 +671,8 @@ class EpisodeRunner:
         routed = [env.route_and_row(r, self.prompt_field) for r in records] if env is not None else []
         episodes = run_episodes(self.runner.engine, self.tokenizer, [self.conversation(r) for r in records],
                                 self.tools, self.executor, sampling, self.limits, generator, environment=env,
-                                routes=[route for route, _ in routed] or None, rows=[row for _, row in routed] or None)
+                                routes=[route for route, _ in routed] or None, rows=[row for _, row in routed] or None,
+                                streaming=self.streaming)
         rewards = self.environment_rewards(episodes) if self.reward_names else [math.nan] * len(episodes)
         return [PlayedSample(completion=e.completion, text=e.text,
                              action_ids=[t for t, m in zip(e.response_ids, e.loss_mask) if m],

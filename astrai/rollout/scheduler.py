@@ -46,6 +46,7 @@ class Request:
     top_logprobs: int = 0  # k most likely tokens to report with each sampled one (0: none)
     cancelled: bool = False  # aborted by the caller; done as soon as it holds no blocks another member needs
     group: Optional["Group"] = field(default=None, repr=False, compare=False)
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache served at admission (leader only)
 
     @property
     def generated(self) -> list[int]:
@@ -145,6 +146,7 @@ class Scheduler:
             self.pool.release_all(cached)
             return False
         leader.blocks, leader.num_computed = list(cached), len(cached) * self.block_size
+        leader.cached_tokens = leader.num_computed
         group.reserve, self.reserved = need, self.reserved + need
         return True
 

@@ -43,6 +43,9 @@ class StepOutput:
         top_logprobs: the request's `top_logprobs` most likely (token id, log-prob) pairs under that distribution,
             most likely first (() when none were asked).
         done: this choice is over (stop token or max_new_tokens); finished: it ended with a stop token.
+        cached_tokens: the tokens of its prompt whose KV the version-tagged prefix cache served when it was admitted
+            (no prefill for them; the same on each of its outputs; 0 for choices after the first, which share the
+            first's blocks).
     """
 
     request_id: int
@@ -52,6 +55,7 @@ class StepOutput:
     top_logprobs: tuple[tuple[int, float], ...]
     done: bool
     finished: bool
+    cached_tokens: int = 0
 
 
 class StreamSession:
@@ -132,7 +136,7 @@ class StreamSession:
             req = event.request
             request_id, choice = self._owner[req.index]
             out.append(StepOutput(request_id, choice, event.token_id, event.logprob, event.top, event.done,
-                                  req.finished))
+                                  req.finished, req.cached_tokens))
             if event.done:
                 ended.add(request_id)
         for request_id in ended:  # after the loop: choices of one request may end in the same step
