@@ -20,6 +20,7 @@ from astrai.trainer.memory_plan import (MemoryItem, MemoryPlan, check_fits, kv_b
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
+HAS_ONEDNN = hasattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise") and torch.backends.mkldnn.is_available()
 
 
 def items(plan):
@@ -57,6 +58,17 @@ def test_hand_values_per_train_type_lora_and_engine():
     assert kv_bytes_per_token(cfg, 2, 2) == per_token // 4  # bf16 and half the KV heads per rank
     assert kv_bytes_per_token(dataclasses.replace(cfg, num_key_value_heads=1), 4, 2) == per_token // \
         cfg.num_key_value_heads  # one KV head, replicated on both ranks
+    # the paged engine's prepacked GEMM weights (astrai.rollout.packed_linear) count where it prepacks: float32 off
+    # Intel CPUs, bf16 with oneDNN's support; one more engine-sized copy
+    import astrai.rollout.packed_linear as packed_linear
+
+    for vendor, packs in (("GenuineIntel", False), ("AuthenticAMD", True)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(packed_linear, "cpu_vendor", lambda vendor=vendor: vendor)
+            planned = items(plan_memory(grpo, cfg, strategy="ddp", world_size=1, device=CPU))
+            assert planned.get("engine prepacked") == (4 * p if packs and HAS_ONEDNN else None), vendor
+            tp2 = config_from_dict({"train": {"type": "online_grpo"}, "rollout": {"tensor_parallel_size": 2}})
+            assert "engine prepacked" not in items(plan_memory(tp2, cfg, strategy="ddp", world_size=2, device=CPU))
     no_kl = config_from_dict({"train": {"type": "online_grpo"}, "grpo": {"kl_coef": 0}})
     assert "reference" not in items(plan_memory(no_kl, cfg, strategy="ddp", world_size=1, device=CPU))
     ppo = items(plan_memory(config_from_dict({"train": {"type": "online_ppo"}, "ppo": {"critic_layers": 1}}), cfg,

@@ -1,10 +1,12 @@
-"""Prepacked oneDNN weights of the bf16 CPU engine (`astrai.rollout.packed_linear`) and the half-precision layout of
-the dense decode cache: same results as the plain paths, and weight updates reach the packed copies."""
+"""Prepacked oneDNN weights of the CPU engine (`astrai.rollout.packed_linear`: bfloat16, and float32 off Intel CPUs)
+and the half-precision layout of the dense decode cache: same results as the plain paths, and weight updates reach
+the packed copies."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import astrai.rollout.packed_linear as packed_linear
 import astrai.rollout.paged_engine as paged_engine
 from astrai.kernels import DenseDecodeCache, InferenceWorkspace, paged_decode_attention, write_kv
 from astrai.models import AutoRegressiveLM, tiny_config
@@ -13,8 +15,19 @@ from astrai.rollout.sampling import SamplingParams
 
 VOCAB, EOS = 32, 2
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
-needs_prepack = pytest.mark.skipif(not prepack_available(torch.device("cpu"), torch.bfloat16),
-                                   reason="no oneDNN bf16 support on this CPU")
+HAS_BF16 = prepack_available(torch.device("cpu"), torch.bfloat16)
+HAS_ONEDNN = hasattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise") and torch.backends.mkldnn.is_available()
+
+
+@pytest.fixture(params=["bfloat16", "float32"])
+def dtype(request, monkeypatch):
+    """Each dtype the engine prepacks in; float32 as on a CPU that is not Intel's (the vendor rule forced)."""
+    if request.param == "bfloat16" and not HAS_BF16:
+        pytest.skip("no oneDNN bf16 support on this CPU")
+    if not HAS_ONEDNN:
+        pytest.skip("no oneDNN linear ops in this torch build")
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    return getattr(torch, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -31,37 +44,50 @@ def rows(gen):
     return [gen.response_ids[r][gen.action_mask[r]].tolist() for r in range(gen.response_ids.shape[0])]
 
 
-def test_prepack_only_for_bf16_on_cpu(model):
-    """float32 keeps F.linear (MKL, its own rounding): the fp32 engine's numbers are untouched."""
-    assert not prepack_available(torch.device("cpu"), torch.float32)
+def test_where_weights_are_prepacked(model, monkeypatch):
+    """bfloat16 where oneDNN supports it; float32 only off Intel CPUs (MKL keeps Intel's: the fp32 engine's numbers
+    there are untouched); never off the CPU or in other dtypes."""
     assert not prepack_available(torch.device("meta"), torch.bfloat16)
+    assert not prepack_available(torch.device("cpu"), torch.float16)
+    for vendor, expected in (("GenuineIntel", False), ("", False), ("AuthenticAMD", HAS_ONEDNN)):
+        monkeypatch.setattr(packed_linear, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert prepack_available(torch.device("cpu"), torch.float32) is expected, vendor
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
     assert engine_for(model).prepacked is None
 
 
-@needs_prepack
+def test_cpu_vendor_reads_proc_cpuinfo():
+    vendor = packed_linear.cpu_vendor()
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        text = ""
+    assert vendor == "" if "vendor_id" not in text else vendor in text
+
+
 @pytest.mark.parametrize("rows_", [1, 3, 32, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_equals_f_linear(rows_, with_bias):
+def test_packed_linear_equals_f_linear(dtype, rows_, with_bias):
     gen = torch.Generator().manual_seed(rows_)
-    weight = torch.randn(48, 40, generator=gen).bfloat16()
-    bias = torch.randn(48, generator=gen).bfloat16() if with_bias else None
-    x = torch.randn(2, rows_, 40, generator=gen).bfloat16()
+    weight = torch.randn(48, 40, generator=gen).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(2, rows_, 40, generator=gen).to(dtype)
     packs = PrepackedWeights()
     packs.add(weight)
     out = packs.linear(x, weight, bias)
-    assert out.dtype == torch.bfloat16 and out.shape == (2, rows_, 48)
-    torch.testing.assert_close(out, F.linear(x, weight, bias))  # bf16 tolerance (bitwise equal on AMX machines)
-    other = torch.randn(48, 40, generator=gen).bfloat16()  # not registered: plain F.linear
+    assert out.dtype == dtype and out.shape == (2, rows_, 48)
+    # bf16: bitwise equal on AMX machines; float32: oneDNN rounds unlike MKL (about 1e-6 relative)
+    torch.testing.assert_close(out, F.linear(x, weight, bias))
+    other = torch.randn(48, 40, generator=gen).to(dtype)  # not registered: plain F.linear
     assert torch.equal(packs.linear(x, other, bias), F.linear(x, other, bias))
 
 
-@needs_prepack
-def test_in_place_update_reaches_the_packed_copy():
+def test_in_place_update_reaches_the_packed_copy(dtype):
     """A weight changed in place (also through a view, as `copy_weights` writes the fused q/k/v rows) is repacked
     before its next use; `refresh` repacks exactly the stale ones."""
     gen = torch.Generator().manual_seed(0)
-    fused = torch.randn(24, 16, generator=gen).bfloat16()
-    x = torch.randn(5, 16, generator=gen).bfloat16()
+    fused = torch.randn(24, 16, generator=gen).to(dtype)
+    x = torch.randn(5, 16, generator=gen).to(dtype)
     packs = PrepackedWeights()
     packs.add(fused)
     before = packs.linear(x, fused)
@@ -75,17 +101,16 @@ def test_in_place_update_reaches_the_packed_copy():
     torch.testing.assert_close(packs.linear(x, fused), F.linear(x, fused))
 
 
-@needs_prepack
-def test_prepack_linears_keeps_parameters_and_forward(model):
-    """Same parameter names and objects (ties kept), same logits as the unpacked bf16 copy."""
+def test_prepack_linears_keeps_parameters_and_forward(model, dtype):
+    """Same parameter names and objects (ties kept), same logits as the unpacked copy."""
     from astrai.rollout.model_runner import fuse_projections
 
-    plain = engine_for(model, dtype="bfloat16", prefix_cache=False)
+    plain = engine_for(model, dtype=dtype, prefix_cache=False)
     assert plain.prepacked is not None
     packed_model = plain.model
     reference = AutoRegressiveLM(model.config).eval()
     reference.load_state_dict(model.state_dict())
-    reference.to(torch.bfloat16)
+    reference.to(dtype)
     fuse_projections(reference)
     assert list(dict(packed_model.named_parameters())) == list(dict(reference.named_parameters()))
     layer = packed_model.model.layers[0]
@@ -99,26 +124,25 @@ def test_prepack_linears_keeps_parameters_and_forward(model):
     assert len(prepack_linears(reference)) == 4 * model.config.num_hidden_layers + 1
 
 
-@needs_prepack
-def test_bf16_engine_with_prepacked_weights_samples_the_same(model, monkeypatch):
+def test_engine_with_prepacked_weights_samples_the_same(model, dtype, monkeypatch):
+    """Same tokens as the plain engine; log-probs bitwise in bf16 (AMX), to oneDNN's float32 rounding in float32."""
     params = SamplingParams(max_new_tokens=10, temperature=1.0, stop_token_ids=(EOS,))
-    packed = engine_for(model, dtype="bfloat16")
+    packed = engine_for(model, dtype=dtype)
     monkeypatch.setattr(paged_engine, "prepack_available", lambda *args: False)
-    plain = engine_for(model, dtype="bfloat16")
+    plain = engine_for(model, dtype=dtype)
     assert packed.prepacked is not None and plain.prepacked is None
     a = packed.generate(PROMPTS, params, torch.Generator().manual_seed(4), n=2)
     b = plain.generate(PROMPTS, params, torch.Generator().manual_seed(4), n=2)
     assert rows(a) == rows(b)
-    torch.testing.assert_close(a.old_logprobs, b.old_logprobs, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a.old_logprobs, b.old_logprobs, atol=1e-5, rtol=0)
 
 
-@needs_prepack
 @pytest.mark.parametrize("stream", [False, True])
-def test_weight_sync_reaches_the_prepacked_copy(model, stream):
+def test_weight_sync_reaches_the_prepacked_copy(model, dtype, stream):
     """After `load_weights` the packed engine samples what a fresh engine built from the new weights samples (a
     stale packed copy would keep the old policy's tokens)."""
     params = SamplingParams(max_new_tokens=10, temperature=1.0, stop_token_ids=(EOS,))
-    engine = engine_for(model, dtype="bfloat16")
+    engine = engine_for(model, dtype=dtype)
     old = engine.generate(PROMPTS, params, torch.Generator().manual_seed(2))
     trained = AutoRegressiveLM(model.config).eval()
     trained.load_state_dict(model.state_dict())
@@ -129,7 +153,7 @@ def test_weight_sync_reaches_the_prepacked_copy(model, stream):
     engine.load_weights(iter(state.items()) if stream else state, policy_version=1)
     assert engine.prepacked.refresh() == 0  # load_weights repacked them all already
     new = engine.generate(PROMPTS, params, torch.Generator().manual_seed(2))
-    fresh = engine_for(trained, dtype="bfloat16").generate(PROMPTS, params, torch.Generator().manual_seed(2))
+    fresh = engine_for(trained, dtype=dtype).generate(PROMPTS, params, torch.Generator().manual_seed(2))
     assert rows(new) == rows(fresh) and rows(new) != rows(old)
     torch.testing.assert_close(new.old_logprobs, fresh.old_logprobs, atol=1e-6, rtol=0)
 

@@ -162,8 +162,8 @@ def lm_logits(model: torch.nn.Module, final: torch.Tensor, workspace: Optional[I
     soft-capped. With `workspace`, float32 logits land in its reused "logits" buffer (valid until the next call);
     without, in a fresh tensor (what a CUDA graph capture needs: its output must not move)."""
     weight = model.lm_head.weight
-    if final.dtype != torch.float32 or weight.dtype != torch.float32:
-        return model.lm_head(final).float()
+    if final.dtype != torch.float32 or weight.dtype != torch.float32 or getattr(model.lm_head, "packs", None) is not None:
+        return model.lm_head(final).float()  # half precision, or prepacked weights (`astrai.rollout.packed_linear`)
     num_rows, vocab = final.shape[0], weight.shape[0]
     if workspace is None:
         return torch.mm(final, weight.t())

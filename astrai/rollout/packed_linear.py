@@ -1,4 +1,4 @@
-"""Prepacked GEMM weights for the engine's inference copy on CPU (oneDNN, bfloat16).
+"""Prepacked GEMM weights for the engine's inference copy on CPU (oneDNN: bfloat16, and float32 off Intel CPUs).
 
 Why: a bfloat16 `F.linear` on a CPU with AMX goes through oneDNN, which reorders the (out, in) weight into its
 blocked (VNNI) layout inside every call: each decode step then reads every weight twice and writes it once more.
@@ -6,7 +6,14 @@ The engine's copy never trains, so it can keep that layout: `torch.ops.mkldnn._r
 and `torch.ops.mkldnn._linear_pointwise` multiplies by it (what torch.compile's CPU freezing pass does). Measured on
 SmolLM2-135M shapes at batch 32, 30 layers each, one thread, weights not cache-resident: gate/up 18.1 -> 13.8 ms,
 down 5.4 -> 4.1 ms, q/k/v 3.9 -> 2.8 ms; results bitwise equal to `F.linear` at every row count tried (1 to 2048).
-float32 is left to `F.linear` (MKL): its oneDNN path is not bitwise equal and was not consistently faster.
+
+float32: `F.linear` goes to MKL's sgemm, whose decode-sized products run far below the machine's rate on CPUs other
+than Intel's. Measured on a 2-core AMD EPYC (AVX2, no AVX-512), SmolLM2-135M shapes, 30 layers each at batch 32, two
+threads: q/k/v 19.3 -> 12.8 ms, gate/up 71.0 -> 38.1, down 31.1 -> 21.0, o 14.2 -> 9.4, LM head 51.8 -> 22.1 (MKL's
+own packed sgemm: no faster); at 512 rows still 4-18% faster, at 2048 within 4% either way. On Intel CPUs float32
+stays with `F.linear` (MKL): with AMX there its oneDNN path was not consistently faster. oneDNN's float32 results
+differ from MKL's in rounding (about 1e-6 relative), so the engine's float32 log-probs move by that much against
+the trainer's; `rollout/logprob_gap` shows it.
 
 Correctness across weight syncs: each packed copy remembers the version counter of the tensor it was made from
 (in-place copies bump it, also through views, so `copy_weights` into the fused q/k/v rows counts); `linear` repacks
@@ -16,23 +23,42 @@ therefore never serve old weights.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PackedLinear", "PrepackedWeights", "prepack_available", "prepack_linears"]
+__all__ = ["PackedLinear", "PrepackedWeights", "cpu_vendor", "prepack_available", "prepack_linears"]
 
 PACK_ROWS = 32  # the row count oneDNN is told to expect (a decode step's batch; any count works)
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """The x86 CPU's vendor string from /proc/cpuinfo (`GenuineIntel`, `AuthenticAMD`, ...); "" where unknown
+    (other architectures, other systems)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where prepacked weights are used: a CPU engine in bfloat16 with oneDNN's bf16 support and the ops."""
+    """True where prepacked weights are used: a CPU engine with oneDNN's linear ops, in bfloat16 where oneDNN
+    supports it, in float32 on an x86 CPU that is not Intel's (where MKL's decode-sized sgemm is slow; module doc)."""
     ops = getattr(torch.ops, "mkldnn", None)
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and ops is not None and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available() and ops is not None
+            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 and cpu_vendor() not in ("", "GenuineIntel")
 
 
 class PrepackedWeights:

@@ -68,9 +68,10 @@ class PagedGenerationEngine:
         dtype: dtype of the inference copy and its KV cache (`torch.float32`/`bfloat16`/`float16` or its name;
             None: the model's). `load_weights` casts incoming tensors to it; `old_logprobs` stay float32 (the
             logits are upcast before the log-softmax), so an fp32 policy can roll out from a bf16 copy: the
-            rounding then shows as a small nonzero `rollout/logprob_gap`. In bfloat16 on a CPU the GEMM weights are
-            also kept prepacked in oneDNN's layout (`self.prepacked`, `astrai.rollout.packed_linear`: same results,
-            one more copy of those weights, repacked by `load_weights`).
+            rounding then shows as a small nonzero `rollout/logprob_gap`. On a CPU the GEMM weights are also kept
+            prepacked in oneDNN's layout in bfloat16, and in float32 on x86 CPUs other than Intel's, where MKL's
+            decode-sized GEMMs are slow (`self.prepacked`, `astrai.rollout.packed_linear`: bf16 results the same,
+            float32 ones to rounding; one more copy of those weights, repacked by `load_weights`).
         cuda_graphs: pad decode-only steps to batch buckets and replay them as CUDA graphs on CUDA
             (`astrai.rollout.cuda_graphs`; `auto` then picks the triton backend); on other devices the padded steps
             run eagerly (same tokens, for tests).

@@ -19,7 +19,8 @@ What is counted, per rank, in bytes (`plan_memory`):
 - the colocated rollout engine (online train types): its weight copy in `rollout.dtype` (else `model.dtype`) and its
   KV cache at `rollout.engine_options.max_kv_tokens` (the paged engine's default 32768 tokens when unset), 2 x layers
   x KV heads x head_dim per token; both split over `rollout.tensor_parallel_size` T (KV heads below T replicated, as
-  Megatron does).
+  Megatron does); on a CPU where the paged engine prepacks its GEMM weights (`astrai.rollout.packed_linear`: bf16,
+  float32 off Intel CPUs; T = 1), one more copy of its weights ("engine prepacked").
 Not counted: activations (they depend on micro-batch size, sequence length and activation checkpointing), transient
 all-gathers of sharded weights, communication buckets, the CUDA context and the allocator's fragmentation: the plan
 is a floor, so `check_fits` refuses only what cannot fit even then and warns above `WARN_FRACTION` of the device.
@@ -38,6 +39,7 @@ import torch
 from astrai.models import AutoRegressiveLM
 from astrai.models.config import ModelConfig
 from astrai.models.value_model import ValueModel
+from astrai.rollout.packed_linear import prepack_available
 
 __all__ = ["MemoryPlan", "MemoryItem", "plan_memory", "device_bytes", "check_fits", "local_teachers", "WARN_FRACTION"]
 
@@ -216,6 +218,10 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
         split = f" / {tp} (tensor parallel)" if tp > 1 else ""
         items.append(MemoryItem("engine weights", params * engine_bytes // tp,
                                 f"{params / 1e6:.1f}M x {engine_bytes} B{split}"))
+        if r.engine == "paged" and tp == 1 and prepack_available(device, getattr(torch, r.dtype or config.model.dtype)):
+            items.append(MemoryItem("engine prepacked", params * engine_bytes,
+                                    f"{params / 1e6:.1f}M x {engine_bytes} B (oneDNN layout of its GEMM weights, "
+                                    "CPU; astrai.rollout.packed_linear)"))
         tokens = r.engine_options.get("max_kv_tokens", DEFAULT_KV_TOKENS) if r.engine == "paged" else None
         if isinstance(tokens, int):
             per_token = kv_bytes_per_token(model_config, engine_bytes, tp)
