@@ -584,7 +584,8 @@ class RuntimeSection(Section, name="runtime"):
     device: str = field_spec("auto", "device for this process",
                      Pattern(r"auto|cpu|cuda(:[0-9]+)?", "'auto', 'cpu', 'cuda' or 'cuda:N'"))
     num_threads: Optional[int] = field_spec(None, "torch intra-op threads; null = torch default", GT0)
-    deterministic: bool = field_spec(False, "use deterministic torch algorithms (slower)")
+    deterministic: bool = field_spec(False, "use deterministic torch algorithms (slower); multi-turn episodes "
+                                            "then run turn by turn, bitwise reproducible, instead of streamed")
     environment: dict[str, Optional[Union[str, int, float, bool]]] = field_spec(
         {}, "environment variables exported in every training process before the process group is created "
             "(values as str(), null = empty string; e.g. NCCL_*, ASTR_LOG_LEVEL)", EnvMap())
@@ -789,6 +790,11 @@ def ignored_settings(config: Config) -> list[str]:
     default, rollout = RolloutSection(), config.rollout
     if not rollout.tools and rollout.environment is None:  # the episode caps, without episodes
         names += [f"rollout.{f}" for f in EPISODE_FIELDS if getattr(rollout, f) != getattr(default, f)]
+    if rollout.tools and rollout.tool_workers == 0 and rollout.tool_timeout_seconds != default.tool_timeout_seconds:
+        names.append("rollout.tool_timeout_seconds")
+    if (rollout.environment is not None and rollout.environment_workers == 0
+            and rollout.environment_timeout_seconds != default.environment_timeout_seconds):
+        names.append("rollout.environment_timeout_seconds")
     env = rollout.environment
     unread = list(ENVIRONMENT_FIELDS) if env is None else [] if EnvironmentReference.routes(env) else [
         "environment_field"]
@@ -809,6 +815,10 @@ def ignored_settings(config: Config) -> list[str]:
 def why_ignored(config: Config, name: str) -> str:
     """Why setting `name` (one of `ignored_settings(config)`) has no effect on this job, as a phrase."""
     field = name.partition(".")[2]
+    if name == "rollout.tool_timeout_seconds" and config.rollout.tools:
+        return "read only with rollout.tool_workers > 0 (calls in the trainer's process have no timeout)"
+    if name == "rollout.environment_timeout_seconds" and config.rollout.environment is not None:
+        return "read only with rollout.environment_workers > 0 (calls in the trainer's process have no timeout)"
     if name.startswith("rollout.") and field in EPISODE_FIELDS:
         return "read only with rollout.tools or rollout.environment"
     if name == "rollout.environment_field" and config.rollout.environment is not None:

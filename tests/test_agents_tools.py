@@ -162,6 +162,7 @@ def test_malformed_calls_become_errors_never_exceptions(body, message):
     assert calls == [ToolCall(0, "calculator", {"expression": "2"})]
     assert len(errors) == 1 and errors[0].index == 1 and errors[0].message.startswith(message)
     assert "\n" not in errors[0].message
+    assert errors[0].name in (None, "calculator")  # an invented name never becomes a metric key (tool_calls/<name>)
 
 
 def test_an_unclosed_call_runs_to_the_end_and_says_so():

@@ -315,6 +315,19 @@ def test_ignored_settings_name_algorithm_fields_the_train_type_does_not_read():
                                                "--grpo.std_floor", "0.1"])) == []
     # a value equal to the default is not reported: nothing tells it apart from an unset one
     assert ignored_settings(load_config(None, ["--train.type", "sft", "--ppo.gamma", "1.0"])) == []
+    # a timeout of calls run in the trainer's process (workers 0): nothing enforces it
+    from astrai.config import why_ignored
+
+    tools = ["--train.type", "online_grpo", "--rollout.tools", "[{function: calculator, path: t.py}]",
+             "--rollout.tool_timeout_seconds", "5"]
+    in_process = load_config(None, tools + ["--rollout.tool_workers", "0"])
+    assert ignored_settings(in_process) == ["rollout.tool_timeout_seconds"]
+    assert "rollout.tool_workers > 0" in why_ignored(in_process, "rollout.tool_timeout_seconds")
+    assert ignored_settings(load_config(None, tools)) == []
+    env = load_config(None, ["--train.type", "online_grpo", "--rollout.environment", "{class: Game, path: e.py}",
+                             "--rollout.environment_workers", "0", "--rollout.environment_timeout_seconds", "5"])
+    assert ignored_settings(env) == ["rollout.environment_timeout_seconds"]
+    assert "rollout.environment_workers > 0" in why_ignored(env, "rollout.environment_timeout_seconds")
 
 
 def test_example_configs_set_nothing_their_train_type_ignores():

@@ -196,3 +196,24 @@ def test_bf16_dense_decode_cache_matches_paged_decode(window, softcap):
                                           softcap=softcap).bfloat16()
         torch.testing.assert_close(cache.attention(0, q, window=window, softcap=softcap), expected)
     assert cache.rebuilds == 2  # built once, then outgrown (capacity 12) at the 4th step
+
+
+@pytest.mark.parametrize("supported", [False, True])
+def test_half_precision_engine_warns_on_a_cpu_that_emulates_it(model, monkeypatch, supported):
+    """bf16 without AVX-512 BF16 / AMX is emulated (30x slower than float32 on an AVX2 machine): the engine says so
+    in one line, naming the fix; nothing for float32, other devices, or a CPU with support."""
+    import warnings
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: supported)
+    monkeypatch.setattr(paged_engine, "prepack_available", lambda *args: False)  # not this test's subject
+    line = packed_linear.slow_half_precision(torch.device("cpu"), torch.bfloat16)
+    assert packed_linear.slow_half_precision(torch.device("cpu"), torch.float32) is None
+    assert packed_linear.slow_half_precision(torch.device("meta"), torch.bfloat16) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine_for(model, dtype="bfloat16", prefix_cache=False)
+    said = [str(w.message) for w in caught if "no native bfloat16" in str(w.message)]
+    if supported:
+        assert line is None and not said
+    else:
+        assert "\n" not in line and "rollout.dtype" in line and "float32" in line and said == [line]

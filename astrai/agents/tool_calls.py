@@ -48,8 +48,10 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolCallError:
-    """A malformed call: the `index`-th block, the tool `name` when it could be read (for per-tool metrics), and
-    `message`, the one-line text the model sees as that call's result (``"Error: ..."``)."""
+    """A malformed call: the `index`-th block, the tool `name` when it could be read and names a known tool (for
+    per-tool metrics; None otherwise, so that a model inventing names adds no metric keys: they count as
+    ``unknown``), and `message`, the one-line text the model sees as that call's result (``"Error: ..."``, which
+    quotes an unknown name)."""
 
     index: int
     name: Optional[str]
@@ -89,7 +91,7 @@ def _read_call(index: int, body: str, tools: Optional[Collection[str]]) -> ToolC
         return ToolCallError(index, None, "Error: the tool call has no \"name\" string")
     if tools is not None and name not in tools:
         known = ", ".join(sorted(tools)) or "none"
-        return ToolCallError(index, name, f"Error: unknown tool {name!r} (tools: {known})")
+        return ToolCallError(index, None, f"Error: unknown tool {name!r} (tools: {known})")
     arguments = data.get("arguments", {})
     if isinstance(arguments, str):
         try:

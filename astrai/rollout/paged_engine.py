@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -34,7 +35,7 @@ from astrai.rollout.engine_settings import resolve_dtype as _resolve_dtype
 from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
-from astrai.rollout.packed_linear import prepack_available, prepack_linears
+from astrai.rollout.packed_linear import prepack_available, prepack_linears, slow_half_precision
 from astrai.rollout.prompt_ids import check_prompt_ids
 from astrai.rollout.sampling import SamplingParams
 from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, per_prompt_settings, request_seed
@@ -107,6 +108,9 @@ class PagedGenerationEngine:
             self.model = copy.deepcopy(model).eval().requires_grad_(False)
         if dtype is not None:
             self.model.to(dtype)
+        slow = slow_half_precision(self.device, self.dtype)
+        if slow is not None:
+            warnings.warn(slow, stacklevel=2)
         fuse_projections(self.model)  # one GEMM for q/k/v and one for gate/up (the Parameters become views)
         # bf16 on CPU: GEMM weights kept in oneDNN's layout (not reordered in every call; same results)
         self.prepacked = (prepack_linears(self.model) if self.tp is None and not cuda_graphs
