@@ -123,7 +123,7 @@ def test_load_tools_by_module_path_and_file_and_callables(tmp_path, monkeypatch)
     ({"function": "f", "path": "missing.py"}, "rollout.tools.1: path "),
     ({"function": "f", "pth": "x.py"}, "rollout.tools.1: expected {function"),
     ("json:nothing_here", "rollout.tools.1: json has no attribute 'nothing_here'"),
-    ("json:__doc__", "rollout.tools.1: json:__doc__ is a str, not a function"),
+    ("json:__doc__", "rollout.tools.1: json:__doc__ is of type str, not a function"),
     (calculator, "rollout.tools.1: tool name 'calculator' is already taken by rollout.tools.0"),
 ])
 def test_load_tools_refuses_in_one_line_naming_the_entry(reference, message, tmp_path):

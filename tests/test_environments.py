@@ -614,7 +614,7 @@ not_a_class = 3
 
 @pytest.mark.parametrize("environment, message", [
     ({"class": "NoReset", "path": "bad.py"}, "rollout.environment: NoReset has no reset method"),
-    ({"class": "not_a_class", "path": "bad.py"}, "rollout.environment: not_a_class is a int, not a class"),
+    ({"class": "not_a_class", "path": "bad.py"}, "rollout.environment: not_a_class is of type int, not a class"),
     ({"class": "Missing", "path": "bad.py"}, "bad.py has no attribute 'Missing'"),
     ({"class": "NoReset", "path": "nowhere.py"}, "rollout.environment: path "),
     ({"class": "Undocumented", "path": "bad.py"}, "rollout.environment: method Undocumented.move (public methods are "

@@ -115,7 +115,7 @@ def load_environment_class(spec: EnvironmentSpec) -> type:
     except ImportFailure as err:
         raise EnvironmentClassError(f"{spec.label}: {err}") from None
     if not inspect.isclass(cls):
-        raise EnvironmentClassError(f"{spec.label}: {spec.reference} is a {type(cls).__name__}, not a class")
+        raise EnvironmentClassError(f"{spec.label}: {spec.reference} is of type {type(cls).__name__}, not a class")
     if not callable(getattr(cls, "reset", None)):
         raise EnvironmentClassError(f"{spec.label}: {cls.__name__} has no reset method (an environment class "
                                     "defines reset(**row); docs/agents.md)")

@@ -72,7 +72,7 @@ def tool_from_function(fn: Callable, *, name: str | None = None) -> Tool:
     """
     label = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
     if not callable(fn):
-        raise ToolError(f"tool {label!r} is a {type(fn).__name__}, not a function")
+        raise ToolError(f"tool {label!r} is of type {type(fn).__name__}, not a function")
     utils = import_optional("transformers.utils", needed_by="astrai.agents tools (their JSON schema)",
                             install="pip install 'astrai[agents]'", package="transformers")
     try:
@@ -145,5 +145,5 @@ def _import(function: str, path: Path | None) -> Callable:
     except ImportFailure as err:
         raise ToolError(str(err)) from None
     if not callable(fn):
-        raise ToolError(f"{function} is a {type(fn).__name__}, not a function")
+        raise ToolError(f"{function} is of type {type(fn).__name__}, not a function")
     return fn

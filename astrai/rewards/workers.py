@@ -86,7 +86,7 @@ def load_reward_function(spec: RewardFunctionSpec) -> Callable:
     except ImportFailure as err:
         raise RewardFunctionError(f"{spec.label}: {err}") from None
     if not callable(fn):
-        raise RewardFunctionError(f"{spec.label}: {spec.function} is a {type(fn).__name__}, not a function")
+        raise RewardFunctionError(f"{spec.label}: {spec.function} is of type {type(fn).__name__}, not a function")
     return VerlScore(fn, spec.answer_field, tuple(spec.kwargs)) if VerlScore.takes(fn) else fn
 
 
