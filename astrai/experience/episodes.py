@@ -65,6 +65,7 @@ from astrai.experience.episode_environments import ENV_ERROR_KINDS, EpisodeEnvir
 from astrai.experience.tool_executor import ToolExecutor, tool_references
 from astrai.experience.trajectory import NOT_SAMPLED, Experience, Trajectory
 from astrai.rollout.engine import StreamingEngine
+from astrai.rollout.row_sampling import draw_base_seed, row_base_seed
 from astrai.rollout.sampling import SamplingParams
 
 __all__ = ["EpisodeLimits", "Episode", "EpisodeRunner", "PlayedSample", "ToolExecutor", "check_episodes",
@@ -294,20 +295,15 @@ def _synchronous_turns(engine, tokenizer, episodes: list[Episode], executor: Too
             environment.end_lost(active)
 
 
-_GOLDEN, _MASK64 = 0x9E3779B97F4A7C15, (1 << 64) - 1  # request_seed's increment and word (astrai.rollout.row_sampling)
-
-
 def turn_seed(bases: list[int], turn: int, index: int, generator: Optional[torch.Generator]) -> int:
     """The `add_request` seed of episode `index`'s turn `turn` on the streaming path: the seed whose first choice
     samples with `request_seed(base_turn, index)`, the generator `engine.generate` gives row `index` of a call
     whose base seed is base_turn; base_turn is the turn-th int64 drawn from `generator` (into `bases`, when the
     first episode reaches that turn, so the generator gives as many draws, in the same order, as the synchronous
-    path's one `generate` call per turn takes). As `request_seed(s, i)` hashes s + (i + 1) * 0x9E3779B97F4A7C15
-    (mod 2**64), `request_seed(base + index * 0x9E3779B97F4A7C15, 0) == request_seed(base, index)`."""
+    path's one `generate` call per turn takes); the seed is `row_base_seed(base_turn, index)`."""
     while len(bases) <= turn:
-        device = generator.device if generator is not None else "cpu"
-        bases.append(int(torch.randint(0, 2**62, (1,), generator=generator, device=device)))
-    return (bases[turn] + index * _GOLDEN) & _MASK64
+        bases.append(draw_base_seed(generator))
+    return row_base_seed(bases[turn], index)
 
 
 @torch.no_grad()

@@ -47,6 +47,7 @@ import torch
 
 from astrai.experience.trajectory import Experience, Trajectory
 from astrai.rollout.engine import StreamingEngine
+from astrai.rollout.row_sampling import draw_base_seed
 
 __all__ = ["InFlightGroup", "InFlightSample", "LAG_METRICS", "PartialRollouts",
            "staleness_stats"]
@@ -201,7 +202,7 @@ class PartialRollouts:
         requests: list[int] = []
 
         def add(prompt: Sequence[int], params, members: list[InFlightSample], group: InFlightGroup) -> None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            seed = draw_base_seed(generator)
             request = engine.add_request(list(prompt), params, n=len(members), seed=seed)
             requests.append(request)
             for choice, sample in enumerate(members):

@@ -38,7 +38,8 @@ from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
 from astrai.rollout.packed_linear import prepack_available, prepack_linears, slow_half_precision
 from astrai.rollout.prompt_ids import check_prompt_ids
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, per_prompt_settings, request_seed
+from astrai.rollout.row_sampling import (FrequencyPenalty, RowSampling, draw_base_seed, per_prompt_settings,
+                                         request_seed)
 from astrai.rollout.scheduler import Group, Request, Scheduler
 from astrai.rollout.streaming import StepOutput, StreamSession
 from astrai.rollout.tensor_parallel import TensorParallelRunner, local_kv_heads, parallel_copy, request_digest
@@ -313,8 +314,7 @@ class PagedGenerationEngine:
         """One `Request` per output row, each with its own seeded generator."""
         per_params, per_penalty = per_prompt_settings(prompts, params, n, penalties)
         limit = self.model.config.max_position_embeddings
-        base = int(torch.randint(0, 2**62, (1,), generator=generator,
-                                 device=generator.device if generator is not None else "cpu"))
+        base = draw_base_seed(generator)
         if self.tp is not None:  # one seed and one batch for the whole group: every rank draws the same tokens
             base = self.tp.agree(base, request_digest(prompts, per_params, n, per_penalty))
         requests = []

@@ -17,9 +17,11 @@ import torch
 
 from astrai.rollout.sampling import SamplingParams, truncation_mask
 
-__all__ = ["FrequencyPenalty", "RowSampling", "per_prompt_settings", "sample_rows", "request_seed"]
+__all__ = ["FrequencyPenalty", "RowSampling", "per_prompt_settings", "sample_rows", "request_seed", "row_base_seed",
+           "draw_base_seed"]
 
 _MASK64 = (1 << 64) - 1
+_SEED_STEP = 0x9E3779B97F4A7C15  # splitmix64's increment: request i of a call hashes base + (i + 1) * it
 
 
 @dataclass(frozen=True)
@@ -84,12 +86,26 @@ def per_prompt_settings(prompts: Sequence, params, n, penalties) -> tuple[list[S
     return per_params, per_penalty
 
 
+def draw_base_seed(generator: Optional[torch.Generator] = None) -> int:
+    """A call's base seed: one int in [0, 2**62) drawn from `generator` (None: torch's default CPU generator), on
+    the generator's device; `request_seed` derives each row's seed from it."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator,
+                             device=generator.device if generator is not None else "cpu"))
+
+
 def request_seed(base_seed: int, index: int) -> int:
     """Seed of request `index` from a call's base seed (a splitmix64 step; result in [0, 2**63))."""
-    x = (base_seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = (base_seed + (index + 1) * _SEED_STEP) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+def row_base_seed(base_seed: int, index: int) -> int:
+    """The base seed whose request 0 is seeded as request `index` of a call with `base_seed`:
+    `request_seed(row_base_seed(b, i), 0) == request_seed(b, i)` (the hashed word is b + (i + 1) * step either way;
+    what a caller adding rows one at a time passes to keep `generate`'s per-row seeds)."""
+    return (base_seed + index * _SEED_STEP) & _MASK64
 
 
 def _distribution(scaled: torch.Tensor, row: RowSampling) -> torch.Tensor | int:

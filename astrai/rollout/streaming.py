@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, request_seed
+from astrai.rollout.row_sampling import FrequencyPenalty, RowSampling, draw_base_seed, request_seed
 from astrai.rollout.scheduler import Group, Request, Scheduler
 
 __all__ = ["StepOutput", "StreamSession"]
@@ -113,7 +113,7 @@ class StreamSession:
                              f"{need} KV blocks, the pool holds {engine.pool.num_blocks} "
                              f"({engine.pool.num_blocks * engine.block_size} tokens); raise max_kv_tokens")
         if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)))
+            seed = draw_base_seed()
         seed = operator.index(seed)
         request_id, self._next_request = self._next_request, self._next_request + 1
         members = []

@@ -48,7 +48,7 @@ from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.engine_settings import PAGED_OPTIONS, resolve_dtype
 from astrai.rollout.generation import Generation
 from astrai.rollout.prompt_ids import check_prompt_ids
-from astrai.rollout.row_sampling import per_prompt_settings, request_seed
+from astrai.rollout.row_sampling import draw_base_seed, per_prompt_settings, request_seed
 from astrai.rollout.sampling import SamplingParams
 
 __all__ = ["INSTALL", "VLLM_OPTIONS", "VLLMGenerationEngine", "check_sampling", "check_vllm_engine",
@@ -356,8 +356,7 @@ class VLLMGenerationEngine:
     def _requests(self, prompts, params, generator, n, penalties) -> list[tuple[list[int], Any]]:
         """(prompt ids, vLLM SamplingParams) per output row, each row with its own seed."""
         per_params, per_penalty = per_prompt_settings(prompts, params, n, penalties)
-        base = int(torch.randint(0, 2**62, (1,), generator=generator,
-                                 device=generator.device if generator is not None else "cpu"))
+        base = draw_base_seed(generator)
         rows = []
         for b, prompt in enumerate(prompts):
             p, penalty = per_params[b], per_penalty[b]
