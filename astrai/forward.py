@@ -46,6 +46,19 @@ def supports_packing(model: torch.nn.Module) -> bool:
             or getattr(model, "packed_rows", False))
 
 
+def _response_logits(model: torch.nn.Module, sequences: Sequences, packed: bool):
+    """The logits that score the response tokens: `(logits, batch)`, with `packed` and a model that
+    `supports_packing` (A, V) at the action tokens of the packed `batch` (`Sequences.packed`), else (B, T, V)
+    (positions P - 1 ... S - 2 only go through the LM head) and batch None."""
+    if packed and supports_packing(model):
+        batch = sequences.packed()
+        return model(batch.input_ids, position_ids=batch.position_ids, seq_lengths=batch.seq_lengths,
+                     logits_at=batch.score_at), batch
+    logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
+                   position_ids=sequences.position_ids, logits_to_keep=sequences.action_mask.shape[1] + 1)
+    return logits[:, :-1], None
+
+
 def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperature: float,
                       with_entropy: bool = False, packed: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs of the response tokens under `model`.
@@ -70,27 +83,23 @@ def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperatu
     """
     num_actions = sequences.action_mask.shape[1]
     head = None if with_entropy or torch.is_grad_enabled() else whole_lm_head(model)
-    if packed and supports_packing(model):
+    if head is not None and packed and supports_packing(model):
         batch = sequences.packed()
-        inputs = dict(position_ids=batch.position_ids, seq_lengths=batch.seq_lengths, logits_at=batch.score_at)
-        if head is not None:
-            hidden = model(batch.input_ids, return_hidden=True, **inputs)  # (A, H)
-            return batch.unpack(logprobs_from_hidden(hidden, head, batch.labels, temperature=temperature)), None
-        logits = model(batch.input_ids, **inputs)  # (A, V): the LM head only where a response token is scored
-        logprobs = batch.unpack(logprobs_from_logits(logits, batch.labels, temperature=temperature))
-        entropy = batch.unpack(entropy_from_logits(logits, temperature=temperature)) if with_entropy else None
-        return logprobs, entropy
+        hidden = model(batch.input_ids, return_hidden=True, position_ids=batch.position_ids,
+                       seq_lengths=batch.seq_lengths, logits_at=batch.score_at)  # (A, H)
+        return batch.unpack(logprobs_from_hidden(hidden, head, batch.labels, temperature=temperature)), None
     if head is not None:
         hidden = model(sequences.input_ids, attention_mask=sequences.attention_mask,
                        position_ids=sequences.position_ids, logits_to_keep=num_actions + 1, return_hidden=True)
         return logprobs_from_hidden(hidden[:, :-1], head, sequences.response_ids, temperature=temperature,
                                     mask=sequences.action_mask), None
-    # Only the T positions that score a response token go through the LM head (P - 1 ... S - 2).
-    logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
-                   position_ids=sequences.position_ids, logits_to_keep=num_actions + 1)
-    response_logits = logits[:, :-1]
-    logprobs = logprobs_from_logits(response_logits, sequences.response_ids, temperature=temperature)
-    entropy = entropy_from_logits(response_logits, temperature=temperature) if with_entropy else None
+    logits, batch = _response_logits(model, sequences, packed)
+    if batch is not None:  # (A, V): the LM head only where a response token is scored
+        logprobs = batch.unpack(logprobs_from_logits(logits, batch.labels, temperature=temperature))
+        entropy = batch.unpack(entropy_from_logits(logits, temperature=temperature)) if with_entropy else None
+        return logprobs, entropy
+    logprobs = logprobs_from_logits(logits, sequences.response_ids, temperature=temperature)
+    entropy = entropy_from_logits(logits, temperature=temperature) if with_entropy else None
     return logprobs, entropy
 
 
@@ -109,12 +118,14 @@ def response_values(value_model: torch.nn.Module, sequences: Sequences, *, packe
 
 
 @torch.no_grad()
-def score_in_chunks(fn: Callable[[Sequences], torch.Tensor], sequences: Sequences,
-                    chunk_size: int) -> torch.Tensor:
-    """Apply `fn` (Sequences -> (b, T) tensor) to row chunks of `chunk_size` without grad; concat on rows."""
+def score_in_chunks(fn: Callable[[Sequences], torch.Tensor], sequences: Sequences, chunk_size: int):
+    """Apply `fn` (Sequences -> a (b, ...) tensor, or a tuple of them) to row chunks of `chunk_size` without grad;
+    concat on rows (each member of a tuple apart)."""
     rows = sequences.input_ids.shape[0]
     parts = [fn(sequences.select(torch.arange(start, min(start + chunk_size, rows))))
              for start in range(0, rows, chunk_size)]
+    if parts and isinstance(parts[0], tuple):
+        return tuple(torch.cat(members, dim=0) for members in zip(*parts))
     return torch.cat(parts, dim=0)
 
 
@@ -147,16 +158,12 @@ def response_logprobs_at(model: torch.nn.Module, sequences: Sequences, ids: torc
     if ids.dim() != 3 or ids.shape[:2] != mask.shape or ids.dtype != torch.long:
         raise ValueError(f"ids must be (B, T, k) int64 with (B, T) = {tuple(mask.shape)}, got {tuple(ids.shape)} "
                          f"{ids.dtype}")
-    if packed and supports_packing(model):
-        batch = sequences.packed()
-        logits = model(batch.input_ids, position_ids=batch.position_ids, seq_lengths=batch.seq_lengths,
-                       logits_at=batch.score_at)  # (A, V)
+    logits, batch = _response_logits(model, sequences, packed)  # (A, V) packed, else (B, T, V)
+    if batch is not None:
         logprobs = batch.unpack(logprobs_from_logits(logits, batch.labels, temperature=temperature))
         entropy = batch.unpack(entropy_from_logits(logits, temperature=temperature)) if with_entropy else None
         at = _scatter_actions(mask, logprobs_at_ids(logits, ids[mask], temperature=temperature))
         return logprobs, entropy, at
-    logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
-                   position_ids=sequences.position_ids, logits_to_keep=mask.shape[1] + 1)[:, :-1]  # (B, T, V)
     logprobs = logprobs_from_logits(logits, sequences.response_ids, temperature=temperature)
     entropy = entropy_from_logits(logits, temperature=temperature) if with_entropy else None
     at = logprobs_at_ids(logits, ids, temperature=temperature) * mask[..., None]
@@ -183,14 +190,12 @@ def response_topk(model: torch.nn.Module, sequences: Sequences, *, k: int, tempe
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    rows = sequences.input_ids.shape[0]
-    parts = [_topk_rows(model, sequences.select(torch.arange(start, min(start + chunk_size, rows))),
-                        k=k, temperature=temperature) for start in range(0, rows, chunk_size)]
-    if not parts:
+    if sequences.input_ids.shape[0] == 0:
         shape = (*sequences.action_mask.shape, k)
         device = sequences.input_ids.device
         return torch.zeros(shape, dtype=torch.long, device=device), torch.zeros(shape, device=device)
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return score_in_chunks(lambda chunk: _topk_rows(model, chunk, k=k, temperature=temperature), sequences,
+                           chunk_size)
 
 
 def _topk_rows(model: torch.nn.Module, sequences: Sequences, *, k: int,
@@ -198,20 +203,18 @@ def _topk_rows(model: torch.nn.Module, sequences: Sequences, *, k: int,
     """`response_topk` of one row chunk (one forward)."""
     mask = sequences.action_mask.bool()
     head = whole_lm_head(model)
-    if supports_packing(model):
+    if head is not None and supports_packing(model):
         batch = sequences.packed()
-        inputs = dict(position_ids=batch.position_ids, seq_lengths=batch.seq_lengths, logits_at=batch.score_at)
-        if head is not None:
-            hidden = model(batch.input_ids, return_hidden=True, **inputs)  # (A, H)
-            parts = [topk_logprobs_from_logits(torch.nn.functional.linear(hidden[s:s + 256], head), k=k,
-                                               temperature=temperature) for s in range(0, hidden.shape[0], 256)]
-            ids = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, k, dtype=torch.long,
-                                                                             device=hidden.device)
-            values = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, k, device=hidden.device)
-        else:
-            ids, values = topk_logprobs_from_logits(model(batch.input_ids, **inputs), k=k, temperature=temperature)
+        hidden = model(batch.input_ids, return_hidden=True, position_ids=batch.position_ids,
+                       seq_lengths=batch.seq_lengths, logits_at=batch.score_at)  # (A, H)
+        parts = [topk_logprobs_from_logits(torch.nn.functional.linear(hidden[s:s + 256], head), k=k,
+                                           temperature=temperature) for s in range(0, hidden.shape[0], 256)]
+        ids = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, k, dtype=torch.long,
+                                                                         device=hidden.device)
+        values = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0, k, device=hidden.device)
         return _scatter_actions(mask, ids), _scatter_actions(mask, values)
-    logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
-                   position_ids=sequences.position_ids, logits_to_keep=mask.shape[1] + 1)[:, :-1]
+    logits, batch = _response_logits(model, sequences, packed=True)
     ids, values = topk_logprobs_from_logits(logits, k=k, temperature=temperature)
+    if batch is not None:
+        return _scatter_actions(mask, ids), _scatter_actions(mask, values)
     return ids * mask[..., None], values * mask[..., None]
