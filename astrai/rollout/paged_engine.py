@@ -113,7 +113,7 @@ class PagedGenerationEngine:
         if slow is not None:
             warnings.warn(slow, stacklevel=2)
         fuse_projections(self.model)  # one GEMM for q/k/v and one for gate/up (the Parameters become views)
-        # bf16 on CPU: GEMM weights kept in oneDNN's layout (not reordered in every call; same results)
+        # CPU (bf16; float32 off Intel): GEMM weights kept in oneDNN's layout, not reordered in every call
         self.prepacked = (prepack_linears(self.model) if self.tp is None and not cuda_graphs
                           and prepack_available(self.device, self.dtype) else None)
         self.pad_token_id, self.policy_version = pad_token_id, policy_version
