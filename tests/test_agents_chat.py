@@ -10,7 +10,7 @@ import re
 import pytest
 
 from astrai.agents.chat import TemplatePrefixError, check_prefix_preserving, render, suffix_ids, turn_end
-from astrai.agents.tool_calls import format_tool_call
+from astrai.agents.tool_calls import assistant_message, format_tool_call
 from astrai.models import Tokenizer, tiny_tokenizer
 
 CALCULATOR = {"type": "function", "function": {
@@ -126,6 +126,34 @@ def test_smollm2_loop_ids_equal_the_full_render_for_three_turns_with_tool_calls(
     assert suffix.text == "<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
     assert check_prefix_preserving(tok, [CALCULATOR]) is None
     assert check_prefix_preserving(tok, with_user_turn=True) is None
+
+
+def test_calls_kept_in_tool_calls_render_for_smollm2_as_the_text_the_model_sampled():
+    """An assistant turn keeps its calls in `tool_calls` for every template (`assistant_message`); SmolLM2's ChatML,
+    without tool support, gets them written back as the Hermes blocks after the content: the conversation renders
+    exactly as with the sampled text in the content (tools in the system turn, or no tools at all), the loop that
+    appends the sampled ids verbatim equals that render tokenized, and each suffix is the one the text gives. A
+    template with tool support gets the calls through its own `tool_calls` handling, once."""
+    tok = smollm2()
+    end = tok.special_tokens["<|im_end|>"]
+    said = ["First the product.\n" + format_tool_call("calculator", {"expression": "12 * 34"}),
+            format_tool_call("calculator", {"expression": "408 + 5"}), "12 * 34 + 5 = 413."]
+    as_text = [{"role": "user", "content": "What is 12 * 34, plus 5?"}, {"role": "assistant", "content": said[0]},
+               {"role": "tool", "content": "408"}, {"role": "assistant", "content": said[1]},
+               {"role": "tool", "content": "413"}, {"role": "assistant", "content": said[2]}]
+    parsed = [assistant_message(m["content"], ["calculator"])[0] if m["role"] == "assistant" else m for m in as_text]
+    assert [m.get("content") for m in parsed[1::2]] == ["First the product.", "", "12 * 34 + 5 = 413."]
+    assert [len(m.get("tool_calls", [])) for m in parsed[1::2]] == [1, 1, 0]
+    for tools in ([CALCULATOR], None):
+        assert render(tok, parsed, tools, add_generation_prompt=False) == render(tok, as_text, tools,
+                                                                                  add_generation_prompt=False)
+    sampled = {id(p): m["content"] for p, m in zip(parsed, as_text)}
+    ids, _ = run_loop(tok, parsed, [CALCULATOR], lambda _, m: tok.encode(sampled[id(m)]) + [end])
+    assert ids == tok.encode(render(tok, as_text, [CALCULATOR], add_generation_prompt=False))
+    assert suffix_ids(tok, parsed[:2], parsed[2:3], [CALCULATOR]) == suffix_ids(tok, as_text[:2], as_text[2:3],
+                                                                                [CALCULATOR])
+    native = render(tiny_with(QWEN25_LIKE), parsed, [CALCULATOR], add_generation_prompt=False)
+    assert native.count("<tool_call>\n{\"name\": \"calculator\"") == 2  # the template's own rendering, not doubled
 
 
 def test_a_tool_result_that_merges_with_the_template_text_is_tokenized_with_it():

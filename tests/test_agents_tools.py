@@ -8,8 +8,9 @@ from typing import Literal
 
 import pytest
 
-from astrai.agents.tool_calls import (ToolCall, call_tool, format_tool_call, parse_tool_calls,
-                                      template_supports_tools, tools_system_prompt, with_tools_prompt)
+from astrai.agents.tool_calls import (ToolCall, assistant_message, assistant_text, call_tool, format_tool_call,
+                                      parse_tool_calls, template_supports_tools, tools_system_prompt,
+                                      with_calls_in_text, with_tools_prompt)
 from astrai.agents.tools import Tool, ToolError, load_tools, tool_from_function
 
 pytest.importorskip("transformers")
@@ -171,6 +172,47 @@ def test_an_unclosed_call_runs_to_the_end_and_says_so():
     assert errors[0].message.endswith("(the <tool_call> block is not closed by </tool_call>)")
     _, calls, _ = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {}}', ["calculator"])
     assert calls == [ToolCall(0, "calculator", {})]  # complete JSON, only the closing tag missing: taken
+
+
+def test_an_assistant_turn_keeps_its_calls_in_tool_calls_and_its_content_outside_them():
+    """The message of a sampled turn, for every template: the text outside the calls as content (stripped), the
+    well-formed calls in `tool_calls` (OpenAI shape, arguments a dict), a malformed block in neither (its error is
+    returned for the result), a turn without a block as sampled."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 2"}}}
+    text = "I will compute.\n" + format_tool_call("calculator", {"expression": "1 + 2"})
+    message, calls, errors = assistant_message(text, ["calculator"])
+    assert message == {"role": "assistant", "content": "I will compute.", "tool_calls": [call]}
+    assert calls == [ToolCall(0, "calculator", {"expression": "1 + 2"})] and errors == []
+    broken = 'Try 408. <tool_call>{"name": "calculator", "arguments": {"expression": "408"</tool_call> Then.'
+    message, calls, errors = assistant_message(broken + format_tool_call("calculator", {"expression": "1 + 2"}),
+                                               ["calculator"])
+    assert message == {"role": "assistant", "content": "Try 408.  Then.", "tool_calls": [call]}
+    assert [e.index for e in errors] == [0] and calls == [ToolCall(1, "calculator", {"expression": "1 + 2"})]
+    cut = 'Let me see. <tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34'  # budget cut it
+    message, calls, errors = assistant_message(cut, ["calculator"])
+    assert message == {"role": "assistant", "content": "Let me see."} and calls == [] and len(errors) == 1
+    assert assistant_message(" The answer is 3.\n", ["calculator"]) == (
+        {"role": "assistant", "content": " The answer is 3.\n"}, [], [])  # no block: the text as sampled
+
+
+def test_calls_written_back_as_text_read_back_to_the_same_message():
+    """`with_calls_in_text` writes an assistant's `tool_calls` (nested or flat, arguments a dict or a JSON string)
+    back as the blocks the model writes, after the content: the sampled text when it was in the canonical form,
+    which `assistant_message` reads back to the same message; other messages are untouched."""
+    sampled = ("I will compute both.\n" + format_tool_call("calculator", {"expression": "1 + 2"}) + "\n"
+               + format_tool_call("convert", {"amount": 1, "unit": "cm"}))
+    message, _, _ = assistant_message(sampled, ["calculator", "convert"])
+    user = {"role": "user", "content": "hi"}
+    assert with_calls_in_text([user, message]) == [user, {"role": "assistant", "content": sampled}]
+    assert assistant_message(with_calls_in_text([message])[0]["content"], ["calculator", "convert"])[0] == message
+    openai_shaped = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1"}'}},
+        {"name": "convert", "arguments": {"amount": 1, "unit": "cm"}}]}
+    assert with_calls_in_text([openai_shaped]) == [{"role": "assistant", "content": assistant_text(
+        "", [("calculator", {"expression": "1"}), ("convert", {"amount": 1, "unit": "cm"})])}]
+    assert "tool_calls" in openai_shaped  # the input is not modified
+    assert assistant_text("", [("calculator", "not json")]) == (
+        '<tool_call>\n{"name": "calculator", "arguments": "not json"}\n</tool_call>')  # written as it is
 
 
 def test_call_tool_results_and_errors():

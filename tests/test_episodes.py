@@ -118,12 +118,15 @@ def test_an_episode_is_token_exact_and_masks_only_sampled_tokens(tools, workers)
     tok = smollm2()
     (episode,), engine = _run(tok, tools, [ASK], [[CALL, "12 * 34 = 408."]], workers=workers)
     assert episode.ended_by == "answer" and episode.text == "12 * 34 = 408."
-    assert episode.completion == [{"role": "assistant", "content": CALL},
+    assert episode.completion == [{"role": "assistant", "content": "Let me compute.", "tool_calls": [  # OpenAI shape
+                                      {"type": "function", "function": {"name": "calculator",
+                                                                        "arguments": {"expression": "12 * 34"}}}]},
                                   {"role": "tool", "name": "calculator", "content": "408"},
                                   {"role": "assistant", "content": "12 * 34 = 408."}]
+    # the call written back as the Hermes text it was sampled as: token-exact, as rendered in one piece
     full = tok.encode(render(tok, ASK + episode.completion, tools[0], add_generation_prompt=False))
     separator = tok.encode("\n")
-    assert episode.prompt_ids + episode.response_ids + separator == full  # token-exact, as rendered in one piece
+    assert episode.prompt_ids + episode.response_ids + separator == full
     sampled = [tok.encode(CALL) + [engine.end], tok.encode("12 * 34 = 408.") + [engine.end]]
     starts = episode.turn_starts
     assert episode.response_ids[starts[0]:starts[0] + len(sampled[0])] == sampled[0]
@@ -288,3 +291,96 @@ def test_online_train_types_train_on_multi_turn_episodes_with_tools(tiny_model_d
                           str(tmp_path / "cli"), "--no_progress_bar"]) == 0
     summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
     assert summary["rewards"]["used_tool"]["mean"] == 1.0 and summary["n"] == 4
+
+
+def _scored_episodes(tok, tools, questions, scripts, *, budget=400, limits=EpisodeLimits()):
+    """`EpisodeRunner.sample` over the `ScriptedEngine` (scripts per question) with the job's reward path
+    (`RewardFunctions` through `score_records`, as `astrai.experience.build` wires it): the built-in
+    `math_exact_match` against answer "408" and a user function that records the completions it was given.
+    Returns (the sampled Experience, what the user function received)."""
+    from types import SimpleNamespace
+
+    from astrai.data.prompts import PromptRecord
+    from astrai.experience.episodes import EpisodeRunner
+    from astrai.rewards.build import score_records
+    from astrai.rewards.functions import RewardFunctions, reward_reference
+    from astrai.rewards.workers import RewardFunctionSpec
+
+    seen = []
+
+    def shape(completions, **kwargs):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    specs = [RewardFunctionSpec("math", "math_exact_match", 0, kwargs={"answer_field": "answer"}),
+             RewardFunctionSpec("shape", reward_reference(shape), 1)]
+    rewards = RewardFunctions(specs, columns=["answer"], num_workers=0)
+    loaded, references = tools
+    asks = [[{"role": "user", "content": q}] for q in questions]
+    engine = ScriptedEngine(tok, {tuple(tok.encode(render(tok, a, loaded))): s for a, s in zip(asks, scripts)})
+    engine.pad_token_id, engine.device = 0, torch.device("cpu")
+    sampling = SamplingParams(max_new_tokens=budget, stop_token_ids=(engine.end,))
+    runner = SimpleNamespace(engine=engine, sampling=sampling, generate_agreed=lambda generate: generate(),
+                             score_fn=lambda texts, records, ids: score_records(rewards, texts, records, ids),
+                             routes_of=lambda records: None, count_truncated=lambda experience: experience)
+    records = [PromptRecord(q, "408", i, {"answer": "408"}) for i, q in enumerate(questions)]
+    episodes = EpisodeRunner(runner, tok, loaded, ToolExecutor(loaded, references, num_workers=0), limits)
+    try:
+        return episodes.sample(None, records), seen
+    finally:
+        episodes.close()
+
+
+def test_the_math_reward_is_never_paid_from_a_calls_arguments(tools):
+    """The gold number (408) only in a call's arguments: one episode ends by its budget on a well-formed call (its
+    long result would not fit), one has its turn cut by the budget inside the call (an open, malformed block). The
+    final assistant message holds no call text, `Episode.text` / the trajectory's text is the content outside the
+    calls, and math_exact_match scores 0 where the raw sampled text would have paid 1."""
+    from astrai.rewards.builtins import math_exact_match
+
+    tok = smollm2()
+    shouted = "Let me shout.\n" + format_tool_call("shout", {"text": "408"})
+    cut = "I need the product.\n" + format_tool_call("calculator", {"expression": "408" + " and so on" * 60})
+    limits = EpisodeLimits(max_turns=2, max_tool_response_tokens=150)
+    experience, seen = _scored_episodes(tok, tools, ["Shout?", "Product?"], [[shouted], [cut]], budget=160,
+                                        limits=limits)
+    by_budget, by_length = experience.trajectories()
+    assert experience.stats["episodes/ended/budget"] == experience.stats["episodes/ended/length"] == 0.5
+    assert by_budget.messages == [{"role": "assistant", "content": "Let me shout.", "tool_calls": [
+        {"type": "function", "function": {"name": "shout", "arguments": {"text": "408"}}}]}]
+    assert by_length.messages == [{"role": "assistant", "content": "I need the product."}]  # the open call: dropped
+    assert [t.text for t in (by_budget, by_length)] == ["Let me shout.", "I need the product."]
+    assert [t.reward_components["math"] for t in (by_budget, by_length)] == [0.0, 0.0]
+    assert seen == [by_budget.messages, by_length.messages]
+    sampled = tok.decode([t for t, m in zip(by_length.response_ids, by_length.loss_mask) if m])
+    assert sampled.startswith(cut[:60]) and len(sampled) < len(cut)  # the budget cut the call's arguments
+    raw = [[{"role": "assistant", "content": text}] for text in (shouted, sampled)]
+    assert math_exact_match([None, None], raw, answer=["408", "408"]) == [1.0, 1.0]  # what the call text paid
+    only_a_call = format_tool_call("shout", {"text": "408"})
+    (episode,), _ = _run(tok, tools, [ASK], [[only_a_call]], budget=160, limits=limits)
+    assert episode.ended_by == "budget" and episode.text == "" and episode.completion[-1]["content"] == ""
+
+
+def test_reward_functions_get_the_same_completion_messages_for_a_native_and_a_non_native_template(tools):
+    """The same sampled turns (a call beside a malformed block, then the answer) under ChatML without tool support
+    and a Qwen2.5-style template with it: the reward functions receive the same messages, in the OpenAI shape
+    (TRL's, verl's), and the math reward pays the answer in both."""
+    from test_agents_chat import QWEN25_LIKE, tiny_with
+
+    from astrai.models import tiny_tokenizer
+
+    turn = CALL + '\n<tool_call>{"name": "calculator", "arguments": {"expression": "1 * 2"</tool_call>'
+    received = {}
+    for name, tok in (("chatml", tiny_tokenizer()), ("qwen25_like", tiny_with(QWEN25_LIKE))):
+        experience, seen = _scored_episodes(tok, tools, ["What is 12 * 34?"], [[turn, "12 * 34 = 408."]])
+        (trajectory,) = experience.trajectories()
+        assert experience.stats["episodes/ended/answer"] == 1.0 and trajectory.reward_components["math"] == 1.0
+        assert seen == [trajectory.messages]
+        received[name] = seen[0]
+    assert received["chatml"] == received["qwen25_like"]
+    assert [m["role"] for m in received["chatml"]] == ["assistant", "tool", "tool", "assistant"]
+    assert received["chatml"][0] == {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 34"}}}]}
+    assert received["chatml"][1] == {"role": "tool", "name": "calculator", "content": "408"}
+    assert received["chatml"][2]["content"].startswith("Error: the tool call is not valid JSON")
+    assert received["chatml"][3] == {"role": "assistant", "content": "12 * 34 = 408."}

@@ -198,6 +198,29 @@ CALLED = {"role": "assistant", "content": None, "tool_calls": [
     {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1"}'}}]}
 
 
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_clients_tool_calls_become_the_rollouts_messages_and_render_as_the_model_wrote_them(template):
+    """A client's assistant `tool_calls` (arguments a JSON string) become the message an episode holds for the same
+    turn, whatever the template (`conversation`: OpenAI shape, arguments an object), and render as an episode's do:
+    for ChatML (no tool support) as the Hermes text the model wrote, for a Qwen2.5-style template through its own
+    `tool_calls`."""
+    from astrai.agents.tool_calls import assistant_message
+    from astrai.serve.protocol import ChatCompletionRequest
+    from astrai.serve.tools import conversation
+
+    tok = TEMPLATES[template]()
+    said = "Let me see.\n" + format_tool_call("calculator", {"expression": "1"})
+    sent = ASK + [{**CALLED, "content": "Let me see."}, {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    messages = conversation(ChatCompletionRequest(model="agent", messages=sent).messages)
+    episode_turn, _, _ = assistant_message(said, ["calculator"])
+    assert messages == ASK + [episode_turn, {"role": "tool", "content": "1", "name": "calculator"}]
+    assert render(tok, messages, [CALCULATOR]) == render(tok, ASK + [episode_turn, messages[2]], [CALCULATOR])
+    if template == "chatml":
+        written = ASK + [{"role": "assistant", "content": said}, messages[2]]
+        assert render(tok, messages, [CALCULATOR]) == render(tok, written, [CALCULATOR])
+        assert render(tok, messages) == render(tok, written)  # tool_choice "none": the calls are still written
+
+
 @pytest.mark.parametrize("extra, param, code", [
     ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
     ({"tool_choice": {"type": "function", "function": {"name": "calculator"}}}, "tool_choice",

@@ -6,7 +6,8 @@ How the multi-turn loop (a later slice) uses these functions, per episode:
    the template's ``tools`` variable or, for a template without tool support, in the system turn);
 2. the policy samples a turn; its ids, through the end-of-turn token (`turn_end`), are appended VERBATIM, never
    decoded and re-encoded, with loss mask 1;
-3. the turn's text is parsed (`astrai.agents.tool_calls.parse_tool_calls`), the tools run, and ALL the new
+3. the turn's text is read into its assistant message (`astrai.agents.tool_calls.assistant_message`: the content
+   outside the calls, the calls in ``tool_calls``, for every template), the tools run, and ALL the new
    non-assistant messages of that step (every tool result of a parallel call together, an environment's user
    turn) go to `suffix_ids` with the messages so far: its ``separator_ids`` (the template's text after the
    end-of-turn token, which the sampler never emits: ChatML's "\\n" after ``<|im_end|>``) and then its ``ids``
@@ -15,9 +16,11 @@ How the multi-turn loop (a later slice) uses these functions, per episode:
 
 The suffix is the template applied to prefix + new messages minus the template applied to the prefix, as text
 (a `TemplatePrefixError` when the prefix's text changes), tokenized alone: it starts at a special token, so no
-BPE merge can cross the boundary. At start-up `check_prefix_preserving` runs this loop on a fixed conversation and
-compares the ids with the full render tokenized, refusing a template that rewrites earlier turns (e.g. one that
-strips earlier ``<think>`` blocks).
+BPE merge can cross the boundary. A template without tool support renders an assistant's ``tool_calls`` as the
+Hermes blocks the model wrote (`render`), so the rendered prefix is the sampled text when the model wrote its calls
+in the canonical form; either way the suffix only depends on what follows the prefix's end of turn. At start-up
+`check_prefix_preserving` runs this loop on a fixed conversation and compares the ids with the full render
+tokenized, refusing a template that rewrites earlier turns (e.g. one that strips earlier ``<think>`` blocks).
 
 Note: `Tokenizer.apply_chat_template` takes no ``tools``; `render` renders through the same compiled template
 (`astrai.models.tokenizer._compiled_template`) when tools go through the template. Contents are encoded with
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from astrai.agents.tool_calls import format_tool_call, schema_of, template_supports_tools, with_tools_prompt
+from astrai.agents.tool_calls import (schema_of, template_supports_tools, with_calls_in_text,
+                                      with_tools_prompt)
 from astrai.agents.tools import Tool
 from astrai.models.tokenizer import _compiled_template
 
@@ -67,16 +71,23 @@ class Suffix:
 def render(tokenizer, messages: Messages, tools: Tools = None, add_generation_prompt: bool = True) -> str:
     """`messages` rendered by `tokenizer`'s chat template. With `tools` (Tools or schemas): through the template's
     ``tools`` variable when it reads one (as transformers' ``apply_chat_template(tools=...)``), else listed in the
-    system turn (`astrai.agents.tool_calls.with_tools_prompt`, Hermes format).
+    system turn (`astrai.agents.tool_calls.with_tools_prompt`, Hermes format). An assistant message's
+    ``tool_calls`` (OpenAI shape) go to a template with tool support as they are; for one without they are
+    written back into its content as the Hermes blocks the model was prompted to write
+    (`astrai.agents.tool_calls.with_calls_in_text`), with or without `tools`.
 
     Raises:
-        ValueError: the tokenizer has no chat template; jinja2.TemplateError: the template refuses the messages.
+        ValueError: the tokenizer has no chat template, or it is not valid Jinja2; jinja2.TemplateError: the
+            template refuses the messages.
     """
-    if not tools:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
     if not tokenizer.chat_template:
         raise ValueError("this tokenizer has no chat_template")
-    if not _supports_tools(tokenizer.chat_template):
+    native = _supports_tools(tokenizer.chat_template)
+    if not native:
+        messages = with_calls_in_text(messages)
+    if not tools:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+    if not native:
         return tokenizer.apply_chat_template(with_tools_prompt(messages, tools),
                                              add_generation_prompt=add_generation_prompt)
     # TODO(move): Tokenizer.apply_chat_template should take tools= (and template kwargs); then call it here
@@ -147,7 +158,7 @@ def check_prefix_preserving(tokenizer, tools: Tools = None, *, with_user_turn: b
             earlier ``<think>`` blocks (Qwen3-style), or whose turns are not separated by special tokens.
     """
     tools = list(tools) if tools else [_PROBE_TOOL]
-    conversation = _probe_conversation(_supports_tools(tokenizer.chat_template or ""), with_user_turn)
+    conversation = _probe_conversation(with_user_turn)
     what = "the chat template does not preserve prefixes (the conversation rendered turn by turn vs in full)"
     try:
         ids = _incremental_ids(tokenizer, conversation, tools)
@@ -201,15 +212,13 @@ _PROBE_TOOL = {"type": "function", "function": {
                    "required": ["expression"]}}}
 
 
-def _probe_conversation(supports_tools: bool, with_user_turn: bool) -> list[dict[str, Any]]:
-    """The fixed conversation of `check_prefix_preserving`: the call in the template's ``tool_calls`` when it
-    supports tools, else as Hermes text in the content."""
+def _probe_conversation(with_user_turn: bool) -> list[dict[str, Any]]:
+    """The fixed conversation of `check_prefix_preserving`: the call in the assistant message's ``tool_calls``
+    (rendered by a template with tool support, else written back as Hermes text by `render`)."""
     call = {"name": "calculator", "arguments": {"expression": "12 * 34"}}
     said = "<think>\nI should use the calculator.\n</think>\n\nLet me use the calculator."
-    first = {"role": "assistant", "content": said if supports_tools else f"{said}\n{format_tool_call(**call)}"}
-    if supports_tools:
-        first["tool_calls"] = [{"type": "function", "function": call}]
-    conversation = [{"role": "user", "content": "What is 12 * 34?"}, first,
+    conversation = [{"role": "user", "content": "What is 12 * 34?"},
+                    {"role": "assistant", "content": said, "tool_calls": [{"type": "function", "function": call}]},
                     {"role": "tool", "name": "calculator", "content": "408"},
                     {"role": "assistant", "content": "<think>\nThe tool says 408.\n</think>\n\n12 * 34 = 408."}]
     if with_user_turn:

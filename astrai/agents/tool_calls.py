@@ -12,6 +12,16 @@ Each result goes back in a ``{"role": "tool", "content": ...}`` message. A templ
 ``tools`` variable: `template_supports_tools`; Qwen2.5, Qwen3, Llama 3.x) gets the schemas through that variable
 instead (`astrai.agents.chat.render`). `parse_tool_calls` reads calls from model text with `json.loads` only (never
 eval) and never raises: every malformed call becomes an error entry whose text the model sees as that call's result.
+
+Messages hold calls in the OpenAI shape whatever the template (`assistant_message`, as TRL, verl and the OpenAI API
+give them): ``{"role": "assistant", "content": <the text outside the calls>, "tool_calls": [{"type": "function",
+"function": {"name", "arguments": {...}}}]}``. A malformed block (one `parse_tool_calls` reports as an error, a
+block the budget cut open included) is left out of the content as well, and is in no ``tool_calls``: the model
+meant a call, so it is answered as one (its error is the result the model reads, a ``tool`` message) and is never
+read as part of the answer, which is what rewards read in the content (a number in a broken call's arguments must
+not pay). vLLM's Hermes parser keeps unparsable calls as text instead, as `astrai.serve` does for an API client,
+who decides; in an episode the rollout has decided. For a template without tool support the calls are written back
+into the text, in this format, when a conversation is rendered (`with_calls_in_text`).
 """
 
 from __future__ import annotations
@@ -26,9 +36,9 @@ from typing import Any, Collection, Mapping, Optional, Sequence
 
 from astrai.agents.tools import Tool
 
-__all__ = ["ToolCall", "ToolCallError", "parse_tool_calls", "format_tool_call", "tools_system_prompt",
-           "with_tools_prompt", "template_supports_tools", "call_tool", "call_tool_traced",
-           "argument_problem", "result_text", "schema_of"]
+__all__ = ["ToolCall", "ToolCallError", "parse_tool_calls", "assistant_message", "format_tool_call", "assistant_text",
+           "with_calls_in_text", "tools_system_prompt", "with_tools_prompt", "template_supports_tools", "call_tool",
+           "call_tool_traced", "argument_problem", "result_text", "schema_of"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
@@ -77,6 +87,22 @@ def parse_tool_calls(text: str, tools: Optional[Collection[str]] = None
     return _BLOCK.sub("", text).strip(), calls, errors
 
 
+def assistant_message(text: str, tools: Optional[Collection[str]] = None
+                      ) -> tuple[dict[str, Any], list[ToolCall], list[ToolCallError]]:
+    """(message, calls, errors) of a sampled assistant turn's `text` (`parse_tool_calls`' calls and errors;
+    `tools`: the known names). The message is ``{"role": "assistant", "content": ...}`` plus, when the turn made
+    well-formed calls, ``"tool_calls": [{"type": "function", "function": {"name", "arguments": {...}}}]`` (the
+    OpenAI shape, arguments as a dict as chat templates read them). Its content is the text outside every
+    ``<tool_call>`` block, stripped, malformed blocks left out too (module docstring); a turn without any block
+    keeps its text as sampled. Never raises."""
+    content, calls, errors = parse_tool_calls(text, tools)
+    message: dict[str, Any] = {"role": "assistant", "content": content if calls or errors else text}
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in calls]
+    return message, calls, errors
+
+
 def _read_call(index: int, body: str, tools: Optional[Collection[str]]) -> ToolCall | ToolCallError:
     """One block's body as a call, or the error the model will read."""
     try:
@@ -108,6 +134,46 @@ def format_tool_call(name: str, arguments: Mapping[str, Any]) -> str:
     """The block that calls `name` with `arguments`, as Qwen2.5's template renders an assistant's ``tool_calls``
     (for demonstrations and tests); `parse_tool_calls` reads it back."""
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': dict(arguments)}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def assistant_text(content: Optional[str], calls: Sequence[tuple[str, Any]]) -> str:
+    """The assistant text that makes (`content`, `calls`: (name, arguments) pairs) in this format: the content,
+    then each call's block (`format_tool_call`), one per line, as Qwen2.5's template writes an assistant's
+    ``tool_calls``; `assistant_message` reads back (`content`, `calls`). Arguments that are not a mapping (a JSON
+    string is read first) are written as they are."""
+    blocks = []
+    for name, arguments in calls:
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except (ValueError, RecursionError):
+                pass
+        if isinstance(arguments, Mapping):
+            blocks.append(format_tool_call(name, arguments))
+        else:
+            body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False, default=str)
+            blocks.append(f"{OPEN}\n{body}\n{CLOSE}")
+    return "\n".join(([content] if content else []) + blocks)
+
+
+def with_calls_in_text(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` for a chat template without tool support: each assistant message's ``tool_calls`` (OpenAI shape,
+    ``{"function": {"name", "arguments"}}`` or ``{"name", "arguments"}``; arguments a dict or a JSON string) written
+    back into its content as this format's blocks (`assistant_text`) and the key dropped, so the rendered turn is
+    the text the model sampled (when it wrote the calls in the canonical form). The input is not modified."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None) if m.get("role") == "assistant" else None
+        if calls:
+            pairs = []
+            for call in calls:
+                function = call.get("function", call) if isinstance(call, Mapping) else {}
+                function = function if isinstance(function, Mapping) else {}
+                pairs.append((function.get("name"), function.get("arguments", {})))
+            m["content"] = assistant_text(m.get("content") or "", pairs)
+        out.append(m)
+    return out
 
 
 def tools_system_prompt(tools: Sequence[Tool | Mapping[str, Any]]) -> str:

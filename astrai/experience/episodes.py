@@ -10,8 +10,10 @@ engine call per turn; `astrai.agents.chat` has the rendering rules):
 2. a turn: the engine continues the episode's ids (prompt + everything so far; the paged engine's prefix cache
    reuses the KV of earlier turns) for at most the budget left; the sampled ids are appended verbatim with loss
    mask 1, their behaviour log-probs and the engine's `policy_version`;
-3. the turn's text is parsed for ``<tool_call>`` blocks (`astrai.agents.tool_calls.parse_tool_calls`); none: the
-   episode ends ("answer"); at `EpisodeLimits.max_turns`: it ends ("max_turns"); else the calls run
+3. the turn's text is parsed for ``<tool_call>`` blocks into its assistant message
+   (`astrai.agents.tool_calls.assistant_message`: the text outside the calls as its content, the calls in
+   ``tool_calls``, OpenAI's shape, whatever the template; a malformed block is in neither, its error becomes its
+   result); none: the episode ends ("answer"); at `EpisodeLimits.max_turns`: it ends ("max_turns"); else the calls run
    (`ToolExecutor`, at most `max_parallel_tool_calls` of them, each result cut to `max_tool_response_tokens`) and
    the results, rendered as the template renders them (`astrai.agents.chat.suffix_ids`: the separator after the
    end of turn, then the tool messages and the next generation prompt) are appended with loss mask 0;
@@ -42,8 +44,9 @@ ended before (always on the first turn; the tokens of greedy sampling always).
 The budget is the response side of the sequence, `SamplingParams.max_new_tokens` (`rollout.max_new_tokens`): every
 turn and every tool result together, so the start-up check of prompt + response length against the model's
 position limit holds for episodes as for single turns. What the reward sees of an episode is its new messages (the
-assistant turns and tool results, TRL's convention for conversational completions): the last message's content is
-the final answer.
+assistant turns and tool results, TRL's convention for conversational completions), in the same shape for every
+template: the last message's content is the final answer (`Episode.text`), never a ``<tool_call>`` block (""
+when the episode ended on a call).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from astrai.agents.chat import check_prefix_preserving, render, suffix_ids, turn_end
-from astrai.agents.tool_calls import ToolCall, ToolCallError, parse_tool_calls, template_supports_tools
+from astrai.agents.tool_calls import ToolCall, ToolCallError, assistant_message
 from astrai.agents.tools import Tool
 from astrai.experience.episode_environments import ENV_ERROR_KINDS, EpisodeEnvironment
 from astrai.experience.tool_executor import ToolExecutor, tool_references
@@ -151,7 +154,8 @@ class Episode:
 
     @property
     def text(self) -> str:
-        """The final assistant message's content (the answer the single-turn rewards read)."""
+        """The final assistant message's content, which holds no tool call (`assistant_message`): the answer the
+        single-turn rewards read; "" for an episode that ended on a call (its budget or max_turns ran out)."""
         return next((m.get("content") or "" for m in reversed(self.messages) if m.get("role") == "assistant"), "")
 
     def trajectory(self, **scored: Any) -> Trajectory:
@@ -204,13 +208,11 @@ def run_episodes(engine, tokenizer, conversations: Sequence[Sequence[Mapping[str
         raise ValueError(f"multi-turn episodes: streaming needs an engine with the streaming API and no tensor "
                          f"parallelism, and {type(engine).__name__} is not one")
     episodes = _open_episodes(tokenizer, conversations, tools, sampling, environment, routes, rows)
-    native = template_supports_tools(tokenizer.chat_template or "")
     try:
         if streaming:
-            _streamed_turns(engine, tokenizer, episodes, executor, sampling, limits, generator, environment, native)
+            _streamed_turns(engine, tokenizer, episodes, executor, sampling, limits, generator, environment)
         else:
-            _synchronous_turns(engine, tokenizer, episodes, executor, sampling, limits, generator, environment,
-                               native)
+            _synchronous_turns(engine, tokenizer, episodes, executor, sampling, limits, generator, environment)
     except BaseException:  # the instances are closed before the error goes on
         if environment is not None:
             environment.abandon(episodes)
@@ -230,14 +232,14 @@ def streams(engine) -> bool:
 
 
 def _close_turn(tokenizer, e: Episode, sampled: list[int], logprobs: list[float], version: int, finished: bool,
-                last: bool, native: bool, environment: Optional[EpisodeEnvironment]) -> Optional[tuple]:
+                last: bool, environment: Optional[EpisodeEnvironment]) -> Optional[tuple]:
     """Append the turn `sampled` (its behaviour `logprobs`, sampled by weights `version`; `finished`: it ended with
     a stop token; `last`: it was the episode's `max_turns`-th) to `e` and decide what follows: None when the
     turn ended the episode (`e.ended_by` set), ("call", calls, errors) when its tool calls run next, ("step",)
     when its environment's step answers it next."""
     e.turn_starts.append(len(e.response_ids))
     e._append(sampled, sampled=True, logprobs=logprobs, version=version)
-    calls, errors = _read_turn(tokenizer, e, sampled, native)
+    calls, errors = _read_turn(tokenizer, e, sampled)
     if not finished:
         e.ended_by = "length"
     elif e.env_errors:  # its reset failed: the first turn is sampled on the row's prompt, then it ends
@@ -264,8 +266,7 @@ def _apply_observation(tokenizer, e: Episode, observation, last: bool, budget: i
 
 
 def _synchronous_turns(engine, tokenizer, episodes: list[Episode], executor: ToolExecutor, sampling: SamplingParams,
-                       limits: EpisodeLimits, generator, environment: Optional[EpisodeEnvironment],
-                       native: bool) -> None:
+                       limits: EpisodeLimits, generator, environment: Optional[EpisodeEnvironment]) -> None:
     """The turn-synchronous loop: every running episode's turn t in one `engine.generate` call (one base seed
     drawn from `generator` per turn, row i of the running episodes seeded `request_seed(base, i)` by the engine),
     then all their tool calls and environment steps, then turn t + 1."""
@@ -283,7 +284,7 @@ def _synchronous_turns(engine, tokenizer, episodes: list[Episode], executor: Too
         for e, ids, mask, logprobs, finished in rows_out:
             sampled = [t for t, m in zip(ids, mask) if m]
             follow = _close_turn(tokenizer, e, sampled, [lp for lp, m in zip(logprobs, mask) if m],
-                                 generation.policy_version, bool(finished), last, native, environment)
+                                 generation.policy_version, bool(finished), last, environment)
             if follow is not None and follow[0] == "call":
                 calling.append((e, follow[1], follow[2]))
             elif follow is not None:
@@ -308,8 +309,7 @@ def turn_seed(bases: list[int], turn: int, index: int, generator: Optional[torch
 
 @torch.no_grad()
 def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolExecutor, sampling: SamplingParams,
-                    limits: EpisodeLimits, generator, environment: Optional[EpisodeEnvironment],
-                    native: bool) -> None:
+                    limits: EpisodeLimits, generator, environment: Optional[EpisodeEnvironment]) -> None:
     """The streaming loop (module docstring, "On a streaming engine"): each episode's next turn is added to the
     engine as soon as its tool results (or observation) are in; the tool calls and environment steps run in one
     helper thread, in the order the turns ended, while this thread keeps stepping the engine over the other
@@ -346,8 +346,7 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
                         continue
                     del live[out.request_id]
                     last = len(e.turn_starts) == limits.max_turns - 1
-                    follow = _close_turn(tokenizer, e, ids, logprobs, version, out.finished, last, native,
-                                         environment)
+                    follow = _close_turn(tokenizer, e, ids, logprobs, version, out.finished, last, environment)
                     if follow is not None and follow[0] == "call":
                         work = (_run_calls, [(e, follow[1], follow[2])], executor, limits, environment)
                         jobs[helper.submit(*work)] = (i, follow)
@@ -414,16 +413,15 @@ def _open_episodes(tokenizer, conversations, tools: Sequence[Tool], sampling: Sa
     return episodes
 
 
-def _read_turn(tokenizer, e: Episode, sampled: list[int], native: bool) -> tuple[list, list]:
-    """Append the assistant message of the turn `sampled` to `e.messages` (its calls in ``tool_calls`` for a template
-    with tool support, else in its text); return the turn's (calls, malformed calls), none for an episode without
-    tools."""
+def _read_turn(tokenizer, e: Episode, sampled: list[int]) -> tuple[list, list]:
+    """Append the assistant message of the turn `sampled` to `e.messages` (`assistant_message`: the content outside
+    its well-formed calls and the calls in ``tool_calls``, for every template; the text as sampled for an episode
+    without tools); return the turn's (calls, malformed calls), none for an episode without tools."""
     text = tokenizer.decode(sampled, skip_special_tokens=True)
-    content, calls, errors = parse_tool_calls(text, [t.name for t in e.tools]) if e.tools else (text, [], [])
-    message: dict[str, Any] = {"role": "assistant", "content": content if native else text}
-    if native and calls:
-        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                 for c in calls]
+    if not e.tools:
+        e.messages.append({"role": "assistant", "content": text})
+        return [], []
+    message, calls, errors = assistant_message(text, [t.name for t in e.tools])
     e.messages.append(message)
     return calls, errors
 

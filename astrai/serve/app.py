@@ -32,7 +32,6 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from astrai.agents.chat import render
-from astrai.agents.tool_calls import template_supports_tools
 from astrai.data.prompt_format import raw_prompt_ids, uses_chat_template
 from astrai.rollout.engine import StreamingEngine
 from astrai.serve.detokenize import TextStream
@@ -64,7 +63,6 @@ class _Server:
         eos = tokenizer.eos_token_id
         self.stop_token_ids = () if eos is None else (eos,)
         self.created = int(time.time())
-        self.native_tools: Optional[bool] = None  # the chat template reads `tools` (found on the first chat request)
 
     def model_card(self) -> dict:
         """The served model in OpenAI's model object shape, with vLLM's `max_model_len` (the context in tokens)."""
@@ -157,14 +155,8 @@ class _Server:
     def chat_prompt(self, req: ChatCompletionRequest, tools: ToolSetup) -> list[int]:
         """The token ids of a chat request's messages (with its tools) rendered as the rollout renders them
         (`astrai.agents.chat.render`, generation prompt added); APIError when they cannot be."""
-        templated = uses_chat_template(self.tokenizer)
-        if templated and self.native_tools is None:
-            try:
-                self.native_tools = template_supports_tools(self.tokenizer.chat_template)
-            except ValueError as err:
-                raise APIError(f"messages: {err}", param="messages") from None
-        messages = conversation(req.messages, bool(self.native_tools))  # invalid messages are named first
-        if not templated:
+        messages = conversation(req.messages)  # invalid messages are named first
+        if not uses_chat_template(self.tokenizer):
             raise APIError(f"messages: the model '{self.model_name}' has no chat template (a base model), so chat "
                            "messages cannot be rendered; send the text as a prompt to /v1/completions",
                            param="messages", code="chat_template_missing")

@@ -3,11 +3,12 @@ trains: `astrai.agents`).
 
 Request: `tools` (OpenAI function tools) are rendered into the prompt by `astrai.agents.chat.render`, the rollout's
 one rendering (the template's ``tools`` variable when it reads one, else the Hermes system prompt). The conversation's
-assistant `tool_calls` and `role: "tool"` results become the messages the rollout writes (`conversation`): with a
-template that supports tools, an assistant message ``{"content", "tool_calls": [{"type": "function", "function":
-{"name", "arguments": {...}}}]}``; without, the calls written back into the assistant text as ``<tool_call>``
-blocks after its content (`assistant_text`, the text the model emits and `parse_tool_calls` reads); a tool result
-is ``{"role": "tool", "name": <the called tool>, "content"}``, its name found by its `tool_call_id`.
+assistant `tool_calls` and `role: "tool"` results become the messages the rollout writes (`conversation`): an
+assistant message ``{"content", "tool_calls": [{"type": "function", "function": {"name", "arguments": {...}}}]}``
+whatever the template, which `render` gives to a template with tool support as they are and writes back for one
+without as ``<tool_call>`` blocks after the content (`astrai.agents.tool_calls.with_calls_in_text`, the text the
+model emits and `parse_tool_calls` reads), as the rollout renders its episodes; a tool result is ``{"role":
+"tool", "name": <the called tool>, "content"}``, its name found by its `tool_call_id`.
 `tool_choice` "auto" (the default) renders and parses the tools; "none" neither renders nor parses them (the model
 is not told about tools; earlier calls in the conversation are still rendered). "required", a named function and
 `parallel_tool_calls: false` are refused (400 naming the field): sampling is not constrained, so none can be
@@ -31,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from astrai.agents.tool_calls import OPEN, format_tool_call, parse_tool_calls
+from astrai.agents.tool_calls import OPEN, assistant_text, parse_tool_calls
 from astrai.serve.protocol import APIError, ChatCompletionRequest, message_text
 
 __all__ = ["ToolSetup", "tool_setup", "conversation", "assistant_text", "read_tool_calls", "ToolCallText"]
@@ -112,17 +113,10 @@ def _checked_tool(tool: Any, i: int) -> dict:
     return tool
 
 
-def assistant_text(content: str, calls: Sequence[tuple[str, dict]]) -> str:
-    """The assistant text that makes (`content`, `calls`) in the model's format: the content, then each call's
-    ``<tool_call>`` block (`format_tool_call`), one per line, as Qwen2.5's template writes an assistant's
-    ``tool_calls``; `parse_tool_calls` reads back (`content`, `calls`)."""
-    return "\n".join(([content] if content else []) + [format_tool_call(name, args) for name, args in calls])
-
-
-def conversation(messages: Sequence, native: bool) -> list[dict[str, Any]]:
+def conversation(messages: Sequence) -> list[dict[str, Any]]:
     """The request's `messages` (`ChatMessage`s) as the rollout's messages (module docstring): {"role", "content"}
-    plus, for an assistant's `tool_calls`, the calls (`native`: the template reads ``tool_calls``) or their text
-    in the content, and for a `tool` message the called tool's ``name``.
+    plus, for an assistant's `tool_calls`, the calls (OpenAI shape, arguments as objects), and for a `tool` message
+    the called tool's ``name``.
 
     Raises:
         APIError: 400 naming the field: a call that is not {"id", "type": "function", "function": {"name",
@@ -135,11 +129,8 @@ def conversation(messages: Sequence, native: bool) -> list[dict[str, Any]]:
         if message.role == "assistant" and extra.get("tool_calls"):
             calls = [_checked_call(call, f"messages.[{i}].tool_calls.[{j}]", called)
                      for j, call in enumerate(extra["tool_calls"])]
-            if native:
-                rendered["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": args}}
-                                          for name, args in calls]
-            else:
-                rendered["content"] = assistant_text(rendered["content"], calls)
+            rendered["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": args}}
+                                      for name, args in calls]
         elif message.role == "tool":
             call_id = extra.get("tool_call_id")
             if not isinstance(call_id, str) or call_id not in called:
