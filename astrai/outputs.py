@@ -4,7 +4,8 @@ Written beside the checkpoints of `train.output_dir`: metrics.jsonl and completi
 line: `astrai.trainer.callbacks.JsonlFile`), TensorBoard event files (`trainer.reporting`), the in-training
 evaluation's `eval/step-N.jsonl` (`trainer.evaluation_callback`), config.yaml, run.json (`trainer.runs`), train.lock
 (`trainer.lock`) and the ranks' token file (`distributed.rank_checks`); elsewhere `python -m astrai.evaluate`'s
-results.jsonl and summary.json and `python -m astrai.plot`'s PNG.
+results.jsonl and summary.json, `python -m astrai.plot`'s PNG and the policy's copy that `rollout.engine: vllm` loads
+from the temporary directory (`rollout.vllm_engine`).
 
 A write that fails (a full disk, a quota, a read-only filesystem, a file-size limit, a permission) is one line
 naming the file and the cause (`cannot_write`: `cannot write outputs/run/metrics.jsonl: No space left on device

@@ -94,7 +94,7 @@ LAYERS = {
     "distributed": {"checkpoint", "deps", "models", "outputs", "runtime_env"},
     # floor 5
     "forward": {"algos", "data", "models"},            # the training forward: log-probs and values of sequences
-    "rollout": {"data", "models", "kernels", "config", "deps"},  # generation engines only
+    "rollout": {"data", "models", "kernels", "config", "deps", "outputs"},  # generation engines only
     "rewards": {"data", "models", "sandbox", "deps", "imports"},
     "agents": {"models", "deps", "imports"},           # tools, environments, tool-call format, chat rendering
     # floor 6

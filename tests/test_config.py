@@ -382,3 +382,16 @@ def test_lone_surrogates_in_settings_are_refused(tmp_path, text, expected):
     """Issue 42, class 7: text that cannot be encoded (YAML allows "\\ud800") is refused in one line naming the field,
     not met later as the tokenizer's TypeError traceback."""
     assert error(write(tmp_path, text)).endswith(expected)
+
+
+@pytest.mark.parametrize("text, field", [
+    ("rollout:\n  generation_batch_size: 0\n", "rollout.generation_batch_size"),
+    ("ppo:\n  critic_layers: 0\n", "ppo.critic_layers"),
+    ("grpo:\n  loss_agg_mode: ''\n", "grpo.loss_agg_mode"),
+    ("rollout:\n  dtype: ''\n", "rollout.dtype"),
+    ("model:\n  lora:\n    alpha: 0\n", "model.lora"),
+])
+def test_a_zero_or_empty_value_of_a_field_whose_null_means_a_default_is_refused(tmp_path, text, field):
+    """Issue 42, class 2: the fields read as `value if value is not None else default` (they were `value or
+    default`, which would turn 0 or '' into the default) refuse 0 and '' in one line naming the field."""
+    assert f"job.yaml: {field}" in error(write(tmp_path, text))

@@ -794,3 +794,112 @@ def test_a_job_that_sets_a_reward_keeps_it_beside_the_environments(long_model_di
                                                                   "path": str(tmp_path / "plain.py")}}})
     assert not environment_is_the_reward(plain)  # no get_reward: the default built-in stays
     assert [spec.function for spec in reward_specs(plain)] == ["math_exact_match"]
+
+
+OWN_COPY_ENV = '''
+import asyncio
+
+
+class Mutating:
+    """Edits the row it is reset with in place; async step and get_reward (awaited, as for reward functions)."""
+
+    def reset(self, items, **row):
+        items.append("seen")
+        self.items = items
+        return f"{len(items)} items"
+
+    async def step(self, message):
+        await asyncio.sleep(0)
+        return None
+
+    async def get_reward(self):
+        await asyncio.sleep(0)
+        return float(len(self.items))
+'''
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_environment_gets_its_own_copy_of_the_row_and_its_async_methods_are_awaited(tmp_path, workers):
+    """Issue 42, classes 3 and 4 for environments: a reset that edits its row in place changes neither the stored
+    row nor the next episode's (in the trainer's process too), and `async def` step / get_reward are awaited."""
+    from astrai.experience.environments import EnvironmentPool, Request
+
+    path = tmp_path / "own_copy_env.py"
+    path.write_text(OWN_COPY_ENV)
+    pool = EnvironmentPool([EnvironmentSpec(None, "Mutating", str(path))], num_workers=workers, timeout_seconds=30)
+    row = {"items": ["a"]}
+    try:
+        for _ in range(2):
+            key, = pool.new_keys(1)
+            replies = pool.run([Request("reset", key, (None, row)), Request("step", key, "an answer"),
+                                Request("reward", key), Request("close", key)])
+            assert [(r.ok, r.value) for r in replies] == [(True, "2 items"), (True, None), (True, 2.0), (True, None)]
+        assert row == {"items": ["a"]}
+    finally:
+        pool.close()
+
+
+BUSY_ENV = '''
+import os, subprocess
+
+
+class Busy:
+    """reset writes its worker's pid and a child's to a file, then waits on the child (a call in flight)."""
+
+    def reset(self, **row):
+        child = subprocess.Popen(["sleep", "300"])
+        with open(os.environ["ASTRAI_TEST_PID_FILE"], "w") as f:
+            f.write(f"{os.getpid()} {child.pid}")
+        child.wait()
+'''
+
+BUSY_TRAINER = '''
+import sys
+from astrai.agents.environments import EnvironmentSpec
+from astrai.experience.environments import EnvironmentPool, Request
+pool = EnvironmentPool([EnvironmentSpec(None, "Busy", sys.argv[1])], num_workers=1, timeout_seconds=300)
+key, = pool.new_keys(1)
+pool.run([Request("reset", key, (None, {}))])
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_environment_workers_and_what_they_started_die_with_a_sigkilled_trainer(tmp_path):
+    """Issue 42, class 6 for environments: a worker busy in a call, and the process it started, end when the trainer
+    is SIGKILLed (the workers' parent watch, `rewards.workers.die_with_parent`)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path, pid_file = tmp_path / "busy_env.py", tmp_path / "pids"
+    path.write_text(BUSY_ENV)
+    repo = Path(__file__).resolve().parents[1]
+    trainer = subprocess.Popen([sys.executable, "-c", BUSY_TRAINER, str(path)], cwd=repo,
+                               env={**os.environ, "ASTRAI_TEST_PID_FILE": str(pid_file)})
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in pids if _alive(p)] == []
+    finally:
+        trainer.kill()
+        trainer.wait()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)

@@ -202,6 +202,27 @@ def test_a_hanging_tool_is_killed_at_the_timeout_and_long_results_are_cut(tools)
     assert sleepy == "Error: timed out after 1 s (rollout.tool_timeout_seconds)"
     assert shout.startswith("[... cut to the last 30 tokens]") and shout.endswith("HI")
     assert episode.tool_errors == {"sleepy": 1, "shout": 0}
+    assert episode.tool_results_cut == 1 and episode_metrics([episode])["tool_results_cut"] == 0.5  # 1 of 2 results
+
+
+def test_tool_results_cut_by_the_limit_are_counted_and_said_once(tools):
+    """Issue 42, class 1: a tool result `rollout.max_tool_response_tokens` cuts is counted on every rollout
+    (`episodes/tool_results_cut`, the share of tool results cut) and said once, not only marked in the text."""
+    import warnings
+
+    tok = smollm2()
+    shout = "Let me shout.\n" + format_tool_call("shout", {"text": "hi"})
+    limits = EpisodeLimits(max_turns=2, max_tool_response_tokens=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        experience, _ = _scored_episodes(tok, tools, ["Shout?"], [[shout, "done", shout, "done"]], limits=limits,
+                                         rollouts=2)
+    said = [str(w.message) for w in caught if "max_tool_response_tokens" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("rollout.max_tool_response_tokens (8) cut 1 of 1 tool results of "
+                                                 "this rollout"), said
+    assert experience.stats["episodes/tool_results_cut"] == 1.0
+    uncut, _ = _scored_episodes(tok, tools, ["Shout?"], [[shout, "done"]], limits=EpisodeLimits(max_turns=2))
+    assert uncut.stats["episodes/tool_results_cut"] == 0.0
 
 
 def test_the_end_of_turn_token_must_stop_the_sampler(tools):
@@ -293,11 +314,11 @@ def test_online_train_types_train_on_multi_turn_episodes_with_tools(tiny_model_d
     assert summary["rewards"]["used_tool"]["mean"] == 1.0 and summary["n"] == 4
 
 
-def _scored_episodes(tok, tools, questions, scripts, *, budget=400, limits=EpisodeLimits()):
+def _scored_episodes(tok, tools, questions, scripts, *, budget=400, limits=EpisodeLimits(), rollouts=1):
     """`EpisodeRunner.sample` over the `ScriptedEngine` (scripts per question) with the job's reward path
     (`RewardFunctions` through `score_records`, as `astrai.experience.build` wires it): the built-in
     `math_exact_match` against answer "408" and a user function that records the completions it was given.
-    Returns (the sampled Experience, what the user function received)."""
+    Returns (the last of `rollouts` sampled Experiences, what the user function received)."""
     from types import SimpleNamespace
 
     from astrai.data.prompts import PromptRecord
@@ -326,6 +347,8 @@ def _scored_episodes(tok, tools, questions, scripts, *, budget=400, limits=Episo
     records = [PromptRecord(q, "408", i, {"answer": "408"}) for i, q in enumerate(questions)]
     episodes = EpisodeRunner(runner, tok, loaded, ToolExecutor(loaded, references, num_workers=0), limits)
     try:
+        for _ in range(rollouts - 1):
+            episodes.sample(None, records)
         return episodes.sample(None, records), seen
     finally:
         episodes.close()

@@ -105,6 +105,23 @@ def test_mixture_blends_files_by_weight(tmp_path):
         mixture_records([PromptDataset(a)], [0.0], seed=0)
 
 
+def test_a_mixture_file_of_weight_0_is_left_out(tmp_path):
+    """Issue 42, class 2 (its example): weight 0 means the file is not trained on (it was `weight or 1.0`, so the
+    file came in at full weight), and every weight 0 is refused in one line."""
+    from astrai.config import ConfigError
+    from astrai.experience.prompts import load_online_prompts
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"question": f"a{i}", "answer": "1"}) + "\n" for i in range(3)))
+    b.write_text("".join(json.dumps({"question": f"b{i}", "answer": "1"}) + "\n" for i in range(2)))
+    config = config_from_dict({"data": {"mixture": [{"path": str(a), "weight": 0}, {"path": str(b), "weight": 1}]}})
+    assert [m.weight for m in config.data.mixture] == [0.0, 1.0]
+    prompts = load_online_prompts(config, tiny_tokenizer(), main=False)
+    assert prompts and {str(p.columns["source"]) for p in prompts} == {str(b)}
+    with pytest.raises(ConfigError, match="data.mixture: every file has weight 0"):
+        config_from_dict({"data": {"mixture": [{"path": str(a), "weight": 0}, {"path": str(b), "weight": 0}]}})
+
+
 def test_mixture_config_and_loading(tmp_path):
     from astrai.config import ConfigError
     from astrai.experience.prompts import load_online_prompts

@@ -386,3 +386,64 @@ def test_limits_are_validated():
         SandboxLimits(memory_bytes=1.5)
     with pytest.raises(ValueError, match="sandbox limits: open_files must be at least 8"):
         SandboxLimits(open_files=4)
+    with pytest.raises(ValueError, match="sandbox limits: python must be the path of an interpreter .* got ''"):
+        SandboxLimits(python="")  # issue 42, class 2: was replaced by the trainer's interpreter (`python or ...`)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and int(Path(f"/proc/{name}/stat").read_text().rpartition(")")[2].split()[1]) == pid:
+                found.append(int(name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_a_run_dies_with_its_sigkilled_trainer_before_its_timeout(namespaces):
+    """Issue 42, class 6: the sandbox's processes (outer supervisor and the sleeping code) end when the trainer that
+    started them is SIGKILLed, instead of living on re-parented until the run's 300 s wall-clock timeout."""
+    trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        from astrai.sandbox.execute import SandboxLimits, run_tests
+        run_tests("import time\\ntime.sleep(300)\\n", ["assert True"],
+                  limits=SandboxLimits(timeout_s=300, cpu_s=300, namespaces={namespaces}))
+    """)], cwd=REPO)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the outer process and, under it, the inner one running the code
+            started = [p for p in _children(trainer.pid) if b"astrai-sandbox" in _cmdline(p)]
+            started += [c for p in started for c in _children(p)]
+            if len(started) >= 2:
+                break
+            time.sleep(0.1)
+        assert len(started) >= 2, started
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in started if _alive(p)] == []
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        for p in started:
+            if _alive(p):
+                os.kill(p, 9)

@@ -91,6 +91,29 @@ def test_refused_options_backends_and_models_are_one_line(no_vllm):
         check_rollout_engine(job, config, "cpu")
 
 
+def test_the_weights_copy_for_vllm_that_cannot_be_written_is_one_line(tmp_path):
+    """Issue 42, class 7: the policy's copy vLLM loads (written under the temporary directory at engine build) that
+    meets a file-size limit (as a full disk: the kernel refuses the write) is one line naming the file and the cause,
+    not safetensors' SafetensorError traceback."""
+    import subprocess
+
+    script = ("import resource, sys\n"
+              "from pathlib import Path\n"
+              "from astrai.models import AutoRegressiveLM, tiny_config\n"
+              "from astrai.outputs import OutputWriteError\n"
+              "from astrai.rollout.vllm_engine import _export\n"
+              "model = AutoRegressiveLM(tiny_config())\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+              "try:\n"
+              "    _export(model, Path(sys.argv[1]))\n"
+              "except OutputWriteError as err:\n"
+              "    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"cannot write {tmp_path / 'model.safetensors'}: File too large [Errno 27]\n"
+
+
 def test_sampling_settings_vllm_cannot_honour_are_refused_in_one_line():
     check_sampling(SamplingParams(max_new_tokens=4, temperature=0.7, top_k=5, top_p=0.9))  # mapped one to one
     check_sampling(SamplingParams(max_new_tokens=4, top_k=1))  # greedy at temperature 1: vLLM's greedy log-probs

@@ -218,7 +218,7 @@ def partial_rollouts(config, group_size: int) -> Optional[PartialRollouts]:
     if not r.partial:
         return None
     return PartialRollouts(batch_size=r.batch_size, group_size=group_size,
-                           in_flight=r.generation_batch_size or 2 * r.batch_size,
+                           in_flight=2 * r.batch_size if r.generation_batch_size is None else r.generation_batch_size,
                            max_off_policy_steps=r.max_off_policy_steps)
 
 

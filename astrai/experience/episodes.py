@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -113,6 +114,7 @@ class Episode:
         response_ids, loss_mask, logprobs, policy_versions, turn_starts: as `Trajectory`'s.
         tool_calls, tool_errors: per tool name (None for a call whose name could not be read), the calls made and
             those whose result was an error.
+        tool_results_cut: how many of its tool results `max_tool_response_tokens` cut (marked in the text).
         ended_by: one of `ENDINGS`, None while it runs.
         tools: the tools this episode offers (the job's, then its environment's methods).
         env_key, env_route: its environment instance's key in the pool and its class's route (None without an
@@ -136,6 +138,7 @@ class Episode:
     turn_starts: list[int] = field(default_factory=list)
     tool_calls: Counter = field(default_factory=Counter)
     tool_errors: Counter = field(default_factory=Counter)
+    tool_results_cut: int = 0
     ended_by: Optional[str] = None
     tools: list[Tool] = field(default_factory=list)
     env_key: Optional[int] = None
@@ -490,8 +493,9 @@ def _append_results(tokenizer, calling, results: Mapping[int, tuple[str, Optiona
                 text, error = results[id(item)]
             e.tool_calls[item.name] += 1
             e.tool_errors[item.name] += error is not None
-            tool_messages.append({"role": "tool", "name": item.name or "unknown",
-                                  "content": _cut(tokenizer, text, limits)})
+            content = _cut(tokenizer, text, limits)
+            e.tool_results_cut += content != text
+            tool_messages.append({"role": "tool", "name": item.name or "unknown", "content": content})
         if e.ended_by is None:  # a call that timed out or lost the instance ended it: nothing more is appended
             _append_observation(tokenizer, e, tool_messages, budget)
 
@@ -509,7 +513,8 @@ def _cut(tokenizer, text: str, limits: EpisodeLimits) -> str:
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Per-rollout agent metrics: `turns` (mean policy turns per episode), `tool_calls` and `tool_errors` (mean per
-    episode, and per tool as `tool_calls/<name>`), `ended/<why>` (the share of episodes per `ENDINGS` entry) and
+    episode, and per tool as `tool_calls/<name>`), `tool_results_cut` (the share of tool results
+    `max_tool_response_tokens` cut), `ended/<why>` (the share of episodes per `ENDINGS` entry) and
     `masked_out_fraction` (the share of response tokens with loss mask 0: tool results, observations and
     separators); with an environment, `env_errors` (failures per episode) and `env_errors/<kind>` per
     `ENV_ERROR_KINDS` entry; on a streaming engine that reports prefix-cache hits, `prefill_tokens_reused` (mean
@@ -523,6 +528,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     tokens = sum(len(e.response_ids) for e in episodes)
     out = {"turns": sum(len(e.turn_starts) for e in episodes) / n, "tool_calls": sum(calls.values()) / n,
            "tool_errors": sum(errors.values()) / n,
+           "tool_results_cut": sum(e.tool_results_cut for e in episodes) / max(sum(calls.values()), 1),
            "masked_out_fraction": sum(len(e.loss_mask) - sum(e.loss_mask) for e in episodes) / max(tokens, 1)}
     reported = [e for e in episodes if e.prefill_tokens_reused is not None]
     if reported:
@@ -591,6 +597,7 @@ class EpisodeRunner:
         self.streaming = False if deterministic else None  # None: on the streaming API when the engine has one
         self.limits, self.system_prompt, self.environment = limits, system_prompt, environment
         self.prompt_field, self.on_error, self.error_score = prompt_field, on_error, error_score
+        self._said_cut = False  # the once-note on tool results cut by max_tool_response_tokens
 
     @property
     def engine(self):
@@ -638,10 +645,22 @@ class EpisodeRunner:
                                      reward_failed={k: bool(v[i]) for k, v in failed.items()})
                         for i, e in enumerate(episodes)]
         stats = {f"episodes/{k}": v for k, v in episode_metrics(episodes).items()}
+        self._say_cut(episodes)
         experience = Experience.from_trajectories(trajectories, pad_token_id=self.engine.pad_token_id,
                                                   device=self.engine.device, timings=timings, stats=stats)
         experience = dataclasses.replace(experience, routes=self.runner.routes_of(records))  # distill.teachers
         return self.runner.count_truncated(experience)
+
+    def _say_cut(self, episodes: Sequence[Episode]) -> None:
+        """The first time `max_tool_response_tokens` cut a tool result, a warning says how many (once per runner)."""
+        cut = sum(e.tool_results_cut for e in episodes)
+        if cut and not self._said_cut:
+            self._said_cut = True
+            results = sum(sum(e.tool_calls.values()) for e in episodes)
+            warnings.warn(f"rollout.max_tool_response_tokens ({self.limits.max_tool_response_tokens}) cut {cut} of "
+                          f"{results} tool results of this rollout: the policy read them shortened (marked "
+                          f"'[... cut to ...]'); raise it unless that is meant (rollout/episodes/tool_results_cut "
+                          f"counts it on every rollout; said once)", stacklevel=3)
 
     @property
     def reward_names(self) -> tuple[str, ...]:

@@ -53,7 +53,7 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
         model_config = dataclasses.replace(model_config, num_local_experts=config.model.moe_num_experts)
     _check_capacity(config)
     with _naming_the_backend_field():
-        check_engine(r.engine, model_config, device=device, dtype=r.dtype or config.model.dtype,
+        check_engine(r.engine, model_config, device=device, dtype=config.model.dtype if r.dtype is None else r.dtype,
                      attention_backend=attention_backend(r.attention_backend), **options)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -422,15 +423,31 @@ def _weight_shapes(model) -> dict[str, tuple[int, ...]]:
 
 
 def _export(model, folder: Path) -> None:
-    """`model` as a Hugging Face directory vLLM loads: config.json, generation_config.json, model.safetensors."""
+    """`model` as a Hugging Face directory vLLM loads: config.json, generation_config.json, model.safetensors.
+
+    Raises:
+        OutputWriteError: one line naming the file and the cause when it cannot be written (a full disk under
+            the temporary directory, a file-size limit); the caller removes the folder.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from astrai.models.llama import hf_state_dict
+    from astrai.outputs import OutputWriteError
 
     tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state_dict(model).items()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
-    (folder / "generation_config.json").write_text(json.dumps(model.config.generation_config_dict(), indent=2))
+    path = folder / "model.safetensors"
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        path = folder / "config.json"
+        path.write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+        path = folder / "generation_config.json"
+        path.write_text(json.dumps(model.config.generation_config_dict(), indent=2))
+    except (OSError, SafetensorError) as err:
+        code = re.search(r"\(os error (\d+)\)", str(err)) if isinstance(err, SafetensorError) else None
+        if code:  # safetensors' "I/O error: File too large (os error 27)": said as the OSError it is
+            err = OSError(int(code.group(1)), os.strerror(int(code.group(1))))
+        raise OutputWriteError.of(path, err) from None
 
 
 def vllm_engine(model, *, pad_token_id: int, policy_version: int = 0, dtype=None,

@@ -117,6 +117,9 @@ class SandboxLimits:
                 raise ValueError(f"sandbox limits: {name} must be a positive int, got {value!r}")
         if self.open_files < 8:
             raise ValueError(f"sandbox limits: open_files must be at least 8, got {self.open_files}")
+        if self.python is not None and (not isinstance(self.python, str) or not self.python):
+            raise ValueError(f"sandbox limits: python must be the path of an interpreter (None: the trainer's own), "
+                             f"got {self.python!r}")
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ def _job(solution: str, setup: str, tests: Sequence[UnitTest], limits: SandboxLi
             "file_size_bytes": int(limits.file_size_bytes), "open_files": int(limits.open_files),
             "processes": int(limits.processes), "workdir_bytes": int(limits.workdir_bytes),
             "hide": [os.path.expanduser(p) for p in limits.hide], "ids": ids,
-            "namespaces": bool(limits.namespaces)}
+            "namespaces": bool(limits.namespaces), "parent": os.getpid()}
 
 
 def _records(raw: bytes, token: str) -> list[dict]:
@@ -247,7 +250,7 @@ def _execute(solution: str, setup: str, tests: Sequence[UnitTest], limits: Sandb
             json.dump(_job(solution, setup, tests, limits, token, res_w, ids), f)
         if ids is not None:
             os.chown(workdir, *ids)  # the harness drops to this uid before the code runs
-        python = limits.python or os.path.realpath(sys.executable)
+        python = os.path.realpath(sys.executable) if limits.python is None else limits.python
         argv = [python, "-I", "-S", "-B", "-c", HARNESS_SOURCE, "astrai-sandbox", run_id]
         try:
             proc = subprocess.Popen(argv, cwd=workdir, env=dict(ENV), stdin=subprocess.DEVNULL, stdout=out_w,

@@ -8,7 +8,8 @@ untrusted solution; so every isolation step happens before it:
 outer process (the one the trainer started, in its own session):
     read and delete job.json; if running as root, import ``PRELOAD`` and drop to the run's unprivileged ids;
     no-new-privileges; try a new user + mount + network + pid namespace (``unshare``); fork the inner process; then
-    only wait for it, killing it at the wall-clock timeout or on SIGTERM from the trainer, and report its exit.
+    only wait for it, killing it at the wall-clock timeout, on SIGTERM from the trainer or as soon as the process
+    that started it is gone (re-parented: a SIGKILLed trainer), and report its exit.
 inner process (pid 1 of the new pid namespace, so every process it starts dies with it):
     kill-on-parent-death; its own process group; in the mount namespace: a size-capped tmpfs as the working
     directory, a private /proc, empty tmpfs over ``hide`` paths, every other mount read-only; then a nested user
@@ -293,8 +294,11 @@ def _inner(job, channel, facts):
     os._exit(0)
 
 
-def _supervise(pid, timeout_s, channel):
-    """Outer: wait for the inner process (pidfd), SIGKILL it at the timeout or on SIGTERM; report; exit."""
+def _supervise(pid, timeout_s, channel, parent):
+    """Outer: wait for the inner process (pidfd), SIGKILL it at the timeout or on SIGTERM; report; exit. When the
+    process that started the sandbox (`parent`) is gone, however it ended (SIGKILL included: this process is then
+    re-parented), SIGKILL the inner process and this process group at once, without waiting for the timeout."""
+    import time
     killed = []
 
     def stop(signum, frame):
@@ -305,13 +309,22 @@ def _supervise(pid, timeout_s, channel):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a SIGTERM that came meanwhile is handled now
     try:
         fd = os.pidfd_open(pid)
-        timed_out = not select.select([fd], [], [], timeout_s)[0]
     except (AttributeError, OSError):  # no pidfd: poll
-        import time
-        deadline = time.monotonic() + timeout_s
-        while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None and time.monotonic() < deadline:
+        fd = None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if fd is not None:
+            ended = bool(select.select([fd], [], [], max(0.0, min(deadline - time.monotonic(), 0.2)))[0])
+        else:
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        timed_out = not ended and time.monotonic() >= deadline
+        if ended or timed_out:
+            break
+        if os.getppid() != parent:  # the trainer (or reward worker) that started this run is gone
+            os.kill(pid, signal.SIGKILL)
+            os.killpg(0, signal.SIGKILL)
+        if fd is None:
             time.sleep(0.01)
-        timed_out = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
     if timed_out:
         killed.append("timeout")
         os.kill(pid, signal.SIGKILL)
@@ -344,7 +357,7 @@ def main():
     if pid == 0:
         _inner(job, channel, facts)
     _prctl(PR_SET_DUMPABLE, 0)
-    _supervise(pid, job["timeout_s"], channel)
+    _supervise(pid, job["timeout_s"], channel, job["parent"])
 
 
 if __name__ == "__main__":

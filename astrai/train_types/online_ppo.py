@@ -34,7 +34,8 @@ def critic_fields(config, model_config) -> dict[str, int]:
     """Manifest fields that say which critic a checkpoint holds: `critic_layers` (its decoder layers:
     `ppo.critic_layers`, or all of the policy's) and `policy_layers`."""
     policy_layers = model_config.num_hidden_layers
-    return {"critic_layers": config.ppo.critic_layers or policy_layers, "policy_layers": policy_layers}
+    critic_layers = policy_layers if config.ppo.critic_layers is None else config.ppo.critic_layers
+    return {"critic_layers": critic_layers, "policy_layers": policy_layers}
 
 
 def critic_mismatch(manifest: Mapping, config) -> Optional[str]:

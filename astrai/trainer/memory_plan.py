@@ -214,11 +214,12 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
     if spec.online:
         r = config.rollout
         tp = getattr(r, "tensor_parallel_size", 1)
-        engine_bytes = _DTYPE_BYTES[r.dtype or config.model.dtype]
+        engine_dtype = config.model.dtype if r.dtype is None else r.dtype
+        engine_bytes = _DTYPE_BYTES[engine_dtype]
         split = f" / {tp} (tensor parallel)" if tp > 1 else ""
         items.append(MemoryItem("engine weights", params * engine_bytes // tp,
                                 f"{params / 1e6:.1f}M x {engine_bytes} B{split}"))
-        if r.engine == "paged" and tp == 1 and prepack_available(device, getattr(torch, r.dtype or config.model.dtype)):
+        if r.engine == "paged" and tp == 1 and prepack_available(device, getattr(torch, engine_dtype)):
             items.append(MemoryItem("engine prepacked", params * engine_bytes,
                                     f"{params / 1e6:.1f}M x {engine_bytes} B (oneDNN layout of its GEMM weights, "
                                     "CPU; astrai.rollout.packed_linear)"))

@@ -42,7 +42,9 @@ def clip_range(section) -> tuple[float, float]:
 
 def loss_agg_mode(section) -> str:
     """The section's `loss_agg_mode`, else its policy loss's own (`POLICY_LOSSES[...].loss_agg_mode`)."""
-    return section.loss_agg_mode or policy_loss(section.policy_loss).loss_agg_mode
+    if section.loss_agg_mode is None:
+        return policy_loss(section.policy_loss).loss_agg_mode
+    return section.loss_agg_mode
 
 
 def policy_objective(section, *, loss_scale_factor: Optional[float] = None) -> Objective:
