@@ -806,6 +806,9 @@ def ignored_settings(config: Config) -> list[str]:
     if not config.distill.jsd_top_k:
         names += [f"distill.{f}" for f in ("jsd_beta", "jsd_coef")
                   if getattr(config.distill, f) != getattr(DistillSection(), f)]
+    if spec.online:  # transformers' batch sizes: online train types step by their section's (mini/micro) batches
+        names += [f"train.{f}" for f in ONLINE_UNREAD_TRAIN_FIELDS
+                  if getattr(config.train, f) != getattr(TrainSection(), f)]
     reward = config.reward  # the single reward.name's options, when reward.functions or the reward model replace it
     if reward.functions or reward.model_path:
         names += [f"reward.{option}" for option in ("format_bonus", "partial_credit") if getattr(reward, option)]
@@ -833,9 +836,15 @@ def why_ignored(config: Config, name: str) -> str:
         return "read only with distill.jsd_top_k > 0"
     if name.startswith("reward."):
         return "an option of reward.name, which reward.functions / reward.model_path replace"
+    if name.startswith("train.") and field in ONLINE_UNREAD_TRAIN_FIELDS:
+        section = train_types.get(config.train.type).section
+        return (f"train.type {config.train.type} steps on {section}.minibatch_size samples per optimizer step, "
+                f"{section}.micro_batch_size per forward/backward")
     return f"not read by train.type {config.train.type}"
 
 
+ONLINE_UNREAD_TRAIN_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+"""The `train` fields of the offline train types (transformers' names), which the online ones do not read."""
 EPISODE_FIELDS = ("max_turns", "max_tool_response_tokens", "tool_response_truncation", "max_parallel_tool_calls",
                   "tool_workers", "tool_timeout_seconds")
 """The `rollout` fields that shape multi-turn episodes, read only with `rollout.tools` or `rollout.environment`."""
@@ -876,6 +885,11 @@ REFUSED_NAMES: dict[str, str] = {
     "dataset_test_split": "data.eval_path names the held-out split: org/name:config:split (openai/gsm8k:main:test)",
     "trust_remote_code": "astrai never runs a repository's code: it implements the model families it loads "
                          "(docs/models.md); remove trust_remote_code",
+    "steps_per_generation": "each rollout's rollout.batch_size x grpo.group_size samples make optimizer steps of "
+                            "grpo.minibatch_size samples (ppo.minibatch_size for online_ppo)",
+    "reward_weights": "each reward function has its own weight: reward.functions[i].weight",
+    "importance_sampling_level": "TRL's importance_sampling_level sequence is grpo.policy_loss gspo",
+    "use_vllm": "set rollout.engine vllm (docs/vllm.md); the default engine is astrai's own paged engine",
 }
 """Names from TRL, verl and OpenRLHF whose meaning differs from any one astrai field: refused in one line saying what
 to set instead."""
@@ -892,6 +906,20 @@ def _unknown_key(section: str, name: str) -> str:
     close = difflib.get_close_matches(name, list(field_specs(SECTIONS[section])), n=1) if section in SECTIONS else []
     guess = f"{owners[0]}.{name}" if owners else (f"{section}.{close[0]}" if close else None)
     return f"unknown key '{section}.{name}'" + (f" (did you mean '{guess}'?)" if guess else "")
+
+
+def _unknown_section(name: str) -> str:
+    """One-line message for a job file's unknown top-level key; a field written flat (TRL's flat config files:
+    `num_generations: 8`, `train_type: sft`) is told the section it belongs in."""
+    if name in REFUSED_NAMES:
+        return f"{name}: {REFUSED_NAMES[name]}"
+    try:
+        section, field, _ = _resolve_key(name)
+    except ConfigError:
+        return _unknown("section", name, SECTIONS)
+    trl = "; TRL's GRPOConfig beta is grpo.kl_coef" if f"{section}.{field}" == "dpo.beta" else ""
+    return (f"unknown section '{name}': a job file nests each field in its section, {section}: {{{field}: ...}} "
+            f"(--{name} on the command line){trl}")
 
 
 def _unknown(what: str, name: str, candidates: Iterable[str]) -> str:
@@ -1038,7 +1066,7 @@ def config_from_dict(data: Any, overrides: Iterable[str] = (), source: Optional[
                 raise ConfigError(f"{where}{section}: expected a mapping of keys, got {type(body).__name__}")
             continue
         if section not in SECTIONS:
-            raise ConfigError(where + _unknown("section", str(section), SECTIONS))
+            raise ConfigError(where + _unknown_section(str(section)))
         if not isinstance(body, (dict, type(None))):
             raise ConfigError(f"{where}{section}: expected a mapping of keys, got {type(body).__name__}")
         specs = field_specs(SECTIONS[section])

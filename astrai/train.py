@@ -416,10 +416,17 @@ class _CallableModule(types.ModuleType):
         return fit(config, **kwargs)
 
 
+TRACEBACK_HEADER = "\nTraceback (most recent call last):"
+"""Where a warning's text turns into a traceback (a reward function's first failure): printed line by line."""
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
     """`warnings.showwarning` of the command line: "warning: MESSAGE", one line, without the file, line number and
-    source line of the code that warned (astrai's own code, which says nothing to a user)."""
-    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+    source line of the code that warned (astrai's own code, which says nothing to a user); a traceback that ends
+    the message (a user's reward code failing) keeps its lines below it."""
+    text, header, trace = str(message).partition(TRACEBACK_HEADER)
+    print(f"warning: {' '.join(text.split())}" + (f"{header}{trace.rstrip()}" if header else ""),
+          file=file or sys.stderr)
 
 
 if __name__ == "__main__":

@@ -71,3 +71,49 @@ def test_an_alias_and_its_name_together_on_the_command_line_are_refused():
     with pytest.raises(ConfigError, match=r"^--rollout.environment_factory: set together with --rollout.environment"):
         load_config(None, ["--rollout.environment", "a:B", "--rollout.environment_factory", "c:D"])
     assert load_config(None, ["--grpo.group_size", "4", "--grpo.group_size", "2"]).grpo.group_size == 2
+
+
+@pytest.mark.parametrize("flat, nested", [
+    ({"train_type": "sft"}, "train: {type: ...} (--train_type on the command line)"),
+    ({"num_generations": 4}, "grpo: {group_size: ...} (--num_generations on the command line)"),
+    ({"learning_rate": 1e-6}, "optim: {learning_rate: ...} (--learning_rate on the command line)"),
+    ({"beta": 0.04}, "dpo: {beta: ...} (--beta on the command line); TRL's GRPOConfig beta is grpo.kl_coef"),
+])
+def test_a_flat_job_file_as_trl_writes_it_is_told_each_fields_section(flat, nested):
+    """TRL's config files are flat (`num_generations: 4`): a job file's unknown top-level key that names a field
+    says which section it belongs in (was: "unknown section 'train_type' (did you mean 'train'?)")."""
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(flat)
+    assert str(err.value) == (f"unknown section '{next(iter(flat))}': a job file nests each field in its section, "
+                              + nested)
+    with pytest.raises(ConfigError, match=r"^unknown section 'trian' \(did you mean 'train'\?\)$"):
+        config_from_dict({"trian": {}})
+    with pytest.raises(ConfigError, match="^num_train_epochs: astrai counts optimizer steps"):
+        config_from_dict({"num_train_epochs": 3})
+
+
+@pytest.mark.parametrize("name, hint", [
+    ("steps_per_generation", "grpo.minibatch_size"), ("reward_weights", "reward.functions[i].weight"),
+    ("importance_sampling_level", "grpo.policy_loss gspo"), ("use_vllm", "rollout.engine vllm"),
+])
+def test_trl_names_whose_did_you_mean_led_astray_name_the_astrai_setting(name, hint):
+    """--steps_per_generation was answered "did you mean 'num_generations'?" and --reward_weights "did you mean
+    'reward.model_weight'?": both are other settings."""
+    with pytest.raises(ConfigError, match=f"^{name}: .*{hint.replace('[', '.').replace(']', '.')}"):
+        load_config(None, [f"--{name}", "1"])
+
+
+def test_transformers_batch_sizes_in_an_online_job_are_said_to_have_no_effect():
+    """TRL's per_device_train_batch_size / gradient_accumulation_steps set on online_grpo or online_ppo were taken
+    silently and read by nothing: they are listed as having no effect, naming the sizes that do."""
+    from astrai.config import ignored_settings, why_ignored
+
+    for kind, section in (("online_grpo", "grpo"), ("online_ppo", "ppo")):
+        config = load_config(None, ["--train.type", kind, "--per_device_train_batch_size", "8",
+                                    "--gradient_accumulation_steps", "2"])
+        names = ["train.per_device_train_batch_size", "train.gradient_accumulation_steps"]
+        assert ignored_settings(config) == names
+        assert why_ignored(config, names[0]) == (f"train.type {kind} steps on {section}.minibatch_size samples per "
+                                                 f"optimizer step, {section}.micro_batch_size per forward/backward")
+    for kind in ("sft", "grpo", "dpo"):
+        assert ignored_settings(load_config(None, ["--train.type", kind, "--per_device_train_batch_size", "8"])) == []

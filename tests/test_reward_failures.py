@@ -120,6 +120,33 @@ def test_an_always_failing_reward_warns_with_its_traceback_then_stops_naming_it(
         fns.close()
 
 
+def test_the_command_line_prints_the_first_failures_traceback_line_by_line(reward_file):
+    """`python -m astrai.train` prints warnings as one line each; the traceback of a reward's first failure was
+    flattened into that line too ('Traceback (most recent call last): File ".../my_rewards.py", line 9, in broken
+    return ...'): it keeps its own lines below the warning."""
+    import io
+
+    import astrai.train as cli
+
+    fns = rewards(reward_file, [{"function": "my_rewards:broken"}], num_workers=0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            score(fns, ["a", "a"])
+    finally:
+        fns.close()
+    printed = io.StringIO()
+    cli._show_warning(caught[0].message, caught[0].category, "f.py", 1, file=printed)
+    lines = printed.getvalue().splitlines()
+    assert lines[0].startswith("warning: reward.functions.0 (broken) failed on 2 of 2 samples (NameError: ")
+    assert "Traceback" not in lines[0] and lines[1] == "Traceback (most recent call last):"
+    assert any(line.strip().startswith("File ") and "my_rewards.py" in line for line in lines[2:])
+    assert lines[-1] == "NameError: name 'undefined_helper' is not defined"
+    printed = io.StringIO()
+    cli._show_warning(UserWarning("one\n  line"), UserWarning, "f.py", 1, file=printed)
+    assert printed.getvalue() == "warning: one line\n"
+
+
 def test_failures_are_judged_over_the_window_per_function(reward_file):
     """One bad rollout does not end a run; the fraction is each function's own, over its last error_window
     rollouts: fails_on_b fails 4 of 4, then 0 of 4 twice (4 of 12: fine), then 4 of 4 twice more (8 of 12: stop),
