@@ -423,10 +423,13 @@ TRACEBACK_HEADER = "\nTraceback (most recent call last):"
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
     """`warnings.showwarning` of the command line: "warning: MESSAGE", one line, without the file, line number and
     source line of the code that warned (astrai's own code, which says nothing to a user); a traceback that ends
-    the message (a user's reward code failing) keeps its lines below it."""
+    the message (a user's reward code failing) keeps its lines below it. Written through `tqdm.write`, so a warning
+    met while the step bar is drawn starts on its own line, not after the bar."""
+    from tqdm import tqdm  # tqdm.write: a progress bar on the terminal is cleared first and redrawn below
+
     text, header, trace = str(message).partition(TRACEBACK_HEADER)
-    print(f"warning: {' '.join(text.split())}" + (f"{header}{trace.rstrip()}" if header else ""),
-          file=file or sys.stderr)
+    tqdm.write(f"warning: {' '.join(text.split())}" + (f"{header}{trace.rstrip()}" if header else ""),
+               file=file or sys.stderr)
 
 
 if __name__ == "__main__":

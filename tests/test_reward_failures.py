@@ -147,6 +147,26 @@ def test_the_command_line_prints_the_first_failures_traceback_line_by_line(rewar
     assert printed.getvalue() == "warning: one line\n"
 
 
+def test_a_warning_met_while_the_step_bar_is_drawn_starts_on_its_own_line():
+    """The command line's warning printer clears a progress bar drawn on the same stream first (tqdm.write), so the
+    warning is not appended to the bar's line, and the bar is drawn again below it."""
+    import io
+
+    from tqdm import tqdm
+
+    import astrai.train as cli
+
+    printed = io.StringIO()
+    with tqdm(total=4, desc="train", file=printed, ascii=True) as bar:
+        bar.update(1)
+        cli._show_warning(UserWarning("slow reward"), UserWarning, "f.py", 1, file=printed)
+        bar.update(1)
+    text = printed.getvalue()
+    lines = text.replace("\r", "\n").split("\n")
+    assert "warning: slow reward" in lines  # a line of its own: nothing of the bar before it
+    assert text.index("warning: slow reward") < text.rindex("train:")  # the bar is drawn again after it
+
+
 def test_failures_are_judged_over_the_window_per_function(reward_file):
     """One bad rollout does not end a run; the fraction is each function's own, over its last error_window
     rollouts: fails_on_b fails 4 of 4, then 0 of 4 twice (4 of 12: fine), then 4 of 4 twice more (8 of 12: stop),
