@@ -22,11 +22,12 @@ from astrai.experience.runner import RolloutRunner
 from astrai.experience.sources import OnlineExperience
 from astrai.models.special_tokens import stop_token_ids, strip_stop
 from astrai.rewards.build import build_rewards, environment_is_the_reward, reward_specs, score_records
+from astrai.rewards.functions import RewardFunctions, ScoredRewards, ScoringStopped
 from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.sampling import SamplingParams
 
-__all__ = ["build_online_experience", "build_episode_player", "build_episode_runner", "load_job_environment", "load_job_tools",
-           "sampling_params"]
+__all__ = ["agreed_scoring", "build_online_experience", "build_episode_player", "build_episode_runner",
+           "load_job_environment", "load_job_tools", "sampling_params"]
 
 
 def sampling_params(config, model_config, tokenizer) -> SamplingParams:
@@ -175,7 +176,10 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
     `rollout.tools` or `rollout.environment` every sample is a multi-turn episode (`build_episode_runner`). With
     several ranks, the ranks agree after each generation on non-finite logits met by any of them
     (`RolloutRunner.agree`) and, with dynamic sampling, on another round while any rank lacks groups
-    (`OnlineExperience.any_rank`), so that they make the same collective calls and stop together.
+    (`OnlineExperience.any_rank`), so that they make the same collective calls and stop together. A stop request
+    (`dist.stop_requested`) interrupts the reward scoring (`RewardFunctions`' `should_stop`), and the ranks agree
+    right after each scoring whether one was interrupted (`agreed_scoring`): then every rank raises
+    `ScoringStopped`, and nothing trains on a partial scoring.
 
     Raises:
         DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
@@ -188,13 +192,16 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
         warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
                       "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
     prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
-    rewards = build_rewards(config, prompts, device=dist.device, prepare_model=prepare_model)
+    should_stop = getattr(dist, "stop_requested", lambda: False)
+    any_rank = ((lambda flag: bool(dist.all_reduce_max(torch.tensor([float(flag)], device=dist.device)).item()))
+                if dist.world_size > 1 else None)
+    rewards = build_rewards(config, prompts, device=dist.device, prepare_model=prepare_model, should_stop=should_stop)
     if dist.is_main and environment_is_the_reward(config):
         print("reward: the environment's get_reward is the whole reward (rollout.environment; no reward.name, "
               "reward.functions or reward.model_path set, so no built-in reward is added; docs/agents.md)")
     runner = RolloutRunner(
         engine, sampling, decode=lambda ids: tokenizer.decode(strip_stop(ids, stops), skip_special_tokens=True),
-        score_fn=lambda texts, records, ids: score_records(rewards, texts, records, ids),
+        score_fn=agreed_scoring(rewards, any_rank),
         ref_model=ref_model, chunk_size=chunk_size,
         agree=dist.first_failure if dist.world_size > 1 else None)
     if r.tools or r.environment is not None:  # every sample a multi-turn episode
@@ -205,10 +212,32 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
                             group_size=group_size, seed=config.train.seed + 1000 * dist.dp_rank, device=dist.device,
                             dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
                             generation_batch_size=r.generation_batch_size,
-                            any_rank=(lambda flag: bool(dist.all_reduce_max(torch.tensor([float(flag)],
-                                                                                         device=dist.device)).item()))
-                            if dist.world_size > 1 else None, partial=partial_rollouts(config, group_size),
-                            should_stop=getattr(dist, "stop_requested", lambda: False))
+                            any_rank=any_rank, partial=partial_rollouts(config, group_size),
+                            should_stop=should_stop)
+
+
+def agreed_scoring(rewards: RewardFunctions, any_rank: Optional[Callable[[bool], bool]]
+                   ) -> Callable[[list[str], Sequence[Any], list[list[int]]], ScoredRewards]:
+    """The score function of a runner (`RolloutRunner.score_fn`): `score_records` with `rewards`, after which, with
+    several ranks, the ranks agree whether a stop request interrupted the scoring on any of them (`any_rank`: one
+    all-reduce of a flag per scoring; none with one process, `any_rank` None).
+
+    Raises:
+        ScoringStopped: on every rank alike, when the scoring of any rank was interrupted (`RewardFunctions`).
+    """
+
+    def score(texts: list[str], records: Sequence[Any], ids: list[list[int]]) -> ScoredRewards:
+        try:
+            scored, stopped = score_records(rewards, texts, records, ids), None
+        except ScoringStopped as err:
+            if any_rank is None:
+                raise
+            scored, stopped = None, err
+        if any_rank is not None and any_rank(stopped is not None):
+            raise stopped or ScoringStopped("a stop request interrupted the reward scoring on another rank")
+        return scored
+
+    return score
 
 
 def partial_rollouts(config, group_size: int) -> Optional[PartialRollouts]:

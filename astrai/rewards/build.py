@@ -96,13 +96,15 @@ def answer_extractor(specs: Sequence[RewardFunctionSpec]) -> Optional[Callable[[
 def build_rewards(config, prompts: Sequence[Any], *, device: torch.device = torch.device("cpu"),
                   prepare_model: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
                   num_workers: Optional[int] = None,
-                  specs: Optional[Sequence[RewardFunctionSpec]] = None) -> RewardFunctions:
+                  specs: Optional[Sequence[RewardFunctionSpec]] = None,
+                  should_stop: Optional[Callable[[], bool]] = None) -> RewardFunctions:
     """The job's `RewardFunctions`, checked against the columns its prompt records offer (`prompts`: records with a
     `columns` mapping), with the reward model of `reward.model_path` (loaded on `device`, then passed through
     `prepare_model`, e.g. partitioned for inference under fsdp2 / zero3 as the reference model is) as the reward
     named `reward_model`. `num_workers` (None: `reward.num_workers`) 0 loads and checks every function in this
     process without starting workers (what `--check` does). With `specs` (e.g. `evaluation_specs`) those functions
     are built instead of the job's, without the reward model; workers, timeouts and error handling stay the job's.
+    `should_stop` (the trainer's stop requests) interrupts a scoring (`RewardFunctions`: `ScoringStopped`).
 
     Raises:
         RewardFunctionError: one line naming the function (import, signature, unknown built-in).
@@ -130,7 +132,7 @@ def build_rewards(config, prompts: Sequence[Any], *, device: torch.device = torc
     return RewardFunctions(reward_specs(config) if specs is None else specs, columns=list(columns), num_workers=workers,
                            timeout_seconds=r.timeout_seconds, on_error=r.on_error, error_score=r.error_score,
                            max_error_fraction=r.max_error_fraction, error_window=r.error_window,
-                           extra=extra, allow_none=environment_is_the_reward(config))
+                           extra=extra, allow_none=environment_is_the_reward(config), should_stop=should_stop)
 
 
 def score_records(rewards: RewardFunctions, texts: list[str], records: Sequence[Any],

@@ -22,6 +22,12 @@ is a bug: a one-line `RewardFunctionError` naming it, at once. ``async def`` fun
 under the timeout). Each function gets its own copy of the arguments. A function with verl's
 ``compute_score(data_source, solution_str, ground_truth, extra_info)`` parameters is called per sample
 (`workers.VerlScore`). When no function applies to any sample of a rollout, that is said once.
+
+A stop request (`should_stop`: the trainer's stop signals) ends a scoring early with `ScoringStopped` and no
+scores: the workers stop waiting within `workers.STOP_POLL_SECONDS` (busy ones are killed and started afresh later),
+and no further function is started. A function running in the trainer's process (a built-in, or any with
+``num_workers`` 0) is one call that cannot be interrupted: the stop is seen when it returns. The reward model
+(`reward.model_path`) always runs: it may take part in collectives with the other ranks.
 """
 
 from __future__ import annotations
@@ -41,11 +47,11 @@ from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 import torch
 
 from astrai.rewards.builtins import BUILTIN_REWARDS
-from astrai.rewards.workers import (RewardFunctionError, RewardFunctionSpec, RewardWorkerPool, as_list,
-                                    call_reward, load_reward_function, user_traceback)
+from astrai.rewards.workers import (RewardFunctionError, RewardFunctionSpec, RewardWorkerPool, ScoringStopped,
+                                    as_list, call_reward, load_reward_function, user_traceback)
 
-__all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardFunctions", "ScoredRewards", "resolve_specs",
-           "reward_metrics", "reward_reference"]
+__all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardFunctions", "ScoredRewards", "ScoringStopped",
+           "resolve_specs", "reward_metrics", "reward_reference"]
 
 STANDARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
 """What every call offers besides the columns and the configured kwargs."""
@@ -178,6 +184,8 @@ class RewardFunctions:
             is the whole reward (`astrai.rewards.build.environment_is_the_reward`).
         num_workers, timeout_seconds, on_error, error_score, max_error_fraction, error_window: as `reward.*`
             (module docstring).
+        should_stop: whether a stop was requested (`DistributedContext.stop_requested`): a call then raises
+            `ScoringStopped` instead of finishing (module docstring); None: never.
 
     Raises:
         RewardFunctionError: an unknown built-in, an import that fails, or a signature that cannot be served.
@@ -186,7 +194,8 @@ class RewardFunctions:
     def __init__(self, specs: Sequence[RewardFunctionSpec], *, columns: Collection[str], num_workers: int = 1,
                  timeout_seconds: float = 60.0, on_error: str = "score", error_score: float = 0.0,
                  max_error_fraction: float = 0.5, error_window: int = 3,
-                 extra: Sequence[tuple[RewardFunctionSpec, Callable]] = (), allow_none: bool = False):
+                 extra: Sequence[tuple[RewardFunctionSpec, Callable]] = (), allow_none: bool = False,
+                 should_stop: Optional[Callable[[], bool]] = None):
         if not specs and not extra and not allow_none:  # allow_none: another reward (an environment's) is the whole
             raise RewardFunctionError("reward.functions: no reward function")
         self.specs, self.on_error, self.error_score = list(specs), on_error, error_score
@@ -214,6 +223,7 @@ class RewardFunctions:
                 remote.append(len(self._functions))
             self._functions.append(fn)
             self._pickers.append(_argument_picker(fn, spec, offered | set(spec.kwargs), builtin=builtin is not None))
+        self._interruptible = len(self._functions)  # the user's and the built-ins, not the extra ones
         for spec, fn in extra:
             self.specs.append(spec)
             self._functions.append(fn)
@@ -224,8 +234,9 @@ class RewardFunctions:
         # per function, (failed, scored) samples of its last `error_window` rollouts
         self._recent = [collections.deque(maxlen=error_window) for _ in self.specs]
         self._said_none_applies = False
-        self.pool = (RewardWorkerPool(self.specs, num_workers=num_workers, timeout_seconds=timeout_seconds)
-                     if self._remote else None)
+        self.should_stop = should_stop
+        self.pool = (RewardWorkerPool(self.specs, num_workers=num_workers, timeout_seconds=timeout_seconds,
+                                      should_stop=should_stop) if self._remote else None)
 
     @property
     def names(self) -> list[str]:
@@ -240,6 +251,8 @@ class RewardFunctions:
         Raises:
             RewardFunctionError: a function returned the wrong number of values, a non-number or a non-finite
                 number; or more than `max_error_fraction` of the samples' calls failed (naming the first failure).
+            ScoringStopped: `should_stop` turned true before a function started or while workers ran one (the
+                functions not started are skipped, the reward model still runs: module docstring).
         """
         n = len(completions)
         chat = [isinstance(p, list) for p in prompts]
@@ -249,8 +262,21 @@ class RewardFunctions:
                    **{name: list(values) for name, values in columns.items()}}
         total = torch.zeros(n, dtype=torch.float32)
         components, failed = {}, {}
+        stopped: Optional[str] = None  # where a stop request interrupted the scoring
         for i, spec in enumerate(self.specs):
-            values, errors, detail = self._call(i, offered, n)
+            if i < self._interruptible:
+                if stopped is not None:
+                    continue
+                if self.should_stop is not None and self.should_stop():
+                    stopped = f"before {spec.label}"
+                    continue
+            try:
+                values, errors, detail = self._call(i, offered, n)
+            except ScoringStopped:
+                stopped = f"while {spec.label} ran"
+                continue
+            if stopped is not None:  # an extra reward (the reward model) that ran for the collectives it takes part in
+                continue
             failed[spec.name] = torch.tensor([e is not None for e in errors], dtype=torch.bool)
             self._account_failures(i, errors, detail)
             if self.on_error == "score":
@@ -258,6 +284,8 @@ class RewardFunctions:
             column = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
             components[spec.name] = column
             total += torch.nan_to_num(column, nan=0.0) * spec.weight
+        if stopped is not None:
+            raise ScoringStopped(f"a stop request interrupted the reward scoring of {n} samples ({stopped})")
         if n and components and not self._said_none_applies and all(bool(c.isnan().all()) for c in components.values()):
             self._said_none_applies = True
             warnings.warn(f"no reward function applies to any of the {n} samples of this rollout (each returned None "
@@ -268,7 +296,8 @@ class RewardFunctions:
     def _call(self, i: int, offered: Mapping[str, list], n: int) -> tuple[list, list[Optional[str]], Optional[str]]:
         """(values, per-sample error text or None, the traceback of a failure or None) of function `i` over all n
         samples. In this process the function gets its own deep copy of its arguments (a worker gets a pickled
-        one), so an in-place edit reaches neither the next function nor the stored prompts."""
+        one), so an in-place edit reaches neither the next function nor the stored prompts. `ScoringStopped` when a
+        stop request ended the workers' wait (`RewardWorkerPool.run`)."""
         spec, picker = self.specs[i], self._pickers[i]
         kwargs = {k: v for k, v in offered.items() if picker is None or k in picker}
         kwargs.update(spec.kwargs)
@@ -284,7 +313,10 @@ class RewardFunctions:
         chunks = _chunks(n, self.pool.num_workers)
         calls = [{k: (v[a:b] if k in offered else v) for k, v in kwargs.items()} for a, b in chunks]
         values, errors, detail = [], [], None
-        for (a, b), (status, result, trace) in zip(chunks, self.pool.run(i, calls)):
+        results = self.pool.run(i, calls)
+        if any(status == "stopped" for status, _, _ in results):
+            raise ScoringStopped(f"{spec.label}: interrupted by a stop request")
+        for (a, b), (status, result, trace) in zip(chunks, results):
             if status == "ok":
                 values += self._check(spec, result, b - a)
                 errors += [None] * (b - a)

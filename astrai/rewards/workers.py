@@ -32,12 +32,18 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from astrai.imports import ImportFailure, load_attribute, one_line as _one_line, split_reference
 
-__all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardWorkerPool", "call_reward", "load_reward_function"]
+__all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardWorkerPool", "ScoringStopped", "call_reward",
+           "load_reward_function"]
 
 
 class RewardFunctionError(ValueError):
     """A reward function cannot be loaded or called, or returned something that is not one score per sample; the
     message is one line naming the function (`reward.functions[i]` and its name)."""
+
+
+class ScoringStopped(Exception):
+    """A stop request (a signal: the trainer's `should_stop`) interrupted the scoring of a rollout: no scores are
+    returned, so nothing trains on a partial scoring (the trainer abandons the step: `trainer.faults.StepAbandoned`)."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,9 @@ def die_with_parent(poll_seconds: float = 0.5) -> None:
     threading.Thread(target=watch, name="astrai-die-with-parent", daemon=True).start()
 
 
+STOP_POLL_SECONDS = 0.1
+"""How often `RewardWorkerPool.run` looks at its `should_stop` while it waits for the workers' replies."""
+
 STARTUP_SECONDS = 120.0
 """How long a new worker may take to start (a fresh interpreter on a loaded machine) before it counts as dead."""
 
@@ -276,13 +285,17 @@ class RewardWorkerPool:
         specs: the functions the workers may be asked to run (by index; each worker imports one on first use).
         num_workers: processes (>= 1); timeout_seconds: the limit of one call, wall clock.
         timeout_setting: the setting that limit comes from, named in timeout messages.
+        should_stop: whether a stop was requested (the trainer's stop signals); looked at every
+            `STOP_POLL_SECONDS` while `run` waits, which then stops waiting (None: never).
     """
 
     def __init__(self, specs: Sequence[RewardFunctionSpec], *, num_workers: int, timeout_seconds: float,
-                 timeout_setting: str = "reward.timeout_seconds"):
+                 timeout_setting: str = "reward.timeout_seconds",
+                 should_stop: Optional[Callable[[], bool]] = None):
         if num_workers < 1:
             raise ValueError(f"reward.num_workers: a worker pool needs >= 1 workers, got {num_workers}")
         self.specs, self.timeout_seconds, self.timeout_setting = list(specs), timeout_seconds, timeout_setting
+        self.should_stop = should_stop
         self._workers: list[Optional[_Worker]] = [None] * num_workers
         self.restarts = 0
         _POOLS.add(self)
@@ -305,7 +318,9 @@ class RewardWorkerPool:
 
         Returns: per call ("ok", the returned value as a list when sequence-like, None) or ("error", one-line
         text: the exception, "timed out after N s" or "the worker process died (exit code C)"; the exception's
-        traceback text, or None).
+        traceback text, or None), or ("stopped", one-line text, None) for a call still running when `should_stop`
+        turned true: the wait then ends within `STOP_POLL_SECONDS`, and the workers still busy are killed (with
+        what they started) and started afresh on the next call, as after a timeout.
         """
         if len(calls) > self.num_workers:
             raise ValueError(f"RewardWorkerPool.run: {len(calls)} calls for {self.num_workers} workers")
@@ -326,10 +341,17 @@ class RewardWorkerPool:
                 continue
             pending[worker.conn] = slot
         deadline = time.monotonic() + self.timeout_seconds
+        stopped = False
         while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
+            if self.should_stop is not None and self.should_stop():
+                stopped = True
                 break
+            left = max(0.0, deadline - time.monotonic())
+            ready = wait(list(pending), timeout=left if self.should_stop is None else min(left, STOP_POLL_SECONDS))
+            if not ready:
+                if time.monotonic() >= deadline:
+                    break
+                continue
             for conn in ready:
                 slot = pending.pop(conn)
                 try:
@@ -343,8 +365,9 @@ class RewardWorkerPool:
                     self._workers[slot].kill()
                     self._workers[slot] = None
                     self.restarts += 1
-        for slot in pending.values():  # past the deadline: kill and start afresh on the next call
-            results[slot] = ("error", f"timed out after {self.timeout_seconds:g} s ({self.timeout_setting})", None)
+        for slot in pending.values():  # past the deadline or stopped: kill and start afresh on the next call
+            results[slot] = (("stopped", "interrupted by a stop request", None) if stopped else
+                             ("error", f"timed out after {self.timeout_seconds:g} s ({self.timeout_setting})", None))
             self._workers[slot].kill()
             self._workers[slot] = None
             self.restarts += 1

@@ -64,6 +64,14 @@ def nonfinite_sampling(phase: str, policy_version: int, err: FloatingPointError)
     return fault
 
 
+class StepAbandoned(Exception):
+    """A stop request interrupted a step before it trained (the reward scoring of its rollout: `make_rollout` of
+    the rollout learners), and every rank raises this together (the ranks agreed right after the scoring). The
+    learner has put back the state the step's collection advanced (the data position, the sampling RNG, partial
+    rollouts in flight, the global RNGs), so the state is the last completed step's: `Trainer.fit` ends the run as
+    a stop at that step, whose checkpoint is the final one."""
+
+
 class StalledRankError(JobFault):
     """A collective or a wait on another rank did not complete within `distributed.timeout_seconds`."""
 
@@ -112,8 +120,9 @@ class StopSignals:
         self.count += 1
         if self.received is None:
             self.received = name
-            note = (f"rank {self.rank}: {name} received: stopping at the end of this optimizer step, publishing a "
-                    f"checkpoint, then exiting with code {EXIT_PREEMPTED}\n")
+            note = (f"rank {self.rank}: {name} received: stopping at the end of this optimizer step (a step still "
+                    f"scoring its rewards is abandoned), publishing a checkpoint, then exiting with code "
+                    f"{EXIT_PREEMPTED}\n")
         else:
             note = (f"rank {self.rank}: {name} received again: already stopping (a checkpoint being written is "
                     "finished; SIGKILL ends the job at once and keeps the previous checkpoint)\n")

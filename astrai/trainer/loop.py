@@ -11,11 +11,14 @@ learner's data sampler handed out during the step. The step's metrics are averag
 
 Faults (`trainer.faults`, docs/distributed.md "Faults across ranks"): after each step the ranks agree whether to stop
 (a signal on any rank) and whether a checkpoint is due by time (`StepBoundary`); an optimizer step whose loss or
-global gradient norm is not finite is skipped on every rank alike, and too many in a row stop the job.
+global gradient norm is not finite is skipped on every rank alike, and too many in a row stop the job. A step that a
+stop request interrupted before it trained (`faults.StepAbandoned`: its rollout's reward scoring) ends the run at
+the last completed step.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import zlib
 from dataclasses import asdict, dataclass
@@ -26,7 +29,7 @@ import torch
 from astrai.checkpoint import Part
 from astrai.distributed import DistributedContext
 from astrai.outputs import OutputWriteError
-from astrai.trainer.faults import NonFiniteCounter, StepBoundary, poison_nonfinite
+from astrai.trainer.faults import NonFiniteCounter, StepAbandoned, StepBoundary, poison_nonfinite
 from astrai.trainer.models import TrainedModel, moe_aux_loss
 
 LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -205,7 +208,11 @@ class Trainer:
         receive each step's metrics averaged over ranks (`mean_over_ranks`), plus `policy_version` and
         `train/skipped_steps`. A file a callback cannot write (`faults.OutputWriteError`: metrics.jsonl on a full
         disk ...) stops every rank together, after that hook's callbacks (`agree_faults`).
-        When an exception ends the loop, `on_train_abort` runs instead of `on_train_end` and it propagates."""
+        A step abandoned for a stop request (`faults.StepAbandoned`, raised by every rank together: a signal that
+        landed during its rollout's reward scoring; the learner put its state back) ends the run as a stop at the
+        last completed step: `stopped_by` set, `global_step` not incremented, no callback sees the step, and
+        `on_train_end` runs (the final checkpoint is the last completed step's).
+        When another exception ends the loop, `on_train_abort` runs instead of `on_train_end` and it propagates."""
         try:
             self._emit("on_train_begin")
             if self.state.global_step == 0:
@@ -218,9 +225,17 @@ class Trainer:
             if self.boundary is not None:
                 self.boundary.start()
             stop = self.boundary is not None and self.boundary.agree(self.dist, timed=False)[0]
+            abandoned = False
             while not stop and self.state.global_step < self.state.max_steps:
                 drawn = self.learner.data_sampler.drawn
-                metrics = mean_over_ranks(self.learner.train_step(self), self.dist)
+                try:
+                    step_metrics = self.learner.train_step(self)
+                except StepAbandoned as err:  # every rank alike: the step did not train, the state is the last's
+                    if self.dist.is_main:
+                        print(f"step {self.state.global_step + 1}: {err}", file=sys.stderr, flush=True)
+                    stop = abandoned = True
+                    break
+                metrics = mean_over_ranks(step_metrics, self.dist)
                 # the data-parallel groups' draws (the ranks of one tensor-parallel group draw the same prompts)
                 groups = getattr(self.dist, "dp_size", self.dist.world_size)
                 self.state.consumed_samples += (self.learner.data_sampler.drawn - drawn) * groups
@@ -232,7 +247,10 @@ class Trainer:
                 self.agree_faults()
                 if not stop and self.boundary is not None:  # a signal during the callbacks' work (an evaluation)
                     stop = self.boundary.agree(self.dist, timed=False)[0]  # stops now, not after one more step
-            if stop and self.state.global_step < self.state.max_steps:
+            if abandoned:
+                received = self.boundary.signals.received if self.boundary is not None else None
+                self.state.stopped_by = received or "a signal on another rank"
+            elif stop and self.state.global_step < self.state.max_steps:
                 if self.boundary.stop:
                     self.state.stopped_by = self.boundary.signals.received or "a signal on another rank"
                 else:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai.algos import MAX_METRICS, aggregate_loss, loss_units, metric_agg_mode, mismatch_metrics
-from astrai.checkpoint import CheckpointError, Part
+from astrai.checkpoint import CheckpointError, Part, capture_rng_state, restore_rng_state
 from astrai.distributed.sharding import prepare_reference
 from astrai.experience.build import build_online_experience
 from astrai.experience.replay import RolloutReplay
@@ -29,9 +29,9 @@ from astrai.experience.result import RolloutResult
 from astrai.experience.trajectory import Experience
 from astrai.experience.sources import ExperienceSource, OnlineExperience
 from astrai.forward import response_logprobs
-from astrai.rewards.functions import reward_metrics
+from astrai.rewards.functions import ScoringStopped, reward_metrics
 from astrai.rollout.engine import GenerationEngine, sync_weights
-from astrai.trainer.faults import nonfinite_sampling
+from astrai.trainer.faults import StepAbandoned, nonfinite_sampling
 from astrai.trainer.models import TrainedModel
 from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection
 from astrai.trainer.learners.topk_distill import TopKDistillation
@@ -180,12 +180,24 @@ class RolloutLearner:
         metrics with the phase timings (`time/<phase>_seconds`, `time/rollout_seconds` for the whole), the
         experience's stats (`rollout/<name>`) and each reward function's (`rewards/<name>/mean`, `std`, `applies`,
         `failed`: `reward_functions.reward_metrics`). With `log_completions`, the main process keeps the rollout's
-        first samples for `take_completions`."""
+        first samples for `take_completions`.
+
+        Raises:
+            StepAbandoned: a stop request interrupted the reward scoring on some rank (`ScoringStopped`, raised on
+                every rank alike): the state the collection advanced (`collection_state`: data position, sampling
+                RNG, partial rollouts in flight, global RNGs), taken at the start, is put back first, so that a
+                checkpoint now is the last completed step's.
+        """
         start = time.perf_counter()
+        before = self.collection_state()
         try:
             experience = self.experience.collect(policy_version)
         except FloatingPointError as err:  # non-finite logits in the sampler: one line, not its traceback
             raise nonfinite_sampling("the rollout", policy_version, err) from None
+        except ScoringStopped as err:  # never trained on a partial scoring: back to the last completed step
+            self.load_collection_state(before)
+            raise StepAbandoned(f"{err}; the step is abandoned and the state put back to the last completed "
+                                "step's") from None
         engine_logprobs = weights = None
         if self.correction is not None:  # the trainer's own old log-probs, before any update from this rollout
             experience, engine_logprobs, weights, rescored = self.correction.rescore(self.policy.module, experience)
@@ -267,6 +279,22 @@ class RolloutLearner:
             if dist.world_size > 1:
                 metrics[name] = dist.all_reduce_max(metrics[name].reshape(()).to(dist.device))
         return metrics
+
+    def collection_state(self) -> dict:
+        """What a checkpoint holds that collecting a rollout advances: the experience source's state (sampling RNG,
+        partial rollouts in flight), the data sampler's position and the process's global RNGs (copies; a source or
+        sampler without a `state_dict`, which no checkpoint could hold either, is left out)."""
+        source, sampler = (getattr(part, "state_dict", None) for part in (self.experience, self.data_sampler))
+        return {"source": None if source is None else source(),
+                "data_sampler": None if sampler is None else sampler(), "rng": capture_rng_state()}
+
+    def load_collection_state(self, state: dict) -> None:
+        """Put back a `collection_state()`."""
+        if state["source"] is not None:
+            self.experience.load_state_dict(state["source"])
+        if state["data_sampler"] is not None:
+            self.data_sampler.load_state_dict(state["data_sampler"])
+        restore_rng_state(state["rng"])
 
     def state_dict(self) -> dict:
         """Exact-resume state: the experience source's (sampling RNG) and the replay's (shuffling RNG, the rollout
