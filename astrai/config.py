@@ -446,7 +446,8 @@ class DistillSection(Section, name="distill"):
                                    "off", GE0)
     jsd_beta: float = field_spec(0.5, "distill.jsd_top_k: GKD's beta of the generalised JSD, 0 = forward "
                                       "KL(teacher || student), 1 = reverse KL(student || teacher)", UNIT)
-    jsd_coef: float = field_spec(1.0, "distill.jsd_top_k: the weight of the JSD term in the policy loss", GE0)
+    jsd_coef: float = field_spec(1.0, "distill.jsd_top_k: the weight of the JSD term in the policy loss (0: "
+                                 "distill/jsd logged only, the teacher's top-k still computed)", GE0)
 
     def __post_init__(self) -> None:
         super().__post_init__()

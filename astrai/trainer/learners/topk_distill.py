@@ -9,7 +9,9 @@ training forward, the one that gives the policy loss its log-probs, also gathers
 (`forward.response_logprobs_at`); the per-token `algos.topk_jsd` (both distributions renormalised over the k ids)
 is aggregated over the action tokens as the policy loss is (`loss_agg_mode`, the step's global units) and added
 times `distill.jsd_coef`. Both sides use the sampling temperature, as every scoring does (docs/conventions.md
-section 2). `distill/jsd` logs the unweighted term (a token-mean share, as `policy/entropy`).
+section 2). `distill/jsd` logs the unweighted term (a token-mean share, as `policy/entropy`; each token's JSD
+counted at 0 where rounding makes it slightly negative). With `distill.jsd_coef` 0 the term is computed and logged
+but adds nothing to the loss (monitoring the divergence costs the teacher's top-k forward all the same).
 
 The teacher runs once per micro-batch per epoch (with `epochs` > 1 its top-k is recomputed on every replay rather
 than stored with the rollout: nothing (B, T, k) travels through the experience, the replay or a checkpoint).
@@ -77,7 +79,8 @@ class TopKDistillation:
         jsd = topk_jsd(student, teacher, beta=self.beta)  # (B, T)
         loss = aggregate_loss(jsd, mask, loss_agg_mode=self.loss_agg_mode, num_units=num_units,
                               loss_scale_factor=self.loss_scale_factor)
-        share = aggregate_loss(jsd.detach(), mask, loss_agg_mode=metric_agg_mode(self.loss_agg_mode),
+        # the metric of a divergence is >= 0: a token where the two agree can round to -1e-9, which the log shows
+        share = aggregate_loss(jsd.detach().clamp_min(0.0), mask, loss_agg_mode=metric_agg_mode(self.loss_agg_mode),
                                num_units=num_units)
         return logprobs, entropy, self.coef * loss, {"distill/jsd": share}
 
