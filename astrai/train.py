@@ -61,6 +61,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[argparse.Namespace
     return parser.parse_known_args(argv)
 
 
+OWN_OPTIONS = ("check", "config", "local_rank", "help")
+"""The command line's own options (`parse_args`), not config fields."""
+
+
+def _own_option_hint(err: ConfigError) -> str:
+    """`err`'s line, or for an unknown key that no config field resembles but one of `OWN_OPTIONS` does (`--chek`),
+    a line that names the option: such a typo is otherwise taken for a config override."""
+    import difflib
+    import re
+
+    unknown = re.fullmatch(r"unknown key '([^'.]+)'", str(err))
+    close = difflib.get_close_matches(unknown.group(1), OWN_OPTIONS, n=1, cutoff=0.75) if unknown else []
+    return f"unknown option '--{unknown.group(1)}' (did you mean '--{close[0]}'?)" if close else str(err)
+
+
 _ENDED: dict[str, Any] = {}
 """How this process's job ended besides its code: `line` (its one-line error), `said` (this process prints it),
 `agreed` (every rank ended with it at the same point), `handed_over` (the launch scripts have the code: see `main`)."""
@@ -144,7 +159,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         config = load_config(args.config, overrides)
     except ConfigError as err:
-        _error(err)
+        _error(_own_option_hint(err))
         return EXIT_BAD_INPUT
     if os.environ.get("RANK", "0") == "0":
         reasons: dict[str, list[str]] = {}

@@ -204,6 +204,18 @@ def test_bad_override_keys(tokens, expected):
     assert expected in error(None, tokens)
 
 
+@pytest.mark.parametrize("flag, expected", [
+    ("--chek", "error: unknown option '--chek' (did you mean '--check'?)"),
+    ("--confg", "error: unknown option '--confg' (did you mean '--config'?)"),
+    ("--max_stepz", "error: unknown key 'max_stepz' (did you mean 'max_steps'?)"),  # a field's typo stays one
+])
+def test_a_typo_of_the_command_lines_own_option_is_named_as_one(flag, expected, capsys):
+    from astrai.train import main
+
+    assert main([flag, "x"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == expected
+
+
 # ------------------------------------------------------------------------------------------- cross-field
 @pytest.mark.parametrize("tokens,expected", [
     (["--ppo.minibatch_size", "16"], "ppo.minibatch_size: expected <= rollout.batch_size * ppo.group_size (8), got 16"),
