@@ -1,13 +1,18 @@
 """Multi-turn episodes on the streaming engine (astrai.experience.episodes, "On a streaming engine"): the same
 trajectories as the turn-synchronous path on the tiny model's paged engine (random sampling, seeded per request,
-with a deterministic calculator tool), the KV of earlier turns served by the prefix cache (counted per episode), and
-one episode blocked in a tool while the others decode and finish their turns."""
+with a deterministic calculator tool), the KV of earlier turns served by the prefix cache (counted per episode),
+one episode blocked in a tool while the others decode and finish their turns, and the tool calls (and environment
+steps) of different episodes running in parallel on the workers (calls that succeed only when another is inside at
+once: a file rendezvous across the worker processes)."""
+
+import time
+from typing import Sequence
 
 import pytest
 import torch
 
 from astrai.agents.chat import render
-from astrai.agents.tool_calls import format_tool_call
+from astrai.agents.tool_calls import ToolCall, format_tool_call
 from astrai.agents.tools import load_tools
 from astrai.experience.episodes import (EpisodeLimits, ToolExecutor, episode_metrics, run_episodes, streams,
                                         turn_seed)
@@ -341,3 +346,263 @@ def test_a_failing_engine_step_aborts_the_live_turns_and_closes_the_instances(en
         environment.close()
     assert engine.steps == 12 and not engine.has_unfinished_requests
     assert sorted(event[1] for event in _log(env_file) if event[0] == "close") == [10, 20]
+
+
+MEETING_TOOLS = '''
+import os
+import time
+from pathlib import Path
+
+ROOM = Path({room!r})
+
+
+def _meet(name):
+    """Arrive in the room and wait (at most 30 s) until another call is there too; alone, fail."""
+    (ROOM / f"{{name}}.arrived").write_text(name)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        others = sorted(p.stem for p in ROOM.glob("*.arrived") if p.stem != name)
+        if others:
+            return ", ".join(others)
+        time.sleep(0.01)
+    raise TimeoutError(f"{{name}} waited alone")
+
+
+def meet(name: str) -> str:
+    """Meet another caller.
+
+    Args:
+        name: who meets.
+    """
+    return f"{{name}} met {{_meet(name)}}"
+
+
+def greet(name: str) -> str:
+    """Greet another caller.
+
+    Args:
+        name: who greets.
+    """
+    return f"{{name}} greeted {{_meet(name)}}"
+
+
+def meet_then_die(name: str) -> str:
+    """Meet another caller, then kill the process.
+
+    Args:
+        name: who meets.
+    """
+    _meet(name)
+    os._exit(3)
+
+
+def meet_then_hang(name: str) -> str:
+    """Meet another caller, then never return.
+
+    Args:
+        name: who meets.
+    """
+    _meet(name)
+    time.sleep(600)
+
+
+def hold(name: str) -> str:
+    """Say it holds, then wait (at most 30 s) until released.
+
+    Args:
+        name: who holds.
+    """
+    (ROOM / "holding").write_text(name)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (ROOM / "release").exists():
+            return "released"
+        time.sleep(0.01)
+    raise TimeoutError("never released")
+'''
+
+MEETING_NAMES = ("meet", "greet", "meet_then_die", "meet_then_hang", "hold")
+
+
+@pytest.fixture()
+def meeting(tmp_path):
+    """The meeting tools (each waits, across the worker processes, until another call is inside too: a file-based
+    rendezvous in tmp_path/room) and their references; returns (tools, references, room)."""
+    room = tmp_path / "room"
+    room.mkdir()
+    path = tmp_path / "meeting_tools.py"
+    path.write_text(MEETING_TOOLS.format(room=str(room)))
+    tools = load_tools([{"function": name, "path": str(path)} for name in MEETING_NAMES])
+    return tools, [(name, str(path)) for name in MEETING_NAMES], room
+
+
+def play_scripted(tok, tools, references, scripts, *, streaming=True, workers=2, timeout=60.0, before_step=None):
+    """One episode per script (a list of turn texts) on `ScriptedStreamingEngine` (or the synchronous path) with the
+    tools in `workers` worker processes; `before_step(engine)` runs before each engine step. Returns the episodes
+    and the engine."""
+    conversations = [[{"role": "user", "content": f"Question {k}"}] for k in range(len(scripts))]
+    keys = [tuple(tok.encode(render(tok, c, tools))) for c in conversations]
+    engine = ScriptedStreamingEngine(tok, dict(zip(keys, scripts)))
+    if before_step is not None:
+        step = engine.step
+        engine.step = lambda: (before_step(engine), step())[1]
+    sampling = SamplingParams(max_new_tokens=400, stop_token_ids=(tok.special_tokens["<|im_end|>"],))
+    executor = ToolExecutor(tools, references, num_workers=workers, timeout_seconds=timeout)
+    try:
+        episodes = run_episodes(engine, tok, conversations, tools, executor, sampling, EpisodeLimits(),
+                                streaming=streaming)
+    finally:
+        executor.close()
+    return episodes, engine
+
+
+def tool_results(e):
+    """The contents of an episode's tool messages, in order."""
+    return [m["content"] for m in e.completion if m["role"] == "tool"]
+
+
+def test_tool_calls_of_episodes_whose_turns_end_together_run_in_parallel(meeting):
+    """Two episodes' turns end in the same engine step, each with a call that succeeds only when another call is
+    inside at once (tool_workers 2): the helper runs both jobs as one batch over the two workers, each episode gets
+    its own result, and the trajectories are the turn-synchronous path's (which runs both calls together too)."""
+    tools, references, room = meeting
+    tok = smollm2()
+    calls = [format_tool_call("meet", {"name": name}) for name in ("one", "two")]
+    assert len(tok.encode(calls[0])) == len(tok.encode(calls[1]))  # the turns end in the same step
+    scripts = [[calls[0], "Done."], [calls[1], "Done."]]
+    streamed, engine = play_scripted(tok, tools, references, scripts)
+    assert [tool_results(e) for e in streamed] == [["one met two"], ["two met one"]]
+    assert [dict(e.tool_errors) for e in streamed] == [{"meet": 0}, {"meet": 0}]
+    assert [e.ended_by for e in streamed] == ["answer", "answer"] and not engine.has_unfinished_requests
+    for arrived in room.glob("*.arrived"):
+        arrived.unlink()
+    synchronous, _ = play_scripted(tok, tools, references, scripts, streaming=False)
+    same_episodes(streamed, synchronous)
+    assert episode_metrics(synchronous) == {k: v for k, v in episode_metrics(streamed).items()
+                                            if not k.startswith("prefill")}
+
+
+def hold_then_release(room, holder: int, waiting: Sequence[int]):
+    """A `before_step` hook ordering the helper's jobs: once episode `holder`'s first turn has ended, the engine
+    steps on only after its `hold` call is running (alone: no other turn had ended); once the first turns of
+    `waiting` have all ended (their jobs queued behind the held one), the hold is released."""
+    def before_step(engine):
+        ended = {episode for _, what, episode, turn in engine.log if what == "end" and turn == 0}
+        if holder in ended:
+            deadline = time.monotonic() + 60
+            while not (room / "holding").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if set(waiting) <= ended:
+            (room / "release").touch()
+    return before_step
+
+
+def test_tool_calls_queued_behind_a_running_job_are_coalesced(meeting):
+    """Episode 0's call holds the helper; meanwhile the turns of episodes 1 and 2 end at different steps with
+    calls of two different tools (meet, greet), each succeeding only when the other is inside at once; episode 3
+    decodes a long answer. When the hold is released the helper takes both queued jobs as one batch (one pool run
+    of two functions over two workers): both calls succeed and each result reaches its own episode."""
+    tools, references, room = meeting
+    tok = smollm2()
+    scripts = [[format_tool_call("hold", {"name": "zero"}), "Held."],
+               ["Let me meet. " + format_tool_call("meet", {"name": "one"}), "Met."],
+               ["Let me greet them all, slowly. " + format_tool_call("greet", {"name": "two"}), "Greeted."],
+               ["A long answer without tools, " + "word " * 80]]
+    episodes, engine = play_scripted(tok, tools, references, scripts, before_step=hold_then_release(room, 0, (1, 2)))
+    ends = {episode: step for step, what, episode, turn in engine.log if what == "end" and turn == 0}
+    assert ends[0] < ends[1] < ends[2] < ends[3]  # the calls' turns ended one after another
+    assert [tool_results(e) for e in episodes] == [["released"], ["one met two"], ["two greeted one"], []]
+    assert [sum(e.tool_errors.values()) for e in episodes] == [0, 0, 0, 0]
+    assert [e.ended_by for e in episodes] == ["answer"] * 4
+
+
+@pytest.mark.parametrize("fails", ["meet_then_die", "meet_then_hang"])
+def test_a_failing_call_in_a_coalesced_batch_is_only_its_own_episodes_error(meeting, fails):
+    """In one batch (the two calls meet, so they ran together), a call that kills its worker or outlives
+    rollout.tool_timeout_seconds is its own episode's error text; the other episode gets its result; the next
+    turn's calls run on a fresh worker."""
+    tools, references, room = meeting
+    tok = smollm2()
+    scripts = [[format_tool_call("hold", {"name": "zero"}), "Held."],
+               ["Let me do it. " + format_tool_call(fails, {"name": "one"}), "Failed."],
+               ["Let me greet them all, slowly. " + format_tool_call("greet", {"name": "two"}), "Greeted."],
+               ["A long answer without tools, " + "word " * 80]]
+    timeout = 60.0 if fails == "meet_then_die" else 10.0  # the hold and the meeting take far less
+    with pytest.warns(UserWarning, match=f"rollout.tools: {fails} failed"):
+        episodes, _ = play_scripted(tok, tools, references, scripts, timeout=timeout,
+                                    before_step=hold_then_release(room, 0, (1, 2)))
+    error = ("Error: the worker process died (exit code 3)" if fails == "meet_then_die" else
+             f"Error: timed out after {timeout:g} s (rollout.tool_timeout_seconds)")
+    assert [tool_results(e) for e in episodes] == [["released"], [error], ["two greeted one"], []]
+    assert episodes[1].tool_errors == {fails: 1} and episodes[2].tool_errors == {"greet": 0}
+    assert [e.ended_by for e in episodes] == ["answer"] * 4
+
+
+def test_the_tool_executor_runs_calls_of_different_tools_in_one_pool_run(meeting):
+    """`ToolExecutor.run` with two workers runs a meet and a greet call at once (each succeeds only then), each
+    result in its call's place."""
+    tools, references, _ = meeting
+    executor = ToolExecutor(tools, references, num_workers=2, timeout_seconds=60.0)
+    try:
+        assert executor.capacity == 2
+        calls = [ToolCall(0, "greet", {"name": "a"}), ToolCall(1, "meet", {"name": "b"})]
+        assert executor.run(calls) == [("a greeted b", None), ("b met a", None)]
+    finally:
+        executor.close()
+    assert ToolExecutor(tools).capacity == 1  # in process: one call at a time
+
+
+MEETING_ENV = '''
+import time
+from pathlib import Path
+
+
+class Meeting:
+    """A game whose step waits (at most 30 s, in the room the row names) until another episode's step is inside
+    too, then answers whom it met; the second step ends the episode."""
+
+    def reset(self, room, name, **row):
+        self.room, self.name, self.steps = Path(room), name, 0
+        return None
+
+    def step(self, message):
+        self.steps += 1
+        if self.steps > 1:
+            return None
+        (self.room / f"{self.name}.arrived").write_text(self.name)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            others = sorted(p.stem for p in self.room.glob("*.arrived") if p.stem != self.name)
+            if others:
+                return f"{self.name} met {', '.join(others)}"
+            time.sleep(0.01)
+        raise TimeoutError(f"{self.name} waited alone")
+'''
+
+
+def test_environment_steps_of_episodes_whose_turns_end_together_run_in_parallel(tmp_path):
+    """Two episodes on two environment workers (one instance each) end their first turns in the same step; their
+    steps succeed only when both are inside at once: the helper runs them as one batch over the two workers, and
+    each observation reaches its own episode, as on the turn-synchronous path."""
+    path = tmp_path / "meeting_env.py"
+    path.write_text(MEETING_ENV)
+    tok = smollm2()
+    played = []
+    for streaming, room in ((True, tmp_path / "streamed"), (False, tmp_path / "synchronous")):
+        room.mkdir()
+        rows = [{"question": "Meet.", "room": str(room), "name": name} for name in ("one", "two")]
+        engine = (StreamedContextEngine if streaming else ContextEngine)(tok, lambda context: "Hello.")
+        environment = _environment(path, {None: "Meeting"}, workers=2, timeout=60.0)
+        sampling = SamplingParams(max_new_tokens=200, stop_token_ids=(engine.end,))
+        try:
+            played.append(run_episodes(engine, tok, [[{"role": "user", "content": r["question"]}] for r in rows], [],
+                                       ToolExecutor([]), sampling, EpisodeLimits(), environment=environment,
+                                       routes=[None, None], rows=rows, streaming=streaming))
+        finally:
+            environment.close()
+    streamed, synchronous = played
+    assert [[m["content"] for m in e.completion if m["role"] == "user"] for e in streamed] == \
+        [["one met two"], ["two met one"]]
+    assert [e.ended_by for e in streamed] == ["environment", "environment"]
+    assert not any(e.env_errors for e in streamed)
+    same_episodes(streamed, synchronous)

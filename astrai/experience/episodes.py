@@ -29,17 +29,21 @@ class's ``step`` when it has one, whose observation is appended as tool results 
 On a streaming engine (`streams`: the paged engine's add_request / step, not tensor-parallel) the episodes of a
 batch progress together but not in lockstep: an episode's next turn is added to the running batch as soon as its
 tool results (or observation) are in; its tool calls and environment steps run in a helper thread (one job per
-ended turn, in the order the turns ended) while the engine keeps stepping the other episodes' turns, so one
-episode waiting on a slow tool does not stall the others' decoding. (The jobs themselves run one at a time, as the
-tool workers and environment instances serve one caller: a call waits for the calls of turns that ended before
-it.) Each turn's context is the previous turn's plus its sampled tokens and results, so the version-tagged prefix
-cache serves the KV of the earlier turns' full blocks (`Episode.prefill_tokens_reused`, the metric
-`prefill_tokens_reused`). The trajectories are what the synchronous path gives: the same ids, loss mask,
-log-probs, `policy_version` per token and endings, and the same samples where the engine's arithmetic is
-batch-invariant (float32 on CPU) and the seeds agree. Turn t of episode i is seeded `request_seed(base_t, i)`,
-base_t the generator's t-th draw, as `generate` seeds row i of turn t; the synchronous path numbers the rows of
-turn t among the episodes still running, so the two agree on every turn that no earlier episode of the batch has
-ended before (always on the first turn; the tokens of greedy sampling always).
+ended turn, queued in the order the turns ended) while the engine keeps stepping the other episodes' turns, so one
+episode waiting on a slow tool does not stall the others' decoding. The helper is the only caller of the tool
+workers and the environment instances (each pool serves one caller), and it coalesces: it takes with a job every
+job of its kind queued at that moment that fits what the workers run at once and runs them as one batch (one
+`ToolExecutor.run` over the tool workers, one `EpisodeEnvironment.step`), so the calls of different episodes run in
+parallel on `rollout.tool_workers` processes; each episode receives its own calls' results, as if they had run
+alone. In-process tools and environments (0 workers) run one job at a time (`_ToolHelper`). Each turn's context
+is the previous turn's plus its sampled tokens and results, so the version-tagged prefix cache serves the KV of the
+earlier turns' full blocks (`Episode.prefill_tokens_reused`, the metric `prefill_tokens_reused`). The
+trajectories are what the synchronous path gives: the same ids, loss mask, log-probs, `policy_version` per token
+and endings (whether a call ran alone or in a batch changes only when its result comes), and the same samples
+where the engine's arithmetic is batch-invariant (float32 on CPU) and the seeds agree. Turn t of episode i is
+seeded `request_seed(base_t, i)`, base_t the generator's t-th draw, as `generate` seeds row i of turn t; the
+synchronous path numbers the rows of turn t among the episodes still running, so the two agree on every turn that
+no earlier episode of the batch has ended before (always on the first turn; the tokens of greedy sampling always).
 
 The budget is the response side of the sequence, `SamplingParams.max_new_tokens` (`rollout.max_new_tokens`): every
 turn and every tool result together, so the start-up check of prompt + response length against the model's
@@ -53,10 +57,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 import warnings
-from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections import Counter, deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -315,8 +320,9 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
                     limits: EpisodeLimits, generator, environment: Optional[EpisodeEnvironment]) -> None:
     """The streaming loop (module docstring, "On a streaming engine"): each episode's next turn is added to the
     engine as soon as its tool results (or observation) are in; the tool calls and environment steps run in one
-    helper thread, in the order the turns ended, while this thread keeps stepping the engine over the other
-    episodes' turns; a finished job is polled between two steps (waited for when nothing decodes). Every live
+    helper thread (`_ToolHelper`: the jobs of a step's ended turns queued together, queued jobs that fit the
+    workers coalesced into one batch), while this thread keeps stepping the engine over the other episodes'
+    turns; a finished job is polled between two steps (waited for when nothing decodes). Every live
     request is aborted on the way out, an error included."""
     budget = sampling.max_new_tokens
     bases: list[int] = []
@@ -324,7 +330,7 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
     jobs: dict[Future, tuple[int, tuple]] = {}  # the helper's work -> (episode, what follows its turn)
     ready = [i for i, e in enumerate(episodes) if e.ended_by is None]
     requests: list[int] = []
-    helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="astrai-episode-tools")
+    helper = _ToolHelper(executor, limits, environment)
     failed = True
     try:
         while ready or live or jobs:
@@ -338,6 +344,7 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
                 e.prefill_tokens += len(context)
             ready = []
             if engine.has_unfinished_requests:
+                ended: list[tuple[int, tuple]] = []  # this step's turns whose calls or step run next
                 for out in engine.step():
                     i, ids, logprobs, version = live[out.request_id]
                     e = episodes[i]
@@ -350,11 +357,11 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
                     del live[out.request_id]
                     last = len(e.turn_starts) == limits.max_turns - 1
                     follow = _close_turn(tokenizer, e, ids, logprobs, version, out.finished, last, environment)
-                    if follow is not None and follow[0] == "call":
-                        work = (_run_calls, [(e, follow[1], follow[2])], executor, limits, environment)
-                        jobs[helper.submit(*work)] = (i, follow)
-                    elif follow is not None:
-                        jobs[helper.submit(environment.step, [e])] = (i, follow)
+                    if follow is not None:
+                        ended.append((i, follow))
+                if ended:  # queued together: the helper takes a step's jobs at once when they fit the workers
+                    for future, job in zip(helper.submit([(episodes[i], follow) for i, follow in ended]), ended):
+                        jobs[future] = job
             elif jobs:
                 wait(list(jobs), return_when=FIRST_COMPLETED)
             elif live:
@@ -366,8 +373,7 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
                 if follow[0] == "call":
                     _append_results(tokenizer, [(e, follow[1], follow[2])], future.result(), limits, budget)
                 else:
-                    _apply_observation(tokenizer, e, future.result()[0], len(e.turn_starts) == limits.max_turns,
-                                       budget)
+                    _apply_observation(tokenizer, e, future.result(), len(e.turn_starts) == limits.max_turns, budget)
                 if environment is not None:
                     environment.end_lost([e])
                 if e.ended_by is None:
@@ -376,7 +382,114 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
     finally:  # also on a failure (non-finite logits, a tool job's error): the engine must be able to sleep
         for request in requests:
             engine.abort(request)
-        helper.shutdown(wait=not failed, cancel_futures=True)
+        helper.shutdown(wait=not failed)
+
+
+class _ToolHelper:
+    """The streaming loop's helper thread: runs the tool calls and environment steps of ended turns (jobs) while
+    the loop keeps stepping the engine, one batch of jobs at a time, so each worker pool (`ToolExecutor`'s,
+    the environment's `EnvironmentPool`) and each environment instance has one caller, this thread.
+
+    Coalescing: when the thread takes a job, it also takes every job of the same kind queued at that moment, in
+    order, as long as they fit what the pools run at once: for tool-call jobs, their plain tools' calls (at most
+    `max_parallel_tool_calls` per turn) within `ToolExecutor.capacity` and their environment methods' calls
+    within the environment's workers; for step jobs, one step each within the environment's workers. It runs the
+    batch as one job (`_run_calls`: one `ToolExecutor.run`, one `RewardWorkerPool.run` over the workers;
+    `EpisodeEnvironment.step` over the episodes), then hands each episode's future its own results. So the
+    calls of different episodes run in parallel on the tool workers, and the results are those each call gives
+    alone: a timeout or a dead worker is that call's error text only. In-process tools and environments
+    (`tool_workers: 0`, `environment_workers: 0`: capacity 1) stay serial: a job runs alone unless the others
+    add no call (their calls are malformed, or past the cap). A batch ends when its slowest call ends: a job that
+    arrives meanwhile waits for it, as a fast call of the batch does for the slow one.
+
+    Jobs: (episode, follow), `_close_turn`'s ("call", calls, errors) or ("step",); the future of a call job gives
+    `_run_calls`'s results (by ``id(call)``), a step job's the episode's observation (None: it ended)."""
+
+    def __init__(self, executor: ToolExecutor, limits: EpisodeLimits, environment: Optional[EpisodeEnvironment]):
+        self.executor, self.limits, self.environment = executor, limits, environment
+        env_workers = environment.pool.num_workers if environment is not None else 0
+        self._capacity = (executor.capacity, max(env_workers, 1))  # (plain tool calls, environment calls) at once
+        self._queue: deque[tuple[Future, Episode, tuple]] = deque()
+        self._lock = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="astrai-episode-tools", daemon=True)
+        self._thread.start()
+
+    def submit(self, jobs: Sequence[tuple[Episode, tuple]]) -> list[Future]:
+        """Queue `jobs` ((episode, follow) pairs) together; one future each, in order."""
+        futures = [Future() for _ in jobs]
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("multi-turn episodes: the tool helper is shut down")
+            self._queue.extend((f, e, follow) for f, (e, follow) in zip(futures, jobs))
+            self._lock.notify()
+        return futures
+
+    def _weight(self, e: Episode, follow: tuple) -> tuple[int, int]:
+        """The calls a job runs: (plain tools' calls, environment calls)."""
+        if follow[0] == "step":
+            return 0, 1
+        running = follow[1][:self.limits.max_parallel_tool_calls]
+        methods = {t.name for t in self.environment.tools[e.env_route]} if self.environment is not None else set()
+        on_instance = sum(c.name in methods for c in running)
+        return len(running) - on_instance, on_instance
+
+    def _take(self) -> list[tuple[Future, Episode, tuple]]:
+        """The next batch (the lock held, the queue not empty): the first job and the queued jobs of its kind that
+        fit the pools beside it (class docstring), in order; the others stay queued in theirs."""
+        first = self._queue.popleft()
+        batch, load = [first], list(self._weight(first[1], first[2]))
+        kind, kept = first[2][0], deque()
+        while self._queue:
+            job = self._queue.popleft()
+            if job[2][0] != kind:
+                kept.append(job)
+                continue
+            weight = self._weight(job[1], job[2])
+            if any(have + add > cap for have, add, cap in zip(load, weight, self._capacity)):
+                kept.append(job)
+                kept.extend(self._queue)  # first in, first out: a later job does not overtake it
+                self._queue.clear()
+                break
+            batch.append(job)
+            load = [have + add for have, add in zip(load, weight)]
+        self._queue.extendleft(reversed(kept))
+        return batch
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                batch = [job for job in self._take() if job[0].set_running_or_notify_cancel()]
+            if not batch:
+                continue
+            try:
+                if batch[0][2][0] == "call":
+                    results = _run_calls([(e, follow[1], follow[2]) for _, e, follow in batch], self.executor,
+                                         self.limits, self.environment)
+                    outcomes = [results] * len(batch)
+                else:
+                    outcomes = self.environment.step([e for _, e, _ in batch])
+            except BaseException as err:  # noqa: BLE001 - the loop raises it from the futures
+                for future, _, _ in batch:
+                    future.set_exception(err)
+                continue
+            for (future, _, _), outcome in zip(batch, outcomes):
+                future.set_result(outcome)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the thread: the queued jobs are cancelled; with `wait`, after the batch running now ends."""
+        with self._lock:
+            self._closed = True
+            for future, _, _ in self._queue:
+                future.cancel()
+            self._queue.clear()
+            self._lock.notify()
+        if wait:
+            self._thread.join()
 
 
 def _open_episodes(tokenizer, conversations, tools: Sequence[Tool], sampling: SamplingParams,

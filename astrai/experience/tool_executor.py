@@ -23,7 +23,9 @@ class ToolExecutor:
     """Runs tool calls: in `num_workers` worker processes with a hard `timeout_seconds` per call
     (`astrai.rewards.workers.RewardWorkerPool`, loading each tool by its reference), or with `num_workers` 0 in this
     process (no timeout). Arguments are checked against the tool's signature and schema here first. Never raises on
-    a call: a bad argument, an exception, a timeout or a dead worker is the error text the model sees.
+    a call: a bad argument, an exception, a timeout or a dead worker is the error text the model sees. One caller
+    at a time (its worker pool serves one): the streaming episode loop hands it the calls of several episodes at
+    once (`astrai.experience.episodes`, "On a streaming engine"), which run in parallel on the workers.
 
     Args:
         tools: the loaded tools (schemas, and the callables for in-process calls).
@@ -42,8 +44,16 @@ class ToolExecutor:
             self.pool = RewardWorkerPool(specs, num_workers=num_workers, timeout_seconds=timeout_seconds,
                                          timeout_setting="rollout.tool_timeout_seconds")
 
+    @property
+    def capacity(self) -> int:
+        """How many calls it runs at once: its worker processes, 1 in this process (calls run one after another)."""
+        return 1 if self.pool is None else self.pool.num_workers
+
     def run(self, calls: Sequence[ToolCall]) -> list[tuple[str, Optional[str]]]:
-        """(result text, error text or None) per call, in order."""
+        """(result text, error text or None) per call, in order. In workers, the calls (of any tools: several
+        episodes' calls, the streaming loop coalesces them) run `capacity` at a time, each in one
+        `RewardWorkerPool.run` over the workers; each call keeps its own timeout and its own error text (a call
+        that times out or kills its worker takes only its own worker, started afresh for the next run)."""
         if self.pool is None:
             out = []
             for c in calls:
@@ -53,25 +63,24 @@ class ToolExecutor:
                 out.append((text, error))
             return out
         out: list[Optional[tuple[str, Optional[str]]]] = [None] * len(calls)
-        pending: dict[str, list[int]] = {}
+        pending: list[int] = []
         for k, c in enumerate(calls):
             problem = argument_problem(self.tools[c.name], c.arguments)
             if problem is not None:
                 out[k] = (problem, problem)
             else:
-                pending.setdefault(c.name, []).append(k)
+                pending.append(k)
         width = self.pool.num_workers
-        for name, ks in pending.items():
-            for start in range(0, len(ks), width):
-                chunk = ks[start:start + width]
-                for k, (status, value, trace) in zip(chunk, self.pool.run(self._index[name],
-                                                                          [calls[k].arguments for k in chunk])):
-                    if status == "ok":
-                        out[k] = (result_text(value), None)
-                    else:
-                        text = f"Error: {value}"
-                        out[k] = (text, text)
-                        self._warn_once(name, text, trace)
+        for start in range(0, len(pending), width):
+            chunk = pending[start:start + width]
+            replies = self.pool.run([self._index[calls[k].name] for k in chunk], [calls[k].arguments for k in chunk])
+            for k, (status, value, trace) in zip(chunk, replies):
+                if status == "ok":
+                    out[k] = (result_text(value), None)
+                else:
+                    text = f"Error: {value}"
+                    out[k] = (text, text)
+                    self._warn_once(calls[k].name, text, trace)
         return out
 
     def _warn_once(self, name: str, error: str, trace: Optional[str]) -> None:

@@ -313,8 +313,11 @@ class RewardWorkerPool:
             self._workers[slot] = _Worker(self.specs)
         return self._workers[slot]
 
-    def run(self, index: int, calls: Sequence[Mapping[str, Any]]) -> list[tuple[str, Any, Optional[str]]]:
-        """Run function `index` once per kwargs of `calls` (at most `num_workers` of them, in parallel).
+    def run(self, index: int | Sequence[int], calls: Sequence[Mapping[str, Any]]
+            ) -> list[tuple[str, Any, Optional[str]]]:
+        """Run function `index` once per kwargs of `calls` (at most `num_workers` of them, in parallel); `index` may
+        also be a sequence, one function per call (calls of different functions in one run: the multi-turn
+        episodes' tool calls of several episodes, `astrai.experience.tool_executor.ToolExecutor.run`).
 
         Returns: per call ("ok", the returned value as a list when sequence-like, None) or ("error", one-line
         text: the exception, "timed out after N s" or "the worker process died (exit code C)"; the exception's
@@ -324,6 +327,9 @@ class RewardWorkerPool:
         """
         if len(calls) > self.num_workers:
             raise ValueError(f"RewardWorkerPool.run: {len(calls)} calls for {self.num_workers} workers")
+        indices = [index] * len(calls) if isinstance(index, int) else list(index)
+        if len(indices) != len(calls):
+            raise ValueError(f"RewardWorkerPool.run: {len(indices)} function indices for {len(calls)} calls")
         pending: dict[Connection, int] = {}
         results: list[tuple[str, Any, Optional[str]]] = [("error", "not run", None)] * len(calls)
         workers = [self._worker(slot) for slot in range(len(calls))]  # new ones start in parallel
@@ -335,7 +341,7 @@ class RewardWorkerPool:
                 self._workers[slot] = None
                 continue
             try:
-                worker.send_conn.send((index, dict(kwargs)))
+                worker.send_conn.send((indices[slot], dict(kwargs)))
             except Exception as err:  # an unpicklable argument
                 results[slot] = ("error", f"cannot send the call: {type(err).__name__}: {_one_line(err)}", None)
                 continue
