@@ -421,8 +421,9 @@ class DistillSection(Section, name="distill"):
     """On-policy distillation (Lu and Thinking Machines Lab 2025): a frozen teacher scores the student's sampled
     tokens; read by the train types that distill (`TrainType.distills`; docs/train_types.md). One teacher
     (`teacher`), or several routed by a data column (`teachers` with `route_field`: each prompt row is scored by the
-    teacher its column's value names; TRL#6734). With one local teacher, `jsd_top_k` > 0 adds top-k logit distillation
-    (GKD's generalised JSD over the teacher's top-k tokens, `jsd_beta`, weighted by `jsd_coef`; docs/train_types.md)."""
+    teacher its column's value names; TRL#6734). With local teachers, `jsd_top_k` > 0 adds top-k logit distillation
+    (GKD's generalised JSD over the teacher's top-k tokens, `jsd_beta`, weighted by `jsd_coef`; with `teachers` each
+    row's top-k is its own route's teacher's; docs/train_types.md)."""
 
     teacher: Optional[str] = field_spec(
         None, "teacher model (as model.path: a name, Hugging Face-format directory or .gguf file, or the URL of an "
@@ -441,9 +442,9 @@ class DistillSection(Section, name="distill"):
                                            "advantage; online_ppo: the score) added to the per-token "
                                            "distillation advantage; 0 = pure distillation", GE0)
     jsd_top_k: int = field_spec(0, "top-k logit distillation (GKD's generalised JSD, Agarwal et al. 2024) with a "
-                                   "local distill.teacher: its k most likely tokens at every sampled position, both "
-                                   "distributions renormalised over them, a loss term beside the policy loss; 0 = "
-                                   "off", GE0)
+                                   "local distill.teacher (or local distill.teachers, each row's own): its k most "
+                                   "likely tokens at every sampled position, both distributions renormalised over "
+                                   "them, a loss term beside the policy loss; 0 = off", GE0)
     jsd_beta: float = field_spec(0.5, "distill.jsd_top_k: GKD's beta of the generalised JSD, 0 = forward "
                                       "KL(teacher || student), 1 = reverse KL(student || teacher)", UNIT)
     jsd_coef: float = field_spec(1.0, "distill.jsd_top_k: the weight of the JSD term in the policy loss (0: "
@@ -451,10 +452,15 @@ class DistillSection(Section, name="distill"):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.jsd_top_k and (self.teachers or not self.teacher):
-            raise ConfigError("distill.jsd_top_k: top-k logit distillation reads one local teacher's logits; name "
-                              "it in distill.teacher" + (" (several routed teachers are not supported with it)"
-                                                         if self.teachers else "") + ", or set distill.jsd_top_k to 0")
+        if self.jsd_top_k and not (self.teacher or self.teachers):
+            raise ConfigError("distill.jsd_top_k: top-k logit distillation reads a local teacher's logits; name "
+                              "it in distill.teacher (or several in distill.teachers), or set distill.jsd_top_k to 0")
+        served = [route for route, teacher in self.teachers.items() if served_url(teacher)]
+        if self.jsd_top_k and served:
+            raise ConfigError(f"distill.jsd_top_k: distill.teachers.{served[0]} is a served teacher "
+                              f"({self.teachers[served[0]].strip()}), which returns only the sampled tokens' "
+                              "log-probs, not its top-k logits; load every routed teacher locally or set "
+                              "distill.jsd_top_k to 0")
         if self.jsd_top_k and self.served:
             raise ConfigError("distill.jsd_top_k: a served distill.teacher returns only the sampled tokens' log-probs, "
                               "not its top-k logits; load the teacher locally or set distill.jsd_top_k to 0")

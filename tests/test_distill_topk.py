@@ -200,9 +200,11 @@ BASE = {"train": {"type": "online_grpo"}, "grpo": {"advantage_estimator": "on_po
     ({"teacher": "t", "jsd_top_k": 4, "jsd_coef": -1}, "distill.jsd_coef: "),
     ({"teacher": "http://127.0.0.1:8000/v1", "jsd_top_k": 4},
      "distill.jsd_top_k: a served distill.teacher returns only the sampled tokens' log-probs, not its top-k logits"),
-    ({"teachers": {"a": "t", "b": "u"}, "route_field": "topic", "jsd_top_k": 4},
-     "distill.jsd_top_k: top-k logit distillation reads one local teacher's logits; name it in distill.teacher "
-     "(several routed teachers are not supported with it)"),
+    ({"jsd_top_k": 4}, "distill.jsd_top_k: top-k logit distillation reads a local teacher's logits; name it in "
+     "distill.teacher (or several in distill.teachers), or set distill.jsd_top_k to 0"),
+    ({"teachers": {"a": "t", "b": "https://host/v1"}, "route_field": "topic", "jsd_top_k": 4},
+     "distill.jsd_top_k: distill.teachers.b is a served teacher (https://host/v1), which returns only the sampled "
+     "tokens' log-probs, not its top-k logits"),
 ])
 def test_config_refuses_bad_topk_settings_in_one_line(distill, message):
     with pytest.raises(ConfigError) as info:
@@ -214,8 +216,11 @@ def test_config_takes_topk_and_names_unread_beta():
     ok = config_from_dict({**BASE, "distill": {"teacher": "t", "jsd_top_k": 8, "jsd_beta": 0.0, "jsd_coef": 0.5}})
     assert (ok.distill.jsd_top_k, ok.distill.jsd_beta, ok.distill.jsd_coef) == (8, 0.0, 0.5)
     assert ignored_settings(ok) == []
-    with pytest.raises(ConfigError, match="^distill.jsd_top_k: top-k logit distillation reads one local teacher"):
+    with pytest.raises(ConfigError, match="^distill.jsd_top_k: top-k logit distillation reads a local teacher"):
         config_from_dict({"distill": {"jsd_top_k": 4}})
+    routed = config_from_dict({**BASE, "distill": {"teachers": {"a": "t", "b": "u"}, "route_field": "topic",
+                                                   "jsd_top_k": 4}})  # several local teachers: each row its own
+    assert routed.distill.jsd_top_k == 4 and ignored_settings(routed) == []
     unread = config_from_dict({**BASE, "distill": {"teacher": "t", "jsd_beta": 0.2, "jsd_coef": 2.0}})
     assert ignored_settings(unread) == ["distill.jsd_beta", "distill.jsd_coef"]
 

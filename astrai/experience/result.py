@@ -45,6 +45,9 @@ class RolloutResult:
             multiplied into the policy loss; None without a correction.
         policy_versions: (B, T) int64, the version that sampled each action token (-1 elsewhere); None at
             construction (and in rollouts saved before it existed) means `policy_version` for every action token.
+        routes: B names, each row's teacher route when several teachers are routed by a data column
+            (`Experience.routes`, `distill.teachers`): the policy update's top-k distillation picks each row's
+            teacher by it; None otherwise (and in rollouts saved before it existed).
     """
 
     sequences: Sequences
@@ -61,11 +64,16 @@ class RolloutResult:
     rollout_logprobs: Optional[torch.Tensor] = None
     correction_weights: Optional[torch.Tensor] = None
     policy_versions: Optional[torch.Tensor] = None
+    routes: Optional[tuple[str, ...]] = None
 
     def __post_init__(self):
         if self.policy_versions is None:
             object.__setattr__(self, "policy_versions", torch.where(self.sequences.action_mask.bool(),
                                                                     self.policy_version, -1).to(torch.long))
+        if self.routes is not None:
+            object.__setattr__(self, "routes", tuple(self.routes))
+            if len(self.routes) != len(self):
+                raise ValueError(f"RolloutResult.routes: expected {len(self)} routes, got {len(self.routes)}")
         for field in PER_TOKEN_FIELDS:
             tensor = getattr(self, field)
             if tensor is None:
@@ -85,9 +93,11 @@ class RolloutResult:
         """Rows `index` (1-D int64) of every per-sample tensor, as a new (still pinned) result."""
         picked = {f: (getattr(self, f)[index] if getattr(self, f) is not None else None)
                   for f in PER_TOKEN_FIELDS + ("scores",)}
-        responses = tuple(self.responses[i] for i in index.tolist())
+        rows = index.tolist()
+        responses = tuple(self.responses[i] for i in rows)
+        routes = None if self.routes is None else tuple(self.routes[i] for i in rows)
         return dataclasses.replace(self, sequences=self.sequences.select(index), responses=responses,
-                                   **picked)
+                                   routes=routes, **picked)
 
     def split(self, rows: int) -> list["RolloutResult"]:
         """Consecutive row chunks of at most `rows` rows (the micro-batches of a minibatch).
@@ -132,6 +142,7 @@ class RolloutResult:
         """Plain dict of tensors / ints / strings (loadable with `torch.load(weights_only=True)`)."""
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sequences"}
         state["responses"] = list(self.responses)
+        state["routes"] = None if self.routes is None else list(self.routes)
         state["sequences"] = {f.name: getattr(self.sequences, f.name) for f in dataclasses.fields(Sequences)}
         return state
 
@@ -139,9 +150,11 @@ class RolloutResult:
     def from_state(cls, state: dict, device: torch.device) -> "RolloutResult":
         """Inverse of `to_state`, with every tensor moved to `device`."""
         move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
-        fields = {k: move(v) for k, v in state.items() if k not in ("sequences", "responses")}
+        fields = {k: move(v) for k, v in state.items() if k not in ("sequences", "responses", "routes")}
         sequences = Sequences(**{k: move(v) for k, v in state["sequences"].items()})
-        return cls(sequences=sequences, responses=tuple(state["responses"]), **fields)
+        routes = state.get("routes")  # absent in rollouts saved before routes were kept
+        return cls(sequences=sequences, responses=tuple(state["responses"]),
+                   routes=None if routes is None else tuple(routes), **fields)
 
     def minibatch_indices(self, minibatch_size: int, epochs: int,
                           generator: torch.Generator) -> list[torch.Tensor]:

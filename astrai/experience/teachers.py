@@ -11,7 +11,9 @@ teacher and the reference are; a served one through `served_teacher.ServedTeache
 back to their rows. A local teacher partitioned over the ranks (fsdp2, zero3) runs collectives in every forward, so
 the ranks first agree on how many rows each such teacher scores (their maximum: `agree_counts`) and a rank with fewer
 pads its group with repeats of one of its rows, whose scores it drops: every rank calls every partitioned teacher
-equally often, in the same order.
+equally often, in the same order. Top-k logit distillation (`distill.jsd_top_k`, all teachers local) routes the
+rows of each micro-batch of the policy update the same way (`TeacherRoutes.score_rows` with the teachers' top-k,
+`trainer.learners.topk_distill`), the ranks agreeing on the counts per micro-batch.
 
 Every row's route is checked when the data is read (`check_routes`, at start-up and by `--check`): the column must be
 in the data, and a row whose value names no teacher is refused in one line naming the value, the row and the field,
@@ -114,8 +116,27 @@ class TeacherRoutes:
         """The log-probs (B, T) float32 of `sequences`' response tokens, each row scored by the teacher of its route
         (`routes`, B names of `self.routes`): the rows of each distinct teacher scored together by
         `score(teacher, rows) -> (b, T)` (the runner's: chunked no-grad forwards at the sampling temperature, or the
-        served teacher's own), scattered back to their rows; 0 at padding. Partitioned teachers score the agreed
-        number of rows on every rank (see the module docstring).
+        served teacher's own), scattered back to their rows (`score_rows`); 0 at padding. Partitioned teachers
+        score the agreed number of rows on every rank (see the module docstring).
+
+        Raises:
+            ValueError: when `routes` does not hold one known route per row.
+        """
+        out = self.score_rows(sequences, routes, score)
+        if out is None:  # no rows to score
+            return torch.zeros(sequences.input_ids.shape[0], sequences.input_ids.shape[1] - sequences.prompt_length,
+                               dtype=torch.float32, device=sequences.input_ids.device)
+        return out.float()
+
+    def score_rows(self, sequences: Sequences, routes: Sequence[str], score: Callable[[Any, Sequences], Any]):
+        """Each row of `sequences` scored by the teacher of its route (`routes`, B names of `self.routes`): the rows
+        of each distinct teacher (routes naming one teacher share it) selected together, in route order, and
+        `score(teacher, rows)` -> a (b, ...) tensor or a tuple of them (e.g. `forward.response_topk`'s ids and
+        log-probs, each (b, T, k)) scattered back to their rows: a (B, ...) tensor or tuple of the scored dtypes and
+        shapes. With `agree_counts` the local teachers first agree on their row counts (one call, the maximum over
+        the ranks) and a rank with fewer pads each group with repeats of one of its rows (row 0 when it has none of
+        that teacher's), whose scores it drops, so every rank calls every local teacher equally often, in the same
+        order; a teacher whose agreed count is 0 is not called. None when nothing was scored (no rows anywhere).
 
         Raises:
             ValueError: when `routes` does not hold one known route per row.
@@ -135,17 +156,25 @@ class TeacherRoutes:
         if self.agree_counts is not None and local:
             agreed = self.agree_counts(torch.tensor([wanted[key] for key in local], dtype=torch.long))
             wanted.update(zip(local, (int(c) for c in agreed.reshape(-1).tolist())))
-        out = torch.zeros(n, sequences.input_ids.shape[1] - sequences.prompt_length, dtype=torch.float32,
-                          device=sequences.input_ids.device)
+        device = sequences.input_ids.device
+        out: Optional[list[torch.Tensor]] = None
+        single = True
         for key, (teacher, rows) in groups.items():
             if wanted[key] == 0:
                 continue
             padded = rows + [rows[0] if rows else 0] * (wanted[key] - len(rows))  # repeats: scored, then dropped
-            index = torch.tensor(padded, dtype=torch.long, device=sequences.input_ids.device)
+            index = torch.tensor(padded, dtype=torch.long, device=device)
             scored = score(teacher, sequences.select(index))
+            single = not isinstance(scored, tuple)
+            parts = [scored] if single else list(scored)
+            if out is None:
+                out = [torch.zeros((n, *part.shape[1:]), dtype=part.dtype, device=device) for part in parts]
             if rows:
-                out[index[:len(rows)]] = scored[:len(rows)].to(out)
-        return out
+                for whole, part in zip(out, parts):
+                    whole[index[:len(rows)]] = part[:len(rows)].to(whole)
+        if out is None:
+            return None
+        return out[0] if single else tuple(out)
 
 
 @torch.no_grad()

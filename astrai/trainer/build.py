@@ -353,7 +353,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     check_model_limits(config, policy.config, tokenizer)
     check_job_prompt_format(config, tokenizer)  # data.chat_template against the tokenizer, said once
     teachers = load_teachers(config, tokenizer)  # each shares the student's tokenizer
-    check_top_k(config, teachers.get(""))  # distill.jsd_top_k: a local teacher with at least k tokens
+    check_top_k(config, teachers)  # distill.jsd_top_k: local teachers with at least k tokens each
     memory, memory_note = planned_job(config, policy.config, strategy=plan.strategy, world_size=world_size,
                                       device=device, local_world_size=_local_world_size(world_size),
                                       teacher_configs=local_teacher_configs(teachers))  # refused if it cannot fit

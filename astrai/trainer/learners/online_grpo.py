@@ -16,9 +16,9 @@ teacher's log-probs of the sampled tokens (at the sampling temperature, as the r
 per-token advantage is `teacher_logprobs - old_logprobs` plus `distill.reward_weight` times the group advantage;
 `distill/reverse_kl` logs the mean over action tokens of `old_logprobs - teacher_logprobs`. With several teachers
 routed by a data column (`distill.teachers`, `astrai.experience.teachers`) each sample's `ref_logprobs` are its own
-teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part. With one local
-teacher and `distill.jsd_top_k` > 0, GKD's generalised JSD over the teacher's top-k tokens joins the policy loss
-(`topk_distill`; `distill/jsd`).
+teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part. With local
+teachers and `distill.jsd_top_k` > 0, GKD's generalised JSD over the teacher's top-k tokens joins the policy loss
+(`topk_distill`; `distill/jsd`; routed: each row's top-k from its own teacher, `distill/<route>/jsd`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from astrai.experience.result import RolloutResult
 from astrai.experience.trajectory import Experience
 from astrai.experience.sources import ExperienceSource
 from astrai.rollout.build import build_rollout_engine
-from astrai.experience.teachers import route_metrics
+from astrai.experience.teachers import TeacherRoutes, route_metrics
 from astrai.trainer.models import (TrainedModel, build_trained_model, check_teacher_routes, reference_model,
                                    teacher_model)
 from astrai.experience.replay import RolloutReplay
@@ -131,7 +131,8 @@ def group_rollout(exp: Experience, *, group_size: int, kl_reward_coef: float = 0
     result = RolloutResult(sequences=exp.sequences, old_logprobs=old, ref_logprobs=ref, values=None,
                            scores=exp.scores, kl=kl, rewards=rewards[:, None] * mask,
                            advantages=adv * mask, returns=None, policy_version=exp.policy_version,
-                           responses=tuple(exp.responses), policy_versions=exp.policy_versions)
+                           responses=tuple(exp.responses), policy_versions=exp.policy_versions,
+                           routes=exp.routes)
     validate_group_rollout(result, group_size=group_size, need_ref=ref is not None)
     return result
 
@@ -229,11 +230,12 @@ class GRPOLearner(RolloutLearner):
 
 def grpo_learner(config, dist, policy: TrainedModel, experience: ExperienceSource, *,
                   online: bool = True, decode: Optional[Callable[[list[int]], str]] = None,
-                  teacher: Optional[torch.nn.Module] = None) -> GRPOLearner:
+                  teacher: Optional[torch.nn.Module | TeacherRoutes] = None) -> GRPOLearner:
     """The GRPO learner of a validated config over `experience`: online (the response-length cap is
     `rollout.max_new_tokens`; `rollout.correction` and `train.log_completions`, with `decode` for the prompts,
-    apply) or offline (the cap is `data.max_length`). With `distill.jsd_top_k` > 0, `teacher` (the local teacher)
-    gives the top-k distillation term (`topk_distill.topk_distillation`; ConfigError as it raises)."""
+    apply) or offline (the cap is `data.max_length`). With `distill.jsd_top_k` > 0, `teacher` (the local teacher,
+    or the routed local teachers of `distill.teachers`, a `teachers.TeacherRoutes`) gives the top-k distillation term
+    (`topk_distill.topk_distillation`; ConfigError as it raises)."""
     g, r = config.grpo, config.rollout
     cap = r.max_new_tokens if online else config.data.max_length
     topk = topk_distillation(config, teacher, chunk_size=g.micro_batch_size, loss_agg_mode=loss_agg_mode(g),

@@ -12,9 +12,9 @@ per-token reward is the negative reverse-KL estimate `teacher_logprobs - old_log
 `distill.reward_weight` times the score at the last one; GAE with the critic then turns it into advantages as it
 does the KL-penalised reward (with `ppo.gamma` 0 each token's advantage is its own gap minus its value). With several
 teachers routed by a data column (`distill.teachers`, `astrai.experience.teachers`) each sample's gap is its own
-teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part. With one local
-teacher and `distill.jsd_top_k` > 0, GKD's generalised JSD over the teacher's top-k tokens joins the policy loss
-(`topk_distill`; `distill/jsd`).
+teacher's, and `distill/<route>/reverse_kl` and `distill/<route>/share` log each teacher's part. With local
+teachers and `distill.jsd_top_k` > 0, GKD's generalised JSD over the teacher's top-k tokens joins the policy loss
+(`topk_distill`; `distill/jsd`; routed: each row's top-k from its own teacher, `distill/<route>/jsd`).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class OnlinePPOLearner(RolloutLearner):
                                ref_logprobs=ref_logprobs, values=values, scores=exp.scores,
                                kl=kl, rewards=rewards, advantages=advantages, returns=returns,
                                policy_version=exp.policy_version, responses=exp.responses,
-                               policy_versions=exp.policy_versions)
+                               policy_versions=exp.policy_versions, routes=exp.routes)
         metrics = {
             "rollout/reward_mean": exp.scores.mean(),
             "rollout/reward_std": exp.scores.std(unbiased=False),

@@ -227,11 +227,14 @@ class RolloutLearner:
             from it: ~0 unless the engine held stale weights; repeated on the rollout's later minibatches), without
             a rollout correction the mismatch metrics of that minibatch (`rollout/mismatch_*`, against the
             engine's log-probs: `algos.mismatch_metrics`; with one they cover the whole rollout, from its rescore),
-            `policy/entropy` with `log_entropy`, `distill/jsd` with `topk` (its term added to the loss), and
-            `time/policy_update_seconds`.
+            `policy/entropy` with `log_entropy`, `distill/jsd` with `topk` (its term added to the loss; with routed
+            teachers each micro-batch row's top-k from its route's teacher, `RolloutResult.routes`, and
+            `distill/<route>/jsd` per route: `TopKDistillation.route_metrics`), and `time/policy_update_seconds`.
         """
         start = time.perf_counter()
         shares = metric_agg_mode(self.loss_agg_mode)
+        if self.topk is not None:
+            self.topk.reset_route_metrics()
         seen: list[tuple[torch.Tensor, ...]] = []  # first minibatch: (logprobs, engine log-probs, mask), padded
         width = minibatch.sequences.action_mask.shape[1]
 
@@ -243,7 +246,7 @@ class RolloutLearner:
                 loss, metrics = objective(logprobs, micro, num_units)
             else:  # one student forward gives the log-probs and the top-k distillation term
                 logprobs, entropy, term, extra = self.topk(self.policy.module, micro.sequences, num_units,
-                                                           with_entropy=self.log_entropy)
+                                                           with_entropy=self.log_entropy, routes=micro.routes)
                 loss, metrics = objective(logprobs, micro, num_units)
                 loss = loss + term.to(loss.dtype)
                 metrics.update(extra)
@@ -268,6 +271,10 @@ class RolloutLearner:
                 self.replay.metrics.update(mismatch)  # repeated on the rollout's later minibatches
                 metrics.update(mismatch)
         metrics["rollout/logprob_gap"] = self.replay.metrics["rollout/logprob_gap"]
+        if self.topk is not None:  # routed teachers: distill/<route>/jsd over every rank's tokens of the step
+            dist = self.policy.dist
+            metrics.update(self.topk.route_metrics(
+                device=dist.device, all_reduce_sum=dist.all_reduce_sum if dist.world_size > 1 else None))
         metrics["time/policy_update_seconds"] = torch.tensor(time.perf_counter() - start)
         return metrics
 
