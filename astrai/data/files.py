@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
-from astrai.data.arithmetic import GENERATED
+from astrai.data.arithmetic import GENERATED as _ARITHMETIC
 
 __all__ = ["BUILTIN_PREFIX", "DataError", "builtin_names", "generated_records", "jsonl_objects",
            "resolve_prompt_path"]
@@ -20,25 +20,34 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 """A lone surrogate in a str (`json.loads` joins a valid pair of escapes into one character)."""
 
 
+def _generated() -> dict:
+    """The generated built-in sets by name: builtin:arithmetic[_test] and builtin:tool_arithmetic[_test] (imported
+    here, not at import time, so that ``python -m astrai.data.tool_arithmetic`` runs its module only once)."""
+    from astrai.data.tool_arithmetic import GENERATED as tool_arithmetic
+
+    return {**_ARITHMETIC, **tool_arithmetic}
+
+
 class DataError(ValueError):
     """A prompt file is missing or malformed, or a sampler state does not fit its dataset."""
 
 
 def builtin_names() -> list[str]:
     """Names usable as ``builtin:<name>``: the ``.jsonl`` files in ``astrai/data/assets`` and the generated
-    sets of ``GENERATED``."""
+    sets (`_generated`)."""
     assets = resources.files("astrai.data") / "assets"
     files = [p.name[: -len(".jsonl")] for p in assets.iterdir() if p.name.endswith(".jsonl")] \
         if assets.is_dir() else []
-    return sorted(set(files) | set(GENERATED))
+    return sorted(set(files) | set(_generated()))
 
 
 def generated_records(path: str | Path) -> list[dict] | None:
     """The rows of a generated built-in set (``builtin:arithmetic``, ...) as dicts, or None for any other path."""
     text = str(path)
-    if not text.startswith(BUILTIN_PREFIX) or text[len(BUILTIN_PREFIX):] not in GENERATED:
+    generated = _generated()
+    if not text.startswith(BUILTIN_PREFIX) or text[len(BUILTIN_PREFIX):] not in generated:
         return None
-    return GENERATED[text[len(BUILTIN_PREFIX):]]()
+    return generated[text[len(BUILTIN_PREFIX):]]()
 
 
 def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
@@ -59,7 +68,7 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
     text = str(path)
     if text.startswith(BUILTIN_PREFIX):
         name = text[len(BUILTIN_PREFIX):]
-        if name in GENERATED:
+        if name in _generated():
             raise DataError(f"{field}: {text} is a generated question/answer prompt set, usable by the train types "
                             "that sample online and by evaluation, not as a training-record file")
         resolved = Path(str(resources.files("astrai.data") / "assets" / f"{name}.jsonl"))
