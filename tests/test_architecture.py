@@ -86,17 +86,17 @@ LAYERS = {
     "kernels": {"deps"},
     # floor 2
     "train_types": {"config_schema", "algos"},         # torch-free records (algos: its torch-free registry)
+    "agents": {"models", "deps", "imports"},           # tools, environments, tool-call format, chat rendering
     # floor 3
     "config": {"config_schema", "train_types", "algos", "deps"},
     "checkpoint": {"models", "train_types"},
     # floor 4
-    "data": {"config", "config_schema", "train_types", "models", "deps"},
+    "data": {"agents", "config", "config_schema", "train_types", "models", "deps"},  # agents: tool-use demos
     "distributed": {"checkpoint", "deps", "models", "outputs", "runtime_env"},
     # floor 5
     "forward": {"algos", "data", "models"},            # the training forward: log-probs and values of sequences
     "rollout": {"data", "models", "kernels", "config", "deps", "outputs"},  # generation engines only
     "rewards": {"data", "models", "sandbox", "deps", "imports"},
-    "agents": {"models", "deps", "imports"},           # tools, environments, tool-call format, chat rendering
     # floor 6
     "experience": {"agents", "algos", "data", "forward", "imports", "models", "rewards", "rollout"},
     "evaluation": {"algos", "checkpoint", "config", "config_schema", "data", "models", "outputs", "rewards",

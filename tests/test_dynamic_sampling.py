@@ -351,3 +351,23 @@ def test_a_stop_signal_ends_dynamic_sampling_after_the_round_in_flight():
     plain = _source(script, max_rounds=4)
     plain.collect(policy_version=0)
     assert len(plain.runner.score_fn.calls) == 4
+
+
+def test_the_runners_own_stats_survive_dynamic_sampling_averaged_over_every_sampled_row():
+    """Multi-turn episodes give each sampled round their metrics (`rollout/episodes/...`) in `Experience.stats`;
+    joining the rounds kept none of them (concat_experiences' stats are empty), so a job with tools and dynamic
+    sampling logged no turns or tool calls. They are the mean over every sampled row, kept or not."""
+    script = [[0, 0, 0, 0, 1, 0, 1, 0],   # round 1: group 1 kept
+              [1, 1, 0, 1, 0, 0, 1, 0]]  # round 2
+    source = _source(script, max_rounds=4)
+    sample, turns = source.runner.sample, iter([1.0, 2.5])
+
+    def sample_with_stats(*args, **kwargs):
+        part = sample(*args, **kwargs)
+        part.stats["episodes/turns"] = next(turns)
+        return part
+
+    source.runner.sample = sample_with_stats
+    exp = source.collect(policy_version=0)
+    assert exp.stats["sampling_rounds"] == 2.0
+    assert exp.stats["episodes/turns"] == pytest.approx((1.0 * B * G + 2.5 * B * G) / (2 * B * G))

@@ -61,14 +61,34 @@ class LMBatch:
         return self.labels[:, 1:] != IGNORE_INDEX
 
 
-def _check_messages(messages: Any, where: str) -> list[dict]:
+def _check_messages(messages: Any, where: str, tokenizer=None) -> list[dict]:
+    """`messages` as plain {role, content} dicts. An assistant message's OpenAI ``tool_calls`` (its content may then
+    be empty or null) are written back into its content as the Hermes ``<tool_call>`` blocks a rollout's turn
+    samples (`astrai.agents.tool_calls.with_calls_in_text`, as `astrai.agents.chat.render` does) when the chat
+    template has no tool support; a template with its own tool-call format is refused in one line (write the calls
+    in the content as that format wants them)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls is not None and (m.get("role") != "assistant" or not isinstance(calls, list)):
+            raise DataError(f"{where}: message {i}: tool_calls must be a list, on an assistant message")
+        content = m.get("content") if isinstance(m, dict) else None
+        if calls and content is None:
+            content = ""
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise DataError(f"{where}: message {i} must be an object with string 'role' and 'content'")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant message (nothing to learn)")
+    if any(m.get("tool_calls") for m in messages):
+        from astrai.agents.tool_calls import template_supports_tools, with_calls_in_text
+
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if template and template_supports_tools(template):
+            raise DataError(f"{where}: assistant tool_calls in training messages are written back as Hermes "
+                            "<tool_call> blocks only for a chat template without tool support; this template has "
+                            "its own format: write each call in the message's content as the model should emit it")
+        messages = with_calls_in_text([{**m, "content": m.get("content") or ""} for m in messages])
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -85,7 +105,7 @@ def chat_example(messages: Any, tokenizer, *, max_length: Optional[int], stops: 
         DataError: malformed messages, no assistant turn, or a chat template that does not render
             incrementally (a later prefix does not extend the earlier text).
     """
-    messages = _check_messages(messages, where)
+    messages = _check_messages(messages, where, tokenizer)
     chat = render_chat(tokenizer, messages, add_generation_prompt=False, where=where)
     regions = []
     for i, message in enumerate(messages):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -163,6 +163,7 @@ class OnlineExperience:
                  for r in range(len(rounds)) if any(rr == r for rr, _ in chosen)]
         # every round's time counts, also that of the rounds none of whose groups were kept
         experience = dataclasses.replace(concat_experiences(parts, pad_token_id), timings=summed_timings(rounds))
+        experience.stats.update(_sampled_stats(rounds))  # the runner's own (multi-turn episodes' metrics)
         sampled = torch.cat([part.scores.reshape(-1).float() for part in rounds])
         experience.stats.update(sampling_rounds=float(len(rounds)),
                                 truncated_fraction=self.runner.truncated_fraction(experience),
@@ -193,3 +194,14 @@ class OnlineExperience:
                           "continue them)", stacklevel=2)
 
 
+def _sampled_stats(rounds: Sequence[Experience]) -> dict[str, float]:
+    """The stats the runner gave each sampling round (`Experience.stats`: the multi-turn episodes' per-episode
+    means, `episodes/...`), averaged over every sampled row, whether its group was kept or not: what the rounds
+    sampled, as one round's stats say it."""
+    rows = [len(part) for part in rounds]
+    keys = {key for part in rounds for key in part.stats}
+    out = {}
+    for key in sorted(keys):
+        have = [(part.stats[key], n) for part, n in zip(rounds, rows) if key in part.stats]
+        out[key] = sum(value * n for value, n in have) / max(sum(n for _, n in have), 1)
+    return out
