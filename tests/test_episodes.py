@@ -308,10 +308,16 @@ def test_online_train_types_train_on_multi_turn_episodes_with_tools(tiny_model_d
     assert logged["eval/rewards/used_tool/mean"] == 1.0 and logged["eval/num_questions"] == 4
     answers = [json.loads(line) for line in (out / "eval" / "step-00000001.jsonl").read_text().splitlines()]
     assert len(answers) == 4 and all(ex["rewards"]["used_tool"] == [1.0] for ex in answers)
+    # and the episodes' turns and tool use are counted, per question and per episode
+    assert all(ex["tool_calls"] == [1] and ex["tool_errors"] == [0] and ex["turns"][0] >= 1 for ex in answers)
+    assert logged["eval/episodes/tool_calls"] == 1.0 and logged["eval/episodes/tool_errors"] == 0.0
+    assert logged["eval/episodes/turns"] == sum(ex["turns"][0] for ex in answers) / 4
     assert evaluate.main(["--model", str(model_dir), "--config", str(job), "--data", str(data), "--output_dir",
                           str(tmp_path / "cli"), "--no_progress_bar"]) == 0
     summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
     assert summary["rewards"]["used_tool"]["mean"] == 1.0 and summary["n"] == 4
+    assert summary["episodes"]["tool_calls"] == 1.0 and summary["episodes"]["tool_errors"] == 0.0
+    assert summary["episodes"]["turns"] >= 1.0
 
 
 def _scored_episodes(tok, tools, questions, scripts, *, budget=400, limits=EpisodeLimits(), rollouts=1):

@@ -122,12 +122,17 @@ def mean_interval(total: float, total_sq: float, n: int, *, confidence: float = 
     return mean - half, mean + half
 
 
+EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors")
+"""What each evaluated multi-turn episode counts (`EvalResult.examples`' lists of these names, per sample)."""
+
+
 def eval_statistics(sums: Mapping[str, float], names: Sequence[str]) -> dict:
     """The statistics of an evaluation (module docstring) from its additive sums (`EvalResult.sums`, possibly summed
     over ranks) and reward function `names`: `accuracy`, `ci_low`, `ci_high` (95% Wilson), `reward_mean`,
     `reward_mean_ci_low`, `reward_mean_ci_high` (95% normal over questions), `truncated_fraction` (the share of
-    samples the `max_new_tokens` cap cut before a stop token: their rewards scored unfinished answers) and
-    `rewards`: name -> {`mean`, `applies`, `failed`}. Plain floats.
+    samples the `max_new_tokens` cap cut before a stop token: their rewards scored unfinished answers),
+    `rewards`: name -> {`mean`, `applies`, `failed`}, and for multi-turn episodes `episodes`: each of
+    `EPISODE_COUNTS` per episode (turns, tool calls, tool errors). Plain floats.
 
     Raises:
         ValueError: no question (`sums["questions"]` < 1).
@@ -141,9 +146,12 @@ def eval_statistics(sums: Mapping[str, float], names: Sequence[str]) -> dict:
     rewards = {name: {"mean": sums[f"{name}/sum"] / sums[f"{name}/applied"] if sums[f"{name}/applied"] else 0.0,
                       "applies": sums[f"{name}/applied"] / samples, "failed": sums[f"{name}/failed"]}
                for name in names}
-    return {"accuracy": sums["correct"] / n, "ci_low": low, "ci_high": high, "reward_mean": sums["reward_sum"] / n,
-            "reward_mean_ci_low": reward_low, "reward_mean_ci_high": reward_high,
-            "truncated_fraction": sums["unfinished"] / samples, "rewards": rewards}
+    stats = {"accuracy": sums["correct"] / n, "ci_low": low, "ci_high": high, "reward_mean": sums["reward_sum"] / n,
+             "reward_mean_ci_low": reward_low, "reward_mean_ci_high": reward_high,
+             "truncated_fraction": sums["unfinished"] / samples, "rewards": rewards}
+    if sums.get("episodes", 0.0) > 0:
+        stats["episodes"] = {key: sums[f"episodes/{key}"] / sums["episodes"] for key in EPISODE_COUNTS}
+    return stats
 
 
 @dataclass
@@ -155,7 +163,8 @@ class EvalResult:
             answers), and per sample (lists of length k) `responses`, `extracted_answers` (None when no reward
             states an extractor or it finds nothing), `scores` (the total reward), `rewards` (reward function name
             -> its values, None where it does not apply), `correct` (total >= `pass_threshold`),
-            `response_tokens`, `finished` (ended with a stop token); `num_correct`.
+            `response_tokens`, `finished` (ended with a stop token), for multi-turn episodes `turns`, `tool_calls` and
+            `tool_errors`; `num_correct`.
         num_samples: k, responses per question.
         reward_names: the reward functions' names, in order.
         pass_threshold: the total reward a sample needs to pass.
@@ -204,14 +213,18 @@ class EvalResult:
     def sums(self) -> dict[str, float]:
         """The additive sums the statistics are computed from (`eval_statistics`; summed over ranks in training):
         `questions`, `samples`, `correct` (as `correct`), `reward_sum` / `reward_sumsq` (of the per-question mean
-        total rewards), `unfinished` (samples cut by `max_new_tokens` before a stop token), `interrupted`, and per
-        reward function `<name>/sum` (of the values that apply), `<name>/applied` (their
+        total rewards), `unfinished` (samples cut by `max_new_tokens` before a stop token), `interrupted`,
+        `episodes` and `episodes/<count>` (the multi-turn episodes and their summed `EPISODE_COUNTS`; 0 without
+        episodes), and per reward function `<name>/sum` (of the values that apply), `<name>/applied` (their
         count) and `<name>/failed`. Every key is present (zeros) without examples."""
         means = [sum(ex["scores"]) / len(ex["scores"]) for ex in self.examples]
         out = {"questions": float(self.num_questions), "samples": float(self.num_questions * self.num_samples),
                "correct": self.correct, "reward_sum": sum(means), "reward_sumsq": sum(m * m for m in means),
                "unfinished": float(sum(not f for ex in self.examples for f in ex["finished"])),
                "interrupted": float(self.interrupted)}
+        played = [ex for ex in self.examples if "turns" in ex]  # multi-turn episodes (a player)
+        out.update({"episodes": float(sum(len(ex["turns"]) for ex in played))},
+                   **{f"episodes/{key}": float(sum(sum(ex[key]) for ex in played)) for key in EPISODE_COUNTS})
         for name in self.reward_names:
             values = [v for ex in self.examples for v in ex["rewards"][name] if v is not None]
             out.update({f"{name}/sum": sum(values), f"{name}/applied": float(len(values)),
@@ -227,7 +240,8 @@ class EvalResult:
         """Summary numbers (plain JSON): n, num_samples, correct, accuracy (the pass rate), ci_low/ci_high (95%
         Wilson), pass_threshold, pass_at_k, mean_score (= reward_mean), reward_mean with reward_mean_ci_low/high
         (95% normal over questions), truncated_fraction (samples `max_new_tokens` cut before they ended), rewards
-        (name -> mean, applies, failed), generated_tokens, tokens_per_second, generation_seconds, wall_seconds.
+        (name -> mean, applies, failed), generated_tokens, tokens_per_second, generation_seconds, wall_seconds;
+        for multi-turn episodes `episodes` (turns, tool_calls, tool_errors per episode).
 
         Raises:
             ValueError: no question was evaluated.
@@ -242,7 +256,8 @@ class EvalResult:
                 "reward_mean_interval": "normal, 95%, over questions",
                 "truncated_fraction": stats["truncated_fraction"], "rewards": stats["rewards"],
                 "generated_tokens": self.generated_tokens, "tokens_per_second": self.tokens_per_second,
-                "generation_seconds": self.generation_seconds, "wall_seconds": self.wall_seconds}
+                "generation_seconds": self.generation_seconds, "wall_seconds": self.wall_seconds,
+                **({"episodes": stats["episodes"]} if "episodes" in stats else {})}
 
 
 def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSettings,
@@ -347,7 +362,8 @@ def evaluate(engine, tokenizer, records: Sequence, *, rewards, settings: EvalSet
                     "scores": [scores[r] for r in rows],
                     "rewards": {name: [values[name][r] for r in rows] for name in names},
                     "correct": correct, "num_correct": sum(correct),
-                    "response_tokens": [len(ids[r]) for r in rows], "finished": [bool(finished[r]) for r in rows]})
+                    "response_tokens": [len(ids[r]) for r in rows], "finished": [bool(finished[r]) for r in rows],
+                    **({key: [getattr(extra[r], key) for r in rows] for key in EPISODE_COUNTS} if extra else {})})
             bar.update(len(batch))
             bar.set_postfix(accuracy=f"{result.accuracy:.3f}")
     result.wall_seconds = time.perf_counter() - start

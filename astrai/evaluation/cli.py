@@ -305,6 +305,10 @@ def report(summary: dict, out: Path) -> None:
         print(f"{summary['truncated_fraction']:.1%} of the responses were cut by --max_new_tokens "
               f"({s['max_new_tokens']}) before they ended: their rewards scored unfinished answers"
               + ("; raise it" if summary["truncated_fraction"] > 0.5 else ""))
+    if "episodes" in summary:
+        e = summary["episodes"]
+        print(f"per episode: {e['turns']:.2f} turns, {e['tool_calls']:.2f} tool calls, {e['tool_errors']:.2f} tool "
+              "errors")
     threads = f"{s['threads']} thread{'' if s['threads'] == 1 else 's'}"
     print(f"{summary['generated_tokens']} tokens in {summary['generation_seconds']:.1f} s "
           f"({summary['tokens_per_second']:.1f} tok/s, {threads}); evaluation {summary['wall_seconds']:.1f} s in all")

@@ -670,6 +670,7 @@ class PlayedSample:
         action_ids: the token ids the policy sampled (loss mask 1), in order.
         finished: the policy ended the episode (an answer, max_turns, the environment), not the token budget.
         rewards: the rewards it adds to the reward functions' total, by name (the environment's; None: none).
+        turns: the policy's turns; tool_calls, tool_errors: the calls it made and those whose result was an error.
     """
 
     completion: Any
@@ -677,6 +678,9 @@ class PlayedSample:
     action_ids: list[int]
     finished: bool
     rewards: dict[str, Optional[float]] = field(default_factory=dict)
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
 
 
 class EpisodeRunner:
@@ -803,7 +807,9 @@ class EpisodeRunner:
         return [PlayedSample(completion=e.completion, text=e.text,
                              action_ids=[t for t, m in zip(e.response_ids, e.loss_mask) if m],
                              finished=e.ended_by not in ("length", "budget"),
-                             rewards={name: None if math.isnan(r) else r for name in self.reward_names})
+                             rewards={name: None if math.isnan(r) else r for name in self.reward_names},
+                             turns=len(e.turn_starts), tool_calls=sum(e.tool_calls.values()),
+                             tool_errors=sum(e.tool_errors.values()))
                 for e, r in zip(episodes, rewards)]
 
     def environment_rewards(self, episodes: Sequence[Episode]) -> list[float]:

@@ -6,7 +6,8 @@ metrics.jsonl record): `eval/accuracy` (the pass rate: total reward >= 1.0), `ev
 `eval/accuracy_ci_high` (95% Wilson score interval), `eval/reward_mean`, `eval/reward_mean_ci_low`,
 `eval/reward_mean_ci_high` (mean total reward, 95% normal interval over questions), per reward function
 `eval/rewards/<name>/mean` (over the samples it applies to), `/applies` (that fraction) and `/failed` (samples whose
-call failed), `eval/num_questions` and `time/eval_seconds`. It must run before the metrics logger; its time is
+call failed), for multi-turn episodes `eval/episodes/turns`, `/tool_calls` and `/tool_errors` (per episode),
+`eval/num_questions` and `time/eval_seconds`. It must run before the metrics logger; its time is
 part of the step's `time/step_seconds` when it comes before the step timer. The per-question results (question,
 answer, response, extracted answer, scores, rewards, correct ..., as `python -m astrai.evaluate` writes them) go
 to `<train.output_dir>/eval/step-<N>.jsonl`, so what the model answers can be read as it learns.
@@ -247,6 +248,7 @@ class EvaluationCallback(Callback):
                    "eval/truncated_fraction": stats["truncated_fraction"]}
         for name, values in stats["rewards"].items():
             metrics.update({f"eval/rewards/{name}/{key}": value for key, value in values.items()})
+        metrics.update({f"eval/episodes/{key}": value for key, value in stats.get("episodes", {}).items()})
         metrics["time/eval_seconds"] = seconds
         return {key: torch.tensor(value) for key, value in metrics.items()}
 
