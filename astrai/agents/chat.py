@@ -31,7 +31,6 @@ text needs `astrai.data.chat`'s content spans (a later slice).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from astrai.agents.tool_calls import (schema_of, template_supports_tools, with_calls_in_text,
@@ -44,7 +43,6 @@ __all__ = ["TemplatePrefixError", "Suffix", "render", "turn_end", "suffix_ids", 
 Messages = Sequence[Mapping[str, Any]]
 Tools = Optional[Sequence[Union[Tool, Mapping[str, Any]]]]
 _PROBE = "\ue000astrai-agents-probe\ue001"  # private-use characters: never in a template's own text
-_supports_tools = lru_cache(maxsize=16)(template_supports_tools)
 
 
 class TemplatePrefixError(ValueError):
@@ -82,7 +80,7 @@ def render(tokenizer, messages: Messages, tools: Tools = None, add_generation_pr
     """
     if not tokenizer.chat_template:
         raise ValueError("this tokenizer has no chat_template")
-    native = _supports_tools(tokenizer.chat_template)
+    native = template_supports_tools(tokenizer.chat_template)
     if not native:
         messages = with_calls_in_text(messages)
     if not tools:

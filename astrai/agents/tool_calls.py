@@ -32,6 +32,7 @@ import json
 import re
 import traceback
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Collection, Mapping, Optional, Sequence
 
 from astrai.agents.tools import Tool
@@ -202,8 +203,10 @@ def with_tools_prompt(messages: Sequence[Mapping[str, Any]], tools: Sequence[Too
     return [{"role": "system", "content": prompt}, *messages]
 
 
+@lru_cache(maxsize=16)
 def template_supports_tools(chat_template: str) -> bool:
     """Whether `chat_template` (Jinja2 source) reads the ``tools`` variable (then the schemas go through it).
+    Cached per template source (rendering asks once per conversation, SFT data once per example).
 
     Raises:
         ValueError: one line, when the template is not valid Jinja2.
