@@ -429,10 +429,8 @@ class _ToolHelper:
         """The calls a job runs: (plain tools' calls, environment calls)."""
         if follow[0] == "step":
             return 0, 1
-        running = follow[1][:self.limits.max_parallel_tool_calls]
-        methods = {t.name for t in self.environment.tools[e.env_route]} if self.environment is not None else set()
-        on_instance = sum(c.name in methods for c in running)
-        return len(running) - on_instance, on_instance
+        plain, methods, _ = _split_calls(e, follow[1], self.limits, self.environment)
+        return len(plain), len(methods)
 
     def _take(self) -> list[tuple[Future, Episode, tuple]]:
         """The next batch (the lock held, the queue not empty): the first job and the queued jobs of its kind that
@@ -579,17 +577,27 @@ def _run_calls(calling, executor: ToolExecutor, limits: EpisodeLimits,
     streaming loop runs it in its helper thread)."""
     runnable, on_instance, results = [], [], {}
     for e, calls, errors in calling:
-        for c in calls[limits.max_parallel_tool_calls:]:
+        plain, methods, over = _split_calls(e, calls, limits, environment)
+        for c in over:
             text = (f"Error: at most {limits.max_parallel_tool_calls} tool calls run per turn "
                     f"(rollout.max_parallel_tool_calls); this one did not")
             results[id(c)] = (text, text)
-        methods = {t.name for t in environment.tools[e.env_route]} if environment is not None else set()
-        for c in calls[:limits.max_parallel_tool_calls]:
-            (on_instance.append((e, c)) if c.name in methods else runnable.append(c))
+        runnable += plain
+        on_instance += [(e, c) for c in methods]
     results.update(zip(map(id, runnable), executor.run(runnable)))
     if on_instance:
         results.update(environment.call_tools(on_instance))
     return results
+
+
+def _split_calls(e: Episode, calls: Sequence[ToolCall], limits: EpisodeLimits,
+                 environment: Optional[EpisodeEnvironment]) -> tuple[list[ToolCall], list[ToolCall], list[ToolCall]]:
+    """(plain tools' calls, calls of `e`'s environment methods, calls past `max_parallel_tool_calls`) of one turn's
+    well-formed `calls`, in order: what `_run_calls` runs where, and what `_ToolHelper` counts against its pools."""
+    running = list(calls[:limits.max_parallel_tool_calls])
+    names = {t.name for t in environment.tools[e.env_route]} if environment is not None else set()
+    return ([c for c in running if c.name not in names], [c for c in running if c.name in names],
+            list(calls[limits.max_parallel_tool_calls:]))
 
 
 def _append_results(tokenizer, calling, results: Mapping[int, tuple[str, Optional[str]]], limits: EpisodeLimits,
