@@ -46,17 +46,19 @@ def supports_packing(model: torch.nn.Module) -> bool:
             or getattr(model, "packed_rows", False))
 
 
-def _response_logits(model: torch.nn.Module, sequences: Sequences, packed: bool):
+def _response_logits(model: torch.nn.Module, sequences: Sequences, packed: bool, *, hidden: bool = False):
     """The logits that score the response tokens: `(logits, batch)`, with `packed` and a model that
     `supports_packing` (A, V) at the action tokens of the packed `batch` (`Sequences.packed`), else (B, T, V)
-    (positions P - 1 ... S - 2 only go through the LM head) and batch None."""
+    (positions P - 1 ... S - 2 only go through the LM head) and batch None. With `hidden`, the final hidden states
+    at those positions instead ((A, H) or (B, T, H): the model's `return_hidden`), for an LM head applied apart."""
+    extra = {"return_hidden": True} if hidden else {}
     if packed and supports_packing(model):
         batch = sequences.packed()
         return model(batch.input_ids, position_ids=batch.position_ids, seq_lengths=batch.seq_lengths,
-                     logits_at=batch.score_at), batch
-    logits = model(sequences.input_ids, attention_mask=sequences.attention_mask,
-                   position_ids=sequences.position_ids, logits_to_keep=sequences.action_mask.shape[1] + 1)
-    return logits[:, :-1], None
+                     logits_at=batch.score_at, **extra), batch
+    out = model(sequences.input_ids, attention_mask=sequences.attention_mask,
+                position_ids=sequences.position_ids, logits_to_keep=sequences.action_mask.shape[1] + 1, **extra)
+    return out[:, :-1], None
 
 
 def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperature: float,
@@ -81,17 +83,12 @@ def response_logprobs(model: torch.nn.Module, sequences: Sequences, *, temperatu
     Raises:
         ValueError: what `Sequences.packed` raises.
     """
-    num_actions = sequences.action_mask.shape[1]
     head = None if with_entropy or torch.is_grad_enabled() else whole_lm_head(model)
-    if head is not None and packed and supports_packing(model):
-        batch = sequences.packed()
-        hidden = model(batch.input_ids, return_hidden=True, position_ids=batch.position_ids,
-                       seq_lengths=batch.seq_lengths, logits_at=batch.score_at)  # (A, H)
-        return batch.unpack(logprobs_from_hidden(hidden, head, batch.labels, temperature=temperature)), None
     if head is not None:
-        hidden = model(sequences.input_ids, attention_mask=sequences.attention_mask,
-                       position_ids=sequences.position_ids, logits_to_keep=num_actions + 1, return_hidden=True)
-        return logprobs_from_hidden(hidden[:, :-1], head, sequences.response_ids, temperature=temperature,
+        hidden, batch = _response_logits(model, sequences, packed, hidden=True)  # (A, H) packed, else (B, T, H)
+        if batch is not None:
+            return batch.unpack(logprobs_from_hidden(hidden, head, batch.labels, temperature=temperature)), None
+        return logprobs_from_hidden(hidden, head, sequences.response_ids, temperature=temperature,
                                     mask=sequences.action_mask), None
     logits, batch = _response_logits(model, sequences, packed)
     if batch is not None:  # (A, V): the LM head only where a response token is scored
@@ -204,9 +201,7 @@ def _topk_rows(model: torch.nn.Module, sequences: Sequences, *, k: int,
     mask = sequences.action_mask.bool()
     head = whole_lm_head(model)
     if head is not None and supports_packing(model):
-        batch = sequences.packed()
-        hidden = model(batch.input_ids, return_hidden=True, position_ids=batch.position_ids,
-                       seq_lengths=batch.seq_lengths, logits_at=batch.score_at)  # (A, H)
+        hidden, _ = _response_logits(model, sequences, packed=True, hidden=True)  # (A, H)
         parts = [topk_logprobs_from_logits(torch.nn.functional.linear(hidden[s:s + 256], head), k=k,
                                            temperature=temperature) for s in range(0, hidden.shape[0], 256)]
         ids = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, k, dtype=torch.long,
