@@ -32,10 +32,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from astrai.agents.tool_calls import OPEN, assistant_text, parse_tool_calls
+from astrai.agents.tool_calls import OPEN, parse_tool_calls
 from astrai.serve.protocol import APIError, ChatCompletionRequest, message_text
 
-__all__ = ["ToolSetup", "tool_setup", "conversation", "assistant_text", "read_tool_calls", "ToolCallText"]
+__all__ = ["ToolSetup", "tool_setup", "conversation", "read_tool_calls", "ToolCallText"]
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
