@@ -234,6 +234,9 @@ def test_the_scaling_examples_pass_check_from_config_only_directories(tmp_path, 
     (folder / "config.json").write_text(__import__("json").dumps(tables.MODELS[model]))
     tiny_tokenizer().save(folder)  # a stand-in: the plan reads the model's shapes, not its vocabulary's text
     monkeypatch.setenv("WORLD_SIZE", "16")
+    # docs/scaling.md plans GPUs; this check runs on a CPU, whose engine counts a prepacked copy where oneDNN has
+    # native bf16 (AVX-512 BF16 / AMX machines): left out here, as on the GPU the doc is about
+    monkeypatch.setattr("astrai.trainer.memory_plan.prepack_available", lambda device, dtype: False)
     code = main(["--check", "--config", str(REPO / "configs/examples/scaling" / f"{job}.yaml"), "--model.path",
                  str(folder), "--distributed.device_memory_gib", "74.5", "--train.output_dir", str(tmp_path / "out")])
     out = capsys.readouterr().out

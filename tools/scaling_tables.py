@@ -41,7 +41,7 @@ METHODS = {"full": [], "LoRA r=64": ["--model.lora", "{r: 64}"]}
 
 
 def plan_row(model: str, gpus: int, memory: float, method: str, tp: int):
-    """The plan of one scenario (`memory_plan.plan_memory` on the meta device's shapes)."""
+    """The plan of one scenario on a GPU (`memory_plan.plan_memory` on the meta device's shapes; only the device's type is read)."""
     import torch
 
     from astrai.config import load_config
@@ -52,7 +52,7 @@ def plan_row(model: str, gpus: int, memory: float, method: str, tp: int):
                                 "bfloat16", "--distributed.strategy", "fsdp2", "--rollout.tensor_parallel_size",
                                 str(tp), "--distributed.device_memory_gib", str(memory / 2**30), *METHODS[method]])
     return plan_memory(config, ModelConfig.from_hf_dict(MODELS[model]), strategy="fsdp2", world_size=gpus,
-                       device=torch.device("cpu"))
+                       device=torch.device("cuda"))  # a GPU: no CPU-only prepacked copy
 
 
 def tables() -> str:
