@@ -1,0 +1,402 @@
+"""A rollout engine in its own process (`rollout.placement: separate`): the generation process.
+
+`RemoteEngine` is a `GenerationEngine` whose engine lives in a child process (the generation process) that only
+generates, while the process that made it (a training rank) only trains. It is what one-step-off training
+(docs/async.md) overlaps: `submit` sends a rollout's prompts and returns at once, `result` waits for it, and the
+training rank trains on the previous rollout meanwhile.
+
+Two channels join the processes:
+
+- a `multiprocessing` pipe carries messages in order (load, generate, sleep, wake, close), each answered in order;
+- a two-process gloo group of its own (a `ProcessGroupGloo` over a `TCPStore` on 127.0.0.1, apart from the job's
+  process group) carries the weights: after each update the training rank streams every parameter, one
+  `torch.distributed` broadcast each (its bytes, staged on the CPU), and the generation process copies it into its
+  engine as it arrives (`GenerationEngine.load_weights` over a stream: no second full copy). The version is
+  acknowledged as with a colocated engine (`astrai.rollout.engine.sync_weights`).
+
+The generation process builds its engine from the model's class and config (random weights, tagged -1 so that the
+first sync loads the policy's) and the engine factory the caller gives (`rollout.engine` and its options, picklable).
+A generation is exact: the caller's sampling RNG state goes with the request and comes back advanced, so a rollout
+generated in the generation process equals the colocated engine's on the same weights, RNG and threads.
+
+Failures: an error of the engine (bad prompts, non-finite logits) is raised in the training rank as the same type
+(ValueError, FloatingPointError; others as RuntimeError) in one line; a generation process that dies is a
+RuntimeError naming its exit code; a training rank that dies ends the generation process (its pipe closes, once the
+generation process is idle); signals meant for the job (SIGINT, SIGTERM) leave it running until the training rank,
+which stops gracefully, closes it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as c10d
+
+from astrai.rollout.engine import EngineCapacity
+from astrai.rollout.generation import Generation
+from astrai.rollout.sampling import SamplingParams
+
+__all__ = ["RemoteEngine", "RemoteEngineError"]
+
+_POLL_SECONDS = 0.2
+"""How often a wait for the generation process checks that it is still alive."""
+
+
+class RemoteEngineError(RuntimeError):
+    """The generation process died, or failed in a way that is not the caller's input (one line)."""
+
+
+@dataclass
+class _Pending:
+    """A message sent and not yet answered: its sequence number, what it was (for error lines) and, for a
+    generation, the caller's RNG that the answer advances."""
+
+    seq: int
+    what: str
+    generator: Optional[torch.Generator] = None
+
+
+class RemoteEngine:
+    """A `GenerationEngine` proxy whose engine runs in a generation process (module docstring).
+
+    Args:
+        model_class: the policy's class (`astrai.models.llama.AutoRegressiveLM`), built as `model_class(config)`.
+        model_config: its config (picklable).
+        build: `build(model) -> GenerationEngine`, picklable (a `functools.partial` of a module-level function):
+            makes the engine over the random-weight model in the generation process.
+        device: the generation process's device ("cpu", "cuda:1" ...).
+        threads: torch intra-op threads of the generation process (None: torch's default).
+        timeout_seconds: the weight group's timeout for one broadcast, and for the process to start.
+        deterministic: `torch.use_deterministic_algorithms(True)` in the generation process (`runtime.deterministic`).
+
+    Attributes:
+        policy_version: the version of the weights the generation process acknowledged; -1 until the first load.
+        pad_token_id: the engine's padding id.
+        last_seconds: how long the last generation collected with `result` took in the generation process.
+
+    Raises:
+        RemoteEngineError: the generation process could not start or build its engine (its error in one line).
+    """
+
+    def __init__(self, model_class: type, model_config: Any, build: Callable[[torch.nn.Module], Any], *,
+                 device: Union[str, torch.device] = "cpu", threads: Optional[int] = None,
+                 timeout_seconds: float = 600.0, deterministic: bool = False):
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        store = c10d.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_seconds))
+        self.process = context.Process(
+            target=_serve, name="astrai-generation", daemon=True,
+            args=(child_conn, store.port, model_class, model_config, build, str(device), threads, timeout_seconds,
+                  deterministic))
+        self.process.start()
+        child_conn.close()
+        self._seq = 0
+        self._pending: deque[_Pending] = deque()
+        self._finalizer = weakref.finalize(self, _stop, self.process, self._conn)
+        atexit.register(self._finalizer)  # before multiprocessing's own exit handler, which would wait on it
+        self._expect("the generation process to start", timeout_seconds)  # it joins the weight group next
+        self._group = c10d.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=timeout_seconds))
+        self._store = store
+        ready = self._expect("the generation process to build its engine")
+        self._device = torch.device(ready["device"])
+        self._capacity: EngineCapacity = ready["capacity"]
+        self.pad_token_id: int = ready["pad_token_id"]
+        self.policy_version = -1
+        self.last_seconds = 0.0
+
+    # ------------------------------------------------------------------ GenerationEngine
+    @property
+    def device(self) -> torch.device:
+        """The generation process's device (where its outputs came from; they arrive on the CPU of this process
+        when it is a CPU)."""
+        return self._device
+
+    @property
+    def capacity(self) -> EngineCapacity:
+        """The generation process's engine capacity."""
+        return self._capacity
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Union[SamplingParams, Sequence[SamplingParams]],
+                 generator: Optional[torch.Generator] = None, *, n: int = 1, penalties: Any = None,
+                 on_token: Optional[Callable[[int, int], None]] = None) -> Generation:
+        """`result(submit(...))`: as `GenerationEngine.generate`, in the generation process.
+
+        Raises:
+            ValueError: `on_token` (tokens are not streamed across processes), or the engine's refusal of the
+                prompts or settings. FloatingPointError: non-finite logits. RemoteEngineError: as `result`.
+        """
+        if on_token is not None:
+            raise ValueError("generate: on_token is not supported by an engine in another process "
+                             "(rollout.placement separate)")
+        return self.result(self.submit(prompts, params, generator, n=n, penalties=penalties))
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: Union[SamplingParams, Sequence[SamplingParams]],
+               generator: Optional[torch.Generator] = None, *, n: int = 1, penalties: Any = None) -> int:
+        """Send one `generate` call to the generation process and return at once; the returned id is for
+        `result`. The state of `generator` goes with it; `result` advances `generator` to the state the generation
+        left (exactly as a colocated `generate` would). Do not draw from `generator` until then."""
+        state = None if generator is None else generator.get_state()
+        return self._post(("generate", [list(map(int, p)) for p in prompts], params, state, n, penalties),
+                          "a generation", generator)
+
+    def result(self, request: int) -> Generation:
+        """Wait for the generation `request` (`submit`); its `Generation` (tensors on this process's CPU when the
+        generation process computes on a CPU; `policy_version` the weights that sampled it).
+
+        Raises:
+            ValueError, FloatingPointError: the engine's, as `generate` raises them.
+            RemoteEngineError: the generation process died or failed otherwise.
+        """
+        generator = next((p.generator for p in self._pending if p.seq == request), None)
+        out = self._expect("a generation", until=request)
+        if generator is not None:
+            generator.set_state(out["generator_state"])
+        self.last_seconds = float(out["seconds"])
+        return out["generation"]
+
+    def discard(self, request: int) -> None:
+        """Wait for `request` (`submit`) and drop its result, leaving its generator where it was (a generation
+        sent ahead that is no longer wanted: its state was put back)."""
+        for pending in self._pending:
+            if pending.seq == request:
+                pending.generator = None
+        self._expect("a generation", until=request)
+
+    def load_weights(self, state_dict: Union[Mapping[str, torch.Tensor], Iterable], policy_version: int) -> int:
+        """Stream `state_dict` (a mapping, or (name, tensor) pairs one at a time: a trained model's
+        `full_weights`) to the generation process, one broadcast per tensor over the weight group, and return the
+        version it acknowledges. Nothing else may be in flight (a generation not yet collected with `result`).
+
+        Raises:
+            KeyError / ValueError: the engine refused a tensor (its name or shape; the generation process still
+                took every broadcast, and holds no version: -1). RemoteEngineError: as `result`.
+            RuntimeError: a generation still in flight.
+        """
+        if any(p.what == "a generation" for p in self._pending):
+            raise RuntimeError("load_weights: a generation is still in flight; collect it with result() first")
+        self.policy_version = -1
+        seq = self._post(("load", int(policy_version)), "the weights")
+        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        options = c10d.BroadcastOptions()
+        options.rootRank = 0
+        try:
+            for name, tensor in items:
+                data = tensor.detach().to("cpu").contiguous()
+                self._conn.send(("tensor", name, tuple(data.shape), str(data.dtype).removeprefix("torch.")))
+                if data.numel():
+                    self._group.broadcast([data.reshape(-1).view(torch.uint8)], options).wait()
+            self._conn.send(("end",))
+        except (OSError, RuntimeError):  # the pipe or the weight group broke: say so if the process is gone
+            if not self.process.is_alive():
+                raise self._died("the weights") from None
+            raise
+        self.policy_version = int(self._expect("the weights", until=seq)["policy_version"])
+        return self.policy_version
+
+    def sleep(self) -> None:
+        """Ask the generation process's engine to release its KV memory (answered in order; errors surface at the
+        next wait)."""
+        self._post(("sleep",), "sleep")
+
+    def wake(self) -> None:
+        """Ask the generation process's engine to take its KV memory back."""
+        self._post(("wake",), "wake")
+
+    def close(self) -> None:
+        """End the generation process (it finishes what it is doing first; killed after 10 s). Idempotent."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------ messages
+    def _post(self, message: tuple, what: str, generator: Optional[torch.Generator] = None) -> int:
+        """Send `message` with the next sequence number; its answer is awaited later (`_expect`)."""
+        if not self._finalizer.alive:
+            raise RemoteEngineError("the generation process was closed")
+        self._seq += 1
+        try:
+            self._conn.send((self._seq, *message))
+        except OSError:
+            raise self._died(what) from None
+        self._pending.append(_Pending(self._seq, what, generator))
+        return self._seq
+
+    def _expect(self, what: str, timeout: Optional[float] = None, *, until: Optional[int] = None) -> dict:
+        """Read answers in order until the one of sequence number `until` (or, with None, the next unsolicited
+        one: the start-up's), raising the first error among them; returns its payload."""
+        while True:
+            answer = self._receive(what, timeout)
+            seq, ok, payload = answer
+            pending = self._pending.popleft() if seq else None
+            if pending is not None and pending.seq != seq:
+                raise RemoteEngineError(f"the generation process answered message {seq}, expected {pending.seq}")
+            if not ok:
+                raise _rebuild(payload, pending.what if pending is not None else what)
+            if pending is not None and pending.what == "a generation" and pending.generator is not None \
+                    and seq != until:
+                pending.generator.set_state(payload["generator_state"])
+            if until is None or seq == until:
+                return payload
+
+    def _receive(self, what: str, timeout: Optional[float]) -> tuple:
+        """The next answer; RemoteEngineError when the process dies first (or `timeout` seconds pass)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._conn.poll(_POLL_SECONDS):
+                if not self.process.is_alive():
+                    raise self._died(what)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RemoteEngineError(f"the generation process did not answer within {timeout:g} s while "
+                                            f"waiting for {what}")
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise self._died(what) from None
+
+    def _died(self, what: str) -> RemoteEngineError:
+        """The one line saying the generation process is gone (its exit code, once it has one)."""
+        self.process.join(5)
+        return RemoteEngineError(f"the generation process (pid {self.process.pid}) died with exit code "
+                                 f"{self.process.exitcode} while waiting for {what}")
+
+
+def _rebuild(payload: dict, what: str) -> Exception:
+    """The generation process's error as raised here: ValueError, KeyError and FloatingPointError keep their type
+    (the caller's input, or the sampler's non-finite logits); anything else is a RemoteEngineError with its
+    traceback printed once."""
+    kind, message = payload["type"], payload["message"]
+    if kind in ("ValueError", "FloatingPointError", "KeyError"):
+        return {"ValueError": ValueError, "FloatingPointError": FloatingPointError, "KeyError": KeyError}[kind](message)
+    print(f"the generation process failed during {what}:\n{payload['traceback']}", file=sys.stderr, flush=True)
+    return RemoteEngineError(f"the generation process failed during {what}: {kind}: {message}")
+
+
+def _stop(process, conn) -> None:
+    """Ask the generation process to end, then make sure it has (the finalizer of `RemoteEngine`)."""
+    try:
+        conn.send((0, "close"))
+    except (OSError, ValueError):
+        pass
+    process.join(10)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+    conn.close()
+
+
+# ---------------------------------------------------------------------- the generation process
+def _serve(conn, port: int, model_class: type, model_config: Any, build: Callable, device: str,
+           threads: Optional[int], timeout_seconds: float, deterministic: bool) -> None:
+    """The generation process: join the weight group, build the engine, then answer messages in order until
+    "close" or the pipe closes (the training rank is gone). It ignores SIGINT and SIGTERM: a Ctrl-C or a scheduler's
+    SIGTERM reaches every process of the job, and the training rank, stopping gracefully, still needs the batch in
+    flight for its last checkpoint; it ends the generation process itself (`RemoteEngine.close`, at exit)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threads:
+        torch.set_num_threads(threads)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    try:
+        conn.send((0, True, {}))
+        store = c10d.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+        group = c10d.ProcessGroupGloo(store, 1, 2, timeout)
+        with torch.device(device):
+            model = model_class(model_config)
+        engine = build(model)
+        del model
+        engine.policy_version = -1  # random weights: the first sync loads the policy's
+        conn.send((0, True, {"device": str(engine.device), "capacity": engine.capacity,
+                             "pad_token_id": engine.pad_token_id}))
+    except BaseException as err:  # noqa: BLE001 - said to the training rank, which raises it
+        _answer(conn, 0, err)
+        return
+    while True:
+        try:
+            seq, kind, *args = conn.recv()
+        except (EOFError, OSError):
+            return  # the training rank is gone
+        if kind == "close":
+            return
+        try:
+            if kind == "load":
+                payload = {"policy_version": _load(conn, group, engine, args[0])}
+            elif kind == "generate":
+                payload = _generate(engine, *args)
+            elif kind == "sleep":
+                engine.sleep()
+                payload = {}
+            elif kind == "wake":
+                engine.wake()
+                payload = {}
+            else:
+                raise RuntimeError(f"unknown message {kind!r}")
+        except Exception as err:  # noqa: BLE001 - said to the training rank, which raises it
+            _answer(conn, seq, err)
+            continue
+        conn.send((seq, True, payload))
+
+
+def _answer(conn, seq: int, err: BaseException) -> None:
+    """Send `err` as the answer to message `seq`."""
+    try:
+        conn.send((seq, False, {"type": type(err).__name__, "message": str(err).strip("'\""),
+                                "traceback": traceback.format_exc()}))
+    except (OSError, ValueError):
+        pass
+
+
+def _load(conn, group, engine, policy_version: int) -> int:
+    """Take the streamed weights (module docstring) into `engine`; every broadcast is taken even when the engine
+    refuses a tensor, so the training rank never waits on one. Returns the acknowledged version."""
+    options = c10d.BroadcastOptions()
+    options.rootRank = 0
+    finished = False
+
+    def received():
+        nonlocal finished
+        while True:
+            message = conn.recv()
+            if message[0] == "end":
+                finished = True
+                return
+            _, name, shape, dtype = message
+            data = torch.empty(shape, dtype=getattr(torch, dtype))
+            if data.numel():
+                group.broadcast([data.reshape(-1).view(torch.uint8)], options).wait()
+            yield name, data
+
+    stream = received()
+    try:
+        return engine.load_weights(stream, policy_version)
+    finally:
+        for _ in stream if not finished else ():  # the rest of the broadcasts, after a refusal
+            pass
+
+
+@torch.no_grad()
+def _generate(engine, prompts, params, generator_state, n, penalties) -> dict:
+    """One `generate` call with the caller's RNG state; the generation (on the CPU) and the state it left."""
+    generator = None
+    if generator_state is not None:
+        generator = torch.Generator(device=engine.device)
+        generator.set_state(generator_state)
+    start = time.perf_counter()
+    out = engine.generate(prompts, params, generator, n=n, penalties=penalties)
+    seconds = time.perf_counter() - start
+    if out.prompt_ids.device.type != "cpu":
+        out = Generation(**{name: (value.cpu() if isinstance(value, torch.Tensor) else value)
+                            for name, value in vars(out).items()})
+    return {"generation": out, "generator_state": None if generator is None else generator.get_state(),
+            "seconds": seconds, "pid": os.getpid()}
