@@ -294,8 +294,22 @@ class RolloutSection(Section, name="rollout"):
                "the new weights (re-prefilled). Needs rollout.max_off_policy_steps >= 1 and rollout.correction")
     max_off_policy_steps: int = field_spec(
         0, "rollout.partial: the most policy versions (optimizer steps) a trained token may lag the weights being "
-           "trained; a carried sample whose oldest token would lag more is re-generated from its prompt. 0 = "
-           "synchronous rollouts", GE0)
+           "trained; a carried sample whose oldest token would lag more is re-generated from its prompt. "
+           "rollout.placement separate: >= the optimizer steps of a rollout trains one step off. 0 = synchronous "
+           "rollouts", GE0)
+    placement: str = field_spec(
+        "colocated", "where rollouts are generated (docs/async.md): colocated (the training process's own engine "
+                     "copy) or separate (each training rank's own generation process, which only generates: with "
+                     "rollout.max_off_policy_steps >= the optimizer steps of a rollout it samples the next rollout "
+                     "while this one trains, one step off)", Choices(("colocated", "separate")))
+    generation_device: Optional[str] = field_spec(
+        None, "rollout.placement separate: the generation process's device (cpu, cuda:N); null = cpu on CPU jobs, "
+              "else the GPU after the job's own on this node (cuda:<local world size + local rank>)",
+        Pattern(r"cpu|cuda:\d+", "cpu or cuda:N"))
+    generation_threads: Optional[int] = field_spec(
+        None, "rollout.placement separate on CPU: the generation process's torch threads; null = one step off, half "
+              "the training process's, which keeps the rest (when runtime.num_threads is null); synchronous, as many "
+              "as the training process's", GT0)
     tools: list[ToolEntry] = field_spec(
         [], "tools the policy may call, each {function, path, name}: every sample becomes a multi-turn episode "
             "(turns and tool results within rollout.max_new_tokens; docs/agents.md)")
@@ -652,12 +666,42 @@ class Config:
             raise ConfigError(f"rollout.generation_batch_size: with rollout.partial, the groups in flight must exceed "
                               f"rollout.batch_size {r.batch_size} (else every group must end), got "
                               f"{r.generation_batch_size}")
-        section = getattr(self, spec.group_size_field.partition(".")[0])
-        steps = r.batch_size * spec.group_size(self) // section.minibatch_size * section.epochs
+        steps = self._rollout_steps(spec)
         if r.max_off_policy_steps < steps:
             raise ConfigError(f"rollout.max_off_policy_steps: {r.max_off_policy_steps} is below the {steps} optimizer "
                               f"steps each rollout takes, so every carried sample would be re-generated; set it >= "
                               f"{steps}")
+
+    def _rollout_steps(self, spec) -> int:
+        """The policy optimizer steps one rollout takes: B x G / minibatch_size x epochs."""
+        section = getattr(self, spec.group_size_field.partition(".")[0])
+        return self.rollout.batch_size * spec.group_size(self) // section.minibatch_size * section.epochs
+
+    def _check_separate(self, kind: str, spec) -> None:
+        """`rollout.placement: separate` against the rest of the job (docs/async.md); raises ConfigError (one line)."""
+        r = self.rollout
+        if not spec.online:
+            raise ConfigError(f"rollout.placement: separate generates the rollouts of the online train types; "
+                              f"train.type {kind} samples none")
+        refused = (("rollout.partial", r.partial), ("rollout.dynamic_sampling", r.dynamic_sampling),
+                   ("rollout.tools", bool(r.tools)), ("rollout.environment", r.environment is not None),
+                   ("rollout.tensor_parallel_size > 1", r.tensor_parallel_size > 1),
+                   ("rollout.engine vllm", r.engine == "vllm"))
+        for name, on in refused:
+            if on:
+                raise ConfigError(f"rollout.placement: separate is not supported yet with {name}; set "
+                                  "rollout.placement colocated")
+        if r.max_off_policy_steps == 0:
+            return  # synchronous: each rollout is generated with the newest weights, as colocated
+        if r.correction == "none":
+            raise ConfigError("rollout.placement: one step off, every rollout is sampled by the weights before the "
+                              "last rollout's updates and needs an importance-sampling correction (decoupled PPO, "
+                              "Hilton et al. 2022); set rollout.correction, e.g. token_tis")
+        steps = self._rollout_steps(spec)
+        if r.max_off_policy_steps < steps:
+            raise ConfigError(f"rollout.max_off_policy_steps: {r.max_off_policy_steps} is below the {steps} optimizer "
+                              f"steps each rollout takes, which is how far one-step-off tokens lag; set it to 0 "
+                              f"(synchronous) or >= {steps}")
 
     def __post_init__(self) -> None:
         kind = self.train.type
@@ -675,6 +719,13 @@ class Config:
         spec.check(self)
         if self.rollout.partial:
             self._check_partial(kind, spec)
+        if self.rollout.placement == "separate":
+            self._check_separate(kind, spec)
+        else:
+            for name in ("generation_device", "generation_threads"):
+                if getattr(self.rollout, name) is not None:
+                    raise ConfigError(f"rollout.{name}: sets the generation process of rollout.placement separate, "
+                                      "but the placement is colocated; set it to null")
         if self.rollout.dynamic_sampling:
             if spec.group_size(self) is None or not spec.online:
                 samplers = [t.name for t in train_types.all_train_types() if t.online and t.group_size_field]
@@ -700,10 +751,11 @@ class Config:
             raise ConfigError("rollout.generation_batch_size: only used with rollout.dynamic_sampling or "
                               "rollout.partial (without them each rollout samples rollout.batch_size prompts once); "
                               "set it to null")
-        if self.rollout.max_off_policy_steps and not self.rollout.partial:
+        if self.rollout.max_off_policy_steps and not self.rollout.partial and self.rollout.placement != "separate":
             raise ConfigError(f"rollout.max_off_policy_steps: {self.rollout.max_off_policy_steps} bounds the staleness "
-                              "of partial rollouts, but rollout.partial is false (rollouts are synchronous); set it "
-                              "to 0 or rollout.partial to true")
+                              "of partial rollouts and of one-step-off training, but rollout.partial is false and "
+                              "rollout.placement colocated (rollouts are synchronous); set it to 0, rollout.partial "
+                              "to true or rollout.placement to separate")
         if self.train.log_completions and not spec.online:  # asked to see what the job never writes: refused
             online = " and ".join(t.name for t in train_types.all_train_types() if t.online)
             raise ConfigError(f"train.log_completions: shows the completions the online train types sample "

@@ -172,7 +172,9 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
     draw the same prompts, which their engines generate together; T = 1: each rank its own share of the world), and
     the sampling RNG (seed `train.seed + 1000 * dist.dp_rank`, on `dist.device`);
     `rollout.dynamic_sampling`, `rollout.max_sampling_rounds` and `rollout.generation_batch_size` as
-    `OnlineExperience`'s; `rollout.partial` as `partial_rollouts` (each data-parallel rank its own groups in flight). With
+    `OnlineExperience`'s; `rollout.partial` as `partial_rollouts` (each data-parallel rank its own groups in flight);
+    `rollout.placement` separate with `rollout.max_off_policy_steps` > 0 trains one step off (`engine` then a
+    generation process, `astrai.rollout.remote.RemoteEngine`: `OnlineExperience`'s `one_step_off`). With
     `rollout.tools` or `rollout.environment` every sample is a multi-turn episode (`build_episode_runner`). With
     several ranks, the ranks agree after each generation on non-finite logits met by any of them
     (`RolloutRunner.agree`) and, with dynamic sampling, on another round while any rank lacks groups
@@ -213,7 +215,9 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
                             dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
                             generation_batch_size=r.generation_batch_size,
                             any_rank=any_rank, partial=partial_rollouts(config, group_size),
-                            should_stop=should_stop)
+                            should_stop=should_stop,
+                            one_step_off=r.placement == "separate" and r.max_off_policy_steps > 0,
+                            max_off_policy_steps=r.max_off_policy_steps)
 
 
 def agreed_scoring(rewards: RewardFunctions, any_rank: Optional[Callable[[bool], bool]]

@@ -104,7 +104,15 @@ class RolloutRunner:
             raise ValueError(f"collect: {len(prompt_ids)} prompts but {len(answers)} answers")
         start = time.perf_counter()
         generation = self.generate_agreed(lambda: self.engine.generate(prompt_ids, self.sampling, generator))
-        timings = {"generate": time.perf_counter() - start}
+        return self.scored(generation, answers, {"generate": time.perf_counter() - start})
+
+    def scored(self, generation, answers: Sequence[Any], timings: dict[str, float]) -> Experience:
+        """The engine's `generation` (one row per item of `answers`) decoded and scored, as `sample` returns it;
+        `timings` (the generation's) gains "reward".
+
+        Raises:
+            ValueError: the score function returns a tensor of the wrong shape or with non-finite values.
+        """
         sequences = generation.sequences()
         response_ids = [row[mask].tolist() for row, mask in
                         zip(generation.response_ids.cpu(), generation.action_mask.cpu())]

@@ -15,10 +15,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-from astrai.experience.partial import PartialRollouts
+from astrai.experience.partial import PartialRollouts, staleness_stats
 from astrai.experience.trajectory import Experience, concat_experiences, summed_timings
 from astrai.experience.runner import RolloutRunner
 from astrai.rollout.engine import GenerationEngine
+from astrai.rollout.generation import Generation
 
 __all__ = ["ExperienceSource", "OnlineExperience"]
 
@@ -77,6 +78,16 @@ class OnlineExperience:
         partial: `rollout.partial` (`astrai.experience.partial.PartialRollouts`, without `dynamic_sampling`): each
             batch is the first B groups completed by a partial rollout, the others carried to the next; None: every
             batch samples B fresh prompts to the end.
+        one_step_off: one-step-off training (`rollout.placement` separate with `rollout.max_off_policy_steps` > 0,
+            docs/async.md; without `partial` or `dynamic_sampling`): the engine is a generation process
+            (`astrai.rollout.remote.RemoteEngine`, with `submit` / `result` / `discard`). Each `collect` takes the
+            batch generated ahead, then at once sends the next one with the weights of `policy_version`, which the
+            generation process samples while this batch is scored and trained on. Batch k (k >= 1) is thus sampled
+            by the weights batch k - 1 was collected at; the first is generated on the spot. Its `policy_version`
+            is the trained one, its per-token `policy_versions` the sampling one; stats add `staleness_stats`;
+            timings "generate" is the time this process waited for it, "generation_process" the time the
+            generation process took to generate it.
+        max_off_policy_steps: with `one_step_off`, the bound the staleness metrics report lags up to.
 
     With `dynamic_sampling` each round consumes `generation_batch_size` records of the sampler; reference
     log-probs are computed once, for the B * G kept samples. The experience's stats hold `sampling_rounds` and
@@ -93,7 +104,8 @@ class OnlineExperience:
                  group_size: int = 1, seed: int, device: torch.device, dynamic_sampling: bool = False,
                  max_sampling_rounds: int = 1, generation_batch_size: Optional[int] = None,
                  any_rank: Optional[Callable[[bool], bool]] = None,
-                 should_stop: Callable[[], bool] = lambda: False, partial: Optional[PartialRollouts] = None):
+                 should_stop: Callable[[], bool] = lambda: False, partial: Optional[PartialRollouts] = None,
+                 one_step_off: bool = False, max_off_policy_steps: int = 0):
         if dynamic_sampling and group_size < 2:
             raise ValueError(f"dynamic_sampling needs groups of at least 2 samples, got group_size={group_size}")
         if max_sampling_rounds < 1:
@@ -111,6 +123,9 @@ class OnlineExperience:
         self.any_rank = any_rank or bool
         self.should_stop = should_stop
         self.partial = partial
+        self.one_step_off, self.max_off_policy_steps = one_step_off, max_off_policy_steps
+        self._ahead: Optional[_Ahead] = None
+        self._positions: Optional[tuple[Any, dict[int, int]]] = None
 
     @property
     def engine(self) -> GenerationEngine:
@@ -120,7 +135,10 @@ class OnlineExperience:
     def collect(self, policy_version: int) -> Experience:
         """B * G scored samples of the weights of `policy_version`: the engine wakes (takes its KV memory back),
         takes the weights, generates, and sleeps again (releases the KV memory while the trainer steps); the sync
-        time is added to the experience's `timings` as "weight_sync"."""
+        time is added to the experience's `timings` as "weight_sync". With `one_step_off`, see the class
+        docstring (`timings["generate"]` is then the time this process waited for the generation)."""
+        if self.one_step_off:
+            return self._collect_ahead(policy_version)
         engine = self.runner.engine
         engine.wake()
         start = time.perf_counter()
@@ -138,6 +156,47 @@ class OnlineExperience:
             engine.sleep()
         experience.timings["weight_sync"] = synced
         return experience
+
+    def _collect_ahead(self, policy_version: int) -> Experience:
+        """One-step-off `collect` (class docstring)."""
+        synced = 0.0
+        if self._ahead is None:  # the first batch (or after a resume without one): generated now
+            self._ahead, synced = self._submit_ahead(policy_version)
+        start = time.perf_counter()
+        ahead = self._finish_ahead()
+        waited = time.perf_counter() - start
+        self._ahead, sync_next = self._submit_ahead(policy_version)  # sampled while this batch trains
+        experience = self.runner.scored(ahead.generation, ahead.answers, {"generate": waited})
+        experience = dataclasses.replace(experience, policy_version=policy_version)  # trained at; tokens: sampled at
+        experience.stats.update(staleness_stats(experience.policy_versions, experience.sequences.action_mask,
+                                                policy_version, self.max_off_policy_steps))
+        experience = self.runner.add_reference(experience)
+        experience.timings.update(weight_sync=synced + sync_next, generation_process=ahead.seconds)
+        return experience
+
+    def _submit_ahead(self, policy_version: int) -> tuple["_Ahead", float]:
+        """Sync the weights of `policy_version` into the generation process and send it the next batch's prompts
+        (awake only around the call, as a colocated engine); (the batch in flight, the sync's seconds)."""
+        engine = self.runner.engine
+        engine.wake()
+        start = time.perf_counter()
+        self.sync_weights(policy_version)
+        synced = time.perf_counter() - start
+        prompt_ids, answers = self._next_prompts(self.batch_size)
+        request = engine.submit(prompt_ids, self.runner.sampling, self.generator)
+        engine.sleep()
+        return _Ahead(answers=answers, request=request), synced
+
+    def _finish_ahead(self) -> "_Ahead":
+        """The batch generated ahead, waited for if still in flight (non-finite logits agreed over the ranks as a
+        colocated generation's: `RolloutRunner.generate_agreed`); the sampling RNG is then where it left it."""
+        ahead = self._ahead
+        if ahead.generation is None:
+            engine = self.runner.engine
+            generation = self.runner.generate_agreed(lambda: engine.result(ahead.request))
+            ahead.generation = _on_device(generation, self.generator.device)
+            ahead.seconds, ahead.request = engine.last_seconds, None
+        return ahead
 
     def _next_prompts(self, count: int) -> tuple[list[list[int]], list]:
         """The next `count` records' prompt ids and the records themselves (the score function's targets), each
@@ -172,16 +231,49 @@ class OnlineExperience:
         return experience
 
     def state_dict(self) -> dict:
-        """The sampling RNG state, and with `partial` the groups in flight (`PartialRollouts.state_dict`)."""
-        state = {"sampling_rng": self.generator.get_state()}
+        """The sampling RNG state, with `partial` the groups in flight (`PartialRollouts.state_dict`), and with
+        `one_step_off` the batch generated ahead (waited for first: a checkpoint holds it whole, so a resume trains
+        on exactly it; plain tensors and record positions, loadable with `torch.load(weights_only=True)`)."""
+        state = {}
+        if self.one_step_off:
+            state["one_step_off"] = None if self._ahead is None else self._saved(self._finish_ahead())
+        state["sampling_rng"] = self.generator.get_state()  # after the batch ahead advanced it
         if self.partial is not None:
             state["partial_rollouts"] = self.partial.state_dict(getattr(self.data_sampler, "dataset", None))
         return state
+
+    def _saved(self, ahead: "_Ahead") -> dict:
+        """`ahead` as plain data: its records by their position in the sampler's dataset (one per group)."""
+        dataset = getattr(self.data_sampler, "dataset", ())
+        if self._positions is None or self._positions[0] is not dataset:  # built once per dataset
+            self._positions = (dataset, {id(record): i for i, record in enumerate(dataset)})
+        positions = self._positions[1]
+        records = ahead.answers[::self.group_size]
+        if any(id(record) not in positions for record in records):
+            raise ValueError("rollout.placement: a prompt generated ahead is not in the sampler's dataset; its state "
+                             "cannot be saved")
+        return {"records": [positions[id(record)] for record in records],
+                "generation": {name: getattr(ahead.generation, name) for name in _GENERATION_FIELDS},
+                "seconds": ahead.seconds}
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of `state_dict` (a state saved without groups in flight leaves none). Groups in flight saved by a
         job with `rollout.partial`, resumed without it, are dropped with a warning saying how many (their prompts
         were drawn: they are not drawn again)."""
+        if self._ahead is not None and self._ahead.request is not None:  # sent ahead, no longer wanted
+            self.runner.engine.discard(self._ahead.request)
+        self._ahead = None
+        saved = state.get("one_step_off")
+        if self.one_step_off and saved is not None:
+            dataset = getattr(self.data_sampler, "dataset", ())
+            generation = Generation(**saved["generation"])
+            self._ahead = _Ahead(answers=[dataset[i] for i in saved["records"] for _ in range(self.group_size)],
+                                 generation=_on_device(generation, self.generator.device),
+                                 seconds=float(saved.get("seconds", 0.0)))
+        elif saved is not None:
+            warnings.warn(f"rollout.placement: the batch of {len(saved['records'])} prompt(s) generated ahead in the "
+                          "checkpoint is dropped, as this job does not train one step off (their prompts were drawn "
+                          "and are not drawn again)", stacklevel=2)
         self.generator.set_state(state["sampling_rng"])
         if self.partial is not None:
             self.partial.load_state_dict(state.get("partial_rollouts", {"groups": []}),
@@ -192,6 +284,27 @@ class OnlineExperience:
             warnings.warn(f"rollout.partial is false: the {dropped} group(s) in flight in the checkpoint are dropped "
                           "(their prompts were drawn and are not drawn again; resume with rollout.partial true to "
                           "continue them)", stacklevel=2)
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A batch of one-step-off training: its records (the score function's targets, each G times) and either the
+    generation process's request still in flight or the generation it returned (with its seconds there)."""
+
+    answers: list
+    request: Optional[int] = None
+    generation: Optional[Generation] = None
+    seconds: float = 0.0
+
+
+_GENERATION_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "action_mask", "old_logprobs", "finished",
+                      "policy_version")
+
+
+def _on_device(generation: Generation, device: torch.device) -> Generation:
+    """`generation` with its tensors on `device`."""
+    return Generation(**{name: value.to(device) if isinstance(value, torch.Tensor) else value
+                         for name, value in ((n, getattr(generation, n)) for n in _GENERATION_FIELDS)})
 
 
 def _sampled_stats(rounds: Sequence[Experience]) -> dict[str, float]:

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
+import sys
+import types
 import warnings
+from typing import Optional
 
 import torch
 
 from astrai.kernels import BackendUnavailableError
 from astrai.rollout.engine import ATTENTION_BACKEND_ENV, GenerationEngine, attention_backend, build_engine, check_engine
 
-__all__ = ["build_rollout_engine", "check_rollout_engine"]
+__all__ = ["build_job_engine", "build_rollout_engine", "check_rollout_engine", "generation_device",
+           "generation_threads"]
 
 
 def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_version: int = 0,
@@ -38,6 +43,73 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_v
         warnings.warn(f"rollout.cuda_graphs: nothing is captured on {engine.device.type} (graphs are a CUDA "
                       "feature); decode steps run padded to their batch bucket, eagerly, which is slower here")
     return engine
+
+
+def build_job_engine(config, policy: torch.nn.Module, tokenizer, *, device: torch.device, tp_group=None,
+                     local_rank: int = 0, local_world_size: int = 1):
+    """The engine a training rank's rollouts come from: `build_rollout_engine` in this process
+    (`rollout.placement` colocated), or with `separate` a generation process of its own
+    (`astrai.rollout.remote.RemoteEngine`) that builds the same engine from `policy`'s class and config on
+    `generation_device` with `generation_threads` (this process then keeps the rest of the threads, said once).
+    `device` is the training rank's; `local_rank` / `local_world_size` place a GPU generation process.
+
+    Raises:
+        ValueError / BackendUnavailableError: as `build_rollout_engine` (in the generation process, said here in
+            one line), or a `generation_device` that does not exist.
+        RemoteEngineError: the generation process could not start.
+    """
+    r = config.rollout
+    if r.placement != "separate":
+        return build_rollout_engine(config, policy, tokenizer, tp_group=tp_group)
+    from astrai.rollout.remote import RemoteEngine
+
+    where = generation_device(config, device, local_rank, local_world_size)
+    threads = generation_threads(config, where) if where.type == "cpu" else None
+    build = functools.partial(_generation_engine, config, tokenizer.pad_token_id)
+    return RemoteEngine(type(policy), policy.config, build, device=where, threads=threads,
+                        timeout_seconds=config.distributed.timeout_seconds,
+                        deterministic=config.runtime.deterministic)
+
+
+def generation_device(config, device: torch.device, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    """The generation process's device (`rollout.generation_device`; null: cpu for a CPU job, else the GPU after the
+    job's own on this node, cuda:<local_world_size + local_rank>). Raises ValueError (one line) for a GPU that is
+    not there."""
+    chosen = config.rollout.generation_device
+    if chosen is None:
+        chosen = "cpu" if device.type == "cpu" else f"cuda:{local_world_size + local_rank}"
+    where = torch.device(chosen)
+    if where.type == "cuda" and (not torch.cuda.is_available() or where.index >= torch.cuda.device_count()):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(f"rollout.generation_device: {chosen} does not exist ({count} CUDA device(s) here); a "
+                         "separate placement needs a device of its own per training rank, or set it to cpu")
+    return where
+
+
+def generation_threads(config, device: torch.device) -> Optional[int]:
+    """The generation process's torch threads on a CPU `device` (`rollout.generation_threads`). One step off
+    (`rollout.max_off_policy_steps` > 0) both processes compute at once: null is then half of this process's threads
+    (at least 1), and when `runtime.num_threads` is null this process keeps the rest (more threads than cores
+    collapse), said once. Synchronous, they take turns: null is this process's thread count, which it keeps."""
+    if device.type != "cpu":
+        return None
+    have = torch.get_num_threads()
+    if config.rollout.max_off_policy_steps == 0:
+        return config.rollout.generation_threads or have
+    threads = config.rollout.generation_threads or max(1, have // 2)
+    if config.runtime.num_threads is None and have > 1:
+        keep = max(1, have - threads)
+        if keep != have:
+            torch.set_num_threads(keep)
+            print(f"rollout.placement separate: the generation process takes {threads} CPU thread(s), training "
+                  f"keeps {keep} (set runtime.num_threads and rollout.generation_threads to choose)",
+                  file=sys.stderr, flush=True)
+    return threads
+
+
+def _generation_engine(config, pad_token_id: int, model: torch.nn.Module):
+    """`build_rollout_engine` in a generation process (picklable with `functools.partial`)."""
+    return build_rollout_engine(config, model, types.SimpleNamespace(pad_token_id=pad_token_id), policy_version=-1)
 
 
 def check_rollout_engine(config, model_config, device: torch.device) -> None:

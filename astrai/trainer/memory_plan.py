@@ -16,8 +16,9 @@ What is counted, per rank, in bytes (`plan_memory`):
   it is the policy's own base), the teacher of on-policy distillation in its place (every distinct local teacher of
   `distill.teachers`, one item each; served teachers none), each in `model.dtype`, partitioned (/ N) under fsdp2 and
   zero3;
-- the colocated rollout engine (online train types): its weight copy in `rollout.dtype` (else `model.dtype`) and its
-  KV cache at `rollout.engine_options.max_kv_tokens` (the paged engine's default 32768 tokens when unset), 2 x layers
+- the colocated rollout engine (online train types; with `rollout.placement` separate the generation process's,
+  counted on a CPU, whose memory it shares, and left out on a GPU, where it has a device of its own): its weight
+  copy in `rollout.dtype` (else `model.dtype`) and its KV cache at `rollout.engine_options.max_kv_tokens` (the paged engine's default 32768 tokens when unset), 2 x layers
   x KV heads x head_dim per token; both split over `rollout.tensor_parallel_size` T (KV heads below T replicated, as
   Megatron does); on a CPU where the paged engine prepacks its GEMM weights (`astrai.rollout.packed_linear`: bf16,
   float32 off Intel CPUs; T = 1), one more copy of its weights ("engine prepacked").
@@ -211,23 +212,27 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
     if not teachers and held.reference and not lora:
         items.append(MemoryItem("reference", params * param_bytes // frozen_shard,
                                 f"{params / 1e6:.1f}M x {param_bytes} B{frozen_note}"))
-    if spec.online:
-        r = config.rollout
+    r = config.rollout
+    separate = getattr(r, "placement", "colocated") == "separate"
+    if spec.online and separate and device.type != "cpu":  # the engine is on the generation process's own device
+        tp = 1
+    elif spec.online:
         tp = getattr(r, "tensor_parallel_size", 1)
         engine_dtype = config.model.dtype if r.dtype is None else r.dtype
         engine_bytes = _DTYPE_BYTES[engine_dtype]
-        split = f" / {tp} (tensor parallel)" if tp > 1 else ""
+        where = ", in the generation process" if separate else ""  # on a CPU: counted, in the same memory
+        split = (f" / {tp} (tensor parallel)" if tp > 1 else "") + where
         items.append(MemoryItem("engine weights", params * engine_bytes // tp,
                                 f"{params / 1e6:.1f}M x {engine_bytes} B{split}"))
         if r.engine == "paged" and tp == 1 and prepack_available(device, getattr(torch, engine_dtype)):
             items.append(MemoryItem("engine prepacked", params * engine_bytes,
                                     f"{params / 1e6:.1f}M x {engine_bytes} B (oneDNN layout of its GEMM weights, "
-                                    "CPU; astrai.rollout.packed_linear)"))
+                                    f"CPU; astrai.rollout.packed_linear){where}"))
         tokens = r.engine_options.get("max_kv_tokens", DEFAULT_KV_TOKENS) if r.engine == "paged" else None
         if isinstance(tokens, int):
             per_token = kv_bytes_per_token(model_config, engine_bytes, tp)
             items.append(MemoryItem("engine KV cache", tokens * per_token,
-                                    f"{tokens} tokens x {per_token / 1024:.1f} KiB (max_kv_tokens)"))
+                                    f"{tokens} tokens x {per_token / 1024:.1f} KiB (max_kv_tokens){where}"))
     else:
         tp = 1
     budget = config.distributed.device_memory_gib

@@ -33,12 +33,11 @@ from astrai.config import GRPOSection
 from astrai.experience.result import RolloutResult
 from astrai.experience.trajectory import Experience
 from astrai.experience.sources import ExperienceSource
-from astrai.rollout.build import build_rollout_engine
 from astrai.experience.teachers import TeacherRoutes, route_metrics
 from astrai.trainer.models import (TrainedModel, build_trained_model, check_teacher_routes, reference_model,
                                    teacher_model)
 from astrai.experience.replay import RolloutReplay
-from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, text_decoder
+from astrai.trainer.learners.policy_gradient import RolloutLearner, job_engine, online_experience, text_decoder
 from astrai.trainer.learners.policy_loss import RolloutCorrection, loss_agg_mode, policy_objective
 from astrai.trainer.learners.topk_distill import TopKDistillation, topk_distillation
 
@@ -266,7 +265,7 @@ def build_online_grpo(config, dist, policy, tokenizer) -> GRPOLearner:
     else:
         ref_model = None
     # whole copies before the policy is sharded (split over the tensor-parallel group with rollout.tensor_parallel_size)
-    engine = build_rollout_engine(config, policy, tokenizer, tp_group=dist.tp_group)
+    engine = job_engine(config, dist, policy, tokenizer)
     trained = build_trained_model(config, dist, policy, name="policy")
     experience = online_experience(config, dist, trained, tokenizer, engine=engine, ref_model=ref_model,
                                    chunk_size=g.micro_batch_size, group_size=g.group_size)

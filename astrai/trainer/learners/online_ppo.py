@@ -33,12 +33,12 @@ from astrai.experience.result import RolloutResult
 from astrai.experience.trajectory import Experience
 from astrai.forward import response_values, score_in_chunks
 from astrai.experience.sources import ExperienceSource
-from astrai.rollout.build import build_rollout_engine
 from astrai.experience.teachers import route_metrics
 from astrai.trainer.models import (TrainedModel, build_trained_model, check_teacher_routes, reference_model,
                                    teacher_model)
 from astrai.experience.replay import RolloutReplay
-from astrai.trainer.learners.policy_gradient import RolloutLearner, online_experience, action_tokens, text_decoder
+from astrai.trainer.learners.policy_gradient import (RolloutLearner, action_tokens, job_engine, online_experience,
+                                                     text_decoder)
 from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection, loss_agg_mode, policy_objective
 from astrai.trainer.learners.topk_distill import TopKDistillation, topk_distillation
 
@@ -188,7 +188,7 @@ def build_online_ppo(config, dist, policy, tokenizer) -> OnlinePPOLearner:
         held = train_types.get(config.train.type).models_held(config)  # a KL term's reference
         ref_model = reference_model(dist, policy, config) if held.reference else None
     # whole copies before the policy is sharded (split over the tensor-parallel group with rollout.tensor_parallel_size)
-    engine = build_rollout_engine(config, policy, tokenizer, tp_group=dist.tp_group)
+    engine = job_engine(config, dist, policy, tokenizer)
     critic = build_trained_model(config, dist, ValueModel.from_policy(policy, p.critic_layers), name="critic",
                                  lr=config.optim.critic_learning_rate)
     trained = build_trained_model(config, dist, policy, name="policy")

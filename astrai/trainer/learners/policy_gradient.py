@@ -12,6 +12,7 @@ are the rows of a rollout that `train.log_completions` shows (`trainer.callbacks
 from __future__ import annotations
 
 import math
+import os
 import time
 import dataclasses
 import warnings
@@ -30,11 +31,22 @@ from astrai.experience.trajectory import Experience
 from astrai.experience.sources import ExperienceSource, OnlineExperience
 from astrai.forward import response_logprobs
 from astrai.rewards.functions import ScoringStopped, reward_metrics
+from astrai.rollout.build import build_job_engine
 from astrai.rollout.engine import GenerationEngine, sync_weights
 from astrai.trainer.faults import StepAbandoned, nonfinite_sampling
 from astrai.trainer.models import TrainedModel
 from astrai.trainer.learners.policy_loss import Objective, RolloutCorrection
 from astrai.trainer.learners.topk_distill import TopKDistillation
+
+
+def job_engine(config, dist, policy: torch.nn.Module, tokenizer) -> GenerationEngine:
+    """The rollout engine of an online train type (`astrai.rollout.build.build_job_engine`), made from the whole
+    `policy` before it is sharded: colocated (split over the tensor-parallel group with
+    `rollout.tensor_parallel_size`), or with `rollout.placement` separate this rank's generation process."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return build_job_engine(config, policy, tokenizer, device=dist.device, tp_group=dist.tp_group,
+                            local_rank=local_rank, local_world_size=local_world)
 
 
 def online_experience(config, dist, policy: TrainedModel, tokenizer, *, engine: GenerationEngine,
@@ -316,8 +328,9 @@ class RolloutLearner:
     def resized_state(self, states: list[dict], rank: int, world_size: int) -> dict:
         """This rank's state when a checkpoint written by `len(states)` ranks resumes on `world_size` ranks: its own
         saved state when it had one, else the state it was built with (its RNGs seeded by train.seed and its rank).
-        The groups in flight of partial rollouts (`rollout.partial`) saved by ranks that the smaller job lacks are
-        dropped, with a warning (on rank 0) saying how many.
+        The groups in flight of partial rollouts (`rollout.partial`) and the batches generated ahead one step off
+        (`rollout.placement` separate) saved by ranks that the smaller job lacks are dropped, with a warning (on
+        rank 0) saying how many.
 
         Raises:
             CheckpointError: when a rollout was in progress on some rank (each rank's rollout holds its own share
@@ -336,6 +349,11 @@ class RolloutLearner:
             warnings.warn(f"rollout.partial: the {gone} group(s) in flight on the {len(states) - world_size} rank(s) "
                           f"this job of {world_size} lacks are dropped (their prompts were drawn and are not drawn "
                           f"again; resume with {len(states)} processes to continue them)", stacklevel=2)
+        ahead = sum(len((state.get("one_step_off") or {}).get("records", ())) for state in states[world_size:])
+        if ahead and rank == 0:
+            warnings.warn(f"rollout.placement: the {ahead} prompt(s) generated ahead on the {len(states) - world_size} "
+                          f"rank(s) this job of {world_size} lacks are dropped (their prompts were drawn and are not "
+                          f"drawn again; resume with {len(states)} processes to train on them)", stacklevel=2)
         return states[rank] if rank < len(states) else self.state_dict()
 
     def checkpoint_parts(self) -> dict[str, Part]:
