@@ -463,7 +463,7 @@ def test_groups_in_flight_resumed_without_partial_rollouts_are_dropped_with_a_wa
     from astrai.experience.sources import OnlineExperience
 
     generator = torch.Generator()
-    fake = types.SimpleNamespace(generator=generator, partial=None, data_sampler=None)
+    fake = types.SimpleNamespace(generator=generator, partial=None, data_sampler=None, one_step_off=False, _ahead=None)
     state = {"sampling_rng": generator.get_state(), "partial_rollouts": {"groups": [{"samples": []}] * 3}}
     with pytest.warns(UserWarning, match=r"^rollout.partial is false: the 3 group\(s\) in flight in the checkpoint "
                                          r"are dropped"):

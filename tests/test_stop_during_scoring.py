@@ -188,13 +188,18 @@ PARTIAL = ["--rollout.partial", "true", "--rollout.max_off_policy_steps", "1", "
            "--rollout.max_new_tokens", "6"]
 
 
-@pytest.mark.parametrize("extra", [[], PARTIAL], ids=["plain", "partial_rollouts"])
+ONE_STEP_OFF = ["--rollout.placement", "separate", "--rollout.max_off_policy_steps", "1",
+                "--rollout.correction", "token_tis"]
+
+
+@pytest.mark.parametrize("extra", [[], PARTIAL, ONE_STEP_OFF], ids=["plain", "partial_rollouts", "one_step_off"])
 def test_a_signal_during_worker_scoring_abandons_the_step_and_a_resume_is_exact(tiny_model_dir, reward_file,
                                                                                 tmp_path, monkeypatch, capfd, extra):
     """The reward function of step 2, in a worker, sends SIGTERM to the trainer and then sleeps long (a slow
     sandbox): the job stops well before the sleep ends, with exit code 75 and the checkpoint of step 1, nothing of
     step 2 logged; the resume to 3 steps gives the metrics and weights of an uninterrupted run, bit for bit (with
-    partial rollouts too: the groups in flight that step 2's collection took and advanced are put back)."""
+    partial rollouts too: the groups in flight that step 2's collection took and advanced are put back; one step
+    off, the batch step 2 took is put back and the one it sent ahead to the generation process discarded)."""
     from astrai.train import main
 
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -216,7 +221,10 @@ def test_a_signal_during_worker_scoring_abandons_the_step_and_a_resume_is_exact(
     assert checkpoint_steps(split) == [1] and steps_of(split) == [1]
     state = json.loads((split / "checkpoints/step-00000001/trainer_state.json").read_text())
     assert state["global_step"] == 1 and state["stopped_by"] == "SIGTERM"
-    if extra:  # the checkpoint holds groups in flight (those step 1 left; step 2's collection had taken them)
+    if extra is ONE_STEP_OFF:  # the checkpoint holds the batch step 1 sent ahead (step 2's collection took it)
+        saved = torch.load(split / "checkpoints/step-00000001/strategy_state.pt", weights_only=True)
+        assert saved["one_step_off"]["generation"]["policy_version"] == 0
+    elif extra:  # the checkpoint holds groups in flight (those step 1 left; step 2's collection had taken them)
         saved = torch.load(split / "checkpoints/step-00000001/strategy_state.pt", weights_only=True)
         assert saved["partial_rollouts"]["groups"]
     printed = capfd.readouterr()

@@ -1,0 +1,337 @@
+"""`rollout.placement: separate` (astrai.rollout.remote, docs/async.md): a generation process of its own per training
+rank that only generates, weights streamed to it over a two-process gloo group after each update, and one-step-off
+training that samples rollout k + 1 while rollout k trains. Tests: the remote engine against the colocated one
+(exact), its errors, the staleness accounting by hand, the config refusals, and online_grpo / online_ppo jobs end to
+end (1 trainer + 1 generation process): synchronous separate equals colocated bitwise, one step off lags by exactly one
+rollout and resumes bitwise."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from astrai.config import ConfigError, load_config
+from astrai.models import AutoRegressiveLM, tiny_config
+from astrai.rollout.build import _generation_engine
+from astrai.rollout.paged_engine import PagedGenerationEngine
+from astrai.rollout.remote import RemoteEngine, RemoteEngineError
+from astrai.rollout.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+GRPO = str(REPO / "configs/examples/grpo.yaml")
+PPO = str(REPO / "configs/examples/ppo.yaml")
+
+
+# ----------------------------------------------------------------------------------------- the remote engine
+def _paged(model):
+    return PagedGenerationEngine(model, pad_token_id=0, max_kv_tokens=512)
+
+
+def _build(config, pad_token_id, model):  # picklable: module level
+    return PagedGenerationEngine(model, pad_token_id=pad_token_id, max_kv_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def remote():
+    torch.manual_seed(0)
+    config = tiny_config()
+    engine = RemoteEngine(AutoRegressiveLM, config, _functools_partial(_build, None, 0), threads=1)
+    yield engine
+    engine.close()
+
+
+def _functools_partial(*args):
+    import functools
+
+    return functools.partial(*args)
+
+
+def test_a_generation_process_equals_the_colocated_engine_on_the_same_weights_and_rng(remote):
+    torch.manual_seed(1)
+    model = AutoRegressiveLM(tiny_config()).eval()
+    local = _paged(model)
+    assert remote.policy_version == -1  # random weights until the first load
+    assert remote.load_weights(dict(model.state_dict()), 3) == 3 and remote.policy_version == 3
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=(2,))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(2):  # the RNG comes back advanced: two calls in a row agree too
+            g_local, g_remote = (torch.Generator().manual_seed(7) for _ in range(2))
+            for _ in range(2):
+                a = local.generate(prompts, params, g_local, n=2)
+                b = remote.generate(prompts, params, g_remote, n=2)
+                for name in ("prompt_ids", "prompt_mask", "response_ids", "action_mask", "old_logprobs", "finished"):
+                    assert torch.equal(getattr(a, name), getattr(b, name)), name
+                assert b.policy_version == 3
+                assert torch.equal(g_local.get_state(), g_remote.get_state())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_new_weights_streamed_one_tensor_at_a_time_reach_the_generation_process(remote):
+    torch.manual_seed(2)
+    model = AutoRegressiveLM(tiny_config()).eval()
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(2,))
+    remote.load_weights(((name, t.to(torch.bfloat16)) for name, t in model.state_dict().items()), 4)  # a stream
+    bf16 = AutoRegressiveLM(tiny_config()).eval()
+    bf16.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+    torch.set_num_threads(1)
+    want = _paged(bf16).generate([[5, 6]], params, torch.Generator().manual_seed(3))
+    got = remote.generate([[5, 6]], params, torch.Generator().manual_seed(3))
+    assert torch.equal(want.old_logprobs, got.old_logprobs) and got.policy_version == 4
+
+
+def test_the_engines_refusals_come_back_as_the_same_one_line_errors(remote):
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, stop_token_ids=(2,))
+    with pytest.raises(ValueError, match="vocab"):
+        remote.generate([[10 ** 6]], params)
+    with pytest.raises(ValueError, match="on_token"):
+        remote.generate([[5]], params, on_token=lambda row, token: None)
+    bad = {name: torch.zeros(1) for name in AutoRegressiveLM(tiny_config()).state_dict()}
+    with pytest.raises(ValueError, match="shape"):
+        remote.load_weights(bad, 9)
+    assert remote.policy_version == -1  # refused mid-stream: no version held, the next sync reloads
+    remote.load_weights(dict(AutoRegressiveLM(tiny_config()).state_dict()), 5)  # every broadcast was taken
+    assert remote.generate([[5, 6]], params).policy_version == 5
+
+
+def test_a_generation_sent_ahead_returns_later_and_a_discarded_one_leaves_the_rng(remote):
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(2,))
+    g = torch.Generator().manual_seed(11)
+    before = g.get_state()
+    request = remote.submit([[5, 6]], params, g)
+    with pytest.raises(RuntimeError, match="in flight"):
+        remote.load_weights({}, 6)
+    remote.discard(request)
+    assert torch.equal(g.get_state(), before)
+    first = remote.result(remote.submit([[5, 6]], params, g))
+    g2 = torch.Generator().manual_seed(11)
+    assert torch.equal(remote.generate([[5, 6]], params, g2).response_ids, first.response_ids)
+
+
+def test_a_generation_process_that_dies_is_one_line_naming_its_exit_code():
+    engine = RemoteEngine(AutoRegressiveLM, tiny_config(), _functools_partial(_build, None, 0), threads=1)
+    os.kill(engine.process.pid, signal.SIGKILL)
+    with pytest.raises(RemoteEngineError, match=r"died with exit code -9"):
+        engine.generate([[5]], SamplingParams(max_new_tokens=2, stop_token_ids=(2,)))
+    engine.close()
+
+
+def test_an_engine_the_generation_process_cannot_build_is_its_one_line_error():
+    def_config = load_config(GRPO, ["--rollout.engine_options", json.dumps({"max_num_seqs": 0})])
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        RemoteEngine(AutoRegressiveLM, tiny_config(), _functools_partial(_generation_engine, def_config, 0), threads=1)
+
+
+# ------------------------------------------------------------------------------------------- end to end
+REWARD = ("def length(prompts, completions, completion_ids, **kwargs):\n"
+          "    return [len(i) / 6 for i in completion_ids]\n")
+ONE_STEP_OFF = ["--rollout.placement", "separate", "--rollout.max_off_policy_steps", "1",
+                "--rollout.correction", "token_tis"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model with 41 stop ids: its random answers end at uneven lengths, so the length reward differs
+    within groups and every step updates the weights."""
+    from single_turn_reference import tiny_model
+
+    path = tiny_model(tmp_path_factory.mktemp("tiny-separate"))
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = [2, *range(40, 80)]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def run_job(model_dir, root: Path, steps: int, extra=(), config=GRPO) -> list[dict]:
+    """A tiny online job of `steps` optimizer steps (one per rollout: minibatch = B x G); its metrics rows."""
+    from astrai.train import main
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "length.py").write_text(REWARD)
+    section = "grpo" if config == GRPO else "ppo"
+    code = main(["--config", config, "--model.path", str(model_dir), "--train.output_dir", str(root / "run"),
+                 "--max_steps", str(steps), "--rollout.max_new_tokens", "8", "--train.progress_bar", "false",
+                 "--data.truncation", "left", "--train.report_to", "none", "--runtime.num_threads", "1",
+                 "--runtime.deterministic", "true", f"--{section}.group_size", "2", "--rollout.batch_size", "2",
+                 f"--{section}.minibatch_size", "4", f"--{section}.micro_batch_size", "2",
+                 "--optim.learning_rate", "1e-3", "--rollout.temperature", "2.0",
+                 "--reward.functions", json.dumps([{"function": "length", "path": str(root / "length.py")}]),
+                 *extra])
+    assert code == 0
+    return [json.loads(line) for line in (root / "run/metrics.jsonl").read_text().splitlines()]
+
+
+def same_run(rows_a, rows_b, out_a: Path, out_b: Path, step: int) -> None:
+    from safetensors.torch import load_file
+
+    volatile = ("time/", "memory/", "perf/")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in rows]  # noqa: E731
+    assert strip(rows_b) == strip(rows_a)
+    a, b = (load_file(str(out / f"run/checkpoints/step-{step:08d}/model.safetensors")) for out in (out_a, out_b))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_synchronous_separate_placement_equals_colocated_bitwise(model_dir, tmp_path):
+    colocated = run_job(model_dir, tmp_path / "colocated", 3)
+    separate = run_job(model_dir, tmp_path / "separate", 3,
+                       ["--rollout.placement", "separate", "--rollout.generation_threads", "1"])
+    same_run(colocated, separate, tmp_path / "colocated", tmp_path / "separate", 3)
+
+
+# ------------------------------------------------------------------ one step off, by hand against a naive loop
+def test_one_step_off_samples_rollout_k_with_the_weights_of_rollout_k_minus_1(remote):
+    """Rollout 0 is generated with version 0 and trained at 0; rollout k >= 1 was sent ahead when rollout k - 1 was
+    collected, so the weights of version k - 1 sampled it, and it is trained at version k (lag 1). The naive loop
+    replays that schedule on a colocated engine with the same prompts and sampling RNG."""
+    from toy_rl import RandomPrompts
+
+    from astrai.experience.runner import RolloutRunner
+    from astrai.experience.sources import OnlineExperience
+    from astrai.rollout.engine import sync_weights
+
+    weights = {}
+    for version in range(4):
+        torch.manual_seed(100 + version)
+        weights[version] = dict(AutoRegressiveLM(tiny_config()).state_dict())
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(2,))
+    vocab = tiny_config().vocab_size
+
+    def score(texts, records, ids):
+        return torch.tensor([float(len(i)) for i in ids])
+
+    runner = RolloutRunner(remote, params, decode=str, score_fn=score)
+    source = OnlineExperience(sync_weights=lambda v: sync_weights(remote, lambda: weights[v].items(), v),
+                              runner=runner, sampler=RandomPrompts(vocab, 5), batch_size=2, group_size=2, seed=9,
+                              device=torch.device("cpu"), one_step_off=True, max_off_policy_steps=1)
+    got = [source.collect(version) for version in range(4)]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = _paged(AutoRegressiveLM(tiny_config()).eval())
+        sampler, generator = RandomPrompts(vocab, 5), torch.Generator().manual_seed(9)
+        for k, experience in enumerate(got):
+            local.load_weights(weights[max(k - 1, 0)], max(k - 1, 0))
+            records = sampler.next_batch(2)
+            want = local.generate([r.prompt_ids for r in records for _ in range(2)], params, generator)
+            assert torch.equal(experience.sequences.response_ids, want.response_ids)
+            assert torch.equal(experience.old_logprobs, want.old_logprobs)
+            sampled = experience.policy_versions[experience.sequences.action_mask]
+            assert experience.policy_version == k and bool((sampled == max(k - 1, 0)).all())
+            assert experience.stats["staleness_max"] == (0 if k == 0 else 1)
+            assert experience.stats["staleness/lag_1"] == (0.0 if k == 0 else 1.0)
+    finally:
+        torch.set_num_threads(threads)
+    source.load_state_dict({"sampling_rng": generator.get_state()})  # the batch sent ahead is discarded
+    assert source._ahead is None
+    remote.wake()  # the source leaves the engine asleep between its calls, as a colocated one
+    assert remote.generate([[5, 6]], params).policy_version == 3  # and nothing of it is left in the pipe
+
+
+def test_online_grpo_one_step_off_lags_one_rollout_and_resumes_bitwise(model_dir, tmp_path, monkeypatch):
+    whole = run_job(model_dir, tmp_path / "whole", 4, ONE_STEP_OFF + ["--checkpoint.save_steps", "2"])
+    trained = [m for m in whole if "policy/loss" in m]
+    assert [m["rollout/staleness_max"] for m in trained] == [0, 1, 1, 1]
+    assert [m["rollout/staleness/lag_1"] for m in trained] == [0, 1, 1, 1]
+    assert [m["rollout/policy_version"] for m in trained] == [0, 1, 2, 3]
+    # the first rollout's tokens come from the weights being trained; the later ones' from the step before
+    assert trained[0]["rollout/mismatch_max_abs_diff"] < 1e-5 < trained[2]["rollout/mismatch_max_abs_diff"]
+    assert all(m["time/generation_process_seconds"] > 0 for m in trained)
+    # stopped after step 2 (the batch of step 3, generated ahead, is in the checkpoint), then resumed to step 4
+    from astrai.trainer.loop import Trainer
+
+    fit = Trainer.fit
+
+    def stop_after_two(self):
+        self.state.max_steps = 2
+        return fit(self)
+
+    monkeypatch.setattr(Trainer, "fit", stop_after_two)
+    run_job(model_dir, tmp_path / "resumed", 4, ONE_STEP_OFF + ["--checkpoint.save_steps", "2"])
+    monkeypatch.undo()
+    saved = torch.load(tmp_path / "resumed/run/checkpoints/step-00000002/strategy_state.pt", weights_only=True)
+    assert saved["one_step_off"]["generation"]["policy_version"] == 1
+    resumed = run_job(model_dir, tmp_path / "resumed", 4, ONE_STEP_OFF + ["--checkpoint.save_steps", "2",
+                                                                            "--checkpoint.resume", "auto"])
+    same_run(whole, resumed, tmp_path / "whole", tmp_path / "resumed", 4)
+
+
+def test_online_ppo_trains_one_step_off_in_a_generation_process(model_dir, tmp_path):
+    rows = [m for m in run_job(model_dir, tmp_path, 2, ONE_STEP_OFF, config=PPO) if "policy/loss" in m]
+    assert [m["rollout/staleness_max"] for m in rows] == [0, 1]
+    assert all(torch.isfinite(torch.tensor(m["policy/loss"])) for m in rows)
+
+
+def test_two_training_ranks_each_train_one_step_off_with_a_generation_process_of_their_own(model_dir, tmp_path):
+    """torchrun, 2 training ranks (fsdp2 over gloo), each with its own generation process (4 processes): each rank
+    gathers the full weights and streams them to its own; both lag one rollout and checkpoint their batch ahead."""
+    import socket
+    import subprocess
+    import sys
+
+    (tmp_path / "length.py").write_text(REWARD)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           "-m", "astrai.train", "--config", GRPO, "--model.path", str(model_dir), "--train.output_dir",
+           str(tmp_path / "run"), "--max_steps", "3", "--rollout.max_new_tokens", "8", "--train.progress_bar", "false",
+           "--data.truncation", "left", "--train.report_to", "none", "--runtime.num_threads", "1",
+           "--grpo.group_size", "2", "--rollout.batch_size", "2", "--grpo.minibatch_size", "4",
+           "--grpo.micro_batch_size", "2", "--rollout.temperature", "2.0", "--distributed.strategy", "fsdp2",
+           "--checkpoint.save_steps", "3", *ONE_STEP_OFF,
+           "--reward.functions", json.dumps([{"function": "length", "path": str(tmp_path / "length.py")}])]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/staleness_max"] for m in rows if "policy/loss" in m] == [0, 1, 1]
+    for suffix in ("", "_rank00001"):
+        saved = torch.load(tmp_path / f"run/checkpoints/step-00000003/strategy_state{suffix}.pt", weights_only=True)
+        assert saved["one_step_off"]["generation"]["policy_version"] == 2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rollout.placement", "separate", "--rollout.max_off_policy_steps", "1"], "set rollout.correction"),
+    (ONE_STEP_OFF + ["--grpo.minibatch_size", "4"], "below the 2 optimizer steps"),
+    (ONE_STEP_OFF + ["--rollout.partial", "true"], "not supported yet with rollout.partial"),
+    (ONE_STEP_OFF + ["--rollout.dynamic_sampling", "true"], "not supported yet with rollout.dynamic_sampling"),
+    (ONE_STEP_OFF + ["--rollout.environment", "m:C"], "not supported yet with rollout.environment"),
+    (ONE_STEP_OFF + ["--rollout.tensor_parallel_size", "2"], "tensor_parallel_size"),
+    (ONE_STEP_OFF + ["--rollout.engine", "vllm"], "rollout.engine vllm"),
+    (["--rollout.generation_threads", "1"], "placement is colocated"),
+    (["--rollout.placement", "separate", "--rollout.generation_device", "gpu1"], "cpu or cuda:N"),
+    (["--rollout.placement", "separate", "--train.type", "sft"], "samples none"),
+    (["--rollout.max_off_policy_steps", "2"], "rollout.placement colocated"),
+])
+def test_config_refuses_what_separate_placement_does_not_support(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(GRPO, extra)
+
+
+def test_a_generation_device_that_is_not_there_is_one_line():
+    from astrai.rollout.build import generation_device
+
+    config = load_config(GRPO, ["--rollout.placement", "separate", "--rollout.generation_device", "cuda:7"])
+    with pytest.raises(ValueError, match="rollout.generation_device: cuda:7 does not exist"):
+        generation_device(config, torch.device("cpu"))
+    assert generation_device(load_config(GRPO, ["--rollout.placement", "separate"]),
+                             torch.device("cpu")) == torch.device("cpu")
+
+
+def test_a_batch_generated_ahead_resumed_without_one_step_off_is_dropped_with_a_warning():
+    import types
+
+    from astrai.experience.sources import OnlineExperience
+
+    generator = torch.Generator()
+    fake = types.SimpleNamespace(generator=generator, partial=None, data_sampler=None, one_step_off=False, _ahead=None)
+    state = {"sampling_rng": generator.get_state(), "one_step_off": {"records": [4, 7], "generation": {}}}
+    with pytest.warns(UserWarning, match=r"^rollout.placement: the batch of 2 prompt\(s\) generated ahead in the "
+                                         r"checkpoint is dropped"):
+        OnlineExperience.load_state_dict(fake, state)
