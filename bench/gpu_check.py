@@ -260,11 +260,15 @@ def roofline(engine, plan: Plan, device: torch.device, peak_tbps: float) -> dict
             "note": None if device.type == "cuda" else "CPU: the fraction of a GPU's peak is not meaningful here"}
 
 
-def graph_engine(eager):
-    """A copy of `eager` (the same weights, sizes and dtype) with `cuda_graphs=True`."""
+def graph_engine(eager, model_dir: Path, device: torch.device):
+    """An engine like `eager` (the same weights from `model_dir`, sizes and dtype) with `cuda_graphs=True`. Built
+    from the checkpoint, not from `eager.model`: on a CPU where the engine prepacks its GEMM weights, those are
+    oneDNN tensors without storage, which cannot be copied into another engine."""
+    from astrai.models import load_pretrained
     from astrai.rollout.paged_engine import PagedGenerationEngine
 
-    return PagedGenerationEngine(eager.model, pad_token_id=0, dtype=eager.dtype, prefix_cache=False,
+    model, _ = load_pretrained(model_dir, torch.float32, device=device)
+    return PagedGenerationEngine(model, pad_token_id=0, dtype=eager.dtype, prefix_cache=False,
                                  max_kv_tokens=eager.max_kv_blocks * eager.block_size,
                                  max_batch_tokens=eager.max_batch_tokens, max_num_seqs=eager.max_num_seqs,
                                  cuda_graphs=True)
@@ -402,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens = 2 * max(plan.batches + (plan.roofline_batch,)) * (plan.prompt_hi + plan.roofline_tokens[1]) + 4096
         engine, hf = load_models(model_dir, device, torch.bfloat16, max_tokens)
         try:
-            graphs = graph_engine(engine)
+            graphs = graph_engine(engine, model_dir, device)
         except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
             graphs, report["cuda_graphs"] = None, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
         run_part(report, "throughput", start, args.budget_s, throughput, engine, hf, plan, device, graphs)
