@@ -1,0 +1,153 @@
+"""The learning curve at equal samples: synchronous, partial-rollout and one-step-off GRPO on the arithmetic recipe.
+
+    python bench/async_learning.py [--steps 140] [--eval-steps 35] [--threads 1] [--parallel]
+                                   [--modes sync,partial,one_step_off] [--output-dir DIR] [--model PATH]
+
+Runs `python -m astrai.train` on `configs/examples/grpo_arithmetic.yaml` (SmolLM2-135M-Instruct learning two-digit
+addition and subtraction, greedy held-out accuracy on the 200 questions of `builtin:arithmetic_test` every
+`--eval-steps` optimizer steps) in each mode, with the same seed and the same samples per optimizer step (B 4 x G 8
+per rollout, minibatches of 8: four optimizer steps per rollout), so that equal steps are equal samples:
+
+- sync: the colocated synchronous rollout (the default);
+- partial: `rollout.partial` with 8 groups in flight, the unfinished ones carried into the next rollout (staleness
+  bound `max_off_policy_steps` 8: two rollouts);
+- one_step_off: `rollout.placement separate` with `max_off_policy_steps` 4: rollout k + 1 sampled in a generation
+  process while rollout k trains (every token after the first rollout lags four optimizer steps).
+
+Every mode uses `rollout.correction token_tis` (so that only the staleness differs; with no lag the correction only
+sees the kernels' rounding) and drops the recipe's dynamic sampling (which neither asynchronous mode supports yet).
+`--parallel` starts the runs at once, each with `--threads` threads (the accuracy does not depend on the machine's
+load; their times are then not comparable and are not quoted). It prints each evaluation's accuracy with its 95%
+Wilson interval, per mode, the final difference in points against sync with `ratio: X.XX` = the mode's final
+accuracy / sync's, and draws the curves to `<output-dir>/async_learning.png` (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = {
+    "sync": [],
+    "partial": ["--rollout.partial", "true", "--rollout.generation_batch_size", "8",
+                "--rollout.max_off_policy_steps", "8"],
+    "one_step_off": ["--rollout.placement", "separate", "--rollout.max_off_policy_steps", "4"],
+}
+"""Each mode's settings on top of the common ones (`command`)."""
+
+
+def command(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """The training command of `mode`, writing to `out`."""
+    threads = ["--runtime.num_threads", str(args.threads)]
+    if mode == "one_step_off":
+        threads += ["--rollout.generation_threads", str(args.threads)]
+    return [sys.executable, "-m", "astrai.train", "--config", str(REPO / "configs/examples/grpo_arithmetic.yaml"),
+            "--train.output_dir", str(out), "--max_steps", str(args.steps), "--train.eval_steps",
+            str(args.eval_steps), "--train.progress_bar", "false", "--train.report_to", "none",
+            "--checkpoint.save_at_end", "false", "--rollout.dynamic_sampling", "false",
+            "--rollout.generation_batch_size", "null", "--rollout.correction", "token_tis",
+            *(["--model.path", args.model] if args.model else []), *threads, *MODES[mode]]
+
+
+def curve(out: Path) -> list[dict]:
+    """The evaluations of the run in `out`: step, accuracy and its 95% Wilson interval, from metrics.jsonl."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{"step": r["step"], "accuracy": r["eval/accuracy"], "low": r["eval/accuracy_ci_low"],
+             "high": r["eval/accuracy_ci_high"], "staleness": r.get("rollout/staleness_max")}
+            for r in rows if "eval/accuracy" in r]
+
+
+def plot(curves: dict[str, list[dict]], path: Path) -> None:
+    """The accuracy curves with their intervals, one line per mode, to `path` (PNG)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("(no plot: matplotlib is not installed; pip install 'astrai[plot]')")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, points in curves.items():
+        steps = [p["step"] for p in points]
+        ax.plot(steps, [100 * p["accuracy"] for p in points], marker="o", label=mode)
+        ax.fill_between(steps, [100 * p["low"] for p in points], [100 * p["high"] for p in points], alpha=0.15)
+    ax.set_xlabel("optimizer step (8 samples each)")
+    ax.set_ylabel("held-out greedy accuracy, % (95% Wilson)")
+    ax.set_title("GRPO on builtin:arithmetic, SmolLM2-135M-Instruct")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; bad values exit 2 with one line (argparse's usage error)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=140, help="optimizer steps per run (8 samples each)")
+    parser.add_argument("--eval-steps", type=int, default=35, help="evaluate every this many steps")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--parallel", action="store_true", help="run the modes at once (accuracy only)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
+    parser.add_argument("--output-dir", default=None, help="keep the runs here (default: a temporary directory)")
+    parser.add_argument("--model", default=None, help="model.path (default: the recipe's, SmolLM2-135M-Instruct)")
+    args = parser.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown or not args.modes:
+        parser.error(f"--modes: expected some of {', '.join(MODES)}, got {unknown or 'none'}")
+    for name in ("steps", "eval_steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected >= 1")
+    if args.eval_steps > args.steps:
+        parser.error(f"--eval-steps: expected <= --steps ({args.steps}), got {args.eval_steps}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.output_dir) if args.output_dir else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        print(f"async learning bench: {args.steps} steps x 8 samples, evaluated every {args.eval_steps}, "
+              f"{args.threads} thread(s) per process, {'at once' if args.parallel else 'one after another'}, "
+              f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}", flush=True)
+        procs, started = {}, {}
+        for mode in args.modes:
+            out = root / mode
+            log = open(root / f"{mode}.log", "w")
+            started[mode] = time.perf_counter()
+            procs[mode] = subprocess.Popen(command(mode, args, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+            if not args.parallel:
+                procs[mode].wait()
+        curves = {}
+        for mode, proc in procs.items():
+            code = proc.wait()
+            if code != 0:
+                sys.exit(f"{mode}: the training run failed (exit {code}); its log: {root / f'{mode}.log'}")
+            curves[mode] = curve(root / mode)
+            minutes = (time.perf_counter() - started[mode]) / 60
+            points = ", ".join(f"{100 * p['accuracy']:.1f}% [{100 * p['low']:.1f}, {100 * p['high']:.1f}] at "
+                               f"{p['step']}" for p in curves[mode])
+            timing = "" if args.parallel else f" ({minutes:.1f} min)"
+            print(f"  {mode:<13}{timing} {points}", flush=True)
+        if "sync" in curves and curves["sync"]:
+            base = curves["sync"][-1]["accuracy"]
+            for mode in [m for m in curves if m != "sync" and curves[m]]:
+                final = curves[mode][-1]["accuracy"]
+                print(f"{mode}: final accuracy {100 * final:.1f}% against sync's {100 * base:.1f}%: "
+                      f"{100 * (final - base):+.1f} points; ratio: {final / base if base else float('inf'):.2f}")
+        plot(curves, (Path(args.output_dir) if args.output_dir else Path.cwd()) / "async_learning.png")
+
+
+if __name__ == "__main__":
+    main()
