@@ -105,13 +105,37 @@ def test_a_generation_sent_ahead_returns_later_and_a_discarded_one_leaves_the_rn
     g = torch.Generator().manual_seed(11)
     before = g.get_state()
     request = remote.submit([[5, 6]], params, g)
-    with pytest.raises(RuntimeError, match="in flight"):
-        remote.load_weights({}, 6)
     remote.discard(request)
     assert torch.equal(g.get_state(), before)
     first = remote.result(remote.submit([[5, 6]], params, g))
     g2 = torch.Generator().manual_seed(11)
     assert torch.equal(remote.generate([[5, 6]], params, g2).response_ids, first.response_ids)
+
+
+def test_weights_loaded_while_a_generation_is_out_wait_for_it_and_leave_it_sampled_by_the_old_ones(remote):
+    """An in-training evaluation syncs the engine while one-step-off training has the next rollout out: the
+    load waits for that generation, which keeps the weights it was sent with; later requests see the new ones."""
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(2,))
+    old, new = (AutoRegressiveLM(tiny_config()).eval() for _ in range(2))
+    remote.load_weights(dict(old.state_dict()), 20)
+    g = torch.Generator().manual_seed(5)
+    ahead = remote.submit([[5, 6], [7]], params, g)
+    assert remote.load_weights(dict(new.state_dict()), 21) == 21
+    got = remote.result(ahead)
+    torch.set_num_threads(1)
+    g_want = torch.Generator().manual_seed(5)
+    want = _paged(old).generate([[5, 6], [7]], params, g_want)
+    assert got.policy_version == 20 and torch.equal(got.old_logprobs, want.old_logprobs)
+    assert torch.equal(g.get_state(), g_want.get_state())  # the RNG advanced when it was collected
+    later = remote.generate([[5, 6], [7]], params, torch.Generator().manual_seed(5))
+    assert later.policy_version == 21
+    assert torch.equal(later.old_logprobs, _paged(new).generate([[5, 6], [7]], params,
+                                                                torch.Generator().manual_seed(5)).old_logprobs)
+    first, second = remote.submit([[5]], params), remote.submit([[6]], params)
+    remote.result(second)  # answered in order: the first is kept for its own result
+    assert remote.result(first).prompt_ids.tolist() == [[5]]
+    with pytest.raises(RemoteEngineError, match="no generation"):
+        remote.result(first)
 
 
 def test_a_generation_process_that_dies_is_one_line_naming_its_exit_code():
@@ -260,6 +284,21 @@ def test_online_grpo_one_step_off_lags_one_rollout_and_resumes_bitwise(model_dir
     resumed = run_job(model_dir, tmp_path / "resumed", 4, ONE_STEP_OFF + ["--checkpoint.save_steps", "2",
                                                                             "--checkpoint.resume", "auto"])
     same_run(whole, resumed, tmp_path / "whole", tmp_path / "resumed", 4)
+
+
+def test_in_training_evaluation_one_step_off_scores_the_current_weights_and_leaves_training_as_it_was(
+        model_dir, tmp_path):
+    """train.eval_steps syncs the generation process's engine while the next rollout is out (it once raised "a
+    generation is still in flight"): the evaluation runs, and every training metric and the weights equal the run
+    without it."""
+    plain = run_job(model_dir, tmp_path / "plain", 3, ONE_STEP_OFF)
+    evaluated = run_job(model_dir, tmp_path / "evaluated", 3, ONE_STEP_OFF + [
+        "--train.eval_steps", "1", "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "4"])
+    scores = [m for m in evaluated if "eval/accuracy" in m]
+    assert [m["step"] for m in scores] == [1, 2, 3] and all(m["eval/num_questions"] == 4 for m in scores)
+    trained = [{k: v for k, v in m.items() if not k.startswith("eval/")} for m in evaluated if "policy/loss" in m]
+    assert [m["rollout/staleness_max"] for m in trained] == [0, 1, 1]
+    same_run([m for m in plain if "policy/loss" in m], trained, tmp_path / "plain", tmp_path / "evaluated", 3)
 
 
 def test_online_ppo_trains_one_step_off_in_a_generation_process(model_dir, tmp_path):

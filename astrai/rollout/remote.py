@@ -85,6 +85,7 @@ class RemoteEngine:
         policy_version: the version of the weights the generation process acknowledged; -1 until the first load.
         pad_token_id: the engine's padding id.
         last_seconds: how long the last generation collected with `result` took in the generation process.
+        asleep: whether the engine has been asked to sleep (and not to wake since), as `PagedGenerationEngine.asleep`.
 
     Raises:
         RemoteEngineError: the generation process could not start or build its engine (its error in one line).
@@ -105,6 +106,8 @@ class RemoteEngine:
         child_conn.close()
         self._seq = 0
         self._pending: deque[_Pending] = deque()
+        # generations answered before their `result` was asked for: their payload and the caller's generator
+        self._done: dict[int, tuple[dict, Optional[torch.Generator]]] = {}
         self._finalizer = weakref.finalize(self, _stop, self.process, self._conn)
         atexit.register(self._finalizer)  # before multiprocessing's own exit handler, which would wait on it
         self._expect("the generation process to start", timeout_seconds)  # it joins the weight group next
@@ -116,6 +119,7 @@ class RemoteEngine:
         self.pad_token_id: int = ready["pad_token_id"]
         self.policy_version = -1
         self.last_seconds = 0.0
+        self.asleep = False  # as the generation process's engine will be once it has read what was sent
 
     # ------------------------------------------------------------------ GenerationEngine
     @property
@@ -161,7 +165,12 @@ class RemoteEngine:
             RemoteEngineError: the generation process died or failed otherwise.
         """
         generator = next((p.generator for p in self._pending if p.seq == request), None)
-        out = self._expect("a generation", until=request)
+        if request in self._done:  # answered already (a weight load or a later request waited for it)
+            out, generator = self._done.pop(request)
+        elif not any(p.seq == request for p in self._pending):
+            raise RemoteEngineError(f"result: no generation {request} in flight (collected already, or failed)")
+        else:
+            out = self._expect("a generation", until=request)
         if generator is not None:
             generator.set_state(out["generator_state"])
         self.last_seconds = float(out["seconds"])
@@ -173,20 +182,24 @@ class RemoteEngine:
         for pending in self._pending:
             if pending.seq == request:
                 pending.generator = None
-        self._expect("a generation", until=request)
+        if self._done.pop(request, None) is None:
+            self._expect("a generation", until=request)
 
     def load_weights(self, state_dict: Union[Mapping[str, torch.Tensor], Iterable], policy_version: int) -> int:
         """Stream `state_dict` (a mapping, or (name, tensor) pairs one at a time: a trained model's
         `full_weights`) to the generation process, one broadcast per tensor over the weight group, and return the
-        version it acknowledges. Nothing else may be in flight (a generation not yet collected with `result`).
+        version it acknowledges. A generation still in flight is waited for first (the generation process would
+        take no broadcast before it ends) and kept for its `result`: it was sampled by the weights it was sent
+        with, as it would have been colocated (an in-training evaluation during one-step-off training syncs the
+        engine while the next rollout is out).
 
         Raises:
             KeyError / ValueError: the engine refused a tensor (its name or shape; the generation process still
                 took every broadcast, and holds no version: -1). RemoteEngineError: as `result`.
-            RuntimeError: a generation still in flight.
         """
-        if any(p.what == "a generation" for p in self._pending):
-            raise RuntimeError("load_weights: a generation is still in flight; collect it with result() first")
+        for pending in [p for p in self._pending if p.what == "a generation"]:
+            generator = pending.generator
+            self._done[pending.seq] = (self._expect("a generation", until=pending.seq), generator)
         self.policy_version = -1
         seq = self._post(("load", int(policy_version)), "the weights")
         items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
@@ -210,10 +223,12 @@ class RemoteEngine:
         """Ask the generation process's engine to release its KV memory (answered in order; errors surface at the
         next wait)."""
         self._post(("sleep",), "sleep")
+        self.asleep = True
 
     def wake(self) -> None:
         """Ask the generation process's engine to take its KV memory back."""
         self._post(("wake",), "wake")
+        self.asleep = False
 
     def close(self) -> None:
         """End the generation process (it finishes what it is doing first; killed after 10 s). Idempotent."""
@@ -243,11 +258,10 @@ class RemoteEngine:
                 raise RemoteEngineError(f"the generation process answered message {seq}, expected {pending.seq}")
             if not ok:
                 raise _rebuild(payload, pending.what if pending is not None else what)
-            if pending is not None and pending.what == "a generation" and pending.generator is not None \
-                    and seq != until:
-                pending.generator.set_state(payload["generator_state"])
             if until is None or seq == until:
                 return payload
+            if pending is not None and pending.what == "a generation":  # an earlier one: kept for its `result`
+                self._done[seq] = (payload, pending.generator)
 
     def _receive(self, what: str, timeout: Optional[float]) -> tuple:
         """The next answer; RemoteEngineError when the process dies first (or `timeout` seconds pass)."""
