@@ -23,7 +23,7 @@ import sys
 from typing import Iterator, Mapping, Optional, Union
 
 __all__ = ["LOG_LEVEL_VAR", "announce_deepspeed_op_build", "render_environment", "job_environment", "log_level",
-           "configure_logging", "job_runtime"]
+           "configure_logging", "job_runtime", "usable_cpus", "checked_threads"]
 
 LOG_LEVEL_VAR = "ASTR_LOG_LEVEL"
 """Environment variable naming the `astrai` logger's level."""
@@ -32,6 +32,26 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 logger = logging.getLogger(__name__)
 
 Scalar = Union[str, int, float, bool, None]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the system has one, else `os.cpu_count()`)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def checked_threads(count: int, field: str) -> int:
+    """`count` torch threads for the setting `field`, refused above the CPUs this process may use: OpenMP threads
+    beyond the cores wait on each other at every barrier (a job given 10000 started 10000 threads on 2 cores).
+
+    Raises:
+        ValueError: one line naming `field`, the count and the CPUs.
+    """
+    cpus = usable_cpus()
+    if count > cpus:
+        raise ValueError(f"{field}: {count} threads, but this process may use {cpus} CPU(s); expected at most {cpus}")
+    return count
 
 
 def render_environment(environment: Mapping[str, Scalar]) -> dict[str, str]:

@@ -95,12 +95,12 @@ LAYERS = {
     "distributed": {"checkpoint", "deps", "models", "outputs", "runtime_env"},
     # floor 5
     "forward": {"algos", "data", "models"},            # the training forward: log-probs and values of sequences
-    "rollout": {"data", "models", "kernels", "config", "deps", "outputs"},  # generation engines only
+    "rollout": {"data", "models", "kernels", "config", "deps", "outputs", "runtime_env"},  # generation engines only
     "rewards": {"data", "models", "sandbox", "deps", "imports"},
     # floor 6
     "experience": {"agents", "algos", "data", "forward", "imports", "models", "rewards", "rollout"},
     "evaluation": {"algos", "checkpoint", "config", "config_schema", "data", "models", "outputs", "rewards",
-                   "rollout"},
+                   "rollout", "runtime_env"},
     # floor 7
     "trainer": {"algos", "checkpoint", "config", "config_schema", "data", "deps", "distributed", "evaluation",
                 "experience", "forward", "models", "outputs", "rewards", "rollout", "runtime_env", "train_types"},

@@ -374,3 +374,29 @@ def test_a_batch_generated_ahead_resumed_without_one_step_off_is_dropped_with_a_
     with pytest.warns(UserWarning, match=r"^rollout.placement: the batch of 2 prompt\(s\) generated ahead in the "
                                          r"checkpoint is dropped"):
         OnlineExperience.load_state_dict(fake, state)
+
+
+def test_more_threads_than_cpus_is_one_line_for_every_thread_setting(model_dir, tmp_path, capsys):
+    """A trial gave rollout.generation_threads 10000: the generation process started 10000 OpenMP threads on 2
+    cores (load average 3470). Every thread setting is now refused above the CPUs the process may use, in one line
+    (exit 2), before any process starts."""
+    from astrai.config import load_config
+    from astrai.evaluation.cli import UsageError, build_parser, check_options
+    from astrai.runtime_env import usable_cpus
+    from astrai.train import main
+    from astrai.trainer.build import apply_runtime
+
+    too_many = str(usable_cpus() + 1)
+    for extra, field in ((["--runtime.num_threads", too_many], "runtime.num_threads"),
+                         (["--rollout.placement", "separate", "--rollout.generation_threads", too_many],
+                          "rollout.generation_threads")):
+        code = main(["--config", GRPO, "--model.path", str(model_dir), "--train.output_dir", str(tmp_path / "out"),
+                     "--max_steps", "1", "--train.progress_bar", "false", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and f"{field}: {too_many} threads, but this process may use {usable_cpus()} CPU(s)" in err
+        assert "Traceback" not in err
+    with pytest.raises(ValueError, match="runtime.num_threads"):
+        apply_runtime(load_config(None, ["--runtime.num_threads", too_many]))
+    with pytest.raises(UsageError, match="--num_threads"):
+        check_options(build_parser().parse_args(["--model", str(model_dir), "--data", "builtin:arithmetic_test", "--num_threads",
+                                  too_many]))

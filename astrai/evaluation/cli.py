@@ -166,6 +166,13 @@ def check_options(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name}: expected an integer >= 1, got {value}")
+    if args.num_threads is not None:
+        from astrai.runtime_env import checked_threads
+
+        try:
+            checked_threads(args.num_threads, "--num_threads")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     if args.pass_threshold is not None and not math.isfinite(args.pass_threshold):
         raise UsageError(f"--pass_threshold: expected a finite number, got {args.pass_threshold}")
     if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", args.device):

@@ -16,6 +16,7 @@ import torch
 
 from astrai.kernels import BackendUnavailableError
 from astrai.rollout.engine import ATTENTION_BACKEND_ENV, GenerationEngine, attention_backend, build_engine, check_engine
+from astrai.runtime_env import checked_threads
 
 __all__ = ["build_job_engine", "build_rollout_engine", "check_rollout_engine", "generation_device",
            "generation_threads"]
@@ -94,6 +95,8 @@ def generation_threads(config, device: torch.device) -> Optional[int]:
     if device.type != "cpu":
         return None
     have = torch.get_num_threads()
+    if config.rollout.generation_threads is not None:
+        checked_threads(config.rollout.generation_threads, "rollout.generation_threads")
     if config.rollout.max_off_policy_steps == 0:
         return config.rollout.generation_threads or have
     threads = config.rollout.generation_threads or max(1, have // 2)

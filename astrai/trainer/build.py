@@ -33,6 +33,7 @@ from astrai.trainer.evaluation_callback import build_evaluation, load_eval_recor
 from astrai.experience.build import load_job_environment, load_job_tools
 from astrai.rewards.build import build_rewards
 from astrai.rollout.build import check_rollout_engine
+from astrai.runtime_env import checked_threads
 from astrai.trainer.faults import StepBoundary, StopSignals
 from astrai.trainer.lora import lora_summary
 from astrai.trainer.lock import OutputDirLock, OutputDirLocked
@@ -59,7 +60,7 @@ def seed_everything(seed: int) -> None:
 def apply_runtime(config: Config) -> None:
     """Thread count, determinism and seeds from `config.runtime` / `config.train.seed`."""
     if config.runtime.num_threads:
-        torch.set_num_threads(config.runtime.num_threads)
+        torch.set_num_threads(checked_threads(config.runtime.num_threads, "runtime.num_threads"))
     if config.runtime.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
