@@ -317,3 +317,23 @@ def test_completion_samples_take_the_first_rows_without_padding():
         {"policy_version": 3, "prompt": "p1", "completion": "cde", "score": 0.5, "rewards": {"f": None},
          "advantage": -2.0, "response_length": 3}]
     assert [s["completion"] for s in completion_samples(exp, rollout, 1, str)] == ["ab"]
+
+
+def test_a_sample_continued_or_sampled_ahead_is_logged_with_the_oldest_version_that_sampled_it():
+    """A trial found completions.jsonl logging the rollout's version (the one it trains at) for samples one step
+    off, which older weights sampled: each record now names the oldest version among its own tokens (a partial
+    rollout's continued sample spans several), and the rollout's version where it sampled nothing."""
+    from astrai.data.sequences import Sequences
+    from astrai.experience.result import RolloutResult
+    from astrai.experience.trajectory import Experience
+    from astrai.trainer.learners.policy_gradient import completion_samples
+
+    seq = Sequences.from_tokens([[5], [6], [7]], [[1, 2], [3, 4, 9], [8]], pad_token_id=0)
+    mask = seq.action_mask
+    versions = torch.where(mask, torch.tensor([[4, 5, 0], [2, 2, 2], [-1, -1, -1]]), torch.tensor(-1))
+    exp = Experience(sequences=seq, old_logprobs=torch.zeros(mask.shape), ref_logprobs=None,
+                     scores=torch.zeros(3), responses=("a", "b", "c"), policy_version=6, policy_versions=versions)
+    rollout = RolloutResult(sequences=seq, old_logprobs=exp.old_logprobs, ref_logprobs=None, values=None,
+                            scores=exp.scores, kl=None, rewards=None, advantages=torch.zeros(mask.shape),
+                            returns=None, policy_version=6, responses=exp.responses, policy_versions=versions)
+    assert [s["policy_version"] for s in completion_samples(exp, rollout, 3, str)] == [4, 2, 6]

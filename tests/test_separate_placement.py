@@ -293,7 +293,10 @@ def test_in_training_evaluation_one_step_off_scores_the_current_weights_and_leav
     without it."""
     plain = run_job(model_dir, tmp_path / "plain", 3, ONE_STEP_OFF)
     evaluated = run_job(model_dir, tmp_path / "evaluated", 3, ONE_STEP_OFF + [
-        "--train.eval_steps", "1", "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "4"])
+        "--train.eval_steps", "1", "--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "4",
+        "--train.log_completions", "1"])
+    logged = [json.loads(line) for line in (tmp_path / "evaluated/run/completions.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["policy_version"]) for r in logged] == [(1, 0), (2, 0), (3, 1)]  # who sampled it
     scores = [m for m in evaluated if "eval/accuracy" in m]
     assert [m["step"] for m in scores] == [1, 2, 3] and all(m["eval/num_questions"] == 4 for m in scores)
     trained = [{k: v for k, v in m.items() if not k.startswith("eval/")} for m in evaluated if "policy/loss" in m]

@@ -105,8 +105,9 @@ class Experience:
         ref_logprobs: (B, T) float32 reference log-probs, or None when no reference model is used.
         scores: (B,) float32 task rewards.
         responses: decoded responses (B strings, special tokens skipped).
-        policy_version: the version of the weights that finished the batch (every token's, for a synchronous
-            rollout).
+        policy_version: the version the batch was collected at, which trains on it first: the weights that
+            finished it (every token's, for a synchronous rollout), or, one step off, the version after the one
+            that sampled it ahead (`policy_versions` has each token's; the difference is the staleness).
         timings: wall seconds of the phases that produced it, by phase name (e.g. "generate", "reference").
         stats: how it was collected, by name (e.g. "sampling_rounds"), logged as `rollout/<name>`.
         reward_components: reward function name -> (B,) float32 values (NaN where it does not apply).

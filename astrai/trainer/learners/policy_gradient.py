@@ -72,7 +72,9 @@ def completion_samples(experience: Experience, rollout: RolloutResult, count: in
     """The first `count` samples of a rollout (all when it has fewer; GRPO: whole groups first) as
     `completions.jsonl` records without their "step", with one host transfer for every number.
 
-    Each record: `policy_version` (the weights that sampled the rollout), `prompt` (the prompt's token ids decoded by
+    Each record: `policy_version` (the weights that sampled the sample: the oldest version among its tokens'
+    `Experience.policy_versions`, older than the rollout's own with partial rollouts or one step off; the rollout's
+    `policy_version` when it has no sampled token or no per-token versions), `prompt` (the prompt's token ids decoded by
     `decode`, padding dropped), `completion` (what the reward saw: the response text, `Experience.responses`; a
     multi-turn episode's new messages, `Experience.messages`, a list of {"role", "content", ...}), `score`
     (the total reward), `rewards` (each reward function's value by name, None where it does not apply or was
@@ -93,14 +95,20 @@ def completion_samples(experience: Experience, rollout: RolloutResult, count: in
     advantage = (rollout.advantages[:n].float() * mask).sum(-1) / lengths.clamp(min=1)
     prompts = torch.where(seq.attention_mask[:n, :width].bool(), seq.input_ids[:n, :width], -1)  # -1: padding
     names = list(experience.reward_components)
-    columns = [experience.scores[:n], advantage, lengths] + [experience.reward_components[k][:n] for k in names]
+    sampled_by = torch.full((n,), experience.policy_version, dtype=torch.int64, device=lengths.device)
+    if experience.policy_versions is not None:  # each sample's oldest sampling version (-1 marks no token)
+        versions = experience.policy_versions[:n].to(lengths.device)
+        oldest = torch.where(versions >= 0, versions, torch.iinfo(torch.int64).max).amin(-1)
+        sampled_by = torch.where(versions.ge(0).any(-1), oldest, sampled_by)
+    columns = ([experience.scores[:n], advantage, lengths, sampled_by]
+               + [experience.reward_components[k][:n] for k in names])
     numbers = torch.stack([c.to(device=prompts.device, dtype=torch.float64) for c in columns], dim=1)
     table = torch.cat([prompts.double(), numbers], dim=1).tolist()  # ids < 2**53 are exact in float64
     samples = []
     for i, row in enumerate(table):
-        score, adv, length, *values = row[width:]
+        score, adv, length, version, *values = row[width:]
         samples.append({
-            "policy_version": int(experience.policy_version),
+            "policy_version": int(version),
             "prompt": decode([int(x) for x in row[:width] if x >= 0]),
             "completion": (experience.responses[i] if experience.messages is None or experience.messages[i] is None
                            else [dict(m) for m in experience.messages[i]]),
