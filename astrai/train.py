@@ -220,7 +220,7 @@ def _run(config) -> int:
         _error(err, said=rank == 0 or not _agreed(err), agreed=_agreed(err))
         return EXIT_BAD_INPUT
     except (JobFault, OutputWriteError) as err:  # OutputWriteError: a file the job writes cannot be written
-        _error(err, said=rank == 0, agreed=err.agreed)
+        _error(err, said=rank == 0 or not getattr(err, "every_rank", True), agreed=err.agreed)
         return err.exit_code
     except RuntimeError as err:
         stalled = _stalled(config, trainer, err, rank)

@@ -7,6 +7,7 @@ rollout and resumes bitwise."""
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -403,3 +404,59 @@ def test_more_threads_than_cpus_is_one_line_for_every_thread_setting(model_dir, 
     with pytest.raises(UsageError, match="--num_threads"):
         check_options(build_parser().parse_args(["--model", str(model_dir), "--data", "builtin:arithmetic_test", "--num_threads",
                                   too_many]))
+
+
+def test_a_generation_process_killed_mid_run_stops_the_job_in_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    """A trial: kill -9 of the generation process printed ~60 lines of traceback (exit 1). The job now ends with
+    one line naming the exit code (trainer.faults.GenerationProcessFault, exit code 1) and leaves no process."""
+    from astrai.train import main
+
+    collected = []
+    real_result = RemoteEngine.result
+
+    def result(self, request):
+        collected.append(request)
+        if len(collected) == 2:  # the batch sent ahead during step 1, collected by step 2
+            os.kill(self.process.pid, signal.SIGKILL)
+        return real_result(self, request)
+
+    monkeypatch.setattr(RemoteEngine, "result", result)
+    (tmp_path / "length.py").write_text(REWARD)
+    code = main(["--config", GRPO, "--model.path", str(model_dir), "--train.output_dir", str(tmp_path / "run"),
+                 "--max_steps", "3", "--rollout.max_new_tokens", "8", "--train.progress_bar", "false",
+                 "--data.truncation", "left", "--runtime.num_threads", "1", "--grpo.group_size", "2",
+                 "--rollout.batch_size", "2", "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2",
+                 "--reward.functions", json.dumps([{"function": "length", "path": str(tmp_path / "length.py")}]),
+                 *ONE_STEP_OFF])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert re.search(r"error: the generation process \(pid \d+\) died with exit code -9 during a generation", err)
+
+
+def test_an_engine_setting_the_generation_process_cannot_honour_is_bad_input_as_colocated(model_dir, tmp_path,
+                                                                                           capsys):
+    """A trial: rollout.attention_backend triton on a CPU was one line and exit 2 colocated, but two tracebacks and
+    exit 1 in a generation process. Both placements now say the same line with exit 2."""
+    from astrai.train import main
+
+    lines = []
+    for placement in ("colocated", "separate"):
+        code = main(["--config", GRPO, "--model.path", str(model_dir), "--train.output_dir",
+                     str(tmp_path / placement), "--max_steps", "1", "--train.progress_bar", "false",
+                     "--data.truncation", "left", "--rollout.attention_backend", "triton", "--rollout.placement",
+                     placement])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err
+        lines.append(next(line for line in err.splitlines() if line.startswith("error:")))
+    assert lines[0] == lines[1] and "triton" in lines[0]
+
+
+def test_check_refuses_a_generation_device_that_is_not_there(model_dir, tmp_path, capsys):
+    """A trial: `--check` passed rollout.generation_device cuda:7 on a machine without GPUs; the run refused it."""
+    from astrai.train import main
+
+    code = main(["--check", "--config", GRPO, "--model.path", str(model_dir), "--train.output_dir",
+                 str(tmp_path / "out"), "--data.truncation", "left", "--rollout.placement", "separate",
+                 "--rollout.generation_device", "cuda:7"])
+    err = capsys.readouterr().err
+    assert code == 2 and "rollout.generation_device: cuda:7 does not exist" in err and "Traceback" not in err

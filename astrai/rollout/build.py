@@ -119,8 +119,11 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
     """What `build_rollout_engine` would refuse for a model of `model_config` on `device` (the engine name, its
     dtype, `rollout.attention_backend` or `ASTR_BACKEND`, `rollout.cuda_graphs`, a `rollout.tensor_parallel_size`
     the model's heads cannot split over), without building the engine.
-    Raises what it raises."""
+    With `rollout.placement: separate` the engine is checked on the generation process's device
+    (`generation_device`, which must exist). Raises what they raise."""
     r = config.rollout
+    if getattr(r, "placement", "colocated") == "separate":
+        device = generation_device(config, device)
     options = _engine_options(r)
     if _check_tensor_parallel(r) > 1:
         options["tensor_parallel_size"] = r.tensor_parallel_size

@@ -19,9 +19,11 @@ first sync loads the policy's) and the engine factory the caller gives (`rollout
 A generation is exact: the caller's sampling RNG state goes with the request and comes back advanced, so a rollout
 generated in the generation process equals the colocated engine's on the same weights, RNG and threads.
 
-Failures: an error of the engine (bad prompts, non-finite logits) is raised in the training rank as the same type
-(ValueError, FloatingPointError; others as RuntimeError) in one line; a generation process that dies is a
-RuntimeError naming its exit code; a training rank that dies ends the generation process (its pipe closes, once the
+Failures: an error of the engine is raised in the training rank in one line: bad input (prompts or settings it
+refuses, a backend the machine lacks) as ValueError, non-finite logits as FloatingPointError, anything else as
+`RemoteEngineError` with the generation process's traceback printed once; a generation process that dies is a
+`RemoteEngineError` naming its exit code (the trainer stops in one line: `trainer.faults.GenerationProcessFault`);
+a training rank that dies ends the generation process (its pipe closes, once the
 generation process is idle); signals meant for the job (SIGINT, SIGTERM) leave it running until the training rank,
 which stops gracefully, closes it.
 """
@@ -88,7 +90,8 @@ class RemoteEngine:
         asleep: whether the engine has been asked to sleep (and not to wake since), as `PagedGenerationEngine.asleep`.
 
     Raises:
-        RemoteEngineError: the generation process could not start or build its engine (its error in one line).
+        ValueError: the engine's settings refused in the generation process (one line, as a colocated engine's).
+        RemoteEngineError: the generation process could not start or build its engine otherwise (one line).
     """
 
     def __init__(self, model_class: type, model_config: Any, build: Callable[[torch.nn.Module], Any], *,
@@ -110,10 +113,10 @@ class RemoteEngine:
         self._done: dict[int, tuple[dict, Optional[torch.Generator]]] = {}
         self._finalizer = weakref.finalize(self, _stop, self.process, self._conn)
         atexit.register(self._finalizer)  # before multiprocessing's own exit handler, which would wait on it
-        self._expect("the generation process to start", timeout_seconds)  # it joins the weight group next
+        self._expect("its start-up", timeout_seconds)  # it joins the weight group next
         self._group = c10d.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=timeout_seconds))
         self._store = store
-        ready = self._expect("the generation process to build its engine")
+        ready = self._expect("the build of its engine")
         self._device = torch.device(ready["device"])
         self._capacity: EngineCapacity = ready["capacity"]
         self.pad_token_id: int = ready["pad_token_id"]
@@ -271,8 +274,8 @@ class RemoteEngine:
                 if not self.process.is_alive():
                     raise self._died(what)
                 if deadline is not None and time.monotonic() > deadline:
-                    raise RemoteEngineError(f"the generation process did not answer within {timeout:g} s while "
-                                            f"waiting for {what}")
+                    raise RemoteEngineError(f"the generation process did not answer within {timeout:g} s "
+                                            f"(during {what})")
             return self._conn.recv()
         except (EOFError, OSError):
             raise self._died(what) from None
@@ -281,16 +284,19 @@ class RemoteEngine:
         """The one line saying the generation process is gone (its exit code, once it has one)."""
         self.process.join(5)
         return RemoteEngineError(f"the generation process (pid {self.process.pid}) died with exit code "
-                                 f"{self.process.exitcode} while waiting for {what}")
+                                 f"{self.process.exitcode} during {what}")
 
 
 def _rebuild(payload: dict, what: str) -> Exception:
-    """The generation process's error as raised here: ValueError, KeyError and FloatingPointError keep their type
-    (the caller's input, or the sampler's non-finite logits); anything else is a RemoteEngineError with its
-    traceback printed once."""
+    """The generation process's error as raised here: FloatingPointError (the sampler's non-finite logits) and
+    KeyError keep their type, bad input (a ValueError, or a setting the machine cannot honour, e.g. an attention
+    backend it lacks: `_answer`) is a ValueError of the same line (exit code 2 from the CLI, as colocated);
+    anything else is a RemoteEngineError with the generation process's traceback printed once."""
     kind, message = payload["type"], payload["message"]
-    if kind in ("ValueError", "FloatingPointError", "KeyError"):
-        return {"ValueError": ValueError, "FloatingPointError": FloatingPointError, "KeyError": KeyError}[kind](message)
+    if kind in ("FloatingPointError", "KeyError"):
+        return {"FloatingPointError": FloatingPointError, "KeyError": KeyError}[kind](message)
+    if payload.get("bad_input"):
+        return ValueError(message)
     print(f"the generation process failed during {what}:\n{payload['traceback']}", file=sys.stderr, flush=True)
     return RemoteEngineError(f"the generation process failed during {what}: {kind}: {message}")
 
@@ -364,9 +370,12 @@ def _serve(conn, port: int, model_class: type, model_config: Any, build: Callabl
 
 def _answer(conn, seq: int, err: BaseException) -> None:
     """Send `err` as the answer to message `seq`."""
+    from astrai.kernels import BackendUnavailableError
+
+    bad_input = isinstance(err, (ValueError, FileNotFoundError, NotADirectoryError, BackendUnavailableError))
     try:
         conn.send((seq, False, {"type": type(err).__name__, "message": str(err).strip("'\""),
-                                "traceback": traceback.format_exc()}))
+                                "traceback": traceback.format_exc(), "bad_input": bad_input}))
     except (OSError, ValueError):
         pass
 

@@ -33,8 +33,9 @@ from astrai.trainer.evaluation_callback import build_evaluation, load_eval_recor
 from astrai.experience.build import load_job_environment, load_job_tools
 from astrai.rewards.build import build_rewards
 from astrai.rollout.build import check_rollout_engine
+from astrai.rollout.remote import RemoteEngineError
 from astrai.runtime_env import checked_threads
-from astrai.trainer.faults import StepBoundary, StopSignals
+from astrai.trainer.faults import GenerationProcessFault, StepBoundary, StopSignals
 from astrai.trainer.lora import lora_summary
 from astrai.trainer.lock import OutputDirLock, OutputDirLocked
 from astrai.trainer.loop import Trainer, TrainerState
@@ -198,7 +199,10 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
     policy.train()
     policy.gradient_checkpointing = config.model.gradient_checkpointing
     spec = train_types.get(config.train.type)
-    learner = spec.build(config, dist, apply_model_options(config, policy), tokenizer)
+    try:
+        learner = spec.build(config, dist, apply_model_options(config, policy), tokenizer)
+    except RemoteEngineError as err:  # the generation process could not start: one line
+        raise GenerationProcessFault(str(err)) from None
     boundary = StepBoundary(signals or StopSignals(rank=dist.rank), save_minutes=config.checkpoint.save_minutes,
                             max_minutes=config.train.max_minutes, is_main=dist.is_main)
     trainer = Trainer(learner, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm,

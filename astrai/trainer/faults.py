@@ -44,6 +44,7 @@ class JobFault(RuntimeError):
 
     exit_code = 1
     agreed = False
+    every_rank = True  # False: raised by one rank alone, which then says it (not only rank 0)
 
 
 class NonFiniteError(JobFault):
@@ -70,6 +71,14 @@ class StepAbandoned(Exception):
     learner has put back the state the step's collection advanced (the data position, the sampling RNG, partial
     rollouts in flight, the global RNGs), so the state is the last completed step's: `Trainer.fit` ends the run as
     a stop at that step, whose checkpoint is the final one."""
+
+
+class GenerationProcessFault(JobFault):
+    """A rank's generation process (`rollout.placement: separate`, `astrai.rollout.remote`) died or failed
+    unexpectedly: the job stops in one line (exit code 1; the last published checkpoint is where to resume). Only
+    that rank raises it (the others stop when their next collective times out: `StalledRankError`)."""
+
+    every_rank = False
 
 
 class StalledRankError(JobFault):

@@ -29,7 +29,9 @@ import torch
 from astrai.checkpoint import Part
 from astrai.distributed import DistributedContext
 from astrai.outputs import OutputWriteError
-from astrai.trainer.faults import NonFiniteCounter, StepAbandoned, StepBoundary, poison_nonfinite
+from astrai.rollout.remote import RemoteEngineError
+from astrai.trainer.faults import (GenerationProcessFault, NonFiniteCounter, StepAbandoned, StepBoundary,
+                                   poison_nonfinite)
 from astrai.trainer.models import TrainedModel, moe_aux_loss
 
 LossFn = Callable[[Any, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -255,12 +257,18 @@ class Trainer:
                     self.state.stopped_by = self.boundary.signals.received or "a signal on another rank"
                 else:
                     self.state.out_of_time = True
+        except RemoteEngineError as err:  # this rank's generation process died: one line, not a traceback
+            self._abort()
+            raise GenerationProcessFault(str(err)) from None
         except BaseException:
             self._abort()
             raise
         try:
             self._emit("on_train_end")
             self.agree_faults()  # the logs closed (flushed) at the end, the final checkpoint's agreement
+        except RemoteEngineError as err:  # this rank's generation process died: one line, not a traceback
+            self._abort()
+            raise GenerationProcessFault(str(err)) from None
         except BaseException:
             self._abort()
             raise
