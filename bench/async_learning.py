@@ -1,6 +1,6 @@
 """The learning curve at equal samples: synchronous, partial-rollout and one-step-off GRPO on the arithmetic recipe.
 
-    python bench/async_learning.py [--steps 140] [--eval-steps 35] [--threads 1] [--parallel]
+    python bench/async_learning.py [--steps 140] [--eval-steps 35] [--threads 1] [--parallel] [--seed 42]
                                    [--modes sync,partial,one_step_off] [--output-dir DIR] [--model PATH]
 
 Runs `python -m astrai.train` on `configs/examples/grpo_arithmetic.yaml` (SmolLM2-135M-Instruct learning two-digit
@@ -53,7 +53,7 @@ def command(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
             str(args.eval_steps), "--train.progress_bar", "false", "--train.report_to", "none",
             "--checkpoint.save_at_end", "false", "--rollout.dynamic_sampling", "false",
             "--rollout.generation_batch_size", "null", "--rollout.correction", "token_tis",
-            *(["--model.path", args.model] if args.model else []), *threads, *MODES[mode]]
+            "--train.seed", str(args.seed), *(["--model.path", args.model] if args.model else []), *threads, *MODES[mode]]
 
 
 def curve(out: Path) -> list[dict]:
@@ -96,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-steps", type=int, default=35, help="evaluate every this many steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--parallel", action="store_true", help="run the modes at once (accuracy only)")
+    parser.add_argument("--seed", type=int, default=42, help="train.seed of every run (the recipe's: 42)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
     parser.add_argument("--output-dir", default=None, help="keep the runs here (default: a temporary directory)")
     parser.add_argument("--model", default=None, help="model.path (default: the recipe's, SmolLM2-135M-Instruct)")
