@@ -303,6 +303,14 @@ def test_in_training_evaluation_one_step_off_scores_the_current_weights_and_leav
     trained = [{k: v for k, v in m.items() if not k.startswith("eval/")} for m in evaluated if "policy/loss" in m]
     assert [m["rollout/staleness_max"] for m in trained] == [0, 1, 1]
     same_run([m for m in plain if "policy/loss" in m], trained, tmp_path / "plain", tmp_path / "evaluated", 3)
+    from astrai.evaluation.cli import main as evaluate  # the same answers as a standalone evaluation of the step
+
+    run = tmp_path / "evaluated/run"
+    assert evaluate(["--model", str(run / "checkpoints/step-00000003"), "--data", "builtin:arithmetic_test",
+                     "--config", str(run / "config.yaml"), "--limit", "4", "--num_threads", "1", "--output_dir",
+                     str(tmp_path / "standalone")]) == 0
+    answers = lambda path: [json.loads(line)["responses"] for line in path.read_text().splitlines()]  # noqa: E731
+    assert answers(run / "eval/step-00000003.jsonl") == answers(tmp_path / "standalone/results.jsonl")
 
 
 def test_online_ppo_trains_one_step_off_in_a_generation_process(model_dir, tmp_path):
