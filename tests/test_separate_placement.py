@@ -147,6 +147,25 @@ def test_a_generation_process_that_dies_is_one_line_naming_its_exit_code():
     engine.close()
 
 
+def test_a_generation_process_killed_during_the_weight_broadcast_is_the_same_one_line():
+    """A trial: kill -9 while the weights streamed surfaced as gloo's "Connection reset by peer" traceback (the
+    process's sockets close before it has an exit code)."""
+    import time
+
+    engine = RemoteEngine(AutoRegressiveLM, tiny_config(), _functools_partial(_build, None, 0), threads=1)
+    weights = list(AutoRegressiveLM(tiny_config()).state_dict().items())
+
+    def stream():
+        yield weights[0]
+        os.kill(engine.process.pid, signal.SIGKILL)
+        time.sleep(0.1)
+        yield from weights[1:]
+
+    with pytest.raises(RemoteEngineError, match=r"died with exit code -9 during the weights"):
+        engine.load_weights(stream(), 1)
+    engine.close()
+
+
 def test_an_engine_the_generation_process_cannot_build_is_its_one_line_error():
     def_config = load_config(GRPO, ["--rollout.engine_options", json.dumps({"max_num_seqs": 0})])
     with pytest.raises(ValueError, match="max_num_seqs"):

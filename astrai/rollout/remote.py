@@ -216,6 +216,7 @@ class RemoteEngine:
                     self._group.broadcast([data.reshape(-1).view(torch.uint8)], options).wait()
             self._conn.send(("end",))
         except (OSError, RuntimeError):  # the pipe or the weight group broke: say so if the process is gone
+            self.process.join(5)  # its sockets close before it has an exit code: a kill -9 is seen here first
             if not self.process.is_alive():
                 raise self._died("the weights") from None
             raise
