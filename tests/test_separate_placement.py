@@ -161,7 +161,7 @@ def test_a_generation_process_killed_during_the_weight_broadcast_is_the_same_one
         time.sleep(0.1)
         yield from weights[1:]
 
-    with pytest.raises(RemoteEngineError, match=r"died with exit code -9 during the weights"):
+    with pytest.raises(RemoteEngineError, match=r"died with exit code -9 during the weight load"):
         engine.load_weights(stream(), 1)
     engine.close()
 

@@ -204,7 +204,7 @@ class RemoteEngine:
             generator = pending.generator
             self._done[pending.seq] = (self._expect("a generation", until=pending.seq), generator)
         self.policy_version = -1
-        seq = self._post(("load", int(policy_version)), "the weights")
+        seq = self._post(("load", int(policy_version)), "the weight load")
         items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
         options = c10d.BroadcastOptions()
         options.rootRank = 0
@@ -213,15 +213,26 @@ class RemoteEngine:
                 data = tensor.detach().to("cpu").contiguous()
                 self._conn.send(("tensor", name, tuple(data.shape), str(data.dtype).removeprefix("torch.")))
                 if data.numel():
-                    self._group.broadcast([data.reshape(-1).view(torch.uint8)], options).wait()
+                    self._wait(self._group.broadcast([data.reshape(-1).view(torch.uint8)], options))
             self._conn.send(("end",))
         except (OSError, RuntimeError):  # the pipe or the weight group broke: say so if the process is gone
             self.process.join(5)  # its sockets close before it has an exit code: a kill -9 is seen here first
             if not self.process.is_alive():
-                raise self._died("the weights") from None
+                raise self._died("the weight load") from None
             raise
-        self.policy_version = int(self._expect("the weights", until=seq)["policy_version"])
+        self.policy_version = int(self._expect("the weight load", until=seq)["policy_version"])
         return self.policy_version
+
+    def _wait(self, work) -> None:
+        """Wait for one broadcast, checking that the generation process lives: a peer killed mid-broadcast can
+        leave gloo waiting for its whole timeout (a trial saw 600 s), so this raises as soon as it is gone."""
+        pause = 1e-4
+        while not work.is_completed():
+            if not self.process.is_alive():
+                raise self._died("the weight load")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        work.wait()  # raises the broadcast's own error, if any
 
     def sleep(self) -> None:
         """Ask the generation process's engine to release its KV memory (answered in order; errors surface at the
