@@ -218,6 +218,7 @@ class RemoteEngine:
         except (OSError, RuntimeError):  # the pipe or the weight group broke: say so if the process is gone
             self.process.join(5)  # its sockets close before it has an exit code: a kill -9 is seen here first
             if not self.process.is_alive():
+                self._abort_weight_group()
                 raise self._died("the weight load") from None
             raise
         self.policy_version = int(self._expect("the weight load", until=seq)["policy_version"])
@@ -229,10 +230,19 @@ class RemoteEngine:
         pause = 1e-4
         while not work.is_completed():
             if not self.process.is_alive():
+                self._abort_weight_group()
                 raise self._died("the weight load")
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
         work.wait()  # raises the broadcast's own error, if any
+
+    def _abort_weight_group(self) -> None:
+        """Abort the weight group after its peer died: a broadcast left pending would otherwise hang this process
+        when the group is destroyed (seen at the job's end, after its one-line error)."""
+        try:
+            self._group.abort()
+        except Exception:  # noqa: BLE001 - best effort: the job is ending with the death's line
+            pass
 
     def sleep(self) -> None:
         """Ask the generation process's engine to release its KV memory (answered in order; errors surface at the
