@@ -297,8 +297,7 @@ class _Ahead:
     seconds: float = 0.0
 
 
-_GENERATION_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "action_mask", "old_logprobs", "finished",
-                      "policy_version")
+_GENERATION_FIELDS = tuple(f.name for f in dataclasses.fields(Generation))  # saved and moved whole
 
 
 def _on_device(generation: Generation, device: torch.device) -> Generation:
