@@ -390,6 +390,50 @@ def test_the_math_reward_is_never_paid_from_a_calls_arguments(tools):
     assert episode.ended_by == "budget" and episode.text == "" and episode.completion[-1]["content"] == ""
 
 
+def test_an_episode_cut_by_max_turns_after_a_call_is_not_paid_from_its_arguments(tools):
+    """Issue 39's trial: the episode's last turn (its `max_turns`-th) makes a call whose arguments end with the gold
+    number (408), so the call does not run and the episode ends on it. The reward functions, the trajectory's text
+    and the responses that `completions.jsonl` logs see the content outside the call, not the call's JSON:
+    math_exact_match scores 0 where the raw sampled text would have paid 1 (its last-number fallback)."""
+    from astrai.rewards.builtins import math_exact_match
+
+    tok = smollm2()
+    check = "Let me check it.\n" + format_tool_call("calculator", {"expression": "1 * 408"})
+    experience, seen = _scored_episodes(tok, tools, ["Product?"], [[CALL, check]], limits=EpisodeLimits(max_turns=2))
+    (trajectory,) = experience.trajectories()
+    assert experience.stats["episodes/ended/max_turns"] == 1.0
+    assert [m["role"] for m in trajectory.messages] == ["assistant", "tool", "assistant"]
+    assert trajectory.messages[-1] == {"role": "assistant", "content": "Let me check it.", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 * 408"}}}]}
+    assert seen == [trajectory.messages] and trajectory.text == experience.responses[0] == "Let me check it."
+    assert trajectory.reward_components["math"] == 0.0
+    assert all("<tool_call>" not in (m.get("content") or "") for m in trajectory.messages)
+    raw = [{"role": "assistant", "content": check}]
+    assert math_exact_match([None], [raw], answer=["408"]) == [1.0]  # what the call's text would have paid
+
+
+def test_a_call_sampled_in_a_non_canonical_form_keeps_the_trajectory_token_exact(tools):
+    """The model writes its call on one line, compact JSON, with text after it: the message holds the text outside
+    the call as content and the call in `tool_calls` (rendered back in the canonical form, which is not the sampled
+    text), yet the trajectory is the sampled ids verbatim and the tool result's ids are those the sampled text gives:
+    the episode's ids equal the conversation with the raw sampled text as content, rendered in one piece."""
+    tok = smollm2()
+    turn = ('Let me compute. <tool_call>{"name":"calculator","arguments":{"expression":"12*34"}}</tool_call>'
+            ' Then answer.')
+    (episode,), engine = _run(tok, tools, [ASK], [[turn, "12 * 34 = 408."]])
+    assert episode.ended_by == "answer" and episode.text == "12 * 34 = 408."
+    assert episode.completion[0] == {"role": "assistant", "content": "Let me compute.  Then answer.", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}]}
+    as_sampled = [{"role": "assistant", "content": turn}, *episode.completion[1:]]
+    full = tok.encode(render(tok, ASK + as_sampled, tools[0], add_generation_prompt=False))
+    assert episode.prompt_ids + episode.response_ids + tok.encode("\n") == full
+    canonical = tok.encode(render(tok, ASK + episode.completion, tools[0], add_generation_prompt=False))
+    assert canonical != full  # the call written back is not what was sampled: only the messages were re-read
+    start = episode.turn_starts[1]
+    assert engine.contexts[1] == episode.prompt_ids + episode.response_ids[:start]
+    assert episode.response_ids[:len(tok.encode(turn)) + 1] == tok.encode(turn) + [engine.end]
+
+
 def test_reward_functions_get_the_same_completion_messages_for_a_native_and_a_non_native_template(tools):
     """The same sampled turns (a call beside a malformed block, then the answer) under ChatML without tool support
     and a Qwen2.5-style template with it: the reward functions receive the same messages, in the OpenAI shape
