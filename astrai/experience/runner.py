@@ -93,7 +93,8 @@ class RolloutRunner:
         """Sample one response per prompt, decode and score it; `ref_logprobs` stay None (`add_reference`).
         `answers` are the score function's per-sample targets (reference answers, or the prompt records). Its
         stats hold `truncated_fraction`: the share of responses the length cap (`SamplingParams.max_new_tokens`)
-        cut before a stop token; the first time more than half are cut, a warning says so (once).
+        cut before a stop token (the first time more than half are cut, a warning says so, once), and with the
+        paged engine's adaptive threads `engine_threads`: the mean torch thread count of its decode steps.
 
         Raises:
             ValueError: when `prompt_ids` and `answers` differ in length, or the score function returns a
@@ -104,7 +105,11 @@ class RolloutRunner:
             raise ValueError(f"collect: {len(prompt_ids)} prompts but {len(answers)} answers")
         start = time.perf_counter()
         generation = self.generate_agreed(lambda: self.engine.generate(prompt_ids, self.sampling, generator))
-        return self.scored(generation, answers, {"generate": time.perf_counter() - start})
+        experience = self.scored(generation, answers, {"generate": time.perf_counter() - start})
+        threads = getattr(self.engine, "last_stats", {}).get("threads_mean")
+        if threads is not None:  # the paged engine's adaptive threads (rollout.adaptive_threads)
+            experience.stats["engine_threads"] = threads
+        return experience
 
     def scored(self, generation, answers: Sequence[Any], timings: dict[str, float]) -> Experience:
         """The engine's `generation` (one row per item of `answers`) decoded and scored, as `sample` returns it;

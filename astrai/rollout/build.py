@@ -32,7 +32,7 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_v
     in-training evaluation and the evaluate CLI hold). Raises ValueError / BackendUnavailableError (one line) for
     what it refuses."""
     r = config.rollout
-    options = _engine_options(r)
+    options = _engine_options(config)
     _check_tensor_parallel(r)
     if tp_group is not None and r.tensor_parallel_size > 1:
         options["tp_group"] = tp_group
@@ -124,7 +124,7 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
     r = config.rollout
     if getattr(r, "placement", "colocated") == "separate":
         device = generation_device(config, device)
-    options = _engine_options(r)
+    options = _engine_options(config)
     if _check_tensor_parallel(r) > 1:
         options["tensor_parallel_size"] = r.tensor_parallel_size
     if config.model.moe_num_experts and not model_config.num_local_experts:  # upcycled at start-up: the engine's copy
@@ -135,20 +135,24 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
                      attention_backend=attention_backend(r.attention_backend), **options)
 
 
-def _engine_options(rollout) -> dict:
-    """The engine options `rollout` sets beyond the common arguments: `rollout.engine_options` as given, and
-    `cuda_graphs` only when on (so engines that do not know the option are built as before).
+def _engine_options(config) -> dict:
+    """The engine options the job sets beyond the common arguments: `rollout.engine_options` as given,
+    `cuda_graphs` only when on (so engines that do not know the option are built as before), and the paged engine's
+    `adaptive_threads` (`rollout.adaptive_threads` unless `runtime.deterministic`).
 
     Raises:
         ValueError: `rollout.engine_options` naming a common argument (set through its own field)."""
+    rollout = config.rollout
     common = {"pad_token_id", "policy_version", "dtype", "attention_backend", "cuda_graphs", "tp_group",
-              "tensor_parallel_size"}
+              "tensor_parallel_size", "adaptive_threads"}
     clash = sorted(common & set(rollout.engine_options))
     if clash:
         raise ValueError(f"rollout.engine_options: {clash[0]!r} is set through its own field (rollout.dtype, "
-                         "rollout.attention_backend, rollout.cuda_graphs, rollout.tensor_parallel_size), not as an "
-                         "engine option")
-    return {**rollout.engine_options, **({"cuda_graphs": True} if rollout.cuda_graphs else {})}
+                         "rollout.attention_backend, rollout.cuda_graphs, rollout.tensor_parallel_size, "
+                         "rollout.adaptive_threads), not as an engine option")
+    adaptive = rollout.engine == "paged" and rollout.adaptive_threads and not config.runtime.deterministic
+    return {**rollout.engine_options, **({"cuda_graphs": True} if rollout.cuda_graphs else {}),
+            **({"adaptive_threads": True} if adaptive else {})}
 
 
 def _check_tensor_parallel(rollout) -> int:

@@ -16,7 +16,7 @@ __all__ = ["ENGINE_DTYPES", "PAGED_OPTIONS", "check_paged_engine", "check_paged_
            "resolve_dtype"]
 
 PAGED_OPTIONS = ("max_num_seqs", "max_kv_tokens", "max_batch_tokens", "block_size", "prefix_cache", "dense_decode",
-                 "cuda_graphs")
+                 "cuda_graphs", "adaptive_threads")
 """The options the paged engine takes beyond the common arguments (`rollout.engine_options`, `rollout.cuda_graphs`)."""
 
 

@@ -19,7 +19,9 @@ contiguous-cache loop (the reference engine of the tests):
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
 import threading
 import warnings
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -29,6 +31,7 @@ import torch
 from astrai.data.sequences import left_pad
 from astrai.kernels import InferenceWorkspace
 from astrai.rollout.block_pool import BlockPool, PrefixCache
+from astrai.rollout.cpu_threads import ThreadGovernor, readings_unavailable
 from astrai.rollout.cuda_graphs import DecodeGraphs, decode_buckets
 from astrai.rollout.engine_settings import check_paged_engine, check_paged_options, engine_backend
 from astrai.rollout.engine_settings import resolve_dtype as _resolve_dtype
@@ -77,6 +80,11 @@ class PagedGenerationEngine:
         cuda_graphs: pad decode-only steps to batch buckets and replay them as CUDA graphs on CUDA
             (`astrai.rollout.cuda_graphs`; `auto` then picks the triton backend); on other devices the padded steps
             run eagerly (same tokens, for tests).
+        adaptive_threads: on a CPU, decode with fewer torch threads while other processes busy the cores, and
+            with the caller's count again when they are free (`astrai.rollout.cpu_threads.ThreadGovernor`; only
+            inside `generate` and `step`: the caller's count is put back on return). Its choices change float
+            rounding, so leave it off for bitwise repeats. `last_stats["threads_mean"]`: the mean count over the
+            last `generate`'s steps. Said once where the system cannot report the load (the count then stays).
         tp_group: a torch process group of more than one rank: the copy is split over it
             (`astrai.rollout.tensor_parallel`: heads, MLP columns/rows and vocabulary; every rank of the group must
             make the same calls with the same prompts, and samples the same tokens). None (or a group of one): the
@@ -93,7 +101,8 @@ class PagedGenerationEngine:
     def __init__(self, model, *, pad_token_id: int, policy_version: int = 0, block_size: Optional[int] = None,
                  max_kv_tokens: int = 32768, max_batch_tokens: int = 2048, max_num_seqs: int = 256,
                  prefix_cache: bool = True, backend: Optional[str] = None, dense_decode: bool = True,
-                 dtype: Union[None, str, torch.dtype] = None, cuda_graphs: bool = False, tp_group=None):
+                 dtype: Union[None, str, torch.dtype] = None, cuda_graphs: bool = False, adaptive_threads: bool = False,
+                 tp_group=None):
         for name, value in (("block_size", block_size), ("max_kv_tokens", max_kv_tokens),
                             ("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -133,6 +142,22 @@ class PagedGenerationEngine:
         self.last_stats: dict[str, int] = {}
         self._session: Optional[StreamSession] = None
         self._lock = threading.Lock()
+        self.threads: Optional[ThreadGovernor] = None
+        if adaptive_threads and self.device.type == "cpu":
+            unavailable = readings_unavailable()
+            if unavailable is None:
+                self.threads = ThreadGovernor(on_change=_say_threads_once())
+            elif torch.get_num_threads() > 1:
+                warnings.warn(f"rollout.adaptive_threads: {unavailable}; the engine keeps "
+                              f"{torch.get_num_threads()} threads under any load", stacklevel=2)
+
+    def _thread_scope(self):
+        """The governor's scope (`ThreadGovernor.scope`), or a no-op without one."""
+        return self.threads.scope() if self.threads is not None else contextlib.nullcontext()
+
+    def _ticking(self, forward: Callable) -> Callable:
+        """`forward` with the governor's tick before each step (as is without one)."""
+        return self.threads.wrap(forward) if self.threads is not None else forward
 
     @property
     def device(self) -> torch.device:
@@ -284,7 +309,7 @@ class PagedGenerationEngine:
 
     def step(self) -> list[StepOutput]:
         """One decode step over every live streamed request (new ones prefill in it); the tokens it sampled."""
-        with self._lock:
+        with self._lock, self._thread_scope():
             return [] if self._session is None else self._session.step()
 
     def abort(self, request_id: int, choice: Optional[int] = None) -> None:
@@ -347,15 +372,20 @@ class PagedGenerationEngine:
         self._ensure_capacity(max(wanted, largest))
         runner = self._runner()
         scheduler = Scheduler(pool=self.pool, prefix_cache=self.prefix_cache, workspace=self.workspace,
-                              forward=runner.forward, policy_version=self.policy_version,
+                              forward=self._ticking(runner.forward), policy_version=self.policy_version,
                               max_batch_tokens=self.max_batch_tokens, max_num_seqs=self.max_num_seqs,
                               on_token=on_token)
         hits_before = self.prefix_cache.hits if self.prefix_cache is not None else 0
-        scheduler.run(groups)
+        with self._thread_scope():
+            if self.threads is not None:
+                self.threads.step_threads = [0, 0]
+            scheduler.run(groups)
         rebuilds = runner.decode_cache.rebuilds if runner.decode_cache is not None else 0
         self.last_stats = {"steps": scheduler.steps, "groups": len(groups), "dense_decode_rebuilds": rebuilds,
                            "prefix_cache_hits": (self.prefix_cache.hits - hits_before) if self.prefix_cache else 0,
                            "prefix_cache_entries": len(self.prefix_cache or ())}
+        if self.threads is not None and self.threads.mean_threads is not None:
+            self.last_stats["threads_mean"] = self.threads.mean_threads
 
     def _runner(self) -> PagedModelRunner:
         """A model runner over the workspace; with `cuda_graphs` it serves decode steps from the engine's
@@ -387,6 +417,19 @@ class PagedGenerationEngine:
         return Generation(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response.to(device),
                           action_mask=mask.to(device), old_logprobs=logprobs.to(device), finished=finished.to(device),
                           policy_version=self.policy_version)
+
+
+def _say_threads_once() -> Callable[[int, int, int], None]:
+    """The governor's `on_change` for one engine: the first time it lowers the count, one line on stderr."""
+    said = []
+
+    def say(old: int, new: int, ceiling: int) -> None:
+        if new < old and not said:
+            said.append(True)
+            print(f"rollout.adaptive_threads: other processes are busy on this machine's cores; the engine decodes "
+                  f"with {new} of {ceiling} threads while they are (rollout/engine_threads logs the mean; "
+                  f"said once)", file=sys.stderr, flush=True)
+    return say
 
 
 def paged_engine(model, *, pad_token_id: int, policy_version: int = 0, dtype=None,

@@ -73,7 +73,7 @@ class StreamSession:
         self.engine = engine
         self.runner = engine._runner()
         self.scheduler = Scheduler(pool=engine.pool, prefix_cache=engine.prefix_cache, workspace=engine.workspace,
-                                   forward=self.runner.forward, policy_version=engine.policy_version,
+                                   forward=engine._ticking(self.runner.forward), policy_version=engine.policy_version,
                                    max_batch_tokens=engine.max_batch_tokens, max_num_seqs=engine.max_num_seqs,
                                    wait_for_shared_prefix=False)  # serving: a step of latency > a block of prefill
         self.requests: dict[int, list[Request]] = {}  # request id -> its n choices

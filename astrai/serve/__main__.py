@@ -111,7 +111,8 @@ def build_engine(args: argparse.Namespace):
     engine = build_engine(args.engine, model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,
                           max_kv_tokens=args.max_kv_tokens, max_batch_tokens=args.max_batch_tokens,
                           policy_version=checkpoint_version(path),
-                          attention_backend=attention_backend(None))
+                          attention_backend=attention_backend(None),
+                          **({"adaptive_threads": True} if args.engine == "paged" else {}))
     if not isinstance(engine, StreamingEngine):
         raise ValueError(f"--engine {args.engine}: the server needs an engine that streams (submit / step); this "
                          "one generates whole batches only")

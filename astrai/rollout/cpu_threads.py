@@ -1,0 +1,176 @@
+"""Adaptive CPU threads for the rollout engine: fewer OpenMP threads while other processes busy the cores.
+
+Why: torch's CPU kernels split every GEMM, attention and softmax over a team of OpenMP threads that meet at a
+barrier after each one. When another process takes a core, the team's thread on that core runs only in the
+scheduler's time slices and every barrier waits for it: on a 2-core machine a busy second core cut the paged
+engine's float32 decode from 415 to 108 tokens/s with 2 threads, while 1 thread kept 226 (SmolLM2-135M, 32 rows,
+`bench/engine_vs_vllm.py --busy 1` measures it against vLLM, which binds its threads). No fixed setting wins both
+ways: 2 threads are 1.75x faster than 1 on idle cores.
+
+How: every `period` seconds of decoding, `ThreadGovernor.tick` reads two kernel counters over the window:
+- *wait*: the seconds this process's threads spent runnable but not running (the second field of
+  `/proc/self/task/*/schedstat`, the scheduler's `run_delay`), per second: cores our threads wanted and did not get.
+  At or above `wait_down` (0.3 cores) the team shrinks by max(1, round(wait)) threads (not below 1).
+- *idle*: the idle + iowait time of the cores this process may run on (`os.sched_getaffinity`, `/proc/stat`), per
+  second: cores nobody used. At or above `idle_up` (0.6 cores) the team grows by max(1, round(idle)), up to the
+  thread count the caller set (`torch.get_num_threads()` when the scope opened).
+Neither signal reacts to the engine's own work: an idle machine shows wait ~0.01 whatever the team size, and a team as
+large as the cores leaves no idle time. A reading that cannot be taken (no `/proc`) leaves the count as it is.
+
+The count applies inside `scope()` only (the engine's `generate` and streamed `step`): on leaving, the caller's count
+is put back, so training never runs with the engine's choice. The choice is kept between scopes (a load that lasts
+keeps its count from one rollout to the next); a window spans scopes that follow each other closely (streamed steps)
+and starts afresh after a pause longer than `period` (the time between was not the engine's).
+
+Thread counts change a float reduction's order, so a rollout whose count moved repeats only to rounding (tokens can
+differ where two were nearly tied); the engine turns the governor off for bitwise runs (`runtime.deterministic`,
+`rollout.adaptive_threads: false`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Callable, Iterator, Optional, Tuple
+
+import torch
+
+__all__ = ["ThreadGovernor", "cpu_readings", "readings_unavailable"]
+
+Readings = Tuple[float, float]
+"""(wait, idle): cumulative seconds this process's threads waited runnable, and seconds its cores were idle."""
+
+
+def _task_wait_seconds() -> float:
+    """Sum over this process's threads of the scheduler's run_delay (seconds runnable but not running)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended between the listing and the read
+            continue
+    return total / 1e9
+
+
+def _idle_seconds(cpus: frozenset) -> float:
+    """Idle + iowait seconds of the cores in `cpus` since boot (`/proc/stat`'s per-core lines)."""
+    ticks = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("cpu") and line[3:4].isdigit():
+                fields = line.split()
+                if int(fields[0][3:]) in cpus:
+                    ticks += int(fields[4]) + int(fields[5])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_readings() -> Readings:
+    """(wait, idle) now: see the module docstring. Raises OSError where `/proc` lacks them (not Linux)."""
+    return _task_wait_seconds(), _idle_seconds(frozenset(os.sched_getaffinity(0)))
+
+
+def readings_unavailable() -> Optional[str]:
+    """Why `cpu_readings` cannot serve here (one phrase), or None when it can."""
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/schedstat") as f:
+            int(f.read().split()[1])
+        _idle_seconds(frozenset(os.sched_getaffinity(0)))
+    except (OSError, IndexError, ValueError, AttributeError) as err:
+        return f"this system does not report scheduler waits and idle cores (/proc/self/task/*/schedstat, " \
+               f"/proc/stat: {type(err).__name__})"
+    return None
+
+
+class ThreadGovernor:
+    """The torch thread count for the engine's decode steps under other processes' CPU load.
+
+    Args:
+        period: seconds between decisions (each reads the counters once: ~0.1 ms for tens of threads).
+        wait_down: cores of wait per second (see the module docstring) at which the team shrinks.
+        idle_up: idle cores per second at which it grows back.
+        readings: the counters (default `cpu_readings`; tests pass their own).
+        clock: seconds (default `time.perf_counter`).
+        on_change: called with (old, new, ceiling) on every change (the engine says the first one once).
+
+    Attributes:
+        threads: the count chosen now (None until the first scope).
+        ceiling: the caller's count when the last scope opened.
+        step_threads: [sum over ticks of the count in use, ticks] since the caller last set it to [0, 0]
+            (`mean_threads`).
+    """
+
+    def __init__(self, *, period: float = 0.5, wait_down: float = 0.3, idle_up: float = 0.6,
+                 readings: Callable[[], Readings] = cpu_readings, clock: Callable[[], float] = time.perf_counter,
+                 on_change: Optional[Callable[[int, int, int], None]] = None):
+        if not period > 0 or not wait_down > 0 or not idle_up > 0:
+            raise ValueError(f"ThreadGovernor: period, wait_down and idle_up must be > 0, got {period}, "
+                             f"{wait_down}, {idle_up}")
+        self.period, self.wait_down, self.idle_up = period, wait_down, idle_up
+        self.readings, self.clock, self.on_change = readings, clock, on_change
+        self.threads: Optional[int] = None
+        self.ceiling = 1
+        self._last: Optional[tuple[float, Readings]] = None  # (time, readings) at the window's start
+        self._last_tick = 0.0
+        self.step_threads = [0, 0]
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["ThreadGovernor"]:
+        """Decode steps run inside: the chosen count is applied on entry (at most the caller's count, the
+        ceiling) and the caller's count put back on exit, whatever happens inside."""
+        ceiling = torch.get_num_threads()
+        self.ceiling = ceiling
+        self.threads = ceiling if self.threads is None else min(self.threads, ceiling)
+        if self._last is not None and self.clock() - self._last_tick > self.period:
+            self._last = None  # the time since was someone else's (training): measure afresh
+        if self.threads != ceiling:
+            torch.set_num_threads(self.threads)
+        try:
+            yield self
+        finally:
+            if torch.get_num_threads() != ceiling:
+                torch.set_num_threads(ceiling)
+
+    @property
+    def mean_threads(self) -> Optional[float]:
+        """The mean count over the ticks counted in `step_threads` (None before any)."""
+        total, ticks = self.step_threads
+        return total / ticks if ticks else None
+
+    def tick(self) -> None:
+        """Called once per decode step inside `scope()`: every `period` seconds, one decision."""
+        self.step_threads[0] += self.threads or 0
+        self.step_threads[1] += 1
+        if self.ceiling <= 1:
+            return
+        now = self._last_tick = self.clock()
+        if self._last is not None and now - self._last[0] < self.period:
+            return
+        try:
+            readings = self.readings()
+        except OSError:
+            return
+        last, self._last = self._last, (now, readings)
+        if last is None:
+            return
+        seconds = now - last[0]
+        wait = max(0.0, readings[0] - last[1][0]) / seconds
+        idle = max(0.0, readings[1] - last[1][1]) / seconds
+        new = self.threads
+        if wait >= self.wait_down and new > 1:
+            new = max(1, new - max(1, round(wait)))
+        elif idle >= self.idle_up and new < self.ceiling:
+            new = min(self.ceiling, new + max(1, round(idle)))
+        if new != self.threads:
+            old, self.threads = self.threads, new
+            torch.set_num_threads(new)
+            if self.on_change is not None:
+                self.on_change(old, new, self.ceiling)
+
+    def wrap(self, forward: Callable) -> Callable:
+        """`forward` with a `tick()` before each call (the scheduler's model step)."""
+        def ticking(*args, **kwargs):
+            self.tick()
+            return forward(*args, **kwargs)
+        return ticking

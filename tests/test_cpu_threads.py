@@ -1,0 +1,267 @@
+"""Adaptive CPU threads (`astrai.rollout.cpu_threads`, `rollout.adaptive_threads`).
+
+The governor's decisions against hand-made counter readings (wait and idle seconds on a fake clock), the real
+counters under busy-loop processes on every core, the paged engine's scope (the caller's count back after
+`generate` and `step`, the same tokens when the count never moved), the job's switch (on by default, off under
+`runtime.deterministic` and for other engines), and the rollout metric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from astrai.models import AutoRegressiveLM, tiny_config
+from astrai.rollout.cpu_threads import ThreadGovernor, cpu_readings, readings_unavailable
+from astrai.rollout.paged_engine import PagedGenerationEngine
+from astrai.rollout.sampling import SamplingParams
+
+needs_proc = pytest.mark.skipif(readings_unavailable() is not None, reason="no /proc scheduler counters here")
+
+
+class Feed:
+    """A fake clock and counters: `advance(seconds, wait=cores, idle=cores)` moves both."""
+
+    def __init__(self):
+        self.now, self.wait, self.idle, self.reads = 0.0, 0.0, 0.0, 0
+
+    def advance(self, seconds: float, *, wait: float = 0.0, idle: float = 0.0) -> None:
+        self.now += seconds
+        self.wait += wait * seconds
+        self.idle += idle * seconds
+
+    def readings(self):
+        self.reads += 1
+        return self.wait, self.idle
+
+
+@pytest.fixture()
+def threads():
+    """Sets torch's thread count for a test and puts the suite's back after it."""
+    before = torch.get_num_threads()
+
+    def use(n: int) -> None:
+        torch.set_num_threads(n)
+    yield use
+    torch.set_num_threads(before)
+
+
+def governor(feed: Feed, **kwargs) -> ThreadGovernor:
+    changes = kwargs.pop("changes", None)
+    return ThreadGovernor(readings=feed.readings, clock=lambda: feed.now,
+                          on_change=None if changes is None else lambda *c: changes.append(c), **kwargs)
+
+
+def run_steps(gov: ThreadGovernor, feed: Feed, seconds: float, *, wait: float = 0.0, idle: float = 0.0,
+              step: float = 0.1) -> list[int]:
+    """Ticks every `step` seconds for `seconds` under the given load; the count after each tick."""
+    counts = []
+    for _ in range(round(seconds / step)):
+        gov.tick()
+        counts.append(torch.get_num_threads())
+        feed.advance(step, wait=wait, idle=idle)
+    return counts
+
+
+def test_wait_shrinks_the_team_idle_grows_it_back_and_the_scope_restores_the_callers_count(threads):
+    threads(2)
+    feed, changes = Feed(), []
+    gov = governor(feed, changes=changes)
+    with gov.scope():
+        assert run_steps(gov, feed, 1.0, wait=0.01) == [2] * 10  # quiet: wait ~0.01, no idle core
+        counts = run_steps(gov, feed, 1.0, wait=0.7)  # a busy second core
+        assert counts[-1] == 1 and gov.threads == 1
+        assert run_steps(gov, feed, 2.0, wait=0.0, idle=0.0) == [1] * 20  # still busy: no idle core at 1 thread
+        counts = run_steps(gov, feed, 1.0, idle=1.0)  # the other process left
+        assert counts[-1] == 2
+    assert changes == [(2, 1, 2), (1, 2, 2)]
+    assert torch.get_num_threads() == 2
+
+
+def test_the_count_moves_by_the_cores_waited_for_and_never_past_the_callers_count(threads):
+    threads(8)
+    feed = Feed()
+    gov = governor(feed)
+
+    def window(**load) -> int:
+        """One decision over one period of `load`."""
+        feed.advance(0.5, **load)
+        gov.tick()
+        return gov.threads
+    with gov.scope():
+        gov.tick()  # starts the first window
+        assert window(wait=2.6) == 5  # 8 - round(2.6)
+        assert window(idle=1.4) == 6  # 5 + round(1.4)
+        assert window(wait=0.2, idle=0.5) == 6  # below both thresholds
+        assert window(idle=7.0) == 8  # up to the caller's count, never past it
+        assert window(idle=7.0) == 8
+        assert window(wait=30.0) == 1  # never below one
+    assert torch.get_num_threads() == 8
+
+
+def test_readings_are_taken_once_per_period_and_never_with_one_thread(threads):
+    threads(2)
+    feed = Feed()
+    gov = governor(feed, period=0.5)
+    with gov.scope():
+        run_steps(gov, feed, 2.0, step=0.01)  # 200 steps in 2 s: a reading at the first tick, then every 0.5 s
+    assert feed.reads == 4
+    threads(1)
+    feed1 = Feed()
+    gov1 = governor(feed1)
+    with gov1.scope():
+        run_steps(gov1, feed1, 3.0, wait=5.0)
+    assert feed1.reads == 0 and torch.get_num_threads() == 1
+    assert gov1.mean_threads == 1.0
+
+
+def test_the_choice_lasts_between_scopes_but_a_pause_starts_a_new_window(threads):
+    threads(2)
+    feed = Feed()
+    gov = governor(feed)
+    with gov.scope():
+        run_steps(gov, feed, 1.0, wait=0.8)
+    assert gov.threads == 1 and torch.get_num_threads() == 2  # the caller's count outside
+    feed.advance(30.0, idle=2.0)  # training ran: its idle time is not the engine's to judge
+    with gov.scope():
+        assert torch.get_num_threads() == 1  # the choice applies again on entry
+        gov.tick()  # the first tick after the pause only starts a window
+        assert gov.threads == 1
+        feed.advance(0.6, idle=1.0)
+        gov.tick()
+        assert gov.threads == 2
+    # streamed steps (one scope each) follow each other closely: one window spans them
+    feed2 = Feed()
+    gov2 = governor(feed2)
+    for _ in range(12):
+        with gov2.scope():
+            gov2.tick()
+        feed2.advance(0.1, wait=0.9)
+    assert gov2.threads == 1
+
+
+def test_the_callers_count_comes_back_after_an_error_and_a_failed_reading_changes_nothing(threads):
+    threads(2)
+    feed = Feed()
+    gov = governor(feed)
+    with pytest.raises(RuntimeError, match="inside"):
+        with gov.scope():
+            run_steps(gov, feed, 1.0, wait=0.9)
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == 2
+
+    def broken():
+        raise OSError("no /proc")
+    gov2 = ThreadGovernor(readings=broken, clock=lambda: feed.now)
+    with gov2.scope():
+        for _ in range(10):
+            gov2.tick()
+            feed.advance(1.0)
+        assert gov2.threads == 2
+    with pytest.raises(ValueError, match="period, wait_down and idle_up must be > 0"):
+        ThreadGovernor(period=0)
+
+
+@contextlib.contextmanager
+def busy_loops(count: int):
+    """`count` busy-loop processes (one per core saturates the machine), killed on exit."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(0.3)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+@needs_proc
+def test_the_real_counters_see_busy_cores(threads):
+    """With a busy loop on every core, a two-thread GEMM loop waits for its cores (the signal the governor acts on)."""
+    threads(2)
+    a = torch.randn(256, 256)
+    with busy_loops(len(os.sched_getaffinity(0))):
+        wait0, _ = cpu_readings()
+        start = time.perf_counter()
+        while time.perf_counter() - start < 1.0:
+            a @ a
+        wait1, _ = cpu_readings()
+    assert (wait1 - wait0) / (time.perf_counter() - start) >= 0.3
+
+
+def tiny_engine(**kwargs) -> PagedGenerationEngine:
+    torch.manual_seed(0)
+    return PagedGenerationEngine(AutoRegressiveLM(tiny_config()), pad_token_id=0, **kwargs)
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+
+@needs_proc
+def test_the_engine_decodes_with_fewer_threads_under_load_and_gives_the_count_back(threads, capsys):
+    threads(2)
+    engine = tiny_engine(adaptive_threads=True)
+    engine.threads.period = 0.05  # the tiny model's steps are short: decide often
+    params = SamplingParams(max_new_tokens=120)
+    with busy_loops(len(os.sched_getaffinity(0))):
+        for _ in range(40):  # enough decoding for several windows on any machine
+            engine.generate(PROMPTS * 8, params, torch.Generator().manual_seed(0))
+            assert torch.get_num_threads() == 2
+            if engine.last_stats["threads_mean"] < 2:
+                break
+    assert engine.last_stats["threads_mean"] < 2
+    err = capsys.readouterr().err
+    assert err.count("rollout.adaptive_threads: other processes are busy") == 1
+    # the streaming API's steps run in the same scope
+    engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8))
+    while engine.has_unfinished_requests:
+        engine.step()
+        assert torch.get_num_threads() == 2
+
+
+def test_with_one_thread_the_adaptive_engine_is_the_same_engine(threads):
+    threads(1)
+    params = SamplingParams(max_new_tokens=24)
+    plain = tiny_engine().generate(PROMPTS, params, torch.Generator().manual_seed(3), n=2)
+    adaptive_engine = tiny_engine(adaptive_threads=True)
+    adaptive = adaptive_engine.generate(PROMPTS, params, torch.Generator().manual_seed(3), n=2)
+    assert torch.equal(plain.response_ids, adaptive.response_ids)
+    assert torch.equal(plain.old_logprobs, adaptive.old_logprobs)
+    if adaptive_engine.threads is not None:
+        assert adaptive_engine.last_stats["threads_mean"] == 1.0
+    assert "threads_mean" not in tiny_engine().last_stats
+
+
+def test_the_engine_says_once_when_the_system_cannot_report_the_load(threads, monkeypatch):
+    import astrai.rollout.paged_engine as paged
+
+    threads(2)
+    monkeypatch.setattr(paged, "readings_unavailable", lambda: "this system does not report scheduler waits")
+    with pytest.warns(UserWarning, match=r"^rollout.adaptive_threads: this system does not report scheduler waits; "
+                                         r"the engine keeps 2 threads under any load$"):
+        engine = tiny_engine(adaptive_threads=True)
+    assert engine.threads is None
+
+
+def test_the_job_turns_it_on_by_default_and_off_when_asked_or_deterministic(tiny_model_dir):
+    from astrai.config import load_config
+    from astrai.rollout.build import _engine_options
+
+    config = load_config(None, ["--train_type", "online_grpo", "--model.path", str(tiny_model_dir)])
+    assert _engine_options(config)["adaptive_threads"] is True
+    for flag in (["--rollout.adaptive_threads", "false"], ["--runtime.deterministic", "true"],
+                 ["--rollout.engine", "vllm"]):
+        config = load_config(None, ["--train_type", "online_grpo", "--model.path", str(tiny_model_dir), *flag])
+        assert "adaptive_threads" not in _engine_options(config), flag
+    config = load_config(None, ["--train_type", "online_grpo", "--model.path", str(tiny_model_dir)])
+    config.rollout.engine_options = {"adaptive_threads": False}
+    with pytest.raises(ValueError, match="'adaptive_threads' is set through its own field"):
+        _engine_options(config)
