@@ -265,11 +265,6 @@ class RolloutSection(Section, name="rollout"):
     cuda_graphs: bool = field_spec(
         False, "pad decode steps to batch-size buckets and replay them as CUDA graphs (on CUDA: needs the triton "
                "attention backend, which auto then picks; elsewhere the padded steps run eagerly); docs/kernels.md")
-    adaptive_threads: bool = field_spec(
-        True, "paged engine on a CPU: decode with fewer torch threads while other processes busy the cores (a team "
-              "of OpenMP threads stalls on a shared core), and with all of them again when the cores are free "
-              "(rollout/engine_threads; docs/kernels.md). Off under runtime.deterministic: a thread count changes "
-              "float rounding")
     tensor_parallel_size: int = field_spec(
         1, "ranks that split the rollout engine's weight copy and KV cache (attention heads, MLP, vocabulary; "
            "docs/tensor_parallel.md); must divide the world size; every rank of one group samples the same prompts. "
@@ -610,6 +605,11 @@ class RuntimeSection(Section, name="runtime"):
     device: str = field_spec("auto", "device for this process",
                      Pattern(r"auto|cpu|cuda(:[0-9]+)?", "'auto', 'cpu', 'cuda' or 'cuda:N'"))
     num_threads: Optional[int] = field_spec(None, "torch intra-op threads; null = torch default", GT0)
+    adaptive_threads: bool = field_spec(
+        True, "on a CPU: the rollout engine's decode steps and the training steps run with fewer torch threads while "
+              "other processes busy the cores (a team of OpenMP threads stalls on a shared core), and with "
+              "runtime.num_threads again when the cores are free (rollout/engine_threads, train/threads; "
+              "docs/kernels.md). Off under runtime.deterministic: a thread count changes float rounding")
     deterministic: bool = field_spec(False, "use deterministic torch algorithms (slower); multi-turn episodes "
                                             "then run turn by turn, bitwise reproducible, instead of streamed")
     environment: dict[str, Optional[Union[str, int, float, bool]]] = field_spec(

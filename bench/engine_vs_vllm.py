@@ -25,7 +25,7 @@ one `ratio:` line per dtype for the `--batches` first entry (32: the workload of
 `--busy N` (steady under load, issue 44 part 3): every repeat measures each side twice, on quiet cores and with N
 busy-loop processes (`while True: pass`, started before the child and killed after it) competing for the cores, and
 adds a third side, `astrai-fixed`: the paged engine with `adaptive_threads=False` (a fixed OpenMP team, as before
-`rollout.adaptive_threads`). The astrai side runs as jobs do, with adaptive threads. Prints per side the median
+`runtime.adaptive_threads`). The astrai side runs as jobs do, with adaptive threads. Prints per side the median
 tokens/s quiet and busy and the slowdown (quiet / busy), then per dtype `steady: astrai slowed A.AAx, vLLM V.VVx`
 (the goal: A <= V) and the astrai / vLLM ratio under load.
 """

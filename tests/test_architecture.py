@@ -81,6 +81,7 @@ LAYERS = {
     "outputs": set(),                                  # the files written beside checkpoints: write errors, reader
     "config_schema": set(),                            # YAML 1.2 and the field machinery, torch-free
     "runtime_env": set(),
+    "cpu_threads": set(),                              # torch thread counts under other processes' load (torch)
     "sandbox": set(),                                  # stdlib only
     "models": {"deps"},
     "kernels": {"deps"},
@@ -95,15 +96,16 @@ LAYERS = {
     "distributed": {"checkpoint", "deps", "models", "outputs", "runtime_env"},
     # floor 5
     "forward": {"algos", "data", "models"},            # the training forward: log-probs and values of sequences
-    "rollout": {"data", "models", "kernels", "config", "deps", "outputs", "runtime_env"},  # generation engines only
+    "rollout": {"data", "models", "kernels", "config", "cpu_threads", "deps", "outputs", "runtime_env"},  # generation engines only
     "rewards": {"data", "models", "sandbox", "deps", "imports"},
     # floor 6
     "experience": {"agents", "algos", "data", "forward", "imports", "models", "rewards", "rollout"},
     "evaluation": {"algos", "checkpoint", "config", "config_schema", "data", "models", "outputs", "rewards",
                    "rollout", "runtime_env"},
     # floor 7
-    "trainer": {"algos", "checkpoint", "config", "config_schema", "data", "deps", "distributed", "evaluation",
-                "experience", "forward", "models", "outputs", "rewards", "rollout", "runtime_env", "train_types"},
+    "trainer": {"algos", "checkpoint", "config", "config_schema", "cpu_threads", "data", "deps", "distributed",
+                "evaluation", "experience", "forward", "models", "outputs", "rewards", "rollout", "runtime_env",
+                "train_types"},
     "serve": {"agents", "checkpoint", "deps", "models", "rollout", "runtime_env", "data"},
     # floor 8: entry points (`python -m astrai.<name>`)
     "train": {"checkpoint", "config", "data", "distributed", "kernels", "outputs", "rewards", "runtime_env",

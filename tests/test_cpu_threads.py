@@ -1,9 +1,9 @@
-"""Adaptive CPU threads (`astrai.rollout.cpu_threads`, `rollout.adaptive_threads`).
+"""Adaptive CPU threads (`astrai.cpu_threads`, `runtime.adaptive_threads`).
 
 The governor's decisions against hand-made counter readings (wait and idle seconds on a fake clock), the real
 counters under busy-loop processes on every core, the paged engine's scope (the caller's count back after
-`generate` and `step`, the same tokens when the count never moved), the job's switch (on by default, off under
-`runtime.deterministic` and for other engines), and the rollout metric.
+`generate` and `step`, the same tokens when the count never moved), the trainer's scope, the job's switch (on by
+default, off when asked, under `runtime.deterministic` and for other engines), and the metrics of a job.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from astrai.models import AutoRegressiveLM, tiny_config
-from astrai.rollout.cpu_threads import ThreadGovernor, cpu_readings, readings_unavailable
+from astrai.cpu_threads import ThreadGovernor, cpu_readings, readings_unavailable
 from astrai.rollout.paged_engine import PagedGenerationEngine
 from astrai.rollout.sampling import SamplingParams
 
@@ -219,7 +219,8 @@ def test_the_engine_decodes_with_fewer_threads_under_load_and_gives_the_count_ba
                 break
     assert engine.last_stats["threads_mean"] < 2
     err = capsys.readouterr().err
-    assert err.count("rollout.adaptive_threads: other processes are busy") == 1
+    assert err.count("runtime.adaptive_threads: other processes are busy on this machine's cores; the engine "
+                     "decodes with 1 of 2 threads") == 1
     # the streaming API's steps run in the same scope
     engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8))
     while engine.has_unfinished_requests:
@@ -241,27 +242,83 @@ def test_with_one_thread_the_adaptive_engine_is_the_same_engine(threads):
 
 
 def test_the_engine_says_once_when_the_system_cannot_report_the_load(threads, monkeypatch):
-    import astrai.rollout.paged_engine as paged
+    import astrai.cpu_threads as cpu_threads
 
     threads(2)
-    monkeypatch.setattr(paged, "readings_unavailable", lambda: "this system does not report scheduler waits")
-    with pytest.warns(UserWarning, match=r"^rollout.adaptive_threads: this system does not report scheduler waits; "
+    monkeypatch.setattr(cpu_threads, "readings_unavailable", lambda: "this system does not report scheduler waits")
+    with pytest.warns(UserWarning, match=r"^runtime.adaptive_threads: this system does not report scheduler waits; "
                                          r"the engine keeps 2 threads under any load$"):
         engine = tiny_engine(adaptive_threads=True)
     assert engine.threads is None
 
 
 def test_the_job_turns_it_on_by_default_and_off_when_asked_or_deterministic(tiny_model_dir):
+    import types
+
     from astrai.config import load_config
     from astrai.rollout.build import _engine_options
+    from astrai.trainer.build import training_threads
 
-    config = load_config(None, ["--train_type", "online_grpo", "--model.path", str(tiny_model_dir)])
-    assert _engine_options(config)["adaptive_threads"] is True
-    for flag in (["--rollout.adaptive_threads", "false"], ["--runtime.deterministic", "true"],
-                 ["--rollout.engine", "vllm"]):
-        config = load_config(None, ["--train_type", "online_grpo", "--model.path", str(tiny_model_dir), *flag])
-        assert "adaptive_threads" not in _engine_options(config), flag
-    config = load_config(None, ["--train_type", "online_grpo", "--model.path", str(tiny_model_dir)])
+    def config_of(*flags):
+        return load_config(None, ["--train_type", "online_grpo", "--model.path", str(tiny_model_dir), *flags])
+    cpu, gpu = types.SimpleNamespace(device=torch.device("cpu")), types.SimpleNamespace(device=torch.device("cuda"))
+    assert _engine_options(config_of())["adaptive_threads"] is True
+    assert (training_threads(config_of(), cpu) is not None) == (readings_unavailable() is None)
+    assert training_threads(config_of(), gpu) is None
+    for flags in (["--runtime.adaptive_threads", "false"], ["--runtime.deterministic", "true"]):
+        assert "adaptive_threads" not in _engine_options(config_of(*flags)), flags
+        assert training_threads(config_of(*flags), cpu) is None, flags
+    assert "adaptive_threads" not in _engine_options(config_of("--rollout.engine", "vllm"))
+    config = config_of()
     config.rollout.engine_options = {"adaptive_threads": False}
     with pytest.raises(ValueError, match="'adaptive_threads' is set through its own field"):
         _engine_options(config)
+
+
+@needs_proc
+def test_a_job_logs_the_engines_and_the_trainings_thread_counts(tiny_model_dir, tmp_path):
+    import json
+
+    from test_train_e2e import tiny_args
+
+    from astrai.train import main
+
+    out = tmp_path / "run"
+    assert main(tiny_args(tiny_model_dir, out, "--max_steps", "1")) == 0
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["rollout/engine_threads"] == 1.0  # the suite's one thread: nothing to lower
+    assert record["policy/threads"] == 1.0 and record["critic/threads"] == 1.0
+
+
+def test_a_busy_machine_lowers_the_engines_and_the_trainings_threads_and_the_job_says_so(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """The counters replaced by a machine whose other processes take 0.8 cores all the time, decisions at every
+    tick: with two threads the engine's decode steps and the training's micro-batches drop to one; the job's count
+    is two again after it, each lowering is said once, and the job trains."""
+    import json
+
+    from test_train_e2e import tiny_args
+
+    import astrai.cpu_threads as cpu_threads
+    from astrai.train import main
+
+    monkeypatch.setattr(cpu_threads, "readings_unavailable", lambda: None)
+    monkeypatch.setattr(cpu_threads, "cpu_readings", lambda: (0.8 * time.perf_counter(), 0.0))
+    monkeypatch.setattr(cpu_threads, "DECISION_PERIOD", 1e-9)
+    before = torch.get_num_threads()
+    out = tmp_path / "run"
+    try:
+        assert main(tiny_args(tiny_model_dir, out, "--max_steps", "2", "--runtime.num_threads", "2")) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        assert 1.0 <= record["rollout/engine_threads"] < 2.0
+        assert 1.0 <= record["policy/threads"] < 2.0 and 1.0 <= record["critic/threads"] < 2.0
+    err = capsys.readouterr().err
+    assert err.count("runtime.adaptive_threads: other processes are busy on this machine's cores; the engine "
+                     "decodes with 1 of 2 threads") == 1
+    assert err.count("runtime.adaptive_threads: other processes are busy on this machine's cores; training runs "
+                     "with 1 of 2 threads") == 1

@@ -107,7 +107,7 @@ class RolloutRunner:
         generation = self.generate_agreed(lambda: self.engine.generate(prompt_ids, self.sampling, generator))
         experience = self.scored(generation, answers, {"generate": time.perf_counter() - start})
         threads = getattr(self.engine, "last_stats", {}).get("threads_mean")
-        if threads is not None:  # the paged engine's adaptive threads (rollout.adaptive_threads)
+        if threads is not None:  # the paged engine's adaptive threads (runtime.adaptive_threads)
             experience.stats["engine_threads"] = threads
         return experience
 

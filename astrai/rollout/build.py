@@ -138,7 +138,7 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
 def _engine_options(config) -> dict:
     """The engine options the job sets beyond the common arguments: `rollout.engine_options` as given,
     `cuda_graphs` only when on (so engines that do not know the option are built as before), and the paged engine's
-    `adaptive_threads` (`rollout.adaptive_threads` unless `runtime.deterministic`).
+    `adaptive_threads` (`runtime.adaptive_threads` unless `runtime.deterministic`).
 
     Raises:
         ValueError: `rollout.engine_options` naming a common argument (set through its own field)."""
@@ -149,8 +149,8 @@ def _engine_options(config) -> dict:
     if clash:
         raise ValueError(f"rollout.engine_options: {clash[0]!r} is set through its own field (rollout.dtype, "
                          "rollout.attention_backend, rollout.cuda_graphs, rollout.tensor_parallel_size, "
-                         "rollout.adaptive_threads), not as an engine option")
-    adaptive = rollout.engine == "paged" and rollout.adaptive_threads and not config.runtime.deterministic
+                         "runtime.adaptive_threads), not as an engine option")
+    adaptive = rollout.engine == "paged" and config.runtime.adaptive_threads and not config.runtime.deterministic
     return {**rollout.engine_options, **({"cuda_graphs": True} if rollout.cuda_graphs else {}),
             **({"adaptive_threads": True} if adaptive else {})}
 

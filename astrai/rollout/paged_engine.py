@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 import threading
 import warnings
 from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from astrai.cpu_threads import ThreadGovernor, adaptive_threads as make_governor
 from astrai.data.sequences import left_pad
 from astrai.kernels import InferenceWorkspace
 from astrai.rollout.block_pool import BlockPool, PrefixCache
-from astrai.rollout.cpu_threads import ThreadGovernor, readings_unavailable
 from astrai.rollout.cuda_graphs import DecodeGraphs, decode_buckets
 from astrai.rollout.engine_settings import check_paged_engine, check_paged_options, engine_backend
 from astrai.rollout.engine_settings import resolve_dtype as _resolve_dtype
@@ -81,10 +80,10 @@ class PagedGenerationEngine:
             (`astrai.rollout.cuda_graphs`; `auto` then picks the triton backend); on other devices the padded steps
             run eagerly (same tokens, for tests).
         adaptive_threads: on a CPU, decode with fewer torch threads while other processes busy the cores, and
-            with the caller's count again when they are free (`astrai.rollout.cpu_threads.ThreadGovernor`; only
-            inside `generate` and `step`: the caller's count is put back on return). Its choices change float
-            rounding, so leave it off for bitwise repeats. `last_stats["threads_mean"]`: the mean count over the
-            last `generate`'s steps. Said once where the system cannot report the load (the count then stays).
+            with the caller's count again when they are free (`astrai.cpu_threads.ThreadGovernor`; only inside
+            `generate` and `step`: the caller's count is put back on return). Its choices change float rounding, so
+            leave it off for bitwise repeats. `last_stats["threads_mean"]`: the mean count over the last
+            `generate`'s steps. Said once where the system cannot report the load (the count then stays).
         tp_group: a torch process group of more than one rank: the copy is split over it
             (`astrai.rollout.tensor_parallel`: heads, MLP columns/rows and vocabulary; every rank of the group must
             make the same calls with the same prompts, and samples the same tokens). None (or a group of one): the
@@ -144,12 +143,7 @@ class PagedGenerationEngine:
         self._lock = threading.Lock()
         self.threads: Optional[ThreadGovernor] = None
         if adaptive_threads and self.device.type == "cpu":
-            unavailable = readings_unavailable()
-            if unavailable is None:
-                self.threads = ThreadGovernor(on_change=_say_threads_once())
-            elif torch.get_num_threads() > 1:
-                warnings.warn(f"rollout.adaptive_threads: {unavailable}; the engine keeps "
-                              f"{torch.get_num_threads()} threads under any load", stacklevel=2)
+            self.threads = make_governor("the engine", "decodes", "rollout/engine_threads")
 
     def _thread_scope(self):
         """The governor's scope (`ThreadGovernor.scope`), or a no-op without one."""
@@ -417,19 +411,6 @@ class PagedGenerationEngine:
         return Generation(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response.to(device),
                           action_mask=mask.to(device), old_logprobs=logprobs.to(device), finished=finished.to(device),
                           policy_version=self.policy_version)
-
-
-def _say_threads_once() -> Callable[[int, int, int], None]:
-    """The governor's `on_change` for one engine: the first time it lowers the count, one line on stderr."""
-    said = []
-
-    def say(old: int, new: int, ceiling: int) -> None:
-        if new < old and not said:
-            said.append(True)
-            print(f"rollout.adaptive_threads: other processes are busy on this machine's cores; the engine decodes "
-                  f"with {new} of {ceiling} threads while they are (rollout/engine_threads logs the mean; "
-                  f"said once)", file=sys.stderr, flush=True)
-    return say
 
 
 def paged_engine(model, *, pad_token_id: int, policy_version: int = 0, dtype=None,

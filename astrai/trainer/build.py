@@ -18,6 +18,7 @@ from astrai import train_types
 from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_checkpoint, recover
 from astrai.checkpoint.fsutil import nearest_existing, write_atomic
 from astrai.config import Config, config_to_dict, dump_config
+from astrai.cpu_threads import ThreadGovernor, adaptive_threads
 from astrai.data.limits import check_model_limits
 from astrai.data.prompt_format import check_job_prompt_format
 from astrai.distributed import run_device, setup_distributed
@@ -56,6 +57,14 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def training_threads(config: Config, dist) -> Optional[ThreadGovernor]:
+    """The trainer's `ThreadGovernor` (`astrai.cpu_threads`) on a CPU with `runtime.adaptive_threads` and without
+    `runtime.deterministic`; None otherwise (and where the system cannot report the load, said once)."""
+    if dist.device.type != "cpu" or not config.runtime.adaptive_threads or config.runtime.deterministic:
+        return None
+    return adaptive_threads("training", "runs", "policy/threads")
 
 
 def apply_runtime(config: Config) -> None:
@@ -207,7 +216,7 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
                             max_minutes=config.train.max_minutes, is_main=dist.is_main)
     trainer = Trainer(learner, dist=dist, max_steps=config.train.max_steps, max_grad_norm=config.optim.max_grad_norm,
                       state=TrainerState(run_id=run_id), boundary=boundary,
-                      max_nonfinite_steps=config.train.max_nonfinite_steps)
+                      max_nonfinite_steps=config.train.max_nonfinite_steps, threads=training_threads(config, dist))
     resized = changes = None
     if resume_from is not None:
         parts = job_parts(trainer, tokenizer, config_text)

@@ -18,6 +18,7 @@ the last completed step.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import zlib
@@ -28,6 +29,7 @@ import torch
 
 from astrai.checkpoint import Part
 from astrai.distributed import DistributedContext
+from astrai.cpu_threads import ThreadGovernor
 from astrai.outputs import OutputWriteError
 from astrai.rollout.remote import RemoteEngineError
 from astrai.trainer.faults import (GenerationProcessFault, NonFiniteCounter, StepAbandoned, StepBoundary,
@@ -146,12 +148,15 @@ class Trainer:
             time; `faults.StepBoundary`); None: never stop early.
         max_nonfinite_steps: optimizer steps of one model in a row with a non-finite loss or gradient norm (each
             skipped) after which `NonFiniteError` stops the job.
+        threads: the forward/backward passes of `accumulate_and_step` run in its scope, one tick per micro-batch
+            and one after them (`astrai.cpu_threads.ThreadGovernor`: fewer CPU threads while other processes busy
+            the cores; `runtime.adaptive_threads`); None: the thread count stays as set.
     """
 
     def __init__(self, learner: Learner, *, dist: DistributedContext, max_steps: int,
                  max_grad_norm: float, callbacks: Iterable[Callback] = (),
                  state: Optional[TrainerState] = None, boundary: Optional[StepBoundary] = None,
-                 max_nonfinite_steps: int = 3):
+                 max_nonfinite_steps: int = 3, threads: Optional[ThreadGovernor] = None):
         self.learner = learner
         self.dist = dist
         self.max_grad_norm = max_grad_norm
@@ -162,6 +167,7 @@ class Trainer:
         self.boundary = boundary
         self.nonfinite = NonFiniteCounter(max_nonfinite_steps)
         self.fault: Optional[OutputWriteError] = None
+        self.threads = threads
 
     def _emit(self, hook: str, *args) -> None:
         for callback in self.callbacks:
@@ -300,7 +306,8 @@ class Trainer:
         Returns:
             detached 0-dim metrics: the loss_fn metrics as this rank's means (shares rescaled by global / local
             units), `<name>/grad_norm` (pre-clip), `<name>/lr` (the learning rate this step applied) and, for MoE
-            models, `moe/aux_loss` and `moe/weighted_aux_loss` (per-forward means).
+            models, `moe/aux_loss` and `moe/weighted_aux_loss` (per-forward means); with adaptive threads
+            `<name>/threads`, the mean torch thread count of its micro-batches.
         """
         local = torch.stack([count(micro) for micro in micro_batches]).sum()
         num_units = self.dist.all_reduce_sum(local).clamp(min=1)
@@ -308,18 +315,27 @@ class Trainer:
         scale = trained.loss_scale
         sums: dict[str, torch.Tensor] = {}
         loss_finite = torch.ones((), dtype=torch.bool, device=local.device)
-        for index, micro in enumerate(micro_batches):
-            with trained.gradient_sync(index == len(micro_batches) - 1):
-                with trained.autocast():
-                    loss, metrics = loss_fn(micro, num_units)
-                    aux, aux_metrics = moe_aux_loss(trained.model, len(micro_batches))
-                # the auxiliary loss is a per-forward mean: divided by `scale` so that ranks average it
-                total = loss if aux is None else loss + aux.to(loss.dtype) / scale
-                total, finite = poison_nonfinite(total)
-                loss_finite = loss_finite & finite
-                trained.backward(total * scale)
-            _accumulate(sums, metrics, weight=to_local_mean)
-            _accumulate(sums, aux_metrics)
+        governor = self.threads
+        with governor.scope() if governor is not None else contextlib.nullcontext():
+            if governor is not None:
+                governor.step_threads = [0, 0]
+            for index, micro in enumerate(micro_batches):
+                if governor is not None:
+                    governor.tick()
+                with trained.gradient_sync(index == len(micro_batches) - 1):
+                    with trained.autocast():
+                        loss, metrics = loss_fn(micro, num_units)
+                        aux, aux_metrics = moe_aux_loss(trained.model, len(micro_batches))
+                    # the auxiliary loss is a per-forward mean: divided by `scale` so that ranks average it
+                    total = loss if aux is None else loss + aux.to(loss.dtype) / scale
+                    total, finite = poison_nonfinite(total)
+                    loss_finite = loss_finite & finite
+                    trained.backward(total * scale)
+                _accumulate(sums, metrics, weight=to_local_mean)
+                _accumulate(sums, aux_metrics)
+            if governor is not None:
+                governor.tick()  # closes the window the last micro-batch ran in
+                sums[f"{trained.name}/threads"] = torch.tensor(governor.mean_threads)
         grad_norm, lr, applied = trained.step(self.max_grad_norm,
                                               lambda: self._emit("before_optimizer_step", trained.name))
         sums[f"{trained.name}/grad_norm"], sums[f"{trained.name}/lr"] = grad_norm, lr

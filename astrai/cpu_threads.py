@@ -1,4 +1,4 @@
-"""Adaptive CPU threads for the rollout engine: fewer OpenMP threads while other processes busy the cores.
+"""Adaptive CPU threads (`runtime.adaptive_threads`): fewer OpenMP threads while other processes busy the cores.
 
 Why: torch's CPU kernels split every GEMM, attention and softmax over a team of OpenMP threads that meet at a
 barrier after each one. When another process takes a core, the team's thread on that core runs only in the
@@ -17,26 +17,31 @@ How: every `period` seconds of decoding, `ThreadGovernor.tick` reads two kernel 
 Neither signal reacts to the engine's own work: an idle machine shows wait ~0.01 whatever the team size, and a team as
 large as the cores leaves no idle time. A reading that cannot be taken (no `/proc`) leaves the count as it is.
 
-The count applies inside `scope()` only (the engine's `generate` and streamed `step`): on leaving, the caller's count
-is put back, so training never runs with the engine's choice. The choice is kept between scopes (a load that lasts
+The count applies inside `scope()` only (the engine's `generate` and streamed `step`, the trainer's forward/backward
+passes of one optimizer step): on leaving, the caller's count is put back, so neither runs with the other's choice. The choice is kept between scopes (a load that lasts
 keeps its count from one rollout to the next); a window spans scopes that follow each other closely (streamed steps)
 and starts afresh after a pause longer than `period` (the time between was not the engine's).
 
-Thread counts change a float reduction's order, so a rollout whose count moved repeats only to rounding (tokens can
-differ where two were nearly tied); the engine turns the governor off for bitwise runs (`runtime.deterministic`,
-`rollout.adaptive_threads: false`).
+Thread counts change a float reduction's order, so a rollout or a step whose count moved repeats only to rounding
+(tokens can differ where two were nearly tied); jobs turn the governor off for bitwise runs (`runtime.deterministic`,
+`runtime.adaptive_threads: false`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
+import warnings
 from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-__all__ = ["ThreadGovernor", "cpu_readings", "readings_unavailable"]
+__all__ = ["ThreadGovernor", "adaptive_threads", "cpu_readings", "readings_unavailable"]
+
+DECISION_PERIOD = 0.5
+"""Seconds of work between two decisions of a `ThreadGovernor` (a busy loop shows in one such window)."""
 
 Readings = Tuple[float, float]
 """(wait, idle): cumulative seconds this process's threads waited runnable, and seconds its cores were idle."""
@@ -87,10 +92,11 @@ class ThreadGovernor:
     """The torch thread count for the engine's decode steps under other processes' CPU load.
 
     Args:
-        period: seconds between decisions (each reads the counters once: ~0.1 ms for tens of threads).
+        period: seconds between decisions (each reads the counters once: ~0.1 ms for tens of threads); None:
+            `DECISION_PERIOD`.
         wait_down: cores of wait per second (see the module docstring) at which the team shrinks.
         idle_up: idle cores per second at which it grows back.
-        readings: the counters (default `cpu_readings`; tests pass their own).
+        readings: the counters (None: `cpu_readings`).
         clock: seconds (default `time.perf_counter`).
         on_change: called with (old, new, ceiling) on every change (the engine says the first one once).
 
@@ -101,9 +107,11 @@ class ThreadGovernor:
             (`mean_threads`).
     """
 
-    def __init__(self, *, period: float = 0.5, wait_down: float = 0.3, idle_up: float = 0.6,
-                 readings: Callable[[], Readings] = cpu_readings, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, *, period: Optional[float] = None, wait_down: float = 0.3, idle_up: float = 0.6,
+                 readings: Optional[Callable[[], Readings]] = None, clock: Callable[[], float] = time.perf_counter,
                  on_change: Optional[Callable[[int, int, int], None]] = None):
+        period = DECISION_PERIOD if period is None else period
+        readings = readings or (lambda: cpu_readings())  # looked up at each call (tests replace the module's)
         if not period > 0 or not wait_down > 0 or not idle_up > 0:
             raise ValueError(f"ThreadGovernor: period, wait_down and idle_up must be > 0, got {period}, "
                              f"{wait_down}, {idle_up}")
@@ -174,3 +182,25 @@ class ThreadGovernor:
             self.tick()
             return forward(*args, **kwargs)
         return ticking
+
+
+def adaptive_threads(who: str, verb: str, metric: str) -> Optional[ThreadGovernor]:
+    """A `ThreadGovernor` for one user of the CPU threads (`who` "the engine", verb "decodes"; "training", "runs")
+    whose first lowering of the count is said once on stderr, naming `metric` (where the mean count is logged).
+    None where the system cannot report the load (`readings_unavailable`), said once as a warning when the caller
+    has more than one thread: the count then stays as set."""
+    reason = readings_unavailable()
+    if reason is not None:
+        if torch.get_num_threads() > 1:
+            warnings.warn(f"runtime.adaptive_threads: {reason}; {who} keeps {torch.get_num_threads()} threads under "
+                          "any load", stacklevel=3)
+        return None
+    said = []
+
+    def say(old: int, new: int, ceiling: int) -> None:
+        if new < old and not said:
+            said.append(True)
+            print(f"runtime.adaptive_threads: other processes are busy on this machine's cores; {who} {verb} with "
+                  f"{new} of {ceiling} threads while they are ({metric} logs the mean; said once)", file=sys.stderr,
+                  flush=True)
+    return ThreadGovernor(on_change=say)
