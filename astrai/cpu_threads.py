@@ -17,8 +17,9 @@ How: every `period` seconds of decoding, `ThreadGovernor.tick` reads two kernel 
 Neither signal reacts to the engine's own work: an idle machine shows wait ~0.01 whatever the team size, and a team as
 large as the cores leaves no idle time. A reading that cannot be taken (no `/proc`) leaves the count as it is.
 
-The count applies inside `scope()` only (the engine's `generate` and streamed `step`, the trainer's forward/backward
-passes of one optimizer step): on leaving, the caller's count is put back, so neither runs with the other's choice. The choice is kept between scopes (a load that lasts
+The count applies inside `scope()` only (the engine's `generate` and streamed `step`; in a training job the whole of
+each step: rollout, scoring passes and updates, with the trainer's governor deciding at each micro-batch and the
+engine's within the trainer's count): on leaving, the caller's count is put back. The choice is kept between scopes (a load that lasts
 keeps its count from one rollout to the next); a window spans scopes that follow each other closely (streamed steps)
 and starts afresh after a pause longer than `period` (the time between was not the engine's).
 
@@ -30,6 +31,7 @@ Thread counts change a float reduction's order, so a rollout or a step whose cou
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -39,6 +41,8 @@ from typing import Callable, Iterator, Optional, Tuple
 import torch
 
 __all__ = ["ThreadGovernor", "adaptive_threads", "cpu_readings", "readings_unavailable"]
+
+log = logging.getLogger(__name__)
 
 DECISION_PERIOD = 0.5
 """Seconds of work between two decisions of a `ThreadGovernor` (a busy loop shows in one such window)."""
@@ -121,12 +125,22 @@ class ThreadGovernor:
         self.ceiling = 1
         self._last: Optional[tuple[float, Readings]] = None  # (time, readings) at the window's start
         self._last_tick = 0.0
+        self._depth = 0  # scopes open (only the outermost sets and restores the count)
         self.step_threads = [0, 0]
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["ThreadGovernor"]:
-        """Decode steps run inside: the chosen count is applied on entry (at most the caller's count, the
-        ceiling) and the caller's count put back on exit, whatever happens inside."""
+        """The governed work runs inside: the chosen count is applied on entry (at most the caller's count, the
+        ceiling) and the caller's count put back on exit, whatever happens inside. A scope inside another of the
+        same governor changes nothing (the trainer's step holds one around its rollout, scoring and updates)."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+            return
+        self._depth = 1
         ceiling = torch.get_num_threads()
         self.ceiling = ceiling
         self.threads = ceiling if self.threads is None else min(self.threads, ceiling)
@@ -137,6 +151,7 @@ class ThreadGovernor:
         try:
             yield self
         finally:
+            self._depth = 0
             if torch.get_num_threads() != ceiling:
                 torch.set_num_threads(ceiling)
 
@@ -166,6 +181,7 @@ class ThreadGovernor:
         wait = max(0.0, readings[0] - last[1][0]) / seconds
         idle = max(0.0, readings[1] - last[1][1]) / seconds
         new = self.threads
+        log.debug("threads %d of %d: wait %.2f, idle %.2f cores over %.2f s", new, self.ceiling, wait, idle, seconds)
         if wait >= self.wait_down and new > 1:
             new = max(1, new - max(1, round(wait)))
         elif idle >= self.idle_up and new < self.ceiling:

@@ -169,6 +169,23 @@ def test_the_callers_count_comes_back_after_an_error_and_a_failed_reading_change
         ThreadGovernor(period=0)
 
 
+def test_a_scope_inside_a_scope_of_the_same_governor_changes_nothing(threads):
+    """The trainer holds a scope around its whole step; the micro-batches' own scope inside it keeps the count."""
+    threads(2)
+    feed = Feed()
+    gov = governor(feed)
+    with gov.scope():
+        run_steps(gov, feed, 1.0, wait=0.8)
+        assert torch.get_num_threads() == 1
+        with gov.scope():
+            assert torch.get_num_threads() == 1 and gov.ceiling == 2
+            run_steps(gov, feed, 0.5, wait=0.8)
+        assert torch.get_num_threads() == 1  # the inner exit restored nothing
+    assert torch.get_num_threads() == 2
+    with gov.scope():  # usable again after the outer one closed
+        assert gov.ceiling == 2
+
+
 @contextlib.contextmanager
 def busy_loops(count: int):
     """`count` busy-loop processes (one per core saturates the machine), killed on exit."""

@@ -148,9 +148,10 @@ class Trainer:
             time; `faults.StepBoundary`); None: never stop early.
         max_nonfinite_steps: optimizer steps of one model in a row with a non-finite loss or gradient norm (each
             skipped) after which `NonFiniteError` stops the job.
-        threads: the forward/backward passes of `accumulate_and_step` run in its scope, one tick per micro-batch
-            and one after them (`astrai.cpu_threads.ThreadGovernor`: fewer CPU threads while other processes busy
-            the cores; `runtime.adaptive_threads`); None: the thread count stays as set.
+        threads: each `learner.train_step` (its rollout, scoring passes and updates) runs in its scope, deciding
+            at each micro-batch of `accumulate_and_step` and after the last (`astrai.cpu_threads.ThreadGovernor`:
+            fewer CPU threads while other processes busy the cores; `runtime.adaptive_threads`); the engine's own
+            governor then decides within the count chosen here. None: the thread count stays as set.
     """
 
     def __init__(self, learner: Learner, *, dist: DistributedContext, max_steps: int,
@@ -237,7 +238,8 @@ class Trainer:
             while not stop and self.state.global_step < self.state.max_steps:
                 drawn = self.learner.data_sampler.drawn
                 try:
-                    step_metrics = self.learner.train_step(self)
+                    with self.threads.scope() if self.threads is not None else contextlib.nullcontext():
+                        step_metrics = self.learner.train_step(self)
                 except StepAbandoned as err:  # every rank alike: the step did not train, the state is the last's
                     if self.dist.is_main:
                         print(f"step {self.state.global_step + 1}: {err}", file=sys.stderr, flush=True)
