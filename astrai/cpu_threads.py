@@ -17,9 +17,10 @@ How: every `period` seconds of decoding, `ThreadGovernor.tick` reads two kernel 
 Neither signal reacts to the engine's own work: an idle machine shows wait ~0.01 whatever the team size, and a team as
 large as the cores leaves no idle time. A reading that cannot be taken (no `/proc`) leaves the count as it is.
 
-The count applies inside `scope()` only (the engine's `generate` and streamed `step`; in a training job the whole of
-each step: rollout, scoring passes and updates, with the trainer's governor deciding at each micro-batch and the
-engine's within the trainer's count): on leaving, the caller's count is put back. The choice is kept between scopes (a load that lasts
+The count applies inside `scope()` only: the engine's `generate` and streamed `step`, and in a training job the whole
+of each step (rollout, scoring passes, updates) under the trainer's governor, which the engine's decode steps and
+the trainer's micro-batches both tick (`active_governor`: one decision-maker per step). On leaving, the caller's count
+is put back. The choice is kept between scopes (a load that lasts
 keeps its count from one rollout to the next); a window spans scopes that follow each other closely (streamed steps)
 and starts afresh after a pause longer than `period` (the time between was not the engine's).
 
@@ -34,15 +35,18 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-__all__ = ["ThreadGovernor", "adaptive_threads", "cpu_readings", "readings_unavailable"]
+__all__ = ["ThreadGovernor", "active_governor", "adaptive_threads", "cpu_readings", "readings_unavailable"]
 
 log = logging.getLogger(__name__)
+
+_open = threading.local()  # .governor: the governor whose outermost scope is open in this thread
 
 DECISION_PERIOD = 0.5
 """Seconds of work between two decisions of a `ThreadGovernor` (a busy loop shows in one such window)."""
@@ -73,6 +77,13 @@ def _idle_seconds(cpus: frozenset) -> float:
                 if int(fields[0][3:]) in cpus:
                     ticks += int(fields[4]) + int(fields[5])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def active_governor() -> Optional["ThreadGovernor"]:
+    """The governor whose scope is open in this thread (the innermost outermost one), or None: the engine inside a
+    training step ticks the trainer's, so the decisions it takes while decoding hold for the step's scoring and
+    updates too."""
+    return getattr(_open, "governor", None)
 
 
 def cpu_readings() -> Readings:
@@ -141,6 +152,7 @@ class ThreadGovernor:
                 self._depth -= 1
             return
         self._depth = 1
+        outer, _open.governor = getattr(_open, "governor", None), self
         ceiling = torch.get_num_threads()
         self.ceiling = ceiling
         self.threads = ceiling if self.threads is None else min(self.threads, ceiling)
@@ -151,7 +163,7 @@ class ThreadGovernor:
         try:
             yield self
         finally:
-            self._depth = 0
+            self._depth, _open.governor = 0, outer
             if torch.get_num_threads() != ceiling:
                 torch.set_num_threads(ceiling)
 
@@ -192,17 +204,9 @@ class ThreadGovernor:
             if self.on_change is not None:
                 self.on_change(old, new, self.ceiling)
 
-    def wrap(self, forward: Callable) -> Callable:
-        """`forward` with a `tick()` before each call (the scheduler's model step)."""
-        def ticking(*args, **kwargs):
-            self.tick()
-            return forward(*args, **kwargs)
-        return ticking
-
-
 def adaptive_threads(who: str, verb: str, metric: str) -> Optional[ThreadGovernor]:
     """A `ThreadGovernor` for one user of the CPU threads (`who` "the engine", verb "decodes"; "training", "runs")
-    whose first lowering of the count is said once on stderr, naming `metric` (where the mean count is logged).
+    whose first lowering of the count is said once on stderr, naming `metric` (the metrics of the mean count).
     None where the system cannot report the load (`readings_unavailable`), said once as a warning when the caller
     has more than one thread: the count then stays as set."""
     reason = readings_unavailable()
@@ -217,6 +221,7 @@ def adaptive_threads(who: str, verb: str, metric: str) -> Optional[ThreadGoverno
         if new < old and not said:
             said.append(True)
             print(f"runtime.adaptive_threads: other processes are busy on this machine's cores; {who} {verb} with "
-                  f"{new} of {ceiling} threads while they are ({metric} logs the mean; said once)", file=sys.stderr,
+                  f"{new} of {ceiling} threads while they are (the mean count: {metric}; said once)",
+                  file=sys.stderr,
                   flush=True)
     return ThreadGovernor(on_change=say)

@@ -186,6 +186,33 @@ def test_a_scope_inside_a_scope_of_the_same_governor_changes_nothing(threads):
         assert gov.ceiling == 2
 
 
+def test_inside_another_governors_scope_the_engine_ticks_that_one(threads):
+    """A training step holds the trainer's scope: the engine's decode steps feed its decisions (the engine's own
+    governor takes no reading), and the count the trainer's governor chose holds after the engine returns."""
+    from astrai.cpu_threads import active_governor
+
+    threads(2)
+    engine = tiny_engine(adaptive_threads=True)
+    own_reads = []
+    engine.threads.readings = lambda: own_reads.append(1) or (0.0, 0.0)
+    engine.threads.period = 1e-9
+    feed = Feed()
+    outer = governor(feed, period=1e-9)
+    feed_on_read = outer.readings
+
+    def busy_reading():  # every reading: another 0.8 cores waited since the last
+        feed.advance(1.0, wait=0.8)
+        return feed_on_read()
+    outer.readings = busy_reading
+    assert active_governor() is None
+    with outer.scope():
+        assert active_governor() is outer
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=16), torch.Generator().manual_seed(0))
+        assert outer.threads == 1 and torch.get_num_threads() == 1  # the engine's steps decided it
+        assert engine.last_stats["threads_mean"] < 2
+    assert own_reads == [] and active_governor() is None and torch.get_num_threads() == 2
+
+
 @contextlib.contextmanager
 def busy_loops(count: int):
     """`count` busy-loop processes (one per core saturates the machine), killed on exit."""
@@ -237,7 +264,8 @@ def test_the_engine_decodes_with_fewer_threads_under_load_and_gives_the_count_ba
     assert engine.last_stats["threads_mean"] < 2
     err = capsys.readouterr().err
     assert err.count("runtime.adaptive_threads: other processes are busy on this machine's cores; the engine "
-                     "decodes with 1 of 2 threads") == 1
+                     "decodes with 1 of 2 threads while they are (the mean count: rollout/engine_threads; said "
+                     "once)") == 1
     # the streaming API's steps run in the same scope
     engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8))
     while engine.has_unfinished_requests:
@@ -307,11 +335,11 @@ def test_a_job_logs_the_engines_and_the_trainings_thread_counts(tiny_model_dir, 
     assert record["policy/threads"] == 1.0 and record["critic/threads"] == 1.0
 
 
-def test_a_busy_machine_lowers_the_engines_and_the_trainings_threads_and_the_job_says_so(tiny_model_dir, tmp_path,
+def test_a_busy_machine_lowers_the_steps_threads_and_the_job_says_so_once(tiny_model_dir, tmp_path,
                                                                                         monkeypatch, capsys):
     """The counters replaced by a machine whose other processes take 0.8 cores all the time, decisions at every
     tick: with two threads the engine's decode steps and the training's micro-batches drop to one; the job's count
-    is two again after it, each lowering is said once, and the job trains."""
+    is two again after it, the lowering is said once, and the job trains."""
     import json
 
     from test_train_e2e import tiny_args
@@ -335,7 +363,7 @@ def test_a_busy_machine_lowers_the_engines_and_the_trainings_threads_and_the_job
         assert 1.0 <= record["rollout/engine_threads"] < 2.0
         assert 1.0 <= record["policy/threads"] < 2.0 and 1.0 <= record["critic/threads"] < 2.0
     err = capsys.readouterr().err
-    assert err.count("runtime.adaptive_threads: other processes are busy on this machine's cores; the engine "
-                     "decodes with 1 of 2 threads") == 1
-    assert err.count("runtime.adaptive_threads: other processes are busy on this machine's cores; training runs "
-                     "with 1 of 2 threads") == 1
+    assert err.count("runtime.adaptive_threads: other processes are busy on this machine's cores; the training step "
+                     "(rollout, scoring, updates) runs with 1 of 2 threads while they are (the mean count: "
+                     "rollout/engine_threads and policy/threads; said once)") == 1
+    assert "the engine decodes" not in err  # inside a step the engine ticks the trainer's governor

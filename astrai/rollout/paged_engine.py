@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from astrai.cpu_threads import ThreadGovernor, adaptive_threads as make_governor
+from astrai.cpu_threads import ThreadGovernor, active_governor, adaptive_threads as make_governor
 from astrai.data.sequences import left_pad
 from astrai.kernels import InferenceWorkspace
 from astrai.rollout.block_pool import BlockPool, PrefixCache
@@ -145,13 +145,27 @@ class PagedGenerationEngine:
         if adaptive_threads and self.device.type == "cpu":
             self.threads = make_governor("the engine", "decodes", "rollout/engine_threads")
 
+    def _governor(self) -> Optional[ThreadGovernor]:
+        """The governor of this call: one whose scope is open in this thread (the trainer's, around a training
+        step) or else the engine's own; None when the engine does not adapt its threads."""
+        if self.threads is None:
+            return None
+        return active_governor() or self.threads
+
     def _thread_scope(self):
         """The governor's scope (`ThreadGovernor.scope`), or a no-op without one."""
-        return self.threads.scope() if self.threads is not None else contextlib.nullcontext()
+        governor = self._governor()
+        return governor.scope() if governor is not None else contextlib.nullcontext()
 
     def _ticking(self, forward: Callable) -> Callable:
-        """`forward` with the governor's tick before each step (as is without one)."""
-        return self.threads.wrap(forward) if self.threads is not None else forward
+        """`forward` with a tick of the call's governor before each step (as is without one)."""
+        if self.threads is None:
+            return forward
+
+        def ticking(*args, **kwargs):
+            self._governor().tick()
+            return forward(*args, **kwargs)
+        return ticking
 
     @property
     def device(self) -> torch.device:
@@ -370,16 +384,17 @@ class PagedGenerationEngine:
                               max_batch_tokens=self.max_batch_tokens, max_num_seqs=self.max_num_seqs,
                               on_token=on_token)
         hits_before = self.prefix_cache.hits if self.prefix_cache is not None else 0
+        governor = self._governor()
         with self._thread_scope():
-            if self.threads is not None:
-                self.threads.step_threads = [0, 0]
+            if governor is not None:
+                governor.step_threads = [0, 0]
             scheduler.run(groups)
         rebuilds = runner.decode_cache.rebuilds if runner.decode_cache is not None else 0
         self.last_stats = {"steps": scheduler.steps, "groups": len(groups), "dense_decode_rebuilds": rebuilds,
                            "prefix_cache_hits": (self.prefix_cache.hits - hits_before) if self.prefix_cache else 0,
                            "prefix_cache_entries": len(self.prefix_cache or ())}
-        if self.threads is not None and self.threads.mean_threads is not None:
-            self.last_stats["threads_mean"] = self.threads.mean_threads
+        if governor is not None and governor.mean_threads is not None:
+            self.last_stats["threads_mean"] = governor.mean_threads
 
     def _runner(self) -> PagedModelRunner:
         """A model runner over the workspace; with `cuda_graphs` it serves decode steps from the engine's

@@ -64,7 +64,8 @@ def training_threads(config: Config, dist) -> Optional[ThreadGovernor]:
     `runtime.deterministic`; None otherwise (and where the system cannot report the load, said once)."""
     if dist.device.type != "cpu" or not config.runtime.adaptive_threads or config.runtime.deterministic:
         return None
-    return adaptive_threads("training", "runs", "policy/threads")
+    return adaptive_threads("the training step (rollout, scoring, updates)", "runs",
+                            "rollout/engine_threads and policy/threads")
 
 
 def apply_runtime(config: Config) -> None:
