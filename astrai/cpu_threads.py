@@ -174,7 +174,9 @@ class ThreadGovernor:
         return total / ticks if ticks else None
 
     def tick(self) -> None:
-        """Called once per decode step inside `scope()`: every `period` seconds, one decision."""
+        """Called once per unit of work inside `scope()` (an engine step, a micro-batch): it counts the unit's
+        thread count (`step_threads`) and, `period` seconds after the window opened, reads the counters and
+        decides (the first tick after a pause only opens the window)."""
         self.step_threads[0] += self.threads or 0
         self.step_threads[1] += 1
         if self.ceiling <= 1:
@@ -204,9 +206,11 @@ class ThreadGovernor:
             if self.on_change is not None:
                 self.on_change(old, new, self.ceiling)
 
+
 def adaptive_threads(who: str, verb: str, metric: str) -> Optional[ThreadGovernor]:
-    """A `ThreadGovernor` for one user of the CPU threads (`who` "the engine", verb "decodes"; "training", "runs")
-    whose first lowering of the count is said once on stderr, naming `metric` (the metrics of the mean count).
+    """A `ThreadGovernor` for one user of the CPU threads (`who` "the engine" with `verb` "decodes"; "the training
+    step (rollout, scoring, updates)" with "runs") whose first lowering of the count is said once on stderr, naming
+    `metric` (the metrics of the mean count).
     None where the system cannot report the load (`readings_unavailable`), said once as a warning when the caller
     has more than one thread: the count then stays as set."""
     reason = readings_unavailable()
@@ -222,6 +226,5 @@ def adaptive_threads(who: str, verb: str, metric: str) -> Optional[ThreadGoverno
             said.append(True)
             print(f"runtime.adaptive_threads: other processes are busy on this machine's cores; {who} {verb} with "
                   f"{new} of {ceiling} threads while they are (the mean count: {metric}; said once)",
-                  file=sys.stderr,
-                  flush=True)
+                  file=sys.stderr, flush=True)
     return ThreadGovernor(on_change=say)
