@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -207,10 +206,10 @@ class ThreadGovernor:
                 self.on_change(old, new, self.ceiling)
 
 
-def adaptive_threads(who: str, verb: str, metric: str) -> Optional[ThreadGovernor]:
+def adaptive_threads(who: str, verb: str, metrics: str = "") -> Optional[ThreadGovernor]:
     """A `ThreadGovernor` for one user of the CPU threads (`who` "the engine" with `verb` "decodes"; "the training
-    step (rollout, scoring, updates)" with "runs") whose first lowering of the count is said once on stderr, naming
-    `metric` (the metrics of the mean count).
+    step" with "runs") whose first lowering of the count is said once as a warning (the command line writes it above
+    its progress bar), naming `metrics` when given (where the mean count is logged).
     None where the system cannot report the load (`readings_unavailable`), said once as a warning when the caller
     has more than one thread: the count then stays as set."""
     reason = readings_unavailable()
@@ -220,11 +219,11 @@ def adaptive_threads(who: str, verb: str, metric: str) -> Optional[ThreadGoverno
                           "any load", stacklevel=3)
         return None
     said = []
+    logged = f"the mean count: {metrics}; " if metrics else ""
 
     def say(old: int, new: int, ceiling: int) -> None:
         if new < old and not said:
             said.append(True)
-            print(f"runtime.adaptive_threads: other processes are busy on this machine's cores; {who} {verb} with "
-                  f"{new} of {ceiling} threads while they are (the mean count: {metric}; said once)",
-                  file=sys.stderr, flush=True)
+            warnings.warn(f"runtime.adaptive_threads: other processes are busy on this machine's cores; {who} {verb} "
+                          f"with {new} of {ceiling} threads while they are ({logged}said once)", stacklevel=2)
     return ThreadGovernor(on_change=say)

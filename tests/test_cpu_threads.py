@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -250,22 +251,23 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
 
 @needs_proc
-def test_the_engine_decodes_with_fewer_threads_under_load_and_gives_the_count_back(threads, capsys):
+def test_the_engine_decodes_with_fewer_threads_under_load_and_gives_the_count_back(threads):
     threads(2)
     engine = tiny_engine(adaptive_threads=True)
     engine.threads.period = 0.05  # the tiny model's steps are short: decide often
     params = SamplingParams(max_new_tokens=120)
-    with busy_loops(len(os.sched_getaffinity(0))):
+    with busy_loops(len(os.sched_getaffinity(0))), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for _ in range(40):  # enough decoding for several windows on any machine
             engine.generate(PROMPTS * 8, params, torch.Generator().manual_seed(0))
             assert torch.get_num_threads() == 2
             if engine.last_stats["threads_mean"] < 2:
                 break
     assert engine.last_stats["threads_mean"] < 2
-    err = capsys.readouterr().err
-    assert err.count("runtime.adaptive_threads: other processes are busy on this machine's cores; the engine "
-                     "decodes with 1 of 2 threads while they are (the mean count: rollout/engine_threads; said "
-                     "once)") == 1
+    assert engine.thread_steps[0] < 2 * engine.thread_steps[1]  # over all the calls
+    said = [str(w.message) for w in caught if "runtime.adaptive_threads" in str(w.message)]
+    assert said == ["runtime.adaptive_threads: other processes are busy on this machine's cores; the engine decodes "
+                    "with 1 of 2 threads while they are (said once)"]
     # the streaming API's steps run in the same scope
     engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8))
     while engine.has_unfinished_requests:
@@ -306,7 +308,8 @@ def test_the_job_turns_it_on_by_default_and_off_when_asked_or_deterministic(tiny
 
     def config_of(*flags):
         return load_config(None, ["--train_type", "online_grpo", "--model.path", str(tiny_model_dir), *flags])
-    cpu, gpu = types.SimpleNamespace(device=torch.device("cpu")), types.SimpleNamespace(device=torch.device("cuda"))
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), is_main=True)
+    gpu = types.SimpleNamespace(device=torch.device("cuda"), is_main=True)
     assert _engine_options(config_of())["adaptive_threads"] is True
     assert (training_threads(config_of(), cpu) is not None) == (readings_unavailable() is None)
     assert training_threads(config_of(), gpu) is None
@@ -335,8 +338,7 @@ def test_a_job_logs_the_engines_and_the_trainings_thread_counts(tiny_model_dir, 
     assert record["policy/threads"] == 1.0 and record["critic/threads"] == 1.0
 
 
-def test_a_busy_machine_lowers_the_steps_threads_and_the_job_says_so_once(tiny_model_dir, tmp_path,
-                                                                                        monkeypatch, capsys):
+def test_a_busy_machine_lowers_the_steps_threads_and_the_job_says_so_once(tiny_model_dir, tmp_path, monkeypatch):
     """The counters replaced by a machine whose other processes take 0.8 cores all the time, decisions at every
     tick: with two threads the engine's decode steps and the training's micro-batches drop to one; the job's count
     is two again after it, the lowering is said once, and the job trains."""
@@ -353,7 +355,9 @@ def test_a_busy_machine_lowers_the_steps_threads_and_the_job_says_so_once(tiny_m
     before = torch.get_num_threads()
     out = tmp_path / "run"
     try:
-        assert main(tiny_args(tiny_model_dir, out, "--max_steps", "2", "--runtime.num_threads", "2")) == 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(tiny_args(tiny_model_dir, out, "--max_steps", "2", "--runtime.num_threads", "2")) == 0
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -362,8 +366,60 @@ def test_a_busy_machine_lowers_the_steps_threads_and_the_job_says_so_once(tiny_m
     for record in records:
         assert 1.0 <= record["rollout/engine_threads"] < 2.0
         assert 1.0 <= record["policy/threads"] < 2.0 and 1.0 <= record["critic/threads"] < 2.0
-    err = capsys.readouterr().err
-    assert err.count("runtime.adaptive_threads: other processes are busy on this machine's cores; the training step "
-                     "(rollout, scoring, updates) runs with 1 of 2 threads while they are (the mean count: "
-                     "rollout/engine_threads and policy/threads; said once)") == 1
-    assert "the engine decodes" not in err  # inside a step the engine ticks the trainer's governor
+    said = [str(w.message) for w in caught if "runtime.adaptive_threads" in str(w.message)]
+    assert said == ["runtime.adaptive_threads: other processes are busy on this machine's cores; the training step "
+                    "(rollout, scoring, updates) runs with 1 of 2 threads while they are (the mean count: "
+                    "rollout/engine_threads and policy/threads; said once)"]  # not the engine's: it ticks the step's
+
+
+def test_a_deterministic_cpu_job_with_threads_to_spare_says_its_count_stays(tiny_model_dir, threads, capsys):
+    import types
+
+    from astrai.config import load_config
+    from astrai.trainer.build import training_threads
+
+    threads(2)
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), is_main=True)
+    config = load_config(None, ["--train_type", "online_grpo", "--model.path", str(tiny_model_dir),
+                                "--runtime.deterministic", "true"])
+    assert training_threads(config, cpu) is None
+    assert capsys.readouterr().err == ("runtime.deterministic: the job keeps 2 threads even while other processes "
+                                       "busy the cores (runtime.adaptive_threads is off in bitwise runs: a thread "
+                                       "count changes float rounding)\n")
+
+
+def test_evaluate_and_serve_take_the_switch_and_evaluate_reports_the_mean_count(tiny_model_dir, tmp_path,
+                                                                              monkeypatch, capsys):
+    import json
+    import types
+
+    from test_evaluate import EVEN_LENGTH, cli
+
+    from astrai.evaluation.cli import mean_threads, report
+    from astrai.rewards import builtins as rewards
+    from astrai.serve.__main__ import build_engine, parse_args
+
+    monkeypatch.setitem(rewards.BUILTIN_REWARDS, "even_length", EVEN_LENGTH)
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    for flag, expected in (([], 1.0), (["--adaptive_threads", "false"], None)):
+        out = tmp_path / f"out{len(flag)}"
+        assert cli(tiny_model_dir, data, out, "--reward", "even_length", *flag) == 0
+        settings = json.loads((out / "summary.json").read_text())["settings"]
+        assert settings["threads_mean"] == (expected if readings_unavailable() is None else None), flag
+    assert mean_threads(types.SimpleNamespace(thread_steps=[5, 4])) == 1.25
+    assert mean_threads(types.SimpleNamespace(thread_steps=[0, 0])) is None and mean_threads(object()) is None
+    summary = json.loads((tmp_path / "out0" / "summary.json").read_text())
+    capsys.readouterr()
+    summary["settings"].update(threads=2, threads_mean=1.25)
+    report(summary, tmp_path)  # the throughput line names the mean when it was below the count
+    assert "tok/s, 2 threads, 1.25 on average: other processes were busy (runtime.adaptive_threads))" in \
+        capsys.readouterr().out
+    summary["settings"].update(threads=2, threads_mean=2.0)
+    report(summary, tmp_path)
+    assert "tok/s, 2 threads)" in capsys.readouterr().out
+    engine = build_engine(parse_args(["--checkpoint", str(tiny_model_dir), "--adaptive_threads", "false"]))[0]
+    assert engine.threads is None
+    engine = build_engine(parse_args(["--checkpoint", str(tiny_model_dir)]))[0]
+    assert (engine.threads is not None) == (readings_unavailable() is None)
+

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default: float32; bfloat16 is much slower on CPUs without AVX-512/AMX)")
     p.add_argument("--num_threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--adaptive_threads", default=None, choices=("true", "false"),
+                   help="on a CPU, decode with fewer threads while other processes busy the cores (default: the "
+                        "config's runtime.adaptive_threads, true; docs/kernels.md)")
     p.add_argument("--no_progress_bar", action="store_true", help="hide the progress bar")
     return p
 
@@ -251,6 +255,8 @@ def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dic
                                            revision=args.revision)
         templated = check_prompt_format(tokenizer, chosen["chat_template"], system_prompt=chosen["system_prompt"],
                                         model=model_path, say=lambda line: print(line, file=sys.stderr))
+        if args.adaptive_threads is not None:
+            config.runtime.adaptive_threads = args.adaptive_threads == "true"
         engine = build_rollout_engine(config, model, tokenizer)  # the job's rollout.engine and its options
         stops = stop_token_ids(model.config, tokenizer)
         if config.rollout.tools or config.rollout.environment is not None:  # the job's multi-turn episodes
@@ -278,7 +284,8 @@ def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dic
                             "reward_functions": functions, "temperature": args.temperature,
                             "greedy": settings.greedy, "num_samples": args.num_samples, "batch_size": args.batch_size,
                             "seed": args.seed, "limit": args.limit, "dtype": args.dtype, "device": str(device),
-                            "threads": torch.get_num_threads(), "config": str(config_path) if config_path else None}}
+                            "threads": torch.get_num_threads(), "threads_mean": mean_threads(engine),
+                            "config": str(config_path) if config_path else None}}
     out = Path(args.output_dir).expanduser()
     for path, text in ((out / RESULTS_FILE, "".join(json.dumps(ex, ensure_ascii=False) + "\n"
                                                     for ex in result.examples)),
@@ -290,6 +297,13 @@ def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dic
             raise OutputWriteError.of(path, err) from None
     report(summary, out)
     return summary
+
+
+def mean_threads(engine) -> Optional[float]:
+    """The mean torch thread count of the engine's decode steps over the whole evaluation (the paged engine's
+    adaptive threads, `thread_steps`), rounded to 0.01; None for engines without it."""
+    steps = getattr(engine, "thread_steps", None)
+    return round(steps[0] / steps[1], 2) if steps and steps[1] else None
 
 
 def report(summary: dict, out: Path) -> None:
@@ -317,6 +331,8 @@ def report(summary: dict, out: Path) -> None:
         print(f"per episode: {e['turns']:.2f} turns, {e['tool_calls']:.2f} tool calls, {e['tool_errors']:.2f} tool "
               "errors")
     threads = f"{s['threads']} thread{'' if s['threads'] == 1 else 's'}"
+    if s.get("threads_mean") is not None and s["threads_mean"] < s["threads"] - 0.005:
+        threads += f", {s['threads_mean']:.2f} on average: other processes were busy (runtime.adaptive_threads)"
     print(f"{summary['generated_tokens']} tokens in {summary['generation_seconds']:.1f} s "
           f"({summary['tokens_per_second']:.1f} tok/s, {threads}); evaluation {summary['wall_seconds']:.1f} s in all")
     print(f"wrote {out / RESULTS_FILE} and {out / SUMMARY_FILE}")
@@ -331,9 +347,12 @@ def main(argv: Optional[Sequence[str]] = None, make_player: Optional[Callable] =
     from astrai.data import DataError
     from astrai.outputs import OutputWriteError
 
+    from astrai.runtime_env import LOG_LEVEL_VAR, configure_logging, log_level
+
     start = time.perf_counter()
     try:
         args = build_parser().parse_args(argv)
+        configure_logging(log_level(os.environ.get(LOG_LEVEL_VAR)))  # ASTR_LOG_LEVEL, as training jobs read it
         run(args, make_player)
     except (UsageError, ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError,
             OutputWriteError) as err:

@@ -83,7 +83,8 @@ class PagedGenerationEngine:
             with the caller's count again when they are free (`astrai.cpu_threads.ThreadGovernor`; only inside
             `generate` and `step`: the caller's count is put back on return). Its choices change float rounding, so
             leave it off for bitwise repeats. `last_stats["threads_mean"]`: the mean count over the last
-            `generate`'s steps. Said once where the system cannot report the load (the count then stays).
+            `generate`'s steps; `thread_steps`: [sum of counts, steps] over all its calls. Said once where the
+            system cannot report the load (the count then stays).
         tp_group: a torch process group of more than one rank: the copy is split over it
             (`astrai.rollout.tensor_parallel`: heads, MLP columns/rows and vocabulary; every rank of the group must
             make the same calls with the same prompts, and samples the same tokens). None (or a group of one): the
@@ -143,7 +144,8 @@ class PagedGenerationEngine:
         self._lock = threading.Lock()
         self.threads: Optional[ThreadGovernor] = None
         if adaptive_threads and self.device.type == "cpu":
-            self.threads = make_governor("the engine", "decodes", "rollout/engine_threads")
+            self.threads = make_governor("the engine", "decodes")
+        self.thread_steps = [0, 0]  # over all calls: [sum of the thread count over decode steps, steps]
 
     def _governor(self) -> Optional[ThreadGovernor]:
         """The governor of this call: one whose scope is open in this thread (the trainer's, around a training
@@ -395,6 +397,7 @@ class PagedGenerationEngine:
                            "prefix_cache_entries": len(self.prefix_cache or ())}
         if governor is not None and governor.mean_threads is not None:
             self.last_stats["threads_mean"] = governor.mean_threads
+            self.thread_steps = [a + b for a, b in zip(self.thread_steps, governor.step_threads)]
 
     def _runner(self) -> PagedModelRunner:
         """A model runner over the workspace; with `cuda_graphs` it serves decode steps from the engine's

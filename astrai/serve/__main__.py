@@ -52,6 +52,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--engine", default="paged",
                    help="generation engine by registered name (default paged; it must stream requests)")
+    p.add_argument("--adaptive_threads", default="true", choices=("true", "false"),
+                   help="paged engine on a CPU: decode with fewer threads while other processes busy the cores "
+                        "(default true; docs/kernels.md)")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--log_level", default=os.environ.get("ASTR_LOG_LEVEL", "info"),
@@ -112,7 +115,7 @@ def build_engine(args: argparse.Namespace):
                           max_kv_tokens=args.max_kv_tokens, max_batch_tokens=args.max_batch_tokens,
                           policy_version=checkpoint_version(path),
                           attention_backend=attention_backend(None),
-                          **({"adaptive_threads": True} if args.engine == "paged" else {}))
+                          **({"adaptive_threads": args.adaptive_threads == "true"} if args.engine == "paged" else {}))
     if not isinstance(engine, StreamingEngine):
         raise ValueError(f"--engine {args.engine}: the server needs an engine that streams (submit / step); this "
                          "one generates whole batches only")

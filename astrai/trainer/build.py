@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -62,10 +63,18 @@ def seed_everything(seed: int) -> None:
 def training_threads(config: Config, dist) -> Optional[ThreadGovernor]:
     """The trainer's `ThreadGovernor` (`astrai.cpu_threads`) on a CPU with `runtime.adaptive_threads` and without
     `runtime.deterministic`; None otherwise (and where the system cannot report the load, said once)."""
-    if dist.device.type != "cpu" or not config.runtime.adaptive_threads or config.runtime.deterministic:
+    if dist.device.type != "cpu" or not config.runtime.adaptive_threads:
         return None
-    return adaptive_threads("the training step (rollout, scoring, updates)", "runs",
-                            "rollout/engine_threads and policy/threads")
+    if config.runtime.deterministic:
+        if torch.get_num_threads() > 1 and dist.is_main:
+            print(f"runtime.deterministic: the job keeps {torch.get_num_threads()} threads even while other processes "
+                  "busy the cores (runtime.adaptive_threads is off in bitwise runs: a thread count changes float "
+                  "rounding)", file=sys.stderr, flush=True)
+        return None
+    online = train_types.get(config.train.type).online
+    metrics = "rollout/engine_threads and policy/threads" if online else "policy/threads"
+    return adaptive_threads("the training step" + (" (rollout, scoring, updates)" if online else ""), "runs",
+                            metrics)
 
 
 def apply_runtime(config: Config) -> None:
