@@ -97,6 +97,18 @@ def child(side: str, dtype: str, batch: int, max_new: int, threads: int) -> dict
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
+def run_beside_busy_loops(cmd: list, busy: int, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, **kwargs)` with `busy` busy-loop processes of this
+    interpreter (`while True: pass`) running from before its start to its end, killed by their own PIDs."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
 def measure(side: str, dtype: str, batch: int, args, busy: int = 0) -> dict:
     """`child` run in a fresh process of this interpreter, with `busy` busy-loop processes running from before its
     start to its end; exits with its stderr's last lines when it fails."""
@@ -106,13 +118,7 @@ def measure(side: str, dtype: str, batch: int, args, busy: int = 0) -> dict:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     cmd = [sys.executable, __file__, "--child", side, "--dtypes", dtype, "--batches", str(batch),
            "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
+    proc = run_beside_busy_loops(cmd, busy, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])

@@ -22,14 +22,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from engine_vs_vllm import machine  # noqa: E402
+from engine_vs_vllm import machine, run_beside_busy_loops  # noqa: E402
 
 PHASES = {"step": ("time/step_seconds",), "generate": ("time/generate_seconds",),
           "update": ("time/policy_update_seconds", "time/critic_update_seconds")}
@@ -40,13 +39,7 @@ def run_job(args, adaptive: bool, busy: int, out: Path) -> dict:
     cmd = [sys.executable, "-m", "astrai.train", "--config", args.config, "--max_steps", str(args.steps),
            "--runtime.num_threads", str(args.threads), "--runtime.adaptive_threads", str(adaptive).lower(),
            "--train.output_dir", str(out), "--train.progress_bar", "false", "--checkpoint.save_at_end", "false"]
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
+    proc = run_beside_busy_loops(cmd, busy, cwd=ROOT)
     if proc.returncode != 0:
         sys.exit(f"the job failed (exit {proc.returncode}):\n" + "\n".join(proc.stderr.strip().splitlines()[-5:]))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
