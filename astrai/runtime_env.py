@@ -96,7 +96,17 @@ def log_level(text: Optional[str]) -> Optional[int]:
 
 
 class _StderrHandler(logging.StreamHandler):
-    """A stream handler writing to whatever `sys.stderr` is at emit time (it may be replaced after setup)."""
+    """A stream handler writing to whatever `sys.stderr` is at emit time (it may be replaced after setup), through
+    `tqdm.write`: a progress bar on the terminal is cleared first and redrawn below the line, as the command line's
+    warnings are written."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # logging's contract: a failing handler reports itself, never raises
+            self.handleError(record)
 
     @property
     def stream(self):

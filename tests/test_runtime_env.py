@@ -162,3 +162,28 @@ def test_deepspeed_op_build_is_announced_once_with_its_cache(tmp_path, monkeypat
     (cache / "deepspeed_shm_comm.so").write_bytes(b"")
     monkeypatch.setattr(runtime_env, "_ANNOUNCED_OPS", set())
     assert announce_deepspeed_op_build(deepspeed) is None and capsys.readouterr().out == ""  # built already
+
+
+def test_log_lines_are_written_above_a_progress_bar_not_onto_it(capsys):
+    """The `astrai` logger's stderr handler writes through `tqdm.write`: a bar on stderr is cleared first and
+    redrawn below, so a log line starts its own line (a DEBUG reading during a training step once stuck to the
+    bar's last frame)."""
+    from tqdm import tqdm
+
+    from astrai.runtime_env import _StderrHandler
+
+    logger = logging.getLogger("astrai.test_bar")
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        with tqdm(total=2, desc="train", file=sys.stderr, ascii=True) as bar:
+            bar.update(1)
+            logger.info("a reading")
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    lines = err.replace("\r", "\n").split("\n")
+    assert "INFO astrai.test_bar: a reading" in lines  # a line of its own, no bar frame before it
