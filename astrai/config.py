@@ -608,7 +608,7 @@ class RuntimeSection(Section, name="runtime"):
     adaptive_threads: bool = field_spec(
         True, "on a CPU: the rollout engine's decode steps and the training steps run with fewer torch threads while "
               "other processes busy the cores (a team of OpenMP threads stalls on a shared core), and with "
-              "runtime.num_threads again when the cores are free (rollout/engine_threads, train/threads; "
+              "runtime.num_threads again when the cores are free (rollout/engine_threads, policy/threads; "
               "docs/kernels.md). Off under runtime.deterministic: a thread count changes float rounding")
     deterministic: bool = field_spec(False, "use deterministic torch algorithms (slower); multi-turn episodes "
                                             "then run turn by turn, bitwise reproducible, instead of streamed")
