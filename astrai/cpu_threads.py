@@ -7,7 +7,8 @@ engine's float32 decode from 415 to 108 tokens/s with 2 threads, while 1 thread 
 `bench/engine_vs_vllm.py --busy 1` measures it against vLLM, which binds its threads). No fixed setting wins both
 ways: 2 threads are 1.75x faster than 1 on idle cores.
 
-How: every `period` seconds of decoding, `ThreadGovernor.tick` reads two kernel counters over the window:
+How: at units of work (engine steps, micro-batches) at least `period` seconds apart, `ThreadGovernor.tick` reads
+two kernel counters over the window since its last reading:
 - *wait*: the seconds this process's threads spent runnable but not running (the second field of
   `/proc/self/task/*/schedstat`, the scheduler's `run_delay`), per second: cores our threads wanted and did not get.
   At or above `wait_down` (0.3 cores) the team shrinks by max(1, round(wait)) threads (not below 1).
@@ -20,9 +21,9 @@ large as the cores leaves no idle time. A reading that cannot be taken (no `/pro
 The count applies inside `scope()` only: the engine's `generate` and streamed `step`, and in a training job the whole
 of each step (rollout, scoring passes, updates) under the trainer's governor, which the engine's decode steps and
 the trainer's micro-batches both tick (`active_governor`: one decision-maker per step). On leaving, the caller's count
-is put back. The choice is kept between scopes (a load that lasts
-keeps its count from one rollout to the next); a window spans scopes that follow each other closely (streamed steps)
-and starts afresh after a pause longer than `period` (the time between was not the engine's).
+is put back. The choice is kept between scopes (a load that lasts keeps its count from one rollout to the next); a
+window spans scopes that follow each other closely (streamed steps) and starts afresh after a pause longer than
+`period` (the time between was someone else's).
 
 Thread counts change a float reduction's order, so a rollout or a step whose count moved repeats only to rounding
 (tokens can differ where two were nearly tied); jobs turn the governor off for bitwise runs (`runtime.deterministic`,
@@ -41,7 +42,8 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-__all__ = ["ThreadGovernor", "active_governor", "adaptive_threads", "cpu_readings", "readings_unavailable"]
+__all__ = ["ThreadGovernor", "active_governor", "adaptive_threads", "cpu_readings", "governed",
+           "readings_unavailable"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,8 @@ def readings_unavailable() -> Optional[str]:
 
 
 class ThreadGovernor:
-    """The torch thread count for the engine's decode steps under other processes' CPU load.
+    """The torch thread count of the work in its `scope()` (engine steps, training micro-batches) under other
+    processes' CPU load.
 
     Args:
         period: seconds between decisions (each reads the counters once: ~0.1 ms for tens of threads); None:
@@ -117,8 +120,6 @@ class ThreadGovernor:
     Attributes:
         threads: the count chosen now (None until the first scope).
         ceiling: the caller's count when the last scope opened.
-        step_threads: [sum over ticks of the count in use, ticks] since the caller last set it to [0, 0]
-            (`mean_threads`).
     """
 
     def __init__(self, *, period: Optional[float] = None, wait_down: float = 0.3, idle_up: float = 0.6,
@@ -136,7 +137,6 @@ class ThreadGovernor:
         self._last: Optional[tuple[float, Readings]] = None  # (time, readings) at the window's start
         self._last_tick = 0.0
         self._depth = 0  # scopes open (only the outermost sets and restores the count)
-        self.step_threads = [0, 0]
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["ThreadGovernor"]:
@@ -166,30 +166,22 @@ class ThreadGovernor:
             if torch.get_num_threads() != ceiling:
                 torch.set_num_threads(ceiling)
 
-    @property
-    def mean_threads(self) -> Optional[float]:
-        """The mean count over the ticks counted in `step_threads` (None before any)."""
-        total, ticks = self.step_threads
-        return total / ticks if ticks else None
-
-    def tick(self) -> None:
-        """Called once per unit of work inside `scope()` (an engine step, a micro-batch): it counts the unit's
-        thread count (`step_threads`) and, `period` seconds after the window opened, reads the counters and
-        decides (the first tick after a pause only opens the window)."""
-        self.step_threads[0] += self.threads or 0
-        self.step_threads[1] += 1
+    def tick(self) -> int:
+        """Called before each unit of work inside `scope()` (an engine step, a micro-batch), and after the last
+        one: `period` seconds after the window opened it reads the counters and decides (the first tick after a
+        pause only opens the window). Returns the count the coming unit runs with (callers average it)."""
         if self.ceiling <= 1:
-            return
+            return self.threads
         now = self._last_tick = self.clock()
         if self._last is not None and now - self._last[0] < self.period:
-            return
+            return self.threads
         try:
             readings = self.readings()
         except OSError:
-            return
+            return self.threads
         last, self._last = self._last, (now, readings)
         if last is None:
-            return
+            return self.threads
         seconds = now - last[0]
         wait = max(0.0, readings[0] - last[1][0]) / seconds
         idle = max(0.0, readings[1] - last[1][1]) / seconds
@@ -204,6 +196,12 @@ class ThreadGovernor:
             torch.set_num_threads(new)
             if self.on_change is not None:
                 self.on_change(old, new, self.ceiling)
+        return self.threads
+
+
+def governed(governor: Optional[ThreadGovernor]):
+    """`governor.scope()`, or a no-op context where there is no governor (adaptive threads off)."""
+    return governor.scope() if governor is not None else contextlib.nullcontext()
 
 
 def adaptive_threads(who: str, verb: str, metrics: str = "") -> Optional[ThreadGovernor]:

@@ -19,7 +19,6 @@ contiguous-cache loop (the reference engine of the tests):
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 import warnings
@@ -27,7 +26,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from astrai.cpu_threads import ThreadGovernor, active_governor, adaptive_threads as make_governor
+from astrai.cpu_threads import ThreadGovernor, active_governor, adaptive_threads as make_governor, governed
 from astrai.data.sequences import left_pad
 from astrai.kernels import InferenceWorkspace
 from astrai.rollout.block_pool import BlockPool, PrefixCache
@@ -154,18 +153,17 @@ class PagedGenerationEngine:
             return None
         return active_governor() or self.threads
 
-    def _thread_scope(self):
-        """The governor's scope (`ThreadGovernor.scope`), or a no-op without one."""
-        governor = self._governor()
-        return governor.scope() if governor is not None else contextlib.nullcontext()
-
-    def _ticking(self, forward: Callable) -> Callable:
-        """`forward` with a tick of the call's governor before each step (as is without one)."""
+    def _ticking(self, forward: Callable, counts: Optional[list[int]] = None) -> Callable:
+        """`forward` with a tick of the call's governor before each step (as is without one); with `counts`
+        ([sum, steps]) it adds each step's thread count."""
         if self.threads is None:
             return forward
 
         def ticking(*args, **kwargs):
-            self._governor().tick()
+            threads = self._governor().tick()
+            if counts is not None:
+                counts[0] += threads
+                counts[1] += 1
             return forward(*args, **kwargs)
         return ticking
 
@@ -319,7 +317,7 @@ class PagedGenerationEngine:
 
     def step(self) -> list[StepOutput]:
         """One decode step over every live streamed request (new ones prefill in it); the tokens it sampled."""
-        with self._lock, self._thread_scope():
+        with self._lock, governed(self._governor()):
             return [] if self._session is None else self._session.step()
 
     def abort(self, request_id: int, choice: Optional[int] = None) -> None:
@@ -381,23 +379,21 @@ class PagedGenerationEngine:
                       for g in groups)
         self._ensure_capacity(max(wanted, largest))
         runner = self._runner()
+        counts = [0, 0]  # [sum of the thread count over decode steps, steps] of this call
         scheduler = Scheduler(pool=self.pool, prefix_cache=self.prefix_cache, workspace=self.workspace,
-                              forward=self._ticking(runner.forward), policy_version=self.policy_version,
+                              forward=self._ticking(runner.forward, counts), policy_version=self.policy_version,
                               max_batch_tokens=self.max_batch_tokens, max_num_seqs=self.max_num_seqs,
                               on_token=on_token)
         hits_before = self.prefix_cache.hits if self.prefix_cache is not None else 0
-        governor = self._governor()
-        with self._thread_scope():
-            if governor is not None:
-                governor.step_threads = [0, 0]
+        with governed(self._governor()):
             scheduler.run(groups)
         rebuilds = runner.decode_cache.rebuilds if runner.decode_cache is not None else 0
         self.last_stats = {"steps": scheduler.steps, "groups": len(groups), "dense_decode_rebuilds": rebuilds,
                            "prefix_cache_hits": (self.prefix_cache.hits - hits_before) if self.prefix_cache else 0,
                            "prefix_cache_entries": len(self.prefix_cache or ())}
-        if governor is not None and governor.mean_threads is not None:
-            self.last_stats["threads_mean"] = governor.mean_threads
-            self.thread_steps = [a + b for a, b in zip(self.thread_steps, governor.step_threads)]
+        if counts[1]:
+            self.last_stats["threads_mean"] = counts[0] / counts[1]
+            self.thread_steps = [a + b for a, b in zip(self.thread_steps, counts)]
 
     def _runner(self) -> PagedModelRunner:
         """A model runner over the workspace; with `cuda_graphs` it serves decode steps from the engine's

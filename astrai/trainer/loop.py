@@ -18,7 +18,6 @@ the last completed step.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import zlib
@@ -29,7 +28,7 @@ import torch
 
 from astrai.checkpoint import Part
 from astrai.distributed import DistributedContext
-from astrai.cpu_threads import ThreadGovernor
+from astrai.cpu_threads import ThreadGovernor, governed
 from astrai.outputs import OutputWriteError
 from astrai.rollout.remote import RemoteEngineError
 from astrai.trainer.faults import (GenerationProcessFault, NonFiniteCounter, StepAbandoned, StepBoundary,
@@ -150,8 +149,8 @@ class Trainer:
             skipped) after which `NonFiniteError` stops the job.
         threads: each `learner.train_step` (its rollout, scoring passes and updates) runs in its scope, deciding
             at each micro-batch of `accumulate_and_step` and after the last (`astrai.cpu_threads.ThreadGovernor`:
-            fewer CPU threads while other processes busy the cores; `runtime.adaptive_threads`); the engine's own
-            governor then decides within the count chosen here. None: the thread count stays as set.
+            fewer CPU threads while other processes busy the cores; `runtime.adaptive_threads`); the engine's decode
+            steps tick it too (`astrai.cpu_threads.active_governor`). None: the thread count stays as set.
     """
 
     def __init__(self, learner: Learner, *, dist: DistributedContext, max_steps: int,
@@ -238,7 +237,7 @@ class Trainer:
             while not stop and self.state.global_step < self.state.max_steps:
                 drawn = self.learner.data_sampler.drawn
                 try:
-                    with self.threads.scope() if self.threads is not None else contextlib.nullcontext():
+                    with governed(self.threads):
                         step_metrics = self.learner.train_step(self)
                 except StepAbandoned as err:  # every rank alike: the step did not train, the state is the last's
                     if self.dist.is_main:
@@ -317,13 +316,11 @@ class Trainer:
         scale = trained.loss_scale
         sums: dict[str, torch.Tensor] = {}
         loss_finite = torch.ones((), dtype=torch.bool, device=local.device)
-        governor = self.threads
-        with governor.scope() if governor is not None else contextlib.nullcontext():
-            if governor is not None:
-                governor.step_threads = [0, 0]
+        governor, threads = self.threads, []  # threads: the count each micro-batch ran with
+        with governed(governor):
             for index, micro in enumerate(micro_batches):
                 if governor is not None:
-                    governor.tick()
+                    threads.append(governor.tick())
                 with trained.gradient_sync(index == len(micro_batches) - 1):
                     with trained.autocast():
                         loss, metrics = loss_fn(micro, num_units)
@@ -337,7 +334,7 @@ class Trainer:
                 _accumulate(sums, aux_metrics)
             if governor is not None:
                 governor.tick()  # closes the window the last micro-batch ran in
-                sums[f"{trained.name}/threads"] = torch.tensor(governor.mean_threads)
+                sums[f"{trained.name}/threads"] = torch.tensor(sum(threads) / len(threads))
         grad_norm, lr, applied = trained.step(self.max_grad_norm,
                                               lambda: self._emit("before_optimizer_step", trained.name))
         sums[f"{trained.name}/grad_norm"], sums[f"{trained.name}/lr"] = grad_norm, lr
