@@ -323,9 +323,12 @@ def convert_value(name: str, hint: Any, check: Any, value: Any) -> Any:
         raise ConfigError(f"{name}: {detail}")
     if out is _coerce or (check is not None and not check.ok(out)):
         kind = _KINDS.get(base, "a mapping" if get_origin(base) is dict else "a list of strings")
-        wrong_type = out is _coerce
-        expected = (kind if check is None else f"{kind}: {check.describe(kind)}" if wrong_type and isinstance(check, Pattern)
-                    else check.describe(kind))  # YAML's 7 for a "cpu or cuda:N" field says both
+        if check is None:
+            expected = kind
+        elif out is _coerce and isinstance(check, Pattern):  # YAML's 7 for a "cpu or cuda:N" field: both
+            expected = f"{kind}: {check.describe(kind)}"
+        else:
+            expected = check.describe(kind)
         raise ConfigError(f"{name}: expected {'null or ' if optional else ''}{expected}, got {value!r}")
     if base is float and not math.isfinite(out):  # YAML's .nan / .inf that a range did not refuse: never a setting
         raise ConfigError(f"{name}: expected {'null or ' if optional else ''}a finite number, got {value!r}")
