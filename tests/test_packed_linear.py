@@ -158,10 +158,21 @@ def test_weight_sync_reaches_the_prepacked_copy(model, dtype, stream):
     torch.testing.assert_close(new.old_logprobs, fresh.old_logprobs, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("copies", ["kernel", "float32", "bfloat16"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 3.0)])
-def test_bf16_dense_decode_cache_matches_paged_decode(window, softcap):
-    """Half-precision keys are stored untransposed (what SDPA reads); appends, windows and the float32 soft-cap
-    path read them right: each step equals the paged reference (bfloat16; float32 for the soft-cap path)."""
+def test_bf16_dense_decode_cache_matches_paged_decode(window, softcap, copies, monkeypatch):
+    """A bfloat16 cache on CPU: with the compiled kernel the dense copies stay bfloat16 (keys transposed) and each
+    step equals the float32 paged reference over the same values; without it they are float32 (keys transposed,
+    the matmul path), again equal to the float32 reference. Half-precision copies without the kernel (the layout
+    of other devices, forced here) keep keys untransposed (what SDPA reads); appends, windows and the float32
+    soft-cap path read them right: each step equals the paged reference (bfloat16; float32 for the soft-cap
+    path)."""
+    from astrai.kernels import cpu_kernels
+
+    if copies == "kernel" and not cpu_kernels.supports(torch.bfloat16):
+        pytest.skip(f"no CPU attention kernel here: {cpu_kernels.unavailable_reason()}")
+    if copies != "kernel":
+        monkeypatch.setattr(cpu_kernels, "supports", lambda dtype: False)
     gen = torch.Generator().manual_seed(1)
     bs, nkv, nh, d = 4, 2, 6, 8
     ws = InferenceWorkspace(num_layers=1, num_blocks=20, block_size=bs, num_kv_heads=nkv, head_dim=d,
@@ -176,7 +187,10 @@ def test_bf16_dense_decode_cache_matches_paged_decode(window, softcap):
         write_kv(ws.k_caches[0], ws.v_caches[0], slots(sid, range(n)), torch.randn(n, nkv, d, generator=gen),
                  torch.randn(n, nkv, d, generator=gen))
     cache = DenseDecodeCache(ws, headroom=2)
-    assert not cache.keys_transposed
+    assert cache.keys_transposed and cache.kernel == (copies == "kernel")
+    assert cache.dtype == (torch.bfloat16 if copies == "kernel" else torch.float32)  # on CPU
+    if copies == "bfloat16":
+        cache.dtype, cache.keys_transposed = torch.bfloat16, False
     live = [0, 1]
     block_tables = torch.tensor([tables[s] for s in live], dtype=torch.int32)
     for _ in range(5):
@@ -190,7 +204,7 @@ def test_bf16_dense_decode_cache_matches_paged_decode(window, softcap):
         cache.append(0, k, v)
         q = torch.randn(2, nh, d, generator=gen).bfloat16()
         # with a soft-cap the dense path computes in float32 (as before): its reference is the float32 one
-        compute = torch.float32 if softcap is not None else torch.bfloat16
+        compute = torch.float32 if softcap is not None or copies != "bfloat16" else torch.bfloat16
         expected = paged_decode_attention(q.to(compute), ws.k_caches[0].to(compute), ws.v_caches[0].to(compute),
                                           block_tables, torch.tensor(kv_lens), d ** -0.5, window=window,
                                           softcap=softcap).bfloat16()

@@ -16,17 +16,34 @@ of `LOGITS_CHUNK` rows.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from astrai.kernels import AttentionMetadata, DenseDecodeCache, InferenceWorkspace, write_kv
+from astrai.kernels import AttentionMetadata, DenseDecodeCache, InferenceWorkspace, cpu_kernels, write_kv
 from astrai.models.attention import LayerAttention, layer_attention
 
 __all__ = ["PagedAttention", "PagedModelRunner", "StepBatch", "fuse_projections", "lm_logits", "soft_cap"]
 
 LOGITS_CHUNK = 1024  # vocabulary rows of the LM head per GEMM
+
+logger = logging.getLogger(__name__)
+_said_no_kernel = False
+
+
+def _say_without_kernel() -> None:
+    """Say once per process (a warning; at debug level when ASTR_CPU_KERNELS turned it off) that CPU decode
+    attention runs on the torch path, and why."""
+    global _said_no_kernel
+    if _said_no_kernel:
+        return
+    _said_no_kernel = True
+    reason = cpu_kernels.unavailable_reason() or "it does not read this dtype"
+    level = logging.DEBUG if "ASTR_CPU_KERNELS" in reason else logging.WARNING
+    logger.log(level, "engine: the compiled CPU decode attention is not used (%s); decoding takes the torch path, "
+               "about 1.3x slower in bfloat16 (docs/kernels.md)", reason)
 
 
 @dataclass
@@ -104,6 +121,8 @@ class PagedModelRunner:
         self.model, self.workspace, self.backend, self.graphs = model, workspace, backend, graphs
         self.decode_cache = (DenseDecodeCache(workspace) if dense_decode and backend.name == "torch"
                              and graphs is None else None)
+        if self.decode_cache is not None and workspace.device.type == "cpu" and not self.decode_cache.kernel:
+            _say_without_kernel()
         self.layers = layer_attention(model.config)
         self.scale = model.config.attention_scale
 
