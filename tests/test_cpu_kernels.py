@@ -107,13 +107,15 @@ def test_build_goes_to_the_cache_folder_once(tmp_path, monkeypatch, fresh_librar
     ({"ASTR_CPU_KERNELS": "0"}, "turned off by ASTR_CPU_KERNELS"),
     ({"CC": "no-such-compiler-here"}, "no C compiler found"),
     ({"CC": "false"}, "false failed to build cpu_attention.c"),
+    ({"ASTR_KERNEL_CACHE": "/proc/astrai-cannot-be-here"}, "cannot write the kernel cache"),
 ])
 def test_every_reason_leaves_the_torch_path(setting, reason, tmp_path, monkeypatch, fresh_library):
-    """Turned off, no compiler, a failing compiler: `library()` is None with the reason in one line, and the dense
-    decode cache then keeps float32 copies (the matmul path), still equal to the paged reference."""
+    """Turned off, no compiler, a failing compiler, a cache folder that cannot be written: `library()` is None with
+    the reason in one line (nothing raised, no file left behind), and the dense decode cache then keeps float32
+    copies (the matmul path), still equal to the paged reference."""
     from astrai.kernels import paged_decode_attention, write_kv
 
-    monkeypatch.setenv("ASTR_KERNEL_CACHE", str(tmp_path))  # nothing cached: the compiler is asked
+    monkeypatch.setenv("ASTR_KERNEL_CACHE", str(tmp_path))  # nothing cached: the compiler is asked (or the folder)
     for name, value in setting.items():
         monkeypatch.setenv(name, value)
     assert cpu_kernels.library() is None and not cpu_kernels.supports(torch.float32)

@@ -239,7 +239,9 @@ def test_fuse_projections_keeps_parameters_and_outputs(model):
 def test_dense_decode_cache_gives_same_samples(model, budget):
     """The torch backend's dense decode cache changes nothing: same tokens and log-probs as gathering the blocks
     every step, with rows stopping early (EOS) and, under a tight budget, prefill chunks mixed into decode steps;
-    in bfloat16 too (where a softmax in bf16 would have flipped tokens)."""
+    in bfloat16 too (where a softmax in bf16 would have flipped tokens). In bfloat16 the dense path attends in
+    float32 over the bf16 values (the CPU kernel, or float32 copies) where the gathering path's SDPA multiplies
+    bf16 probabilities by bf16 values: the same tokens, log-probs within bf16 rounding (2e-3 measured)."""
     params = SamplingParams(max_new_tokens=14, temperature=1.0, stop_token_ids=(EOS,))
     on = engine_for(model, **budget)
     off = engine_for(model, dense_decode=False, **budget)
@@ -247,7 +249,8 @@ def test_dense_decode_cache_gives_same_samples(model, budget):
     b = off.generate(PROMPTS, params, torch.Generator().manual_seed(5), n=3)
     assert rows(a) == rows(b)
     assert len({len(r) for r in rows(a)}) > 1  # rows of different lengths: the row set changed mid-call
-    torch.testing.assert_close(a.old_logprobs, b.old_logprobs, atol=1e-6, rtol=0)
+    tolerance = 1e-2 if budget.get("dtype") == "bfloat16" else 1e-6
+    torch.testing.assert_close(a.old_logprobs, b.old_logprobs, atol=tolerance, rtol=0)
     assert on.last_stats["dense_decode_rebuilds"] > 0 and off.last_stats["dense_decode_rebuilds"] == 0
 
 

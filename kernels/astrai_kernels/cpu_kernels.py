@@ -79,9 +79,12 @@ def _machine() -> str:
 
 def _build(compiler: str, target: Path) -> Optional[str]:
     """Compile SOURCE into `target` (atomically); None on success, else a one-line reason."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
+        os.close(fd)
+    except OSError as err:
+        return f"cannot write the kernel cache {target.parent} ({err.strerror or err}; set ASTR_KERNEL_CACHE)"
     try:
         proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
