@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,10 +99,41 @@ def test_build_goes_to_the_cache_folder_once(tmp_path, monkeypatch, fresh_librar
     assert cpu_kernels.library() is not None
     built = list(tmp_path.iterdir())
     assert len(built) == 1 and built[0].name.startswith("cpu_attention-") and built[0].suffix == ".so"
+    assert built[0].stat().st_mode & 0o755 == 0o755  # other users of a shared cache can load it
     stamp = built[0].stat().st_mtime_ns
     cpu_kernels.library.cache_clear()
     assert cpu_kernels.library() is not None
     assert [p.name for p in tmp_path.iterdir()] == [built[0].name] and built[0].stat().st_mtime_ns == stamp
+
+
+@needs_kernel
+@pytest.mark.parametrize("damage", [b"", b"not an ELF file at all", "foreign"])
+def test_a_cached_file_that_does_not_load_is_rebuilt(damage, tmp_path, monkeypatch, fresh_library):
+    """A truncated, garbage or foreign file under the cached name (an interrupted copy, a bad disk) is built again
+    instead of leaving the torch path for good."""
+    monkeypatch.setenv("ASTR_KERNEL_CACHE", str(tmp_path))
+    assert cpu_kernels.library() is not None
+    (built,) = tmp_path.iterdir()
+    if damage == "foreign":  # a real shared library without the kernel's functions
+        import ctypes.util
+
+        damage = open(f"/lib/x86_64-linux-gnu/{ctypes.util.find_library('m')}", "rb").read() \
+            if os.path.exists(f"/lib/x86_64-linux-gnu/{ctypes.util.find_library('m')}") else b"\x7fELF"
+    os.unlink(built)
+    built.write_bytes(damage)
+    # a fresh process: this one's dynamic loader would hand back the library it already loaded from that path
+    check = ("from astrai.kernels import cpu_kernels\n"
+             "assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()")
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=300)
+    assert built.stat().st_size > 1000 and [p.name for p in tmp_path.iterdir()] == [built.name]
+
+
+@needs_kernel
+def test_a_compiler_with_arguments(tmp_path, monkeypatch, fresh_library):
+    """CC as make reads it, a program and its arguments (`ccache gcc`, `gcc -std=gnu11`)."""
+    monkeypatch.setenv("ASTR_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "cc -Wno-unused-function")
+    assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()
 
 
 @pytest.mark.parametrize("setting,reason", [

@@ -31,6 +31,15 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
 #define HAVE_F16 0
 #endif
 
+/* 1 when this build runs its tasks on OpenMP threads (else it would use one thread). */
+int astrai_cpu_attention_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* 1 when this build reads `dtype`. */
 int astrai_cpu_attention_supports(int dtype) { return dtype == F32 || dtype == BF16 || (dtype == F16 && HAVE_F16); }
 

@@ -29,7 +29,9 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -42,7 +44,7 @@ __all__ = ["SOURCE", "DTYPE_CODES", "cache_dir", "library", "unavailable_reason"
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-BUILD_TIMEOUT_S = 300
+BUILD_TIMEOUT_S = 120  # about a second on a 2-core machine
 
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _reason: Optional[str] = None
@@ -77,33 +79,76 @@ def _machine() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
 
 
-def _build(compiler: str, target: Path) -> Optional[str]:
-    """Compile SOURCE into `target` (atomically); None on success, else a one-line reason."""
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`cmd` in its own session, output captured; past `timeout` seconds the whole process group is killed (a
+    compiler driver's children too) and `subprocess.TimeoutExpired` raised."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _build(compiler: list[str], target: Path) -> Optional[str]:
+    """Compile SOURCE into `target` (a temporary file renamed, mode 0755 so that other users of a shared cache can
+    load it); None on success, else a one-line reason."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
         os.close(fd)
     except OSError as err:
         return f"cannot write the kernel cache {target.parent} ({err.strerror or err}; set ASTR_KERNEL_CACHE)"
+    name = " ".join(compiler)
     try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
+        proc = _run([*compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], BUILD_TIMEOUT_S)
         if proc.returncode != 0:
-            first = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[0]
-            return f"{compiler} failed to build {SOURCE.name}: {first}"
+            lines = proc.stderr.strip().splitlines()
+            first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else f"exit {proc.returncode}")
+            return f"{name} failed to build {SOURCE.name}: {first.strip()}"
+        os.chmod(tmp, 0o755)
         os.replace(tmp, target)
         return None
+    except subprocess.TimeoutExpired:
+        return f"{name} did not build {SOURCE.name} within {BUILD_TIMEOUT_S} s (killed)"
     except (OSError, subprocess.SubprocessError) as err:
-        return f"{compiler} could not build {SOURCE.name}: {type(err).__name__}: {err}"
+        return f"{name} could not build {SOURCE.name}: {type(err).__name__}: {err}"
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _load(target: Path, runtimes: set[str], *, fresh: bool = False) -> tuple[Optional[ctypes.CDLL], str]:
+    """(the library at `target` with its functions typed, "") or (None, why it cannot be used). `fresh`: open it
+    under another name (/proc/self/fd/N), for a file rebuilt after a failed load: the dynamic loader hands back the
+    library it already loaded under a path it has seen."""
+    fd = os.open(target, os.O_RDONLY) if fresh else None
+    try:
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if fresh else str(target))
+        supports, attend, openmp = (lib.astrai_cpu_attention_supports, lib.astrai_dense_decode_attention,
+                                    lib.astrai_cpu_attention_openmp)
+    except (OSError, AttributeError) as err:
+        return None, f"could not load {target}: {err}"
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if _openmp_runtimes() != runtimes:
+        return None, f"{target.name} mapped a second OpenMP runtime ({', '.join(sorted(_openmp_runtimes() - runtimes))})"
+    openmp.restype = _I
+    if not openmp():
+        return None, f"{target.name} was built without OpenMP (one thread; the torch path uses every thread)"
+    supports.argtypes, supports.restype = [_I], _I
+    attend.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I, _F, _I64, _F, _P, _I]
+    attend.restype = _I
+    return lib, ""
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> Optional[ctypes.CDLL]:
-    """The loaded kernel library (built first if this machine has none cached), or None with the reason in
-    `unavailable_reason()`. Decided once per process."""
+    """The loaded kernel library (built first if this machine has none cached, or none that loads), or None with
+    the reason in `unavailable_reason()`. Decided once per process."""
     global _reason
     if os.environ.get("ASTR_CPU_KERNELS", "").strip().lower() in ("0", "off", "false", "no"):
         _reason = "turned off by ASTR_CPU_KERNELS"
@@ -114,37 +159,32 @@ def library() -> Optional[ctypes.CDLL]:
         _reason = (f"torch's OpenMP runtime is not GNU libgomp ({', '.join(sorted(runtimes)) or 'none found'}), "
                    "and the kernel must share it")
         return None
-    compiler = os.environ.get("CC") or "cc"
-    path = shutil.which(compiler)
+    compiler = shlex.split(os.environ.get("CC") or "cc")  # `CC="ccache gcc"`: a program and its arguments
+    path = shutil.which(compiler[0]) if compiler else None
     if path is None:
-        _reason = f"no C compiler found ({compiler!r} is not on PATH; set CC)"
+        _reason = f"no C compiler found ({compiler[0] if compiler else ''!r} is not on PATH; set CC)"
         return None
+    compiler = [path, *compiler[1:]]
     try:
-        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = _run([*compiler, "--version"], 60).stdout
     except (OSError, subprocess.SubprocessError) as err:
-        _reason = f"the C compiler {path} did not answer --version: {err}"
+        _reason = f"the C compiler {' '.join(compiler)} did not answer --version: {type(err).__name__}"
         return None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), path, version, " ".join(FLAGS), _machine()])
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), *compiler, version, " ".join(FLAGS), _machine()])
                          .encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_attention-{key}.so"
-    if not target.is_file():
-        failure = _build(path, target)
-        if failure is not None:
-            _reason = failure
-            return None
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as err:
-        _reason = f"could not load {target}: {err}"
+    tried = target.is_file()
+    if tried:
+        lib, why = _load(target, runtimes)
+        if lib is not None or "second OpenMP runtime" in why or "without OpenMP" in why:
+            _reason = why or None
+            return lib
+    failure = _build(compiler, target)  # none cached, or a file that does not load (truncated, foreign): rebuilt
+    if failure is not None:
+        _reason = failure
         return None
-    if _openmp_runtimes() != runtimes:
-        _reason = f"{target.name} mapped a second OpenMP runtime ({', '.join(sorted(_openmp_runtimes() - runtimes))})"
-        return None
-    lib.astrai_cpu_attention_supports.argtypes = [_I]
-    lib.astrai_cpu_attention_supports.restype = _I
-    lib.astrai_dense_decode_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I, _F, _I64,
-                                                  _F, _P, _I]
-    lib.astrai_dense_decode_attention.restype = _I
+    lib, why = _load(target, runtimes, fresh=tried)
+    _reason = why or None
     return lib
 
 
