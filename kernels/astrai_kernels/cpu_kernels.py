@@ -106,7 +106,8 @@ def _build(compiler: list[str], target: Path) -> Optional[str]:
         proc = _run([*compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             lines = proc.stderr.strip().splitlines()
-            first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else f"exit {proc.returncode}")
+            fallback = lines[0] if lines else f"exit {proc.returncode}"
+            first = next((ln for ln in lines if "error" in ln.lower()), fallback)
             return f"{name} failed to build {SOURCE.name}: {first.strip()}"
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
@@ -135,7 +136,8 @@ def _load(target: Path, runtimes: set[str], *, fresh: bool = False) -> tuple[Opt
         if fd is not None:
             os.close(fd)
     if _openmp_runtimes() != runtimes:
-        return None, f"{target.name} mapped a second OpenMP runtime ({', '.join(sorted(_openmp_runtimes() - runtimes))})"
+        extra = ", ".join(sorted(_openmp_runtimes() - runtimes))
+        return None, f"{target.name} mapped a second OpenMP runtime ({extra})"
     openmp.restype = _I
     if not openmp():
         return None, f"{target.name} was built without OpenMP (one thread; the torch path uses every thread)"

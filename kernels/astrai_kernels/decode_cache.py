@@ -16,16 +16,17 @@ that was 1.7x faster than SDPA's fused bfloat16 kernel on the same values and cl
 thread, 221 vs 383 us with two; max error against float32 attention 1.9e-3 vs 2.1e-3, the bf16 output rounding),
 at twice the bytes of the half-precision copies. On other devices the copies keep the workspace dtype (SDPA).
 
-Layout per layer: values (B, Nkv, capacity, D), row b = the step's b-th sequence, position p = its p-th token;
-keys transposed, (B, Nkv, D, capacity), for the CPU kernel and in float32, else (SDPA) like the values. Head-major, so each (row, kv
-head) is one contiguous matrix: attention reads it about 25% faster than the token-major paged layout (SDPA, 30
-layers at B = 32, 250 positions, one thread: 59 vs 77 ms). float32 keys are stored transposed so that the scores
-are a plain (G, D) x (D, K) product with K contiguous, about 20% faster than multiplying by a transposed (K, D) view
-(30 layers at B = 32, 200 positions: 15.8 vs 19.4 ms with two threads, 28.7 vs 36.0 with one). Half-precision
-attention goes through SDPA, whose fused kernel wants D contiguous: there keys keep the (K, D) layout, because a
-transposed store cost a (B, Nkv, K, D) copy per layer and step (as long as SDPA itself: bf16, B = 32, K = 150, one
-thread, about 0.45 ms each) and an append that touched one cache line per element. Buffers come from the
-`InferenceWorkspace` scratch space, so they are reused across steps and released with the workspace.
+Layout per layer: values (B, Nkv, capacity, D), row b = the step's b-th sequence, position p = its p-th token; keys
+transposed, (B, Nkv, D, capacity), for the CPU kernel and in float32, else (SDPA) like the values. Head-major, so
+each (row, kv head) is one contiguous matrix: attention reads it about 25% faster than the token-major paged layout
+(SDPA, 30 layers at B = 32, 250 positions, one thread: 59 vs 77 ms). float32 keys are stored transposed so that the
+scores are a plain (G, D) x (D, K) product with K contiguous, about 20% faster than multiplying by a transposed
+(K, D) view (30 layers at B = 32, 200 positions: 15.8 vs 19.4 ms with two threads, 28.7 vs 36.0 with one).
+Half-precision attention without the kernel (other devices) goes through SDPA, whose fused kernel wants D
+contiguous: there keys keep the (K, D) layout, because a transposed store cost a (B, Nkv, K, D) copy per layer and
+step (as long as SDPA itself: bf16, B = 32, K = 150, one thread, about 0.45 ms each) and an append that touched one
+cache line per element. Buffers come from the `InferenceWorkspace` scratch space, so they are reused across steps
+and released with the workspace.
 """
 
 from __future__ import annotations
