@@ -456,6 +456,6 @@ def test_the_engine_vs_vllm_benchmark_reports_a_ratio_per_dtype():
     runs = [ln for ln in lines if " repeat " in ln]
     assert [ln.split()[5].rstrip(":") for ln in runs] == ["astrai", "vllm", "vllm", "astrai"]
     assert all(" 8 tokens in " in ln for ln in runs)  # 2 rows x 4 tokens: no row stops early
-    summary = next(ln for ln in lines if ln.startswith("float32  batch   2:"))
+    summary = next(ln for ln in lines if ln.startswith("float32  batch   2 busy 0: astrai"))
     ratio = float(summary.rsplit(" ", 1)[1])
     assert lines[-1] == f"ratio: {ratio:.2f} (float32, batch 2)" and "amx_bf16" in lines[0]
