@@ -416,13 +416,14 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("namespaces", MODES)
-def test_a_run_dies_with_its_sigkilled_trainer_before_its_timeout(namespaces):
+def test_a_run_dies_with_its_sigkilled_trainer_before_its_timeout(namespaces, tmp_path):
     """Issue 42, class 6: the sandbox's processes (outer supervisor and the sleeping code) end when the trainer that
-    started them is SIGKILLed, instead of living on re-parented until the run's 300 s wall-clock timeout."""
+    started them is SIGKILLed, instead of living on re-parented until the run's 300 s wall-clock timeout. (The
+    killed trainer cannot remove its work folder: it goes under tmp_path, not /tmp.)"""
     trainer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         from astrai.sandbox.execute import SandboxLimits, run_tests
         run_tests("import time\\ntime.sleep(300)\\n", ["assert True"],
-                  limits=SandboxLimits(timeout_s=300, cpu_s=300, namespaces={namespaces}))
+                  limits=SandboxLimits(timeout_s=300, cpu_s=300, namespaces={namespaces}, tmp_dir={str(tmp_path)!r}))
     """)], cwd=REPO)
     started: list[int] = []
     try:
