@@ -121,30 +121,34 @@ def _build(compiler: list[str], target: Path) -> Optional[str]:
             os.unlink(tmp)
 
 
-def _load(target: Path, runtimes: set[str], *, fresh: bool = False) -> tuple[Optional[ctypes.CDLL], str]:
-    """(the library at `target` with its functions typed, "") or (None, why it cannot be used). `fresh`: open it
-    under another name (/proc/self/fd/N), for a file rebuilt after a failed load: the dynamic loader hands back the
-    library it already loaded under a path it has seen."""
+def _open(target: Path, *, fresh: bool = False) -> ctypes.CDLL:
+    """The library at `target`, its three functions looked up. `fresh`: open it under another name
+    (/proc/self/fd/N), for a file rebuilt after a failed load: the dynamic loader hands back the library it already
+    loaded under a path it has seen. Raises OSError (not a loadable library) or AttributeError (not this one)."""
     fd = os.open(target, os.O_RDONLY) if fresh else None
     try:
         lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if fresh else str(target))
-        supports, attend, openmp = (lib.astrai_cpu_attention_supports, lib.astrai_dense_decode_attention,
-                                    lib.astrai_cpu_attention_openmp)
-    except (OSError, AttributeError) as err:
-        return None, f"could not load {target}: {err}"
+        for name in ("astrai_cpu_attention_supports", "astrai_dense_decode_attention", "astrai_cpu_attention_openmp"):
+            getattr(lib, name)
+        return lib
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _unusable(lib: ctypes.CDLL, target: Path, runtimes: set[str]) -> Optional[str]:
+    """Why a loaded library must not be used (a rebuild would not change it), or None after typing its functions."""
     if _openmp_runtimes() != runtimes:
         extra = ", ".join(sorted(_openmp_runtimes() - runtimes))
-        return None, f"{target.name} mapped a second OpenMP runtime ({extra})"
-    openmp.restype = _I
-    if not openmp():
-        return None, f"{target.name} was built without OpenMP (one thread; the torch path uses every thread)"
-    supports.argtypes, supports.restype = [_I], _I
-    attend.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I, _F, _I64, _F, _P, _I]
-    attend.restype = _I
-    return lib, ""
+        return f"{target.name} mapped a second OpenMP runtime ({extra})"
+    lib.astrai_cpu_attention_openmp.restype = _I
+    if not lib.astrai_cpu_attention_openmp():
+        return f"{target.name} was built without OpenMP (one thread; the torch path uses every thread)"
+    lib.astrai_cpu_attention_supports.argtypes, lib.astrai_cpu_attention_supports.restype = [_I], _I
+    lib.astrai_dense_decode_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I, _F, _I64,
+                                                  _F, _P, _I]
+    lib.astrai_dense_decode_attention.restype = _I
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -175,19 +179,23 @@ def library() -> Optional[ctypes.CDLL]:
     key = hashlib.sha256("\n".join([SOURCE.read_text(), *compiler, version, " ".join(FLAGS), _machine()])
                          .encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_attention-{key}.so"
-    tried = target.is_file()
+    tried, lib = target.is_file(), None
     if tried:
-        lib, why = _load(target, runtimes)
-        if lib is not None or "second OpenMP runtime" in why or "without OpenMP" in why:
-            _reason = why or None
-            return lib
-    failure = _build(compiler, target)  # none cached, or a file that does not load (truncated, foreign): rebuilt
-    if failure is not None:
-        _reason = failure
-        return None
-    lib, why = _load(target, runtimes, fresh=tried)
-    _reason = why or None
-    return lib
+        try:
+            lib = _open(target)
+        except (OSError, AttributeError):
+            pass  # truncated, overwritten, foreign: built again below
+    if lib is None:
+        _reason = _build(compiler, target)
+        if _reason is not None:
+            return None
+        try:
+            lib = _open(target, fresh=tried)
+        except (OSError, AttributeError) as err:
+            _reason = f"could not load {target}: {err}"
+            return None
+    _reason = _unusable(lib, target, runtimes)
+    return lib if _reason is None else None
 
 
 def unavailable_reason() -> Optional[str]:
