@@ -291,7 +291,8 @@ class RolloutSection(Section, name="rollout"):
     partial: bool = field_spec(
         False, "partial rollouts on the colocated engine (docs/async.md): decode until rollout.batch_size groups are "
                "complete, then stop; the unfinished samples keep their tokens and continue in the next rollout under "
-               "the new weights (re-prefilled). Needs rollout.max_off_policy_steps >= 1 and rollout.correction")
+               "the new weights (re-prefilled); multi-turn episodes (rollout.tools / rollout.environment) mid-turn "
+               "or between turns. Needs rollout.max_off_policy_steps >= 1 and rollout.correction")
     max_off_policy_steps: int = field_spec(
         0, "rollout.partial: the most policy versions (optimizer steps) a trained token may lag the weights being "
            "trained; a carried sample whose oldest token would lag more is re-generated from its prompt. "
@@ -651,8 +652,7 @@ class Config:
     def _check_partial(self, kind: str, spec) -> None:
         """`rollout.partial` against the rest of the job (docs/async.md); raises ConfigError (one line)."""
         r = self.rollout
-        refused = (("rollout.dynamic_sampling", r.dynamic_sampling), ("rollout.tools", bool(r.tools)),
-                   ("rollout.environment", r.environment is not None),
+        refused = (("rollout.dynamic_sampling", r.dynamic_sampling),
                    ("rollout.tensor_parallel_size > 1", r.tensor_parallel_size > 1),
                    ("rollout.engine vllm", r.engine == "vllm"))
         for name, on in refused:

@@ -273,7 +273,6 @@ ON = ["--rollout.partial", "true", "--rollout.max_off_policy_steps", "1", "--rol
     (["--rollout.partial", "true", "--rollout.correction", "token_tis"], "max_off_policy_steps >= 1"),
     (["--rollout.partial", "true", "--rollout.max_off_policy_steps", "1"], "set rollout.correction"),
     (ON + ["--rollout.dynamic_sampling", "true"], "not supported yet with rollout.dynamic_sampling"),
-    (ON + ["--rollout.environment", "m:C"], "not supported yet with rollout.environment"),
     (ON + ["--rollout.tensor_parallel_size", "2"], "tensor_parallel_size"),
     (ON + ["--rollout.engine", "vllm"], "rollout.engine vllm"),
     (ON + ["--rollout.generation_batch_size", "2"], "must exceed rollout.batch_size 2"),

@@ -17,6 +17,7 @@ from astrai.experience.episode_environments import EpisodeEnvironment, routes_of
 from astrai.experience.episodes import (ENVIRONMENT_REWARD, EpisodeLimits, EpisodeRunner, ToolExecutor,
                                         check_episodes, tool_references)
 from astrai.experience.partial import PartialRollouts
+from astrai.experience.partial_episodes import PartialEpisodes
 from astrai.experience.prompts import load_online_prompts
 from astrai.experience.runner import RolloutRunner
 from astrai.experience.sources import OnlineExperience
@@ -214,7 +215,7 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
                             group_size=group_size, seed=config.train.seed + 1000 * dist.dp_rank, device=dist.device,
                             dynamic_sampling=r.dynamic_sampling, max_sampling_rounds=r.max_sampling_rounds,
                             generation_batch_size=r.generation_batch_size,
-                            any_rank=any_rank, partial=partial_rollouts(config, group_size),
+                            any_rank=any_rank, partial=partial_rollouts(config, group_size, runner),
                             should_stop=should_stop,
                             one_step_off=r.placement == "separate" and r.max_off_policy_steps > 0,
                             max_off_policy_steps=r.max_off_policy_steps)
@@ -244,14 +245,18 @@ def agreed_scoring(rewards: RewardFunctions, any_rank: Optional[Callable[[bool],
     return score
 
 
-def partial_rollouts(config, group_size: int) -> Optional[PartialRollouts]:
+def partial_rollouts(config, group_size: int, runner=None) -> Optional[PartialRollouts]:
     """The groups in flight of `rollout.partial` (`rollout.generation_batch_size` of them, null = 2 x
-    `rollout.batch_size`; bound `rollout.max_off_policy_steps`), or None without it."""
+    `rollout.batch_size`; bound `rollout.max_off_policy_steps`), or None without it; when `runner` is an
+    `EpisodeRunner` (`rollout.tools` / `rollout.environment`), groups of multi-turn episodes (`PartialEpisodes`)."""
     r = config.rollout
     if not r.partial:
         return None
-    return PartialRollouts(batch_size=r.batch_size, group_size=group_size,
-                           in_flight=2 * r.batch_size if r.generation_batch_size is None else r.generation_batch_size,
-                           max_off_policy_steps=r.max_off_policy_steps)
+    settings = dict(batch_size=r.batch_size, group_size=group_size,
+                    in_flight=2 * r.batch_size if r.generation_batch_size is None else r.generation_batch_size,
+                    max_off_policy_steps=r.max_off_policy_steps)
+    if isinstance(runner, EpisodeRunner):
+        return PartialEpisodes(runner, **settings)
+    return PartialRollouts(**settings)
 
 

@@ -153,11 +153,13 @@ class EpisodeEnvironment:
                                         f"rollout/episodes/tool_errors/{call.name}")
         return out
 
-    def step(self, episodes: Sequence[Any]) -> list[Optional[list[dict[str, Any]]]]:
-        """Call ``step`` of each episode's instance with its last (assistant) message: per episode the observation
-        messages, or None when the episode ended (the environment ended it: ended_by "environment"; or it failed:
-        "env_error")."""
-        replies = self.pool.run([Request("step", e.env_key, dict(e.messages[-1])) for e in episodes])
+    def step(self, episodes: Sequence[Any], messages: Optional[Sequence[Mapping[str, Any]]] = None
+             ) -> list[Optional[list[dict[str, Any]]]]:
+        """Call ``step`` of each episode's instance with its last (assistant) message (or its entry of `messages`,
+        as a replay gives them): per episode the observation messages, or None when the episode ended (the
+        environment ended it: ended_by "environment"; or it failed: "env_error")."""
+        messages = messages if messages is not None else [e.messages[-1] for e in episodes]
+        replies = self.pool.run([Request("step", e.env_key, dict(m)) for e, m in zip(episodes, messages)])
         out = []
         for e, reply in zip(episodes, replies):
             if not reply.ok:

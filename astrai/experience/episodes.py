@@ -63,7 +63,7 @@ import warnings
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -131,6 +131,9 @@ class Episode:
             each turn, summed over its turns; 0 on the synchronous path).
         prefill_tokens_reused: of those, the tokens whose KV the engine's prefix cache served instead of a prefill
             (`StepOutput.cached_tokens`; None when the engine does not say).
+        pending_ids, pending_logprobs, pending_versions: the turn in progress when a partial rollout stopped
+            (`rollout.partial`, `astrai.experience.partial_episodes`): its sampled ids so far, their behaviour
+            log-probs and `policy_version`s; the next rollout continues it (empty otherwise).
     """
 
     prompt_ids: list[int]
@@ -154,6 +157,24 @@ class Episode:
     env_reward_failed: bool = False
     prefill_tokens: int = 0
     prefill_tokens_reused: Optional[int] = None
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[float] = field(default_factory=list)
+    pending_versions: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        """It ended (`ended_by` set)."""
+        return self.ended_by is not None
+
+    @property
+    def started(self) -> bool:
+        """The policy sampled a token of it (a turn, or the start of one a partial rollout stopped)."""
+        return bool(self.turn_starts or self.pending_ids)
+
+    def staleness(self, policy_version: int) -> int:
+        """`policy_version` minus the version of its oldest sampled token (0 with none; DESIGN.md section 4)."""
+        versions = [v for v in self.policy_versions if v != NOT_SAMPLED] + self.pending_versions
+        return policy_version - min(versions) if versions else 0
 
     @property
     def completion(self) -> list[dict[str, Any]]:
@@ -175,11 +196,12 @@ class Episode:
                           turn_starts=tuple(self.turn_starts), metadata=metadata,
                           messages=[dict(m) for m in self.completion], **scored)
 
-    def _append(self, ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] = (), version: int = 0):
+    def _append(self, ids: Sequence[int], *, sampled: bool, logprobs: Sequence[float] = (),
+                versions: Sequence[int] = ()):
         self.response_ids += list(ids)
         self.loss_mask += [sampled] * len(ids)
         self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
-        self.policy_versions += [version if sampled else NOT_SAMPLED] * len(ids)
+        self.policy_versions += list(versions) if sampled else [NOT_SAMPLED] * len(ids)
 
 
 def run_episodes(engine, tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]], tools: Sequence[Tool],
@@ -239,14 +261,14 @@ def streams(engine) -> bool:
     return isinstance(engine, StreamingEngine) and getattr(engine, "tp", None) is None
 
 
-def _close_turn(tokenizer, e: Episode, sampled: list[int], logprobs: list[float], version: int, finished: bool,
-                last: bool, environment: Optional[EpisodeEnvironment]) -> Optional[tuple]:
-    """Append the turn `sampled` (its behaviour `logprobs`, sampled by weights `version`; `finished`: it ended with
-    a stop token; `last`: it was the episode's `max_turns`-th) to `e` and decide what follows: None when the
-    turn ended the episode (`e.ended_by` set), ("call", calls, errors) when its tool calls run next, ("step",)
-    when its environment's step answers it next."""
+def _close_turn(tokenizer, e: Episode, sampled: list[int], logprobs: list[float], versions: list[int],
+                finished: bool, last: bool, environment: Optional[EpisodeEnvironment]) -> Optional[tuple]:
+    """Append the turn `sampled` (per token its behaviour log-prob in `logprobs` and the `policy_version` of the
+    weights that sampled it in `versions`; `finished`: it ended with a stop token; `last`: it was the episode's
+    `max_turns`-th) to `e` and decide what follows: None when the turn ended the episode (`e.ended_by` set),
+    ("call", calls, errors) when its tool calls run next, ("step",) when its environment's step answers it next."""
     e.turn_starts.append(len(e.response_ids))
-    e._append(sampled, sampled=True, logprobs=logprobs, version=version)
+    e._append(sampled, sampled=True, logprobs=logprobs, versions=versions)
     calls, errors = _read_turn(tokenizer, e, sampled)
     if not finished:
         e.ended_by = "length"
@@ -292,7 +314,7 @@ def _synchronous_turns(engine, tokenizer, episodes: list[Episode], executor: Too
         for e, ids, mask, logprobs, finished in rows_out:
             sampled = [t for t, m in zip(ids, mask) if m]
             follow = _close_turn(tokenizer, e, sampled, [lp for lp, m in zip(logprobs, mask) if m],
-                                 generation.policy_version, bool(finished), last, environment)
+                                 [generation.policy_version] * len(sampled), bool(finished), last, environment)
             if follow is not None and follow[0] == "call":
                 calling.append((e, follow[1], follow[2]))
             elif follow is not None:
@@ -317,67 +339,92 @@ def turn_seed(bases: list[int], turn: int, index: int, generator: Optional[torch
 
 @torch.no_grad()
 def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolExecutor, sampling: SamplingParams,
-                    limits: EpisodeLimits, generator, environment: Optional[EpisodeEnvironment]) -> None:
+                    limits: EpisodeLimits, generator, environment: Optional[EpisodeEnvironment], *,
+                    until: Optional[Callable[[], bool]] = None, blocking: bool = False) -> None:
     """The streaming loop (module docstring, "On a streaming engine"): each episode's next turn is added to the
     engine as soon as its tool results (or observation) are in; the tool calls and environment steps run in one
     helper thread (`_ToolHelper`: the jobs of a step's ended turns queued together, queued jobs that fit the
     workers coalesced into one batch), while this thread keeps stepping the engine over the other episodes'
     turns; a finished job is polled between two steps (waited for when nothing decodes). Every live
-    request is aborted on the way out, an error included."""
+    request is aborted on the way out, an error included.
+
+    Partial rollouts (`astrai.experience.partial_episodes`): an episode with a turn in progress (`pending_ids`)
+    continues it, its context the prompt, the response and the turn's ids so far (re-prefilled), its budget what
+    they leave. `until`, checked after every engine step and every applied job, stops the loop early: the turns
+    still decoding keep their ids so far as the episodes' turns in progress, the jobs in flight are waited for and
+    their results appended (so each episode is either ended, in a turn, or ready for its next one). `blocking`:
+    each step's jobs are waited for before the next step, so the order of the requests, and with it the batches
+    and every sample, is fixed by the seed (what `runtime.deterministic` needs on this path)."""
     budget = sampling.max_new_tokens
     bases: list[int] = []
-    live: dict[int, tuple[int, list[int], list[float], int]] = {}  # request id -> (episode, ids, logprobs, version)
-    jobs: dict[Future, tuple[int, tuple]] = {}  # the helper's work -> (episode, what follows its turn)
+    live: dict[int, tuple[int, list[int], list[float], list[int], int]] = {}  # request -> (episode, ids, logprobs,
+    jobs: dict[Future, tuple[int, tuple]] = {}  # versions, version): the helper's work -> (episode, what follows)
     ready = [i for i, e in enumerate(episodes) if e.ended_by is None]
     requests: list[int] = []
+    prefilled: set[int] = set()  # the requests whose first output (which says the prefix-cache hits) came
     helper = _ToolHelper(executor, limits, environment)
     failed = True
+
+    def apply(future: Future) -> None:
+        i, follow = jobs.pop(future)
+        e = episodes[i]
+        if follow[0] == "call":
+            _append_results(tokenizer, [(e, follow[1], follow[2])], future.result(), limits, budget)
+        else:
+            _apply_observation(tokenizer, e, future.result(), len(e.turn_starts) == limits.max_turns, budget)
+        if environment is not None:
+            environment.end_lost([e])
+        if e.ended_by is None:
+            ready.append(i)
+
     try:
-        while ready or live or jobs:
+        while (ready or live or jobs) and not (until is not None and until()):
             for i in ready:
                 e = episodes[i]
-                context = e.prompt_ids + e.response_ids
-                params = dataclasses.replace(sampling, max_new_tokens=budget - len(e.response_ids))
+                context = e.prompt_ids + e.response_ids + e.pending_ids
+                params = dataclasses.replace(sampling, max_new_tokens=budget - len(e.response_ids) - len(e.pending_ids))
                 request = engine.add_request(context, params, seed=turn_seed(bases, len(e.turn_starts), i, generator))
                 requests.append(request)
-                live[request] = (i, [], [], engine.policy_version)
+                live[request] = (i, e.pending_ids, e.pending_logprobs, e.pending_versions, engine.policy_version)
+                e.pending_ids, e.pending_logprobs, e.pending_versions = [], [], []
                 e.prefill_tokens += len(context)
             ready = []
             if engine.has_unfinished_requests:
                 ended: list[tuple[int, tuple]] = []  # this step's turns whose calls or step run next
                 for out in engine.step():
-                    i, ids, logprobs, version = live[out.request_id]
+                    i, ids, logprobs, versions, version = live[out.request_id]
                     e = episodes[i]
-                    if not ids and getattr(out, "cached_tokens", None) is not None:
+                    if out.request_id not in prefilled and getattr(out, "cached_tokens", None) is not None:
                         e.prefill_tokens_reused = (e.prefill_tokens_reused or 0) + out.cached_tokens
+                    prefilled.add(out.request_id)
                     ids.append(out.token_id)
                     logprobs.append(out.logprob)
+                    versions.append(version)
                     if not out.done:
                         continue
                     del live[out.request_id]
                     last = len(e.turn_starts) == limits.max_turns - 1
-                    follow = _close_turn(tokenizer, e, ids, logprobs, version, out.finished, last, environment)
+                    follow = _close_turn(tokenizer, e, ids, logprobs, versions, out.finished, last, environment)
                     if follow is not None:
                         ended.append((i, follow))
                 if ended:  # queued together: the helper takes a step's jobs at once when they fit the workers
                     for future, job in zip(helper.submit([(episodes[i], follow) for i, follow in ended]), ended):
                         jobs[future] = job
+                    if blocking:
+                        wait(list(jobs))
             elif jobs:
                 wait(list(jobs), return_when=FIRST_COMPLETED)
             elif live:
                 raise RuntimeError("multi-turn episodes: the engine has no unfinished request while "
                                    f"{len(live)} turn(s) are not done")
             for future in [f for f in jobs if f.done()]:
-                i, follow = jobs.pop(future)
-                e = episodes[i]
-                if follow[0] == "call":
-                    _append_results(tokenizer, [(e, follow[1], follow[2])], future.result(), limits, budget)
-                else:
-                    _apply_observation(tokenizer, e, future.result(), len(e.turn_starts) == limits.max_turns, budget)
-                if environment is not None:
-                    environment.end_lost([e])
-                if e.ended_by is None:
-                    ready.append(i)
+                apply(future)
+        for i, ids, logprobs, versions, _ in live.values():  # stopped by `until`: turns in progress kept
+            episodes[i].pending_ids, episodes[i].pending_logprobs, episodes[i].pending_versions = ids, logprobs, versions
+        live.clear()
+        for future in list(jobs):
+            future.result()
+            apply(future)
         failed = False
     finally:  # also on a failure (non-finite logits, a tool job's error): the engine must be able to sleep
         for request in requests:
@@ -729,6 +776,14 @@ class EpisodeRunner:
         """The single-turn runner's engine."""
         return self.runner.engine
 
+    def generate_agreed(self, generate: Callable[[], Any]) -> Any:
+        """As `RolloutRunner.generate_agreed` (non-finite logits on any rank stop every rank)."""
+        return self.runner.generate_agreed(generate)
+
+    def count_truncated(self, experience: Experience) -> Experience:
+        """As `RolloutRunner.count_truncated`."""
+        return self.runner.count_truncated(experience)
+
     def conversation(self, record) -> list[dict[str, Any]]:
         """The first messages of `record`'s episode."""
         prompt = record.prompt
@@ -751,7 +806,83 @@ class EpisodeRunner:
             self.runner.sampling, self.limits, generator, environment=env,
             routes=[route for route, _ in routed] or None, rows=[row for _, row in routed] or None,
             streaming=self.streaming))
-        timings = {"generate": time.perf_counter() - start}
+        return self.scored(episodes, records, {"generate": time.perf_counter() - start})
+
+    def open(self, records: Sequence[Any]) -> list[Episode]:
+        """The episodes of `records` before their first turn (with an environment, each instance created and reset
+        with its row), for a partial rollout to advance (`advance`)."""
+        env = self.environment
+        routed = [env.route_and_row(r, self.prompt_field) for r in records] if env is not None else []
+        return _open_episodes(self.tokenizer, [self.conversation(r) for r in records], self.tools,
+                              self.runner.sampling, env, [route for route, _ in routed] or None,
+                              [row for _, row in routed] or None)
+
+    def advance(self, episodes: list[Episode], generator: Optional[torch.Generator],
+                until: Callable[[], bool]) -> None:
+        """Advance `episodes` (opened by `open`, some perhaps mid-turn) on the engine's streaming API until
+        `until()` holds or every one has ended (`_streamed_turns` with `until`); deterministic (`runtime.
+        deterministic`): each step's tool calls and environment steps are waited for before the next step, so the
+        run is bitwise reproducible. With an environment, the episodes that end are finished (`end`).
+
+        Raises:
+            ValueError: an engine without the streaming API (or tensor-parallel).
+        """
+        if not streams(self.engine):
+            raise ValueError(f"rollout.partial: multi-turn episodes need an engine with the streaming API and no "
+                             f"tensor parallelism, and {type(self.engine).__name__} is not one")
+        _streamed_turns(self.engine, self.tokenizer, episodes, self.executor, self.runner.sampling, self.limits,
+                        generator, self.environment, until=until, blocking=self.streaming is False)
+
+    def end(self, episodes: Sequence[Episode]) -> None:
+        """With an environment, the end of `episodes` (all ended): get_reward and close of their instances, their
+        failures counted (`EpisodeEnvironment.finish`)."""
+        if self.environment is not None and episodes:
+            self.environment.finish(episodes)
+
+    def abandon(self, episodes: Sequence[Episode]) -> None:
+        """With an environment, close the instances of `episodes` that will not go on (best effort)."""
+        if self.environment is not None and episodes:
+            self.environment.abandon(episodes)
+
+    def restore(self, episodes: Sequence[Episode], record: Any) -> None:
+        """Episodes of `record` loaded from a checkpoint (`astrai.experience.partial_episodes`): the tools each
+        offers, and with an environment, for those still running, a new instance reset with the record's row and
+        brought to where the episode left it by replaying, in order, the calls of its methods and the steps its
+        turns made (each turn read again from its tokens; results dropped). Failures are counted as in a run."""
+        env = self.environment
+        for e in episodes:
+            e.tools = list(self.tools) + (list(env.tools[e.env_route]) if env is not None else [])
+        running = [e for e in episodes if not e.done]
+        if env is None or not running:
+            return
+        route, row = env.route_and_row(record, self.prompt_field)
+        for e, reply in zip(running, env.start(running, [route] * len(running), [row] * len(running))):
+            if not reply.ok:
+                env.fail(e, "lost" if env.pool.lost(e.env_key) else "reset", reply.value, reply.trace, call="reset")
+                e.ended_by = "env_error"
+        for turn in range(max((len(e.turn_starts) for e in running), default=0)):
+            calling, stepping = [], []
+            for e in (e for e in running if turn < len(e.turn_starts) and e.ended_by is None):
+                end = e.turn_starts[turn + 1] if turn + 1 < len(e.turn_starts) else len(e.response_ids)
+                sampled = [t for t, m in zip(e.response_ids[e.turn_starts[turn]:end],
+                                             e.loss_mask[e.turn_starts[turn]:end]) if m]
+                text = self.tokenizer.decode(sampled, skip_special_tokens=True)
+                message, calls, errors = (assistant_message(text, [t.name for t in e.tools]) if e.tools
+                                          else ({"role": "assistant", "content": text}, [], []))
+                if calls or errors:
+                    calling += [(e, c) for c in _split_calls(e, calls, self.limits, env)[1]]
+                elif env.steps.get(e.env_route):
+                    stepping.append((e, message))
+            if calling:
+                env.call_tools(calling)
+            if stepping:
+                env.step([e for e, _ in stepping], [m for _, m in stepping])
+
+    def scored(self, episodes: Sequence[Episode], records: Sequence[Any], timings: dict[str, float]) -> Experience:
+        """Ended `episodes` (one per record of `records`) scored by the reward functions (and the environment's
+        reward) into a batch on the engine's device; `timings` gains "reward"; stats: the `episode_metrics` (as
+        `episodes/<name>`) and `truncated_fraction`."""
+        env = self.environment
         start = time.perf_counter()
         scored = self.runner.score_fn([e.completion for e in episodes], list(records),
                                       [[t for t, m in zip(e.response_ids, e.loss_mask) if m] for e in episodes])

@@ -32,8 +32,9 @@ of training the samples still in flight are not trained on (their decode time is
 the learner's state, so a resumed job continues them exactly.
 
 Over several processes each data-parallel rank runs its own partial rollouts on its share of the prompts and keeps
-its own groups in flight (saved per rank). What it simplifies: no tensor-parallel engine, single-turn samples only
-(no tools or environments), no dynamic sampling.
+its own groups in flight (saved per rank). Multi-turn episodes (`rollout.tools`, `rollout.environment`) are carried
+the same way, mid-turn or between turns (`astrai.experience.partial_episodes`). What it simplifies: no
+tensor-parallel engine, no dynamic sampling.
 """
 
 from __future__ import annotations
@@ -159,23 +160,16 @@ class PartialRollouts:
             ValueError: an engine without the streaming API, or a bad score (as `RolloutRunner.sample`).
             FloatingPointError: non-finite logits in the sampler.
         """
-        engine = runner.engine
-        if not isinstance(engine, StreamingEngine):
-            raise ValueError(f"rollout.partial: the engine ({type(engine).__name__}) has no streaming API "
-                             "(add_request / step / abort); use rollout.engine paged")
-        regenerated = 0
-        for group in self.groups:
-            for i, sample in enumerate(group.samples):
-                if sample.policy_versions and sample.staleness(policy_version) > self.max_off_policy_steps:
-                    group.samples[i] = InFlightSample()
-                    regenerated += 1
-        carried = sum(1 for g in self.groups for s in g.samples if s.response_ids)
+        self._check(runner)
+        stale = [(group, i) for group in self.groups for i, sample in enumerate(group.samples)
+                 if self._started(sample) and sample.staleness(policy_version) > self.max_off_policy_steps]
+        self._restart(runner, stale)
+        carried = sum(1 for g in self.groups for s in g.samples if self._started(s))
         missing = self.in_flight - len(self.groups)
         if missing > 0:
-            self.groups += [InFlightGroup(record, [InFlightSample() for _ in range(self.group_size)])
-                            for record in sampler.next_batch(missing)]
+            self.groups += self._new_groups(runner, sampler.next_batch(missing))
         start = time.perf_counter()
-        runner.generate_agreed(lambda: self.decode(engine, runner.sampling, generator, policy_version))
+        runner.generate_agreed(lambda: self._advance(runner, generator, policy_version))
         timings = {"generate": time.perf_counter() - start}
         chosen = [g for g in self.groups if g.complete][:self.batch_size]
         if len(chosen) < self.batch_size:  # every sample ends by max_new_tokens: only a broken engine gets here
@@ -186,9 +180,35 @@ class PartialRollouts:
         experience = runner.count_truncated(experience)
         experience.stats.update(staleness_stats(experience.policy_versions, experience.sequences.action_mask,
                                                 policy_version, self.max_off_policy_steps))
-        experience.stats.update(carried_samples=float(carried), regenerated_samples=float(regenerated),
+        experience.stats.update(carried_samples=float(carried), regenerated_samples=float(len(stale)),
                                 groups_in_flight=float(len(self.groups)))
         return experience
+
+    # The kind of sample: single-turn here (`InFlightSample`); multi-turn episodes override these
+    # (`astrai.experience.partial_episodes.PartialEpisodes`).
+    def _check(self, runner) -> None:
+        """Refuse a runner whose engine has no streaming API (ValueError)."""
+        if not isinstance(runner.engine, StreamingEngine):
+            raise ValueError(f"rollout.partial: the engine ({type(runner.engine).__name__}) has no streaming API "
+                             "(add_request / step / abort); use rollout.engine paged")
+
+    @staticmethod
+    def _started(sample) -> bool:
+        """Whether `sample` holds sampled tokens."""
+        return bool(sample.response_ids)
+
+    def _restart(self, runner, stale: list[tuple[InFlightGroup, int]]) -> None:
+        """Re-start the samples `stale` ((group, index) pairs) from their prompts."""
+        for group, i in stale:
+            group.samples[i] = InFlightSample()
+
+    def _new_groups(self, runner, records: Sequence[Any]) -> list[InFlightGroup]:
+        """A new group of G unstarted samples per record."""
+        return [InFlightGroup(record, [InFlightSample() for _ in range(self.group_size)]) for record in records]
+
+    def _advance(self, runner, generator: torch.Generator, policy_version: int) -> None:
+        """Decode the groups in flight until B are complete (`decode`)."""
+        self.decode(runner.engine, runner.sampling, generator, policy_version)
 
     @torch.no_grad()
     def decode(self, engine, sampling, generator: torch.Generator, policy_version: int) -> None:
@@ -274,14 +294,21 @@ class PartialRollouts:
                 raise ValueError("rollout.partial: a prompt in flight is not in the sampler's dataset; its state "
                                  "cannot be saved")
             groups.append({"record": position[id(group.record)],
-                           "samples": [{"response_ids": list(s.response_ids), "logprobs": list(s.logprobs),
-                                        "policy_versions": list(s.policy_versions), "done": s.done}
-                                       for s in group.samples]})
+                           "samples": [self._sample_state(s) for s in group.samples]})
         return {"groups": groups}
 
     def load_state_dict(self, state: dict, records: Sequence[Any]) -> None:
         """Inverse of `state_dict` over the same `records`."""
-        self.groups = [InFlightGroup(records[g["record"]], [InFlightSample(list(s["response_ids"]), list(s["logprobs"]),
-                                                                           list(s["policy_versions"]), bool(s["done"]))
-                                                            for s in g["samples"]])
+        self.groups = [InFlightGroup(records[g["record"]], self._load_samples(records[g["record"]], g["samples"]))
                        for g in state["groups"]]
+
+    @staticmethod
+    def _sample_state(sample: InFlightSample) -> dict:
+        """`sample` as plain data."""
+        return {"response_ids": list(sample.response_ids), "logprobs": list(sample.logprobs),
+                "policy_versions": list(sample.policy_versions), "done": sample.done}
+
+    def _load_samples(self, record: Any, states: Sequence[dict]) -> list:
+        """The samples of `record`'s group saved as `states` (`_sample_state`)."""
+        return [InFlightSample(list(s["response_ids"]), list(s["logprobs"]), list(s["policy_versions"]),
+                               bool(s["done"])) for s in states]

@@ -1,0 +1,464 @@
+"""Partial rollouts of multi-turn episodes (`rollout.partial` with `rollout.tools` / `rollout.environment`,
+astrai.experience.partial_episodes): a rollout returns B complete groups of episodes and carries the others, an
+episode stopped mid-turn keeps the turn's tokens, log-probs and versions and continues it token-exactly in the next
+rollout (its whole context re-sent), tool calls in flight are waited for, the staleness bound restarts an episode,
+a checkpoint's episodes continue as they would have (an environment's instance re-created and replayed), and an
+online_grpo job with tools trains and resumes bitwise."""
+
+import json
+import math
+import re
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from astrai.agents.chat import render
+from astrai.agents.tool_calls import format_tool_call
+from astrai.agents.tools import load_tools
+from astrai.data.prompts import PromptRecord
+from astrai.experience.episodes import EpisodeLimits, EpisodeRunner, ToolExecutor
+from astrai.experience.partial_episodes import PartialEpisodes
+from astrai.experience.trajectory import NOT_SAMPLED
+from astrai.rollout.sampling import SamplingParams
+from astrai.rollout.streaming import StepOutput
+from test_agents_chat import smollm2
+from test_environments import _environment, _log, env_file  # noqa: F401
+from test_episodes import TOOLS
+
+REPO = Path(__file__).resolve().parents[1]
+ASSISTANT = "<|im_start|>assistant\n"
+
+
+class PolicyStreamingEngine:
+    """A streaming engine stand-in whose turns are `policy(context text)` (the context up to the turn's start),
+    one token per `step()` per live request, each with log-prob -0.1 * policy_version - 0.5. A request whose
+    context ends inside an assistant turn (a turn a partial rollout stopped) continues that turn after the ids it
+    already has (which must be the turn's first ids). Records each request's context."""
+
+    tp = None
+
+    def __init__(self, tokenizer, policy, policy_version: int = 0):
+        self.tokenizer, self.policy, self.policy_version = tokenizer, policy, policy_version
+        self.end = tokenizer.special_tokens["<|im_end|>"]
+        self.start = tokenizer.encode(ASSISTANT)
+        self.pad_token_id, self.device = 0, torch.device("cpu")
+        self.live: dict[int, tuple[list[int], bool]] = {}
+        self.contexts: list[list[int]] = []
+        self._next = 0
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def add_request(self, prompt_ids, params, *, n=1, penalty=None, seed=None, top_logprobs=0):
+        context = list(prompt_ids)
+        self.contexts.append(context)
+        k = len(self.start)
+        at = max(i + k for i in range(len(context) - k + 1) if context[i:i + k] == self.start)
+        done = context[at:]
+        turn = self.tokenizer.encode(self.policy(self.tokenizer.decode(context[:at], skip_special_tokens=False)))
+        turn += [self.end]
+        assert turn[:len(done)] == done, "a continued turn must start with the ids it has"
+        rest = turn[len(done):]
+        request, self._next = self._next, self._next + 1
+        self.live[request] = (rest[:params.max_new_tokens], len(rest) <= params.max_new_tokens)
+        return request
+
+    def step(self):
+        out = []
+        for request in list(self.live):
+            ids, finished = self.live[request]
+            token = ids.pop(0)
+            out.append(StepOutput(request, 0, token, -0.1 * self.policy_version - 0.5, (), not ids,
+                                  finished and not ids))
+            if not ids:
+                del self.live[request]
+        return out
+
+    def abort(self, request_id, choice=None):
+        self.live.pop(request_id, None)
+
+    def stream_stats(self):
+        return {"running": len(self.live)}
+
+
+CALL = "Let me compute this one carefully, step by step.\n" + format_tool_call("calculator", {"expression": "12 * 34"})
+LONG = "A long answer, " + "word " * 80
+
+
+def tool_policy(context: str) -> str:
+    """Question A: a short answer; B: a calculator call, then "It is 408."; C: a long answer."""
+    question = re.findall(r"Question (\w)", context)[-1]
+    turns = context.count(ASSISTANT) - 1  # the context ends with this turn's start
+    if question == "A":
+        return "Ok."
+    if question == "B":
+        return CALL if turns == 0 else "It is 408."
+    return LONG
+
+
+class Prompts:
+    """A sampler of the given records, in order."""
+
+    def __init__(self, records):
+        self.dataset, self.at = list(records), 0
+
+    def next_batch(self, n):
+        out = self.dataset[self.at:self.at + n]
+        self.at += n
+        return out
+
+
+def records(questions, **columns):
+    return [PromptRecord(f"Question {q}", "408", i, {"answer": "408", **columns.get(q, {})})
+            for i, q in enumerate(questions)]
+
+
+def partial_source(tok, policy, *, tools=(), environment=None, in_flight=3, bound=2, workers=0, max_turns=4):
+    """A `PartialEpisodes` of B = 1, G = 1 over a `PolicyStreamingEngine`, with its runner and engine;
+    deterministic: each step's tool calls are waited for (the scripted engine's steps take microseconds and never
+    let the tool thread run otherwise)."""
+    engine = PolicyStreamingEngine(tok, policy)
+    sampling = SamplingParams(max_new_tokens=400, stop_token_ids=(engine.end,))
+    runner = SimpleNamespace(engine=engine, sampling=sampling, generate_agreed=lambda generate: generate(),
+                             score_fn=lambda texts, records, ids: torch.ones(len(ids)),
+                             routes_of=lambda records: None, count_truncated=lambda experience: experience)
+    loaded = list(tools)
+    episodes = EpisodeRunner(runner, tok, loaded, ToolExecutor(loaded, num_workers=workers),
+                             EpisodeLimits(max_turns=max_turns), environment=environment, deterministic=True)
+    return PartialEpisodes(episodes, batch_size=1, group_size=1, in_flight=in_flight,
+                           max_off_policy_steps=bound), engine
+
+
+@pytest.fixture()
+def calculator(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(TOOLS)
+    return load_tools([{"function": "calculator", "path": str(path)}])
+
+
+def test_an_episode_stopped_mid_turn_continues_it_token_exactly_under_the_new_weights(calculator):
+    tok = smollm2()
+    partial, engine = partial_source(tok, tool_policy, tools=calculator)
+    sampler = Prompts(records("ABC"))
+    first = partial.collect(partial.episodes, sampler, torch.Generator(), policy_version=0)
+    # A answers in 3 tokens: its group is the rollout's one; B and C are stopped 3 tokens into their first turns
+    assert [t.text for t in first.trajectories()] == ["Ok."]
+    b, c = (g.samples[0] for g in partial.groups)
+    call_ids = tok.encode(CALL) + [engine.end]
+    assert b.pending_ids == call_ids[:3] and b.pending_versions == [0, 0, 0] and b.pending_logprobs == [-0.5] * 3
+    assert not b.turn_starts and not b.done and c.pending_ids == tok.encode(LONG)[:3]
+    assert first.stats["carried_samples"] == 0 and first.stats["groups_in_flight"] == 2
+
+    engine.policy_version, engine.contexts = 2, []
+    second = partial.collect(partial.episodes, sampler, torch.Generator(), policy_version=2)
+    # B's turn went on from its 3 tokens (its context re-sent: prompt + the turn so far), called the calculator, and
+    # answered, before C's long answer ended
+    assert engine.contexts[0] == b.prompt_ids + call_ids[:3]
+    (traj,) = second.trajectories()
+    assert traj.text == "It is 408." and b.ended_by == "answer"
+    assert [m["content"] for m in traj.messages[1:]] == ["408", "It is 408."]
+    full = tok.encode(render(tok, [{"role": "user", "content": "Question B"}] + traj.messages, calculator,
+                             add_generation_prompt=False))
+    assert list(traj.prompt_ids + traj.response_ids) + tok.encode("\n") == full  # token-exact across the stop
+    first_turn = len(call_ids)
+    assert list(traj.response_ids[:first_turn]) == call_ids
+    assert list(traj.policy_versions[:first_turn]) == [0] * 3 + [2] * (first_turn - 3)  # two versions, one turn
+    assert list(traj.logprobs[:first_turn]) == pytest.approx([-0.5] * 3 + [-0.7] * (first_turn - 3))
+    second_turn = traj.turn_starts[1]
+    assert set(traj.policy_versions[first_turn:second_turn]) == {NOT_SAMPLED}  # the tool result, masked out
+    assert not any(traj.loss_mask[first_turn:second_turn]) and all(traj.loss_mask[second_turn:])
+    assert set(traj.policy_versions[second_turn:]) == {2}
+    s = second.stats
+    assert s["carried_samples"] == 2 and s["staleness_max"] == 2 and s["regenerated_samples"] == 0
+    assert s["episodes/tool_calls/calculator"] == 1 and s["episodes/turns"] == 2
+    assert second.policy_version == 2 and second.stats["staleness/lag_2"] == pytest.approx(3 / sum(traj.loss_mask))
+
+    engine.policy_version, engine.contexts = 5, []
+    third = partial.collect(partial.episodes, sampler, torch.Generator(), policy_version=5)
+    # C's oldest tokens (version 0) would lag 5 > 2: it was re-started from its prompt
+    assert third.stats["regenerated_samples"] == 1 and third.stats["carried_samples"] == 0
+    assert c.prompt_ids in engine.contexts and third.stats["staleness_max"] == 0
+    assert [t.text for t in third.trajectories()] == [LONG]
+
+
+def test_tool_calls_in_flight_when_the_rollout_stops_are_waited_for(calculator):
+    """B's call ends its first turn on the step that completes A's group: the call still runs and its result is
+    appended before the rollout returns; B is carried ready for its second turn."""
+    tok = smollm2()
+    call_ids = tok.encode(CALL) + [tok.special_tokens["<|im_end|>"]]
+    partial, _ = partial_source(tok, lambda ctx: "x " * (len(call_ids) - 2) if "Question A" in ctx
+                                else tool_policy(ctx), tools=calculator, in_flight=2)
+    partial.collect(partial.episodes, Prompts(records("AB")), torch.Generator(), policy_version=0)
+    (b,) = partial.groups[0].samples
+    assert len(b.turn_starts) == 1 and not b.pending_ids and b.completion[-1] == {"role": "tool",
+                                                                                "name": "calculator", "content": "408"}
+
+
+def round_trip(state: dict) -> dict:
+    """`state` through torch.save / torch.load(weights_only=True), as a checkpoint holds it."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_a_checkpoint_of_episodes_in_flight_continues_as_the_run_would_have(calculator):
+    tok = smollm2()
+    partial_records = records("ABC")
+    straight, engine = partial_source(tok, tool_policy, tools=calculator)
+    straight.collect(straight.episodes, Prompts(partial_records), torch.Generator(), policy_version=0)
+    state = round_trip(straight.state_dict(partial_records))
+    assert any(s["pending_ids"] for g in state["groups"] for s in g["samples"])
+    resumed, resumed_engine = partial_source(tok, tool_policy, tools=calculator)
+    resumed.load_state_dict(state, partial_records)
+    outs = []
+    for source, eng in ((straight, engine), (resumed, resumed_engine)):
+        eng.policy_version = 2
+        sampler = Prompts(partial_records)
+        sampler.at = 3
+        outs.append(source.collect(source.episodes, sampler, torch.Generator(), policy_version=2))
+    a, b = (o.trajectories() for o in outs)
+    assert a == b and len(a) == 1 and a[0].text == "It is 408."
+    assert outs[0].stats == outs[1].stats
+
+
+SLOW = "Thinking, " + "more " * 30
+
+
+def counter_policy(context: str) -> str:
+    """Quick: add 1, add 2, "Done."; Slow: add 1, then a long turn of thought ending with add 2, then "Done."."""
+    turns = context.count(ASSISTANT) - 1  # the context ends with this turn's start
+    slow = "Slow" in context
+    if turns == 0:
+        return format_tool_call("add", {"k": 1})
+    if turns == 1:
+        return (SLOW if slow else "") + format_tool_call("add", {"k": 2})
+    return "Done."
+
+
+def test_an_environment_episode_resumed_from_a_checkpoint_replays_its_calls_on_a_new_instance(env_file):
+    tok = smollm2()
+    rows = [PromptRecord("Quick", "", 0, {"start": 10}), PromptRecord("Slow", "", 1, {"start": 100})]
+    runs = []
+    for resume in (False, True):
+        env = _environment(env_file, {None: "Counter"}, workers=1)
+        partial, engine = partial_source(tok, counter_policy, environment=env, in_flight=2)
+        partial.collect(partial.episodes, Prompts(rows), torch.Generator(), policy_version=0)
+        (slow,) = partial.groups[0].samples
+        assert len(slow.turn_starts) == 1 and slow.pending_ids  # one add ran; stopped in the long second turn
+        if resume:
+            state = partial.state_dict(rows)
+            env.close()
+            env = _environment(env_file, {None: "Counter"}, workers=1)
+            partial, engine = partial_source(tok, counter_policy, environment=env, in_flight=2)
+            partial.load_state_dict(state, rows)
+        engine.policy_version = 1
+        try:
+            out = partial.collect(partial.episodes, Prompts([]), torch.Generator(), policy_version=1)
+        finally:
+            env.close()
+        runs.append(out)
+    straight, resumed = runs
+    # the replayed instance held 100 + 1 when the episode went on: add 2 said "total 103", get_reward 103
+    for out in runs:
+        (traj,) = out.trajectories()
+        assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["total 101", "total 103"]
+        assert traj.reward_components["environment"] == 103.0 and traj.text == "Done."
+    assert straight.trajectories() == resumed.trajectories()
+    resets = [e for e in _log(env_file) if e[0] == "reset" and e[1] == 100]
+    assert len(resets) == 3  # the straight run's, the interrupted run's, and the replay's
+
+
+def test_config_accepts_partial_rollouts_with_tools_and_environments():
+    from astrai.config import load_config
+
+    grpo = str(REPO / "configs/examples/grpo.yaml")
+    on = ["--rollout.partial", "true", "--rollout.max_off_policy_steps", "2", "--rollout.correction", "token_tis"]
+    tools = json.dumps([{"function": "calculator", "path": "t.py"}])
+    assert load_config(grpo, on + ["--rollout.tools", tools]).rollout.partial
+    assert load_config(grpo, on + ["--rollout.environment", "m:C"]).rollout.environment == "m:C"
+
+
+# ------------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def agent_model_dir(tmp_path_factory):
+    """The tiny model with room for the tool schemas (1024 positions) and 11 stop ids: its random turns end at
+    uneven lengths, so partial rollouts stop episodes mid-turn and between turns."""
+    from single_turn_reference import tiny_model
+
+    path = tiny_model(tmp_path_factory.mktemp("tiny-agent"))
+    config = json.loads((path / "config.json").read_text())
+    config.update(max_position_embeddings=1024, eos_token_id=[2, *range(40, 50)])
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def run_agent(model_dir, root, steps, extra=(), config="grpo.yaml"):
+    """online_grpo with a calculator tool and partial rollouts, on the tiny model (deterministic, 1 thread);
+    the engine answers every first turn with a calculator call (`script_turns`); the reward pays a used tool and a long answer."""
+    from astrai.rollout import engine as engines
+    from astrai.models import Tokenizer
+    from astrai.train import main
+    from scripted_turns import script_turns
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "my_tools.py").write_text(TOOLS)
+    (root / "reward.py").write_text(textwrap.dedent('''\
+        def used_tool(completions, **kw):
+            return [float(any(m["role"] == "tool" and m["content"] == "408" for m in c))
+                    + len(c[-1]["content"] or "") / 100 for c in completions]
+        '''))
+    paged = engines.engine_factory("paged")
+
+    def scripted(model, **kwargs):
+        tok = Tokenizer.from_dir(model_dir)
+        call = tok.encode(format_tool_call("calculator", {"expression": "12 * 34"})) + [tok.eos_token_id]
+        return script_turns(paged(model, **kwargs), lambda params: call if params.max_new_tokens == 160 else None)
+    engines.register_engine("scripted_partial_test", scripted)
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is 12 * {i}?", "answer": "0"}) + "\n" for i in range(16)))
+    out = root / "run"
+    code = main(["--config", str(REPO / "configs/examples" / config), "--model.path", str(model_dir),
+                 "--data.path", str(data), "--data.max_prompt_length", "128", "--train.output_dir", str(out),
+                 "--max_steps", str(steps), "--rollout.max_new_tokens", "160", "--train.progress_bar", "false",
+                 "--train.report_to", "none", "--runtime.num_threads", "1", "--runtime.deterministic", "true",
+                 "--grpo.group_size", "2", "--rollout.batch_size", "2", "--grpo.minibatch_size", "4",
+                 "--grpo.micro_batch_size", "2", "--optim.learning_rate", "1e-3", "--rollout.temperature", "2.0",
+                 "--rollout.engine", "scripted_partial_test", "--rollout.max_turns", "3",
+                 "--rollout.tools", json.dumps([{"function": "calculator", "path": str(root / "my_tools.py")}]),
+                 "--reward.functions", json.dumps([{"function": "used_tool", "path": str(root / "reward.py")}]),
+                 "--reward.num_workers", "0", "--rollout.partial", "true", "--rollout.max_off_policy_steps", "2",
+                 "--rollout.correction", "token_tis", *extra])
+    assert code == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_online_grpo_with_tools_and_partial_rollouts_trains_and_resumes_bitwise(agent_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    from test_partial_rollouts import assert_same_run
+
+    from astrai.trainer.loop import Trainer
+
+    extra = ["--checkpoint.save_steps", "2"]
+    straight = run_agent(agent_model_dir, tmp_path / "straight", 4, extra)
+    steps = [m for m in straight if "policy/loss" in m]
+    assert len(steps) == 4
+    for m in steps:
+        assert m["rollout/episodes/tool_calls/calculator"] == 1.0 and m["rollout/staleness_max"] <= 2
+        assert 0 < m["rollout/episodes/masked_out_fraction"] < 1 and m["rewards/used_tool/mean"] >= 1.0
+    assert sum(m["rollout/carried_samples"] for m in steps) > 0
+    fit = Trainer.fit
+
+    def stop_after_two(self):
+        self.state.max_steps = 2
+        return fit(self)
+
+    monkeypatch.setattr(Trainer, "fit", stop_after_two)
+    run_agent(agent_model_dir, tmp_path / "split", 4, extra)
+    monkeypatch.undo()
+    saved = torch.load(tmp_path / "split/run/checkpoints/step-00000002/strategy_state.pt", weights_only=True)
+    episodes = [s for g in saved["partial_rollouts"]["groups"] for s in g["samples"]]
+    assert any(e["ended_by"] is None and (e["pending_ids"] or e["turn_starts"]) for e in episodes)
+    resumed = run_agent(agent_model_dir, tmp_path / "split", 4, extra + ["--checkpoint.resume", "auto"])
+    assert_same_run(straight, resumed, tmp_path / "straight/run", tmp_path / "split/run", step=4)
+
+
+def test_online_ppo_trains_on_partial_rollouts_of_episodes(agent_model_dir, tmp_path):
+    """online_ppo: the critic's values and GAE over carried episodes (tool tokens masked out, several versions)."""
+    steps = [m for m in run_agent(agent_model_dir, tmp_path, 3, ["--ppo.minibatch_size", "2",
+                                                                  "--ppo.micro_batch_size", "2"], config="ppo.yaml")
+             if "policy/loss" in m]
+    assert len(steps) == 3 and all(math.isfinite(m["critic/loss"]) and math.isfinite(m["policy/loss"]) for m in steps)
+    assert sum(m["rollout/carried_samples"] for m in steps) > 0
+    assert all(m["rollout/episodes/tool_calls/calculator"] == 1.0 for m in steps)
+
+
+TALLY = '''
+class Tally:
+    """Adds up the length of every assistant message; its observations and reward say the running total."""
+
+    def reset(self, start, **row):
+        self.total, self.steps = int(start), 0
+        return f" Start at {start}."
+
+    def step(self, message):
+        self.steps += 1
+        self.total += len(message["content"])
+        return None if self.steps == 3 else f"Total {self.total}."
+
+    def get_reward(self):
+        return self.total / 100
+'''
+
+
+def run_game(model_dir, root, steps, extra=()):
+    """online_grpo on the `Tally` environment (its instances in a worker process) with partial rollouts, on the
+    tiny model's own random turns (deterministic, 1 thread)."""
+    from astrai.train import main
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "game.py").write_text(TALLY)
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": "Talk.", "start": s}) + "\n" for s in range(16)))
+    out = root / "run"
+    code = main(["--config", str(REPO / "configs/examples/grpo.yaml"), "--model.path", str(model_dir),
+                 "--data.path", str(data), "--data.system_prompt", "null", "--data.max_prompt_length", "64",
+                 "--train.output_dir", str(out), "--max_steps", str(steps), "--rollout.max_new_tokens", "128",
+                 "--train.progress_bar", "false", "--train.report_to", "none", "--runtime.num_threads", "1",
+                 "--runtime.deterministic", "true", "--grpo.group_size", "2", "--rollout.batch_size", "2",
+                 "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2", "--optim.learning_rate", "1e-3",
+                 "--rollout.temperature", "2.0", "--rollout.max_turns", "4", "--rollout.environment_workers", "1",
+                 "--rollout.environment", json.dumps({"class": "Tally", "path": str(root / "game.py")}),
+                 "--rollout.partial", "true", "--rollout.max_off_policy_steps", "2",
+                 "--rollout.correction", "token_tis", "--rollout.generation_batch_size", "8",
+                 "--checkpoint.save_steps", "2", *extra])
+    assert code == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_environment_job_with_partial_rollouts_resumes_bitwise_by_replaying_its_instances(agent_model_dir, tmp_path,
+                                                                                             monkeypatch):
+    """The environment's state (a running total its observations and reward report) lives in a worker across
+    rollouts; a job stopped at step 2 with episodes mid-game and resumed re-creates and replays their instances:
+    its metrics and weights equal the uninterrupted run's."""
+    from test_partial_rollouts import assert_same_run
+
+    from astrai.trainer.loop import Trainer
+
+    straight = run_game(agent_model_dir, tmp_path / "straight", 4)
+    steps = [m for m in straight if "policy/loss" in m]
+    assert len(steps) == 4 and sum(m["rollout/carried_samples"] for m in steps) > 0
+    assert all(m["rollout/episodes/env_errors"] == 0 and m["rewards/environment/mean"] > 0 for m in steps)
+    fit = Trainer.fit
+
+    def stop_after_two(self):
+        self.state.max_steps = 2
+        return fit(self)
+
+    monkeypatch.setattr(Trainer, "fit", stop_after_two)
+    run_game(agent_model_dir, tmp_path / "split", 4)
+    monkeypatch.undo()
+    saved = torch.load(tmp_path / "split/run/checkpoints/step-00000002/strategy_state.pt", weights_only=True)
+    episodes = [s for g in saved["partial_rollouts"]["groups"] for s in g["samples"]]
+    assert any(e["ended_by"] is None and e["turn_starts"] for e in episodes)  # mid-game: its instance has state
+    import shutil
+
+    from astrai.experience.episode_environments import EpisodeEnvironment
+
+    shutil.copytree(tmp_path / "split", tmp_path / "unreplayed")
+    resumed = run_game(agent_model_dir, tmp_path / "split", 4, ["--checkpoint.resume", "auto"])
+    assert_same_run(straight, resumed, tmp_path / "straight/run", tmp_path / "split/run", step=4)
+    # the control: the same resume with the replayed steps skipped (the instances only reset) differs
+    step = EpisodeEnvironment.step
+    monkeypatch.setattr(EpisodeEnvironment, "step", lambda self, episodes, messages=None: (
+        [None] * len(episodes) if messages is not None else step(self, episodes)))
+    unreplayed = run_game(agent_model_dir, tmp_path / "unreplayed", 4, ["--checkpoint.resume", "auto",
+                                                                         "--data.path", str(tmp_path / "split/prompts.jsonl")])
+    rewards = [[m["rewards/environment/mean"] for m in run if "policy/loss" in m] for run in (straight, unreplayed)]
+    assert rewards[0][:2] == rewards[1][:2] and rewards[0][2:] != rewards[1][2:], rewards
