@@ -2,6 +2,7 @@
 
     python bench/partial_rollouts.py [--threads 1] [--batch-size 4] [--group-size 4] [--in-flight 8]
                                      [--max-new-tokens 256] [--stop-ids 3] [--rollouts 6] [--hidden 256]
+                                     [--episodes] [--max-turns 3]
 
 A random-weight decoder (astrai's `tiny_config` at `--hidden` width, 4 layers, vocabulary 512, float32) on the paged
 engine (torch backend). Random weights give near-flat logits, so with `--stop-ids` k stop tokens each token ends its
@@ -14,6 +15,13 @@ response with probability about k / 512: geometric, long-tailed response lengths
   step until B groups are complete, the unfinished samples carried to the next rollout (re-prefilled there). The
   staleness bound is set high enough that no sample is re-generated (the weights do not change here).
 
+With `--episodes`, every sample is a multi-turn episode (`astrai.experience.episodes`, docs/agents.md) of up to
+`--max-turns` turns: a tool-less environment answers each turn with "Go on." (in this process), the tiny byte-level
+tokenizer's ChatML template renders it, and `--max-new-tokens` is the episode's whole budget; vocabulary 283 (the
+tokenizer's), the end of turn one of the stop ids. Synchronous: `EpisodeRunner.sample` (the streaming path, every
+episode to its end); partial: `astrai.experience.partial_episodes.PartialEpisodes` (episodes carried mid-turn or
+between turns).
+
 Prints per mode, over `--rollouts` rollouts after one warm-up rollout: seconds per rollout, decode steps per rollout,
 mean rows per decode step (the batch-size profile: generated tokens / steps), generated tokens per second, and the
 ratio `sync s/rollout / partial s/rollout`. Generation only: the training step and the staleness it costs are not
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from astrai.experience.partial import PartialRollouts  # noqa: E402
+from astrai.experience.partial_episodes import PartialEpisodes  # noqa: E402
 from astrai.models import AutoRegressiveLM, tiny_config  # noqa: E402
 from astrai.rollout.paged_engine import PagedGenerationEngine  # noqa: E402
 from astrai.rollout.sampling import SamplingParams  # noqa: E402
@@ -74,13 +84,66 @@ def partial_rollout(engine, params, args, generator, source, version) -> tuple[f
     counted = CountingEngine(engine)
     runner = SimpleNamespace(engine=counted, sampling=params, decode=lambda ids: "", generate_agreed=lambda f: f(),
                              score_fn=lambda texts, records, ids: torch.zeros(len(ids)),
-                             count_truncated=lambda exp: exp)
+                             routes_of=lambda records: None, count_truncated=lambda exp: exp)
     sampler = SimpleNamespace(next_batch=lambda n: prompts(generator, n))
     engine.wake()
     start = time.perf_counter()
     source.collect(runner, sampler, generator, version)
     seconds = time.perf_counter() - start
     engine.sleep()
+    return seconds, counted.steps, counted.tokens
+
+
+GO_ON = '''
+class GoOn:
+    """Says "Go on." after every turn; the episode ends at rollout.max_turns."""
+
+    def reset(self, **row):
+        return None
+
+    def step(self, message):
+        return "Go on."
+'''
+
+
+def episode_runner(engine, params, args, folder: Path):
+    """An `EpisodeRunner` over `engine` (counted) with the `GoOn` environment in this process, scores all 0."""
+    from astrai.agents.environments import EnvironmentSpec
+    from astrai.experience.episode_environments import EpisodeEnvironment
+    from astrai.experience.episodes import EpisodeLimits, EpisodeRunner, ToolExecutor
+    from astrai.models import tiny_tokenizer
+
+    (folder / "go_on.py").write_text(GO_ON)
+    environment = EpisodeEnvironment.load([EnvironmentSpec(None, "GoOn", str(folder / "go_on.py"))], num_workers=0,
+                                          timeout_seconds=60.0)
+    runner = SimpleNamespace(engine=CountingEngine(engine), sampling=params, generate_agreed=lambda f: f(),
+                             score_fn=lambda texts, records, ids: torch.zeros(len(ids)),
+                             routes_of=lambda records: None, count_truncated=lambda exp: exp)
+    return EpisodeRunner(runner, tiny_tokenizer(), [], ToolExecutor([]), EpisodeLimits(max_turns=args.max_turns),
+                         environment=environment)
+
+
+def episode_records(generator: torch.Generator, n: int) -> list:
+    from astrai.data.prompts import PromptRecord
+
+    lengths = torch.randint(2, 8, (n,), generator=generator).tolist()
+    return [PromptRecord(" ".join(["Tell me more."] * k), "", i, {}) for i, k in enumerate(lengths)]
+
+
+def episode_rollout(runner, args, generator, source, version) -> tuple[float, int, int]:
+    """One rollout of episodes (synchronous when `source` is None): seconds, decode steps, sampled tokens."""
+    counted = runner.engine
+    counted.steps = counted.tokens = 0
+    counted.wake()
+    start = time.perf_counter()
+    if source is None:
+        records = [r for r in episode_records(generator, args.batch_size) for _ in range(args.group_size)]
+        runner.sample(None, records, generator)
+    else:
+        source.collect(runner, SimpleNamespace(next_batch=lambda n: episode_records(generator, n)), generator,
+                       version)
+    seconds = time.perf_counter() - start
+    counted.sleep()
     return seconds, counted.steps, counted.tokens
 
 
@@ -94,10 +157,13 @@ def main() -> None:
     parser.add_argument("--stop-ids", type=int, default=3)
     parser.add_argument("--rollouts", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--episodes", action="store_true", help="multi-turn episodes (a step environment)")
+    parser.add_argument("--max-turns", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    config = tiny_config(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+    vocab = 283 if args.episodes else VOCAB  # episodes: the tiny tokenizer's vocabulary (its ids decode)
+    config = tiny_config(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS,
                          pad_token_id=EOS, bos_token_id=1, max_position_embeddings=2048)
     model = AutoRegressiveLM(config).eval()
@@ -106,15 +172,21 @@ def main() -> None:
                             stop_token_ids=tuple(range(EOS, EOS + args.stop_ids)))
     print(f"threads {args.threads}; B {args.batch_size} x G {args.group_size}; {args.in_flight} groups in flight; "
           f"max_new_tokens {args.max_new_tokens}; {args.stop_ids} stop ids of {VOCAB} (mean length about "
-          f"{VOCAB // args.stop_ids}); hidden {args.hidden}, 4 layers; {args.rollouts} rollouts after a warm-up")
+          f"{vocab // args.stop_ids} per turn); hidden {args.hidden}, 4 layers; {args.rollouts} rollouts after a warm-up"
+          + (f"; episodes of up to {args.max_turns} turns" if args.episodes else ""))
     results = {}
+    folder = Path(tempfile.mkdtemp(prefix="astrai-bench-"))
     for mode in ("sync", "partial"):
         generator = torch.Generator().manual_seed(1)
-        source = PartialRollouts(batch_size=args.batch_size, group_size=args.group_size, in_flight=args.in_flight,
-                                 max_off_policy_steps=10**6)
+        settings = dict(batch_size=args.batch_size, group_size=args.group_size, in_flight=args.in_flight,
+                        max_off_policy_steps=10**6)
+        runner = episode_runner(engine, params, args, folder) if args.episodes else None
+        source = PartialEpisodes(runner, **settings) if args.episodes else PartialRollouts(**settings)
         runs = []
         for r in range(args.rollouts + 1):
-            if mode == "sync":
+            if args.episodes:
+                runs.append(episode_rollout(runner, args, generator, source if mode == "partial" else None, r))
+            elif mode == "sync":
                 runs.append(synchronous(engine, params, args, generator))
             else:
                 runs.append(partial_rollout(engine, params, args, generator, source, r))

@@ -275,6 +275,168 @@ def test_an_environment_episode_resumed_from_a_checkpoint_replays_its_calls_on_a
     assert len(resets) == 3  # the straight run's, the interrupted run's, and the replay's
 
 
+FLAKY = '''
+import json, os
+
+
+def log(*event):
+    with open(os.environ["ASTRAI_TEST_FLAKY_LOG"], "a") as f:
+        f.write(json.dumps(event) + "\\n")
+
+
+class Flaky:
+    """A counter of steps whose reset fails while the file ASTRAI_TEST_FLAKY_FAIL exists and whose step ends the
+    game while ASTRAI_TEST_FLAKY_END exists (so a resumed job's replay can meet other answers)."""
+
+    def reset(self, start, **row):
+        if os.path.exists(os.environ["ASTRAI_TEST_FLAKY_FAIL"]):
+            raise RuntimeError("reset is down")
+        self.total = int(start)
+        log("reset", start)
+
+    def step(self, message):
+        self.total += 1
+        return None if os.path.exists(os.environ["ASTRAI_TEST_FLAKY_END"]) else f"total {self.total}"
+
+    def get_reward(self):
+        return float(self.total)
+
+    def close(self):
+        log("close", getattr(self, "total", None))
+'''
+
+
+def flaky_policy(context: str) -> str:
+    """Quick: three short turns; Slow: a short turn, then a long one."""
+    turns = context.count(ASSISTANT) - 1
+    return SLOW if "Slow" in context and turns >= 1 else "Hm."
+
+
+@pytest.fixture()
+def flaky(tmp_path, monkeypatch):
+    path = tmp_path / "flaky.py"
+    path.write_text(FLAKY)
+    monkeypatch.setenv("ASTRAI_TEST_FLAKY_LOG", str(tmp_path / "flaky.log"))
+    monkeypatch.setenv("ASTRAI_TEST_FLAKY_FAIL", str(tmp_path / "fail"))
+    monkeypatch.setenv("ASTRAI_TEST_FLAKY_END", str(tmp_path / "end"))
+    return path
+
+
+def flaky_log(flaky):
+    log = flaky.parent / "flaky.log"
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def stopped_then_resumed(tok, flaky, rows, *, fail_on_resume: bool):
+    """Run one rollout (B = 1 of 2 groups in flight) with `Flaky`, save, and load into a new source whose new
+    environment's reset fails when `fail_on_resume`; returns the new source, its engine and environment."""
+    env = _environment(flaky, {None: "Flaky"}, workers=0)
+    partial, engine = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
+    partial.collect(partial.episodes, Prompts(rows), torch.Generator(), policy_version=0)
+    state = round_trip(partial.state_dict(rows))
+    env.close()
+    if fail_on_resume:
+        (flaky.parent / "fail").write_text("")
+    env = _environment(flaky, {None: "Flaky"}, workers=0)
+    partial, engine = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
+    partial.load_state_dict(state, rows)
+    engine.policy_version = 1
+    return partial, engine, env
+
+
+def test_a_reset_failing_on_resume_ends_the_episode_after_its_turn_as_a_failed_start_does(flaky):
+    """The resumed job's reset fails: the episode (one turn done, stopped in its long second turn) finishes that
+    turn and ends "env_error", its environment reward marked failed, never an empty or unfinished trajectory."""
+    tok = smollm2()
+    rows = [PromptRecord("Quick", "", 0, {"start": 10}), PromptRecord("Slow", "", 1, {"start": 20})]
+    with pytest.warns(UserWarning, match="reset failed: RuntimeError: reset is down"):
+        partial, _, env = stopped_then_resumed(tok, flaky, rows, fail_on_resume=True)
+    (slow,) = partial.groups[0].samples
+    assert len(slow.turn_starts) == 1 and slow.pending_ids and not slow.done  # it goes on, as a failed start does
+    try:
+        out = partial.collect(partial.episodes, Prompts([]), torch.Generator(), policy_version=1)
+    finally:
+        env.close()
+    (traj,) = out.trajectories()
+    assert slow.ended_by == "env_error" and len(traj.turn_starts) == 2 and traj.text == SLOW
+    assert traj.reward_failed["environment"] is True and out.stats["episodes/env_errors/reset"] == 1
+
+
+def test_an_episode_a_replayed_step_ends_gets_its_reward_and_close(flaky):
+    """An environment that answers otherwise on the resume (its step ends the game once ASTRAI_TEST_FLAKY_END
+    exists): the replayed step of the first turn ends the episode on load ("environment", its turn in progress
+    dropped), and the next rollout returns it with get_reward's value and runs its close."""
+    tok = smollm2()
+    rows = [PromptRecord("Quick", "", 0, {"start": 10}), PromptRecord("Slow", "", 1, {"start": 20})]
+    env = _environment(flaky, {None: "Flaky"}, workers=0)
+    partial, _ = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
+    partial.collect(partial.episodes, Prompts(rows), torch.Generator(), policy_version=0)
+    state = round_trip(partial.state_dict(rows))
+    env.close()
+    (flaky.parent / "end").write_text("")
+    env = _environment(flaky, {None: "Flaky"}, workers=0)
+    partial, engine = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
+    partial.load_state_dict(state, rows)
+    (slow,) = partial.groups[0].samples
+    assert slow.ended_by == "environment" and not slow.pending_ids and len(slow.turn_starts) == 1
+    engine.policy_version = 1
+    try:
+        out = partial.collect(partial.episodes, Prompts([]), torch.Generator(), policy_version=1)
+    finally:
+        env.close()
+    (traj,) = out.trajectories()
+    assert traj.text == "Hm." and traj.reward_components["environment"] == 21.0  # 20, then the replayed step
+    assert flaky_log(flaky)[-1] == ["close", 21]
+
+
+def test_groups_of_another_kind_of_sample_are_dropped_on_resume_with_a_warning(calculator, tmp_path):
+    """A checkpoint's groups in flight continue only where they were sampled alike: single answers into a job with
+    tools, episodes into a job without, or episodes whose prompts offer other tools, are dropped, said once."""
+    from astrai.experience.partial import PartialRollouts
+
+    tok = smollm2()
+    rows = records("ABC")
+    source, _ = partial_source(tok, tool_policy, tools=calculator)
+    source.collect(source.episodes, Prompts(rows), torch.Generator(), policy_version=0)
+    episodes_state = round_trip(source.state_dict(rows))
+    assert episodes_state["kind"] == "episodes" and episodes_state["tools"] == ["calculator"]
+    single = PartialRollouts(batch_size=1, group_size=1, in_flight=3, max_off_policy_steps=2)
+    with pytest.warns(UserWarning, match=r"the 2 group\(s\) in flight in the checkpoint were sampled as episodes "
+                                         r"offering the tools \['calculator'\] and this job samples single answers"):
+        single.load_state_dict(episodes_state, rows)
+    assert single.groups == []
+    (tmp_path / "other.py").write_text(TOOLS)
+    shout = load_tools([{"function": "shout", "path": str(tmp_path / "other.py")}])
+    other, _ = partial_source(tok, tool_policy, tools=shout)
+    with pytest.warns(UserWarning, match=r"and this job samples episodes offering the tools \['shout'\]"):
+        other.load_state_dict(episodes_state, rows)
+    assert other.groups == []
+    single_state = {"groups": [{"record": 0, "samples": [{"response_ids": [5], "logprobs": [-1.0],
+                                                          "policy_versions": [0], "done": False}]}]}
+    with pytest.warns(UserWarning, match="were sampled as single answers"):
+        source.load_state_dict(single_state, rows)  # a checkpoint of before this field: single answers
+    assert source.groups == []
+    source.load_state_dict(episodes_state, rows)  # the same kind: continued
+    assert len(source.groups) == 2
+
+
+def test_a_resumed_job_with_a_smaller_budget_restarts_the_episodes_it_no_longer_fits(calculator):
+    """rollout.max_new_tokens lowered on resume: a carried episode whose tokens fill the new budget is restarted
+    from its prompt (counted in regenerated_samples), not sent with no token left."""
+    tok = smollm2()
+    rows = records("ABC")
+    source, engine = partial_source(tok, lambda ctx: "Ok." if "Question A" in ctx else LONG, tools=calculator)
+    source.collect(source.episodes, Prompts(rows), torch.Generator(), policy_version=0)
+    state = round_trip(source.state_dict(rows))
+    resumed, engine = partial_source(tok, lambda ctx: "Ok." if "Question A" in ctx else LONG, tools=calculator)
+    resumed.load_state_dict(state, rows)
+    assert [len(g.samples[0].pending_ids) for g in resumed.groups] == [3, 3]
+    resumed.episodes.runner.sampling = SamplingParams(max_new_tokens=3, stop_token_ids=(engine.end,))
+    engine.policy_version = 1
+    out = resumed.collect(resumed.episodes, Prompts([]), torch.Generator(), policy_version=1)
+    assert out.stats["regenerated_samples"] == 2 and all(len(t.response_ids) <= 3 for t in out.trajectories())
+
+
 def test_config_accepts_partial_rollouts_with_tools_and_environments():
     from astrai.config import load_config
 
@@ -328,7 +490,7 @@ def run_agent(model_dir, root, steps, extra=(), config="grpo.yaml"):
                  "--data.path", str(data), "--data.max_prompt_length", "128", "--train.output_dir", str(out),
                  "--max_steps", str(steps), "--rollout.max_new_tokens", "160", "--train.progress_bar", "false",
                  "--train.report_to", "none", "--runtime.num_threads", "1", "--runtime.deterministic", "true",
-                 "--grpo.group_size", "2", "--rollout.batch_size", "2", "--grpo.minibatch_size", "4",
+                 "--grpo.group_size", "2", "--rollout.batch_size", "2", "--grpo.minibatch_size", "2",
                  "--grpo.micro_batch_size", "2", "--optim.learning_rate", "1e-3", "--rollout.temperature", "2.0",
                  "--rollout.engine", "scripted_partial_test", "--rollout.max_turns", "3",
                  "--rollout.tools", json.dumps([{"function": "calculator", "path": str(root / "my_tools.py")}]),
@@ -345,7 +507,7 @@ def test_online_grpo_with_tools_and_partial_rollouts_trains_and_resumes_bitwise(
 
     from astrai.trainer.loop import Trainer
 
-    extra = ["--checkpoint.save_steps", "2"]
+    extra = ["--checkpoint.save_steps", "4"]
     straight = run_agent(agent_model_dir, tmp_path / "straight", 4, extra)
     steps = [m for m in straight if "policy/loss" in m]
     assert len(steps) == 4
@@ -355,14 +517,14 @@ def test_online_grpo_with_tools_and_partial_rollouts_trains_and_resumes_bitwise(
     assert sum(m["rollout/carried_samples"] for m in steps) > 0
     fit = Trainer.fit
 
-    def stop_after_two(self):
-        self.state.max_steps = 2
+    def stop_after_three(self):  # in the middle of the second rollout (2 optimizer steps each)
+        self.state.max_steps = 3
         return fit(self)
 
-    monkeypatch.setattr(Trainer, "fit", stop_after_two)
+    monkeypatch.setattr(Trainer, "fit", stop_after_three)
     run_agent(agent_model_dir, tmp_path / "split", 4, extra)
     monkeypatch.undo()
-    saved = torch.load(tmp_path / "split/run/checkpoints/step-00000002/strategy_state.pt", weights_only=True)
+    saved = torch.load(tmp_path / "split/run/checkpoints/step-00000003/strategy_state.pt", weights_only=True)
     episodes = [s for g in saved["partial_rollouts"]["groups"] for s in g["samples"]]
     assert any(e["ended_by"] is None and (e["pending_ids"] or e["turn_starts"]) for e in episodes)
     resumed = run_agent(agent_model_dir, tmp_path / "split", 4, extra + ["--checkpoint.resume", "auto"])
@@ -380,12 +542,21 @@ def test_online_ppo_trains_on_partial_rollouts_of_episodes(agent_model_dir, tmp_
 
 
 TALLY = '''
+def log(event):
+    with open(__file__ + ".log", "a") as f:
+        f.write(event + "\\n")
+
+
 class Tally:
     """Adds up the length of every assistant message; its observations and reward say the running total."""
 
     def reset(self, start, **row):
         self.total, self.steps = int(start), 0
+        log("reset")
         return f" Start at {start}."
+
+    def close(self):
+        log("close")
 
     def step(self, message):
         self.steps += 1
@@ -412,12 +583,12 @@ def run_game(model_dir, root, steps, extra=()):
                  "--train.output_dir", str(out), "--max_steps", str(steps), "--rollout.max_new_tokens", "128",
                  "--train.progress_bar", "false", "--train.report_to", "none", "--runtime.num_threads", "1",
                  "--runtime.deterministic", "true", "--grpo.group_size", "2", "--rollout.batch_size", "2",
-                 "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2", "--optim.learning_rate", "1e-3",
+                 "--grpo.minibatch_size", "2", "--grpo.micro_batch_size", "2", "--optim.learning_rate", "1e-3",
                  "--rollout.temperature", "2.0", "--rollout.max_turns", "4", "--rollout.environment_workers", "1",
                  "--rollout.environment", json.dumps({"class": "Tally", "path": str(root / "game.py")}),
                  "--rollout.partial", "true", "--rollout.max_off_policy_steps", "2",
                  "--rollout.correction", "token_tis", "--rollout.generation_batch_size", "8",
-                 "--checkpoint.save_steps", "2", *extra])
+                 "--checkpoint.save_steps", "4", *extra])
     assert code == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -425,26 +596,30 @@ def run_game(model_dir, root, steps, extra=()):
 def test_an_environment_job_with_partial_rollouts_resumes_bitwise_by_replaying_its_instances(agent_model_dir, tmp_path,
                                                                                              monkeypatch):
     """The environment's state (a running total its observations and reward report) lives in a worker across
-    rollouts; a job stopped at step 2 with episodes mid-game and resumed re-creates and replays their instances:
-    its metrics and weights equal the uninterrupted run's."""
+    rollouts; a job stopped at step 3 (mid-rollout, 2 optimizer steps each) with episodes mid-game and resumed
+    re-creates and replays their instances: its metrics, weights and episodes in flight equal the uninterrupted
+    run's; without the replay (the instances only reset) the observations differ. Every instance is closed by the
+    end."""
     from test_partial_rollouts import assert_same_run
 
     from astrai.trainer.loop import Trainer
 
-    straight = run_game(agent_model_dir, tmp_path / "straight", 4)
+    straight = run_game(agent_model_dir, tmp_path / "straight", 6)
     steps = [m for m in straight if "policy/loss" in m]
-    assert len(steps) == 4 and sum(m["rollout/carried_samples"] for m in steps) > 0
+    assert len(steps) == 6 and sum(m["rollout/carried_samples"] for m in steps) > 0
+    events = (tmp_path / "straight/game.py.log").read_text().split()
+    assert events.count("close") == events.count("reset") > 16  # in-flight instances closed when training ended
     assert all(m["rollout/episodes/env_errors"] == 0 and m["rewards/environment/mean"] > 0 for m in steps)
     fit = Trainer.fit
 
-    def stop_after_two(self):
-        self.state.max_steps = 2
+    def stop_after_three(self):  # in the middle of the second rollout (2 optimizer steps each)
+        self.state.max_steps = 3
         return fit(self)
 
-    monkeypatch.setattr(Trainer, "fit", stop_after_two)
-    run_game(agent_model_dir, tmp_path / "split", 4)
+    monkeypatch.setattr(Trainer, "fit", stop_after_three)
+    run_game(agent_model_dir, tmp_path / "split", 6)
     monkeypatch.undo()
-    saved = torch.load(tmp_path / "split/run/checkpoints/step-00000002/strategy_state.pt", weights_only=True)
+    saved = torch.load(tmp_path / "split/run/checkpoints/step-00000003/strategy_state.pt", weights_only=True)
     episodes = [s for g in saved["partial_rollouts"]["groups"] for s in g["samples"]]
     assert any(e["ended_by"] is None and e["turn_starts"] for e in episodes)  # mid-game: its instance has state
     import shutil
@@ -452,13 +627,16 @@ def test_an_environment_job_with_partial_rollouts_resumes_bitwise_by_replaying_i
     from astrai.experience.episode_environments import EpisodeEnvironment
 
     shutil.copytree(tmp_path / "split", tmp_path / "unreplayed")
-    resumed = run_game(agent_model_dir, tmp_path / "split", 4, ["--checkpoint.resume", "auto"])
-    assert_same_run(straight, resumed, tmp_path / "straight/run", tmp_path / "split/run", step=4)
+    resumed = run_game(agent_model_dir, tmp_path / "split", 6, ["--checkpoint.resume", "auto"])
+    assert_same_run(straight, resumed, tmp_path / "straight/run", tmp_path / "split/run", step=6)
     # the control: the same resume with the replayed steps skipped (the instances only reset) differs
     step = EpisodeEnvironment.step
     monkeypatch.setattr(EpisodeEnvironment, "step", lambda self, episodes, messages=None: (
         [None] * len(episodes) if messages is not None else step(self, episodes)))
-    unreplayed = run_game(agent_model_dir, tmp_path / "unreplayed", 4, ["--checkpoint.resume", "auto",
+    unreplayed = run_game(agent_model_dir, tmp_path / "unreplayed", 6, ["--checkpoint.resume", "auto",
                                                                          "--data.path", str(tmp_path / "split/prompts.jsonl")])
-    rewards = [[m["rewards/environment/mean"] for m in run if "policy/loss" in m] for run in (straight, unreplayed)]
-    assert rewards[0][:2] == rewards[1][:2] and rewards[0][2:] != rewards[1][2:], rewards
+    def in_flight(run):  # the episodes in flight at the end: their messages (observations say the totals)
+        state = torch.load(tmp_path / run / "run/checkpoints/step-00000006/strategy_state.pt", weights_only=True)
+        return [[s["messages"] for s in g["samples"]] for g in state["partial_rollouts"]["groups"]]
+
+    assert in_flight("split") == in_flight("straight") != in_flight("unreplayed")

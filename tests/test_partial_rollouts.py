@@ -207,6 +207,18 @@ def test_the_staleness_bound_regenerates_from_the_prompt():
     assert all(v == 5 for row in rows(third) for v in row[3])
 
 
+def test_a_smaller_budget_on_resume_restarts_the_samples_it_no_longer_fits():
+    """rollout.max_new_tokens lowered (a resumed job): the carried A1 (3 tokens, running) has no token left under
+    a cap of 3 and is restarted from its prompt, never sent with max_new_tokens 0; the done A0 (2 tokens) stays."""
+    source = scripted_source([[2, 5], [3, 3], [4, 4]], batch_size=1, group_size=2, in_flight=2, bound=2)
+    source.collect(policy_version=0)
+    source.runner.sampling = SamplingParams(max_new_tokens=3, stop_token_ids=(EOS,))
+    source.engine.added.clear()
+    second = source.collect(policy_version=1)
+    assert second.stats["regenerated_samples"] == 1 and all(len(r[1]) <= 3 for r in rows(second))
+    assert source.engine.added[0] == ([0, 2, 5], 3, 1)  # A1 from its prompt alone, with the whole new budget
+
+
 def test_staleness_stats_by_hand():
     versions = torch.tensor([[3, 3, 5, -1], [5, 5, 5, 5]])
     mask = versions >= 0

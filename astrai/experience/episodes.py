@@ -357,8 +357,9 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
     and every sample, is fixed by the seed (what `runtime.deterministic` needs on this path)."""
     budget = sampling.max_new_tokens
     bases: list[int] = []
-    live: dict[int, tuple[int, list[int], list[float], list[int], int]] = {}  # request -> (episode, ids, logprobs,
-    jobs: dict[Future, tuple[int, tuple]] = {}  # versions, version): the helper's work -> (episode, what follows)
+    # request id -> (episode, the turn's ids, log-probs and versions so far, the version its new tokens get)
+    live: dict[int, tuple[int, list[int], list[float], list[int], int]] = {}
+    jobs: dict[Future, tuple[int, tuple]] = {}  # the helper's work -> (episode, what follows its turn)
     ready = [i for i, e in enumerate(episodes) if e.ended_by is None]
     requests: list[int] = []
     prefilled: set[int] = set()  # the requests whose first output (which says the prefix-cache hits) came
@@ -776,6 +777,11 @@ class EpisodeRunner:
         """The single-turn runner's engine."""
         return self.runner.engine
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """The single-turn runner's sampling settings (`max_new_tokens`: each episode's whole budget)."""
+        return self.runner.sampling
+
     def generate_agreed(self, generate: Callable[[], Any]) -> Any:
         """As `RolloutRunner.generate_agreed` (non-finite logits on any rank stop every rank)."""
         return self.runner.generate_agreed(generate)
@@ -822,7 +828,7 @@ class EpisodeRunner:
         """Advance `episodes` (opened by `open`, some perhaps mid-turn) on the engine's streaming API until
         `until()` holds or every one has ended (`_streamed_turns` with `until`); deterministic (`runtime.
         deterministic`): each step's tool calls and environment steps are waited for before the next step, so the
-        run is bitwise reproducible. With an environment, the episodes that end are finished (`end`).
+        run is bitwise reproducible. The environment's end of the episodes that ended is the caller's (`end`).
 
         Raises:
             ValueError: an engine without the streaming API (or tensor-parallel).
@@ -848,7 +854,9 @@ class EpisodeRunner:
         """Episodes of `record` loaded from a checkpoint (`astrai.experience.partial_episodes`): the tools each
         offers, and with an environment, for those still running, a new instance reset with the record's row and
         brought to where the episode left it by replaying, in order, the calls of its methods and the steps its
-        turns made (each turn read again from its tokens; results dropped). Failures are counted as in a run."""
+        turns made (each turn read again from its tokens; results dropped). Failures are counted as in a run: a
+        reset that fails leaves the episode to end after its turn in progress (or its next one) with "env_error"; a
+        replayed step that ends it, or a replayed call that fails, ends it now (its turn in progress dropped)."""
         env = self.environment
         for e in episodes:
             e.tools = list(self.tools) + (list(env.tools[e.env_route]) if env is not None else [])
@@ -857,12 +865,11 @@ class EpisodeRunner:
             return
         route, row = env.route_and_row(record, self.prompt_field)
         for e, reply in zip(running, env.start(running, [route] * len(running), [row] * len(running))):
-            if not reply.ok:
+            if not reply.ok:  # as at an episode's start: it goes on to the end of its turn, then ends (env_error)
                 env.fail(e, "lost" if env.pool.lost(e.env_key) else "reset", reply.value, reply.trace, call="reset")
-                e.ended_by = "env_error"
         for turn in range(max((len(e.turn_starts) for e in running), default=0)):
             calling, stepping = [], []
-            for e in (e for e in running if turn < len(e.turn_starts) and e.ended_by is None):
+            for e in (e for e in running if turn < len(e.turn_starts) and e.ended_by is None and not e.env_errors):
                 end = e.turn_starts[turn + 1] if turn + 1 < len(e.turn_starts) else len(e.response_ids)
                 sampled = [t for t, m in zip(e.response_ids[e.turn_starts[turn]:end],
                                              e.loss_mask[e.turn_starts[turn]:end]) if m]
@@ -877,6 +884,9 @@ class EpisodeRunner:
                 env.call_tools(calling)
             if stepping:
                 env.step([e for e, _ in stepping], [m for _, m in stepping])
+        for e in running:
+            if e.done:  # the replay ended it (its step said so, or a call failed): its turn in progress is dropped
+                e.pending_ids, e.pending_logprobs, e.pending_versions = [], [], []
 
     def scored(self, episodes: Sequence[Episode], records: Sequence[Any], timings: dict[str, float]) -> Experience:
         """Ended `episodes` (one per record of `records`) scored by the reward functions (and the environment's

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -94,6 +95,14 @@ class InFlightGroup:
     def complete(self) -> bool:
         """Every sample is done."""
         return all(s.done for s in self.samples)
+
+
+def _described(kind: dict) -> str:
+    """A saved kind of sample (`PartialRollouts._kind`) in words."""
+    if kind["kind"] == "samples":
+        return "single answers"
+    return (f"episodes offering the tools {kind.get('tools', [])}"
+            + (f" and the environment {kind['environment']}" if kind.get("environment") else ""))
 
 
 def staleness_stats(policy_versions: torch.Tensor, action_mask: torch.Tensor, policy_version: int,
@@ -154,15 +163,18 @@ class PartialRollouts:
         are complete (`decode`), and score them with `runner`'s decode and score functions. Its `policy_versions`
         are per token; `policy_version` is the rollout's. Stats: `truncated_fraction`, `staleness_stats`,
         `carried_samples` (samples that entered with tokens of an earlier rollout, after the bound),
-        `regenerated_samples` (those the bound re-started), `groups_in_flight` (left for the next rollout).
+        `regenerated_samples` (those the bound re-started, and those a smaller `rollout.max_new_tokens` of a
+        resumed job no longer fits), `groups_in_flight` (left for the next rollout).
 
         Raises:
             ValueError: an engine without the streaming API, or a bad score (as `RolloutRunner.sample`).
             FloatingPointError: non-finite logits in the sampler.
         """
         self._check(runner)
+        cap = runner.sampling.max_new_tokens
         stale = [(group, i) for group in self.groups for i, sample in enumerate(group.samples)
-                 if self._started(sample) and sample.staleness(policy_version) > self.max_off_policy_steps]
+                 if self._started(sample) and (sample.staleness(policy_version) > self.max_off_policy_steps
+                                               or self._over_budget(sample, cap))]
         self._restart(runner, stale)
         carried = sum(1 for g in self.groups for s in g.samples if self._started(s))
         missing = self.in_flight - len(self.groups)
@@ -196,6 +208,12 @@ class PartialRollouts:
     def _started(sample) -> bool:
         """Whether `sample` holds sampled tokens."""
         return bool(sample.response_ids)
+
+    @staticmethod
+    def _over_budget(sample, cap: int) -> bool:
+        """Whether `sample` (carried from a job with a larger `rollout.max_new_tokens`) no longer fits `cap`: done
+        with more tokens, or running with no token left."""
+        return len(sample.response_ids) > cap or (not sample.done and len(sample.response_ids) >= cap)
 
     def _restart(self, runner, stale: list[tuple[InFlightGroup, int]]) -> None:
         """Re-start the samples `stale` ((group, index) pairs) from their prompts."""
@@ -295,12 +313,29 @@ class PartialRollouts:
                                  "cannot be saved")
             groups.append({"record": position[id(group.record)],
                            "samples": [self._sample_state(s) for s in group.samples]})
-        return {"groups": groups}
+        return {"groups": groups, **self._kind()}
+
+    def _kind(self) -> dict:
+        """What the saved samples are ("samples": single answers), and what they need of the job to continue."""
+        return {"kind": "samples"}
 
     def load_state_dict(self, state: dict, records: Sequence[Any]) -> None:
-        """Inverse of `state_dict` over the same `records`."""
+        """Inverse of `state_dict` over the same `records`. Groups saved by a job whose samples were of another
+        kind (single answers / episodes, or episodes offering other tools: `rollout.tools` or
+        `rollout.environment` changed) cannot continue here: they are dropped with a warning saying how many."""
+        saved = {"kind": "samples", **{k: v for k, v in state.items() if k != "groups"}}
+        if state["groups"] and saved != self._kind():
+            warnings.warn(f"rollout.partial: the {len(state['groups'])} group(s) in flight in the checkpoint were "
+                          f"sampled as {_described(saved)} and this job samples {_described(self._kind())} "
+                          "(rollout.tools or rollout.environment changed): they are dropped (their prompts were "
+                          "drawn and are not drawn again)", stacklevel=2)
+            self.groups = []
+            return
         self.groups = [InFlightGroup(records[g["record"]], self._load_samples(records[g["record"]], g["samples"]))
                        for g in state["groups"]]
+
+    def close(self) -> None:
+        """The end of training with groups still in flight (nothing to release for single answers)."""
 
     @staticmethod
     def _sample_state(sample: InFlightSample) -> dict:

@@ -25,7 +25,12 @@ cannot save the instances (the user's objects, in worker processes): a resumed j
 episode still running and replays what the episode did to it (reset with its row, then every call of its
 methods and every step, in order, each read again from the episode's tokens), so an environment whose state
 follows from those calls (what TRL's and verl's environments are) continues where it was; one that draws
-unseeded random numbers, reads the clock or the world continues from another state.
+unseeded random numbers, reads the clock or the world continues from another state. When training ends, the
+instances of the episodes still in flight are closed (`close`, after the final checkpoint).
+
+Resuming with other settings: a checkpoint's episodes continue only in a job whose episodes offer the same tools and
+environment classes (their prompts list them), else they are dropped with a warning (`PartialRollouts.
+load_state_dict`); one that no longer fits a smaller `rollout.max_new_tokens` is restarted from its prompt.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from astrai.experience.trajectory import Experience
 __all__ = ["PartialEpisodes"]
 
 _SAVED_FIELDS = ("prompt_ids", "messages", "first", "response_ids", "loss_mask", "logprobs", "policy_versions",
-                 "turn_starts", "tool_results_cut", "ended_by", "env_route", "env_error", "env_reward",
+                 "turn_starts", "tool_results_cut", "ended_by", "env_key", "env_route", "env_error", "env_reward",
                  "env_reward_failed", "prefill_tokens", "prefill_tokens_reused", "pending_ids", "pending_logprobs",
                  "pending_versions")
 _COUNTERS = ("tool_calls", "tool_errors", "env_errors")
@@ -73,6 +78,18 @@ class PartialEpisodes(PartialRollouts):
     @staticmethod
     def _started(sample: Episode) -> bool:
         return sample.started
+
+    @staticmethod
+    def _over_budget(sample: Episode, cap: int) -> bool:
+        used = len(sample.response_ids) + len(sample.pending_ids)
+        return used > cap or (not sample.done and used >= cap)
+
+    def _kind(self) -> dict:
+        """Episodes, with the tools and environment classes they offer (a carried prompt lists them)."""
+        env = self.episodes.environment
+        return {"kind": "episodes", "tools": [t.name for t in self.episodes.tools],
+                "environment": sorted(f"{route}: {name}" if route is not None else name
+                                      for route, name in env.names.items()) if env is not None else []}
 
     def _restart(self, runner, stale: list[tuple[InFlightGroup, int]]) -> None:
         """Re-start the episodes `stale` from their prompts: their instances closed, new ones opened."""
@@ -112,6 +129,13 @@ class PartialEpisodes(PartialRollouts):
         experience = self.episodes.scored(episodes, [g.record for g in groups for _ in g.samples], timings)
         return dataclasses.replace(experience, policy_version=policy_version)
 
+    def close(self) -> None:
+        """The end of training with episodes in flight: their environment instances are closed (`close` of each;
+        the episodes themselves stay, as a checkpoint saved them)."""
+        running = [e for g in self.groups for e in g.samples if id(e) not in self._finished]
+        self.episodes.abandon(running)
+        self._finished.update(id(e) for e in running)
+
     @staticmethod
     def _sample_state(sample: Episode) -> dict:
         """The episode as plain data (its tools and instance key left out: `_load_samples` finds them again)."""
@@ -129,6 +153,7 @@ class PartialEpisodes(PartialRollouts):
             for name in _COUNTERS:
                 setattr(e, name, Counter({key: count for key, count in state[name]}))
             episodes.append(e)
+        finished = [e for e in episodes if e.done]  # their environment's end ran before the checkpoint
         self.episodes.restore(episodes, record)
-        self._finished.update(id(e) for e in episodes if e.done)
+        self._finished.update(id(e) for e in finished)
         return episodes

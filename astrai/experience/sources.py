@@ -230,6 +230,12 @@ class OnlineExperience:
                                 sampled_reward_mean=float(sampled.mean()))
         return experience
 
+    def close(self) -> None:
+        """The end of training: with `partial`, what its groups in flight hold outside this process is released
+        (multi-turn episodes: their environment instances closed; `PartialRollouts.close`)."""
+        if self.partial is not None:
+            self.partial.close()
+
     def state_dict(self) -> dict:
         """The sampling RNG state, with `partial` the groups in flight (`PartialRollouts.state_dict`), and with
         `one_step_off` the batch generated ahead (waited for first: a checkpoint holds it whole, so a resume trains

@@ -29,8 +29,8 @@ from astrai.distributed.rank_checks import check_ranks_agree
 from astrai.models import load_pretrained
 from astrai.outputs import OutputWriteError
 from astrai.rollout.engine import engine_factory
-from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, MetricsLogger, ProgressBar,
-                                      StepTimer)
+from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, ExperienceEnd, MetricsLogger,
+                                      ProgressBar, StepTimer)
 from astrai.trainer.evaluation_callback import build_evaluation, load_eval_records
 from astrai.experience.build import load_job_environment, load_job_tools
 from astrai.rewards.build import build_rewards
@@ -267,7 +267,7 @@ def _write_run_files(config: Config, dist, output_dir: Path, config_text: str, r
 def _callbacks(config: Config, dist, output_dir: Path, trainer: Trainer, tokenizer, config_text: str, reporters,
                run_id: str, resume_from: Optional[Path], manifest_fields: dict) -> list:
     """The job's callbacks, in order: evaluation, timing, metrics, completions (`train.log_completions` > 0; they
-    reach the reporters too), progress, checkpoints, reporters."""
+    reach the reporters too), progress, checkpoints, the experience source's end, reporters."""
     resume_step = None if resume_from is None else trainer.state.global_step
     logger = MetricsLogger(output_dir, logging_steps=config.train.logging_steps, enabled=dist.is_main,
                            resume_step=resume_step)
@@ -294,6 +294,7 @@ def _callbacks(config: Config, dist, output_dir: Path, trainer: Trainer, tokeniz
         CheckpointCallback(save, save_steps=config.checkpoint.save_steps,
                            save_at_end=config.checkpoint.save_at_end, before_save=flush_logs,
                            saved_step=-1 if resume_from is None else trainer.state.global_step),
+        ExperienceEnd(),  # after the final checkpoint, which saves the episodes in flight
         *reporters,
     ]
 

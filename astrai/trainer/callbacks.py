@@ -420,3 +420,27 @@ class CheckpointCallback(Callback):
     def last_saved(self) -> int:
         """The step of the newest checkpoint this run published or resumed from (-1: none)."""
         return self._last_saved
+
+
+class ExperienceEnd(Callback):
+    """At the end of training (normal, stopped, or aborted by an error), after the final checkpoint: the learner's
+    experience source releases what it holds beyond the checkpoint (`OnlineExperience.close`: the environment
+    instances of episodes still in flight, whose `close` then runs). A failure here is warned about, never raised
+    over the run's own outcome."""
+
+    def on_train_end(self, trainer) -> None:
+        self._close(trainer)
+
+    def on_train_abort(self, trainer) -> None:
+        self._close(trainer)
+
+    @staticmethod
+    def _close(trainer) -> None:
+        close = getattr(getattr(trainer.learner, "experience", None), "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception as err:  # noqa: BLE001 - the run's result stands; the user hears of it
+            warnings.warn(f"closing the environment instances of the episodes in flight failed: {err}", stacklevel=2)
+
