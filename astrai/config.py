@@ -311,6 +311,11 @@ class RolloutSection(Section, name="rollout"):
         None, "rollout.placement separate on CPU: the generation process's torch threads; null = one step off, half "
               "the training process's, which keeps the rest (when runtime.num_threads is null); synchronous, as many "
               "as the training process's", GT0)
+    generation_restarts: Optional[int] = field_spec(
+        None, "rollout.placement separate: how many times a generation process that dies (killed, out of memory) "
+              "is started again, its lost batch generated again, before a death stops the job; null = 2 where the "
+              "trained weights are whole on every rank (ddp, zero1, zero2), 0 under fsdp2 / zero3 (a restart's "
+              "weight sync would need every rank), where a value > 0 is refused", GE0)
     tools: list[ToolEntry] = field_spec(
         [], "tools the policy may call, each {function, path, name}: every sample becomes a multi-turn episode "
             "(turns and tool results within rollout.max_new_tokens; docs/agents.md)")
@@ -696,6 +701,10 @@ class Config:
             if on:
                 raise ConfigError(f"rollout.placement: separate is not supported yet with {name}; set "
                                   "rollout.placement colocated")
+        if r.generation_restarts and self.distributed.strategy in ("fsdp2", "zero3"):
+            raise ConfigError(f"rollout.generation_restarts: {r.generation_restarts} needs the trained weights whole "
+                              f"on every rank (a restarted generation process is synced by its rank alone), and "
+                              f"distributed.strategy {self.distributed.strategy} shards them; set it to 0 or null")
         if r.max_off_policy_steps == 0:
             return  # synchronous: each rollout is generated with the newest weights, as colocated
         if r.correction == "none":
@@ -727,7 +736,7 @@ class Config:
         if self.rollout.placement == "separate":
             self._check_separate(kind, spec)
         else:
-            for name in ("generation_device", "generation_threads"):
+            for name in ("generation_device", "generation_threads", "generation_restarts"):
                 if getattr(self.rollout, name) is not None:
                     raise ConfigError(f"rollout.{name}: sets the generation process of rollout.placement separate, "
                                       "but the placement is colocated; set it to null")

@@ -18,7 +18,7 @@ from astrai.config import ConfigError, load_config
 from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.rollout.build import _generation_engine
 from astrai.rollout.paged_engine import PagedGenerationEngine
-from astrai.rollout.remote import RemoteEngine, RemoteEngineError
+from astrai.rollout.remote import GenerationProcessDied, RemoteEngine, RemoteEngineError
 from astrai.rollout.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,6 +145,31 @@ def test_a_generation_process_that_dies_is_one_line_naming_its_exit_code():
     with pytest.raises(RemoteEngineError, match=r"died with exit code -9"):
         engine.generate([[5]], SamplingParams(max_new_tokens=2, stop_token_ids=(2,)))
     engine.close()
+
+
+def test_a_dead_generation_process_is_restarted_in_place_with_no_weights_and_its_requests_forgotten():
+    model = AutoRegressiveLM(tiny_config())
+    engine = RemoteEngine(AutoRegressiveLM, tiny_config(), _functools_partial(_build, None, 0), threads=1)
+    try:
+        engine.load_weights(model.state_dict(), 3)
+        params = SamplingParams(max_new_tokens=4, stop_token_ids=(2,))
+        before = engine.generate([[5, 6]], params, torch.Generator().manual_seed(1))
+        lost = engine.submit([[5, 6]], params, torch.Generator())
+        first = engine.process.pid
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(GenerationProcessDied, match="died with exit code -9") as died:
+            engine.result(lost)
+        assert died.value.exit_code == -9
+        engine.restart()
+        assert engine.restarts == 1 and engine.process.pid != first and engine.policy_version == -1
+        with pytest.raises(RemoteEngineError, match="no generation"):
+            engine.result(lost)
+        assert engine.load_weights(model.state_dict(), 3) == 3
+        again = engine.generate([[5, 6]], params, torch.Generator().manual_seed(1))
+        assert torch.equal(again.response_ids, before.response_ids)  # the same weights and RNG: the same sample
+    finally:
+        engine.close()
+    assert not engine.process.is_alive()
 
 
 def test_a_generation_process_killed_during_the_weight_broadcast_is_the_same_one_line():
@@ -436,8 +461,9 @@ def test_more_threads_than_cpus_is_one_line_for_every_thread_setting(model_dir, 
 
 
 def test_a_generation_process_killed_mid_run_stops_the_job_in_one_line(model_dir, tmp_path, capsys, monkeypatch):
-    """A trial: kill -9 of the generation process printed ~60 lines of traceback (exit 1). The job now ends with
-    one line naming the exit code (trainer.faults.GenerationProcessFault, exit code 1) and leaves no process."""
+    """A trial: kill -9 of the generation process printed ~60 lines of traceback (exit 1). With no restart allowed
+    (`rollout.generation_restarts 0`) the job now ends with one line naming the exit code
+    (trainer.faults.GenerationProcessFault, exit code 1) and leaves no process."""
     from astrai.train import main
 
     collected = []
@@ -456,7 +482,7 @@ def test_a_generation_process_killed_mid_run_stops_the_job_in_one_line(model_dir
                  "--data.truncation", "left", "--runtime.num_threads", "1", "--grpo.group_size", "2",
                  "--rollout.batch_size", "2", "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2",
                  "--reward.functions", json.dumps([{"function": "length", "path": str(tmp_path / "length.py")}]),
-                 *ONE_STEP_OFF])
+                 "--rollout.generation_restarts", "0", *ONE_STEP_OFF])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err, err
     assert re.search(r"error: the generation process \(pid \d+\) died with exit code -9 during a generation", err)
@@ -489,3 +515,129 @@ def test_check_refuses_a_generation_device_that_is_not_there(model_dir, tmp_path
                  "--rollout.generation_device", "cuda:7"])
     err = capsys.readouterr().err
     assert code == 2 and "rollout.generation_device: cuda:7 does not exist" in err and "Traceback" not in err
+
+
+def kill_at_second_generation(monkeypatch, method: str):
+    """Kill the generation process (SIGKILL) when `RemoteEngine.<method>` is called the second time."""
+    calls = []
+    real = getattr(RemoteEngine, method)
+
+    def patched(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(self.process.pid, signal.SIGKILL)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteEngine, method, patched)
+    return calls
+
+
+def test_a_killed_synchronous_generation_process_is_restarted_and_the_run_is_unchanged(model_dir, tmp_path,
+                                                                                      monkeypatch):
+    """Synchronous separate placement: the generation process killed during the second rollout's generation is
+    started again (one warning line), loads the same weights, and generates the same batch from the same RNG
+    state: metrics and weights equal an undisturbed run's, bit for bit."""
+    separate = ["--rollout.placement", "separate", "--rollout.generation_threads", "1"]
+    straight = run_job(model_dir, tmp_path / "straight", 3, separate)
+    kill_at_second_generation(monkeypatch, "result")
+    with pytest.warns(UserWarning, match=r"died with exit code -9 during a generation; started a new one \(restart 1 "
+                                         r"of 2, rollout.generation_restarts\)"):
+        killed = run_job(model_dir, tmp_path / "killed", 3, separate)
+    same_run(straight, killed, tmp_path / "straight", tmp_path / "killed", 3)
+
+
+def test_a_killed_one_step_off_generation_process_is_restarted_and_its_batch_sampled_again(model_dir, tmp_path,
+                                                                                          monkeypatch):
+    """One step off: killed while the batch sent ahead during step 1 was generating, the new process generates it
+    again with the newest weights (that batch lags 0, the others 1 as ever), and the job trains its 3 steps."""
+    kill_at_second_generation(monkeypatch, "result")
+    with pytest.warns(UserWarning, match="restart 1 of 2"):
+        rows = run_job(model_dir, tmp_path / "killed", 3, ONE_STEP_OFF)
+    steps = [r for r in rows if "policy/loss" in r]
+    assert len(steps) == 3 and [r["rollout/staleness_max"] for r in steps] == [0.0, 0.0, 1.0]
+
+
+def test_generation_restarts_are_refused_where_the_weights_are_sharded_or_nothing_is_separate():
+    with pytest.raises(ConfigError, match="rollout.generation_restarts: 1 needs the trained weights whole on every "
+                                          "rank .* distributed.strategy fsdp2 shards them"):
+        load_config(GRPO, ["--rollout.placement", "separate", "--rollout.generation_restarts", "1",
+                           "--distributed.strategy", "fsdp2"])
+    with pytest.raises(ConfigError, match="rollout.generation_restarts: sets the generation process"):
+        load_config(GRPO, ["--rollout.generation_restarts", "1"])
+    from astrai.experience.build import generation_restarts
+
+    separate = load_config(GRPO, ["--rollout.placement", "separate"])
+    assert generation_restarts(separate, "ddp") == 2 and generation_restarts(separate, "zero3") == 0
+    assert generation_restarts(load_config(GRPO, []), "ddp") == 0
+    auto = load_config(GRPO, ["--rollout.placement", "separate", "--rollout.generation_restarts", "3"])
+    with pytest.raises(ValueError, match="distributed.strategy zero3 shards them"):  # "auto" resolved at launch
+        generation_restarts(auto, "zero3")
+
+
+def test_a_batch_ahead_lost_while_a_checkpoint_waits_is_saved_as_lost_and_sent_again_after_the_resume():
+    """The generation process dies while the checkpoint's state waits for the batch sent ahead: it is restarted
+    (one warning), the batch is saved as lost (its records and RNG state, no generation), and the resumed source
+    sends it again with the weights it collects at, from that RNG state: what a colocated engine samples with
+    those weights and state."""
+    import io
+
+    from toy_rl import RandomPrompts
+
+    from astrai.experience.runner import RolloutRunner
+    from astrai.experience.sources import OnlineExperience
+    from astrai.rollout.engine import sync_weights
+
+    weights = {}
+    for version in range(2):
+        torch.manual_seed(200 + version)
+        weights[version] = dict(AutoRegressiveLM(tiny_config()).state_dict())
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(2,))
+    vocab = tiny_config().vocab_size
+    engine = RemoteEngine(AutoRegressiveLM, tiny_config(), _functools_partial(_build, None, 0), threads=1)
+
+    records = RandomPrompts(vocab, 5).next_batch(8)
+
+    class Prompts:  # a sampler over a dataset (a checkpoint saves records by their position in it)
+        def __init__(self):
+            self.dataset, self.at = records, 0
+
+        def next_batch(self, n):
+            self.at += n
+            return self.dataset[self.at - n:self.at]
+
+    def source_over(engine):
+        runner = RolloutRunner(engine, params, decode=str, score_fn=lambda t, r, ids: torch.zeros(len(ids)))
+        return OnlineExperience(sync_weights=lambda v: sync_weights(engine, lambda: weights[v].items(), v),
+                                runner=runner, sampler=Prompts(), batch_size=2, group_size=2, seed=9,
+                                device=torch.device("cpu"), one_step_off=True, max_off_policy_steps=1,
+                                generation_restarts=2)
+
+    try:
+        source = source_over(engine)
+        source.collect(0)  # rollout 0, and rollout 1 sent ahead with version 0
+        os.kill(engine.process.pid, signal.SIGKILL)
+        with pytest.warns(UserWarning, match="restart 1 of 2"):
+            state = source.state_dict()
+        assert state["one_step_off"]["generation"] is None and len(state["one_step_off"]["records"]) == 2
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        resumed = source_over(engine)
+        resumed.data_sampler.next_batch(4)  # the sampler's position, as the checkpoint's data state restores it
+        resumed.load_state_dict(state)
+        got = resumed.collect(1)  # the lost batch, sent again with version 1
+    finally:
+        engine.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = _paged(AutoRegressiveLM(tiny_config()).eval())
+        local.load_weights(weights[1], 1)
+        generator = torch.Generator()
+        generator.set_state(state["one_step_off"]["generator_state"])
+        want = local.generate([r.prompt_ids for r in records[2:4] for _ in range(2)], params, generator)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got.sequences.response_ids, want.response_ids)
+    assert got.stats["staleness_max"] == 0 and got.policy_version == 1

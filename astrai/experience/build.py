@@ -28,7 +28,7 @@ from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.sampling import SamplingParams
 
 __all__ = ["agreed_scoring", "build_online_experience", "build_episode_player", "build_episode_runner",
-           "load_job_environment", "load_job_tools", "sampling_params"]
+           "generation_restarts", "load_job_environment", "load_job_tools", "sampling_params"]
 
 
 def sampling_params(config, model_config, tokenizer) -> SamplingParams:
@@ -218,7 +218,29 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
                             any_rank=any_rank, partial=partial_rollouts(config, group_size, runner),
                             should_stop=should_stop,
                             one_step_off=r.placement == "separate" and r.max_off_policy_steps > 0,
-                            max_off_policy_steps=r.max_off_policy_steps)
+                            max_off_policy_steps=r.max_off_policy_steps,
+                            generation_restarts=generation_restarts(config, getattr(dist, "strategy", "ddp")))
+
+
+def generation_restarts(config, strategy: str) -> int:
+    """`rollout.generation_restarts` for the resolved `strategy`: 0 unless the placement is separate; null = 2
+    where the trained weights are whole on every rank, 0 under fsdp2 / zero3, whose weight sync gathers the shards
+    on every rank together (one rank's restart cannot sync alone).
+
+    Raises:
+        ValueError: a value > 0 under fsdp2 / zero3 (one line; exit code 2 from the CLI).
+    """
+    r = config.rollout
+    if r.placement != "separate":
+        return 0
+    sharded = strategy in ("fsdp2", "zero3")
+    if r.generation_restarts is None:
+        return 0 if sharded else 2
+    if r.generation_restarts and sharded:
+        raise ValueError(f"rollout.generation_restarts: {r.generation_restarts} needs the trained weights whole on "
+                         f"every rank (a restarted generation process is synced by its rank alone), and "
+                         f"distributed.strategy {strategy} shards them; set it to 0 or null")
+    return r.generation_restarts
 
 
 def agreed_scoring(rewards: RewardFunctions, any_rank: Optional[Callable[[bool], bool]]

@@ -20,6 +20,7 @@ from astrai.experience.trajectory import Experience, concat_experiences, summed_
 from astrai.experience.runner import RolloutRunner
 from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.generation import Generation
+from astrai.rollout.remote import GenerationProcessDied
 
 __all__ = ["ExperienceSource", "OnlineExperience"]
 
@@ -88,6 +89,14 @@ class OnlineExperience:
             timings "generate" is the time this process waited for it, "generation_process" the time the
             generation process took to generate it.
         max_off_policy_steps: with `one_step_off`, the bound the staleness metrics report lags up to.
+        generation_restarts: with a generation process (`rollout.placement` separate), how many times one that
+            dies (`astrai.rollout.remote.GenerationProcessDied`: killed, out of memory) is started again before
+            its death stops the job (`rollout.generation_restarts`); each restart is warned about in one line. The
+            new process takes the weights of the `policy_version` being collected; the generation lost is sent
+            again with the same prompts and sampling RNG state: synchronous (`one_step_off` False), so the batch
+            is exactly the one that was lost; one step off, the batch generated ahead is sampled again by the
+            newer weights (a lag of 0 for that batch). A death while a checkpoint waits for the batch ahead
+            still stops the job (the weights it was sampled with are gone). 0: every death stops the job.
 
     With `dynamic_sampling` each round consumes `generation_batch_size` records of the sampler; reference
     log-probs are computed once, for the B * G kept samples. The experience's stats hold `sampling_rounds` and
@@ -105,7 +114,7 @@ class OnlineExperience:
                  max_sampling_rounds: int = 1, generation_batch_size: Optional[int] = None,
                  any_rank: Optional[Callable[[bool], bool]] = None,
                  should_stop: Callable[[], bool] = lambda: False, partial: Optional[PartialRollouts] = None,
-                 one_step_off: bool = False, max_off_policy_steps: int = 0):
+                 one_step_off: bool = False, max_off_policy_steps: int = 0, generation_restarts: int = 0):
         if dynamic_sampling and group_size < 2:
             raise ValueError(f"dynamic_sampling needs groups of at least 2 samples, got group_size={group_size}")
         if max_sampling_rounds < 1:
@@ -124,6 +133,7 @@ class OnlineExperience:
         self.should_stop = should_stop
         self.partial = partial
         self.one_step_off, self.max_off_policy_steps = one_step_off, max_off_policy_steps
+        self.generation_restarts = generation_restarts
         self._ahead: Optional[_Ahead] = None
         self._positions: Optional[tuple[Any, dict[int, int]]] = None
 
@@ -151,11 +161,36 @@ class OnlineExperience:
             elif self.dynamic_sampling:
                 experience = self.runner.add_reference(self._sample_dynamically(engine.pad_token_id))
             else:
-                experience = self.runner.collect(*self._next_prompts(self.batch_size), self.generator)
+                prompts = self._next_prompts(self.batch_size)
+                experience = self._surviving(lambda: self.runner.collect(*prompts, self.generator), policy_version)
         finally:
             engine.sleep()
         experience.timings["weight_sync"] = synced
         return experience
+
+    def _surviving(self, call: Callable[[], Any], policy_version: int) -> Any:
+        """`call()` (a generation in the generation process), again after each death of the process that
+        `generation_restarts` allows (`_restart`), with the sampling RNG as it was before the first try and the
+        new process holding the weights of `policy_version`."""
+        state = self.generator.get_state()
+        while True:
+            try:
+                return call()
+            except GenerationProcessDied as err:
+                self._restart(err)
+                self.generator.set_state(state)
+                self.runner.engine.wake()
+                self.sync_weights(policy_version)
+
+    def _restart(self, err: GenerationProcessDied) -> None:
+        """Start a new generation process after `err`, said in one line; raises `err` when the restarts allowed
+        are spent."""
+        engine = self.runner.engine
+        if engine.restarts >= self.generation_restarts:
+            raise err
+        warnings.warn(f"{err}; started a new one (restart {engine.restarts + 1} of {self.generation_restarts}, "
+                      "rollout.generation_restarts), which generates the lost batch again", stacklevel=3)
+        engine.restart()
 
     def _collect_ahead(self, policy_version: int) -> Experience:
         """One-step-off `collect` (class docstring)."""
@@ -163,7 +198,7 @@ class OnlineExperience:
         if self._ahead is None:  # the first batch (or after a resume without one): generated now
             self._ahead, synced = self._submit_ahead(policy_version)
         start = time.perf_counter()
-        ahead = self._finish_ahead()
+        ahead = self._finish_ahead(policy_version)
         waited = time.perf_counter() - start
         self._ahead, sync_next = self._submit_ahead(policy_version)  # sampled while this batch trains
         experience = self.runner.scored(ahead.generation, ahead.answers, {"generate": waited})
@@ -174,26 +209,51 @@ class OnlineExperience:
         experience.timings.update(weight_sync=synced + sync_next, generation_process=ahead.seconds)
         return experience
 
-    def _submit_ahead(self, policy_version: int) -> tuple["_Ahead", float]:
+    def _submit_ahead(self, policy_version: int, answers: Optional[list] = None) -> tuple["_Ahead", float]:
         """Sync the weights of `policy_version` into the generation process and send it the next batch's prompts
-        (awake only around the call, as a colocated engine); (the batch in flight, the sync's seconds)."""
+        (`answers`' when given: a batch sent again after a restart; awake only around the call, as a colocated
+        engine); (the batch in flight, the sync's seconds)."""
         engine = self.runner.engine
-        engine.wake()
-        start = time.perf_counter()
-        self.sync_weights(policy_version)
-        synced = time.perf_counter() - start
-        prompt_ids, answers = self._next_prompts(self.batch_size)
-        request = engine.submit(prompt_ids, self.runner.sampling, self.generator)
-        engine.sleep()
-        return _Ahead(answers=answers, request=request), synced
+        if answers is None:
+            prompt_ids, answers = self._next_prompts(self.batch_size)
+        else:
+            prompt_ids = [record.prompt_ids for record in answers]
+        synced = 0.0
 
-    def _finish_ahead(self) -> "_Ahead":
+        def send() -> int:
+            nonlocal synced
+            engine.wake()
+            start = time.perf_counter()
+            self.sync_weights(policy_version)
+            synced += time.perf_counter() - start
+            request = engine.submit(prompt_ids, self.runner.sampling, self.generator)
+            engine.sleep()
+            return request
+
+        state = self.generator.get_state()  # `submit` leaves it; `result` advances it from here
+        return _Ahead(answers=answers, request=self._surviving(send, policy_version), generator_state=state), synced
+
+    def _finish_ahead(self, policy_version: Optional[int] = None) -> "_Ahead":
         """The batch generated ahead, waited for if still in flight (non-finite logits agreed over the ranks as a
-        colocated generation's: `RolloutRunner.generate_agreed`); the sampling RNG is then where it left it."""
-        ahead = self._ahead
-        if ahead.generation is None:
-            engine = self.runner.engine
-            generation = self.runner.generate_agreed(lambda: engine.result(ahead.request))
+        colocated generation's: `RolloutRunner.generate_agreed`); the sampling RNG is then where it left it. A
+        generation process that died meanwhile is restarted (`_restart`) and the batch is lost with it: with
+        `policy_version` (a collect) it is sent again at once with the RNG state it was sent with, under the
+        weights of `policy_version`; without (a checkpoint's state) it stays lost (no request, no generation) and
+        the next collect sends it."""
+        ahead, engine = self._ahead, self.runner.engine
+        while ahead.generation is None:
+            if ahead.request is None:  # lost with a generation process that died
+                if policy_version is None:
+                    return ahead
+                self.generator.set_state(ahead.generator_state)
+                ahead.request = self._submit_ahead(policy_version, ahead.answers)[0].request
+            try:
+                generation = self.runner.generate_agreed(lambda: engine.result(ahead.request))
+            except GenerationProcessDied as err:
+                self._restart(err)
+                ahead.request = None
+                self.generator.set_state(ahead.generator_state)
+                continue
             ahead.generation = _on_device(generation, self.generator.device)
             ahead.seconds, ahead.request = engine.last_seconds, None
         return ahead
@@ -258,6 +318,9 @@ class OnlineExperience:
         if any(id(record) not in positions for record in records):
             raise ValueError("rollout.placement: a prompt generated ahead is not in the sampler's dataset; its state "
                              "cannot be saved")
+        if ahead.generation is None:  # lost with a generation process that died: sent again after the resume
+            return {"records": [positions[id(record)] for record in records], "generation": None,
+                    "generator_state": ahead.generator_state, "seconds": 0.0}
         return {"records": [positions[id(record)] for record in records],
                 "generation": {name: getattr(ahead.generation, name) for name in _GENERATION_FIELDS},
                 "seconds": ahead.seconds}
@@ -272,10 +335,12 @@ class OnlineExperience:
         saved = state.get("one_step_off")
         if self.one_step_off and saved is not None:
             dataset = getattr(self.data_sampler, "dataset", ())
-            generation = Generation(**saved["generation"])
-            self._ahead = _Ahead(answers=[dataset[i] for i in saved["records"] for _ in range(self.group_size)],
-                                 generation=_on_device(generation, self.generator.device),
-                                 seconds=float(saved.get("seconds", 0.0)))
+            answers = [dataset[i] for i in saved["records"] for _ in range(self.group_size)]
+            if saved["generation"] is None:  # lost with a generation process that died: the next collect sends it
+                self._ahead = _Ahead(answers=answers, generator_state=saved["generator_state"])
+            else:
+                self._ahead = _Ahead(answers=answers, seconds=float(saved.get("seconds", 0.0)),
+                                     generation=_on_device(Generation(**saved["generation"]), self.generator.device))
         elif saved is not None:
             warnings.warn(f"rollout.placement: the batch of {len(saved['records'])} prompt(s) generated ahead in the "
                           "checkpoint is dropped, as this job does not train one step off (their prompts were drawn "
@@ -295,12 +360,14 @@ class OnlineExperience:
 @dataclasses.dataclass
 class _Ahead:
     """A batch of one-step-off training: its records (the score function's targets, each G times) and either the
-    generation process's request still in flight or the generation it returned (with its seconds there)."""
+    generation process's request still in flight or the generation it returned (with its seconds there), or
+    neither: lost with a generation process that died, to be sent again with `generator_state`."""
 
     answers: list
     request: Optional[int] = None
     generation: Optional[Generation] = None
     seconds: float = 0.0
+    generator_state: Optional[torch.Tensor] = None  # the sampling RNG when it was sent (to send it again)
 
 
 _GENERATION_FIELDS = tuple(f.name for f in dataclasses.fields(Generation))  # saved and moved whole

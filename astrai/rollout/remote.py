@@ -22,7 +22,9 @@ generated in the generation process equals the colocated engine's on the same we
 Failures: an error of the engine is raised in the training rank in one line: bad input (prompts or settings it
 refuses, a backend the machine lacks) as ValueError, non-finite logits as FloatingPointError, anything else as
 `RemoteEngineError` with the generation process's traceback printed once; a generation process that dies is a
-`RemoteEngineError` naming its exit code (the trainer stops in one line: `trainer.faults.GenerationProcessFault`);
+`GenerationProcessDied` (a `RemoteEngineError`) naming its exit code: `RemoteEngine.restart` starts another in its
+place (`astrai.experience.sources.OnlineExperience`, `rollout.generation_restarts`), else the trainer stops in one
+line (`trainer.faults.GenerationProcessFault`);
 a training rank that dies ends the generation process (its pipe closes, once the
 generation process is idle); signals meant for the job (SIGINT, SIGTERM) leave it running until the training rank,
 which stops gracefully, closes it.
@@ -50,7 +52,7 @@ from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.generation import Generation
 from astrai.rollout.sampling import SamplingParams
 
-__all__ = ["RemoteEngine", "RemoteEngineError"]
+__all__ = ["GenerationProcessDied", "RemoteEngine", "RemoteEngineError"]
 
 _POLL_SECONDS = 0.2
 """How often a wait for the generation process checks that it is still alive."""
@@ -58,6 +60,17 @@ _POLL_SECONDS = 0.2
 
 class RemoteEngineError(RuntimeError):
     """The generation process died, or failed in a way that is not the caller's input (one line)."""
+
+
+class GenerationProcessDied(RemoteEngineError):
+    """The generation process is gone (killed, crashed, out of memory): `RemoteEngine.restart` can start another.
+
+    Attributes:
+        exit_code: its exit code (None when it had none yet)."""
+
+    def __init__(self, message: str, exit_code: Optional[int] = None):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -85,6 +98,7 @@ class RemoteEngine:
 
     Attributes:
         policy_version: the version of the weights the generation process acknowledged; -1 until the first load.
+        restarts: how many times `restart` started a new generation process.
         pad_token_id: the engine's padding id.
         last_seconds: how long the last generation collected with `result` took in the generation process.
         asleep: whether the engine has been asked to sleep (and not to wake since), as `PagedGenerationEngine.asleep`.
@@ -97,17 +111,37 @@ class RemoteEngine:
     def __init__(self, model_class: type, model_config: Any, build: Callable[[torch.nn.Module], Any], *,
                  device: Union[str, torch.device] = "cpu", threads: Optional[int] = None,
                  timeout_seconds: float = 600.0, deterministic: bool = False):
+        self._args = (model_class, model_config, build, str(device), threads, timeout_seconds, deterministic)
+        self.restarts = 0
+        self._seq = 0  # message numbers, never reused (not across a restart either: a lost request stays unknown)
+        self._start()
+
+    def restart(self) -> None:
+        """Start a new generation process in place of one that died (`GenerationProcessDied`): the old one is
+        reaped, the requests it had in flight are forgotten (their `result` raises; their generators were not
+        advanced), and the new engine holds no weights (`policy_version` -1: the next sync loads them).
+
+        Raises:
+            RemoteEngineError, ValueError: the new process could not start or build its engine (as at creation).
+        """
+        self._finalizer()
+        self._abort_weight_group()
+        self.restarts += 1
+        self._start()
+
+    def _start(self) -> None:
+        """Start the generation process, join the weight group with it and wait for its engine."""
+        model_class, model_config, build, device, threads, timeout_seconds, deterministic = self._args
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         store = c10d.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_seconds))
         self.process = context.Process(
             target=_serve, name="astrai-generation", daemon=True,
-            args=(child_conn, store.port, model_class, model_config, build, str(device), threads, timeout_seconds,
+            args=(child_conn, store.port, model_class, model_config, build, device, threads, timeout_seconds,
                   deterministic))
         self.process.start()
         child_conn.close()
-        self._seq = 0
         self._pending: deque[_Pending] = deque()
         # generations answered before their `result` was asked for: their payload and the caller's generator
         self._done: dict[int, tuple[dict, Optional[torch.Generator]]] = {}
@@ -302,11 +336,11 @@ class RemoteEngine:
         except (EOFError, OSError):
             raise self._died(what) from None
 
-    def _died(self, what: str) -> RemoteEngineError:
+    def _died(self, what: str) -> GenerationProcessDied:
         """The one line saying the generation process is gone (its exit code, once it has one)."""
         self.process.join(5)
-        return RemoteEngineError(f"the generation process (pid {self.process.pid}) died with exit code "
-                                 f"{self.process.exitcode} during {what}")
+        return GenerationProcessDied(f"the generation process (pid {self.process.pid}) died with exit code "
+                                     f"{self.process.exitcode} during {what}", self.process.exitcode)
 
 
 def _rebuild(payload: dict, what: str) -> Exception:
