@@ -172,7 +172,8 @@ def main() -> None:
                             stop_token_ids=tuple(range(EOS, EOS + args.stop_ids)))
     print(f"threads {args.threads}; B {args.batch_size} x G {args.group_size}; {args.in_flight} groups in flight; "
           f"max_new_tokens {args.max_new_tokens}; {args.stop_ids} stop ids of {VOCAB} (mean length about "
-          f"{vocab // args.stop_ids} per turn); hidden {args.hidden}, 4 layers; {args.rollouts} rollouts after a warm-up"
+          f"{vocab // args.stop_ids} per turn); hidden {args.hidden}, 4 layers; {args.rollouts} rollouts after a "
+          "warm-up"
           + (f"; episodes of up to {args.max_turns} turns" if args.episodes else ""))
     results = {}
     folder = Path(tempfile.mkdtemp(prefix="astrai-bench-"))

@@ -463,7 +463,8 @@ def agent_model_dir(tmp_path_factory):
 
 def run_agent(model_dir, root, steps, extra=(), config="grpo.yaml"):
     """online_grpo with a calculator tool and partial rollouts, on the tiny model (deterministic, 1 thread);
-    the engine answers every first turn with a calculator call (`script_turns`); the reward pays a used tool and a long answer."""
+    the engine answers every first turn with a calculator call (`script_turns`); the reward pays a used tool and a
+    long answer."""
     from astrai.rollout import engine as engines
     from astrai.models import Tokenizer
     from astrai.train import main
@@ -633,8 +634,10 @@ def test_an_environment_job_with_partial_rollouts_resumes_bitwise_by_replaying_i
     step = EpisodeEnvironment.step
     monkeypatch.setattr(EpisodeEnvironment, "step", lambda self, episodes, messages=None: (
         [None] * len(episodes) if messages is not None else step(self, episodes)))
-    unreplayed = run_game(agent_model_dir, tmp_path / "unreplayed", 6, ["--checkpoint.resume", "auto",
-                                                                         "--data.path", str(tmp_path / "split/prompts.jsonl")])
+    unreplayed = run_game(agent_model_dir, tmp_path / "unreplayed", 6,
+                          ["--checkpoint.resume", "auto", "--data.path", str(tmp_path / "split/prompts.jsonl")])
+    assert len([m for m in unreplayed if "policy/loss" in m]) == 3  # steps 4-6 trained after the resume
+
     def in_flight(run):  # the episodes in flight at the end: their messages (observations say the totals)
         state = torch.load(tmp_path / run / "run/checkpoints/step-00000006/strategy_state.pt", weights_only=True)
         return [[s["messages"] for s in g["samples"]] for g in state["partial_rollouts"]["groups"]]

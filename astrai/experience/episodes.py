@@ -421,7 +421,8 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
             for future in [f for f in jobs if f.done()]:
                 apply(future)
         for i, ids, logprobs, versions, _ in live.values():  # stopped by `until`: turns in progress kept
-            episodes[i].pending_ids, episodes[i].pending_logprobs, episodes[i].pending_versions = ids, logprobs, versions
+            e = episodes[i]
+            e.pending_ids, e.pending_logprobs, e.pending_versions = ids, logprobs, versions
         live.clear()
         for future in list(jobs):
             future.result()

@@ -95,8 +95,9 @@ class OnlineExperience:
             new process takes the weights of the `policy_version` being collected; the generation lost is sent
             again with the same prompts and sampling RNG state: synchronous (`one_step_off` False), so the batch
             is exactly the one that was lost; one step off, the batch generated ahead is sampled again by the
-            newer weights (a lag of 0 for that batch). A death while a checkpoint waits for the batch ahead
-            still stops the job (the weights it was sampled with are gone). 0: every death stops the job.
+            newer weights (a lag of 0 for that batch); a death while a checkpoint waits for the batch ahead
+            leaves it lost (saved as its prompts and RNG state), and the next collect sends it again (after a
+            resume too). 0: every death stops the job.
 
     With `dynamic_sampling` each round consumes `generation_batch_size` records of the sampler; reference
     log-probs are computed once, for the B * G kept samples. The experience's stats hold `sampling_rounds` and
@@ -299,7 +300,9 @@ class OnlineExperience:
     def state_dict(self) -> dict:
         """The sampling RNG state, with `partial` the groups in flight (`PartialRollouts.state_dict`), and with
         `one_step_off` the batch generated ahead (waited for first: a checkpoint holds it whole, so a resume trains
-        on exactly it; plain tensors and record positions, loadable with `torch.load(weights_only=True)`)."""
+        on exactly it; one lost with a generation process that died meanwhile is saved as its prompts and RNG state,
+        which the resumed job sends again; plain tensors and record positions, loadable with
+        `torch.load(weights_only=True)`)."""
         state = {}
         if self.one_step_off:
             state["one_step_off"] = None if self._ahead is None else self._saved(self._finish_ahead())
