@@ -110,3 +110,84 @@ def test_reward_scores_right_answers_one_and_wrong_answers_zero():
     assert score(marked, answers) == [1.0] * 20
     assert score(wrong, answers) == [0.0] * 20
     assert score(["I do not know."], answers[:1]) == [0.0]
+
+
+# ------------------------------------------------------------ the reworded held-out set and the SFT warm-up
+def test_the_reworded_set_is_the_test_problems_in_words_no_train_question_uses():
+    from astrai.data.arithmetic import REWORDED, reworded_records
+
+    test, reworded = arithmetic_records("test"), reworded_records()
+    assert [(r["operation"], r["a"], r["b"]) for r in reworded] == [(r["operation"], r["a"], r["b"]) for r in test]
+    assert [r["answer"] for r in reworded] == [r["answer"] for r in test]
+    skeleton = lambda q: re.sub(r"\d+", "N", q)  # noqa: E731 - a question without its numbers
+    names = re.compile("|".join(__import__("astrai.data.arithmetic", fromlist=["NAMES"]).NAMES))
+    trained = {names.sub("X", skeleton(r["question"])) for r in arithmetic_records("train")}
+    assert not trained & {names.sub("X", skeleton(r["question"])) for r in reworded}  # other words, every one
+    assert not set(REWORDED["+"] + REWORDED["-"]) & set(ADDITION + SUBTRACTION)
+    assert len({names.sub("X", skeleton(r["question"])) for r in reworded}) == 20  # every template used
+    assert reworded_records() == reworded and "arithmetic_reworded" in builtin_names()
+    assert math_exact_match([], [r["answer"].split("\n")[0] for r in reworded],
+                            answer=[r["answer"] for r in reworded]) == [1.0] * 200
+
+
+def test_worked_answers_are_right_by_place_value_and_score_one():
+    from astrai.data.arithmetic import worked_answer
+
+    assert worked_answer("-", 73, 48) == "73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"
+    assert worked_answer("+", 47, 38) == "47 + 38 = 47 + 30 + 8 = 77 + 8 = 85"
+    for r in arithmetic_records("train"):
+        text = worked_answer(r["operation"], r["a"], r["b"])
+        terms = text.split(" = ")
+        values = {eval(t) for t in terms}  # noqa: S307 - the test's own arithmetic strings
+        assert values == {int(extract_gsm8k_answer(r["answer"]))}, text
+    records = arithmetic_records("test")
+    texts = [worked_answer(r["operation"], r["a"], r["b"]) for r in records]
+    assert math_exact_match([], texts, answer=[r["answer"] for r in records]) == [1.0] * len(records)
+
+
+def test_the_generator_writes_one_demonstration_per_train_question(tmp_path, capsys):
+    import json
+
+    from astrai.data.arithmetic import main, worked_answer
+
+    assert main(["--out", str(tmp_path / "d")]) == 0
+    assert "sft_arithmetic:" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "d" / "sft_arithmetic.jsonl").read_text().splitlines()]
+    train = arithmetic_records("train")
+    assert len(rows) == len(train) == 2000
+    for row, r in zip(rows, train):
+        assert row["messages"] == [{"role": "user", "content": r["question"]},
+                                   {"role": "assistant", "content": worked_answer(r["operation"], r["a"], r["b"])}]
+    assert main(["--out", str(tmp_path / "e"), "--num_train", "3"]) == 2  # odd: refused in one line
+    assert "num_train: expected an even number" in capsys.readouterr().err
+
+
+def test_the_sft_recipe_runs_on_the_tiny_model_and_feeds_the_rl_recipes(tiny_model_dir, tmp_path):
+    import json
+    from pathlib import Path
+
+    from astrai.config import load_config
+    from astrai.data.arithmetic import write_files
+    from astrai.train import main
+
+    repo = Path(__file__).resolve().parents[1]
+    sft = repo / "configs/examples/sft_arithmetic.yaml"
+    config = load_config(str(sft))
+    assert config.train.type == "sft" and config.data.path == "outputs/arithmetic/sft_arithmetic.jsonl"
+    files = write_files(tmp_path / "data", num_train=16, num_test=4)
+    out = tmp_path / "sft"
+    assert main(["--config", str(sft), "--model.path", str(tiny_model_dir), "--data.path",
+                 str(files["sft_arithmetic"]), "--train.output_dir", str(out), "--max_steps", "2",
+                 "--train.per_device_train_batch_size", "4", "--train.progress_bar", "false",
+                 "--train.report_to", "none"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["train/loss"] > 0 for r in records)
+    grpo = out / "grpo"  # the GRPO recipe from the warm-up's final checkpoint
+    assert main(["--config", str(repo / "configs/examples/grpo_arithmetic.yaml"), "--model.path",
+                 str(out / "checkpoints/step-00000002"),
+                 "--train.output_dir", str(grpo), "--max_steps", "1", "--train.eval_steps", "0",
+                 "--rollout.batch_size", "2", "--rollout.generation_batch_size", "2", "--grpo.group_size", "2",
+                 "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2", "--rollout.max_new_tokens", "8",
+                 "--data.max_prompt_length", "128", "--data.truncation", "left", "--train.progress_bar", "false",
+                 "--train.report_to",
+                 "none"]) == 0

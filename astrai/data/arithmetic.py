@@ -12,13 +12,26 @@ splits never share an ``(operation, a, b)`` triple, both are balanced between th
 
 Each record: ``question``, ``answer`` (``"47 - 19 = 28\\n#### 28"``), and the problem itself as ``operation``
 (``"+"`` or ``"-"``), ``a``, ``b`` (ints; the question may mention them in either order).
+
+``builtin:arithmetic_reworded`` holds the test split's problems in other words: templates none of the train split
+uses (other verbs, the operands in other orders and positions, other stories), to measure whether what a recipe
+learnt holds beyond the phrasings it was trained on.
+
+An SFT warm-up (``configs/examples/sft_arithmetic.yaml``) trains on demonstrations of the train split
+(`demonstration`), which ``python -m astrai.data.arithmetic --out DIR`` writes as ``DIR/sft_arithmetic.jsonl``: each answer works the
+problem out by place value, tens first (``"73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"``), the form of the reasoning a
+135M model can carry out token by token where a bare ``"73 - 48 = 25"`` asks it for the result in one step.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
+import sys
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 SEED = 20240517
 NUM_TRAIN = 2000
@@ -59,6 +72,34 @@ SUBTRACTION = (
     "A shop had {a} pencils and sold {b}. How many pencils does the shop have left?",
 )
 TEMPLATES = {"+": ADDITION, "-": SUBTRACTION}
+
+# builtin:arithmetic_reworded: templates that no train question uses (other verbs, orders, positions, stories).
+REWORDED_ADDITION = (
+    "Add {b} to {a}. What number do you get?",
+    "{a} increased by {b} is what number?",
+    "The sum of {b} and {a} is what?",
+    "If you start at {a} and count up {b} more, where do you end?",
+    "What number is {b} more than {a}?",
+    "Work out {b} + {a}.",
+    "On Saturday {name} walked {a} minutes, and on Sunday {b} minutes. How many minutes did {name} walk over the "
+    "weekend?",
+    "{b} people are on a bus. At the next stop {a} more get on. How many people are on the bus now?",
+    "{name} saved {a} dollars in May and {b} dollars in June. How much did {name} save over the two months?",
+    "A farmer plants {a} trees in one row and {b} trees in another. How many trees does the farmer plant?",
+)
+REWORDED_SUBTRACTION = (
+    "Take {b} away from {a}. What remains?",
+    "{a} decreased by {b} is what number?",
+    "What number is {b} less than {a}?",
+    "If you start at {a} and count down {b}, where do you end?",
+    "By how much does {a} exceed {b}?",
+    "Work out {a} - {b}.",
+    "{name} needs {a} points to win and already has {b}. How many more points does {name} need?",
+    "A bus carries {a} people. At the next stop {b} get off. How many people are still on the bus?",
+    "{name} had {a} dollars and spent {b} on a book. How much money does {name} have left?",
+    "A farmer had {a} sheep, and {b} were sold at the market. How many sheep does the farmer keep?",
+)
+REWORDED = {"+": REWORDED_ADDITION, "-": REWORDED_SUBTRACTION}
 
 
 @dataclass(frozen=True)
@@ -112,9 +153,9 @@ def split_problems(seed: int = SEED, *, num_train: int = NUM_TRAIN,
     return splits
 
 
-def phrase(problem: Problem, rng: random.Random) -> dict:
-    """A GSM8K-format record of `problem` with a template (and name) drawn from `rng`."""
-    template = rng.choice(TEMPLATES[problem.operation])
+def phrase(problem: Problem, rng: random.Random, templates: dict = TEMPLATES) -> dict:
+    """A GSM8K-format record of `problem` with a template of `templates` (and a name) drawn from `rng`."""
+    template = rng.choice(templates[problem.operation])
     question = template.format(a=problem.a, b=problem.b, name=rng.choice(NAMES))
     solution = f"{problem.a} {problem.operation} {problem.b} = {problem.answer}"
     return {"question": question, "answer": f"{solution}\n#### {problem.answer}",
@@ -135,8 +176,71 @@ def arithmetic_records(split: str, *, seed: int = SEED, num_train: int = NUM_TRA
     return [phrase(problem, rng) for problem in problems]
 
 
+def reworded_records(*, seed: int = SEED, num_train: int = NUM_TRAIN, num_test: int = NUM_TEST) -> list[dict]:
+    """The test split's problems, in the same order, phrased with the `REWORDED` templates (which no train question
+    uses): ``builtin:arithmetic_reworded``."""
+    problems = split_problems(seed, num_train=num_train, num_test=num_test)["test"]
+    rng = random.Random(f"astrai-arithmetic-reworded:{seed}")
+    return [phrase(problem, rng, REWORDED) for problem in problems]
+
+
+def worked_answer(operation: str, a: int, b: int) -> str:
+    """The answer to ``a <operation> b`` worked out by place value, the tens of `b` first:
+    ``"47 + 38 = 47 + 30 + 8 = 77 + 8 = 85"``, ``"73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"``; its last number is the
+    result (what `astrai.rewards.builtins.math_exact_match` reads)."""
+    tens, units = b - b % 10, b % 10
+    middle = a + tens if operation == "+" else a - tens
+    result = middle + units if operation == "+" else middle - units
+    return f"{a} {operation} {b} = {a} {operation} {tens} {operation} {units} = {middle} {operation} {units} = {result}"
+
+
+def demonstration(record: dict) -> dict:
+    """An SFT record (``{"messages": [...]}``) of a record of this module: its question as the user turn and
+    `worked_answer` as the assistant's (no system turn: the chat template's own, as the recipes sample with)."""
+    return {"messages": [{"role": "user", "content": record["question"]},
+                         {"role": "assistant", "content": worked_answer(record["operation"], record["a"],
+                                                                        record["b"])}]}
+
+
+def write_files(out: str | Path, *, seed: int = SEED, num_train: int = NUM_TRAIN,
+                num_test: int = NUM_TEST) -> dict[str, Path]:
+    """Write ``sft_arithmetic.jsonl`` (a `demonstration` per train record) into the directory `out` (created);
+    returns its path by name (``sft_arithmetic``)."""
+    directory = Path(out).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "sft_arithmetic.jsonl"
+    rows = [demonstration(r) for r in arithmetic_records("train", seed=seed, num_train=num_train, num_test=num_test)]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    return {"sft_arithmetic": path}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m astrai.data.arithmetic --out DIR [--seed N] [--num_train N] [--num_test N]``: write the SFT
+    warm-up's demonstrations (`write_files`) and print the path."""
+    parser = argparse.ArgumentParser(prog="python -m astrai.data.arithmetic", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="directory for sft_arithmetic.jsonl")
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--num_train", type=int, default=NUM_TRAIN)
+    parser.add_argument("--num_test", type=int, default=NUM_TEST)
+    args = parser.parse_args(argv)
+    try:
+        paths = write_files(args.out, seed=args.seed, num_train=args.num_train, num_test=args.num_test)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
 GENERATED: dict[str, Callable[[], list[dict]]] = {
     "arithmetic": lambda: arithmetic_records("train"),
     "arithmetic_test": lambda: arithmetic_records("test"),
+    "arithmetic_reworded": reworded_records,
 }
 """Built-in names (``builtin:<name>``) served by this generator instead of a file."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,8 +10,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
-from astrai.data.arithmetic import GENERATED as _ARITHMETIC
-
 __all__ = ["BUILTIN_PREFIX", "DataError", "builtin_names", "generated_records", "jsonl_objects",
            "resolve_prompt_path"]
 
@@ -21,11 +19,13 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _generated() -> dict:
-    """The generated built-in sets by name: builtin:arithmetic[_test] and builtin:tool_arithmetic[_test] (imported
-    here, not at import time, so that ``python -m astrai.data.tool_arithmetic`` runs its module only once)."""
+    """The generated built-in sets by name: builtin:arithmetic[_test, _reworded] and builtin:tool_arithmetic[_test]
+    (imported here, not at import time, so that ``python -m astrai.data.arithmetic`` and ``python -m
+    astrai.data.tool_arithmetic`` run their module only once)."""
+    from astrai.data.arithmetic import GENERATED as arithmetic
     from astrai.data.tool_arithmetic import GENERATED as tool_arithmetic
 
-    return {**_ARITHMETIC, **tool_arithmetic}
+    return {**arithmetic, **tool_arithmetic}
 
 
 class DataError(ValueError):
