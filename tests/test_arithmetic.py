@@ -160,6 +160,13 @@ def test_the_generator_writes_one_demonstration_per_train_question(tmp_path, cap
                                    {"role": "assistant", "content": worked_answer(r["operation"], r["a"], r["b"])}]
     assert main(["--out", str(tmp_path / "e"), "--num_train", "3"]) == 2  # odd: refused in one line
     assert "num_train: expected an even number" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["--out", str(tmp_path / "file")]) == 2
+    assert "--out: " in capsys.readouterr().err and (tmp_path / "file").read_text() == ""
+    assert main(["--out", str(tmp_path / "small"), "--num_train", "100"]) == 0  # a smaller split: still disjoint
+    assert len((tmp_path / "small" / "sft_arithmetic.jsonl").read_text().splitlines()) == 100
+    held_out = {(r["operation"], r["a"], r["b"]) for r in arithmetic_records("test")}
+    assert not held_out & {(r["operation"], r["a"], r["b"]) for r in arithmetic_records("train", num_train=100)}
 
 
 def test_the_sft_recipe_runs_on_the_tiny_model_and_feeds_the_rl_recipes(tiny_model_dir, tmp_path):
@@ -174,7 +181,7 @@ def test_the_sft_recipe_runs_on_the_tiny_model_and_feeds_the_rl_recipes(tiny_mod
     sft = repo / "configs/examples/sft_arithmetic.yaml"
     config = load_config(str(sft))
     assert config.train.type == "sft" and config.data.path == "outputs/arithmetic/sft_arithmetic.jsonl"
-    files = write_files(tmp_path / "data", num_train=16, num_test=4)
+    files = write_files(tmp_path / "data", num_train=16)
     out = tmp_path / "sft"
     assert main(["--config", str(sft), "--model.path", str(tiny_model_dir), "--data.path",
                  str(files["sft_arithmetic"]), "--train.output_dir", str(out), "--max_steps", "2",
@@ -191,3 +198,16 @@ def test_the_sft_recipe_runs_on_the_tiny_model_and_feeds_the_rl_recipes(tiny_mod
                  "--data.max_prompt_length", "128", "--data.truncation", "left", "--train.progress_bar", "false",
                  "--train.report_to",
                  "none"]) == 0
+
+
+def test_a_training_output_dir_as_model_path_is_refused_naming_its_checkpoint(tmp_path):
+    """A trial gave `--model.path outputs/sft_arithmetic` (the output dir, which `python -m astrai.evaluate` takes):
+    the one-line refusal now names a checkpoint to give instead."""
+    from astrai.models.loading import resolve_model_path
+
+    (tmp_path / "run" / "checkpoints" / "step-00000125").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"has no config.json: .* \(a training output_dir: give one of its "
+                                                r"checkpoints, e.g. .*run/checkpoints/step-00000125\)$"):
+        resolve_model_path(tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match=r"has no config.json: expected .*\.gguf file$"):
+        resolve_model_path(tmp_path / "run" / "checkpoints")  # no output dir: no hint

@@ -437,6 +437,29 @@ def test_a_resumed_job_with_a_smaller_budget_restarts_the_episodes_it_no_longer_
     assert out.stats["regenerated_samples"] == 2 and all(len(t.response_ids) <= 3 for t in out.trajectories())
 
 
+def test_a_resumed_job_with_fewer_turns_restarts_the_episodes_past_them(flaky):
+    """rollout.max_turns lowered on resume (3 -> 1): the carried Slow episode, one turn done and in its second,
+    has no turn left and is restarted from its prompt (a trial saw such episodes run on to 5.5 turns)."""
+    tok = smollm2()
+    rows = [PromptRecord("Quick", "", 0, {"start": 10}), PromptRecord("Slow", "", 1, {"start": 20})]
+    env = _environment(flaky, {None: "Flaky"}, workers=0)
+    source, _ = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
+    source.collect(source.episodes, Prompts(rows), torch.Generator(), policy_version=0)
+    state = round_trip(source.state_dict(rows))
+    env.close()
+    env = _environment(flaky, {None: "Flaky"}, workers=0)
+    resumed, engine = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=1)
+    resumed.load_state_dict(state, rows)
+    (slow,) = resumed.groups[0].samples
+    assert len(slow.turn_starts) == 1 and slow.pending_ids
+    engine.policy_version = 1
+    try:
+        out = resumed.collect(resumed.episodes, Prompts([]), torch.Generator(), policy_version=1)
+    finally:
+        env.close()
+    assert out.stats["regenerated_samples"] == 1 and out.stats["episodes/turns"] == 1
+
+
 def test_config_accepts_partial_rollouts_with_tools_and_environments():
     from astrai.config import load_config
 

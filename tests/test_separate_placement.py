@@ -485,7 +485,8 @@ def test_a_generation_process_killed_mid_run_stops_the_job_in_one_line(model_dir
                  "--rollout.generation_restarts", "0", *ONE_STEP_OFF])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err, err
-    assert re.search(r"error: the generation process \(pid \d+\) died with exit code -9 during a generation", err)
+    assert re.search(r"error: the generation process \(pid \d+\) died with exit code -9 during a generation; "
+                     r"rollout.generation_restarts is 0: resume from the last checkpoint", err)
 
 
 def test_an_engine_setting_the_generation_process_cannot_honour_is_bad_input_as_colocated(model_dir, tmp_path,
@@ -518,7 +519,8 @@ def test_check_refuses_a_generation_device_that_is_not_there(model_dir, tmp_path
 
 
 def kill_at_second_generation(monkeypatch, method: str):
-    """Kill the generation process (SIGKILL) when `RemoteEngine.<method>` is called the second time."""
+    """Kill the generation process (SIGKILL) when `RemoteEngine.<method>` is called the second time (before it
+    runs: the call meets the death)."""
     calls = []
     real = getattr(RemoteEngine, method)
 
@@ -532,15 +534,17 @@ def kill_at_second_generation(monkeypatch, method: str):
     return calls
 
 
+@pytest.mark.parametrize("method, during", [("result", "a generation"), ("load_weights", "the weight load")])
 def test_a_killed_synchronous_generation_process_is_restarted_and_the_run_is_unchanged(model_dir, tmp_path,
-                                                                                      monkeypatch):
-    """Synchronous separate placement: the generation process killed during the second rollout's generation is
-    started again (one warning line), loads the same weights, and generates the same batch from the same RNG
-    state: metrics and weights equal an undisturbed run's, bit for bit."""
+                                                                                      monkeypatch, method, during):
+    """Synchronous separate placement: the generation process killed during the second rollout's generation (or
+    its weight load: a process that died while the trainer trained is found there) is started again (one warning
+    line), loads the same weights, and generates the same batch from the same RNG state: metrics and weights equal
+    an undisturbed run's, bit for bit."""
     separate = ["--rollout.placement", "separate", "--rollout.generation_threads", "1"]
     straight = run_job(model_dir, tmp_path / "straight", 3, separate)
-    kill_at_second_generation(monkeypatch, "result")
-    with pytest.warns(UserWarning, match=r"died with exit code -9 during a generation; started a new one \(restart 1 "
+    kill_at_second_generation(monkeypatch, method)
+    with pytest.warns(UserWarning, match=rf"died with exit code -9 during {during}; started a new one \(restart 1 "
                                          r"of 2, rollout.generation_restarts\)"):
         killed = run_job(model_dir, tmp_path / "killed", 3, separate)
     same_run(straight, killed, tmp_path / "straight", tmp_path / "killed", 3)

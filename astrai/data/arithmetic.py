@@ -202,30 +202,37 @@ def demonstration(record: dict) -> dict:
                                                                         record["b"])}]}
 
 
-def write_files(out: str | Path, *, seed: int = SEED, num_train: int = NUM_TRAIN,
-                num_test: int = NUM_TEST) -> dict[str, Path]:
-    """Write ``sft_arithmetic.jsonl`` (a `demonstration` per train record) into the directory `out` (created);
-    returns its path by name (``sft_arithmetic``)."""
+def write_files(out: str | Path, *, num_train: int = NUM_TRAIN) -> dict[str, Path]:
+    """Write ``sft_arithmetic.jsonl`` (a `demonstration` per record of the train split of `num_train` questions)
+    into the directory `out` (created); returns its path by name (``sft_arithmetic``). The seed and the test size
+    are the built-in sets' (``builtin:arithmetic_test`` and ``builtin:arithmetic_reworded`` are made with them), so
+    no demonstration shares a problem with them.
+
+    Raises:
+        ValueError: `out` is an existing file, or `num_train` as `split_problems` refuses it.
+    """
     directory = Path(out).expanduser()
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--out: {directory} is a file; expected a directory (created when missing)")
+    rows = [demonstration(r) for r in arithmetic_records("train", num_train=num_train)]
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "sft_arithmetic.jsonl"
-    rows = [demonstration(r) for r in arithmetic_records("train", seed=seed, num_train=num_train, num_test=num_test)]
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     return {"sft_arithmetic": path}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m astrai.data.arithmetic --out DIR [--seed N] [--num_train N] [--num_test N]``: write the SFT
-    warm-up's demonstrations (`write_files`) and print the path."""
+    """``python -m astrai.data.arithmetic --out DIR [--num_train N]``: write the SFT warm-up's demonstrations
+    (`write_files`) and print the path."""
     parser = argparse.ArgumentParser(prog="python -m astrai.data.arithmetic", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="directory for sft_arithmetic.jsonl")
-    parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--num_train", type=int, default=NUM_TRAIN)
-    parser.add_argument("--num_test", type=int, default=NUM_TEST)
+    parser.add_argument("--out", required=True, help="directory for sft_arithmetic.jsonl (created when missing)")
+    parser.add_argument("--num_train", type=int, default=NUM_TRAIN,
+                        help=f"train questions, even (default {NUM_TRAIN}, the builtin:arithmetic set); none of them "
+                             "is a problem of builtin:arithmetic_test or builtin:arithmetic_reworded")
     args = parser.parse_args(argv)
     try:
-        paths = write_files(args.out, seed=args.seed, num_train=args.num_train, num_test=args.num_test)
+        paths = write_files(args.out, num_train=args.num_train)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -372,7 +372,7 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
         if follow[0] == "call":
             _append_results(tokenizer, [(e, follow[1], follow[2])], future.result(), limits, budget)
         else:
-            _apply_observation(tokenizer, e, future.result(), len(e.turn_starts) == limits.max_turns, budget)
+            _apply_observation(tokenizer, e, future.result(), len(e.turn_starts) >= limits.max_turns, budget)
         if environment is not None:
             environment.end_lost([e])
         if e.ended_by is None:
@@ -404,7 +404,7 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
                     if not out.done:
                         continue
                     del live[out.request_id]
-                    last = len(e.turn_starts) == limits.max_turns - 1
+                    last = len(e.turn_starts) >= limits.max_turns - 1
                     follow = _close_turn(tokenizer, e, ids, logprobs, versions, out.finished, last, environment)
                     if follow is not None:
                         ended.append((i, follow))

@@ -30,7 +30,8 @@ instances of the episodes still in flight are closed (`close`, after the final c
 
 Resuming with other settings: a checkpoint's episodes continue only in a job whose episodes offer the same tools and
 environment classes (their prompts list them), else they are dropped with a warning (`PartialRollouts.
-load_state_dict`); one that no longer fits a smaller `rollout.max_new_tokens` is restarted from its prompt.
+load_state_dict`); one that no longer fits a smaller `rollout.max_new_tokens` or `rollout.max_turns` is restarted
+from its prompt.
 """
 
 from __future__ import annotations
@@ -79,10 +80,12 @@ class PartialEpisodes(PartialRollouts):
     def _started(sample: Episode) -> bool:
         return sample.started
 
-    @staticmethod
-    def _over_budget(sample: Episode, cap: int) -> bool:
-        used = len(sample.response_ids) + len(sample.pending_ids)
-        return used > cap or (not sample.done and used >= cap)
+    def _over_budget(self, sample: Episode, cap: int) -> bool:
+        """As `PartialRollouts._over_budget`, and with more turns than a resumed job's smaller
+        `rollout.max_turns` allows: done with more, or running with no turn left."""
+        used, turns = len(sample.response_ids) + len(sample.pending_ids), len(sample.turn_starts)
+        max_turns = self.episodes.limits.max_turns
+        return used > cap or turns > max_turns or (not sample.done and (used >= cap or turns >= max_turns))
 
     def _kind(self) -> dict:
         """Episodes, with the tools and environment classes they offer (a carried prompt lists them)."""

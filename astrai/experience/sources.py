@@ -151,10 +151,9 @@ class OnlineExperience:
         if self.one_step_off:
             return self._collect_ahead(policy_version)
         engine = self.runner.engine
-        engine.wake()
         start = time.perf_counter()
-        self.sync_weights(policy_version)
-        synced = time.perf_counter() - start
+        self._surviving(lambda: (engine.wake(), self.sync_weights(policy_version)), policy_version)  # a process
+        synced = time.perf_counter() - start  # that died while the trainer trained is found here: restarted
         try:
             if self.partial is not None:
                 experience = self.runner.add_reference(
@@ -165,9 +164,18 @@ class OnlineExperience:
                 prompts = self._next_prompts(self.batch_size)
                 experience = self._surviving(lambda: self.runner.collect(*prompts, self.generator), policy_version)
         finally:
-            engine.sleep()
+            self._sleep()
         experience.timings["weight_sync"] = synced
         return experience
+
+    def _sleep(self) -> None:
+        """Put the engine to sleep; a generation process found dead here is left for the next wake to restart
+        (`_surviving`) when restarts are allowed."""
+        try:
+            self.runner.engine.sleep()
+        except GenerationProcessDied:
+            if self.runner.engine.restarts >= self.generation_restarts:
+                raise
 
     def _surviving(self, call: Callable[[], Any], policy_version: int) -> Any:
         """`call()` (a generation in the generation process), again after each death of the process that
@@ -188,7 +196,9 @@ class OnlineExperience:
         are spent."""
         engine = self.runner.engine
         if engine.restarts >= self.generation_restarts:
-            raise err
+            spent = (f"the {self.generation_restarts} restart(s) of rollout.generation_restarts are spent"
+                     if self.generation_restarts else "rollout.generation_restarts is 0")
+            raise GenerationProcessDied(f"{err}; {spent}: resume from the last checkpoint", err.exit_code) from None
         warnings.warn(f"{err}; started a new one (restart {engine.restarts + 1} of {self.generation_restarts}, "
                       "rollout.generation_restarts), which generates the lost batch again", stacklevel=3)
         engine.restart()
@@ -228,7 +238,7 @@ class OnlineExperience:
             self.sync_weights(policy_version)
             synced += time.perf_counter() - start
             request = engine.submit(prompt_ids, self.runner.sampling, self.generator)
-            engine.sleep()
+            self._sleep()
             return request
 
         state = self.generator.get_state()  # `submit` leaves it; `result` advances it from here

@@ -93,7 +93,11 @@ def resolve_model_path(name_or_path: str | Path, *, revision: Optional[str] = No
     path = Path(key).expanduser()
     if path.is_dir():
         if not is_model_directory(path):
-            raise FileNotFoundError(f"{path} has no config.json: expected {_EXPECTED}")
+            steps = sorted(p.name for p in (path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() \
+                else []
+            hint = f" (a training output_dir: give one of its checkpoints, e.g. {path / 'checkpoints' / steps[-1]})" \
+                if steps else ""
+            raise FileNotFoundError(f"{path} has no config.json: expected {_EXPECTED}{hint}")
         _no_revision(key, revision, "a local directory")
         return path
     if path.is_file():
