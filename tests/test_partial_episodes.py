@@ -327,30 +327,30 @@ def flaky_log(flaky):
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def stopped_then_resumed(tok, flaky, rows, *, fail_on_resume: bool):
-    """Run one rollout (B = 1 of 2 groups in flight) with `Flaky`, save, and load into a new source whose new
-    environment's reset fails when `fail_on_resume`; returns the new source, its engine and environment."""
+def stopped_then_resumed(tok, flaky, *, flag: str = "", max_turns: int = 3):
+    """Run one rollout of Quick and Slow (B = 1 of 2 groups in flight) with `Flaky`, save, create the file `flag`
+    ("fail": resets fail, "end": steps end the game; "" none), and load into a new source (`max_turns`) over a new
+    environment; returns the new source (its engine at policy_version 1) and environment."""
+    rows = [PromptRecord("Quick", "", 0, {"start": 10}), PromptRecord("Slow", "", 1, {"start": 20})]
     env = _environment(flaky, {None: "Flaky"}, workers=0)
-    partial, engine = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
+    partial, _ = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
     partial.collect(partial.episodes, Prompts(rows), torch.Generator(), policy_version=0)
     state = round_trip(partial.state_dict(rows))
     env.close()
-    if fail_on_resume:
-        (flaky.parent / "fail").write_text("")
+    if flag:
+        (flaky.parent / flag).write_text("")
     env = _environment(flaky, {None: "Flaky"}, workers=0)
-    partial, engine = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
+    partial, engine = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=max_turns)
     partial.load_state_dict(state, rows)
     engine.policy_version = 1
-    return partial, engine, env
+    return partial, env
 
 
 def test_a_reset_failing_on_resume_ends_the_episode_after_its_turn_as_a_failed_start_does(flaky):
     """The resumed job's reset fails: the episode (one turn done, stopped in its long second turn) finishes that
     turn and ends "env_error", its environment reward marked failed, never an empty or unfinished trajectory."""
-    tok = smollm2()
-    rows = [PromptRecord("Quick", "", 0, {"start": 10}), PromptRecord("Slow", "", 1, {"start": 20})]
     with pytest.warns(UserWarning, match="reset failed: RuntimeError: reset is down"):
-        partial, _, env = stopped_then_resumed(tok, flaky, rows, fail_on_resume=True)
+        partial, env = stopped_then_resumed(smollm2(), flaky, flag="fail")
     (slow,) = partial.groups[0].samples
     assert len(slow.turn_starts) == 1 and slow.pending_ids and not slow.done  # it goes on, as a failed start does
     try:
@@ -366,20 +366,9 @@ def test_an_episode_a_replayed_step_ends_gets_its_reward_and_close(flaky):
     """An environment that answers otherwise on the resume (its step ends the game once ASTRAI_TEST_FLAKY_END
     exists): the replayed step of the first turn ends the episode on load ("environment", its turn in progress
     dropped), and the next rollout returns it with get_reward's value and runs its close."""
-    tok = smollm2()
-    rows = [PromptRecord("Quick", "", 0, {"start": 10}), PromptRecord("Slow", "", 1, {"start": 20})]
-    env = _environment(flaky, {None: "Flaky"}, workers=0)
-    partial, _ = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
-    partial.collect(partial.episodes, Prompts(rows), torch.Generator(), policy_version=0)
-    state = round_trip(partial.state_dict(rows))
-    env.close()
-    (flaky.parent / "end").write_text("")
-    env = _environment(flaky, {None: "Flaky"}, workers=0)
-    partial, engine = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
-    partial.load_state_dict(state, rows)
+    partial, env = stopped_then_resumed(smollm2(), flaky, flag="end")
     (slow,) = partial.groups[0].samples
     assert slow.ended_by == "environment" and not slow.pending_ids and len(slow.turn_starts) == 1
-    engine.policy_version = 1
     try:
         out = partial.collect(partial.episodes, Prompts([]), torch.Generator(), policy_version=1)
     finally:
@@ -440,19 +429,9 @@ def test_a_resumed_job_with_a_smaller_budget_restarts_the_episodes_it_no_longer_
 def test_a_resumed_job_with_fewer_turns_restarts_the_episodes_past_them(flaky):
     """rollout.max_turns lowered on resume (3 -> 1): the carried Slow episode, one turn done and in its second,
     has no turn left and is restarted from its prompt (a trial saw such episodes run on to 5.5 turns)."""
-    tok = smollm2()
-    rows = [PromptRecord("Quick", "", 0, {"start": 10}), PromptRecord("Slow", "", 1, {"start": 20})]
-    env = _environment(flaky, {None: "Flaky"}, workers=0)
-    source, _ = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=3)
-    source.collect(source.episodes, Prompts(rows), torch.Generator(), policy_version=0)
-    state = round_trip(source.state_dict(rows))
-    env.close()
-    env = _environment(flaky, {None: "Flaky"}, workers=0)
-    resumed, engine = partial_source(tok, flaky_policy, environment=env, in_flight=2, max_turns=1)
-    resumed.load_state_dict(state, rows)
+    resumed, env = stopped_then_resumed(smollm2(), flaky, max_turns=1)
     (slow,) = resumed.groups[0].samples
     assert len(slow.turn_starts) == 1 and slow.pending_ids
-    engine.policy_version = 1
     try:
         out = resumed.collect(resumed.episodes, Prompts([]), torch.Generator(), policy_version=1)
     finally:
