@@ -571,17 +571,14 @@ class Tally:
 '''
 
 
-def run_game(model_dir, root, steps, extra=()):
-    """online_grpo on the `Tally` environment (its instances in a worker process) with partial rollouts, on the
-    tiny model's own random turns (deterministic, 1 thread)."""
-    from astrai.train import main
-
+def game_args(model_dir, root, steps, extra=()) -> list[str]:
+    """The command line of `run_game` (its files written under `root`)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "game.py").write_text(TALLY)
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"question": "Talk.", "start": s}) + "\n" for s in range(16)))
     out = root / "run"
-    code = main(["--config", str(REPO / "configs/examples/grpo.yaml"), "--model.path", str(model_dir),
+    return ["--config", str(REPO / "configs/examples/grpo.yaml"), "--model.path", str(model_dir),
                  "--data.path", str(data), "--data.system_prompt", "null", "--data.max_prompt_length", "64",
                  "--train.output_dir", str(out), "--max_steps", str(steps), "--rollout.max_new_tokens", "128",
                  "--train.progress_bar", "false", "--train.report_to", "none", "--runtime.num_threads", "1",
@@ -591,9 +588,16 @@ def run_game(model_dir, root, steps, extra=()):
                  "--rollout.environment", json.dumps({"class": "Tally", "path": str(root / "game.py")}),
                  "--rollout.partial", "true", "--rollout.max_off_policy_steps", "2",
                  "--rollout.correction", "token_tis", "--rollout.generation_batch_size", "8",
-                 "--checkpoint.save_steps", "4", *extra])
-    assert code == 0
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+                 "--checkpoint.save_steps", "4", *extra]
+
+
+def run_game(model_dir, root, steps, extra=()):
+    """online_grpo on the `Tally` environment (its instances in a worker process) with partial rollouts, on the
+    tiny model's own random turns (deterministic, 1 thread)."""
+    from astrai.train import main
+
+    assert main(game_args(model_dir, root, steps, extra)) == 0
+    return [json.loads(line) for line in (root / "run/metrics.jsonl").read_text().splitlines()]
 
 
 def test_an_environment_job_with_partial_rollouts_resumes_bitwise_by_replaying_its_instances(agent_model_dir, tmp_path,
@@ -645,3 +649,36 @@ def test_an_environment_job_with_partial_rollouts_resumes_bitwise_by_replaying_i
         return [[s["messages"] for s in g["samples"]] for g in state["partial_rollouts"]["groups"]]
 
     assert in_flight("split") == in_flight("straight") != in_flight("unreplayed")
+
+
+def test_two_ranks_carry_their_own_episodes_and_resume_them_bitwise(agent_model_dir, tmp_path):
+    """2 processes (torchrun, gloo): each rank its own episodes in flight and environment instances, saved per rank
+    and replayed on resume: a job stopped after step 2 and resumed equals the uninterrupted one."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from test_partial_rollouts import assert_same_run
+
+    def two_ranks(root, steps, extra=()):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               "-m", "astrai.train", *game_args(agent_model_dir, root, steps, ["--checkpoint.save_steps", "2",
+                                                                              *extra])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [json.loads(line) for line in (root / "run/metrics.jsonl").read_text().splitlines()]
+
+    straight = two_ranks(tmp_path / "straight", 4)
+    assert sum(m["rollout/carried_samples"] for m in straight) > 0
+    two_ranks(tmp_path / "split", 2)
+    saved = [torch.load(tmp_path / f"split/run/checkpoints/step-00000002/strategy_state{suffix}.pt",
+                        weights_only=True) for suffix in ("", "_rank00001")]
+    assert all(state["partial_rollouts"]["kind"] == "episodes" and state["partial_rollouts"]["groups"]
+               for state in saved)
+    resumed = two_ranks(tmp_path / "split", 4, ["--checkpoint.resume", "auto"])
+    assert_same_run(straight, resumed, tmp_path / "straight/run", tmp_path / "split/run", step=4)
