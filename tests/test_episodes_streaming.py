@@ -279,10 +279,15 @@ class StreamedContextEngine(ContextEngine):
         for request in list(self.live):
             ids, finished = self.live[request]
             token = ids.pop(0)
-            out.append(StepOutput(request, 0, token, -0.5, (), not ids, finished and not ids))
+            out.append(StepOutput(request, 0, token, self.token_logprob, (), not ids, finished and not ids))
             if not ids:
                 del self.live[request]
         return out
+
+    @property
+    def token_logprob(self) -> float:
+        """The log-prob every emitted token carries."""
+        return -0.5
 
     def abort(self, request_id, choice=None):
         self.live.pop(request_id, None)

@@ -23,35 +23,30 @@ from astrai.experience.episodes import EpisodeLimits, EpisodeRunner, ToolExecuto
 from astrai.experience.partial_episodes import PartialEpisodes
 from astrai.experience.trajectory import NOT_SAMPLED
 from astrai.rollout.sampling import SamplingParams
-from astrai.rollout.streaming import StepOutput
 from test_agents_chat import smollm2
 from test_environments import _environment, _log, env_file  # noqa: F401
 from test_episodes import TOOLS
+from test_episodes_streaming import StreamedContextEngine
 
 REPO = Path(__file__).resolve().parents[1]
 ASSISTANT = "<|im_start|>assistant\n"
 
 
-class PolicyStreamingEngine:
+class PolicyStreamingEngine(StreamedContextEngine):
     """A streaming engine stand-in whose turns are `policy(context text)` (the context up to the turn's start),
     one token per `step()` per live request, each with log-prob -0.1 * policy_version - 0.5. A request whose
     context ends inside an assistant turn (a turn a partial rollout stopped) continues that turn after the ids it
     already has (which must be the turn's first ids). Records each request's context."""
 
-    tp = None
-
     def __init__(self, tokenizer, policy, policy_version: int = 0):
-        self.tokenizer, self.policy, self.policy_version = tokenizer, policy, policy_version
-        self.end = tokenizer.special_tokens["<|im_end|>"]
+        super().__init__(tokenizer, policy)
+        self.policy_version = policy_version
         self.start = tokenizer.encode(ASSISTANT)
-        self.pad_token_id, self.device = 0, torch.device("cpu")
-        self.live: dict[int, tuple[list[int], bool]] = {}
         self.contexts: list[list[int]] = []
-        self._next = 0
 
     @property
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.live)
+    def token_logprob(self) -> float:
+        return -0.1 * self.policy_version - 0.5
 
     def add_request(self, prompt_ids, params, *, n=1, penalty=None, seed=None, top_logprobs=0):
         context = list(prompt_ids)
@@ -66,23 +61,6 @@ class PolicyStreamingEngine:
         request, self._next = self._next, self._next + 1
         self.live[request] = (rest[:params.max_new_tokens], len(rest) <= params.max_new_tokens)
         return request
-
-    def step(self):
-        out = []
-        for request in list(self.live):
-            ids, finished = self.live[request]
-            token = ids.pop(0)
-            out.append(StepOutput(request, 0, token, -0.1 * self.policy_version - 0.5, (), not ids,
-                                  finished and not ids))
-            if not ids:
-                del self.live[request]
-        return out
-
-    def abort(self, request_id, choice=None):
-        self.live.pop(request_id, None)
-
-    def stream_stats(self):
-        return {"running": len(self.live)}
 
 
 CALL = "Let me compute this one carefully, step by step.\n" + format_tool_call("calculator", {"expression": "12 * 34"})

@@ -222,6 +222,20 @@ def write_files(out: str | Path, *, num_train: int = NUM_TRAIN) -> dict[str, Pat
     return {"sft_arithmetic": path}
 
 
+def report_written(write: Callable[[], dict[str, Path]]) -> int:
+    """The exit code of a data generator's command line (``python -m astrai.data.arithmetic``, ``python -m
+    astrai.data.tool_arithmetic``): call `write` (it writes files and returns their paths by name) and print each
+    ``name: path``, 0; or, for a ValueError or OSError, its one line on stderr, 2."""
+    try:
+        paths = write()
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m astrai.data.arithmetic --out DIR [--num_train N]``: write the SFT warm-up's demonstrations
     (`write_files`) and print the path."""
@@ -231,14 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"train questions, even (default {NUM_TRAIN}, the builtin:arithmetic set); none of them "
                              "is a problem of builtin:arithmetic_test or builtin:arithmetic_reworded")
     args = parser.parse_args(argv)
-    try:
-        paths = write_files(args.out, num_train=args.num_train)
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for name, path in paths.items():
-        print(f"{name}: {path}")
-    return 0
+    return report_written(lambda: write_files(args.out, num_train=args.num_train))
 
 
 GENERATED: dict[str, Callable[[], list[dict]]] = {

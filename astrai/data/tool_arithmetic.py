@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from astrai.data.arithmetic import report_written
+
 __all__ = ["ToolProblem", "KINDS", "split_problems", "tool_arithmetic_records", "demonstration", "write_files",
            "main", "GENERATED"]
 
@@ -198,15 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--num_demonstrations", type=int, default=None,
                         help="demonstrations on the first N train questions (default: all)")
     args = parser.parse_args(argv)
-    try:
-        paths = write_files(args.out, seed=args.seed, num_train=args.num_train, num_test=args.num_test,
-                            num_demonstrations=args.num_demonstrations)
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    for name, path in paths.items():
-        print(f"{name}: {path}")
-    return 0
+    return report_written(lambda: write_files(args.out, seed=args.seed, num_train=args.num_train,
+                                              num_test=args.num_test, num_demonstrations=args.num_demonstrations))
 
 
 GENERATED = {

@@ -576,15 +576,20 @@ def _open_episodes(tokenizer, conversations, tools: Sequence[Tool], sampling: Sa
     return episodes
 
 
-def _read_turn(tokenizer, e: Episode, sampled: list[int]) -> tuple[list, list]:
-    """Append the assistant message of the turn `sampled` to `e.messages` (`assistant_message`: the content outside
-    its well-formed calls and the calls in ``tool_calls``, for every template; the text as sampled for an episode
-    without tools); return the turn's (calls, malformed calls), none for an episode without tools."""
+def _parse_turn(tokenizer, e: Episode, sampled: list[int]) -> tuple[dict[str, Any], list, list]:
+    """The assistant message of the turn `sampled` of `e` (`assistant_message`: the content outside its well-formed
+    calls and the calls in ``tool_calls``, for every template; the text as sampled for an episode without tools)
+    and the turn's (calls, malformed calls), none for an episode without tools."""
     text = tokenizer.decode(sampled, skip_special_tokens=True)
     if not e.tools:
-        e.messages.append({"role": "assistant", "content": text})
-        return [], []
-    message, calls, errors = assistant_message(text, [t.name for t in e.tools])
+        return {"role": "assistant", "content": text}, [], []
+    return assistant_message(text, [t.name for t in e.tools])
+
+
+def _read_turn(tokenizer, e: Episode, sampled: list[int]) -> tuple[list, list]:
+    """Append the assistant message of the turn `sampled` to `e.messages` (`_parse_turn`); return the turn's
+    (calls, malformed calls)."""
+    message, calls, errors = _parse_turn(tokenizer, e, sampled)
     e.messages.append(message)
     return calls, errors
 
@@ -874,9 +879,7 @@ class EpisodeRunner:
                 end = e.turn_starts[turn + 1] if turn + 1 < len(e.turn_starts) else len(e.response_ids)
                 sampled = [t for t, m in zip(e.response_ids[e.turn_starts[turn]:end],
                                              e.loss_mask[e.turn_starts[turn]:end]) if m]
-                text = self.tokenizer.decode(sampled, skip_special_tokens=True)
-                message, calls, errors = (assistant_message(text, [t.name for t in e.tools]) if e.tools
-                                          else ({"role": "assistant", "content": text}, [], []))
+                message, calls, errors = _parse_turn(self.tokenizer, e, sampled)  # as the run read it
                 if calls or errors:
                     calling += [(e, c) for c in _split_calls(e, calls, self.limits, env)[1]]
                 elif env.steps.get(e.env_route):

@@ -151,9 +151,14 @@ class OnlineExperience:
         if self.one_step_off:
             return self._collect_ahead(policy_version)
         engine = self.runner.engine
+
+        def take_weights() -> None:  # a generation process that died while the trainer trained is found here
+            engine.wake()
+            self.sync_weights(policy_version)
+
         start = time.perf_counter()
-        self._surviving(lambda: (engine.wake(), self.sync_weights(policy_version)), policy_version)  # a process
-        synced = time.perf_counter() - start  # that died while the trainer trained is found here: restarted
+        self._surviving(take_weights, policy_version)
+        synced = time.perf_counter() - start
         try:
             if self.partial is not None:
                 experience = self.runner.add_reference(
@@ -331,11 +336,10 @@ class OnlineExperience:
         if any(id(record) not in positions for record in records):
             raise ValueError("rollout.placement: a prompt generated ahead is not in the sampler's dataset; its state "
                              "cannot be saved")
+        saved = {"records": [positions[id(record)] for record in records]}
         if ahead.generation is None:  # lost with a generation process that died: sent again after the resume
-            return {"records": [positions[id(record)] for record in records], "generation": None,
-                    "generator_state": ahead.generator_state, "seconds": 0.0}
-        return {"records": [positions[id(record)] for record in records],
-                "generation": {name: getattr(ahead.generation, name) for name in _GENERATION_FIELDS},
+            return {**saved, "generation": None, "generator_state": ahead.generator_state, "seconds": 0.0}
+        return {**saved, "generation": {name: getattr(ahead.generation, name) for name in _GENERATION_FIELDS},
                 "seconds": ahead.seconds}
 
     def load_state_dict(self, state: dict) -> None:
