@@ -130,32 +130,6 @@ def test_the_reworded_set_is_the_test_problems_in_words_no_train_question_uses()
                             answer=[r["answer"] for r in reworded]) == [1.0] * 200
 
 
-def test_the_warm_up_words_are_the_train_templates_and_more_never_the_reworded_sets():
-    from astrai.data.arithmetic import (HELD_OUT_WORDS, REWORDED, WARMUP, WARMUP_ADDITION, WARMUP_SUBTRACTION,
-                                        demonstration_records)
-
-    records, train = demonstration_records(), arithmetic_records("train")
-    assert [(r["operation"], r["a"], r["b"], r["answer"]) for r in records] == \
-        [(r["operation"], r["a"], r["b"], r["answer"]) for r in train]
-    assert WARMUP["+"][:len(ADDITION)] == ADDITION and WARMUP["-"][:len(SUBTRACTION)] == SUBTRACTION
-    new = WARMUP_ADDITION + WARMUP_SUBTRACTION
-    assert len(set(new)) == len(new) and not set(new) & set(ADDITION + SUBTRACTION + REWORDED["+"] + REWORDED["-"])
-    for template in WARMUP["+"] + WARMUP["-"]:  # the reworded set's key words stay held out
-        hits = [w for w in HELD_OUT_WORDS if w in template.lower()]
-        assert not hits, (template, hits)
-    for word in HELD_OUT_WORDS:  # and each is a word of the reworded set
-        assert any(word in t.lower() for t in REWORDED["+"] + REWORDED["-"]), word
-    skeleton = lambda q: re.sub(r"\d+", "N", q)  # noqa: E731
-    names = re.compile("|".join(__import__("astrai.data.arithmetic", fromlist=["NAMES"]).NAMES))
-    used = {names.sub("X", skeleton(r["question"])) for r in records}
-    assert len(used) == 48  # every template, old and new, used
-    reworded = {names.sub("X", skeleton(r["question"])) for r in __import__(
-        "astrai.data.arithmetic", fromlist=["reworded_records"]).reworded_records()}
-    assert not used & reworded
-    for r in records:  # each question names both operands
-        assert str(r["a"]) in r["question"] and str(r["b"]) in r["question"]
-
-
 def test_worked_answers_are_right_by_place_value_and_score_one():
     from astrai.data.arithmetic import worked_answer
 
@@ -181,9 +155,9 @@ def test_the_generator_writes_one_demonstration_per_train_question(tmp_path, cap
     rows = [json.loads(line) for line in (tmp_path / "d" / "sft_arithmetic.jsonl").read_text().splitlines()]
     train = arithmetic_records("train")
     assert len(rows) == len(train) == 2000
-    for row, r in zip(rows, train):  # the train problems in order, each worked out, in the warm-up's words
-        assert row["messages"][1] == {"role": "assistant", "content": worked_answer(r["operation"], r["a"], r["b"])}
-        assert row["messages"][0]["role"] == "user" and str(r["a"]) in row["messages"][0]["content"]
+    for row, r in zip(rows, train):
+        assert row["messages"] == [{"role": "user", "content": r["question"]},
+                                   {"role": "assistant", "content": worked_answer(r["operation"], r["a"], r["b"])}]
     assert main(["--out", str(tmp_path / "e"), "--num_train", "3"]) == 2  # odd: refused in one line
     assert "num_train: expected an even number" in capsys.readouterr().err
     (tmp_path / "file").write_text("")

@@ -17,9 +17,8 @@ Each record: ``question``, ``answer`` (``"47 - 19 = 28\\n#### 28"``), and the pr
 uses (other verbs, the operands in other orders and positions, other stories), to measure whether what a recipe
 learnt holds beyond the phrasings it was trained on.
 
-An SFT warm-up (``configs/examples/sft_arithmetic.yaml``) trains on demonstrations of the train split's problems
-(`demonstration`; their questions in the train templates' words and as many others, `demonstration_records`),
-which ``python -m astrai.data.arithmetic --out DIR`` writes as ``DIR/sft_arithmetic.jsonl``: each answer works the
+An SFT warm-up (``configs/examples/sft_arithmetic.yaml``) trains on demonstrations of the train split
+(`demonstration`), which ``python -m astrai.data.arithmetic --out DIR`` writes as ``DIR/sft_arithmetic.jsonl``: each answer works the
 problem out by place value, tens first (``"73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"``), the form of the reasoning a
 135M model can carry out token by token where a bare ``"73 - 48 = 25"`` asks it for the result in one step.
 """
@@ -101,44 +100,6 @@ REWORDED_SUBTRACTION = (
     "A farmer had {a} sheep, and {b} were sold at the market. How many sheep does the farmer keep?",
 )
 REWORDED = {"+": REWORDED_ADDITION, "-": REWORDED_SUBTRACTION}
-
-# The SFT warm-up's demonstrations (`demonstration_records`) draw each question's words from TEMPLATES and these:
-# more ways to say each operation, the operands in both orders, and stories of their own. None of them is a train
-# question's or a reworded one's, nor uses the reworded set's key words (`HELD_OUT_WORDS`): what the warm-up learns
-# from them is that the words pick the operation, which builtin:arithmetic_reworded measures on words it never saw.
-WARMUP_ADDITION = (
-    "What is {a} plus {b}?",
-    "{a} and {b} together make what number?",
-    "Combine {a} and {b}. What total do you get?",
-    "What is {b} added to {a}?",
-    "If {b} is put together with {a}, how many is that?",
-    "Raise {a} by {b}. What is the new number?",
-    "{name} collected {a} shells and then found another {b}. How many shells does {name} have in total?",
-    "A class has {a} girls and {b} boys. How many children are in the class?",
-    "A library lent {a} books in one week and {b} in the next. How many books did it lend in the two weeks?",
-    "{name} scored {b} points in the first game and {a} in the second. How many points did {name} score "
-    "altogether?",
-    "A baker made {b} rolls before noon and {a} after. How many rolls did the baker make that day?",
-    "Adding {b} and {a} gives what number?",
-)
-WARMUP_SUBTRACTION = (
-    "Reduce {a} by {b}. What number is left?",
-    "What is {b} subtracted from {a}?",
-    "Remove {b} from {a}. How many are left?",
-    "How many fewer is {b} than {a}?",
-    "How much bigger is {a} than {b}?",
-    "{a} minus {b} equals what?",
-    "How many must be added to {b} to make {a}?",
-    "{name} had {a} marbles and lost {b} of them. How many marbles are left?",
-    "A tank holds {a} liters of water and {b} liters leak out. How many liters are in the tank now?",
-    "A ribbon is {a} cm long. {name} cuts off {b} cm. How long is the ribbon now?",
-    "{b} of the {a} students in a class are absent. How many students are present?",
-    "{name} is {a} years old. How old was {name} {b} years ago?",
-)
-WARMUP = {"+": ADDITION + WARMUP_ADDITION, "-": SUBTRACTION + WARMUP_SUBTRACTION}
-HELD_OUT_WORDS = ("take {b} away", "decrease", "increase", "less", "exceed", "count", "work out", "sum of {b}",
-                  "more than", "remain", "bus", "dollar", "farmer", "points to win")
-"""Words and phrases of the REWORDED templates that no train or warm-up template uses (checked by the tests)."""
 
 
 @dataclass(frozen=True)
@@ -233,18 +194,6 @@ def worked_answer(operation: str, a: int, b: int) -> str:
     return f"{a} {operation} {b} = {a} {operation} {tens} {operation} {units} = {middle} {operation} {units} = {result}"
 
 
-def demonstration_records(*, seed: int = SEED, num_train: int = NUM_TRAIN, num_test: int = NUM_TEST) -> list[dict]:
-    """The train split's problems, in the same order, each phrased with a template of `WARMUP` (the train
-    templates and as many more): the questions of the SFT warm-up (`write_files`).
-
-    Raises:
-        ValueError: sizes `split_problems` rejects.
-    """
-    problems = split_problems(seed, num_train=num_train, num_test=num_test)["train"]
-    rng = random.Random(f"astrai-arithmetic-warmup:{seed}")
-    return [phrase(problem, rng, WARMUP) for problem in problems]
-
-
 def demonstration(record: dict) -> dict:
     """An SFT record (``{"messages": [...]}``) of a record of this module: its question as the user turn and
     `worked_answer` as the assistant's (no system turn: the chat template's own, as the recipes sample with)."""
@@ -254,8 +203,8 @@ def demonstration(record: dict) -> dict:
 
 
 def write_files(out: str | Path, *, num_train: int = NUM_TRAIN) -> dict[str, Path]:
-    """Write ``sft_arithmetic.jsonl`` (a `demonstration` per problem of the train split of `num_train` questions,
-    in the words of `demonstration_records`) into the directory `out` (created); returns its path by name (``sft_arithmetic``). The seed and the test size
+    """Write ``sft_arithmetic.jsonl`` (a `demonstration` per record of the train split of `num_train` questions)
+    into the directory `out` (created); returns its path by name (``sft_arithmetic``). The seed and the test size
     are the built-in sets' (``builtin:arithmetic_test`` and ``builtin:arithmetic_reworded`` are made with them), so
     no demonstration shares a problem with them.
 
@@ -265,7 +214,7 @@ def write_files(out: str | Path, *, num_train: int = NUM_TRAIN) -> dict[str, Pat
     directory = Path(out).expanduser()
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"--out: {directory} is a file; expected a directory (created when missing)")
-    rows = [demonstration(r) for r in demonstration_records(num_train=num_train)]
+    rows = [demonstration(r) for r in arithmetic_records("train", num_train=num_train)]
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "sft_arithmetic.jsonl"
     with open(path, "w", encoding="utf-8") as f:
