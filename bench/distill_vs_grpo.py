@@ -1,0 +1,191 @@
+"""Minutes to 90% of a teacher's accuracy: on-policy distillation from it against GRPO from scratch (issue 45).
+
+    python bench/distill_vs_grpo.py --teacher PATH [--minutes 15] [--eval-steps 20] [--threads 2]
+                                    [--arms distill,grpo] [--output-dir DIR] [--student smollm2-135m-instruct]
+
+The teacher is the model the two-step arithmetic recipe makes (`configs/examples/sft_arithmetic.yaml`, then
+`grpo_arithmetic.yaml` from its checkpoint; its commands are in `configs/examples/distill_arithmetic.yaml`). The
+student, in both arms, is the untrained SmolLM2-135M-Instruct (`--student`). One after another, on the same threads:
+
+1. the teacher's greedy accuracy on `builtin:arithmetic_test` (200 questions), scored by `python -m astrai.evaluate`
+   (`--max_new_tokens 48`); the target is 90% of it;
+2. `distill`: `configs/examples/distill_arithmetic.yaml` with `distill.teacher` = the teacher;
+3. `grpo`: `configs/examples/grpo_arithmetic.yaml` as shipped (dynamic sampling, 32 new tokens).
+
+Each arm runs for at most `--minutes` minutes of training (`train.max_minutes`; model loading not counted) and is
+evaluated on the same 200 questions every `--eval-steps` optimizer steps by the trainer's evaluation (the code of
+`python -m astrai.evaluate`, greedy, the arm's own `rollout.max_new_tokens`), and its final checkpoint once more by
+`python -m astrai.evaluate` with 48 new tokens. The minutes of an evaluation are `time/elapsed_seconds` at its step
+(training from the first step, earlier evaluations included). Prints each arm's curve, the minutes at which it first
+reached the target (or that it did not within `--minutes`), `ratio: X.XX` (grpo's minutes / distill's, a lower
+bound when grpo did not reach it; none when distill did not) and the same ratio at the common level (the lower of
+the two arms' best accuracies), and draws accuracy against minutes to `<output-dir>/distill_vs_grpo.png` (needs
+matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = {"distill": REPO / "configs/examples/distill_arithmetic.yaml",
+           "grpo": REPO / "configs/examples/grpo_arithmetic.yaml"}
+"""Each arm's recipe."""
+TEST = "builtin:arithmetic_test"
+EVAL_TOKENS = 48
+
+
+def evaluate(model: str, out: Path, threads: int) -> dict:
+    """`python -m astrai.evaluate` of `model` on the held-out set (greedy, 48 new tokens): its summary.json.
+
+    Raises:
+        SystemExit: the evaluation failed (its log named).
+    """
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        code = subprocess.call([sys.executable, "-m", "astrai.evaluate", "--model", model, "--data", TEST,
+                                "--reward", "math_exact_match", "--max_new_tokens", str(EVAL_TOKENS),
+                                "--output_dir", str(out), "--no_progress_bar"], cwd=REPO, stdout=f,
+                               stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if code != 0:
+        sys.exit(f"evaluation of {model} failed (exit {code}); its log: {log}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def command(arm: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """The training command of `arm`, writing to `out`."""
+    extra = ["--distill.teacher", args.teacher] if arm == "distill" else []
+    return [sys.executable, "-m", "astrai.train", "--config", str(RECIPES[arm]), "--model.path", args.student,
+            "--train.output_dir", str(out), "--train.max_minutes", str(args.minutes), "--train.eval_steps",
+            str(args.eval_steps), "--train.progress_bar", "false", "--train.report_to", "none",
+            "--runtime.num_threads", str(args.threads), *extra]
+
+
+def curve(out: Path) -> list[dict]:
+    """The evaluations of the run in `out` from metrics.jsonl: step, minutes, accuracy and its 95% Wilson interval."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{"step": r["step"], "minutes": r["time/elapsed_seconds"] / 60, "accuracy": r["eval/accuracy"],
+             "low": r["eval/accuracy_ci_low"], "high": r["eval/accuracy_ci_high"]}
+            for r in rows if "eval/accuracy" in r]
+
+
+def minutes_to(points: list[dict], target: float) -> float | None:
+    """The minutes of the first evaluation at or above `target`, or None."""
+    return next((p["minutes"] for p in points if p["accuracy"] >= target), None)
+
+
+def ratio_lines(curves: dict[str, list[dict]], reached: dict[str, float | None], target: float,
+                budget: float) -> list[str]:
+    """The `ratio:` lines: grpo's minutes / distill's to the target (a lower bound when grpo did not reach it within
+    `budget` minutes; none when distill did not), and to the common level, the lower of the two arms' best
+    accuracies (which both reached)."""
+    lines = []
+    if reached["distill"] is not None:
+        grpo = reached["grpo"]
+        bound = "" if grpo is not None else " at least"
+        lines.append(f"ratio:{bound} {(grpo if grpo is not None else budget) / reached['distill']:.2f} (grpo's "
+                     f"minutes to {100 * target:.1f}% / distill's)")
+    level = min(max(p["accuracy"] for p in points) for points in curves.values())
+    at = {arm: minutes_to(points, level) for arm, points in curves.items()}
+    lines.append(f"ratio: {at['grpo'] / at['distill']:.2f} at the common level {100 * level:.1f}% (the lower arm's "
+                 f"best): grpo {at['grpo']:.1f} min, distill {at['distill']:.1f} min")
+    return lines
+
+
+def plot(curves: dict[str, list[dict]], teacher: float, target: float, path: Path) -> None:
+    """Accuracy (with its interval) against minutes, one line per arm, the teacher and the target dashed, to `path`."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("(no plot: matplotlib is not installed; pip install 'astrai[plot]')")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, points in curves.items():
+        minutes = [p["minutes"] for p in points]
+        ax.plot(minutes, [100 * p["accuracy"] for p in points], marker="o", label=arm)
+        ax.fill_between(minutes, [100 * p["low"] for p in points], [100 * p["high"] for p in points], alpha=0.15)
+    ax.axhline(100 * teacher, color="gray", linestyle="--", label=f"teacher {100 * teacher:.1f}%")
+    ax.axhline(100 * target, color="gray", linestyle=":", label=f"90% of it, {100 * target:.1f}%")
+    ax.set_xlabel("minutes of training (2-core CPU)")
+    ax.set_ylabel("held-out greedy accuracy, % (95% Wilson)")
+    ax.set_title("SmolLM2-135M-Instruct on builtin:arithmetic")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; bad values exit 2 with one line (argparse's usage error)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--teacher", required=True, help="the teacher model (a checkpoint directory)")
+    parser.add_argument("--student", default="smollm2-135m-instruct", help="both arms' starting model")
+    parser.add_argument("--minutes", type=float, default=15.0, help="training minutes per arm at most")
+    parser.add_argument("--eval-steps", type=int, default=20, help="evaluate every this many optimizer steps")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--arms", default=",".join(RECIPES), help="comma-separated, of " + ", ".join(RECIPES))
+    parser.add_argument("--output-dir", default=None, help="keep the runs here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in args.arms if a not in RECIPES]
+    if unknown or not args.arms:
+        parser.error(f"--arms: expected some of {', '.join(RECIPES)}, got {unknown or 'none'}")
+    if args.minutes <= 0:
+        parser.error("--minutes: expected > 0")
+    for name in ("eval_steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected >= 1")
+    if not Path(args.teacher).expanduser().exists():
+        parser.error(f"--teacher: {args.teacher} does not exist (make it with the commands in "
+                     f"{RECIPES['distill'].relative_to(REPO)})")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.output_dir) if args.output_dir else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        print(f"distill vs grpo: at most {args.minutes:g} training minutes per arm, evaluated every "
+              f"{args.eval_steps} steps, {args.threads} thread(s), {os.cpu_count()} CPUs, "
+              f"load {os.getloadavg()[0]:.2f}", flush=True)
+        teacher = evaluate(args.teacher, root / "teacher_eval", args.threads)
+        target = 0.9 * teacher["accuracy"]
+        print(f"  teacher: {100 * teacher['accuracy']:.1f}% [{100 * teacher['ci_low']:.1f}, "
+              f"{100 * teacher['ci_high']:.1f}]; target (90% of it): {100 * target:.1f}%", flush=True)
+        curves, reached = {}, {}
+        for arm in args.arms:
+            out = root / arm
+            with open(root / f"{arm}.log", "w") as log:
+                code = subprocess.call(command(arm, args, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+            if code != 0:
+                sys.exit(f"{arm}: the training run failed (exit {code}); its log: {root / f'{arm}.log'}")
+            curves[arm] = curve(out)
+            reached[arm] = minutes_to(curves[arm], target)
+            final = evaluate(str(out), root / f"{arm}_eval", args.threads)
+            points = ", ".join(f"{100 * p['accuracy']:.1f}% at {p['step']} ({p['minutes']:.1f} min)"
+                               for p in curves[arm])
+            when = (f"reached {100 * target:.1f}% at {reached[arm]:.1f} min" if reached[arm] is not None
+                    else f"did not reach {100 * target:.1f}% in {args.minutes:g} min")
+            print(f"  {arm:<8} {points}\n           final, python -m astrai.evaluate: {100 * final['accuracy']:.1f}% "
+                  f"[{100 * final['ci_low']:.1f}, {100 * final['ci_high']:.1f}]; {when}", flush=True)
+        if set(curves) == set(RECIPES) and all(curves.values()):
+            for line in ratio_lines(curves, reached, target, args.minutes):
+                print(line)
+        plot(curves, teacher["accuracy"], target,
+             (Path(args.output_dir) if args.output_dir else Path.cwd()) / "distill_vs_grpo.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""bench/distill_vs_grpo.py runs both arms end to end on tiny models (a random teacher, a random student: the
+arithmetic recipes' settings, a few seconds each) and prints the teacher's accuracy, each arm's curve, the
+final `python -m astrai.evaluate` score and where each reached the target; the curve and target helpers by hand."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_distill import save_tiny
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "distill_vs_grpo.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("distill_vs_grpo", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_curve_and_minutes_to_the_target(tmp_path):
+    bench = load_bench()
+    rows = [{"step": 1, "time/elapsed_seconds": 30.0, "policy/loss": 0.1},
+            {"step": 2, "time/elapsed_seconds": 90.0, "eval/accuracy": 0.25, "eval/accuracy_ci_low": 0.2,
+             "eval/accuracy_ci_high": 0.3},
+            {"step": 4, "time/elapsed_seconds": 180.0, "eval/accuracy": 0.5, "eval/accuracy_ci_low": 0.4,
+             "eval/accuracy_ci_high": 0.6}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    points = bench.curve(tmp_path)
+    assert [(p["step"], p["minutes"], p["accuracy"]) for p in points] == [(2, 1.5, 0.25), (4, 3.0, 0.5)]
+    assert bench.minutes_to(points, 0.25) == 1.5 and bench.minutes_to(points, 0.3) == 3.0
+    assert bench.minutes_to(points, 0.51) is None
+    grpo = [{"minutes": 1.0, "accuracy": 0.3}, {"minutes": 2.0, "accuracy": 0.4}]
+    assert bench.ratio_lines({"distill": points, "grpo": grpo}, {"distill": None, "grpo": None}, 0.7, 15) == [
+        "ratio: 0.67 at the common level 40.0% (the lower arm's best): grpo 2.0 min, distill 3.0 min"]
+    lines = bench.ratio_lines({"distill": points, "grpo": grpo}, {"distill": 3.0, "grpo": None}, 0.45, 15)
+    assert lines[0] == "ratio: at least 5.00 (grpo's minutes to 45.0% / distill's)"
+    assert bench.ratio_lines({"distill": points, "grpo": grpo}, {"distill": 3.0, "grpo": 6.0}, 0.45, 15)[0] == \
+        "ratio: 2.00 (grpo's minutes to 45.0% / distill's)"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--teacher", "/no/such/teacher"], "--teacher: /no/such/teacher does not exist"),
+    (["--teacher", ".", "--arms", "sft"], "--arms: expected some of distill, grpo"),
+    (["--teacher", ".", "--minutes", "0"], "--minutes: expected > 0"),
+    (["--teacher", ".", "--eval-steps", "0"], "--eval-steps: expected >= 1"),
+])
+def test_bad_arguments_exit_2_in_one_line(argv, message):
+    done = subprocess.run([sys.executable, str(BENCH), *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_both_arms_run_on_tiny_models(tiny_model_dir, tmp_path):
+    teacher = save_tiny(tmp_path / "teacher", seed=1)
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, str(BENCH), "--teacher", str(teacher), "--student", str(tiny_model_dir),
+                           "--minutes", "0.01", "--eval-steps", "1", "--threads", "1", "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"^  teacher: \d+\.\d% \[", done.stdout, re.M), done.stdout
+    for arm in ("distill", "grpo"):  # one step each (the time limit), evaluated, then scored once more
+        assert re.search(rf"^  {arm}\s+\d+\.\d% at 1 \(\d+\.\d min\)", done.stdout, re.M), done.stdout
+        assert (out / f"{arm}_eval" / "summary.json").is_file()
+        config = (out / arm / "config.yaml").read_text()
+        assert "max_minutes: 0.01" in config
+    assert str(teacher) in (out / "distill" / "config.yaml").read_text()
+    assert "on_policy_distill" in (out / "distill" / "config.yaml").read_text()
+    assert done.stdout.count("final, python -m astrai.evaluate: ") == 2
+    assert re.search(r"^ratio: \d+\.\d\d at the common level ", done.stdout, re.M), done.stdout
