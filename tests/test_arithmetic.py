@@ -169,7 +169,8 @@ def test_the_generator_writes_one_demonstration_per_train_question(tmp_path, cap
     assert not held_out & {(r["operation"], r["a"], r["b"]) for r in arithmetic_records("train", num_train=100)}
 
 
-def test_the_sft_recipe_runs_on_the_tiny_model_and_feeds_the_rl_recipes(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("recipe", ["sft_arithmetic.yaml", "sft_arithmetic_gemma3.yaml"])
+def test_the_sft_recipe_runs_on_the_tiny_model_and_feeds_the_rl_recipes(tiny_model_dir, tmp_path, recipe):
     import json
     from pathlib import Path
 
@@ -178,9 +179,10 @@ def test_the_sft_recipe_runs_on_the_tiny_model_and_feeds_the_rl_recipes(tiny_mod
     from astrai.train import main
 
     repo = Path(__file__).resolve().parents[1]
-    sft = repo / "configs/examples/sft_arithmetic.yaml"
+    sft = repo / "configs/examples" / recipe
     config = load_config(str(sft))
     assert config.train.type == "sft" and config.data.path == "outputs/arithmetic/sft_arithmetic.jsonl"
+    assert config.train.per_device_train_batch_size * config.train.gradient_accumulation_steps == 16
     files = write_files(tmp_path / "data", num_train=16)
     out = tmp_path / "sft"
     assert main(["--config", str(sft), "--model.path", str(tiny_model_dir), "--data.path",
