@@ -1,8 +1,9 @@
 """`python -m astrai.plot RUN_DIR [--output FILE]`: a PNG of a run's training curves from its metrics.jsonl.
 
-One panel per quantity, against the optimizer step: held-out accuracy (`train.eval_steps`), reward, KL, policy
-loss, value loss, explained variance, response length and learning rate (`PANELS`). A panel whose metric never
-appears in the file (e.g. value loss for GRPO) is left out. Needs matplotlib (`pip install 'astrai[plot]'`);
+One panel per quantity, against the optimizer step: held-out accuracy (`train.eval_steps`), reward, KL, the
+training loss of the offline train types (`train/loss`), policy loss, value loss, explained variance, response
+length and learning rate (`PANELS`). A panel whose metric never appears in the file (e.g. value loss for GRPO) is
+left out. Needs matplotlib (`pip install 'astrai[plot]'`);
 drawing uses the non-interactive Agg backend. A torn last line of metrics.jsonl (a crash or a full disk cut it) is
 skipped and said once. The PNG is replaced atomically. Exit codes: 0 written, 2 bad input (no such run directory, no
 metrics.jsonl, nothing to plot, matplotlib missing) or a PNG that cannot be written (one line naming it and the
@@ -28,6 +29,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("eval/accuracy", "held-out accuracy"),
     ("rollout/reward_mean", "reward"),
     ("rollout/kl", "KL"),
+    ("train/loss", "training loss"),
     ("policy/loss", "policy loss"),
     ("critic/loss", "value loss"),
     ("critic/explained_variance", "explained variance"),

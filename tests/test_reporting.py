@@ -115,8 +115,8 @@ def test_plot_main_job_png_size_and_titles(tiny_ppo_run, tmp_path, capsys):
     assert plot.main([str(tiny_ppo_run), "--output", str(out)]) == 0
     records = read_metrics(tiny_ppo_run)
     expected = [title for key, title in plot.PANELS if any(key in r for r in records)]
-    # online_ppo logs every panel's metric (held-out accuracy only with train.eval_steps)
-    assert expected == [title for key, title in plot.PANELS if key != "eval/accuracy"]
+    # online_ppo logs every panel's metric (held-out accuracy only with train.eval_steps) but the offline loss
+    assert expected == [title for key, title in plot.PANELS if key not in ("eval/accuracy", "train/loss")]
     fig = plot.draw(records)
     assert [ax.get_title() for ax in fig.axes] == expected
     assert all(ax.get_xlabel() == "step" for ax in fig.axes)
@@ -150,6 +150,14 @@ def test_plot_draws_held_out_accuracy_at_the_evaluated_steps_first(tmp_path):
     assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == [0.1, 0.2]
 
 
+def test_plot_draws_the_training_loss_of_an_offline_run(tmp_path):
+    records = [{"step": s, "train/loss": 2.0 / s, "policy/lr": 1e-5, **({"eval/accuracy": s / 10} if s == 3 else {})}
+               for s in (1, 2, 3)]  # an sft run evaluated at its last step
+    fig = plot.draw(records)
+    assert [ax.get_title() for ax in fig.axes] == ["held-out accuracy", "training loss", "learning rate"]
+    assert list(fig.axes[1].lines[0].get_ydata()) == [2.0, 1.0, 2.0 / 3]
+
+
 def test_plot_bad_options_are_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")
     (tmp_path / "afile").write_text("x")
@@ -166,7 +174,7 @@ def test_plot_bad_options_are_one_line_exit_2(tmp_path, capsys):
 @pytest.mark.parametrize("content, needle", [
     (None, "run directory not found"),
     ("", "no metrics file"),
-    ('{"step": 1, "train/loss": 2.0}\n', "nothing to plot"),
+    ('{"step": 1, "time/step_seconds": 2.0}\n', "nothing to plot"),
 ])
 def test_plot_bad_input(tmp_path, capsys, content, needle):
     run = tmp_path / "run"
