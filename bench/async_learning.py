@@ -57,15 +57,20 @@ def command(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def curve(out: Path) -> list[dict]:
-    """The evaluations of the run in `out`: step, accuracy and its 95% Wilson interval, from metrics.jsonl."""
+    """The evaluations of the run in `out`, from metrics.jsonl: step, minutes (`time/elapsed_seconds`: training from
+    the first step, earlier evaluations included), accuracy and its 95% Wilson interval, staleness (or None)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [{"step": r["step"], "accuracy": r["eval/accuracy"], "low": r["eval/accuracy_ci_low"],
-             "high": r["eval/accuracy_ci_high"], "staleness": r.get("rollout/staleness_max")}
-            for r in rows if "eval/accuracy" in r]
+    return [{"step": r["step"], "minutes": r["time/elapsed_seconds"] / 60, "accuracy": r["eval/accuracy"],
+             "low": r["eval/accuracy_ci_low"], "high": r["eval/accuracy_ci_high"],
+             "staleness": r.get("rollout/staleness_max")} for r in rows if "eval/accuracy" in r]
 
 
-def plot(curves: dict[str, list[dict]], path: Path) -> None:
-    """The accuracy curves with their intervals, one line per mode, to `path` (PNG)."""
+def plot(curves: dict[str, list[dict]], path: Path, *, x: str = "step",
+         xlabel: str = "optimizer step (8 samples each)",
+         title: str = "GRPO on builtin:arithmetic, SmolLM2-135M-Instruct",
+         levels: tuple[tuple[float, str, str], ...] = ()) -> None:
+    """The accuracy curves (`curve`'s points) with their intervals, one line per run, against the points' `x` key,
+    and each of `levels` (accuracy in [0, 1], label, line style) as a gray horizontal line, to `path` (PNG)."""
     try:
         import matplotlib
     except ImportError:
@@ -76,12 +81,14 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, points in curves.items():
-        steps = [p["step"] for p in points]
-        ax.plot(steps, [100 * p["accuracy"] for p in points], marker="o", label=mode)
-        ax.fill_between(steps, [100 * p["low"] for p in points], [100 * p["high"] for p in points], alpha=0.15)
-    ax.set_xlabel("optimizer step (8 samples each)")
+        xs = [p[x] for p in points]
+        ax.plot(xs, [100 * p["accuracy"] for p in points], marker="o", label=mode)
+        ax.fill_between(xs, [100 * p["low"] for p in points], [100 * p["high"] for p in points], alpha=0.15)
+    for level, label, style in levels:
+        ax.axhline(100 * level, color="gray", linestyle=style, label=label)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("held-out greedy accuracy, % (95% Wilson)")
-    ax.set_title("GRPO on builtin:arithmetic, SmolLM2-135M-Instruct")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

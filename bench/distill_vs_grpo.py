@@ -34,6 +34,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from async_learning import curve, plot  # noqa: E402  (the evaluations of a run, and their plot)
+
 RECIPES = {"distill": REPO / "configs/examples/distill_arithmetic.yaml",
            "grpo": REPO / "configs/examples/grpo_arithmetic.yaml"}
 """Each arm's recipe."""
@@ -67,14 +70,6 @@ def command(arm: str, args: argparse.Namespace, out: Path) -> list[str]:
             "--runtime.num_threads", str(args.threads), *extra]
 
 
-def curve(out: Path) -> list[dict]:
-    """The evaluations of the run in `out` from metrics.jsonl: step, minutes, accuracy and its 95% Wilson interval."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [{"step": r["step"], "minutes": r["time/elapsed_seconds"] / 60, "accuracy": r["eval/accuracy"],
-             "low": r["eval/accuracy_ci_low"], "high": r["eval/accuracy_ci_high"]}
-            for r in rows if "eval/accuracy" in r]
-
-
 def minutes_to(points: list[dict], target: float) -> float | None:
     """The minutes of the first evaluation at or above `target`, or None."""
     return next((p["minutes"] for p in points if p["accuracy"] >= target), None)
@@ -96,32 +91,6 @@ def ratio_lines(curves: dict[str, list[dict]], reached: dict[str, float | None],
     lines.append(f"ratio: {at['grpo'] / at['distill']:.2f} at the common level {100 * level:.1f}% (the lower arm's "
                  f"best): grpo {at['grpo']:.1f} min, distill {at['distill']:.1f} min")
     return lines
-
-
-def plot(curves: dict[str, list[dict]], teacher: float, target: float, path: Path) -> None:
-    """Accuracy (with its interval) against minutes, one line per arm, the teacher and the target dashed, to `path`."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("(no plot: matplotlib is not installed; pip install 'astrai[plot]')")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for arm, points in curves.items():
-        minutes = [p["minutes"] for p in points]
-        ax.plot(minutes, [100 * p["accuracy"] for p in points], marker="o", label=arm)
-        ax.fill_between(minutes, [100 * p["low"] for p in points], [100 * p["high"] for p in points], alpha=0.15)
-    ax.axhline(100 * teacher, color="gray", linestyle="--", label=f"teacher {100 * teacher:.1f}%")
-    ax.axhline(100 * target, color="gray", linestyle=":", label=f"90% of it, {100 * target:.1f}%")
-    ax.set_xlabel("minutes of training (2-core CPU)")
-    ax.set_ylabel("held-out greedy accuracy, % (95% Wilson)")
-    ax.set_title("SmolLM2-135M-Instruct on builtin:arithmetic")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"plot: {path}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -183,8 +152,11 @@ def main(argv=None) -> None:
         if set(curves) == set(RECIPES) and all(curves.values()):
             for line in ratio_lines(curves, reached, target, args.minutes):
                 print(line)
-        plot(curves, teacher["accuracy"], target,
-             (Path(args.output_dir) if args.output_dir else Path.cwd()) / "distill_vs_grpo.png")
+        plot(curves, (Path(args.output_dir) if args.output_dir else Path.cwd()) / "distill_vs_grpo.png",
+             x="minutes", xlabel=f"minutes of training ({os.cpu_count()} CPUs, {args.threads} threads)",
+             title="SmolLM2-135M-Instruct on builtin:arithmetic",
+             levels=((teacher["accuracy"], f"teacher {100 * teacher['accuracy']:.1f}%", "--"),
+                     (target, f"90% of it, {100 * target:.1f}%", ":")))
 
 
 if __name__ == "__main__":
