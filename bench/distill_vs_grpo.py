@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from async_learning import curve, plot  # noqa: E402  (the evaluations of a run, and their plot)
+from astrai.models.loading import resolve_model_path  # noqa: E402
 
 RECIPES = {"distill": REPO / "configs/examples/distill_arithmetic.yaml",
            "grpo": REPO / "configs/examples/grpo_arithmetic.yaml"}
@@ -103,20 +105,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-steps", type=int, default=20, help="evaluate every this many optimizer steps")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--arms", default=",".join(RECIPES), help="comma-separated, of " + ", ".join(RECIPES))
-    parser.add_argument("--output-dir", default=None, help="keep the runs here (default: a temporary directory)")
+    parser.add_argument("--output-dir", default=None, help="keep the runs here (None: a temporary directory)")
     args = parser.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in args.arms if a not in RECIPES]
     if unknown or not args.arms:
         parser.error(f"--arms: expected some of {', '.join(RECIPES)}, got {unknown or 'none'}")
-    if args.minutes <= 0:
-        parser.error("--minutes: expected > 0")
+    if not math.isfinite(args.minutes) or args.minutes <= 0:
+        parser.error(f"--minutes: expected a finite number > 0, got {args.minutes}")
     for name in ("eval_steps", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1")
     if not Path(args.teacher).expanduser().exists():
         parser.error(f"--teacher: {args.teacher} does not exist (make it with the commands in "
                      f"{RECIPES['distill'].relative_to(REPO)})")
+    for name in ("teacher", "student"):  # a model each, checked before the teacher's evaluation
+        try:
+            resolve_model_path(getattr(args, name))
+        except (FileNotFoundError, ValueError) as err:
+            parser.error(f"--{name}: {err}")
+    if args.output_dir:
+        used = [Path(args.output_dir) / arm for arm in args.arms
+                if (Path(args.output_dir) / arm).is_dir() and any((Path(args.output_dir) / arm).iterdir())]
+        if used:
+            parser.error(f"--output-dir: {used[0]} holds an earlier run; give another --output-dir or delete it")
     return args
 
 
@@ -141,6 +153,9 @@ def main(argv=None) -> None:
             if code != 0:
                 sys.exit(f"{arm}: the training run failed (exit {code}); its log: {root / f'{arm}.log'}")
             curves[arm] = curve(out)
+            if not curves[arm]:
+                print(f"  {arm}: no evaluation within {args.minutes:g} minutes (the first comes after "
+                      f"{args.eval_steps} steps): raise --minutes or lower --eval-steps", flush=True)
             reached[arm] = minutes_to(curves[arm], target)
             final = evaluate(str(out), root / f"{arm}_eval", args.threads)
             points = ", ".join(f"{100 * p['accuracy']:.1f}% at {p['step']} ({p['minutes']:.1f} min)"
@@ -152,9 +167,12 @@ def main(argv=None) -> None:
         if set(curves) == set(RECIPES) and all(curves.values()):
             for line in ratio_lines(curves, reached, target, args.minutes):
                 print(line)
-        plot(curves, (Path(args.output_dir) if args.output_dir else Path.cwd()) / "distill_vs_grpo.png",
-             x="minutes", xlabel=f"minutes of training ({os.cpu_count()} CPUs, {args.threads} threads)",
-             title="SmolLM2-135M-Instruct on builtin:arithmetic",
+        elif set(curves) == set(RECIPES):
+            print("no ratio: an arm has no evaluation")
+        plot({arm: points for arm, points in curves.items() if points},
+             (Path(args.output_dir) if args.output_dir else Path.cwd()) / "distill_vs_grpo.png", x="minutes",
+             xlabel=f"minutes of training, evaluations included ({os.cpu_count()} CPUs, {args.threads} threads)",
+             title=f"{Path(args.student).name} on builtin:arithmetic",
              levels=((teacher["accuracy"], f"teacher {100 * teacher['accuracy']:.1f}%", "--"),
                      (target, f"90% of it, {100 * target:.1f}%", ":")))
 

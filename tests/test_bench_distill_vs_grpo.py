@@ -46,8 +46,10 @@ def test_curve_and_minutes_to_the_target(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--teacher", "/no/such/teacher"], "--teacher: /no/such/teacher does not exist"),
     (["--teacher", ".", "--arms", "sft"], "--arms: expected some of distill, grpo"),
-    (["--teacher", ".", "--minutes", "0"], "--minutes: expected > 0"),
+    (["--teacher", ".", "--minutes", "0"], "--minutes: expected a finite number > 0"),
+    (["--teacher", ".", "--minutes", "nan"], "--minutes: expected a finite number > 0, got nan"),
     (["--teacher", ".", "--eval-steps", "0"], "--eval-steps: expected >= 1"),
+    (["--teacher", "."], "--teacher: "),  # a directory without config.json: refused before any evaluation
 ])
 def test_bad_arguments_exit_2_in_one_line(argv, message):
     done = subprocess.run([sys.executable, str(BENCH), *argv], capture_output=True, text=True, timeout=120)
@@ -71,3 +73,8 @@ def test_both_arms_run_on_tiny_models(tiny_model_dir, tmp_path):
     assert "on_policy_distill" in (out / "distill" / "config.yaml").read_text()
     assert done.stdout.count("final, python -m astrai.evaluate: ") == 2
     assert re.search(r"^ratio: \d+\.\d\d at the common level ", done.stdout, re.M), done.stdout
+    scored = (out / "teacher_eval" / "summary.json").stat().st_mtime_ns
+    again = subprocess.run([sys.executable, str(BENCH), "--teacher", str(teacher), "--student", str(tiny_model_dir),
+                            "--output-dir", str(out)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "holds an earlier run" in again.stderr, again.stderr  # before any evaluation
+    assert (out / "teacher_eval" / "summary.json").stat().st_mtime_ns == scored
