@@ -169,6 +169,19 @@ def test_the_generator_writes_one_demonstration_per_train_question(tmp_path, cap
     assert not held_out & {(r["operation"], r["a"], r["b"]) for r in arithmetic_records("train", num_train=100)}
 
 
+def test_a_missing_generated_file_names_the_command_that_writes_it(tmp_path):
+    from astrai.data.files import resolve_prompt_path
+
+    for name, command in (("sft_arithmetic.jsonl", "python -m astrai.data.arithmetic"),
+                          ("sft_tools.jsonl", "python -m astrai.data.tool_arithmetic")):
+        with pytest.raises(DataError) as err:
+            resolve_prompt_path(tmp_path / "out" / name)
+        assert str(err.value) == f"data.path: file not found: {tmp_path / 'out' / name} (written by `{command} " \
+                                 f"--out {tmp_path / 'out'}`)"
+    with pytest.raises(DataError, match=r"file not found: .*other\.jsonl$"):  # other files: no hint
+        resolve_prompt_path(tmp_path / "other.jsonl")
+
+
 @pytest.mark.parametrize("recipe", ["sft_arithmetic.yaml", "sft_arithmetic_gemma3.yaml"])
 def test_the_sft_recipe_runs_on_the_tiny_model_and_feeds_the_rl_recipes(tiny_model_dir, tmp_path, recipe):
     import json

@@ -28,6 +28,11 @@ def _generated() -> dict:
     return {**arithmetic, **tool_arithmetic}
 
 
+GENERATOR_FILES = {"sft_arithmetic.jsonl": "python -m astrai.data.arithmetic",
+                   "sft_tools.jsonl": "python -m astrai.data.tool_arithmetic"}
+"""File name -> the command line (without ``--out DIR``) that writes it: named when such a file is missing."""
+
+
 class DataError(ValueError):
     """A prompt file is missing or malformed, or a sampler state does not fit its dataset."""
 
@@ -61,7 +66,8 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
         The path of an existing regular file.
 
     Raises:
-        DataError: ``<field>: file not found: X``, ``<field>: unknown built-in prompt set: builtin:X`` (listing
+        DataError: ``<field>: file not found: X`` (with the command that writes X when it is a file of
+            `GENERATOR_FILES`), ``<field>: unknown built-in prompt set: builtin:X`` (listing
             the available ones), ``<field>: not a file: X`` for a directory, or, for a generated set
             (which has no file), ``<field>: builtin:X is a generated question/answer prompt set ...``.
     """
@@ -78,7 +84,9 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
         return resolved
     resolved = Path(text).expanduser()
     if not resolved.exists():
-        raise DataError(f"{field}: file not found: {resolved}")
+        writer = GENERATOR_FILES.get(resolved.name)
+        hint = f" (written by `{writer} --out {resolved.parent}`)" if writer else ""
+        raise DataError(f"{field}: file not found: {resolved}{hint}")
     if not resolved.is_file():
         raise DataError(f"{field}: not a file: {resolved}")
     return resolved
