@@ -224,5 +224,8 @@ def test_a_training_output_dir_as_model_path_is_refused_naming_its_checkpoint(tm
     with pytest.raises(FileNotFoundError, match=r"has no config.json: .* \(a training output_dir: give one of its "
                                                 r"checkpoints, e.g. .*run/checkpoints/step-00000125\)$"):
         resolve_model_path(tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match=r"has no config.json: .* \(a training run's checkpoints: give one "
+                                                r"of them, e.g. .*run/checkpoints/step-00000125\)$"):
+        resolve_model_path(tmp_path / "run" / "checkpoints")  # its checkpoints directory (a trial gave it too)
     with pytest.raises(FileNotFoundError, match=r"has no config.json: expected .*\.gguf file$"):
-        resolve_model_path(tmp_path / "run" / "checkpoints")  # no output dir: no hint
+        resolve_model_path(tmp_path / "run" / "checkpoints" / "step-00000125")  # an empty checkpoint: no hint

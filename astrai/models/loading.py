@@ -95,8 +95,10 @@ def resolve_model_path(name_or_path: str | Path, *, revision: Optional[str] = No
         if not is_model_directory(path):
             steps = sorted(p.name for p in (path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() \
                 else []
+            own = sorted(p.name for p in path.glob("step-*") if p.is_dir()) if path.name == "checkpoints" else []
             hint = f" (a training output_dir: give one of its checkpoints, e.g. {path / 'checkpoints' / steps[-1]})" \
-                if steps else ""
+                if steps else f" (a training run's checkpoints: give one of them, e.g. {path / own[-1]})" if own \
+                else ""
             raise FileNotFoundError(f"{path} has no config.json: expected {_EXPECTED}{hint}")
         _no_revision(key, revision, "a local directory")
         return path
