@@ -37,6 +37,10 @@ SEED = 20240517
 NUM_TRAIN = 2000
 NUM_TEST = 200
 SPLITS = ("train", "test")
+COMMAND = "python -m astrai.data.arithmetic"
+"""The command line of `main` (without ``--out DIR``)."""
+SFT_FILE = "sft_arithmetic.jsonl"
+"""The file `write_files` writes into ``--out``."""
 OPERATIONS = ("+", "-")
 
 NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jamal", "Keiko", "Liam",
@@ -216,7 +220,7 @@ def write_files(out: str | Path, *, num_train: int = NUM_TRAIN) -> dict[str, Pat
         raise ValueError(f"--out: {directory} is a file; expected a directory (created when missing)")
     rows = [demonstration(r) for r in arithmetic_records("train", num_train=num_train)]
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "sft_arithmetic.jsonl"
+    path = directory / SFT_FILE
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     return {"sft_arithmetic": path}
@@ -239,7 +243,7 @@ def report_written(write: Callable[[], dict[str, Path]]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m astrai.data.arithmetic --out DIR [--num_train N]``: write the SFT warm-up's demonstrations
     (`write_files`) and print the path."""
-    parser = argparse.ArgumentParser(prog="python -m astrai.data.arithmetic", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for sft_arithmetic.jsonl (created when missing)")
     parser.add_argument("--num_train", type=int, default=NUM_TRAIN,
                         help=f"train questions, even (default {NUM_TRAIN}, the builtin:arithmetic set); none of them "

@@ -28,9 +28,12 @@ def _generated() -> dict:
     return {**arithmetic, **tool_arithmetic}
 
 
-GENERATOR_FILES = {"sft_arithmetic.jsonl": "python -m astrai.data.arithmetic",
-                   "sft_tools.jsonl": "python -m astrai.data.tool_arithmetic"}
-"""File name -> the command line (without ``--out DIR``) that writes it: named when such a file is missing."""
+def _generator_files() -> dict[str, str]:
+    """File name -> the command line (without ``--out DIR``) of the data generator that writes it, named when such
+    a file is missing (imported when needed, as `_generated`)."""
+    from astrai.data import arithmetic, tool_arithmetic
+
+    return {module.SFT_FILE: module.COMMAND for module in (arithmetic, tool_arithmetic)}
 
 
 class DataError(ValueError):
@@ -67,7 +70,7 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
 
     Raises:
         DataError: ``<field>: file not found: X`` (with the command that writes X when it is a file of
-            `GENERATOR_FILES`), ``<field>: unknown built-in prompt set: builtin:X`` (listing
+            `_generator_files`), ``<field>: unknown built-in prompt set: builtin:X`` (listing
             the available ones), ``<field>: not a file: X`` for a directory, or, for a generated set
             (which has no file), ``<field>: builtin:X is a generated question/answer prompt set ...``.
     """
@@ -84,7 +87,7 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
         return resolved
     resolved = Path(text).expanduser()
     if not resolved.exists():
-        writer = GENERATOR_FILES.get(resolved.name)
+        writer = _generator_files().get(resolved.name)
         hint = f" (written by `{writer} --out {resolved.parent}`)" if writer else ""
         raise DataError(f"{field}: file not found: {resolved}{hint}")
     if not resolved.is_file():

@@ -35,6 +35,10 @@ __all__ = ["ToolProblem", "KINDS", "split_problems", "tool_arithmetic_records", 
 SEED = 20261204
 NUM_TRAIN = 2000
 NUM_TEST = 200
+COMMAND = "python -m astrai.data.tool_arithmetic"
+"""The command line of `main` (without ``--out DIR``)."""
+SFT_FILE = "sft_tools.jsonl"
+"""The demonstrations' file `write_files` writes into ``--out``."""
 SPLITS = ("train", "test")
 KINDS = ("product", "sum4")
 TOOL_NAME = "calculator"
@@ -182,7 +186,7 @@ def write_files(out: str | Path, *, seed: int = SEED, num_train: int = NUM_TRAIN
     tools = [tool_from_function(calculator)]
     demos = [demonstration(r, tools) for r in train[:num_demonstrations]]
     paths = {"train": directory / "train.jsonl", "test": directory / "test.jsonl",
-             "sft_tools": directory / "sft_tools.jsonl"}
+             "sft_tools": directory / SFT_FILE}
     for name, rows in (("train", train), ("test", test), ("sft_tools", demos)):
         with open(paths[name], "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
@@ -192,7 +196,7 @@ def write_files(out: str | Path, *, seed: int = SEED, num_train: int = NUM_TRAIN
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m astrai.data.tool_arithmetic --out DIR [--seed N] [--num_train N] [--num_test N]
     [--num_demonstrations N]``: write the files of `write_files` and print their paths."""
-    parser = argparse.ArgumentParser(prog="python -m astrai.data.tool_arithmetic", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for train.jsonl, test.jsonl and sft_tools.jsonl")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--num_train", type=int, default=NUM_TRAIN)
