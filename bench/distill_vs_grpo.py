@@ -77,12 +77,12 @@ def minutes_to(points: list[dict], target: float) -> float | None:
     return next((p["minutes"] for p in points if p["accuracy"] >= target), None)
 
 
-def ratio_lines(curves: dict[str, list[dict]], reached: dict[str, float | None], target: float,
-                budget: float) -> list[str]:
+def ratio_lines(curves: dict[str, list[dict]], target: float, budget: float) -> list[str]:
     """The `ratio:` lines: grpo's minutes / distill's to the target (a lower bound when grpo did not reach it within
     `budget` minutes; none when distill did not), and to the common level, the lower of the two arms' best
     accuracies (which both reached)."""
     lines = []
+    reached = {arm: minutes_to(points, target) for arm, points in curves.items()}
     if reached["distill"] is not None:
         grpo = reached["grpo"]
         bound = "" if grpo is not None else " at least"
@@ -125,8 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         except (FileNotFoundError, ValueError) as err:
             parser.error(f"--{name}: {err}")
     if args.output_dir:
-        used = [Path(args.output_dir) / arm for arm in args.arms
-                if (Path(args.output_dir) / arm).is_dir() and any((Path(args.output_dir) / arm).iterdir())]
+        runs = [Path(args.output_dir) / arm for arm in args.arms]
+        used = [run for run in runs if run.is_dir() and any(run.iterdir())]
         if used:
             parser.error(f"--output-dir: {used[0]} holds an earlier run; give another --output-dir or delete it")
     return args
@@ -144,7 +144,7 @@ def main(argv=None) -> None:
         target = 0.9 * teacher["accuracy"]
         print(f"  teacher: {100 * teacher['accuracy']:.1f}% [{100 * teacher['ci_low']:.1f}, "
               f"{100 * teacher['ci_high']:.1f}]; target (90% of it): {100 * target:.1f}%", flush=True)
-        curves, reached = {}, {}
+        curves = {}
         for arm in args.arms:
             out = root / arm
             with open(root / f"{arm}.log", "w") as log:
@@ -156,16 +156,16 @@ def main(argv=None) -> None:
             if not curves[arm]:
                 print(f"  {arm}: no evaluation within {args.minutes:g} minutes (the first comes after "
                       f"{args.eval_steps} steps): raise --minutes or lower --eval-steps", flush=True)
-            reached[arm] = minutes_to(curves[arm], target)
+            reached = minutes_to(curves[arm], target)
             final = evaluate(str(out), root / f"{arm}_eval", args.threads)
             points = ", ".join(f"{100 * p['accuracy']:.1f}% at {p['step']} ({p['minutes']:.1f} min)"
                                for p in curves[arm])
-            when = (f"reached {100 * target:.1f}% at {reached[arm]:.1f} min" if reached[arm] is not None
+            when = (f"reached {100 * target:.1f}% at {reached:.1f} min" if reached is not None
                     else f"did not reach {100 * target:.1f}% in {args.minutes:g} min")
             print(f"  {arm:<8} {points}\n           final, python -m astrai.evaluate: {100 * final['accuracy']:.1f}% "
                   f"[{100 * final['ci_low']:.1f}, {100 * final['ci_high']:.1f}]; {when}", flush=True)
         if set(curves) == set(RECIPES) and all(curves.values()):
-            for line in ratio_lines(curves, reached, target, args.minutes):
+            for line in ratio_lines(curves, target, args.minutes):
                 print(line)
         elif set(curves) == set(RECIPES):
             print("no ratio: an arm has no evaluation")

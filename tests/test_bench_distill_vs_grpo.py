@@ -35,11 +35,12 @@ def test_curve_and_minutes_to_the_target(tmp_path):
     assert bench.minutes_to(points, 0.25) == 1.5 and bench.minutes_to(points, 0.3) == 3.0
     assert bench.minutes_to(points, 0.51) is None
     grpo = [{"minutes": 1.0, "accuracy": 0.3}, {"minutes": 2.0, "accuracy": 0.4}]
-    assert bench.ratio_lines({"distill": points, "grpo": grpo}, {"distill": None, "grpo": None}, 0.7, 15) == [
+    assert bench.ratio_lines({"distill": points, "grpo": grpo}, 0.7, 15) == [  # neither reached 70%
         "ratio: 0.67 at the common level 40.0% (the lower arm's best): grpo 2.0 min, distill 3.0 min"]
-    lines = bench.ratio_lines({"distill": points, "grpo": grpo}, {"distill": 3.0, "grpo": None}, 0.45, 15)
+    lines = bench.ratio_lines({"distill": points, "grpo": grpo}, 0.45, 15)  # distill reached 45% at 3.0, grpo not
     assert lines[0] == "ratio: at least 5.00 (grpo's minutes to 45.0% / distill's)"
-    assert bench.ratio_lines({"distill": points, "grpo": grpo}, {"distill": 3.0, "grpo": 6.0}, 0.45, 15)[0] == \
+    later = grpo + [{"minutes": 6.0, "accuracy": 0.45}]  # grpo reached it at 6.0
+    assert bench.ratio_lines({"distill": points, "grpo": later}, 0.45, 15)[0] == \
         "ratio: 2.00 (grpo's minutes to 45.0% / distill's)"
 
 

@@ -93,12 +93,13 @@ def resolve_model_path(name_or_path: str | Path, *, revision: Optional[str] = No
     path = Path(key).expanduser()
     if path.is_dir():
         if not is_model_directory(path):
-            steps = sorted(p.name for p in (path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() \
-                else []
-            own = sorted(p.name for p in path.glob("step-*") if p.is_dir()) if path.name == "checkpoints" else []
-            hint = f" (a training output_dir: give one of its checkpoints, e.g. {path / 'checkpoints' / steps[-1]})" \
-                if steps else f" (a training run's checkpoints: give one of them, e.g. {path / own[-1]})" if own \
-                else ""
+            hint = ""
+            steps = sorted((path / "checkpoints").glob("step-*")) if (path / "checkpoints").is_dir() else []
+            own = sorted(p for p in path.glob("step-*") if p.is_dir()) if path.name == "checkpoints" else []
+            if steps:
+                hint = f" (a training output_dir: give one of its checkpoints, e.g. {steps[-1]})"
+            elif own:
+                hint = f" (a training run's checkpoints: give one of them, e.g. {own[-1]})"
             raise FileNotFoundError(f"{path} has no config.json: expected {_EXPECTED}{hint}")
         _no_revision(key, revision, "a local directory")
         return path
