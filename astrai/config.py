@@ -303,14 +303,19 @@ class RolloutSection(Section, name="rollout"):
                      "copy) or separate (each training rank's own generation process, which only generates: with "
                      "rollout.max_off_policy_steps >= the optimizer steps of a rollout it samples the next rollout "
                      "while this one trains, one step off)", Choices(("colocated", "separate")))
+    generation_processes: int = field_spec(
+        1, "rollout.placement separate: generation processes per training rank; each generates an even share of "
+           "every rollout's prompts at once, and every weight sync streams to all of them (docs/async.md)", GT0)
     generation_device: Optional[str] = field_spec(
-        None, "rollout.placement separate: the generation process's device (cpu, cuda:N); null = cpu on CPU jobs, "
-              "else the GPU after the job's own on this node (cuda:<local world size + local rank>)",
+        None, "rollout.placement separate: the generation process's device (cpu, cuda:N; with "
+              "rollout.generation_processes N > 1 the first of N consecutive GPUs); null = cpu on CPU jobs, else the "
+              "GPUs after the job's own on this node (cuda:<local world size + local rank x N + i>)",
         Pattern(r"cpu|cuda:\d+", "cpu or cuda:N"))
     generation_threads: Optional[int] = field_spec(
-        None, "rollout.placement separate on CPU: the generation process's torch threads; null = one step off, half "
-              "the training process's, which keeps the rest (when runtime.num_threads is null); synchronous, as many "
-              "as the training process's", GT0)
+        None, "rollout.placement separate on CPU: each generation process's torch threads; null = one step off, "
+              "the training process's split evenly between it and its N generation processes, the training process "
+              "keeping the rest (when runtime.num_threads is null); synchronous, the training process's split over "
+              "the N generation processes (N = rollout.generation_processes)", GT0)
     generation_restarts: Optional[int] = field_spec(
         None, "rollout.placement separate: how many times a generation process that dies (killed, out of memory) "
               "is started again, its lost batch generated again, before a death stops the job; null = 2 where the "
@@ -740,6 +745,10 @@ class Config:
                 if getattr(self.rollout, name) is not None:
                     raise ConfigError(f"rollout.{name}: sets the generation process of rollout.placement separate, "
                                       "but the placement is colocated; set it to null")
+            if self.rollout.generation_processes != 1:
+                raise ConfigError(f"rollout.generation_processes: {self.rollout.generation_processes} generation "
+                                  "processes need rollout.placement separate; set it to 1 or the placement to "
+                                  "separate")
         if self.rollout.dynamic_sampling:
             if spec.group_size(self) is None or not spec.online:
                 samplers = [t.name for t in train_types.all_train_types() if t.online and t.group_size_field]

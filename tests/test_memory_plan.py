@@ -69,6 +69,17 @@ def test_hand_values_per_train_type_lora_and_engine():
             assert planned.get("engine prepacked") == (4 * p if packs and HAS_ONEDNN else None), vendor
             tp2 = config_from_dict({"train": {"type": "online_grpo"}, "rollout": {"tensor_parallel_size": 2}})
             assert "engine prepacked" not in items(plan_memory(tp2, cfg, strategy="ddp", world_size=2, device=CPU))
+    # a separate placement on a CPU: each generation process's engine counted, in the same memory
+    for processes in (1, 3):
+        separate = config_from_dict({"train": {"type": "online_grpo"}, "rollout": {
+            "placement": "separate", "generation_processes": processes, "engine_options": {"max_kv_tokens": 1024}}})
+        plan = plan_memory(separate, cfg, strategy="ddp", world_size=1, device=CPU)
+        planned = items(plan)
+        assert planned["engine weights"] == processes * 4 * p
+        assert planned["engine KV cache"] == processes * 1024 * per_token
+        notes = {item.name: item.how for item in plan.items}
+        assert notes["engine weights"].endswith("in the generation process" if processes == 1 else
+                                                "x 3 (one in each generation process)")
     no_kl = config_from_dict({"train": {"type": "online_grpo"}, "grpo": {"kl_coef": 0}})
     assert "reference" not in items(plan_memory(no_kl, cfg, strategy="ddp", world_size=1, device=CPU))
     ppo = items(plan_memory(config_from_dict({"train": {"type": "online_ppo"}, "ppo": {"critic_layers": 1}}), cfg,

@@ -18,7 +18,8 @@ from astrai.config import ConfigError, load_config
 from astrai.models import AutoRegressiveLM, tiny_config
 from astrai.rollout.build import _generation_engine
 from astrai.rollout.paged_engine import PagedGenerationEngine
-from astrai.rollout.remote import GenerationProcessDied, RemoteEngine, RemoteEngineError
+from astrai.rollout.generation import Generation, concat_generations
+from astrai.rollout.remote import GenerationPool, GenerationProcessDied, RemoteEngine, RemoteEngineError
 from astrai.rollout.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,6 +200,150 @@ def test_an_engine_the_generation_process_cannot_build_is_its_one_line_error():
         RemoteEngine(AutoRegressiveLM, tiny_config(), _functools_partial(_generation_engine, def_config, 0), threads=1)
 
 
+# ------------------------------------------------------------------ several generation processes (a pool)
+FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "action_mask", "old_logprobs", "finished")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    engines = [RemoteEngine(AutoRegressiveLM, tiny_config(), _functools_partial(_build, None, 0), threads=1)
+               for _ in range(2)]
+    pool = GenerationPool(engines)
+    yield pool
+    pool.close()
+
+
+def _by_shares(local, prompts, params, seed: int, parts: int = 2):
+    """The naive reference of a pool's `generate`: the colocated engine on each contiguous share (sizes differing
+    by at most one, larger first), share i with a generator seeded by the i-th int64 drawn from `seed`'s."""
+    caller = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(0, 2 ** 63 - 1, (parts,), generator=caller).tolist()
+    size, extra = divmod(len(prompts), parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + size + (i < extra)
+        if stop > start:
+            share = params[start:stop] if isinstance(params, list) else params
+            out.append(local.generate(prompts[start:stop], share, torch.Generator().manual_seed(seeds[i])))
+        start = stop
+    return concat_generations(out, 0), caller
+
+
+def test_a_pool_generates_each_share_in_its_own_process_as_the_colocated_engine_would(pool):
+    torch.manual_seed(1)
+    model = AutoRegressiveLM(tiny_config()).eval()
+    local = _paged(model)
+    assert pool.policy_version == -1
+    assert pool.load_weights(dict(model.state_dict()), 3) == 3
+    assert [e.policy_version for e in pool.engines] == [3, 3] and len({p.pid for p in pool.processes}) == 2
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]  # 3 + 2 rows: unequal widths to join
+    params = [SamplingParams(max_new_tokens=k, temperature=1.0, stop_token_ids=(2,)) for k in (3, 9, 5, 12, 7)]
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(7)
+    got = pool.generate(prompts, params, g)
+    want, caller = _by_shares(local, prompts, params, 7)
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.policy_version == 3 and torch.equal(g.get_state(), caller.get_state())
+    assert got.response_ids.shape[1] == int(got.action_mask.sum(1).max())  # as wide as the longest answer
+    one = pool.generate([[5, 6]], params[0], torch.Generator().manual_seed(8))  # fewer prompts than processes
+    assert torch.equal(one.response_ids, _by_shares(local, [[5, 6]], params[0], 8)[0].response_ids)
+
+
+def test_a_pool_streams_new_weights_to_every_process_and_refusals_leave_none_half_loaded(pool):
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(2,))
+    new = AutoRegressiveLM(tiny_config()).eval()
+    assert pool.load_weights(iter(list(new.state_dict().items())), 4) == 4  # a stream, consumed once
+    torch.set_num_threads(1)
+    got = pool.generate([[5, 6], [7], [8, 9]], params, torch.Generator().manual_seed(3))
+    want = _by_shares(_paged(new), [[5, 6], [7], [8, 9]], params, 3)[0]
+    assert torch.equal(got.old_logprobs, want.old_logprobs) and got.policy_version == 4
+    bad = {name: torch.zeros(1) for name in new.state_dict()}
+    with pytest.raises(ValueError, match="shape"):
+        pool.load_weights(bad, 9)
+    assert pool.policy_version == -1 and [e.policy_version for e in pool.engines] == [-1, -1]
+    assert pool.load_weights(dict(new.state_dict()), 5) == 5  # both took every broadcast: nothing left in a pipe
+    assert pool.generate([[5], [6]], params).policy_version == 5
+
+
+def test_a_pool_request_sent_ahead_is_kept_through_a_weight_load_and_a_discarded_one_is_gone(pool):
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(2,))
+    old, new = (AutoRegressiveLM(tiny_config()).eval() for _ in range(2))
+    pool.load_weights(dict(old.state_dict()), 20)
+    ahead = pool.submit([[5, 6], [7], [8]], params, torch.Generator().manual_seed(5))
+    dropped = pool.submit([[9]], params)
+    pool.discard(dropped)
+    assert pool.load_weights(dict(new.state_dict()), 21) == 21
+    got = pool.result(ahead)
+    torch.set_num_threads(1)
+    assert got.policy_version == 20
+    assert torch.equal(got.old_logprobs, _by_shares(_paged(old), [[5, 6], [7], [8]], params, 5)[0].old_logprobs)
+    for request in (ahead, dropped):
+        with pytest.raises(RemoteEngineError, match="no generation"):
+            pool.result(request)
+
+
+def _killing(stream, process, after: int):
+    """`stream`'s items, with `process` killed (SIGKILL) after the first `after`."""
+    import time
+
+    for i, item in enumerate(stream):
+        if i == after:
+            os.kill(process.pid, signal.SIGKILL)
+            time.sleep(0.1)
+        yield item
+
+
+@pytest.mark.parametrize("during", ["a generation", "the weight load"])
+def test_a_dead_process_of_a_pool_is_restarted_alone_and_the_pool_generates_as_before(during):
+    model = AutoRegressiveLM(tiny_config())
+    pool = GenerationPool([RemoteEngine(AutoRegressiveLM, tiny_config(), _functools_partial(_build, None, 0),
+                                        threads=1) for _ in range(2)])
+    try:
+        pool.load_weights(model.state_dict(), 3)
+        params = SamplingParams(max_new_tokens=4, stop_token_ids=(2,))
+        before = pool.generate([[5, 6], [7]], params, torch.Generator().manual_seed(1))
+        pids = [p.pid for p in pool.processes]
+        if during == "a generation":
+            lost = pool.submit([[5, 6], [7]], params, torch.Generator())
+            os.kill(pids[1], signal.SIGKILL)
+            with pytest.raises(GenerationProcessDied, match="died with exit code -9 during a generation"):
+                pool.result(lost)
+        else:
+            with pytest.raises(GenerationProcessDied, match="died with exit code -9 during the weight load"):
+                pool.load_weights(_killing(model.state_dict().items(), pool.processes[1], 2), 4)
+        pool.restart()
+        assert pool.restarts == 1 and pool.processes[0].pid == pids[0] and pool.processes[1].pid != pids[1]
+        assert pool.policy_version == -1
+        if during == "a generation":
+            with pytest.raises(RemoteEngineError, match="no generation"):
+                pool.result(lost)
+        assert pool.load_weights(model.state_dict(), 3) == 3
+        again = pool.generate([[5, 6], [7]], params, torch.Generator().manual_seed(1))
+        assert torch.equal(again.response_ids, before.response_ids)  # the same weights and RNG: the same samples
+    finally:
+        pool.close()
+    assert not any(p.is_alive() for p in pool.processes)
+
+
+def test_concat_generations_pads_each_part_to_the_widest_and_refuses_mixed_versions():
+    def part(prompt, response, version=1):
+        return Generation(prompt_ids=torch.tensor([prompt]), prompt_mask=torch.ones(1, len(prompt), dtype=torch.bool),
+                          response_ids=torch.tensor([response]), action_mask=torch.ones(1, len(response),
+                                                                                        dtype=torch.bool),
+                          old_logprobs=torch.full((1, len(response)), -0.5), finished=torch.tensor([True]),
+                          policy_version=version)
+
+    joined = concat_generations([part([5, 6], [7]), part([8], [9, 10, 11])], pad_token_id=0)
+    assert joined.prompt_ids.tolist() == [[5, 6], [0, 8]] and joined.prompt_mask.tolist() == [[True, True],
+                                                                                              [False, True]]
+    assert joined.response_ids.tolist() == [[7, 0, 0], [9, 10, 11]]
+    assert joined.action_mask.tolist() == [[True, False, False], [True, True, True]]
+    assert joined.old_logprobs.tolist() == [[-0.5, 0.0, 0.0], [-0.5, -0.5, -0.5]]
+    with pytest.raises(ValueError, match=r"policy versions \[1, 2\]"):
+        concat_generations([part([5], [7]), part([5], [7], version=2)], 0)
+
+
 # ------------------------------------------------------------------------------------------- end to end
 REWARD = ("def length(prompts, completions, completion_ids, **kwargs):\n"
           "    return [len(i) / 6 for i in completion_ids]\n")
@@ -305,8 +450,21 @@ def test_one_step_off_samples_rollout_k_with_the_weights_of_rollout_k_minus_1(re
     assert remote.generate([[5, 6]], params).policy_version == 3  # and nothing of it is left in the pipe
 
 
-def test_online_grpo_one_step_off_lags_one_rollout_and_resumes_bitwise(model_dir, tmp_path, monkeypatch):
-    whole = run_job(model_dir, tmp_path / "whole", 4, ONE_STEP_OFF + ["--checkpoint.save_steps", "2"])
+@pytest.mark.parametrize("processes", [1, 2])
+def test_online_grpo_one_step_off_lags_one_rollout_and_resumes_bitwise(model_dir, tmp_path, monkeypatch,
+                                                                        processes):
+    """With 2 generation processes as well: each samples half of every rollout (GenerationPool), and the run is as
+    reproducible."""
+    extra = ONE_STEP_OFF + ["--checkpoint.save_steps", "2", "--rollout.generation_processes", str(processes),
+                            "--rollout.generation_threads", "1"]
+    shares = []
+    if processes > 1:
+        real = GenerationPool.result
+        monkeypatch.setattr(GenerationPool, "result", lambda self, request: shares.append(
+            len(self._requests[request])) or real(self, request))
+    whole = run_job(model_dir, tmp_path / "whole", 4, extra)
+    # 5 rollouts (4 trained, the fifth sent ahead during step 4 and collected for the checkpoint), 2 shares each
+    assert shares == ([] if processes == 1 else [2] * 5)
     trained = [m for m in whole if "policy/loss" in m]
     assert [m["rollout/staleness_max"] for m in trained] == [0, 1, 1, 1]
     assert [m["rollout/staleness/lag_1"] for m in trained] == [0, 1, 1, 1]
@@ -324,12 +482,11 @@ def test_online_grpo_one_step_off_lags_one_rollout_and_resumes_bitwise(model_dir
         return fit(self)
 
     monkeypatch.setattr(Trainer, "fit", stop_after_two)
-    run_job(model_dir, tmp_path / "resumed", 4, ONE_STEP_OFF + ["--checkpoint.save_steps", "2"])
+    run_job(model_dir, tmp_path / "resumed", 4, extra)
     monkeypatch.undo()
     saved = torch.load(tmp_path / "resumed/run/checkpoints/step-00000002/strategy_state.pt", weights_only=True)
     assert saved["one_step_off"]["generation"]["policy_version"] == 1
-    resumed = run_job(model_dir, tmp_path / "resumed", 4, ONE_STEP_OFF + ["--checkpoint.save_steps", "2",
-                                                                            "--checkpoint.resume", "auto"])
+    resumed = run_job(model_dir, tmp_path / "resumed", 4, extra + ["--checkpoint.resume", "auto"])
     same_run(whole, resumed, tmp_path / "whole", tmp_path / "resumed", 4)
 
 
@@ -402,6 +559,8 @@ def test_two_training_ranks_each_train_one_step_off_with_a_generation_process_of
     (ONE_STEP_OFF + ["--rollout.tensor_parallel_size", "2"], "tensor_parallel_size"),
     (ONE_STEP_OFF + ["--rollout.engine", "vllm"], "rollout.engine vllm"),
     (["--rollout.generation_threads", "1"], "placement is colocated"),
+    (["--rollout.generation_processes", "2"], "generation_processes: 2 generation processes need rollout.placement"),
+    (["--rollout.placement", "separate", "--rollout.generation_processes", "0"], "generation_processes"),
     (["--rollout.placement", "separate", "--rollout.generation_device", "gpu1"], "cpu or cuda:N"),
     (["--rollout.placement", "separate", "--train.type", "sft"], "samples none"),
     (["--rollout.max_off_policy_steps", "2"], "rollout.placement colocated"),
@@ -411,14 +570,25 @@ def test_config_refuses_what_separate_placement_does_not_support(extra, message)
         load_config(GRPO, extra)
 
 
-def test_a_generation_device_that_is_not_there_is_one_line():
-    from astrai.rollout.build import generation_device
+def test_a_generation_device_that_is_not_there_is_one_line(monkeypatch):
+    from astrai.rollout.build import generation_devices
 
     config = load_config(GRPO, ["--rollout.placement", "separate", "--rollout.generation_device", "cuda:7"])
     with pytest.raises(ValueError, match="rollout.generation_device: cuda:7 does not exist"):
-        generation_device(config, torch.device("cpu"))
-    assert generation_device(load_config(GRPO, ["--rollout.placement", "separate"]),
-                             torch.device("cpu")) == torch.device("cpu")
+        generation_devices(config, torch.device("cpu"))
+    separate = ["--rollout.placement", "separate"]
+    assert generation_devices(load_config(GRPO, separate), torch.device("cpu")) == [torch.device("cpu")]
+    three = load_config(GRPO, separate + ["--rollout.generation_processes", "3"])
+    assert generation_devices(three, torch.device("cpu")) == [torch.device("cpu")] * 3
+    # on a node of 8 GPUs, 2 training ranks with 3 generation processes each: cuda:2-4 and cuda:5-7
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert [str(d) for d in generation_devices(three, torch.device("cuda:1"), 1, 2)] == ["cuda:5", "cuda:6", "cuda:7"]
+    assert [str(d) for d in generation_devices(three, torch.device("cuda:0"), 0, 2)] == ["cuda:2", "cuda:3", "cuda:4"]
+    with pytest.raises(ValueError, match=r"rollout.generation_device: cuda:6..cuda:8 does not exist \(8 CUDA"):
+        generation_devices(load_config(GRPO, separate + ["--rollout.generation_processes", "3",
+                                                         "--rollout.generation_device", "cuda:6"]),
+                           torch.device("cuda:0"))
 
 
 def test_a_batch_generated_ahead_resumed_without_one_step_off_is_dropped_with_a_warning():
@@ -534,14 +704,19 @@ def kill_at_second_generation(monkeypatch, method: str):
     return calls
 
 
-@pytest.mark.parametrize("method, during", [("result", "a generation"), ("load_weights", "the weight load")])
+@pytest.mark.parametrize("method, during, processes", [("result", "a generation", 1),
+                                                       ("load_weights", "the weight load", 1),
+                                                       ("result", "a generation", 2)])
 def test_a_killed_synchronous_generation_process_is_restarted_and_the_run_is_unchanged(model_dir, tmp_path,
-                                                                                      monkeypatch, method, during):
+                                                                                      monkeypatch, method, during,
+                                                                                      processes):
     """Synchronous separate placement: the generation process killed during the second rollout's generation (or
     its weight load: a process that died while the trainer trained is found there) is started again (one warning
     line), loads the same weights, and generates the same batch from the same RNG state: metrics and weights equal
-    an undisturbed run's, bit for bit."""
-    separate = ["--rollout.placement", "separate", "--rollout.generation_threads", "1"]
+    an undisturbed run's, bit for bit. With 2 generation processes (the second share's killed during the first
+    rollout), the pool restarts that one alone."""
+    separate = ["--rollout.placement", "separate", "--rollout.generation_threads", "1",
+                "--rollout.generation_processes", str(processes)]
     straight = run_job(model_dir, tmp_path / "straight", 3, separate)
     kill_at_second_generation(monkeypatch, method)
     with pytest.warns(UserWarning, match=rf"died with exit code -9 during {during}; started a new one \(restart 1 "

@@ -18,7 +18,7 @@ from astrai.kernels import BackendUnavailableError
 from astrai.rollout.engine import ATTENTION_BACKEND_ENV, GenerationEngine, attention_backend, build_engine, check_engine
 from astrai.runtime_env import checked_threads
 
-__all__ = ["build_job_engine", "build_rollout_engine", "check_rollout_engine", "generation_device",
+__all__ = ["build_job_engine", "build_rollout_engine", "check_rollout_engine", "generation_devices",
            "generation_threads"]
 
 
@@ -51,60 +51,80 @@ def build_job_engine(config, policy: torch.nn.Module, tokenizer, *, device: torc
     """The engine a training rank's rollouts come from: `build_rollout_engine` in this process
     (`rollout.placement` colocated), or with `separate` a generation process of its own
     (`astrai.rollout.remote.RemoteEngine`) that builds the same engine from `policy`'s class and config on
-    `generation_device` with `generation_threads` (this process then keeps the rest of the threads, said once).
-    `device` is the training rank's; `local_rank` / `local_world_size` place a GPU generation process.
+    `generation_devices` with `generation_threads` (this process then keeps the rest of the threads, said once); with
+    `rollout.generation_processes` N > 1, N of them behind one `astrai.rollout.remote.GenerationPool`. `device` is
+    the training rank's; `local_rank` / `local_world_size` place GPU generation processes.
 
     Raises:
         ValueError / BackendUnavailableError: as `build_rollout_engine` (in the generation process, said here in
             one line), or a `generation_device` that does not exist.
-        RemoteEngineError: the generation process could not start.
+        RemoteEngineError: a generation process could not start.
     """
     r = config.rollout
     if r.placement != "separate":
         return build_rollout_engine(config, policy, tokenizer, tp_group=tp_group)
-    from astrai.rollout.remote import RemoteEngine
+    from astrai.rollout.remote import GenerationPool, RemoteEngine
 
-    where = generation_device(config, device, local_rank, local_world_size)
-    threads = generation_threads(config, where) if where.type == "cpu" else None
+    places = generation_devices(config, device, local_rank, local_world_size)
+    threads = generation_threads(config, places[0]) if places[0].type == "cpu" else None
     build = functools.partial(_generation_engine, config, tokenizer.pad_token_id)
-    return RemoteEngine(type(policy), policy.config, build, device=where, threads=threads,
-                        timeout_seconds=config.distributed.timeout_seconds,
-                        deterministic=config.runtime.deterministic)
+    engines = []
+    try:
+        for where in places:
+            engines.append(RemoteEngine(type(policy), policy.config, build, device=where, threads=threads,
+                                        timeout_seconds=config.distributed.timeout_seconds,
+                                        deterministic=config.runtime.deterministic))
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return engines[0] if len(engines) == 1 else GenerationPool(engines)
 
 
-def generation_device(config, device: torch.device, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
-    """The generation process's device (`rollout.generation_device`; null: cpu for a CPU job, else the GPU after the
-    job's own on this node, cuda:<local_world_size + local_rank>). Raises ValueError (one line) for a GPU that is
-    not there."""
+def generation_devices(config, device: torch.device, local_rank: int = 0,
+                       local_world_size: int = 1) -> list[torch.device]:
+    """The devices of the training rank's N generation processes (N = `rollout.generation_processes`): from
+    `rollout.generation_device` (cpu: all on the CPU; cuda:K: cuda:K .. cuda:K+N-1) or, null, cpu for a CPU job,
+    else the GPUs after the job's own on this node, cuda:<local_world_size + local_rank x N + i>. Raises ValueError
+    (one line) for a GPU that is not there."""
+    count = config.rollout.generation_processes
     chosen = config.rollout.generation_device
     if chosen is None:
-        chosen = "cpu" if device.type == "cpu" else f"cuda:{local_world_size + local_rank}"
-    where = torch.device(chosen)
-    if where.type == "cuda" and (not torch.cuda.is_available() or where.index >= torch.cuda.device_count()):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(f"rollout.generation_device: {chosen} does not exist ({count} CUDA device(s) here); a "
-                         "separate placement needs a device of its own per training rank, or set it to cpu")
-    return where
+        chosen = "cpu" if device.type == "cpu" else f"cuda:{local_world_size + local_rank * count}"
+    first = torch.device(chosen)
+    if first.type == "cpu":
+        return [first] * count
+    places = [torch.device("cuda", first.index + i) for i in range(count)]
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if places[-1].index >= have:
+        wanted = chosen if count == 1 else f"cuda:{first.index}..cuda:{places[-1].index}"
+        raise ValueError(f"rollout.generation_device: {wanted} does not exist ({have} CUDA device(s) here); a "
+                         "separate placement needs a device of its own per generation process, or set it to cpu")
+    return places
 
 
 def generation_threads(config, device: torch.device) -> Optional[int]:
-    """The generation process's torch threads on a CPU `device` (`rollout.generation_threads`). One step off
-    (`rollout.max_off_policy_steps` > 0) both processes compute at once: null is then half of this process's threads
-    (at least 1), and when `runtime.num_threads` is null this process keeps the rest (more threads than cores
-    collapse), said once. Synchronous, they take turns: null is this process's thread count, which it keeps."""
+    """Each generation process's torch threads on a CPU `device` (`rollout.generation_threads`), with N =
+    `rollout.generation_processes` of them. One step off (`rollout.max_off_policy_steps` > 0) they and this process
+    compute at once: null is this process's threads split evenly over the N + 1 (at least 1 each), and when
+    `runtime.num_threads` is null this process keeps the rest (more threads than cores collapse), said once.
+    Synchronous, this process waits while they generate: null is its thread count split over the N (at least 1),
+    and it keeps its own."""
     if device.type != "cpu":
         return None
+    count = config.rollout.generation_processes
     have = torch.get_num_threads()
     if config.rollout.generation_threads is not None:
         checked_threads(config.rollout.generation_threads, "rollout.generation_threads")
     if config.rollout.max_off_policy_steps == 0:
-        return config.rollout.generation_threads or have
-    threads = config.rollout.generation_threads or max(1, have // 2)
+        return config.rollout.generation_threads or max(1, have // count)
+    threads = config.rollout.generation_threads or max(1, have // (count + 1))
     if config.runtime.num_threads is None and have > 1:
-        keep = max(1, have - threads)
+        keep = max(1, have - count * threads)
         if keep != have:
             torch.set_num_threads(keep)
-            print(f"rollout.placement separate: the generation process takes {threads} CPU thread(s), training "
+            takes = "the generation process takes" if count == 1 else f"each of the {count} generation processes takes"
+            print(f"rollout.placement separate: {takes} {threads} CPU thread(s), training "
                   f"keeps {keep} (set runtime.num_threads and rollout.generation_threads to choose)",
                   file=sys.stderr, flush=True)
     return threads
@@ -120,10 +140,10 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
     dtype, `rollout.attention_backend` or `ASTR_BACKEND`, `rollout.cuda_graphs`, a `rollout.tensor_parallel_size`
     the model's heads cannot split over), without building the engine.
     With `rollout.placement: separate` the engine is checked on the generation process's device
-    (`generation_device`, which must exist). Raises what they raise."""
+    (`generation_devices`, which must exist). Raises what they raise."""
     r = config.rollout
     if getattr(r, "placement", "colocated") == "separate":
-        device = generation_device(config, device)
+        device = generation_devices(config, device)[0]
     options = _engine_options(config)
     if _check_tensor_parallel(r) > 1:
         options["tensor_parallel_size"] = r.tensor_parallel_size

@@ -10,7 +10,7 @@ importance ratio is 1. The engine is `astrai.rollout.paged_engine.PagedGeneratio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Union
+from typing import Iterable, Mapping, Sequence, Union
 
 import torch
 
@@ -42,6 +42,41 @@ class Generation:
     def sequences(self) -> Sequences:
         """The prompts and responses as model inputs (`Sequences`, the rollout layout)."""
         return Sequences.from_padded(self.prompt_ids, self.prompt_mask, self.response_ids, self.action_mask)
+
+
+def concat_generations(parts: Sequence[Generation], pad_token_id: int) -> Generation:
+    """The rows of `parts` in order as one `Generation` (the shares of a call split over several generation
+    processes, `astrai.rollout.remote.GenerationPool`): prompts left-padded and responses right-padded to the widest
+    part with `pad_token_id` (masks False, `old_logprobs` 0 there), on the first part's device.
+
+    Raises:
+        ValueError: no parts, or parts sampled by different `policy_version`s.
+    """
+    if not parts:
+        raise ValueError("concat_generations: expected at least one part")
+    versions = {part.policy_version for part in parts}
+    if len(versions) > 1:
+        raise ValueError(f"concat_generations: the parts were sampled by policy versions {sorted(versions)}; "
+                         "expected one")
+    device = parts[0].prompt_ids.device
+    width = max(part.prompt_ids.shape[1] for part in parts)
+    length = max(part.response_ids.shape[1] for part in parts)
+
+    def cat(name: str, size: int, value, left: bool) -> torch.Tensor:
+        padded = []
+        for part in parts:
+            tensor = getattr(part, name).to(device)
+            missing = size - tensor.shape[1]
+            padded.append(torch.nn.functional.pad(tensor, (missing, 0) if left else (0, missing), value=value))
+        return torch.cat(padded)
+
+    return Generation(prompt_ids=cat("prompt_ids", width, pad_token_id, True),
+                      prompt_mask=cat("prompt_mask", width, False, True),
+                      response_ids=cat("response_ids", length, pad_token_id, False),
+                      action_mask=cat("action_mask", length, False, False),
+                      old_logprobs=cat("old_logprobs", length, 0.0, False),
+                      finished=torch.cat([part.finished.to(device) for part in parts]),
+                      policy_version=versions.pop())
 
 
 @torch.no_grad()

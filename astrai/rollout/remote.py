@@ -33,6 +33,7 @@ which stops gracefully, closes it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -49,10 +50,10 @@ import torch
 import torch.distributed as c10d
 
 from astrai.rollout.engine import EngineCapacity
-from astrai.rollout.generation import Generation
+from astrai.rollout.generation import Generation, concat_generations
 from astrai.rollout.sampling import SamplingParams
 
-__all__ = ["GenerationProcessDied", "RemoteEngine", "RemoteEngineError"]
+__all__ = ["GenerationPool", "GenerationProcessDied", "RemoteEngine", "RemoteEngineError"]
 
 _POLL_SECONDS = 0.2
 """How often a wait for the generation process checks that it is still alive."""
@@ -234,29 +235,46 @@ class RemoteEngine:
             KeyError / ValueError: the engine refused a tensor (its name or shape; the generation process still
                 took every broadcast, and holds no version: -1). RemoteEngineError: as `result`.
         """
+        return _stream_weights([self], state_dict, policy_version)[0]
+
+    def _begin_load(self, policy_version: int) -> int:
+        """The first message of a weight load (`_stream_weights`): generations in flight are waited for first (the
+        generation process takes no broadcast before it ends) and kept for their `result`; the version is -1 until
+        the load is acknowledged. Returns the load's sequence number."""
         for pending in [p for p in self._pending if p.what == "a generation"]:
             generator = pending.generator
             self._done[pending.seq] = (self._expect("a generation", until=pending.seq), generator)
         self.policy_version = -1
-        seq = self._post(("load", int(policy_version)), "the weight load")
-        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
-        options = c10d.BroadcastOptions()
-        options.rootRank = 0
-        try:
-            for name, tensor in items:
-                data = tensor.detach().to("cpu").contiguous()
-                self._conn.send(("tensor", name, tuple(data.shape), str(data.dtype).removeprefix("torch.")))
-                if data.numel():
-                    self._wait(self._group.broadcast([data.reshape(-1).view(torch.uint8)], options))
+        return self._post(("load", int(policy_version)), "the weight load")
+
+    def _send_tensor(self, name: str, data: torch.Tensor):
+        """Announce one tensor of a weight load and start its broadcast (`data`: contiguous, on the CPU); returns
+        the broadcast's work (None for an empty tensor), waited for with `_wait`."""
+        with self._dying("the weight load"):
+            self._conn.send(("tensor", name, tuple(data.shape), str(data.dtype).removeprefix("torch.")))
+            if not data.numel():
+                return None
+            options = c10d.BroadcastOptions()
+            options.rootRank = 0
+            return self._group.broadcast([data.reshape(-1).view(torch.uint8)], options)
+
+    def _end_load(self) -> None:
+        """Say that the weight load's tensors are all sent."""
+        with self._dying("the weight load"):
             self._conn.send(("end",))
-        except (OSError, RuntimeError):  # the pipe or the weight group broke: say so if the process is gone
-            self.process.join(5)  # its sockets close before it has an exit code: a kill -9 is seen here first
+
+    @contextlib.contextmanager
+    def _dying(self, what: str):
+        """Raise `GenerationProcessDied` in place of the pipe's or the weight group's error when the generation
+        process is gone (a kill -9 is seen by its sockets, which close before it has an exit code)."""
+        try:
+            yield
+        except (OSError, RuntimeError):
+            self.process.join(5)
             if not self.process.is_alive():
                 self._abort_weight_group()
-                raise self._died("the weight load") from None
+                raise self._died(what) from None
             raise
-        self.policy_version = int(self._expect("the weight load", until=seq)["policy_version"])
-        return self.policy_version
 
     def _wait(self, work) -> None:
         """Wait for one broadcast, checking that the generation process lives: a peer killed mid-broadcast can
@@ -341,6 +359,224 @@ class RemoteEngine:
         self.process.join(5)
         return GenerationProcessDied(f"the generation process (pid {self.process.pid}) died with exit code "
                                      f"{self.process.exitcode} during {what}", self.process.exitcode)
+
+
+def _stream_weights(engines: Sequence[RemoteEngine], state_dict: Union[Mapping[str, torch.Tensor], Iterable],
+                    policy_version: int) -> list[int]:
+    """Stream `state_dict` to the generation process of each of `engines` at once: every tensor is staged on the
+    CPU once, announced to each and broadcast over each one's weight group concurrently (gloo's work runs in the
+    background: the copies overlap), then the versions they acknowledge, in order. A failure mid-stream (a
+    generation process that died, the stream's own error) is raised once the survivors were told the stream ended
+    (they then hold no version: -1). Raises as `RemoteEngine.load_weights`; with several engines, the first
+    refusal once every engine has answered."""
+    seqs = [engine._begin_load(policy_version) for engine in engines]
+    items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+    try:
+        for name, tensor in items:
+            data = tensor.detach().to("cpu").contiguous()
+            works = [engine._send_tensor(name, data) for engine in engines]
+            for engine, work in zip(engines, works):
+                if work is not None:
+                    with engine._dying("the weight load"):
+                        engine._wait(work)
+        for engine in engines:
+            engine._end_load()
+    except BaseException:
+        for engine, seq in zip(engines, seqs):  # the survivors: end their stream and read their answer
+            if engine.process.is_alive():
+                try:
+                    engine._end_load()
+                    engine._expect("the weight load", until=seq)
+                except Exception:  # noqa: BLE001 - the first failure is the one raised
+                    pass
+        raise
+    acknowledged, error = [], None
+    for engine, seq in zip(engines, seqs):
+        try:
+            engine.policy_version = int(engine._expect("the weight load", until=seq)["policy_version"])
+        except Exception as err:  # noqa: BLE001 - raised once every engine has answered
+            error = error or err
+        acknowledged.append(engine.policy_version)
+    if error is not None:
+        raise error
+    return acknowledged
+
+
+def _shares(count: int, parts: int) -> list[tuple[int, int]]:
+    """`count` rows in `parts` contiguous (start, stop) shares, sizes differing by at most one, the larger first;
+    empty shares left out."""
+    size, extra = divmod(count, parts)
+    bounds = [0]
+    for part in range(parts):
+        bounds.append(bounds[-1] + size + (part < extra))
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+class GenerationPool:
+    """Several generation processes behind one engine (`rollout.generation_processes` > 1): each `generate` call's
+    prompts are split in contiguous shares, one per process (`_shares`), generated at once, and joined in order
+    (`astrai.rollout.generation.concat_generations`); every weight load streams to all of them concurrently
+    (`_stream_weights`). It answers `RemoteEngine`'s methods, so the trainer, the one-step-off source and the
+    in-training evaluation use it unchanged.
+
+    Sampling: share i is sampled with its own generator seeded by the i-th of `len(engines)` int64 seeds drawn from
+    the caller's generator at `submit` (which is then where the draw left it: `result` does not move it). A run is
+    therefore reproducible for a fixed seed and number of processes, but its samples differ from one process's
+    (other random streams), as a different data-parallel layout's would.
+
+    Args:
+        engines: the generation processes (`RemoteEngine`s with the same model and engine settings); the pool owns
+            them (`close` ends them all).
+
+    Attributes:
+        engines: as given. restarts: how many times `restart` ran. last_seconds: the slowest share of the last
+        generation collected with `result` (they run at once). asleep: as `RemoteEngine.asleep`.
+    """
+
+    def __init__(self, engines: Sequence[RemoteEngine]):
+        if not engines:
+            raise ValueError("GenerationPool: expected at least one generation process")
+        self.engines = list(engines)
+        self.restarts = 0
+        self.last_seconds = 0.0
+        self._seq = 0
+        self._requests: dict[int, list[tuple[int, int]]] = {}  # pool request -> [(engine index, its request)]
+
+    @property
+    def policy_version(self) -> int:
+        """The version every generation process acknowledged; -1 when one holds another (or none)."""
+        versions = {engine.policy_version for engine in self.engines}
+        return versions.pop() if len(versions) == 1 else -1
+
+    @property
+    def device(self) -> torch.device:
+        """The first generation process's device (`RemoteEngine.device`)."""
+        return self.engines[0].device
+
+    @property
+    def capacity(self) -> EngineCapacity:
+        """One generation process's engine capacity (each holds the whole model and its own KV memory)."""
+        return self.engines[0].capacity
+
+    @property
+    def pad_token_id(self) -> int:
+        """The engines' padding id."""
+        return self.engines[0].pad_token_id
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the engines have been asked to sleep (and not to wake since)."""
+        return self.engines[0].asleep
+
+    @property
+    def processes(self) -> list:
+        """The generation processes (`multiprocessing.Process`), in share order."""
+        return [engine.process for engine in self.engines]
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Union[SamplingParams, Sequence[SamplingParams]],
+                 generator: Optional[torch.Generator] = None, *, n: int = 1, penalties: Any = None,
+                 on_token: Optional[Callable[[int, int], None]] = None) -> Generation:
+        """`result(submit(...))`; raises as `RemoteEngine.generate`."""
+        if on_token is not None:
+            raise ValueError("generate: on_token is not supported by an engine in another process "
+                             "(rollout.placement separate)")
+        return self.result(self.submit(prompts, params, generator, n=n, penalties=penalties))
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: Union[SamplingParams, Sequence[SamplingParams]],
+               generator: Optional[torch.Generator] = None, *, n: int = 1, penalties: Any = None) -> int:
+        """Send each generation process its share of `prompts` (and of `params` / `penalties` when given per
+        prompt) and return at once; the id is for `result`. `generator` advances here by the shares' seeds."""
+        seeds = [None] * len(self.engines)
+        if generator is not None:
+            seeds = torch.randint(0, 2 ** 63 - 1, (len(self.engines),), generator=generator,
+                                  device=generator.device).tolist()
+        per_prompt = lambda value, a, b: value[a:b] if isinstance(value, (list, tuple)) else value  # noqa: E731
+        sent = []
+        try:
+            for index, (a, b) in enumerate(_shares(len(prompts), len(self.engines))):
+                share_generator = (None if generator is None else
+                                   torch.Generator(device=generator.device).manual_seed(seeds[index]))
+                sent.append((index, self.engines[index].submit(
+                    prompts[a:b], per_prompt(params, a, b), share_generator, n=n,
+                    penalties=per_prompt(penalties, a, b))))
+        except BaseException:
+            self._drop(sent)
+            raise
+        self._seq += 1
+        self._requests[self._seq] = sent
+        return self._seq
+
+    def result(self, request: int) -> Generation:
+        """Wait for every share of `request` (`submit`) and join them in prompt order. Raises as
+        `RemoteEngine.result` (the first share's failure, the other shares dropped)."""
+        sent = self._requests.pop(request, None)
+        if sent is None:
+            raise RemoteEngineError(f"result: no generation {request} in flight (collected already, or failed)")
+        parts = []
+        try:
+            for index, share in sent:
+                parts.append(self.engines[index].result(share))
+        except BaseException:
+            self._drop(sent[len(parts) + 1:])
+            raise
+        self.last_seconds = max(self.engines[index].last_seconds for index, _ in sent)
+        return concat_generations(parts, self.pad_token_id)
+
+    def discard(self, request: int) -> None:
+        """Wait for every share of `request` and drop them (`RemoteEngine.discard`)."""
+        self._drop(self._requests.pop(request, []))
+
+    def _drop(self, sent: Sequence[tuple[int, int]]) -> None:
+        """Discard these shares where their generation process lives (a dead one's are gone with it)."""
+        for index, share in sent:
+            engine = self.engines[index]
+            if engine.process.is_alive():
+                try:
+                    engine.discard(share)
+                except RemoteEngineError:
+                    pass  # it died meanwhile: `restart` replaces it
+
+    def load_weights(self, state_dict: Union[Mapping[str, torch.Tensor], Iterable], policy_version: int) -> int:
+        """Stream `state_dict` to every generation process at once (`_stream_weights`); the version they all
+        acknowledge (-1 when they differ). Raises as `RemoteEngine.load_weights`."""
+        _stream_weights(self.engines, state_dict, policy_version)
+        return self.policy_version
+
+    def sleep(self) -> None:
+        """Ask every engine to release its KV memory (the first death raised after all were asked)."""
+        self._each("sleep")
+
+    def wake(self) -> None:
+        """Ask every engine to take its KV memory back (the first death raised after all were asked)."""
+        self._each("wake")
+
+    def _each(self, method: str) -> None:
+        error = None
+        for engine in self.engines:
+            try:
+                getattr(engine, method)()
+            except RemoteEngineError as err:
+                error = error or err
+        if error is not None:
+            raise error
+
+    def restart(self) -> None:
+        """Start a new generation process in place of each that died (`RemoteEngine.restart`); the pool's requests
+        in flight are forgotten (the survivors' shares waited for and dropped; their `result` raises), and the
+        next weight sync loads every process again."""
+        for sent in self._requests.values():
+            self._drop(sent)
+        self._requests.clear()
+        for engine in self.engines:
+            if not engine.process.is_alive():
+                engine.restart()
+            engine.policy_version = -1  # the next sync streams to all: one load, every process on one version
+        self.restarts += 1
+
+    def close(self) -> None:
+        """End every generation process (`RemoteEngine.close`). Idempotent."""
+        for engine in self.engines:
+            engine.close()
 
 
 def _rebuild(payload: dict, what: str) -> Exception:

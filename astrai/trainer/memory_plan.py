@@ -220,18 +220,20 @@ def plan_memory(config, model_config: ModelConfig, *, strategy: str, world_size:
         tp = getattr(r, "tensor_parallel_size", 1)
         engine_dtype = config.model.dtype if r.dtype is None else r.dtype
         engine_bytes = _DTYPE_BYTES[engine_dtype]
-        where = ", in the generation process" if separate else ""  # on a CPU: counted, in the same memory
+        copies = getattr(r, "generation_processes", 1) if separate else 1  # on a CPU: counted, in the same memory
+        where = "" if not separate else (", in the generation process" if copies == 1 else
+                                         f" x {copies} (one in each generation process)")
         split = (f" / {tp} (tensor parallel)" if tp > 1 else "") + where
-        items.append(MemoryItem("engine weights", params * engine_bytes // tp,
+        items.append(MemoryItem("engine weights", params * engine_bytes // tp * copies,
                                 f"{params / 1e6:.1f}M x {engine_bytes} B{split}"))
         if r.engine == "paged" and tp == 1 and prepack_available(device, getattr(torch, engine_dtype)):
-            items.append(MemoryItem("engine prepacked", params * engine_bytes,
+            items.append(MemoryItem("engine prepacked", params * engine_bytes * copies,
                                     f"{params / 1e6:.1f}M x {engine_bytes} B (oneDNN layout of its GEMM weights, "
                                     f"CPU; astrai.rollout.packed_linear){where}"))
         tokens = r.engine_options.get("max_kv_tokens", DEFAULT_KV_TOKENS) if r.engine == "paged" else None
         if isinstance(tokens, int):
             per_token = kv_bytes_per_token(model_config, engine_bytes, tp)
-            items.append(MemoryItem("engine KV cache", tokens * per_token,
+            items.append(MemoryItem("engine KV cache", tokens * per_token * copies,
                                     f"{tokens} tokens x {per_token / 1024:.1f} KiB (max_kv_tokens){where}"))
     else:
         tp = 1
