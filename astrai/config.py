@@ -426,7 +426,11 @@ class TeacherMap:
                 return (f"route {route!r}: expected a non-empty string (the value of distill.route_field that picks "
                         f"this teacher; quote a number: '{route}')")
             if not isinstance(teacher, str) or not teacher.strip():
-                return f"{route}: expected a model name or path, or a server URL, got {teacher!r}"
+                hint = ""
+                if teacher is None and ":" in route:  # YAML's {a:model} is the key "a:model" with no value
+                    key, _, model = route.partition(":")
+                    hint = f" (YAML needs a space after the colon: {{{key}: {model}}})"
+                return f"{route}: expected a model name or path, or a server URL, got {teacher!r}{hint}"
         return None
 
     def ok(self, value: dict) -> bool:

@@ -173,6 +173,9 @@ BASE = {"train": {"type": "online_grpo"}, "grpo": {"advantage_estimator": "on_po
                                "name it"),
     ({"teachers": {1: "x"}, "route_field": "topic"}, "distill.teachers: route 1: expected a non-empty string"),
     ({"teachers": {"a": ""}, "route_field": "topic"}, "distill.teachers: a: expected a model name or path"),
+    ({"teachers": {"a:model": None}, "route_field": "topic"},
+     "distill.teachers: a:model: expected a model name or path, or a server URL, got None (YAML needs a space after "
+     "the colon: {a: model})"),
 ])
 def test_config_refuses_both_teacher_fields_and_malformed_routes_in_one_line(distill, message):
     with pytest.raises(ConfigError) as info:
