@@ -318,7 +318,8 @@ class RolloutSection(Section, name="rollout"):
               "the N generation processes (N = rollout.generation_processes)", GT0)
     generation_restarts: Optional[int] = field_spec(
         None, "rollout.placement separate: how many times a generation process that dies (killed, out of memory) "
-              "is started again, its lost batch generated again, before a death stops the job; null = 2 where the "
+              "is started again, its lost batch generated again, before a death stops the job (counted over a "
+              "rank's rollout.generation_processes together); null = 2 where the "
               "trained weights are whole on every rank (ddp, zero1, zero2), 0 under fsdp2 / zero3 (a restart's "
               "weight sync would need every rank), where a value > 0 is refused", GE0)
     tools: list[ToolEntry] = field_spec(
@@ -710,6 +711,11 @@ class Config:
             if on:
                 raise ConfigError(f"rollout.placement: separate is not supported yet with {name}; set "
                                   "rollout.placement colocated")
+        samples = r.batch_size * (spec.group_size(self) or 1)
+        if r.generation_processes > samples:
+            raise ConfigError(f"rollout.generation_processes: {r.generation_processes} generation processes share "
+                              f"each rollout's {r.batch_size} x {spec.group_size(self) or 1} = {samples} samples per "
+                              f"training rank, so some would never generate; expected at most {samples}")
         if r.generation_restarts and self.distributed.strategy in ("fsdp2", "zero3"):
             raise ConfigError(f"rollout.generation_restarts: {r.generation_restarts} needs the trained weights whole "
                               f"on every rank (a restarted generation process is synced by its rank alone), and "

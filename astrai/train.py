@@ -199,13 +199,23 @@ def _check(config) -> int:
     return 0
 
 
+def _where_to_resume(config) -> str:
+    """Where a job that stopped on a fault resumes: its newest complete checkpoint, or none written yet."""
+    from astrai.checkpoint.layout import find_latest_checkpoint
+
+    latest = find_latest_checkpoint(config.train.output_dir)
+    if latest is None:
+        return "no checkpoint was written yet (checkpoint.save_steps), so a rerun starts over"
+    return f"resume from {latest} (checkpoint.resume auto)"
+
+
 def _run(config) -> int:
     """Build and fit the trainer for a loaded `Config`; returns the exit code (`astrai.trainer.faults`: 0 done,
     2 refused, 75 stopped by a signal after publishing a checkpoint, 124 a rank stopped answering)."""
     from astrai.distributed.context import end_process_group
     from astrai.trainer.build import build_trainer
     from astrai.outputs import OutputWriteError
-    from astrai.trainer.faults import EXIT_PREEMPTED, JobFault, StopSignals
+    from astrai.trainer.faults import EXIT_PREEMPTED, GenerationProcessFault, JobFault, StopSignals
 
     start = time.perf_counter()
     rank = int(os.environ.get("RANK", "0"))
@@ -220,6 +230,8 @@ def _run(config) -> int:
         _error(err, said=rank == 0 or not _agreed(err), agreed=_agreed(err))
         return EXIT_BAD_INPUT
     except (JobFault, OutputWriteError) as err:  # OutputWriteError: a file the job writes cannot be written
+        if isinstance(err, GenerationProcessFault):
+            err = GenerationProcessFault(f"{err}: {_where_to_resume(config)}")
         _error(err, said=rank == 0 or not getattr(err, "every_rank", True), agreed=err.agreed)
         return err.exit_code
     except RuntimeError as err:

@@ -636,12 +636,12 @@ def test_a_generation_process_killed_mid_run_stops_the_job_in_one_line(model_dir
     (trainer.faults.GenerationProcessFault, exit code 1) and leaves no process."""
     from astrai.train import main
 
-    collected = []
+    collected, kill_at = [], [2]
     real_result = RemoteEngine.result
 
     def result(self, request):
         collected.append(request)
-        if len(collected) == 2:  # the batch sent ahead during step 1, collected by step 2
+        if len(collected) == kill_at[0]:  # 2: the batch sent ahead during step 1, collected by step 2
             os.kill(self.process.pid, signal.SIGKILL)
         return real_result(self, request)
 
@@ -656,7 +656,21 @@ def test_a_generation_process_killed_mid_run_stops_the_job_in_one_line(model_dir
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err, err
     assert re.search(r"error: the generation process \(pid \d+\) died with exit code -9 during a generation; "
-                     r"rollout.generation_restarts is 0: resume from the last checkpoint", err)
+                     r"rollout.generation_restarts is 0: no checkpoint was written yet \(checkpoint.save_steps\), so a "
+                     r"rerun starts over", err)
+    # again, with a checkpoint after each step (each collects the batch ahead first), killed while step 2's is
+    # written: the line names step 1's to resume from
+    collected.clear()
+    kill_at[0] = 3
+    code = main(["--config", GRPO, "--model.path", str(model_dir), "--train.output_dir", str(tmp_path / "saved"),
+                 "--max_steps", "3", "--rollout.max_new_tokens", "8", "--train.progress_bar", "false",
+                 "--data.truncation", "left", "--runtime.num_threads", "1", "--grpo.group_size", "2",
+                 "--rollout.batch_size", "2", "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2",
+                 "--reward.functions", json.dumps([{"function": "length", "path": str(tmp_path / "length.py")}]),
+                 "--rollout.generation_restarts", "0", "--checkpoint.save_steps", "1", *ONE_STEP_OFF])
+    err = capsys.readouterr().err
+    step = tmp_path / "saved/checkpoints/step-00000001"
+    assert code == 1 and f"rollout.generation_restarts is 0: resume from {step} (checkpoint.resume auto)" in err, err
 
 
 def test_an_engine_setting_the_generation_process_cannot_honour_is_bad_input_as_colocated(model_dir, tmp_path,
@@ -686,6 +700,34 @@ def test_check_refuses_a_generation_device_that_is_not_there(model_dir, tmp_path
                  "--rollout.generation_device", "cuda:7"])
     err = capsys.readouterr().err
     assert code == 2 and "rollout.generation_device: cuda:7 does not exist" in err and "Traceback" not in err
+
+
+def test_more_generation_processes_than_cpus_or_samples_is_one_line_before_any_starts(model_dir, tmp_path, capsys):
+    """A trial gave rollout.generation_processes 64 on 2 cores: --check passed and the run started 64 processes one
+    after another (250 MB each) until memory ran short. Now refused, in --check and the run, in one line (exit 2);
+    so are more processes than a rollout's samples (some would never generate)."""
+    from astrai.runtime_env import usable_cpus
+    from astrai.train import main
+
+    cpus = usable_cpus()
+    base = ["--config", GRPO, "--model.path", str(model_dir), "--train.output_dir", str(tmp_path / "out"),
+            "--data.truncation", "left", "--rollout.placement", "separate", "--max_steps", "1",
+            "--rollout.batch_size", "64", "--train.progress_bar", "false"]
+    for check in (["--check"], []):
+        code = main(check + base + ["--rollout.generation_processes", str(cpus + 1)])
+        err = capsys.readouterr().err
+        assert code == 2 and (f"rollout.generation_processes: {cpus + 1} generation processes x 1 thread(s) need "
+                              f"{cpus + 1} CPUs, but this process may use {cpus}") in err, err
+        assert "Traceback" not in err and not (tmp_path / "out/checkpoints").exists()
+    code = main(["--check"] + base + ["--rollout.batch_size", "1", "--grpo.group_size", "2", "--grpo.minibatch_size",
+                                      "2", "--grpo.micro_batch_size", "2", "--rollout.generation_processes", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "rollout.generation_processes: 3 generation processes share each rollout's 1 x 2 = 2 " \
+                         "samples per training rank, so some would never generate; expected at most 2" in err, err
+    if cpus >= 2:
+        code = main(["--check"] + base + ["--rollout.generation_processes", "2", "--rollout.generation_threads", "1"])
+        out = capsys.readouterr().out
+        assert code == 0 and "rollouts in 2 generation process(es) per rank" in out
 
 
 def kill_at_second_generation(monkeypatch, method: str):
@@ -719,8 +761,9 @@ def test_a_killed_synchronous_generation_process_is_restarted_and_the_run_is_unc
                 "--rollout.generation_processes", str(processes)]
     straight = run_job(model_dir, tmp_path / "straight", 3, separate)
     kill_at_second_generation(monkeypatch, method)
-    with pytest.warns(UserWarning, match=rf"died with exit code -9 during {during}; started a new one \(restart 1 "
-                                         r"of 2, rollout.generation_restarts\)"):
+    who = "the generation process" if processes == 1 else "generation process 2 of 2"
+    with pytest.warns(UserWarning, match=rf"{who} \(pid \d+\) died with exit code -9 during {during}; started a "
+                                         r"new one \(restart 1 of 2, rollout.generation_restarts\)"):
         killed = run_job(model_dir, tmp_path / "killed", 3, separate)
     same_run(straight, killed, tmp_path / "straight", tmp_path / "killed", 3)
 

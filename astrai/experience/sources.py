@@ -203,7 +203,7 @@ class OnlineExperience:
         if engine.restarts >= self.generation_restarts:
             spent = (f"the {self.generation_restarts} restart(s) of rollout.generation_restarts are spent"
                      if self.generation_restarts else "rollout.generation_restarts is 0")
-            raise GenerationProcessDied(f"{err}; {spent}: resume from the last checkpoint", err.exit_code) from None
+            raise GenerationProcessDied(f"{err}; {spent}", err.exit_code) from None
         warnings.warn(f"{err}; started a new one (restart {engine.restarts + 1} of {self.generation_restarts}, "
                       "rollout.generation_restarts), which generates the lost batch again", stacklevel=3)
         engine.restart()

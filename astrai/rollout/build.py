@@ -16,9 +16,10 @@ import torch
 
 from astrai.kernels import BackendUnavailableError
 from astrai.rollout.engine import ATTENTION_BACKEND_ENV, GenerationEngine, attention_backend, build_engine, check_engine
-from astrai.runtime_env import checked_threads
+from astrai.runtime_env import checked_threads, usable_cpus
 
-__all__ = ["build_job_engine", "build_rollout_engine", "check_rollout_engine", "generation_devices",
+__all__ = ["build_job_engine", "build_rollout_engine", "check_generation_cpus", "check_rollout_engine",
+           "generation_devices",
            "generation_threads"]
 
 
@@ -66,14 +67,16 @@ def build_job_engine(config, policy: torch.nn.Module, tokenizer, *, device: torc
     from astrai.rollout.remote import GenerationPool, RemoteEngine
 
     places = generation_devices(config, device, local_rank, local_world_size)
+    check_generation_cpus(config, places[0])
     threads = generation_threads(config, places[0]) if places[0].type == "cpu" else None
     build = functools.partial(_generation_engine, config, tokenizer.pad_token_id)
     engines = []
     try:
-        for where in places:
+        for i, where in enumerate(places):
+            name = "the generation process" if len(places) == 1 else f"generation process {i + 1} of {len(places)}"
             engines.append(RemoteEngine(type(policy), policy.config, build, device=where, threads=threads,
                                         timeout_seconds=config.distributed.timeout_seconds,
-                                        deterministic=config.runtime.deterministic))
+                                        deterministic=config.runtime.deterministic, name=name))
     except BaseException:
         for engine in engines:
             engine.close()
@@ -101,6 +104,21 @@ def generation_devices(config, device: torch.device, local_rank: int = 0,
         raise ValueError(f"rollout.generation_device: {wanted} does not exist ({have} CUDA device(s) here); a "
                          "separate placement needs a device of its own per generation process, or set it to cpu")
     return places
+
+
+def check_generation_cpus(config, device: torch.device) -> None:
+    """Refuse more CPU generation processes than CPUs (`rollout.generation_processes` x `rollout.generation_threads`,
+    at least one thread each, on a CPU `device`): OpenMP threads beyond the cores wait on each other at every
+    barrier, and each process holds an engine copy and an interpreter of its own. Raises ValueError (one line)."""
+    count = config.rollout.generation_processes
+    if device.type != "cpu" or count == 1:
+        return  # one process: its threads are checked by generation_threads (checked_threads)
+    each = config.rollout.generation_threads or 1
+    cpus = usable_cpus()
+    if count * each > cpus:
+        raise ValueError(f"rollout.generation_processes: {count} generation processes x {each} thread(s) need "
+                         f"{count * each} CPUs, but this process may use {cpus}; expected at most "
+                         f"{max(1, cpus // each)} (or put them on GPUs with rollout.generation_device)")
 
 
 def generation_threads(config, device: torch.device) -> Optional[int]:
@@ -144,6 +162,7 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
     r = config.rollout
     if getattr(r, "placement", "colocated") == "separate":
         device = generation_devices(config, device)[0]
+        check_generation_cpus(config, device)
     options = _engine_options(config)
     if _check_tensor_parallel(r) > 1:
         options["tensor_parallel_size"] = r.tensor_parallel_size

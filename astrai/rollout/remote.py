@@ -96,6 +96,7 @@ class RemoteEngine:
         threads: torch intra-op threads of the generation process (None: torch's default).
         timeout_seconds: the weight group's timeout for one broadcast, and for the process to start.
         deterministic: `torch.use_deterministic_algorithms(True)` in the generation process (`runtime.deterministic`).
+        name: what its error lines call it ("generation process 2 of 3" in a `GenerationPool`).
 
     Attributes:
         policy_version: the version of the weights the generation process acknowledged; -1 until the first load.
@@ -111,8 +112,10 @@ class RemoteEngine:
 
     def __init__(self, model_class: type, model_config: Any, build: Callable[[torch.nn.Module], Any], *,
                  device: Union[str, torch.device] = "cpu", threads: Optional[int] = None,
-                 timeout_seconds: float = 600.0, deterministic: bool = False):
+                 timeout_seconds: float = 600.0, deterministic: bool = False,
+                 name: str = "the generation process"):
         self._args = (model_class, model_config, build, str(device), threads, timeout_seconds, deterministic)
+        self.name = name
         self.restarts = 0
         self._seq = 0  # message numbers, never reused (not across a restart either: a lost request stays unknown)
         self._start()
@@ -357,7 +360,7 @@ class RemoteEngine:
     def _died(self, what: str) -> GenerationProcessDied:
         """The one line saying the generation process is gone (its exit code, once it has one)."""
         self.process.join(5)
-        return GenerationProcessDied(f"the generation process (pid {self.process.pid}) died with exit code "
+        return GenerationProcessDied(f"{self.name} (pid {self.process.pid}) died with exit code "
                                      f"{self.process.exitcode} during {what}", self.process.exitcode)
 
 

@@ -397,8 +397,14 @@ def check_job(config: Config, *, world_size: int) -> str:
     start = f"resumes {resume_from}" if resume_from is not None else "starts fresh"
     counted = (f"packed rows of up to {config.data.max_length} tokens (data.packing)"
                if spec.packs and config.data.packing else "training examples")
+    generating = ""
+    if spec.online and config.rollout.placement == "separate":
+        count = config.rollout.generation_processes
+        generating = (f", rollouts in {count} generation process(es) per rank"
+                      f"{' one step off' if config.rollout.max_off_policy_steps else ''}")
     return (f"check passed: {config.train.type} on {world_size} process(es) with {plan.strategy} "
-            f"({plan.mixed_precision} mixed precision); model {config.model.path} ({params / 1e6:.1f}M parameters)"
+            f"({plan.mixed_precision} mixed precision){generating}; model {config.model.path} "
+            f"({params / 1e6:.1f}M parameters)"
             f"{lora_summary(config, policy)}; {len(data)} {counted} from {data_source(config)}; {start} in "
             f"{output_dir}\n{memory.table()}" + (f"\n{memory_note}" if memory_note else ""))
 
