@@ -1,18 +1,21 @@
 """The learning curve at equal samples: synchronous, partial-rollout and one-step-off GRPO on the arithmetic recipe.
 
     python bench/async_learning.py [--steps 140] [--eval-steps 35] [--threads 1] [--parallel] [--seed 42]
-                                   [--modes sync,partial,one_step_off] [--output-dir DIR] [--model PATH]
+                                   [--groups-per-rollout 4] [--modes sync,partial,one_step_off] [--output-dir DIR]
+                                   [--model PATH]
 
 Runs `python -m astrai.train` on `configs/examples/grpo_arithmetic.yaml` (SmolLM2-135M-Instruct learning two-digit
 addition and subtraction, greedy held-out accuracy on the 200 questions of `builtin:arithmetic_test` every
-`--eval-steps` optimizer steps) in each mode, with the same seed and the same samples per optimizer step (B 4 x G 8
-per rollout, minibatches of 8: four optimizer steps per rollout), so that equal steps are equal samples:
+`--eval-steps` optimizer steps) in each mode, with the same seed and the same samples per optimizer step (B groups
+of G 8 per rollout, B = `--groups-per-rollout`, 4 as in the recipe; minibatches of 8: B optimizer steps per
+rollout), so that equal steps are equal samples:
 
 - sync: the colocated synchronous rollout (the default);
-- partial: `rollout.partial` with 8 groups in flight, the unfinished ones carried into the next rollout (staleness
-  bound `max_off_policy_steps` 8: two rollouts);
-- one_step_off: `rollout.placement separate` with `max_off_policy_steps` 4: rollout k + 1 sampled in a generation
-  process while rollout k trains (every token after the first rollout lags four optimizer steps).
+- partial: `rollout.partial` with 2B groups in flight, the unfinished ones carried into the next rollout (staleness
+  bound `max_off_policy_steps` 2B: two rollouts);
+- one_step_off: `rollout.placement separate` with `max_off_policy_steps` B: rollout k + 1 sampled in a generation
+  process while rollout k trains (every token after the first rollout lags B optimizer steps: one with
+  `--groups-per-rollout 1`, the lag of the peers' one-step-off with one optimizer step per rollout).
 
 Every mode uses `rollout.correction token_tis` (so that only the staleness differs; with no lag the correction only
 sees the kernels' rounding) and drops the recipe's dynamic sampling (which neither asynchronous mode supports yet).
@@ -34,13 +37,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {
-    "sync": [],
-    "partial": ["--rollout.partial", "true", "--rollout.generation_batch_size", "8",
-                "--rollout.max_off_policy_steps", "8"],
-    "one_step_off": ["--rollout.placement", "separate", "--rollout.max_off_policy_steps", "4"],
-}
-"""Each mode's settings on top of the common ones (`command`)."""
+MODES = ("sync", "partial", "one_step_off")
+
+
+def mode_settings(mode: str, groups: int) -> list[str]:
+    """The settings of `mode` on top of the common ones (`command`), with `groups` groups per rollout (each one
+    optimizer step of 8 samples)."""
+    return {"sync": [],
+            "partial": ["--rollout.partial", "true", "--rollout.generation_batch_size", str(2 * groups),
+                        "--rollout.max_off_policy_steps", str(2 * groups)],
+            "one_step_off": ["--rollout.placement", "separate", "--rollout.max_off_policy_steps", str(groups)],
+            }[mode]
 
 
 def command(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
@@ -53,7 +60,9 @@ def command(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
             str(args.eval_steps), "--train.progress_bar", "false", "--train.report_to", "none",
             "--checkpoint.save_at_end", "false", "--rollout.dynamic_sampling", "false",
             "--rollout.generation_batch_size", "null", "--rollout.correction", "token_tis",
-            "--train.seed", str(args.seed), *(["--model.path", args.model] if args.model else []), *threads, *MODES[mode]]
+            "--rollout.batch_size", str(args.groups_per_rollout), "--train.seed", str(args.seed),
+            *(["--model.path", args.model] if args.model else []), *threads,
+            *mode_settings(mode, args.groups_per_rollout)]
 
 
 def curve(out: Path) -> list[dict]:
@@ -104,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--parallel", action="store_true", help="run the modes at once (accuracy only)")
     parser.add_argument("--seed", type=int, default=42, help="train.seed of every run (the recipe's: 42)")
+    parser.add_argument("--groups-per-rollout", type=int, default=4,
+                        help="rollout.batch_size B: B optimizer steps per rollout, the lag of one step off")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
     parser.add_argument("--output-dir", default=None, help="keep the runs here (default: a temporary directory)")
     parser.add_argument("--model", default=None, help="model.path (default: the recipe's, SmolLM2-135M-Instruct)")
@@ -112,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or not args.modes:
         parser.error(f"--modes: expected some of {', '.join(MODES)}, got {unknown or 'none'}")
-    for name in ("steps", "eval_steps", "threads"):
+    for name in ("steps", "eval_steps", "threads", "groups_per_rollout"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1")
     if args.eval_steps > args.steps:
@@ -125,7 +136,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.output_dir) if args.output_dir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        print(f"async learning bench: {args.steps} steps x 8 samples, evaluated every {args.eval_steps}, "
+        print(f"async learning bench: {args.steps} steps x 8 samples, {args.groups_per_rollout} per rollout, "
+              f"evaluated every {args.eval_steps}, "
               f"{args.threads} thread(s) per process, {'at once' if args.parallel else 'one after another'}, "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}", flush=True)
         procs, started = {}, {}
