@@ -19,6 +19,9 @@ first sync loads the policy's) and the engine factory the caller gives (`rollout
 A generation is exact: the caller's sampling RNG state goes with the request and comes back advanced, so a rollout
 generated in the generation process equals the colocated engine's on the same weights, RNG and threads.
 
+`GenerationPool` puts several generation processes behind one engine (`rollout.generation_processes`): each call's
+prompts split in contiguous shares generated at once, every weight load streamed to all of them concurrently.
+
 Failures: an error of the engine is raised in the training rank in one line: bad input (prompts or settings it
 refuses, a backend the machine lacks) as ValueError, non-finite logits as FloatingPointError, anything else as
 `RemoteEngineError` with the generation process's traceback printed once; a generation process that dies is a
