@@ -2,7 +2,7 @@
 
     python bench/partial_rollouts.py [--threads 1] [--batch-size 4] [--group-size 4] [--in-flight 8]
                                      [--max-new-tokens 256] [--stop-ids 3] [--rollouts 6] [--hidden 256]
-                                     [--episodes] [--max-turns 3]
+                                     [--episodes] [--max-turns 3] [--plot PATH]
 
 A random-weight decoder (astrai's `tiny_config` at `--hidden` width, 4 layers, vocabulary 512, float32) on the paged
 engine (torch backend). Random weights give near-flat logits, so with `--stop-ids` k stop tokens each token ends its
@@ -25,7 +25,10 @@ between turns).
 Prints per mode, over `--rollouts` rollouts after one warm-up rollout: seconds per rollout, decode steps per rollout,
 mean rows per decode step (the batch-size profile: generated tokens / steps), generated tokens per second, and the
 ratio `sync s/rollout / partial s/rollout`. Generation only: the training step and the staleness it costs are not
-part of it (docs/async.md).
+part of it (docs/async.md). With `--plot PATH` (single answers only), one more untimed pass of `--rollouts` rollouts
+per mode through the engine's streaming API records the rows of every decode step and draws them against the decode
+step (the batch-size profile: the tail of a synchronous rollout, a few rows decoding alone, against the partial
+rollouts' refilled batch) to PATH (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -55,12 +58,14 @@ class CountingEngine:
     """The engine with its streamed steps and their rows counted (everything else passed through)."""
 
     def __init__(self, engine):
-        self.engine, self.steps, self.tokens = engine, 0, 0
+        self.engine, self.steps, self.tokens, self.rows = engine, 0, 0, []
 
     def step(self):
         out = self.engine.step()
-        self.steps += bool(out)
-        self.tokens += len(out)
+        if out:
+            self.steps += 1
+            self.tokens += len(out)
+            self.rows.append(len(out))
         return out
 
     def __getattr__(self, name):
@@ -80,7 +85,52 @@ def synchronous(engine, params, args, generator) -> tuple[float, int, int]:
     return time.perf_counter() - start, engine.last_stats["steps"], int(out.action_mask.sum())
 
 
-def partial_rollout(engine, params, args, generator, source, version) -> tuple[float, int, int]:
+def streamed_synchronous(engine, params, args, generator) -> list[int]:
+    """One synchronous rollout (the requests of `synchronous`) through the streaming API: the rows of each decode
+    step, to the longest response."""
+    counted = CountingEngine(engine)
+    engine.wake()
+    for record in prompts(generator, args.batch_size):
+        engine.add_request(record.prompt_ids, params, n=args.group_size,
+                           seed=int(torch.randint(0, 2 ** 62, (1,), generator=generator)))
+    while engine.has_unfinished_requests:
+        counted.step()
+    engine.sleep()
+    return counted.rows
+
+
+def plot_profile(profiles: dict[str, list[list[int]]], args, path: Path) -> None:
+    """Rows per decode step against the decode step, one panel per mode, rollouts one after another (a dotted
+    line where each begins), to `path` (PNG)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("(no plot: matplotlib is not installed; pip install 'astrai[plot]')")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(profiles), 1, figsize=(8, 2.4 * len(profiles)), sharex=True, sharey=True)
+    for ax, (mode, rollouts) in zip(axes, profiles.items()):
+        start = 0
+        for rows in rollouts:
+            ax.step(range(start, start + len(rows)), rows, where="post", color="C0" if mode == "sync" else "C1")
+            ax.axvline(start, color="gray", linestyle=":", linewidth=0.8)
+            start += len(rows)
+        steps = sum(map(len, rollouts))
+        mean = sum(map(sum, rollouts)) / steps
+        ax.set_title(f"{mode}: {steps} decode steps, {mean:.1f} rows per step on average", fontsize=10)
+        ax.set_ylabel("rows")
+    axes[-1].set_xlabel(f"decode step ({len(next(iter(profiles.values())))} rollouts of B {args.batch_size} x G "
+                        f"{args.group_size}, one after another)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+def partial_rollout(engine, params, args, generator, source, version, rows: list | None = None
+                    ) -> tuple[float, int, int]:
+    """One partial rollout: seconds, decode steps, sampled tokens; each decode step's rows appended to `rows`."""
     counted = CountingEngine(engine)
     runner = SimpleNamespace(engine=counted, sampling=params, decode=lambda ids: "", generate_agreed=lambda f: f(),
                              score_fn=lambda texts, records, ids: torch.zeros(len(ids)),
@@ -91,6 +141,8 @@ def partial_rollout(engine, params, args, generator, source, version) -> tuple[f
     source.collect(runner, sampler, generator, version)
     seconds = time.perf_counter() - start
     engine.sleep()
+    if rows is not None:
+        rows.extend(counted.rows)
     return seconds, counted.steps, counted.tokens
 
 
@@ -159,7 +211,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--episodes", action="store_true", help="multi-turn episodes (a step environment)")
     parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--plot", default=None, help="draw the batch-size profile of each mode to this PNG")
     args = parser.parse_args()
+    if args.plot and args.episodes:
+        parser.error("--plot: the batch-size profile is drawn for single answers only; drop --episodes")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     vocab = 283 if args.episodes else VOCAB  # episodes: the tiny tokenizer's vocabulary (its ids decode)
@@ -196,10 +251,26 @@ def main() -> None:
         steps = statistics.mean(n for _, n, _ in runs)
         tokens = sum(t for _, _, t in runs)
         results[mode] = seconds
-        print(f"{mode:8s} {seconds:7.2f} s/rollout  {steps:6.1f} decode steps/rollout  "
-              f"{tokens / sum(n for _, n, _ in runs):5.1f} rows/step  {tokens / sum(s for s, _, _ in runs):7.1f} "
-              f"tokens/s")
+        # every measured rollout may find its groups complete already (carried ones): no decode step at all
+        rows = tokens / max(1, sum(n for _, n, _ in runs))
+        print(f"{mode:8s} {seconds:7.2f} s/rollout  {steps:6.1f} decode steps/rollout  {rows:5.1f} rows/step  "
+              f"{tokens / sum(s for s, _, _ in runs):7.1f} tokens/s")
     print(f"ratio: {results['sync'] / results['partial']:.2f} (sync s/rollout / partial s/rollout)")
+    if args.plot:  # untimed: the streaming API's decode steps, rollout by rollout
+        profiles = {}
+        for mode in ("sync", "partial"):
+            generator = torch.Generator().manual_seed(1)
+            source = PartialRollouts(batch_size=args.batch_size, group_size=args.group_size,
+                                     in_flight=args.in_flight, max_off_policy_steps=10**6)
+            rollouts = []
+            for r in range(args.rollouts + 1):
+                if mode == "sync":
+                    rollouts.append(streamed_synchronous(engine, params, args, generator))
+                else:
+                    rollouts.append([])
+                    partial_rollout(engine, params, args, generator, source, r, rollouts[-1])
+            profiles[mode] = rollouts[1:]
+        plot_profile(profiles, args, Path(args.plot))
 
 
 if __name__ == "__main__":
