@@ -711,10 +711,11 @@ class Config:
             if on:
                 raise ConfigError(f"rollout.placement: separate is not supported yet with {name}; set "
                                   "rollout.placement colocated")
-        samples = r.batch_size * (spec.group_size(self) or 1)
+        group = spec.group_size(self) or 1
+        samples = r.batch_size * group
         if r.generation_processes > samples:
             raise ConfigError(f"rollout.generation_processes: {r.generation_processes} generation processes share "
-                              f"each rollout's {r.batch_size} x {spec.group_size(self) or 1} = {samples} samples per "
+                              f"each rollout's {r.batch_size} x {group} = {samples} samples per "
                               f"training rank, so some would never generate; expected at most {samples}")
         if r.generation_restarts and self.distributed.strategy in ("fsdp2", "zero3"):
             raise ConfigError(f"rollout.generation_restarts: {r.generation_restarts} needs the trained weights whole "

@@ -232,10 +232,10 @@ def main() -> None:
           + (f"; episodes of up to {args.max_turns} turns" if args.episodes else ""))
     results = {}
     folder = Path(tempfile.mkdtemp(prefix="astrai-bench-"))
+    settings = dict(batch_size=args.batch_size, group_size=args.group_size, in_flight=args.in_flight,
+                    max_off_policy_steps=10**6)
     for mode in ("sync", "partial"):
         generator = torch.Generator().manual_seed(1)
-        settings = dict(batch_size=args.batch_size, group_size=args.group_size, in_flight=args.in_flight,
-                        max_off_policy_steps=10**6)
         runner = episode_runner(engine, params, args, folder) if args.episodes else None
         source = PartialEpisodes(runner, **settings) if args.episodes else PartialRollouts(**settings)
         runs = []
@@ -260,8 +260,7 @@ def main() -> None:
         profiles = {}
         for mode in ("sync", "partial"):
             generator = torch.Generator().manual_seed(1)
-            source = PartialRollouts(batch_size=args.batch_size, group_size=args.group_size,
-                                     in_flight=args.in_flight, max_off_policy_steps=10**6)
+            source = PartialRollouts(**settings)
             rollouts = []
             for r in range(args.rollouts + 1):
                 if mode == "sync":
