@@ -207,6 +207,7 @@ def test_engine_with_and_without_the_kernel(dtype, monkeypatch):
 
 
 def test_source_is_shipped_with_the_package():
-    """The C source sits beside the module (package data), so an installed astrai can build it."""
-    assert cpu_kernels.SOURCE.is_file() and cpu_kernels.SOURCE.suffix == ".c"
-    assert os.path.dirname(cpu_kernels.__file__) == str(cpu_kernels.SOURCE.parent)
+    """The C sources sit beside the module (package data), so an installed astrai can build them."""
+    assert [source.name for source in cpu_kernels.SOURCES] == ["cpu_attention.c", "cpu_elementwise.c"]
+    for source in cpu_kernels.SOURCES:
+        assert source.is_file() and os.path.dirname(cpu_kernels.__file__) == str(source.parent)

@@ -33,7 +33,12 @@ class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)); x (..., H) any float dtype, normalised in float32 and cast back to
     x's dtype before the weight multiply (as HF Llama does). Zhang & Sennrich 2019. With `unit_offset` (Gemma):
     y = (x / sqrt(mean(x^2) + eps)) * (1 + weight), all in float32, then cast (as HF Gemma); the weight then starts
-    at 0 (the identity scale)."""
+    at 0 (the identity scale).
+
+    Attribute `kernel` (default None): an inference copy may set it to a callable `kernel(x, weight, eps,
+    unit_offset)` with the same result, to rounding (`astrai.rollout.cpu_ops`: one compiled call on CPU)."""
+
+    kernel = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False) -> None:
         super().__init__()
@@ -42,6 +47,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., H) -> (..., H), same dtype as x."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, self.unit_offset)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -146,10 +153,13 @@ class Attention(nn.Module):
     ((Nh + 2 Nkv) D, H) tensor (and bias) whose row blocks ARE the three projections' parameters
     (`astrai.rollout.model_runner.fuse_projections`); the forward then makes one GEMM instead of three, with the
     same result. `linear` (default `F.linear`) computes that fused GEMM; an inference copy may set it to a callable
-    of the same signature and result (`astrai.rollout.packed_linear`: prepacked oneDNN weights on CPU).
+    of the same signature and result (`astrai.rollout.packed_linear`: prepacked oneDNN weights on CPU). `rotary`
+    (default `apply_rotary`) likewise; an inference copy may rotate in place (`astrai.rollout.cpu_ops`), so its
+    input must be a fresh tensor or a view of one (here: of the q/k/v projection's output).
     """
 
     linear = staticmethod(F.linear)
+    rotary = staticmethod(apply_rotary)
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -179,18 +189,18 @@ class Attention(nn.Module):
             qkv = self.linear(x, self.qkv_weight, self.qkv_bias).view(b, s, nh + 2 * nkv, d)
             q, k, v = qkv[:, :, :nh], qkv[:, :, nh:nh + nkv], qkv[:, :, nh + nkv:]
             if self.q_norm is None:
-                qk = apply_rotary(qkv[:, :, :nh + nkv], cos, sin)  # rotary over the q and k heads at once
+                qk = self.rotary(qkv[:, :, :nh + nkv], cos, sin)  # rotary over the q and k heads at once
                 q, k = qk[:, :, :nh], qk[:, :, nh:]
             else:
-                q = apply_rotary(self.q_norm(q), cos, sin)
-                k = apply_rotary(self.k_norm(k), cos, sin)
+                q = self.rotary(self.q_norm(q), cos, sin)
+                k = self.rotary(self.k_norm(k), cos, sin)
         else:
             q = self.q_proj(x).view(b, s, nh, d)
             k = self.k_proj(x).view(b, s, nkv, d)
             v = self.v_proj(x).view(b, s, nkv, d)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         out = attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(b, s, nh * d))
 
@@ -201,10 +211,13 @@ class MLP(nn.Module):
 
     Attribute `gate_up_weight` (default None): as `Attention.qkv_weight`, one (2 I, H) tensor over gate_proj and
     up_proj in inference copies (one GEMM instead of two; bias-free MLPs only), computed by `linear` (as
-    `Attention.linear`).
+    `Attention.linear`). `gated` (default None): with `gate_up_weight`, an inference copy may set it to a callable
+    `gated(gate_up, gelu)` -> act(gate) * up from the fused (..., 2 I) output, the same result to rounding
+    (`astrai.rollout.cpu_ops`).
     """
 
     linear = staticmethod(F.linear)
+    gated = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -221,7 +234,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, S, H) -> (B, S, H)."""
         if self.gate_up_weight is not None:
-            gate, up = self.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate_up = self.linear(x, self.gate_up_weight)
+            if self.gated is not None:
+                return self.down_proj(self.gated(gate_up, self.gelu))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self._act(gate) * up)
         return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
 

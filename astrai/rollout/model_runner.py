@@ -93,11 +93,11 @@ class PagedAttention:
         """q (1, N, Nh, D), k/v (1, N, Nkv, D) -> (1, N, Nh, D)."""
         q, k, v = q[0], k[0], v[0]
         k_cache, v_cache = self.workspace.k_caches[layer_idx], self.workspace.v_caches[layer_idx]
-        write_kv(k_cache, v_cache, self.slots, k, v)
         spec = self.layers[layer_idx]
         if self.dense is not None:
-            self.dense.append(layer_idx, k, v)
+            self.dense.store(layer_idx, k, v, k_cache, v_cache, self.slots)
             return self.dense.attention(layer_idx, q, window=spec.window, softcap=spec.softcap)[None]
+        write_kv(k_cache, v_cache, self.slots, k, v)
         return self.backend.attention(q, k_cache, v_cache, self.meta, window=spec.window,
                                       softcap=spec.softcap)[None]
 

@@ -36,6 +36,7 @@ from astrai.rollout.engine_settings import resolve_dtype as _resolve_dtype
 from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
+from astrai.rollout.cpu_ops import use_cpu_kernels
 from astrai.rollout.packed_linear import prepack_available, prepack_linears, slow_half_precision
 from astrai.rollout.prompt_ids import check_prompt_ids
 from astrai.rollout.sampling import SamplingParams
@@ -74,7 +75,9 @@ class PagedGenerationEngine:
             rounding then shows as a small nonzero `rollout/logprob_gap`. On a CPU the GEMM weights are also kept
             prepacked in oneDNN's layout in bfloat16, and in float32 on x86 CPUs other than Intel's, where MKL's
             decode-sized GEMMs are slow (`self.prepacked`, `astrai.rollout.packed_linear`: bf16 results the same,
-            float32 ones to rounding; one more copy of those weights, repacked by `load_weights`).
+            float32 ones to rounding; one more copy of those weights, repacked by `load_weights`), and the norms,
+            rotary embeddings and gated activations run as one compiled call each where the CPU kernels build
+            (`self.cpu_kernels`, `astrai.rollout.cpu_ops`: float32 results to rounding, about 1e-6).
         cuda_graphs: pad decode-only steps to batch buckets and replay them as CUDA graphs on CUDA
             (`astrai.rollout.cuda_graphs`; `auto` then picks the triton backend); on other devices the padded steps
             run eagerly (same tokens, for tests).
@@ -124,6 +127,8 @@ class PagedGenerationEngine:
         # CPU (bf16; float32 off Intel): GEMM weights kept in oneDNN's layout, not reordered in every call
         self.prepacked = (prepack_linears(self.model) if self.tp is None and not cuda_graphs
                           and prepack_available(self.device, self.dtype) else None)
+        # CPU: norms, rotary and gated activations in one compiled call each (astrai.rollout.cpu_ops)
+        self.cpu_kernels = self.device.type == "cpu" and use_cpu_kernels(self.model, self.dtype)
         self.pad_token_id, self.policy_version = pad_token_id, policy_version
         self.backend, self.block_size = engine_backend(self.model.config, device=self.device, dtype=self.dtype,
                                                        backend=backend, block_size=block_size, cuda_graphs=cuda_graphs)

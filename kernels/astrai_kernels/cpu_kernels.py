@@ -1,5 +1,7 @@
-"""The compiled CPU decode attention (`cpu_attention.c`): built with the machine's C compiler at first use, cached,
-loaded through ctypes; the torch path stays the fallback.
+"""The compiled CPU kernels: decode attention (`cpu_attention.c`) and the elementwise pieces of a layer and of the
+sampler (`cpu_elementwise.c`: `rmsnorm`, `rotary_`, `gated_activation`, `store_kv`, `softmax_chunks`; docs/kernels.md
+says why and what each measured), built into one library with the machine's C compiler at first use, cached, loaded
+through ctypes; the torch ops stay the fallback.
 
 Why: in a CPU decode step of batch 32 the two batched matmuls of `DenseDecodeCache.attention` (scores (B, Nkv, G,
 K) and their product with the values) multiply G = Nh / Nkv query rows by each (row, kv head) matrix, products too
@@ -39,9 +41,12 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SOURCE", "DTYPE_CODES", "cache_dir", "library", "unavailable_reason", "supports", "dense_decode_attention"]
+__all__ = ["SOURCES", "DTYPE_CODES", "cache_dir", "library", "unavailable_reason", "supports", "dense_decode_attention",
+           "rmsnorm", "rotary_", "gated_activation", "store_kv", "softmax_chunks"]
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_elementwise.c"))
+"""The library's C sources: decode attention, and the elementwise pieces of a layer (`rmsnorm`, `rotary_`,
+`gated_activation`, `store_kv`) and of the sampler (`softmax_chunks`)."""
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BUILD_TIMEOUT_S = 120  # about a second on a 2-core machine
@@ -93,7 +98,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 def _build(compiler: list[str], target: Path) -> Optional[str]:
-    """Compile SOURCE into `target` (a temporary file renamed, mode 0755 so that other users of a shared cache can
+    """Compile SOURCES into one library at `target` (a temporary file renamed, mode 0755 so that other users of a shared cache can
     load it); None on success, else a one-line reason."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -101,34 +106,36 @@ def _build(compiler: list[str], target: Path) -> Optional[str]:
         os.close(fd)
     except OSError as err:
         return f"cannot write the kernel cache {target.parent} ({err.strerror or err}; set ASTR_KERNEL_CACHE)"
-    name = " ".join(compiler)
+    name, what = " ".join(compiler), " and ".join(source.name for source in SOURCES)
     try:
-        proc = _run([*compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], BUILD_TIMEOUT_S)
+        proc = _run([*compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             lines = proc.stderr.strip().splitlines()
             fallback = lines[0] if lines else f"exit {proc.returncode}"
             first = next((ln for ln in lines if "error" in ln.lower()), fallback)
-            return f"{name} failed to build {SOURCE.name}: {first.strip()}"
+            return f"{name} failed to build {what}: {first.strip()}"
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
         return None
     except subprocess.TimeoutExpired:
-        return f"{name} did not build {SOURCE.name} within {BUILD_TIMEOUT_S} s (killed)"
+        return f"{name} did not build {what} within {BUILD_TIMEOUT_S} s (killed)"
     except (OSError, subprocess.SubprocessError) as err:
-        return f"{name} could not build {SOURCE.name}: {type(err).__name__}: {err}"
+        return f"{name} could not build {what}: {type(err).__name__}: {err}"
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
 def _open(target: Path, *, fresh: bool = False) -> ctypes.CDLL:
-    """The library at `target`, its three functions looked up. `fresh`: open it under another name
+    """The library at `target`, its functions looked up. `fresh`: open it under another name
     (/proc/self/fd/N), for a file rebuilt after a failed load: the dynamic loader hands back the library it already
     loaded under a path it has seen. Raises OSError (not a loadable library) or AttributeError (not this one)."""
     fd = os.open(target, os.O_RDONLY) if fresh else None
     try:
         lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if fresh else str(target))
-        for name in ("astrai_cpu_attention_supports", "astrai_dense_decode_attention", "astrai_cpu_attention_openmp"):
+        for name in ("astrai_cpu_attention_supports", "astrai_dense_decode_attention", "astrai_cpu_attention_openmp",
+                     "astrai_cpu_elementwise_supports", "astrai_rmsnorm", "astrai_rotary", "astrai_gated_activation",
+                     "astrai_store_kv", "astrai_softmax_chunks"):
             getattr(lib, name)
         return lib
     finally:
@@ -148,6 +155,15 @@ def _unusable(lib: ctypes.CDLL, target: Path, runtimes: set[str]) -> Optional[st
     lib.astrai_dense_decode_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I, _F, _I64,
                                                   _F, _P, _I]
     lib.astrai_dense_decode_attention.restype = _I
+    lib.astrai_cpu_elementwise_supports.argtypes, lib.astrai_cpu_elementwise_supports.restype = [_I], _I
+    lib.astrai_rmsnorm.argtypes, lib.astrai_rmsnorm.restype = [_P, _I64, _P, _P, _I64, _I64, _F, _I, _I, _I], _I
+    lib.astrai_rotary.argtypes, lib.astrai_rotary.restype = [_P, _I64, _P, _P, _I64, _I64, _I64, _I, _I], _I
+    lib.astrai_gated_activation.argtypes = [_P, _I64, _P, _I64, _I64, _I, _I, _I]
+    lib.astrai_gated_activation.restype = _I
+    lib.astrai_store_kv.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I]
+    lib.astrai_store_kv.restype = _I
+    lib.astrai_softmax_chunks.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I]
+    lib.astrai_softmax_chunks.restype = _I
     return None
 
 
@@ -176,7 +192,7 @@ def library() -> Optional[ctypes.CDLL]:
     except (OSError, subprocess.SubprocessError) as err:
         _reason = f"the C compiler {' '.join(compiler)} did not answer --version: {type(err).__name__}"
         return None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), *compiler, version, " ".join(FLAGS), _machine()])
+    key = hashlib.sha256("\n".join([*(source.read_text() for source in SOURCES), *compiler, version, " ".join(FLAGS), _machine()])
                          .encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_attention-{key}.so"
     tried, lib = target.is_file(), None
@@ -204,10 +220,11 @@ def unavailable_reason() -> Optional[str]:
 
 
 def supports(dtype: torch.dtype) -> bool:
-    """True when the kernel is available and reads `dtype` (float32, bfloat16; float16 where the compiler has
+    """True when the kernels are available and read `dtype` (float32, bfloat16; float16 where the compiler has
     `_Float16`)."""
     lib = library()
-    return lib is not None and dtype in DTYPE_CODES and bool(lib.astrai_cpu_attention_supports(DTYPE_CODES[dtype]))
+    return lib is not None and dtype in DTYPE_CODES and bool(lib.astrai_cpu_attention_supports(DTYPE_CODES[dtype])) \
+        and bool(lib.astrai_cpu_elementwise_supports(DTYPE_CODES[dtype]))
 
 
 def dense_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor,
@@ -241,3 +258,138 @@ def dense_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         raise RuntimeError(f"the CPU attention kernel failed (status {status}: "
                            f"{'out of memory' if status == 1 else 'unsupported dtype'})")
     return out
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """x (..., C) as rows of C elements at one stride: (x or a contiguous copy, row count, row stride)."""
+    if x.stride(-1) != 1 or (x.dim() > 2 and not x.is_contiguous()):
+        x = x.contiguous()
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    return x, rows, (x.stride(-2) if x.dim() >= 2 else cols)
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise RuntimeError(f"the CPU {what} kernel failed (status {status}: unsupported dtype or shape)")
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019) in one call, as `astrai.models.layers.RMSNorm.forward`.
+
+    Args:
+        x: (..., H) CPU tensor (float32, bfloat16 or float16); weight: (H,) contiguous, same dtype.
+        eps: added to mean(x^2); unit_offset: Gemma's form, y = h * (1 + weight) in float32.
+
+    Returns:
+        (..., H) in x's dtype: weight * round(x / sqrt(mean(x^2) + eps)) with the norm in float32 (`cpu_elementwise.c`
+        has the rounding; the sum's order differs from torch's, about 1e-7 relative in float32).
+
+    Raises:
+        RuntimeError: the kernel is unavailable (call `supports` first) or the dtype is not supported.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    x2, rows, row = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _check(lib.astrai_rmsnorm(x2.data_ptr(), row, weight.data_ptr(), out.data_ptr(), rows, x.shape[-1], eps,
+                              int(unit_offset), DTYPE_CODES[x.dtype], torch.get_num_threads()), "RMSNorm")
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (RoFormer, Su et al. 2021) in place, as `astrai.models.layers.apply_rotary` (bitwise).
+
+    Args:
+        x: (B, S, heads, D) CPU tensor, head stride D and last dim contiguous, tokens at one stride (B * S of
+            them; a view into a fused q/k/v output is fine).
+        cos, sin: (B, S, 1, D) contiguous, x's dtype.
+
+    Returns:
+        x, each head of each token rotated: x * cos + rotate_half(x) * sin, rounded as torch rounds it.
+
+    Raises:
+        RuntimeError: the kernel is unavailable, or D is odd; ValueError: a layout this kernel cannot read.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    b, s, heads, dim = x.shape
+    if x.stride(-1) != 1 or x.stride(-2) != dim or (b > 1 and x.stride(0) != s * x.stride(1)):
+        raise ValueError(f"rotary_: x needs (B, S, heads, D) with head stride D, got strides {x.stride()}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _check(lib.astrai_rotary(x.data_ptr(), x.stride(1), cos.data_ptr(), sin.data_ptr(), b * s, heads, dim,
+                             DTYPE_CODES[x.dtype], torch.get_num_threads()), "rotary")
+    return x
+
+
+def gated_activation(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """act(gate) * up in one call, as `astrai.models.layers.MLP` (SiLU, or GELU's tanh form with `gelu`).
+
+    Args:
+        gate_up: (..., 2 I) CPU tensor, the gate in the first I columns and up in the last I (the fused gate/up
+            GEMM's output).
+
+    Returns:
+        (..., I) in gate_up's dtype: round(round(act(gate)) * up), act in float32.
+
+    Raises:
+        RuntimeError: the kernel is unavailable or the dtype is not supported.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    x, rows, row = _rows(gate_up)
+    inner = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], inner, dtype=gate_up.dtype)
+    _check(lib.astrai_gated_activation(x.data_ptr(), row, out.data_ptr(), rows, inner, int(gelu),
+                                       DTYPE_CODES[gate_up.dtype], torch.get_num_threads()), "gated activation")
+    return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+             positions: torch.Tensor, dense_keys: torch.Tensor, dense_values: torch.Tensor) -> None:
+    """Store one decode step's keys and values of one layer in the paged cache and in the dense copies of
+    `DenseDecodeCache` (the kernel's layout) in one call, bit for bit (`write_kv` plus `DenseDecodeCache.append`).
+
+    Args:
+        k, v: (B, Nkv, D) CPU tensors, head stride D, last dim contiguous (rows may be strided), the caches' dtype.
+        slots: (B,) int64 contiguous flat paged slots; k_pages, v_pages: (blocks, block_size, Nkv, D) contiguous.
+        positions: (B,) int64 contiguous, row b's position in the dense copies.
+        dense_keys: (B, Nkv, D, cap) contiguous (transposed keys); dense_values: (B, Nkv, cap, D) contiguous.
+
+    Raises:
+        RuntimeError: the kernel is unavailable or the dtype is not supported.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    rows, heads, dim = k.shape
+    _check(lib.astrai_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+                               k_pages.data_ptr(), v_pages.data_ptr(), positions.data_ptr(), dense_keys.data_ptr(),
+                               dense_values.data_ptr(), rows, heads, dim, dense_keys.shape[-1],
+                               DTYPE_CODES[k.dtype]), "KV store")
+
+
+def softmax_chunks(scaled: torch.Tensor, probs: torch.Tensor, chunk_mass: torch.Tensor, maxes: torch.Tensor,
+                   chunk: int) -> None:
+    """The sampler's first pass in one call per step (`astrai.rollout.row_sampling.sample_rows`): per row r,
+    `maxes[r] = max(scaled[r])`, `probs[r, :V] = exp(scaled[r] - maxes[r])` (its padding columns zeroed) and
+    `chunk_mass[r, c]` = the float64 sum of its c-th `chunk` columns. exp is within 2 ulp of torch's.
+
+    Args:
+        scaled: (R, V) float32 CPU tensor, last dim contiguous; probs: (R, C * chunk) float32 contiguous with
+            C = ceil(V / chunk); chunk_mass: (R, C) float64 contiguous; maxes: (R,) float32 contiguous;
+            chunk: a multiple of 16. A row whose max is not finite gets only its max (the caller raises).
+
+    Raises:
+        RuntimeError: the kernel is unavailable or `chunk` is not a multiple of 16.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    rows, vocab = scaled.shape
+    _check(lib.astrai_softmax_chunks(scaled.data_ptr(), scaled.stride(0), rows, vocab, chunk, probs.data_ptr(),
+                                     chunk_mass.data_ptr(), maxes.data_ptr(), torch.get_num_threads()),
+           "softmax chunks")

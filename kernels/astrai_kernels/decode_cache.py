@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
-from .paged_attention import gather_kv
+from .paged_attention import gather_kv, write_kv
 from .workspace import InferenceWorkspace
 
 __all__ = ["DenseDecodeCache"]
@@ -55,8 +55,9 @@ class DenseDecodeCache:
             float32 copies of a half-precision cache, at least `DEFAULT_MIN_BYTES`).
         headroom: extra positions allocated per row on a rebuild, so that many steps append before the next one.
 
-    Usage per decode step: `begin_step(...)`; if it returned True, for each layer `append(layer, k, v)` after the
-    keys/values are written to the paged cache, then `attention(layer, q)`.
+    Usage per decode step: `begin_step(...)`; if it returned True, for each layer `store(layer, k, v, k_pages,
+    v_pages, slots)` (or `append(layer, k, v)` after the keys/values are written to the paged cache), then
+    `attention(layer, q)`.
     """
 
     def __init__(self, workspace: InferenceWorkspace, *, max_bytes: int | None = None, headroom: int = 64):
@@ -168,6 +169,19 @@ class DenseDecodeCache:
             for values, pages in zip(self._values, ws.v_caches):
                 values[:, :, :cols * bs].copy_(gather_kv(pages, block_tables, cols * bs, out=staging))
         self.rebuilds += 1
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        """`write_kv(k_pages, v_pages, slots, k, v)` then `append(layer, k, v)`: this step's keys/values k, v
+        (B, Nkv, D) into the paged cache and the dense copies; one compiled call where the kernel keeps the copies
+        (`cpu_kernels.store_kv`, same bits)."""
+        if self.kernel and k.dtype == v.dtype == self.dtype == k_pages.dtype and k.stride(-1) == v.stride(-1) == 1 \
+                and k.stride(-2) == v.stride(-2) == k.shape[-1]:
+            keys = self._keys[layer].transpose(-1, -2)  # (B, Nkv, D, cap), contiguous
+            cpu_kernels.store_kv(k, v, slots, k_pages, v_pages, self._positions, keys, self._values[layer])
+            return
+        write_kv(k_pages, v_pages, slots, k, v)
+        self.append(layer, k, v)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's keys/values k, v (B, Nkv, D) of every row at its position kv_lens[b] - 1."""
