@@ -98,8 +98,8 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 def _build(compiler: list[str], target: Path) -> Optional[str]:
-    """Compile SOURCES into one library at `target` (a temporary file renamed, mode 0755 so that other users of a shared cache can
-    load it); None on success, else a one-line reason."""
+    """Compile SOURCES into one library at `target` (a temporary file renamed, mode 0755 so that other users of a
+    shared cache can load it); None on success, else a one-line reason."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
@@ -192,8 +192,8 @@ def library() -> Optional[ctypes.CDLL]:
     except (OSError, subprocess.SubprocessError) as err:
         _reason = f"the C compiler {' '.join(compiler)} did not answer --version: {type(err).__name__}"
         return None
-    key = hashlib.sha256("\n".join([*(source.read_text() for source in SOURCES), *compiler, version, " ".join(FLAGS), _machine()])
-                         .encode()).hexdigest()[:16]
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\n".join([*texts, *compiler, version, " ".join(FLAGS), _machine()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_attention-{key}.so"
     tried, lib = target.is_file(), None
     if tried:
