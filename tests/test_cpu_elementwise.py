@@ -79,7 +79,7 @@ def test_rotary_is_bitwise_the_torch_rotation_in_place(dtype, dim):
     by_hand = torch.cat([a * c - b * s, b * c + a * s], -1)
     torch.testing.assert_close(got.double(), by_hand, atol=4 * ULP[dtype] * 8, rtol=0)
     with pytest.raises(ValueError, match="head stride"):
-        cpu_kernels.rotary_(qkv.transpose(2, 3)[:, :, :5], cos, sin)
+        cpu_kernels.rotary_(torch.randn(2, 5, dim, 7).to(dtype).transpose(2, 3)[:, :, :5], cos, sin)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -165,9 +165,9 @@ def test_hooks_on_the_inference_copy_only():
     engine = PagedGenerationEngine(model, pad_token_id=0, adaptive_threads=False)
     assert engine.cpu_kernels
     copied = list(engine.model.modules())
-    assert all(m.kernel is cpu_kernels.rmsnorm for m in copied if isinstance(m, RMSNorm))
-    assert all(m.rotary is cpu_kernels.rotary_ for m in copied if isinstance(m, Attention))
-    assert all(m.gated is cpu_kernels.gated_activation for m in copied if isinstance(m, MLP))
+    assert all(m.kernel is cpu_kernels.rmsnorm_nocheck for m in copied if isinstance(m, RMSNorm))
+    assert all(m.rotary is cpu_kernels.rotary_nocheck_ for m in copied if isinstance(m, Attention))
+    assert all(m.gated is cpu_kernels.gated_activation_nocheck for m in copied if isinstance(m, MLP))
     for m in model.modules():
         assert not isinstance(m, RMSNorm) or m.kernel is None
         assert not isinstance(m, Attention) or m.rotary is apply_rotary
@@ -194,8 +194,8 @@ def test_engine_with_and_without_the_elementwise_kernels(family, dtype, monkeypa
         return engine, engine.generate(prompts, params, torch.Generator().manual_seed(0))
 
     calls = []
-    real = cpu_kernels.rmsnorm
-    monkeypatch.setattr(cpu_kernels, "rmsnorm", lambda *a: calls.append(1) or real(*a))
+    real = cpu_kernels.rmsnorm_nocheck
+    monkeypatch.setattr(cpu_kernels, "rmsnorm_nocheck", lambda *a: calls.append(1) or real(*a))
     engine, with_kernels = generate()
     assert engine.cpu_kernels and calls
     monkeypatch.setattr(paged_engine, "use_cpu_kernels", lambda model, dtype: False)
@@ -204,3 +204,80 @@ def test_engine_with_and_without_the_elementwise_kernels(family, dtype, monkeypa
     assert torch.equal(with_kernels.response_ids, without.response_ids)
     tolerance = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(with_kernels.old_logprobs, without.old_logprobs, atol=tolerance, rtol=0)
+
+
+def test_sampler_pass_against_torch_nan_and_minus_inf(monkeypatch):
+    """`sample_rows` takes the same tokens and log-probs with the compiled first pass as with the torch ops (also
+    under a float64 default dtype); a NaN anywhere in a row raises `FloatingPointError` naming it (as the torch
+    path does); a -inf logit has probability exactly 0."""
+    from astrai.rollout.row_sampling import RowSampling, sample_rows
+    from astrai.rollout.sampling import SamplingParams
+
+    def draw(logits, temperature=1.0):
+        rows = [RowSampling(SamplingParams(max_new_tokens=4, temperature=temperature), None,
+                            torch.Generator().manual_seed(i), []) for i in range(logits.shape[0])]
+        return sample_rows(logits, rows)
+
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(6)) * 4
+    default = torch.get_default_dtype()
+    for temperature, default_dtype in ((1.0, default), (0.7, default), (1.0, torch.float64)):
+        torch.set_default_dtype(default_dtype)
+        try:
+            with_kernel = draw(logits, temperature)
+            with monkeypatch.context() as patch:
+                patch.setattr(cpu_kernels, "supports", lambda dtype: False)
+                tokens, logprobs = draw(logits, temperature)
+        finally:
+            torch.set_default_dtype(default)
+        assert tokens == with_kernel[0]
+        assert max(abs(a - b) for a, b in zip(logprobs, with_kernel[1])) < 1e-5
+    for column in (7, 2999):  # a lane in the middle, one in the tail
+        bad = logits.clone()
+        bad[3, column] = float("nan")
+        with pytest.raises(FloatingPointError, match="row 3"):
+            draw(bad)
+    row = logits[:1].clone()
+    row[0, :100] = float("-inf")
+    probs, mass, maxes = torch.empty(1, 3072), torch.empty(1, 3, dtype=torch.float64), torch.empty(1)
+    cpu_kernels.softmax_chunks(row, probs, mass, maxes, 1024)
+    assert probs[0, :100].eq(0).all() and probs[0, 3000:].eq(0).all() and maxes[0] == row.max()
+    torch.testing.assert_close(mass, probs.view(1, 3, 1024).double().sum(-1), rtol=1e-12, atol=0)
+
+
+def test_rows_of_contiguous_tensors_with_size_one_dims():
+    """A contiguous tensor whose size-1 dimension has an arbitrary stride ((4, 1, H) from a transpose) is read at
+    row stride H."""
+    x = torch.randn(1, 4, 64).transpose(0, 1)  # shape (4, 1, 64), strides (64, 256, 1), contiguous
+    assert x.is_contiguous()
+    w = torch.rand(64) + 0.5
+    by_hand = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(cpu_kernels.rmsnorm(x, w, 1e-6), by_hand, rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(1, 4, 64).transpose(0, 1)
+    g, u = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.gated_activation(gate_up), F.silu(g) * u, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments_are_refused_in_one_line():
+    """Other dtypes, a weight of another dtype or length, cos/sin that do not match x, an odd gate/up width, and
+    store_kv's index dtypes: a ValueError naming the function, before any memory is read."""
+    x = torch.randn(2, 3, 64)
+    cases = [
+        (lambda: cpu_kernels.rmsnorm(x.double(), torch.ones(64).double(), 1e-6), "rmsnorm"),
+        (lambda: cpu_kernels.rmsnorm(x.bfloat16(), torch.ones(64), 1e-6), "rmsnorm"),
+        (lambda: cpu_kernels.rmsnorm(x, torch.ones(32), 1e-6), "weight"),
+        (lambda: cpu_kernels.rmsnorm(x, torch.ones(64, 2)[:, 0], 1e-6), "weight"),
+        (lambda: cpu_kernels.rotary_(torch.randn(4, 3, 2, 8), torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)),
+         "rotary_"),
+        (lambda: cpu_kernels.rotary_(torch.randn(1, 3, 2, 8).bfloat16(), torch.randn(1, 3, 1, 8),
+                                     torch.randn(1, 3, 1, 8)), "rotary_"),
+        (lambda: cpu_kernels.gated_activation(torch.randn(3, 33)), "even"),
+        (lambda: cpu_kernels.gated_activation(torch.randn(3, 32, dtype=torch.float64)), "gated_activation"),
+    ]
+    ws = InferenceWorkspace(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    keys, values = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 16, 8)
+    cases.append((lambda: cpu_kernels.store_kv(torch.randn(2, 1, 8), torch.randn(2, 1, 8),
+                                               torch.tensor([0, 1], dtype=torch.int32), ws.k_caches[0],
+                                               ws.v_caches[0], torch.tensor([0, 1]), keys, values), "store_kv"))
+    for call, name in cases:
+        with pytest.raises(ValueError, match=name):
+            call()

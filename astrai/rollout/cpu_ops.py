@@ -9,8 +9,9 @@ SmolLM2-135M step. vLLM's CPU build has one C++ kernel per piece (and compiles t
 (`RMSNorm.kernel`, `Attention.rotary`, `MLP.gated`); the training model never has them set.
 
 Numerics: rotary is bitwise torch's; the norm differs by the order of its float32 sum and the activation by the
-last bit of exp (float32: about 1e-6 relative; bfloat16 / float16: the same values but for rare last-bit roundings),
-so the engine's log-probs move against the trainer's by about that much (`rollout/logprob_gap`).
+last bit of exp (float32: about 1e-6 relative; bfloat16 / float16: now and then a last bit, which the layers carry
+on: SmolLM2's greedy bf16 log-probs moved by up to 0.085, within bf16's own 0.07-0.14 from float32), so the engine's
+log-probs move against the trainer's by about that much (`rollout/logprob_gap`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def use_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> bool:
         model: the engine's copy (eval, no grad), its parameters in `dtype`.
         dtype: the copy's dtype.
 
+    The hooks are the kernels' unchecked forms (`*_nocheck`): the copy's dtype is checked here, once, and its
+    layers' shapes are its own.
+
     Returns:
         True when the kernels are in use, False where the library is unavailable (the reason is
         `cpu_kernels.unavailable_reason()`) or does not read `dtype`: the layers keep their torch ops.
@@ -40,9 +44,9 @@ def use_cpu_kernels(model: nn.Module, dtype: torch.dtype) -> bool:
         return False
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            module.kernel = cpu_kernels.rmsnorm
+            module.kernel = cpu_kernels.rmsnorm_nocheck
         elif isinstance(module, Attention):
-            module.rotary = cpu_kernels.rotary_
+            module.rotary = cpu_kernels.rotary_nocheck_
         elif isinstance(module, MLP) and module.gate_up_weight is not None:
-            module.gated = cpu_kernels.gated_activation
+            module.gated = cpu_kernels.gated_activation_nocheck
     return True

@@ -42,8 +42,9 @@ def _say_without_kernel() -> None:
     _said_no_kernel = True
     reason = cpu_kernels.unavailable_reason() or "it does not read this dtype"
     level = logging.DEBUG if "ASTR_CPU_KERNELS" in reason else logging.WARNING
-    logger.log(level, "engine: the compiled CPU decode attention is not used (%s); decoding takes the torch path "
-               "(measured on SmolLM2: 1.3x slower in bfloat16, 1.04x in float32; docs/kernels.md)", reason)
+    logger.log(level, "engine: the compiled CPU kernels (decode attention, norms, rotary, activations, sampling) "
+               "are not used (%s); decoding takes the torch ops (measured on SmolLM2: the attention kernel is "
+               "1.3x faster in bfloat16 and 1.04x in float32, the others 1.09-1.16x more; docs/kernels.md)", reason)
 
 
 @dataclass

@@ -171,7 +171,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], scratch=None)
     if device.type == "cpu" and scaled.stride(-1) == 1 and cpu_kernels.supports(torch.float32):
         # one compiled pass: max, exp and the float64 chunk sums (the torch ops below cost 18 ms a step at
         # R = 128, V = 49152, two threads, mostly a float64 copy of the probabilities)
-        maxes = torch.empty(num_rows, 1)
+        maxes = torch.empty(num_rows, 1, dtype=torch.float32)
         chunk_mass = torch.empty(num_rows, chunks, dtype=torch.float64)
         cpu_kernels.softmax_chunks(scaled, probs_buf, chunk_mass, maxes, CDF_CHUNK)
     else:

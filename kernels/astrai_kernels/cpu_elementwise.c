@@ -315,7 +315,8 @@ typedef double v16d __attribute__((vector_size(128)));
  * maxes[r] = max_i scaled[r, i]; probs[r, i] = exp(scaled[r, i] - maxes[r]) (float32; columns V .. C * chunk
  * zeroed); chunk_mass[r, c] = the float64 sum of probs[r, c * chunk .. (c + 1) * chunk). scaled: (R, V) float32 at
  * row stride s_row; probs: (R, C * chunk) contiguous float32; chunk_mass: (R, C) float64; chunk a multiple of 16.
- * A row whose max is not finite gets its max written and nothing else (the caller raises). */
+ * A row whose max is not finite (a NaN anywhere counts) gets its max written and nothing else (the caller
+ * raises). exp of a difference below -87 is 0 (a -inf logit is never drawn). */
 int astrai_softmax_chunks(const float *scaled, int64_t s_row, int64_t R, int64_t V, int64_t chunk, float *probs,
                           double *chunk_mass, float *maxes, int num_threads) {
     if (chunk % 16) return 2;
@@ -329,17 +330,22 @@ int astrai_softmax_chunks(const float *scaled, int64_t s_row, int64_t R, int64_t
         LANES(i, V, {
             const v16 v = _w == 16 ? vget(x, i, F32) : vselect(LANE_INDEX < (int32_t)_w,
                                                               vget_n(x, i, _w, F32), (v16){0} - INFINITY);
-            top = vselect(v > top, v, top);
+            top = vselect((v > top) | (v != v), v, top);  /* a NaN wins, so the caller sees it in the max */
         });
         float m = top[0];
-        for (int k = 1; k < 16; ++k) m = top[k] > m ? top[k] : m;
+        for (int k = 1; k < 16; ++k) m = (top[k] > m || top[k] != top[k]) ? top[k] : m;
+        if (m != m) {
+            maxes[r] = m;
+            continue;
+        }
         maxes[r] = m;
         if (!isfinite(m)) continue;
         for (int64_t c = 0; c < C; ++c) {
             const int64_t start = c * chunk, n = (start + chunk <= V ? chunk : V - start);
             v16d acc = {0};
             LANES(i, n, {
-                const v16 e = vexp(LOAD(x, start + i) - m);
+                const v16 d = LOAD(x, start + i) - m;
+                const v16 e = vselect(d < -87.0f, (v16){0}, vexp(d));  /* exp below -87 (and of -inf) is 0 */
                 const v16 kept = _w == 16 ? e : vselect(LANE_INDEX < (int32_t)_w, e, (v16){0});
                 memcpy(p + start + i, &kept, sizeof kept);  /* past n: zeros, inside the row's padded width */
                 acc += __builtin_convertvector(kept, v16d);

@@ -34,6 +34,7 @@ import os
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -42,7 +43,8 @@ from typing import Optional
 import torch
 
 __all__ = ["SOURCES", "DTYPE_CODES", "cache_dir", "library", "unavailable_reason", "supports", "dense_decode_attention",
-           "rmsnorm", "rotary_", "gated_activation", "store_kv", "softmax_chunks"]
+           "rmsnorm", "rotary_", "gated_activation", "store_kv", "softmax_chunks", "rmsnorm_nocheck",
+           "rotary_nocheck_", "gated_activation_nocheck", "store_kv_nocheck"]
 
 SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_elementwise.c"))
 """The library's C sources: decode attention, and the elementwise pieces of a layer (`rmsnorm`, `rotary_`,
@@ -126,10 +128,36 @@ def _build(compiler: list[str], target: Path) -> Optional[str]:
             os.unlink(tmp)
 
 
+def _elf_complete(target: Path) -> bool:
+    """True unless `target` is a 64-bit little-endian ELF file cut short: a segment to be mapped (PT_LOAD) or its
+    section headers reaching past the file's end. dlopen maps such a file and the process dies of SIGBUS when the
+    missing pages are touched, so a truncated cached library must be caught before it is opened."""
+    try:
+        with open(target, "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return True  # not a 64-bit little-endian ELF: dlopen refuses it cleanly
+    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    if shoff + shnum * shentsize > len(data) or phoff + phnum * phentsize > len(data):
+        return False
+    for i in range(phnum):
+        kind, = struct.unpack_from("<I", data, phoff + i * phentsize)
+        offset, = struct.unpack_from("<Q", data, phoff + i * phentsize + 8)
+        size, = struct.unpack_from("<Q", data, phoff + i * phentsize + 32)
+        if kind == 1 and offset + size > len(data):
+            return False
+    return True
+
+
 def _open(target: Path, *, fresh: bool = False) -> ctypes.CDLL:
     """The library at `target`, its functions looked up. `fresh`: open it under another name
     (/proc/self/fd/N), for a file rebuilt after a failed load: the dynamic loader hands back the library it already
     loaded under a path it has seen. Raises OSError (not a loadable library) or AttributeError (not this one)."""
+    if not _elf_complete(target):
+        raise OSError(f"{target} is cut short")
     fd = os.open(target, os.O_RDONLY) if fresh else None
     try:
         lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if fresh else str(target))
@@ -262,11 +290,23 @@ def dense_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """x (..., C) as rows of C elements at one stride: (x or a contiguous copy, row count, row stride)."""
-    if x.stride(-1) != 1 or (x.dim() > 2 and not x.is_contiguous()):
-        x = x.contiguous()
     cols = x.shape[-1]
     rows = x.numel() // cols if cols else 0
-    return x, rows, (x.stride(-2) if x.dim() >= 2 else cols)
+    if x.dim() == 2 and x.stride(-1) == 1 and x.stride(0) >= cols:
+        return x, rows, x.stride(0)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x, rows, cols  # contiguous: rows at stride C whatever the strides of size-1 dimensions say
+
+
+def _code(x: torch.Tensor, what: str, *same: torch.Tensor) -> int:
+    """The kernel's code of x's dtype, after checking that x is a CPU tensor of a dtype the kernels read and that
+    the tensors `same` share it; raises ValueError naming `what` otherwise."""
+    code = DTYPE_CODES.get(x.dtype)
+    if code is None or x.device.type != "cpu" or any(t.dtype != x.dtype for t in same):
+        raise ValueError(f"{what}: expected CPU float32/bfloat16/float16 tensors of one dtype, got "
+                         f"{[str(t.dtype) for t in (x, *same)]} on {x.device}")
+    return code
 
 
 def _check(status: int, what: str) -> None:
@@ -283,18 +323,27 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
 
     Returns:
         (..., H) in x's dtype: weight * round(x / sqrt(mean(x^2) + eps)) with the norm in float32 (`cpu_elementwise.c`
-        has the rounding; the sum's order differs from torch's, about 1e-7 relative in float32).
+        has the rounding; the sum's order differs from torch's: about 1e-6 relative in float32).
 
     Raises:
-        RuntimeError: the kernel is unavailable (call `supports` first) or the dtype is not supported.
+        RuntimeError: the kernel is unavailable (call `supports` first); ValueError: another dtype or device, a
+            weight of another dtype, length or layout.
     """
     lib = library()
     if lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    _code(x, "rmsnorm", weight)
+    if weight.shape != x.shape[-1:] or not weight.is_contiguous():
+        raise ValueError(f"rmsnorm: weight must be a contiguous ({x.shape[-1]},) tensor, got {tuple(weight.shape)}")
+    return rmsnorm_nocheck(x, weight, eps, unit_offset)
+
+
+def rmsnorm_nocheck(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """`rmsnorm` without its argument checks (the engine's hook: its layers' shapes and dtype are checked once)."""
     x2, rows, row = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype)
-    _check(lib.astrai_rmsnorm(x2.data_ptr(), row, weight.data_ptr(), out.data_ptr(), rows, x.shape[-1], eps,
-                              int(unit_offset), DTYPE_CODES[x.dtype], torch.get_num_threads()), "RMSNorm")
+    _check(library().astrai_rmsnorm(x2.data_ptr(), row, weight.data_ptr(), out.data_ptr(), rows, x.shape[-1], eps,
+                               int(unit_offset), DTYPE_CODES[x.dtype], torch.get_num_threads()), "RMSNorm")
     return out
 
 
@@ -310,17 +359,27 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         x, each head of each token rotated: x * cos + rotate_half(x) * sin, rounded as torch rounds it.
 
     Raises:
-        RuntimeError: the kernel is unavailable, or D is odd; ValueError: a layout this kernel cannot read.
+        RuntimeError: the kernel is unavailable, or D is odd; ValueError: another dtype or device, or shapes and
+            layouts other than the above.
     """
     lib = library()
     if lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    _code(x, "rotary_", cos, sin)
+    if x.dim() != 4 or cos.shape != sin.shape or cos.numel() != x.shape[0] * x.shape[1] * x.shape[3]:
+        raise ValueError(f"rotary_: x needs (B, S, heads, D) and cos/sin (B, S, 1, D), got {tuple(x.shape)} and "
+                         f"{tuple(cos.shape)} / {tuple(sin.shape)}")
+    return rotary_nocheck_(x, cos, sin)
+
+
+def rotary_nocheck_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotary_` without its dtype and shape checks (the engine's hook), the layout still checked (views vary)."""
     b, s, heads, dim = x.shape
     if x.stride(-1) != 1 or x.stride(-2) != dim or (b > 1 and x.stride(0) != s * x.stride(1)):
         raise ValueError(f"rotary_: x needs (B, S, heads, D) with head stride D, got strides {x.stride()}")
     cos, sin = cos.contiguous(), sin.contiguous()
-    _check(lib.astrai_rotary(x.data_ptr(), x.stride(1), cos.data_ptr(), sin.data_ptr(), b * s, heads, dim,
-                             DTYPE_CODES[x.dtype], torch.get_num_threads()), "rotary")
+    _check(library().astrai_rotary(x.data_ptr(), x.stride(1), cos.data_ptr(), sin.data_ptr(), b * s, heads, dim,
+                              DTYPE_CODES[x.dtype], torch.get_num_threads()), "rotary")
     return x
 
 
@@ -335,16 +394,25 @@ def gated_activation(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         (..., I) in gate_up's dtype: round(round(act(gate)) * up), act in float32.
 
     Raises:
-        RuntimeError: the kernel is unavailable or the dtype is not supported.
+        RuntimeError: the kernel is unavailable; ValueError: another dtype or device, or an odd last dim.
     """
     lib = library()
     if lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    _code(gate_up, "gated_activation")
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gated_activation: the last dim holds gate and up, so it must be even, got "
+                         f"{gate_up.shape[-1]}")
+    return gated_activation_nocheck(gate_up, gelu)
+
+
+def gated_activation_nocheck(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """`gated_activation` without its argument checks (the engine's hook)."""
     x, rows, row = _rows(gate_up)
     inner = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], inner, dtype=gate_up.dtype)
-    _check(lib.astrai_gated_activation(x.data_ptr(), row, out.data_ptr(), rows, inner, int(gelu),
-                                       DTYPE_CODES[gate_up.dtype], torch.get_num_threads()), "gated activation")
+    _check(library().astrai_gated_activation(x.data_ptr(), row, out.data_ptr(), rows, inner, int(gelu),
+                                        DTYPE_CODES[gate_up.dtype], torch.get_num_threads()), "gated activation")
     return out
 
 
@@ -356,20 +424,39 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pages: tor
     Args:
         k, v: (B, Nkv, D) CPU tensors, head stride D, last dim contiguous (rows may be strided), the caches' dtype.
         slots: (B,) int64 contiguous flat paged slots; k_pages, v_pages: (blocks, block_size, Nkv, D) contiguous.
-        positions: (B,) int64 contiguous, row b's position in the dense copies.
+        positions: (B,) int64 contiguous, row b's position in the dense copies. Slots and positions must lie
+            inside the caches: their values are not checked here (a pass over them each layer; the engine's own
+            come from its block tables).
         dense_keys: (B, Nkv, D, cap) contiguous (transposed keys); dense_values: (B, Nkv, cap, D) contiguous.
 
     Raises:
-        RuntimeError: the kernel is unavailable or the dtype is not supported.
+        RuntimeError: the kernel is unavailable; ValueError: dtypes or layouts other than the above.
     """
     lib = library()
     if lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    _code(k, "store_kv", v, k_pages, v_pages, dense_keys, dense_values)
     rows, heads, dim = k.shape
-    _check(lib.astrai_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
-                               k_pages.data_ptr(), v_pages.data_ptr(), positions.data_ptr(), dense_keys.data_ptr(),
-                               dense_values.data_ptr(), rows, heads, dim, dense_keys.shape[-1],
-                               DTYPE_CODES[k.dtype]), "KV store")
+    layouts = (v.shape == k.shape and k.stride()[1:] == v.stride()[1:] == (dim, 1)
+               and k_pages.shape[-2:] == v_pages.shape[-2:] == (heads, dim) and k_pages.is_contiguous()
+               and v_pages.is_contiguous() and dense_keys.is_contiguous() and dense_values.is_contiguous()
+               and dense_keys.shape[:3] == (rows, heads, dim) and dense_values.shape == (rows, heads,
+                                                                                          dense_keys.shape[-1], dim)
+               and slots.dtype == positions.dtype == torch.int64 and slots.shape == positions.shape == (rows,)
+               and slots.is_contiguous() and positions.is_contiguous())
+    if not layouts:
+        raise ValueError("store_kv: expected k, v (B, Nkv, D) with head stride D, contiguous pages (.., Nkv, D), "
+                         "dense keys (B, Nkv, D, cap) and values (B, Nkv, cap, D), int64 slots and positions (B,)")
+    store_kv_nocheck(k, v, slots, k_pages, v_pages, positions, dense_keys, dense_values)
+
+
+def store_kv_nocheck(k, v, slots, k_pages, v_pages, positions, dense_keys, dense_values) -> None:
+    """`store_kv` without its argument checks (`DenseDecodeCache.store`, whose buffers are its own)."""
+    rows, heads, dim = k.shape
+    _check(library().astrai_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+                                k_pages.data_ptr(), v_pages.data_ptr(), positions.data_ptr(), dense_keys.data_ptr(),
+                                dense_values.data_ptr(), rows, heads, dim, dense_keys.shape[-1],
+                                DTYPE_CODES[k.dtype]), "KV store")
 
 
 def softmax_chunks(scaled: torch.Tensor, probs: torch.Tensor, chunk_mass: torch.Tensor, maxes: torch.Tensor,
@@ -384,12 +471,20 @@ def softmax_chunks(scaled: torch.Tensor, probs: torch.Tensor, chunk_mass: torch.
             chunk: a multiple of 16. A row whose max is not finite gets only its max (the caller raises).
 
     Raises:
-        RuntimeError: the kernel is unavailable or `chunk` is not a multiple of 16.
+        RuntimeError: the kernel is unavailable or `chunk` is not a multiple of 16; ValueError: other dtypes or
+            shapes.
     """
     lib = library()
     if lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
     rows, vocab = scaled.shape
+    chunks = -(-vocab // chunk)
+    if not (scaled.dtype == probs.dtype == maxes.dtype == torch.float32 and chunk_mass.dtype == torch.float64
+            and scaled.stride(-1) == 1 and probs.shape == (rows, chunks * chunk) and probs.is_contiguous()
+            and chunk_mass.shape == (rows, chunks) and chunk_mass.is_contiguous() and maxes.numel() == rows
+            and maxes.is_contiguous()):
+        raise ValueError("softmax_chunks: expected float32 scaled (R, V), probs (R, C * chunk), maxes (R,) and "
+                         "float64 chunk_mass (R, C), contiguous")
     _check(lib.astrai_softmax_chunks(scaled.data_ptr(), scaled.stride(0), rows, vocab, chunk, probs.data_ptr(),
                                      chunk_mass.data_ptr(), maxes.data_ptr(), torch.get_num_threads()),
            "softmax chunks")

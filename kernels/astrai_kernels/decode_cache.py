@@ -178,7 +178,7 @@ class DenseDecodeCache:
         if self.kernel and k.dtype == v.dtype == self.dtype == k_pages.dtype and k.stride(-1) == v.stride(-1) == 1 \
                 and k.stride(-2) == v.stride(-2) == k.shape[-1]:
             keys = self._keys[layer].transpose(-1, -2)  # (B, Nkv, D, cap), contiguous
-            cpu_kernels.store_kv(k, v, slots, k_pages, v_pages, self._positions, keys, self._values[layer])
+            cpu_kernels.store_kv_nocheck(k, v, slots, k_pages, v_pages, self._positions, keys, self._values[layer])
             return
         write_kv(k_pages, v_pages, slots, k, v)
         self.append(layer, k, v)
