@@ -23,13 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-#if defined(__FLT16_MAX__)
-#define HAVE_F16 1
-#else
-#define HAVE_F16 0
-#endif
+#include "cpu_common.h"
 
 /* 1 when this build runs its tasks on OpenMP threads (else it would use one thread). */
 int astrai_cpu_attention_openmp(void) {
@@ -41,41 +35,11 @@ int astrai_cpu_attention_openmp(void) {
 }
 
 /* 1 when this build reads `dtype`. */
-int astrai_cpu_attention_supports(int dtype) { return dtype == F32 || dtype == BF16 || (dtype == F16 && HAVE_F16); }
+int astrai_cpu_attention_supports(int dtype) { return dtype_supported(dtype); }
 
-/* 16 floats, loaded and stored unaligned (GCC vector extension: AVX-512, AVX2 or SSE code as -march allows). */
 #ifndef PREFETCH
 #define PREFETCH 64
 #endif
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
-#if HAVE_F16
-typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
-#endif
-
-/* The 16 elements at p (of dtype, a compile-time constant where inlined) as float32. */
-static inline __attribute__((always_inline)) v16 load16(const char *p, const int dtype) {
-    v16 x;
-    if (dtype == F32) {
-        memcpy(&x, p, sizeof x);
-    } else if (dtype == BF16) {
-        v16u16 h;
-        memcpy(&h, p, sizeof h);
-        const v16u32 bits = __builtin_convertvector(h, v16u32) << 16;
-        memcpy(&x, &bits, sizeof x);
-    } else {
-#if HAVE_F16
-        v16f16 h;
-        memcpy(&h, p, sizeof h);
-        x = __builtin_convertvector(h, v16);
-#else
-        memset(&x, 0, sizeof x);
-#endif
-    }
-    return x;
-}
 
 /* The element at p (of dtype) as float32. */
 static inline __attribute__((always_inline)) float load1(const char *p, const int dtype) {

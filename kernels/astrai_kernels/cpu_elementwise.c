@@ -23,78 +23,47 @@
 #include <immintrin.h>
 #endif
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-#if defined(__FLT16_MAX__)
-#define HAVE_F16 1
-#else
-#define HAVE_F16 0
-#endif
+#include "cpu_common.h"
 
 /* Parallel only above this many elements: below it a fork/join of the team costs more than the work. */
 #define PARALLEL_ELEMENTS 16384
 
-int astrai_cpu_elementwise_supports(int dtype) { return dtype == F32 || dtype == BF16 || (dtype == F16 && HAVE_F16); }
-
-/* 16 lanes (GCC vector extension: AVX-512, AVX2 or SSE code as -march allows), loaded and stored unaligned. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
-#if HAVE_F16
-typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
-#endif
 
+/* Elements i .. i + 15 of the dtype array p as float32. */
 static inline __attribute__((always_inline)) v16 vget(const char *p, int64_t i, const int dtype) {
-    v16 x;
-    if (dtype == F32) {
-        memcpy(&x, p + 4 * i, sizeof x);
-    } else if (dtype == BF16) {
-        v16h h;
-        memcpy(&h, p + 2 * i, sizeof h);
-        const v16u bits = __builtin_convertvector(h, v16u) << 16;
-        memcpy(&x, &bits, sizeof x);
-    } else {
-#if HAVE_F16
-        v16f16 h;
-        memcpy(&h, p + 2 * i, sizeof h);
-        x = __builtin_convertvector(h, v16);
-#else
-        memset(&x, 0, sizeof x);
-#endif
-    }
-    return x;
+    return load16(p + (dtype == F32 ? 4 : 2) * i, dtype);
 }
 
 /* Each lane of x rounded to bfloat16 (nearest, ties to even; NaN kept NaN), as 16 bits. With AVX-512 BF16 one
  * instruction (which also flushes float32 subnormals, below 1.2e-38, to zero); else integer arithmetic. */
-static inline __attribute__((always_inline)) v16h vbf16(v16 x) {
+static inline __attribute__((always_inline)) v16u16 vbf16(v16 x) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
     __m512 in;
     memcpy(&in, &x, sizeof in);
     const __m256bh packed = _mm512_cvtneps_pbh(in);
-    v16h h;
+    v16u16 h;
     memcpy(&h, &packed, sizeof h);
     return h;
 #else
-    v16u bits;
+    v16u32 bits;
     memcpy(&bits, &x, sizeof bits);
-    const v16u nan = (v16u)((bits & 0x7fffffffu) > 0x7f800000u);  /* all ones where NaN */
-    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return __builtin_convertvector((rounded & ~nan) | (((bits | 0x400000u) >> 16) & nan), v16h);
+    const v16u32 nan = (v16u32)((bits & 0x7fffffffu) > 0x7f800000u);  /* all ones where NaN */
+    const v16u32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return __builtin_convertvector((rounded & ~nan) | (((bits | 0x400000u) >> 16) & nan), v16u16);
 #endif
 }
 
 /* The bfloat16 rounding of each lane in the high half of a 32-bit lane (a float32 holding the bfloat16 value). */
-static inline __attribute__((always_inline)) v16u vbf16_bits(v16 x) {
-    return __builtin_convertvector(vbf16(x), v16u) << 16;
+static inline __attribute__((always_inline)) v16u32 vbf16_bits(v16 x) {
+    return __builtin_convertvector(vbf16(x), v16u32) << 16;
 }
 
 static inline __attribute__((always_inline)) void vput(char *p, int64_t i, v16 x, const int dtype) {
     if (dtype == F32) {
         memcpy(p + 4 * i, &x, sizeof x);
     } else if (dtype == BF16) {
-        const v16h h = vbf16(x);
+        const v16u16 h = vbf16(x);
         memcpy(p + 2 * i, &h, sizeof h);
     } else {
 #if HAVE_F16
@@ -107,7 +76,7 @@ static inline __attribute__((always_inline)) void vput(char *p, int64_t i, v16 x
 /* Each lane rounded to the dtype and back (the value torch holds after an op in that dtype). */
 static inline __attribute__((always_inline)) v16 vround(v16 x, const int dtype) {
     if (dtype == BF16) {
-        const v16u bits = vbf16_bits(x);
+        const v16u32 bits = vbf16_bits(x);
         memcpy(&x, &bits, sizeof x);
     } else if (dtype == F16) {
 #if HAVE_F16
@@ -205,7 +174,7 @@ static inline __attribute__((always_inline)) void rmsnorm_impl(const char *x, in
 
 int astrai_rmsnorm(const void *x, int64_t x_row, const void *w, void *out, int64_t rows, int64_t H, float eps,
                    int unit_offset, int dtype, int num_threads) {
-    if (!astrai_cpu_elementwise_supports(dtype)) return 2;
+    if (!dtype_supported(dtype)) return 2;
     if (dtype == F32)
         rmsnorm_impl(x, x_row, w, out, rows, H, eps, unit_offset, num_threads, F32);
     else if (dtype == BF16)
@@ -240,7 +209,7 @@ static inline __attribute__((always_inline)) void rotary_impl(char *x, int64_t x
 
 int astrai_rotary(void *x, int64_t x_row, const void *cos, const void *sin, int64_t rows, int64_t heads, int64_t D,
                   int dtype, int num_threads) {
-    if (!astrai_cpu_elementwise_supports(dtype) || D % 2) return 2;
+    if (!dtype_supported(dtype) || D % 2) return 2;
     if (dtype == F32)
         rotary_impl(x, x_row, cos, sin, rows, heads, D, num_threads, F32);
     else if (dtype == BF16)
@@ -270,7 +239,7 @@ static inline __attribute__((always_inline)) void gated_impl(const char *gu, int
 
 int astrai_gated_activation(const void *gate_up, int64_t gu_row, void *out, int64_t rows, int64_t I, int gelu,
                             int dtype, int num_threads) {
-    if (!astrai_cpu_elementwise_supports(dtype)) return 2;
+    if (!dtype_supported(dtype)) return 2;
     if (dtype == F32)
         gated_impl(gate_up, gu_row, out, rows, I, gelu, num_threads, F32);
     else if (dtype == BF16)
@@ -288,7 +257,7 @@ int astrai_gated_activation(const void *gate_up, int64_t gu_row, void *out, int6
 int astrai_store_kv(const void *k, int64_t k_row, const void *v, int64_t v_row, const int64_t *slots,
                     void *k_pages, void *v_pages, const int64_t *positions, void *dense_keys, void *dense_values,
                     int64_t B, int64_t Nkv, int64_t D, int64_t cap, int dtype) {
-    if (!astrai_cpu_elementwise_supports(dtype)) return 2;
+    if (!dtype_supported(dtype)) return 2;
     const int64_t elem = dtype == F32 ? 4 : 2, head = D * elem;
     for (int64_t b = 0; b < B; ++b) {
         const char *kb = (const char *)k + b * k_row * elem, *vb = (const char *)v + b * v_row * elem;
@@ -334,10 +303,6 @@ int astrai_softmax_chunks(const float *scaled, int64_t s_row, int64_t R, int64_t
         });
         float m = top[0];
         for (int k = 1; k < 16; ++k) m = (top[k] > m || top[k] != top[k]) ? top[k] : m;
-        if (m != m) {
-            maxes[r] = m;
-            continue;
-        }
         maxes[r] = m;
         if (!isfinite(m)) continue;
         for (int64_t c = 0; c < C; ++c) {

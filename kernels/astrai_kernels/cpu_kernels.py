@@ -15,8 +15,8 @@ float16 convert exactly), and computes scores, soft-cap, softmax and output in f
 G = 3, D = 64, lengths 120-204, 30 layers, two threads, AVX-512 BF16 CPU without AMX): 7.3 ms in bfloat16 and
 10.3 ms in float32 against 12.5-14 ms for the torch path (float32 copies).
 
-Build: `$CC` (default `cc`) with `-O3 -march=native -fopenmp -shared -fPIC`, once per source, compiler and CPU (the
-cache key hashes them), into `$ASTR_KERNEL_CACHE` (default `$XDG_CACHE_HOME/astrai/kernels`, else
+Build: `$CC` (default `cc`) with `-O3 -march=native -fopenmp -shared -fPIC`, once per sources (and header), compiler
+and CPU (the cache key hashes them), into `$ASTR_KERNEL_CACHE` (default `$XDG_CACHE_HOME/astrai/kernels`, else
 `~/.cache/astrai/kernels`), written to a temporary file and renamed, so concurrent builds never load a partial
 file. OpenMP: the library must share torch's OpenMP runtime (two runtimes would spin against each other), so it is
 used only where torch runs on GNU libgomp (the Linux wheels) and loading it maps no second one; its parallel
@@ -42,13 +42,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SOURCES", "DTYPE_CODES", "cache_dir", "library", "unavailable_reason", "supports", "dense_decode_attention",
-           "rmsnorm", "rotary_", "gated_activation", "store_kv", "softmax_chunks", "rmsnorm_nocheck",
-           "rotary_nocheck_", "gated_activation_nocheck", "store_kv_nocheck"]
+__all__ = ["SOURCES", "HEADERS", "DTYPE_CODES", "cache_dir", "library", "unavailable_reason", "supports",
+           "dense_decode_attention", "rmsnorm", "rotary_", "gated_activation", "store_kv", "softmax_chunks",
+           "rmsnorm_nocheck", "rotary_nocheck_", "gated_activation_nocheck", "store_kv_nocheck"]
 
 SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_elementwise.c"))
 """The library's C sources: decode attention, and the elementwise pieces of a layer (`rmsnorm`, `rotary_`,
 `gated_activation`, `store_kv`) and of the sampler (`softmax_chunks`)."""
+HEADERS = (Path(__file__).with_name("cpu_common.h"),)
+"""What the sources include (dtype codes, vector types, loads): hashed into the cache key with them."""
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BUILD_TIMEOUT_S = 120  # about a second on a 2-core machine
@@ -162,8 +164,8 @@ def _open(target: Path, *, fresh: bool = False) -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if fresh else str(target))
         for name in ("astrai_cpu_attention_supports", "astrai_dense_decode_attention", "astrai_cpu_attention_openmp",
-                     "astrai_cpu_elementwise_supports", "astrai_rmsnorm", "astrai_rotary", "astrai_gated_activation",
-                     "astrai_store_kv", "astrai_softmax_chunks"):
+                     "astrai_rmsnorm", "astrai_rotary", "astrai_gated_activation", "astrai_store_kv",
+                     "astrai_softmax_chunks"):
             getattr(lib, name)
         return lib
     finally:
@@ -183,7 +185,6 @@ def _unusable(lib: ctypes.CDLL, target: Path, runtimes: set[str]) -> Optional[st
     lib.astrai_dense_decode_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I, _F, _I64,
                                                   _F, _P, _I]
     lib.astrai_dense_decode_attention.restype = _I
-    lib.astrai_cpu_elementwise_supports.argtypes, lib.astrai_cpu_elementwise_supports.restype = [_I], _I
     lib.astrai_rmsnorm.argtypes, lib.astrai_rmsnorm.restype = [_P, _I64, _P, _P, _I64, _I64, _F, _I, _I, _I], _I
     lib.astrai_rotary.argtypes, lib.astrai_rotary.restype = [_P, _I64, _P, _P, _I64, _I64, _I64, _I, _I], _I
     lib.astrai_gated_activation.argtypes = [_P, _I64, _P, _I64, _I64, _I, _I, _I]
@@ -220,7 +221,7 @@ def library() -> Optional[ctypes.CDLL]:
     except (OSError, subprocess.SubprocessError) as err:
         _reason = f"the C compiler {' '.join(compiler)} did not answer --version: {type(err).__name__}"
         return None
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\n".join([*texts, *compiler, version, " ".join(FLAGS), _machine()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_attention-{key}.so"
     tried, lib = target.is_file(), None
@@ -251,8 +252,7 @@ def supports(dtype: torch.dtype) -> bool:
     """True when the kernels are available and read `dtype` (float32, bfloat16; float16 where the compiler has
     `_Float16`)."""
     lib = library()
-    return lib is not None and dtype in DTYPE_CODES and bool(lib.astrai_cpu_attention_supports(DTYPE_CODES[dtype])) \
-        and bool(lib.astrai_cpu_elementwise_supports(DTYPE_CODES[dtype]))
+    return lib is not None and dtype in DTYPE_CODES and bool(lib.astrai_cpu_attention_supports(DTYPE_CODES[dtype]))
 
 
 def dense_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor,
@@ -273,9 +273,7 @@ def dense_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     Raises:
         RuntimeError: the kernel is unavailable (call `supports` first) or could not allocate its buffers.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {_reason}")
+    lib = _loaded()
     rows, heads, dim = q.shape
     out = torch.empty(rows, heads, dim, dtype=torch.float32)
     status = lib.astrai_dense_decode_attention(
@@ -309,6 +307,14 @@ def _code(x: torch.Tensor, what: str, *same: torch.Tensor) -> int:
     return code
 
 
+def _loaded() -> ctypes.CDLL:
+    """`library()`, or RuntimeError saying why it is unavailable (call `supports` first)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    return lib
+
+
 def _check(status: int, what: str) -> None:
     if status:
         raise RuntimeError(f"the CPU {what} kernel failed (status {status}: unsupported dtype or shape)")
@@ -329,9 +335,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
         RuntimeError: the kernel is unavailable (call `supports` first); ValueError: another dtype or device, a
             weight of another dtype, length or layout.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    _loaded()
     _code(x, "rmsnorm", weight)
     if weight.shape != x.shape[-1:] or not weight.is_contiguous():
         raise ValueError(f"rmsnorm: weight must be a contiguous ({x.shape[-1]},) tensor, got {tuple(weight.shape)}")
@@ -343,7 +347,7 @@ def rmsnorm_nocheck(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offs
     x2, rows, row = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype)
     _check(library().astrai_rmsnorm(x2.data_ptr(), row, weight.data_ptr(), out.data_ptr(), rows, x.shape[-1], eps,
-                               int(unit_offset), DTYPE_CODES[x.dtype], torch.get_num_threads()), "RMSNorm")
+                                    int(unit_offset), DTYPE_CODES[x.dtype], torch.get_num_threads()), "RMSNorm")
     return out
 
 
@@ -362,9 +366,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         RuntimeError: the kernel is unavailable, or D is odd; ValueError: another dtype or device, or shapes and
             layouts other than the above.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    _loaded()
     _code(x, "rotary_", cos, sin)
     if x.dim() != 4 or cos.shape != sin.shape or cos.numel() != x.shape[0] * x.shape[1] * x.shape[3]:
         raise ValueError(f"rotary_: x needs (B, S, heads, D) and cos/sin (B, S, 1, D), got {tuple(x.shape)} and "
@@ -379,7 +381,7 @@ def rotary_nocheck_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
         raise ValueError(f"rotary_: x needs (B, S, heads, D) with head stride D, got strides {x.stride()}")
     cos, sin = cos.contiguous(), sin.contiguous()
     _check(library().astrai_rotary(x.data_ptr(), x.stride(1), cos.data_ptr(), sin.data_ptr(), b * s, heads, dim,
-                              DTYPE_CODES[x.dtype], torch.get_num_threads()), "rotary")
+                                   DTYPE_CODES[x.dtype], torch.get_num_threads()), "rotary")
     return x
 
 
@@ -396,9 +398,7 @@ def gated_activation(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     Raises:
         RuntimeError: the kernel is unavailable; ValueError: another dtype or device, or an odd last dim.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    _loaded()
     _code(gate_up, "gated_activation")
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gated_activation: the last dim holds gate and up, so it must be even, got "
@@ -412,7 +412,8 @@ def gated_activation_nocheck(gate_up: torch.Tensor, gelu: bool = False) -> torch
     inner = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], inner, dtype=gate_up.dtype)
     _check(library().astrai_gated_activation(x.data_ptr(), row, out.data_ptr(), rows, inner, int(gelu),
-                                        DTYPE_CODES[gate_up.dtype], torch.get_num_threads()), "gated activation")
+                                             DTYPE_CODES[gate_up.dtype], torch.get_num_threads()),
+           "gated activation")
     return out
 
 
@@ -432,9 +433,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_pages: tor
     Raises:
         RuntimeError: the kernel is unavailable; ValueError: dtypes or layouts other than the above.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    _loaded()
     _code(k, "store_kv", v, k_pages, v_pages, dense_keys, dense_values)
     rows, heads, dim = k.shape
     layouts = (v.shape == k.shape and k.stride()[1:] == v.stride()[1:] == (dim, 1)
@@ -454,9 +453,9 @@ def store_kv_nocheck(k, v, slots, k_pages, v_pages, positions, dense_keys, dense
     """`store_kv` without its argument checks (`DenseDecodeCache.store`, whose buffers are its own)."""
     rows, heads, dim = k.shape
     _check(library().astrai_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
-                                k_pages.data_ptr(), v_pages.data_ptr(), positions.data_ptr(), dense_keys.data_ptr(),
-                                dense_values.data_ptr(), rows, heads, dim, dense_keys.shape[-1],
-                                DTYPE_CODES[k.dtype]), "KV store")
+                                     k_pages.data_ptr(), v_pages.data_ptr(), positions.data_ptr(),
+                                     dense_keys.data_ptr(), dense_values.data_ptr(), rows, heads, dim,
+                                     dense_keys.shape[-1], DTYPE_CODES[k.dtype]), "KV store")
 
 
 def softmax_chunks(scaled: torch.Tensor, probs: torch.Tensor, chunk_mass: torch.Tensor, maxes: torch.Tensor,
@@ -474,9 +473,7 @@ def softmax_chunks(scaled: torch.Tensor, probs: torch.Tensor, chunk_mass: torch.
         RuntimeError: the kernel is unavailable or `chunk` is not a multiple of 16; ValueError: other dtypes or
             shapes.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
+    lib = _loaded()
     rows, vocab = scaled.shape
     chunks = -(-vocab // chunk)
     if not (scaled.dtype == probs.dtype == maxes.dtype == torch.float32 and chunk_mass.dtype == torch.float64
