@@ -446,6 +446,19 @@ def served_url(teacher: Optional[str]) -> bool:
     return bool(teacher) and teacher.strip().lower().startswith(("http://", "https://"))
 
 
+# The strategies whose ranks hold only shards of the trained weights (and under which `prepare_reference` partitions
+# a frozen model: each of its forwards runs collectives).
+PARTITIONED_STRATEGIES = ("fsdp2", "zero3")
+
+
+def restarts_refusal(restarts: int, strategy: str) -> str:
+    """The one-line refusal of `rollout.generation_restarts` > 0 under a sharding `strategy` (one of
+    `PARTITIONED_STRATEGIES`): read at config time (an explicit strategy) and at launch (the resolved one)."""
+    return (f"rollout.generation_restarts: {restarts} needs the trained weights whole on every rank (a restarted "
+            f"generation process is synced by its rank alone), and distributed.strategy {strategy} shards them; "
+            "set it to 0 or null")
+
+
 @dataclass
 class DistillSection(Section, name="distill"):
     """On-policy distillation (Lu and Thinking Machines Lab 2025): a frozen teacher scores the student's sampled
@@ -717,10 +730,8 @@ class Config:
             raise ConfigError(f"rollout.generation_processes: {r.generation_processes} generation processes share "
                               f"each rollout's {r.batch_size} x {group} = {samples} samples per "
                               f"training rank, so some would never generate; expected at most {samples}")
-        if r.generation_restarts and self.distributed.strategy in ("fsdp2", "zero3"):
-            raise ConfigError(f"rollout.generation_restarts: {r.generation_restarts} needs the trained weights whole "
-                              f"on every rank (a restarted generation process is synced by its rank alone), and "
-                              f"distributed.strategy {self.distributed.strategy} shards them; set it to 0 or null")
+        if r.generation_restarts and self.distributed.strategy in PARTITIONED_STRATEGIES:
+            raise ConfigError(restarts_refusal(r.generation_restarts, self.distributed.strategy))
         if r.max_off_policy_steps == 0:
             return  # synchronous: each rollout is generated with the newest weights, as colocated
         if r.correction == "none":

@@ -28,6 +28,7 @@ accuracy / sync's, and draws the curves to `<output-dir>/async_learning.png` (ne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -133,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as logs:
         root = Path(args.output_dir) if args.output_dir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         print(f"async learning bench: {args.steps} steps x 8 samples, {args.groups_per_rollout} per rollout, "
@@ -143,7 +144,7 @@ def main(argv=None) -> None:
         procs, started = {}, {}
         for mode in args.modes:
             out = root / mode
-            log = open(root / f"{mode}.log", "w")
+            log = logs.enter_context(open(root / f"{mode}.log", "w"))  # closed when every run has ended
             started[mode] = time.perf_counter()
             procs[mode] = subprocess.Popen(command(mode, args, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})

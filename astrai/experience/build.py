@@ -11,6 +11,7 @@ import torch
 from astrai.agents.environments import (EnvironmentSpec, environment_specs, environment_tools,
                                         load_environment_class, missing_reset_columns)
 from astrai.agents.tools import load_tools
+from astrai.config import PARTITIONED_STRATEGIES, restarts_refusal
 from astrai.data import PromptSampler
 from astrai.experience.environments import EnvironmentFailures
 from astrai.experience.episode_environments import EpisodeEnvironment, routes_of
@@ -233,13 +234,11 @@ def generation_restarts(config, strategy: str) -> int:
     r = config.rollout
     if r.placement != "separate":
         return 0
-    sharded = strategy in ("fsdp2", "zero3")
+    sharded = strategy in PARTITIONED_STRATEGIES
     if r.generation_restarts is None:
         return 0 if sharded else 2
     if r.generation_restarts and sharded:
-        raise ValueError(f"rollout.generation_restarts: {r.generation_restarts} needs the trained weights whole on "
-                         f"every rank (a restarted generation process is synced by its rank alone), and "
-                         f"distributed.strategy {strategy} shards them; set it to 0 or null")
+        raise ValueError(restarts_refusal(r.generation_restarts, strategy))
     return r.generation_restarts
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from astrai.config import ConfigError, served_url
+from astrai.config import PARTITIONED_STRATEGIES, ConfigError, served_url
 from astrai.distributed.sharding import TrainedModel, prepare_reference, prepare_trained
 from astrai.experience.served_teacher import ServedTeacher
 from astrai.experience.teachers import TeacherRoutes, check_routes
@@ -206,10 +206,6 @@ def teacher_model(dist, config, tokenizer) -> torch.nn.Module | ServedTeacher | 
     agree = (lambda counts: dist.all_reduce_max(counts.to(dist.device)).cpu()) if partitioned else None
     return TeacherRoutes(routes, route_field=config.distill.route_field, agree_counts=agree,
                          source=_data_name(config))
-
-
-PARTITIONED_STRATEGIES = ("fsdp2", "zero3")
-"""Engines under which `prepare_reference` partitions a frozen model: each forward runs collectives."""
 
 
 def _data_name(config) -> str:

@@ -191,7 +191,8 @@ static inline __attribute__((always_inline)) void rotary_impl(char *x, int64_t x
                                                                int64_t rows, int64_t heads, int64_t D, int num_threads,
                                                                const int dtype) {
     const int64_t elem = dtype == F32 ? 4 : 2, half = D / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * heads * D >= PARALLEL_ELEMENTS && num_threads > 1)
+#pragma omp parallel for num_threads(num_threads) schedule(static) \
+    if (rows * heads * D >= PARALLEL_ELEMENTS && num_threads > 1)
     for (int64_t r = 0; r < rows; ++r) {
         const char *c = cos + r * D * elem, *s = sin + r * D * elem;
         for (int64_t h = 0; h < heads; ++h) {
