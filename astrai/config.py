@@ -451,11 +451,13 @@ def served_url(teacher: Optional[str]) -> bool:
 PARTITIONED_STRATEGIES = ("fsdp2", "zero3")
 
 
-def restarts_refusal(restarts: int, strategy: str) -> str:
+def restarts_refusal(restarts: int, strategy: str, configured: Optional[str] = None) -> str:
     """The one-line refusal of `rollout.generation_restarts` > 0 under a sharding `strategy` (one of
-    `PARTITIONED_STRATEGIES`): read at config time (an explicit strategy) and at launch (the resolved one)."""
+    `PARTITIONED_STRATEGIES`): read at config time (an explicit strategy) and at launch (the resolved one; a
+    `configured` value other than it, such as auto, is named with what the launch made of it)."""
+    named = strategy if configured in (None, strategy) else f"{configured} (the launch's {strategy})"
     return (f"rollout.generation_restarts: {restarts} needs the trained weights whole on every rank (a restarted "
-            f"generation process is synced by its rank alone), and distributed.strategy {strategy} shards them; "
+            f"generation process is synced by its rank alone), and distributed.strategy {named} shards them; "
             "set it to 0 or null")
 
 

@@ -105,6 +105,21 @@ def plot(curves: dict[str, list[dict]], path: Path, *, x: str = "step",
     print(f"plot: {path}")
 
 
+def check_output_dir(parser: argparse.ArgumentParser, output_dir: str | None) -> None:
+    """Refuse (exit 2, one line) an `--output-dir` that exists and is not a directory."""
+    if output_dir and Path(output_dir).exists() and not Path(output_dir).is_dir():
+        parser.error(f"--output-dir: {output_dir} exists and is not a directory")
+
+
+def run_failed(what: str, code: int, log: Path, *, kept: bool) -> str:
+    """The message for a subprocess (`what`, e.g. "sync: the training run") that exited with `code`: where its log
+    is, or (`kept` False: the temporary directory holding it is removed on exit) the log's last 20 lines."""
+    if kept:
+        return f"{what} failed (exit {code}); its log: {log}"
+    tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
+    return f"{what} failed (exit {code}); the end of its log:\n{tail}"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; bad values exit 2 with one line (argparse's usage error)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -117,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--groups-per-rollout", type=int, default=4,
                         help="rollout.batch_size B: B optimizer steps per rollout, the lag of one step off")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
-    parser.add_argument("--output-dir", default=None, help="keep the runs here (default: a temporary directory)")
+    parser.add_argument("--output-dir", default=None, help="keep the runs here (unset: a temporary directory)")
     parser.add_argument("--model", default=None, help="model.path (default: the recipe's, SmolLM2-135M-Instruct)")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -129,6 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1")
     if args.eval_steps > args.steps:
         parser.error(f"--eval-steps: expected <= --steps ({args.steps}), got {args.eval_steps}")
+    check_output_dir(parser, args.output_dir)
     return args
 
 
@@ -141,25 +157,27 @@ def main(argv=None) -> None:
               f"evaluated every {args.eval_steps}, "
               f"{args.threads} thread(s) per process, {'at once' if args.parallel else 'one after another'}, "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}", flush=True)
-        procs, started = {}, {}
+        procs, seconds = {}, {}
         for mode in args.modes:
             out = root / mode
             log = logs.enter_context(open(root / f"{mode}.log", "w"))  # closed when every run has ended
-            started[mode] = time.perf_counter()
+            started = time.perf_counter()
             procs[mode] = subprocess.Popen(command(mode, args, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
             if not args.parallel:
                 procs[mode].wait()
+                seconds[mode] = time.perf_counter() - started  # this run alone, not the ones after it
+        logs.close()
         curves = {}
         for mode, proc in procs.items():
             code = proc.wait()
             if code != 0:
-                sys.exit(f"{mode}: the training run failed (exit {code}); its log: {root / f'{mode}.log'}")
+                sys.exit(run_failed(f"{mode}: the training run", code, root / f"{mode}.log",
+                                    kept=bool(args.output_dir)))
             curves[mode] = curve(root / mode)
-            minutes = (time.perf_counter() - started[mode]) / 60
             points = ", ".join(f"{100 * p['accuracy']:.1f}% [{100 * p['low']:.1f}, {100 * p['high']:.1f}] at "
                                f"{p['step']}" for p in curves[mode])
-            timing = "" if args.parallel else f" ({minutes:.1f} min)"
+            timing = "" if args.parallel else f" ({seconds[mode] / 60:.1f} min)"
             print(f"  {mode:<13}{timing} {points}", flush=True)
         if "sync" in curves and curves["sync"]:
             base = curves["sync"][-1]["accuracy"]

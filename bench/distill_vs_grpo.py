@@ -5,7 +5,9 @@
 
 The teacher is the model the two-step arithmetic recipe makes (`configs/examples/sft_arithmetic.yaml`, then
 `grpo_arithmetic.yaml` from its checkpoint; its commands are in `configs/examples/distill_arithmetic.yaml`). The
-student, in both arms, is the untrained SmolLM2-135M-Instruct (`--student`). One after another, on the same threads:
+student, in both arms, is the untrained SmolLM2-135M-Instruct (`--student`). Each arm's run is first checked by
+`python -m astrai.train --check` (a teacher with another tokenizer is refused in seconds, before any
+evaluation). Then one after another, on the same threads:
 
 1. the teacher's greedy accuracy on `builtin:arithmetic_test` (200 questions), scored by `python -m astrai.evaluate`
    (`--max_new_tokens 48`); the target is 90% of it;
@@ -36,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from async_learning import curve, plot  # noqa: E402  (the evaluations of a run, and their plot)
+from async_learning import check_output_dir, curve, plot, run_failed  # noqa: E402  (shared with that bench)
 from astrai.models.loading import resolve_model_path  # noqa: E402
 
 RECIPES = {"distill": REPO / "configs/examples/distill_arithmetic.yaml",
@@ -46,11 +48,12 @@ TEST = "builtin:arithmetic_test"
 EVAL_TOKENS = 48
 
 
-def evaluate(model: str, out: Path, threads: int) -> dict:
+def evaluate(model: str, out: Path, threads: int, *, kept: bool = True) -> dict:
     """`python -m astrai.evaluate` of `model` on the held-out set (greedy, 48 new tokens): its summary.json.
 
     Raises:
-        SystemExit: the evaluation failed (its log named).
+        SystemExit: the evaluation failed (its log named; its end quoted when `kept` is False, the log then being
+            in a temporary directory).
     """
     log = out.with_suffix(".log")
     with open(log, "w") as f:
@@ -59,7 +62,7 @@ def evaluate(model: str, out: Path, threads: int) -> dict:
                                 "--output_dir", str(out), "--no_progress_bar"], cwd=REPO, stdout=f,
                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if code != 0:
-        sys.exit(f"evaluation of {model} failed (exit {code}); its log: {log}")
+        sys.exit(run_failed(f"evaluation of {model}", code, log, kept=kept))
     return json.loads((out / "summary.json").read_text())
 
 
@@ -105,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-steps", type=int, default=20, help="evaluate every this many optimizer steps")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--arms", default=",".join(RECIPES), help="comma-separated, of " + ", ".join(RECIPES))
-    parser.add_argument("--output-dir", default=None, help="keep the runs here (None: a temporary directory)")
+    parser.add_argument("--output-dir", default=None, help="keep the runs here (unset: a temporary directory)")
     args = parser.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in args.arms if a not in RECIPES]
@@ -124,6 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             resolve_model_path(getattr(args, name))
         except (FileNotFoundError, ValueError) as err:
             parser.error(f"--{name}: {err}")
+    check_output_dir(parser, args.output_dir)
     if args.output_dir:
         runs = [Path(args.output_dir) / arm for arm in args.arms]
         used = [run for run in runs if run.is_dir() and any(run.iterdir())]
@@ -140,7 +144,13 @@ def main(argv=None) -> None:
         print(f"distill vs grpo: at most {args.minutes:g} training minutes per arm, evaluated every "
               f"{args.eval_steps} steps, {args.threads} thread(s), {os.cpu_count()} CPUs, "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
-        teacher = evaluate(args.teacher, root / "teacher_eval", args.threads)
+        for arm in args.arms:  # each arm's configuration checked in seconds before any evaluation or training
+            check = subprocess.run([*command(arm, args, root / arm), "--check"], cwd=REPO, capture_output=True,
+                                   text=True)
+            if check.returncode != 0:
+                said = (check.stderr or check.stdout).strip().splitlines() or ["(no output)"]
+                sys.exit(f"{arm}: `python -m astrai.train --check` refused the run: {said[-1]}")
+        teacher = evaluate(args.teacher, root / "teacher_eval", args.threads, kept=bool(args.output_dir))
         target = 0.9 * teacher["accuracy"]
         print(f"  teacher: {100 * teacher['accuracy']:.1f}% [{100 * teacher['ci_low']:.1f}, "
               f"{100 * teacher['ci_high']:.1f}]; target (90% of it): {100 * target:.1f}%", flush=True)
@@ -151,13 +161,13 @@ def main(argv=None) -> None:
                 code = subprocess.call(command(arm, args, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                        env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
             if code != 0:
-                sys.exit(f"{arm}: the training run failed (exit {code}); its log: {root / f'{arm}.log'}")
+                sys.exit(run_failed(f"{arm}: the training run", code, root / f"{arm}.log", kept=bool(args.output_dir)))
             curves[arm] = curve(out)
             if not curves[arm]:
                 print(f"  {arm}: no evaluation within {args.minutes:g} minutes (the first comes after "
                       f"{args.eval_steps} steps): raise --minutes or lower --eval-steps", flush=True)
             reached = minutes_to(curves[arm], target)
-            final = evaluate(str(out), root / f"{arm}_eval", args.threads)
+            final = evaluate(str(out), root / f"{arm}_eval", args.threads, kept=bool(args.output_dir))
             points = ", ".join(f"{100 * p['accuracy']:.1f}% at {p['step']} ({p['minutes']:.1f} min)"
                                for p in curves[arm])
             when = (f"reached {100 * target:.1f}% at {reached:.1f} min" if reached is not None

@@ -27,7 +27,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import threading

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_distill import save_tiny
+from test_distill import save_tiny, swapped_tokenizer
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "distill_vs_grpo.py"
+ASYNC_BENCH = BENCH.with_name("async_learning.py")
 
 
 def load_bench():
@@ -79,3 +80,40 @@ def test_both_arms_run_on_tiny_models(tiny_model_dir, tmp_path):
                             "--output-dir", str(out)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "holds an earlier run" in again.stderr, again.stderr  # before any evaluation
     assert (out / "teacher_eval" / "summary.json").stat().st_mtime_ns == scored
+
+
+@pytest.mark.parametrize("bench", [BENCH, ASYNC_BENCH])
+def test_an_output_dir_that_is_a_file_exits_2_in_one_line(bench, tiny_model_dir, tmp_path):
+    argv = ["--teacher", str(tiny_model_dir), "--student", str(tiny_model_dir)] if bench == BENCH else []
+    file = tmp_path / "runs"
+    file.write_text("not a directory")
+    done = subprocess.run([sys.executable, str(bench), *argv, "--output-dir", str(file)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and f"--output-dir: {file} exists and is not a directory" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and file.read_text() == "not a directory"
+
+
+def test_a_failed_run_quotes_its_log_when_the_directory_goes_away(tmp_path):
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from async_learning import run_failed
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    log = tmp_path / "sync.log"
+    log.write_text("".join(f"line {i}\n" for i in range(30)))
+    assert run_failed("sync: the training run", 2, log, kept=True) == (
+        f"sync: the training run failed (exit 2); its log: {log}")
+    quoted = run_failed("sync: the training run", 2, log, kept=False)  # the temporary directory is removed on exit
+    assert quoted.startswith("sync: the training run failed (exit 2); the end of its log:\nline 10\n")
+    assert quoted.endswith("line 29\n") and "line 9\n" not in quoted
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_any_evaluation(tiny_model_dir, tmp_path):
+    teacher = save_tiny(tmp_path / "teacher", seed=1, tokenizer=swapped_tokenizer())
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, str(BENCH), "--teacher", str(teacher), "--student", str(tiny_model_dir),
+                           "--arms", "distill", "--output-dir", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "distill: `python -m astrai.train --check` refused the run: " in done.stderr
+    assert "share the student's tokenizer" in done.stderr, done.stderr
+    assert not (out / "teacher_eval").exists()  # refused in seconds: the teacher was never evaluated

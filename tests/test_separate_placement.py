@@ -792,8 +792,8 @@ def test_generation_restarts_are_refused_where_the_weights_are_sharded_or_nothin
     assert generation_restarts(separate, "ddp") == 2 and generation_restarts(separate, "zero3") == 0
     assert generation_restarts(load_config(GRPO, []), "ddp") == 0
     auto = load_config(GRPO, ["--rollout.placement", "separate", "--rollout.generation_restarts", "3"])
-    with pytest.raises(ValueError, match="distributed.strategy zero3 shards them"):  # "auto" resolved at launch
-        generation_restarts(auto, "zero3")
+    with pytest.raises(ValueError, match=r"distributed.strategy auto \(the launch's zero3\) shards them"):
+        generation_restarts(auto, "zero3")  # "auto" resolved at launch: both named
 
 
 def test_a_batch_ahead_lost_while_a_checkpoint_waits_is_saved_as_lost_and_sent_again_after_the_resume():

@@ -238,7 +238,7 @@ def generation_restarts(config, strategy: str) -> int:
     if r.generation_restarts is None:
         return 0 if sharded else 2
     if r.generation_restarts and sharded:
-        raise ValueError(restarts_refusal(r.generation_restarts, strategy))
+        raise ValueError(restarts_refusal(r.generation_restarts, strategy, config.distributed.strategy))
     return r.generation_restarts
 
 
