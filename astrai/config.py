@@ -451,16 +451,6 @@ def served_url(teacher: Optional[str]) -> bool:
 PARTITIONED_STRATEGIES = ("fsdp2", "zero3")
 
 
-def restarts_refusal(restarts: int, strategy: str, configured: Optional[str] = None) -> str:
-    """The one-line refusal of `rollout.generation_restarts` > 0 under a sharding `strategy` (one of
-    `PARTITIONED_STRATEGIES`): read at config time (an explicit strategy) and at launch (the resolved one; a
-    `configured` value other than it, such as auto, is named with what the launch made of it)."""
-    named = strategy if configured in (None, strategy) else f"{configured} (the launch's {strategy})"
-    return (f"rollout.generation_restarts: {restarts} needs the trained weights whole on every rank (a restarted "
-            f"generation process is synced by its rank alone), and distributed.strategy {named} shards them; "
-            "set it to 0 or null")
-
-
 @dataclass
 class DistillSection(Section, name="distill"):
     """On-policy distillation (Lu and Thinking Machines Lab 2025): a frozen teacher scores the student's sampled
@@ -707,6 +697,29 @@ class Config:
                               f"steps each rollout takes, so every carried sample would be re-generated; set it >= "
                               f"{steps}")
 
+    def generation_restarts_under(self, strategy: str) -> int:
+        """`rollout.generation_restarts` under the resolved distributed `strategy`: 0 unless the placement is
+        separate; null = 2 where the trained weights are whole on every rank, 0 under fsdp2 / zero3, whose weight
+        sync gathers the shards on every rank together (one rank's restart cannot sync alone). Read at config time
+        for an explicit strategy and at launch for the resolved one (a configured `auto` is then named with it).
+
+        Raises:
+            ConfigError: a value > 0 under fsdp2 / zero3 (one line; exit code 2 from the CLI).
+        """
+        r = self.rollout
+        if r.placement != "separate":
+            return 0
+        sharded = strategy in PARTITIONED_STRATEGIES
+        if r.generation_restarts is None:
+            return 0 if sharded else 2
+        if r.generation_restarts and sharded:
+            configured = self.distributed.strategy
+            named = strategy if configured == strategy else f"{configured} (the launch's {strategy})"
+            raise ConfigError(f"rollout.generation_restarts: {r.generation_restarts} needs the trained weights whole "
+                              f"on every rank (a restarted generation process is synced by its rank alone), and "
+                              f"distributed.strategy {named} shards them; set it to 0 or null")
+        return r.generation_restarts
+
     def _rollout_steps(self, spec) -> int:
         """The policy optimizer steps one rollout takes: B x G / minibatch_size x epochs."""
         section = getattr(self, spec.group_size_field.partition(".")[0])
@@ -732,8 +745,8 @@ class Config:
             raise ConfigError(f"rollout.generation_processes: {r.generation_processes} generation processes share "
                               f"each rollout's {r.batch_size} x {group} = {samples} samples per "
                               f"training rank, so some would never generate; expected at most {samples}")
-        if r.generation_restarts and self.distributed.strategy in PARTITIONED_STRATEGIES:
-            raise ConfigError(restarts_refusal(r.generation_restarts, self.distributed.strategy))
+        if self.distributed.strategy in PARTITIONED_STRATEGIES:
+            self.generation_restarts_under(self.distributed.strategy)  # refuses restarts > 0 (an explicit strategy)
         if r.max_off_policy_steps == 0:
             return  # synchronous: each rollout is generated with the newest weights, as colocated
         if r.correction == "none":

@@ -786,14 +786,12 @@ def test_generation_restarts_are_refused_where_the_weights_are_sharded_or_nothin
                            "--distributed.strategy", "fsdp2"])
     with pytest.raises(ConfigError, match="rollout.generation_restarts: sets the generation process"):
         load_config(GRPO, ["--rollout.generation_restarts", "1"])
-    from astrai.experience.build import generation_restarts
-
     separate = load_config(GRPO, ["--rollout.placement", "separate"])
-    assert generation_restarts(separate, "ddp") == 2 and generation_restarts(separate, "zero3") == 0
-    assert generation_restarts(load_config(GRPO, []), "ddp") == 0
+    assert separate.generation_restarts_under("ddp") == 2 and separate.generation_restarts_under("zero3") == 0
+    assert load_config(GRPO, []).generation_restarts_under("ddp") == 0
     auto = load_config(GRPO, ["--rollout.placement", "separate", "--rollout.generation_restarts", "3"])
-    with pytest.raises(ValueError, match=r"distributed.strategy auto \(the launch's zero3\) shards them"):
-        generation_restarts(auto, "zero3")  # "auto" resolved at launch: both named
+    with pytest.raises(ConfigError, match=r"distributed.strategy auto \(the launch's zero3\) shards them"):
+        auto.generation_restarts_under("zero3")  # "auto" resolved at launch: both named
 
 
 def test_a_batch_ahead_lost_while_a_checkpoint_waits_is_saved_as_lost_and_sent_again_after_the_resume():

@@ -11,7 +11,6 @@ import torch
 from astrai.agents.environments import (EnvironmentSpec, environment_specs, environment_tools,
                                         load_environment_class, missing_reset_columns)
 from astrai.agents.tools import load_tools
-from astrai.config import PARTITIONED_STRATEGIES, restarts_refusal
 from astrai.data import PromptSampler
 from astrai.experience.environments import EnvironmentFailures
 from astrai.experience.episode_environments import EpisodeEnvironment, routes_of
@@ -29,7 +28,7 @@ from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.sampling import SamplingParams
 
 __all__ = ["agreed_scoring", "build_online_experience", "build_episode_player", "build_episode_runner",
-           "generation_restarts", "load_job_environment", "load_job_tools", "sampling_params"]
+           "load_job_environment", "load_job_tools", "sampling_params"]
 
 
 def sampling_params(config, model_config, tokenizer) -> SamplingParams:
@@ -220,26 +219,7 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
                             should_stop=should_stop,
                             one_step_off=r.placement == "separate" and r.max_off_policy_steps > 0,
                             max_off_policy_steps=r.max_off_policy_steps,
-                            generation_restarts=generation_restarts(config, getattr(dist, "strategy", "ddp")))
-
-
-def generation_restarts(config, strategy: str) -> int:
-    """`rollout.generation_restarts` for the resolved `strategy`: 0 unless the placement is separate; null = 2
-    where the trained weights are whole on every rank, 0 under fsdp2 / zero3, whose weight sync gathers the shards
-    on every rank together (one rank's restart cannot sync alone).
-
-    Raises:
-        ValueError: a value > 0 under fsdp2 / zero3 (one line; exit code 2 from the CLI).
-    """
-    r = config.rollout
-    if r.placement != "separate":
-        return 0
-    sharded = strategy in PARTITIONED_STRATEGIES
-    if r.generation_restarts is None:
-        return 0 if sharded else 2
-    if r.generation_restarts and sharded:
-        raise ValueError(restarts_refusal(r.generation_restarts, strategy, config.distributed.strategy))
-    return r.generation_restarts
+                            generation_restarts=config.generation_restarts_under(getattr(dist, "strategy", "ddp")))
 
 
 def agreed_scoring(rewards: RewardFunctions, any_rank: Optional[Callable[[bool], bool]]

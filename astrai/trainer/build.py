@@ -32,7 +32,7 @@ from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, ExperienceEnd, MetricsLogger,
                                       ProgressBar, StepTimer)
 from astrai.trainer.evaluation_callback import build_evaluation, load_eval_records
-from astrai.experience.build import generation_restarts, load_job_environment, load_job_tools
+from astrai.experience.build import load_job_environment, load_job_tools
 from astrai.rewards.build import build_rewards
 from astrai.rollout.build import check_rollout_engine
 from astrai.rollout.remote import RemoteEngineError
@@ -361,7 +361,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     """
     plan = resolve_launch(config.distributed.strategy, mixed_precision=config.train.mixed_precision, env=os.environ)
     check_job_step_sizes(config, plan.strategy, plan.deepspeed_config, world_size)
-    generation_restarts(config, plan.strategy)  # the launch's strategy may shard the weights (ValueError)
+    config.generation_restarts_under(plan.strategy)  # the launch's strategy may shard the weights
     check_mesh(world_size, config.rollout.tensor_parallel_size)  # the (data x tensor) mesh the ranks would build
     build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config), enabled=False)
     output_dir = checked_output_dir(config.train.output_dir, output_subdirs(config))
