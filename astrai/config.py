@@ -745,8 +745,7 @@ class Config:
             raise ConfigError(f"rollout.generation_processes: {r.generation_processes} generation processes share "
                               f"each rollout's {r.batch_size} x {group} = {samples} samples per "
                               f"training rank, so some would never generate; expected at most {samples}")
-        if self.distributed.strategy in PARTITIONED_STRATEGIES:
-            self.generation_restarts_under(self.distributed.strategy)  # refuses restarts > 0 (an explicit strategy)
+        self.generation_restarts_under(self.distributed.strategy)  # refuses restarts > 0 under fsdp2 / zero3
         if r.max_off_policy_steps == 0:
             return  # synchronous: each rollout is generated with the newest weights, as colocated
         if r.correction == "none":

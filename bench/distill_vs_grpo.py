@@ -48,7 +48,7 @@ TEST = "builtin:arithmetic_test"
 EVAL_TOKENS = 48
 
 
-def evaluate(model: str, out: Path, threads: int, *, kept: bool = True) -> dict:
+def evaluate(model: str, out: Path, threads: int, *, kept: bool) -> dict:
     """`python -m astrai.evaluate` of `model` on the held-out set (greedy, 48 new tokens): its summary.json.
 
     Raises:
