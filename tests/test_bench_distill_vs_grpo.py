@@ -47,7 +47,7 @@ def test_curve_and_minutes_to_the_target(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--teacher", "/no/such/teacher"], "--teacher: /no/such/teacher does not exist"),
-    (["--teacher", ".", "--arms", "sft"], "--arms: expected some of distill, grpo"),
+    (["--teacher", ".", "--arms", "sft"], "--arms: expected some of distill, seqkd, grpo"),
     (["--teacher", ".", "--minutes", "0"], "--minutes: expected a finite number > 0"),
     (["--teacher", ".", "--minutes", "nan"], "--minutes: expected a finite number > 0, got nan"),
     (["--teacher", ".", "--eval-steps", "0"], "--eval-steps: expected >= 1"),
@@ -62,7 +62,8 @@ def test_both_arms_run_on_tiny_models(tiny_model_dir, tmp_path):
     teacher = save_tiny(tmp_path / "teacher", seed=1)
     out = tmp_path / "bench"
     done = subprocess.run([sys.executable, str(BENCH), "--teacher", str(teacher), "--student", str(tiny_model_dir),
-                           "--minutes", "0.01", "--eval-steps", "1", "--threads", "1", "--output-dir", str(out)],
+                           "--minutes", "0.01", "--eval-steps", "1", "--threads", "1", "--output-dir", str(out),
+                           "--arms", "distill,grpo"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"^  teacher: \d+\.\d% \[", done.stdout, re.M), done.stdout
@@ -117,3 +118,33 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_evaluation(tiny_
     assert done.returncode != 0 and "distill: `python -m astrai.train --check` refused the run: " in done.stderr
     assert "share the student's tokenizer" in done.stderr, done.stderr
     assert not (out / "teacher_eval").exists()  # refused in seconds: the teacher was never evaluated
+
+
+@pytest.mark.parametrize("rows", [3, 0])
+def test_seqkd_trains_on_the_teachers_answers_after_their_minutes(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                                  rows):
+    """The seqkd arm with the teacher's demonstrations stubbed (`python -m astrai.evaluate --demonstrations` is
+    tested in test_evaluate.py): sft trains on them for --minutes less the teacher's, its curve starts after them,
+    and it is compared with grpo; without a right answer the arm is skipped."""
+    bench = load_bench()
+    demonstrations = tmp_path / "demos.jsonl"
+    demonstrations.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                                                               {"role": "assistant", "content": str(i + 1)}]}) + "\n"
+                                      for i in range(rows)))
+    monkeypatch.setattr(bench, "teacher_demonstrations", lambda args, root: (demonstrations, rows, 0.5))
+    out = tmp_path / "bench"
+    bench.main(["--teacher", str(tiny_model_dir), "--student", str(tiny_model_dir),
+                "--arms", "seqkd,grpo" if rows else "seqkd",
+                "--minutes", "0.51", "--eval-steps", "1", "--threads", "1", "--output-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert f"seqkd: the teacher answered the builtin:arithmetic questions in 0.5 min; {rows} right answers" in printed
+    if not rows:
+        assert "seqkd: no right answer to train on: skipped" in printed and not (out / "seqkd").exists()
+        assert "ratio" not in printed
+        return
+    config = (out / "seqkd" / "config.yaml").read_text()
+    assert f"path: {demonstrations}" in config and "max_minutes: 0.01" in config and "type: sft" in config
+    first = re.search(r"^  seqkd\s+\d+\.\d% at 1 \((\d+\.\d) min\)", printed, re.M)
+    assert first and float(first.group(1)) >= 0.5, printed  # the teacher's half minute comes first
+    assert printed.count("final, python -m astrai.evaluate: ") == 2
+    assert re.search(r"^ratio: \d+\.\d\d at the common level .*, seqkd \d+\.\d min$", printed, re.M), printed

@@ -225,3 +225,78 @@ def test_a_lora_checkpoint_directory_uses_its_runs_config(tmp_path):
     (step / "adapter_config.json").write_text("{}")
     (tmp_path / "run" / "config.yaml").write_text("train: {type: sft}\n")
     assert resolve_model(str(step)) == (str(step), tmp_path / "run" / "config.yaml")
+
+
+# ------------------------------------------------------------------------------------------- demonstrations
+def test_demonstrations_keep_distinct_passing_finished_responses():
+    from astrai.evaluation.accuracy import EvalResult
+
+    def example(index, question, responses, correct, finished):
+        return {"index": index, "question": question, "responses": responses, "correct": correct,
+                "finished": finished}
+
+    chat = [{"role": "system", "content": "own"}, {"role": "user", "content": "q2"}]
+    result = EvalResult(num_samples=4, examples=[
+        example(0, "q0", ["a", "a", "b", "c"], [True, True, True, False], [True, True, True, True]),
+        example(1, "q1", ["x", "y", " ", "z"], [False, True, True, True], [True, False, True, True]),
+        example(2, chat, ["p", "p", "p", "p"], [True] * 4, [True] * 4),
+        example(3, "q3", ["n"] * 4, [False] * 4, [True] * 4)])
+    rows = result.demonstrations("S")
+    sys_turn, user = {"role": "system", "content": "S"}, lambda q: {"role": "user", "content": q}
+    reply = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+    assert rows == [  # duplicates, failures, cut and blank responses left out; a chat's own system turn kept
+        {"messages": [sys_turn, user("q0"), reply("a")], "index": 0},
+        {"messages": [sys_turn, user("q0"), reply("b")], "index": 0},
+        {"messages": [sys_turn, user("q1"), reply("z")], "index": 1},
+        {"messages": [*chat, reply("p")], "index": 2}]
+    assert result.demonstrations(None)[0]["messages"] == [user("q0"), reply("a")]
+    result.examples.append({**example(4, "q4", ["t"], [True], [True]), "turns": [2]})
+    with pytest.raises(ValueError, match="multi-turn episodes"):
+        result.demonstrations(None)
+
+
+def test_demonstrations_file_trains_sft_on_the_responses(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Sampled responses that end within 16 tokens (seeded: some do, some are cut) and pass the stub reward become
+    chats whose sft labels are exactly the response (then the end-of-turn token)."""
+    from astrai.data.examples import IGNORE_INDEX, chat_example
+    from astrai.models.special_tokens import stop_token_ids
+
+    monkeypatch.setitem(BUILTIN_REWARDS, "even_length", EVEN_LENGTH)
+    out, demos = tmp_path / "eval", tmp_path / "new" / "demos.jsonl"
+    assert cli(tiny_model_dir, "builtin:arithmetic_test", out, "--limit", "8", "--reward", "even_length",
+               "--temperature", "1.0", "--num_samples", "8", "--max_new_tokens", "16", "--seed", "1",
+               "--demonstrations", str(demos)) == 0
+    results, summary = read_outputs(out)
+    rows = [json.loads(line) for line in demos.read_text().splitlines()]
+    passing = [(r["index"], text) for r in results for text, ok, end in zip(r["responses"], r["correct"],
+                                                                           r["finished"]) if ok and end]
+    cut = sum(ok and not end for r in results for ok, end in zip(r["correct"], r["finished"]))
+    assert rows and cut > 0  # the seed gives both kinds
+    assert [(row["index"], row["messages"][-1]["content"]) for row in rows] == list(dict.fromkeys(passing))
+    questions = {r["index"]: r["question"] for r in results}
+    assert all(row["messages"][:2] == [{"role": "system", "content": SYSTEM},
+                                       {"role": "user", "content": questions[row["index"]]}] for row in rows)
+    assert summary["demonstrations"] == {"path": str(demos), "rows": len(rows),
+                                         "questions": len({i for i, _ in passing})}
+    assert f"wrote {len(rows)} demonstrations" in capsys.readouterr().out
+    model, tokenizer = load_pretrained(tiny_model_dir)
+    stops = stop_token_ids(model.config, tokenizer)
+    for row in rows:
+        ids, labels = chat_example(row["messages"], tokenizer, max_length=None, stops=stops)
+        learned = [t for t in labels if t != IGNORE_INDEX]
+        assert learned[-1] in stops
+        assert tokenizer.decode(learned[:-1]) == row["messages"][-1]["content"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--demonstrations", "{tmp}"], "--demonstrations: expected a file path"),
+    (["--demonstrations", "{tmp}/o/results.jsonl"], "is the evaluation's own results.jsonl"),
+    (["--demonstrations", "{tmp}/d.jsonl", "--chat_template", "false"], "--demonstrations: the prompts are raw text"),
+])
+def test_demonstrations_bad_input_exits_2(tiny_model_dir, tmp_path, capsys, extra, needle):
+    code = main(["--model", str(tiny_model_dir), "--data", "builtin:arithmetic_test", "--output_dir",
+                 str(tmp_path / "o"), "--limit", "1", "--no_progress_bar",
+                 *[e.replace("{tmp}", str(tmp_path)) for e in extra]])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "d.jsonl").exists()

@@ -38,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from astrai.algos.stats import pass_at_k, wilson_interval
-from astrai.data.truncation import encode_prompt_records
+from astrai.data.truncation import encode_prompt_records, prompt_messages
 from astrai.models.special_tokens import strip_stop
 from astrai.rewards.build import score_records
 from astrai.rollout.sampling import MIN_TEMPERATURE, SamplingParams
@@ -230,6 +230,34 @@ class EvalResult:
             out.update({f"{name}/sum": sum(values), f"{name}/applied": float(len(values)),
                         f"{name}/failed": float(self.failed.get(name, 0))})
         return out
+
+    def demonstrations(self, system_prompt: Optional[str] = None) -> list[dict]:
+        """The passing responses as chat demonstrations for `train.type: sft` (`data.messages_field: messages`):
+        one `{"messages": [system?, user, assistant], "index": <the question's index>}` per distinct passing
+        response of each question that ended with a stop token (a response cut by `max_new_tokens` is never one),
+        in question then sample order; the prompt turns are built as the evaluation built them
+        (`astrai.data.truncation.prompt_messages`, the whole question even where `truncation: left` cut it).
+        Empty responses are left out.
+
+        With a teacher's samples this is sequence-level knowledge distillation (Kim and Rush 2016, "Sequence-Level
+        Knowledge Distillation", section 3.2: train on the teacher's outputs); with the policy's own, filtered by
+        the reward, rejection-sampling fine-tuning (Yuan et al. 2023, "Scaling Relationship on Learning
+        Mathematical Reasoning with Large Language Models", section 3.3: distinct correct samples per question).
+
+        Raises:
+            ValueError: the examples are multi-turn episodes (their tool turns are not in `responses`).
+        """
+        rows = []
+        for ex in self.examples:
+            if "turns" in ex:
+                raise ValueError("demonstrations: multi-turn episodes are not written as demonstrations")
+            seen = set()
+            for response, correct, finished in zip(ex["responses"], ex["correct"], ex["finished"]):
+                if correct and finished and response.strip() and response not in seen:
+                    seen.add(response)
+                    rows.append({"messages": prompt_messages(ex["question"], system_prompt)
+                                 + [{"role": "assistant", "content": response}], "index": ex["index"]})
+        return rows
 
     @property
     def tokens_per_second(self) -> float:

@@ -23,7 +23,9 @@ settings (fields, system prompt, chat template or raw text, prompt length, rewar
 
 Writes `<output_dir>/results.jsonl` (one object per question: question, answer, responses, extracted answers,
 scores, per-function rewards, ...) and `<output_dir>/summary.json` (model, data, n, pass rate, intervals, pass@k,
-mean reward, per-function means, settings, tokens/s, wall time), each replaced atomically (a file that cannot be
+mean reward, per-function means, settings, tokens/s, wall time), with `--demonstrations FILE` also FILE (the
+distinct passing responses that ended, as chats for `train.type: sft`: `EvalResult.demonstrations`), each replaced
+atomically (a file that cannot be
 written, a full disk: one line naming it, exit code 2, the previous file left whole). Bad input (options,
 model, data, config, reward functions) prints one line and exits with code 2; so does a reward function's bug or
 too many failed reward calls, as training stops for them.
@@ -83,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--output_dir", default="outputs/eval",
                    help="where results.jsonl and summary.json go (default: outputs/eval)")
+    p.add_argument("--demonstrations", default=None, metavar="FILE",
+                   help="also write each distinct passing response that ended (not cut by --max_new_tokens) as a "
+                        "chat demonstration, {\"messages\": [...]} per line, to FILE for train.type sft: "
+                        "rejection-sampling fine-tuning on a model's own samples, or sequence-level distillation "
+                        "from a teacher's (chat-template prompts only)")
     p.add_argument("--system_prompt", default=None, help="system message (default: the config's data.system_prompt)")
     p.add_argument("--chat_template", default=None, choices=tuple(CHAT_TEMPLATE_CHOICES),
                    help="render prompts with the tokenizer's chat template (true), as raw text (false), or the "
@@ -184,6 +191,12 @@ def check_options(args: argparse.Namespace) -> None:
     out = Path(args.output_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output_dir: not a directory: {out}")
+    if args.demonstrations is not None:
+        target = Path(args.demonstrations).expanduser()
+        if target.is_dir() or not target.name:
+            raise UsageError(f"--demonstrations: expected a file path, got the directory {args.demonstrations!r}")
+        if target.resolve() in ((out / RESULTS_FILE).resolve(), (out / SUMMARY_FILE).resolve()):
+            raise UsageError(f"--demonstrations: {target} is the evaluation's own {target.name}; name another file")
 
 
 def load_scoring(args: argparse.Namespace, config, chosen: dict) -> tuple[list, Any, list]:
@@ -235,6 +248,9 @@ def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dic
     model_path, run_config = resolve_model(args.model)
     config_path = Path(args.config) if args.config is not None else run_config
     config, chosen = prompt_settings(args, config_path)
+    if args.demonstrations is not None and (config.rollout.tools or config.rollout.environment is not None):
+        raise UsageError("--demonstrations: the job's rollout.tools / rollout.environment play multi-turn episodes, "
+                         "whose tool turns are not written as demonstrations")
     try:  # EvalSettings names its fields; on this command line they are options
         settings = EvalSettings(max_new_tokens=chosen["max_new_tokens"], temperature=args.temperature,
                                 num_samples=args.num_samples, batch_size=args.batch_size)
@@ -255,6 +271,9 @@ def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dic
                                            revision=args.revision)
         templated = check_prompt_format(tokenizer, chosen["chat_template"], system_prompt=chosen["system_prompt"],
                                         model=model_path, say=lambda line: print(line, file=sys.stderr))
+        if args.demonstrations is not None and not templated:
+            raise UsageError("--demonstrations: the prompts are raw text (the tokenizer has no chat template, or "
+                             "--chat_template false); sft trains on chats, which need the template")
         if args.adaptive_threads is not None:
             config.runtime.adaptive_threads = args.adaptive_threads == "true"
         engine = build_rollout_engine(config, model, tokenizer)  # the job's rollout.engine and its options
@@ -287,11 +306,17 @@ def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dic
                             "threads": torch.get_num_threads(), "threads_mean": mean_threads(engine),
                             "config": str(config_path) if config_path else None}}
     out = Path(args.output_dir).expanduser()
-    for path, text in ((out / RESULTS_FILE, "".join(json.dumps(ex, ensure_ascii=False) + "\n"
-                                                    for ex in result.examples)),
-                       (out / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")):
+    files = [(out / RESULTS_FILE, "".join(json.dumps(ex, ensure_ascii=False) + "\n" for ex in result.examples))]
+    if args.demonstrations is not None:
+        rows = result.demonstrations(chosen["system_prompt"])
+        target = Path(args.demonstrations).expanduser()
+        files.append((target, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)))
+        summary["demonstrations"] = {"path": str(target), "rows": len(rows),
+                                     "questions": len({row["index"] for row in rows})}
+    files.append((out / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n"))
+    for path, text in files:
         try:  # each replaced whole or not at all (a full disk leaves the previous file)
-            out.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, text)
         except OSError as err:
             raise OutputWriteError.of(path, err) from None
@@ -335,6 +360,10 @@ def report(summary: dict, out: Path) -> None:
         threads += f", {s['threads_mean']:.2f} on average: other processes were busy (runtime.adaptive_threads)"
     print(f"{summary['generated_tokens']} tokens in {summary['generation_seconds']:.1f} s "
           f"({summary['tokens_per_second']:.1f} tok/s, {threads}); evaluation {summary['wall_seconds']:.1f} s in all")
+    if "demonstrations" in summary:
+        d = summary["demonstrations"]
+        print(f"wrote {d['rows']} demonstrations (the distinct passing responses that ended, of {d['questions']} of "
+              f"the {summary['n']} questions) to {d['path']}")
     print(f"wrote {out / RESULTS_FILE} and {out / SUMMARY_FILE}")
 
 
