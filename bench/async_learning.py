@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("sync", "partial", "one_step_off")
@@ -123,7 +124,7 @@ def run_failed(what: str, code: int, log: Path, *, kept: bool) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; bad values exit 2 with one line (argparse's usage error)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--steps", type=int, default=140, help="optimizer steps per run (8 samples each)")
     parser.add_argument("--eval-steps", type=int, default=35, help="evaluate every this many steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")

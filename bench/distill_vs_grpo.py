@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from async_learning import check_output_dir, curve, plot, run_failed  # noqa: E402  (shared with that bench)
 from astrai.models.loading import resolve_model_path  # noqa: E402
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 RECIPES = {"distill": REPO / "configs/examples/distill_arithmetic.yaml",
            "seqkd": REPO / "configs/examples/sft_arithmetic.yaml",
@@ -138,7 +139,7 @@ def check_run(arm: str, run: list[str]) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; bad values exit 2 with one line (argparse's usage error)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--teacher", required=True, help="the teacher model (a checkpoint directory)")
     parser.add_argument("--student", default="smollm2-135m-instruct", help="both arms' starting model")
     parser.add_argument("--minutes", type=float, default=15.0, help="training minutes per arm at most")

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -145,7 +146,7 @@ def machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=("float32", "bfloat16"), help="engine dtypes (weights and KV cache)")
     parser.add_argument("--batches", nargs="+", type=int, default=[32], help="prompts per call (B); the first is "

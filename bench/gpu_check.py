@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
@@ -374,7 +375,7 @@ def failed(report: dict) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """CLI (see the module docstring); returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--output", type=Path, default=Path("gpu_check.json"), help="JSON report path")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CUDA-only parts skipped)")
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="peak HBM bandwidth, TB/s (H200: 4.8)")

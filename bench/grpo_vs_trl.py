@@ -80,6 +80,7 @@ import torch
 
 import floors
 from hf_export import export_hf
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "examples" / "grpo_arithmetic.yaml"
@@ -245,7 +246,7 @@ def ratio_line(peer_seconds: float, astrai_seconds: float) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; bad values exit 2 with one line (argparse's usage error)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--iters", type=int, default=5, help="timed GRPO iterations per side (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of both sides")
     parser.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"),

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import grpo_vs_trl
 from hf_export import export_hf
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = grpo_vs_trl.RECIPE
@@ -66,7 +67,7 @@ EVAL_DATA = "builtin:arithmetic_test"
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; bad values exit 2 with one line (argparse's usage error)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--minutes", type=float, required=True, help="training wall time of each side")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of both sides and the evaluations")
     parser.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"),

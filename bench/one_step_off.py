@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 REPO = Path(__file__).resolve().parents[1]
 PLACEMENTS = ("colocated", "separate_sync", "one_step_off")
@@ -85,7 +86,7 @@ def run(name: str, args: argparse.Namespace, out: Path) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; bad values exit 2 with one line (argparse's usage error)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (one rollout each)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in all (one_step_off splits them)")
     parser.add_argument("--batch-size", type=int, default=4, help="prompts per rollout (B)")

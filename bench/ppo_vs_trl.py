@@ -78,6 +78,7 @@ import torch
 import floors
 import gsm8k
 from hf_export import export_hf
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = gsm8k.DEFAULT
@@ -253,7 +254,7 @@ def print_table(astrai: list[dict], trl: list[dict], astrai_floor: list[dict], t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--iters", type=int, default=3, help="timed PPO iterations per side (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of both sides")
     parser.add_argument("--data", type=Path, default=GSM8K, help="GSM8K-format jsonl (question, answer)")

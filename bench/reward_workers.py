@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from astrai.rewards.functions import RewardFunctions  # noqa: E402
 from astrai.rewards.workers import RewardFunctionSpec  # noqa: E402
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 REWARD_SOURCE = '''
 import time
@@ -90,7 +91,7 @@ def parse_workers(text: str) -> list[int]:
 def main() -> None:
     """Command line: see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--completions", type=int, default=64, help="completions scored per round")
     parser.add_argument("--ms", type=float, default=20.0, help="milliseconds the reward spends per completion")
     parser.add_argument("--workers", default="0,1,2", help="worker counts to compare (0 = in process)")

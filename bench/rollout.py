@@ -40,6 +40,7 @@ import torch
 
 import floors
 import gsm8k
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = gsm8k.DEFAULT
@@ -165,7 +166,7 @@ def describe(config, tokenizer) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + f" Reads {GSM8K}.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"an alias, .gguf file or HF directory astrai loads, "
                                                                f"or {QWEN3_RANDOM}")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both engines")

@@ -35,6 +35,7 @@ from http.client import HTTPConnection
 
 import gsm8k
 import hf_export
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 MODEL = "served"
 
@@ -180,7 +181,7 @@ def summary(name: str, ttfts: list[float], tokens: int, seconds: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--clients", type=int, default=8, help="concurrent clients")
     parser.add_argument("--requests-per-client", type=int, default=4, help="requests each client sends in turn")
     parser.add_argument("--short-tokens", type=int, default=32, help="response length of short requests")

@@ -46,6 +46,7 @@ import torch
 import floors
 import gsm8k
 from hf_export import export_hf
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = gsm8k.DEFAULT
@@ -144,7 +145,7 @@ def batch_work(dims: floors.Dims, records: list, pad_id: int) -> tuple[int, int]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per side (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of both sides")
     parser.add_argument("--batch", type=int, default=8, help="chats per optimizer step")

@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from engine_vs_vllm import machine, run_beside_busy_loops  # noqa: E402
+from cli_help import DefaultsFormatter  # noqa: E402  (bench/, the script's own folder)
 
 PHASES = {"step": ("time/step_seconds",), "generate": ("time/generate_seconds",),
           "update": ("time/policy_update_seconds", "time/critic_update_seconds")}
@@ -53,7 +54,7 @@ def run_job(args, adaptive: bool, busy: int, out: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("--config", default="configs/examples/ppo.yaml", help="the job file")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per job")
     parser.add_argument("--repeats", type=int, default=2, help="jobs per way")
