@@ -1214,7 +1214,16 @@ def config_from_dict(data: Any, overrides: Iterable[str] = (), source: Optional[
             current = values[section].get(name, getattr(SECTIONS[section](), name))
             value = _set_inside(to_raw(current) if current is not None else {}, section, name, sub, value)
         values[section][name] = value
-    sections = {s: cls(**values[s]) for s, cls in SECTIONS.items()}
+    overridden = {f"{s}.{n}" for s, n, _, _ in parsed}
+    sections = {}
+    for s, cls in SECTIONS.items():
+        try:
+            sections[s] = cls(**values[s])
+        except ConfigError as e:  # a command-line value that fails its field's check: say it came from there
+            named = str(e).split(":", 1)[0].split("[", 1)[0]
+            if not any(named == key or named.startswith(key + ".") for key in overridden):
+                raise
+            raise ConfigError(f"{e} (given on the command line)") from None
     try:
         return Config(**sections)
     except ConfigError as e:  # a cross-field check: say where the values came from

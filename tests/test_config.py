@@ -205,6 +205,17 @@ def test_bad_override_keys(tokens, expected):
     assert expected in error(None, tokens)
 
 
+def test_a_bad_command_line_value_says_where_it_came_from(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("grpo:\n  group_size: 1\nrollout:\n  max_new_tokens: 8\n")
+    assert error(str(job), []) == f"{job}: grpo.group_size: expected an integer >= 2, got 1"  # the file's value
+    job.write_text("rollout:\n  max_new_tokens: 8\n")
+    for tokens, expected in [
+            (["--grpo.group_size", "1"], "grpo.group_size: expected an integer >= 2, got 1"),
+            (["--rollout.max_new_tokens", "abc"], "rollout.max_new_tokens: expected an integer > 0, got 'abc'")]:
+        assert error(str(job), tokens) == f"{expected} (given on the command line)"
+
+
 @pytest.mark.parametrize("flag, expected", [
     ("--chek", "error: unknown option '--chek' (did you mean '--check'?)"),
     ("--confg", "error: unknown option '--confg' (did you mean '--config'?)"),
