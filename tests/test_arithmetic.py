@@ -131,12 +131,13 @@ def test_the_reworded_set_is_the_test_problems_in_words_no_train_question_uses()
 
 
 def test_worked_answers_are_right_by_place_value_and_score_one():
-    from astrai.data.arithmetic import worked_answer
+    from astrai.data.arithmetic import worked_answer, worked_steps
 
-    assert worked_answer("-", 73, 48) == "73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"
-    assert worked_answer("+", 47, 38) == "47 + 38 = 47 + 30 + 8 = 77 + 8 = 85"
+    assert worked_answer("-", 73, 48) == "We need the difference between 73 and 48: 73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"
+    assert worked_answer("+", 47, 38) == "We need the sum of 47 and 38: 47 + 38 = 47 + 30 + 8 = 77 + 8 = 85"
     for r in arithmetic_records("train"):
-        text = worked_answer(r["operation"], r["a"], r["b"])
+        text = worked_steps(r["operation"], r["a"], r["b"])
+        assert worked_answer(r["operation"], r["a"], r["b"]).endswith(": " + text)
         terms = text.split(" = ")
         values = {eval(t) for t in terms}  # noqa: S307 - the test's own arithmetic strings
         assert values == {int(extract_gsm8k_answer(r["answer"]))}, text
@@ -158,6 +159,12 @@ def test_the_generator_writes_one_demonstration_per_train_question(tmp_path, cap
     for row, r in zip(rows, train):
         assert row["messages"] == [{"role": "user", "content": r["question"]},
                                    {"role": "assistant", "content": worked_answer(r["operation"], r["a"], r["b"])}]
+    assert main(["--out", str(tmp_path / "s"), "--form", "steps", "--num_train", "4"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "s" / "sft_arithmetic.jsonl").read_text().splitlines()]
+    assert [row["messages"][1]["content"] for row in rows] == [
+        worked_answer(r["operation"], r["a"], r["b"], form="steps") for r in arithmetic_records("train", num_train=4)]
+    assert rows[0]["messages"][1]["content"][0].isdigit()  # the steps alone
+    capsys.readouterr()
     assert main(["--out", str(tmp_path / "e"), "--num_train", "3"]) == 2  # odd: refused in one line
     assert "num_train: expected an even number" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
@@ -194,9 +201,12 @@ def test_the_sft_recipe_runs_on_the_tiny_model_and_feeds_the_rl_recipes(tiny_mod
     repo = Path(__file__).resolve().parents[1]
     sft = repo / "configs/examples" / recipe
     config = load_config(str(sft))
-    assert config.train.type == "sft" and config.data.path == "outputs/arithmetic/sft_arithmetic.jsonl"
+    form = "steps" if "gemma3" in recipe else "stated"  # the form each was measured with (its header's command)
+    folder = "arithmetic_steps" if form == "steps" else "arithmetic"
+    assert config.train.type == "sft" and config.data.path == f"outputs/{folder}/sft_arithmetic.jsonl"
+    assert f"--out outputs/{folder}" + (" --form steps" if form == "steps" else "") in sft.read_text()
     assert config.train.per_device_train_batch_size * config.train.gradient_accumulation_steps == 16
-    files = write_files(tmp_path / "data", num_train=16)
+    files = write_files(tmp_path / "data", num_train=16, form=form)
     out = tmp_path / "sft"
     assert main(["--config", str(sft), "--model.path", str(tiny_model_dir), "--data.path",
                  str(files["sft_arithmetic"]), "--train.output_dir", str(out), "--max_steps", "2",

@@ -18,9 +18,10 @@ uses (other verbs, the operands in other orders and positions, other stories), t
 learnt holds beyond the phrasings it was trained on.
 
 An SFT warm-up (``configs/examples/sft_arithmetic.yaml``) trains on demonstrations of the train split
-(`demonstration`), which ``python -m astrai.data.arithmetic --out DIR`` writes as ``DIR/sft_arithmetic.jsonl``: each answer works the
-problem out by place value, tens first (``"73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"``), the form of the reasoning a
-135M model can carry out token by token where a bare ``"73 - 48 = 25"`` asks it for the result in one step.
+(`demonstration`), which ``python -m astrai.data.arithmetic --out DIR`` writes as ``DIR/sft_arithmetic.jsonl``: each answer names
+the operation in words, then works the problem out by place value, tens first (``"We need the difference between
+73 and 48: 73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"``), the form of the reasoning a 135M model can carry out token by
+token where a bare ``"73 - 48 = 25"`` asks it for the result in one step.
 """
 
 from __future__ import annotations
@@ -188,8 +189,14 @@ def reworded_records(*, seed: int = SEED, num_train: int = NUM_TRAIN, num_test: 
     return [phrase(problem, rng, REWORDED) for problem in problems]
 
 
-def worked_answer(operation: str, a: int, b: int) -> str:
-    """The answer to ``a <operation> b`` worked out by place value, the tens of `b` first:
+STATED = {"+": "We need the sum of {a} and {b}: ", "-": "We need the difference between {a} and {b}: "}
+"""How a worked answer first names its operation in words (`worked_answer`)."""
+FORMS = ("stated", "steps")
+"""`worked_answer`'s forms: the operation in words then the steps (the default), or the steps alone."""
+
+
+def worked_steps(operation: str, a: int, b: int) -> str:
+    """``a <operation> b`` worked out by place value, the tens of `b` first:
     ``"47 + 38 = 47 + 30 + 8 = 77 + 8 = 85"``, ``"73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"``; its last number is the
     result (what `astrai.rewards.builtins.math_exact_match` reads)."""
     tens, units = b - b % 10, b % 10
@@ -198,27 +205,47 @@ def worked_answer(operation: str, a: int, b: int) -> str:
     return f"{a} {operation} {b} = {a} {operation} {tens} {operation} {units} = {middle} {operation} {units} = {result}"
 
 
-def demonstration(record: dict) -> dict:
+def worked_answer(operation: str, a: int, b: int, *, form: str = "stated") -> str:
+    """The answer of a demonstration: the operation named in words, then `worked_steps`:
+    ``"We need the difference between 73 and 48: 73 - 48 = 73 - 40 - 8 = 33 - 8 = 25"``. The words come first
+    because the choice of operation is made at the answer's first tokens: in symbols ("73 -") it is a mapping the
+    warm-up teaches per train template, which another wording of the question ("By how much does 73 exceed 48?")
+    does not reach; in words it is made where the pretrained model already says "we need the difference between"
+    for such questions (the untrained SmolLM2-135M-Instruct's free answers do), and it carried over to
+    `builtin:arithmetic_reworded` (docs/recipes.md). `form` "steps" leaves the words out (`worked_steps`: the
+    form the Gemma 3 recipe was measured with).
+
+    Raises:
+        ValueError: `form` is not one of `FORMS`.
+    """
+    if form not in FORMS:
+        raise ValueError(f"form: expected one of {', '.join(FORMS)}, got {form!r}")
+    return (STATED[operation].format(a=a, b=b) if form == "stated" else "") + worked_steps(operation, a, b)
+
+
+def demonstration(record: dict, *, form: str = "stated") -> dict:
     """An SFT record (``{"messages": [...]}``) of a record of this module: its question as the user turn and
     `worked_answer` as the assistant's (no system turn: the chat template's own, as the recipes sample with)."""
     return {"messages": [{"role": "user", "content": record["question"]},
                          {"role": "assistant", "content": worked_answer(record["operation"], record["a"],
-                                                                        record["b"])}]}
+                                                                        record["b"], form=form)}]}
 
 
-def write_files(out: str | Path, *, num_train: int = NUM_TRAIN) -> dict[str, Path]:
-    """Write ``sft_arithmetic.jsonl`` (a `demonstration` per record of the train split of `num_train` questions)
+def write_files(out: str | Path, *, num_train: int = NUM_TRAIN, form: str = "stated") -> dict[str, Path]:
+    """Write ``sft_arithmetic.jsonl`` (a `demonstration` in `form` per record of the train split of `num_train` questions)
     into the directory `out` (created); returns its path by name (``sft_arithmetic``). The seed and the test size
     are the built-in sets' (``builtin:arithmetic_test`` and ``builtin:arithmetic_reworded`` are made with them), so
     no demonstration shares a problem with them.
 
     Raises:
-        ValueError: `out` is an existing file, or `num_train` as `split_problems` refuses it.
+        ValueError: `out` is an existing file, `form` unknown, or `num_train` as `split_problems` refuses it.
     """
+    if form not in FORMS:
+        raise ValueError(f"--form: expected one of {', '.join(FORMS)}, got {form!r}")
     directory = Path(out).expanduser()
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"--out: {directory} is a file; expected a directory (created when missing)")
-    rows = [demonstration(r) for r in arithmetic_records("train", num_train=num_train)]
+    rows = [demonstration(r, form=form) for r in arithmetic_records("train", num_train=num_train)]
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / SFT_FILE
     with open(path, "w", encoding="utf-8") as f:
@@ -241,15 +268,19 @@ def report_written(write: Callable[[], dict[str, Path]]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m astrai.data.arithmetic --out DIR [--num_train N]``: write the SFT warm-up's demonstrations
+    """``python -m astrai.data.arithmetic --out DIR [--num_train N] [--form stated|steps]``: write the SFT warm-up's demonstrations
     (`write_files`) and print the path."""
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for sft_arithmetic.jsonl (created when missing)")
     parser.add_argument("--num_train", type=int, default=NUM_TRAIN,
                         help=f"train questions, even (default {NUM_TRAIN}, the builtin:arithmetic set); none of them "
                              "is a problem of builtin:arithmetic_test or builtin:arithmetic_reworded")
+    parser.add_argument("--form", choices=FORMS, default="stated",
+                        help="the answers: the operation in words, then the steps (stated, the default: "
+                             "'We need the difference between 73 and 48: 73 - 48 = 73 - 40 - 8 = 33 - 8 = 25'), "
+                             "or the steps alone (steps: the form the Gemma 3 recipe was measured with)")
     args = parser.parse_args(argv)
-    return report_written(lambda: write_files(args.out, num_train=args.num_train))
+    return report_written(lambda: write_files(args.out, num_train=args.num_train, form=args.form))
 
 
 GENERATED: dict[str, Callable[[], list[dict]]] = {

@@ -25,10 +25,9 @@ Writes `<output_dir>/results.jsonl` (one object per question: question, answer, 
 scores, per-function rewards, ...) and `<output_dir>/summary.json` (model, data, n, pass rate, intervals, pass@k,
 mean reward, per-function means, settings, tokens/s, wall time), with `--demonstrations FILE` also FILE (the
 distinct passing responses that ended, as chats for `train.type: sft`: `EvalResult.demonstrations`), each replaced
-atomically (a file that cannot be
-written, a full disk: one line naming it, exit code 2, the previous file left whole). Bad input (options,
-model, data, config, reward functions) prints one line and exits with code 2; so does a reward function's bug or
-too many failed reward calls, as training stops for them.
+atomically (a file that cannot be written, a full disk: one line naming it, exit code 2, the previous file left
+whole). Bad input (options, model, data, config, reward functions) prints one line and exits with code 2; so does a
+reward function's bug or too many failed reward calls, as training stops for them.
 """
 
 from __future__ import annotations
