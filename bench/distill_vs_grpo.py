@@ -6,7 +6,7 @@ scratch (issue 45).
 
 The teacher is the model the two-step arithmetic recipe makes (`configs/examples/sft_arithmetic.yaml`, then
 `grpo_arithmetic.yaml` from its checkpoint; its commands are in `configs/examples/distill_arithmetic.yaml`). The
-student, in both arms, is the untrained SmolLM2-135M-Instruct (`--student`). Each arm's run is first checked by
+student, in every arm, is the untrained SmolLM2-135M-Instruct (`--student`). Each arm's run is first checked by
 `python -m astrai.train --check` (a teacher with another tokenizer is refused in seconds, before any
 evaluation). Then one after another, on the same threads:
 
@@ -79,7 +79,7 @@ def evaluate(model: str, out: Path, threads: int, *, kept: bool, data: str = TES
 def command(arm: str, args: argparse.Namespace, out: Path, *, minutes: float | None = None,
             demonstrations: Path | None = None) -> list[str]:
     """The training command of `arm`, writing to `out`, for `minutes` (default `--minutes`); seqkd's trains on
-    `demonstrations` (its check, before they exist, on the recipe's own data path)."""
+    `demonstrations` (checked once they are written)."""
     extra = {"distill": ["--distill.teacher", args.teacher],
              "seqkd": [*(["--data.path", str(demonstrations)] if demonstrations else []), "--data.eval_path", TEST,
                        "--rollout.max_new_tokens", str(EVAL_TOKENS)]}.get(arm, [])
@@ -141,7 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=DefaultsFormatter)
     parser.add_argument("--teacher", required=True, help="the teacher model (a checkpoint directory)")
-    parser.add_argument("--student", default="smollm2-135m-instruct", help="both arms' starting model")
+    parser.add_argument("--student", default="smollm2-135m-instruct", help="every arm's starting model")
     parser.add_argument("--minutes", type=float, default=15.0, help="training minutes per arm at most")
     parser.add_argument("--eval-steps", type=int, default=20, help="evaluate every this many optimizer steps")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -227,7 +227,8 @@ def main(argv=None) -> None:
             print("no ratio: grpo, or every other arm, has no evaluation")
         plot(drawn,
              (Path(args.output_dir) if args.output_dir else Path.cwd()) / "distill_vs_grpo.png", x="minutes",
-             xlabel=f"minutes of training, evaluations included ({os.cpu_count()} CPUs, {args.threads} threads)",
+             xlabel=f"minutes of training, evaluations included (seqkd: the teacher's answers too; {os.cpu_count()} "
+                    f"CPUs, {args.threads} threads)",
              title=f"{Path(args.student).name} on builtin:arithmetic",
              levels=((teacher["accuracy"], f"teacher {100 * teacher['accuracy']:.1f}%", "--"),
                      (target, f"90% of it, {100 * target:.1f}%", ":")))

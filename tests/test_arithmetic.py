@@ -184,7 +184,7 @@ def test_a_missing_generated_file_names_the_command_that_writes_it(tmp_path):
         with pytest.raises(DataError) as err:
             resolve_prompt_path(tmp_path / "out" / name)
         assert str(err.value) == f"data.path: file not found: {tmp_path / 'out' / name} (written by `{command} " \
-                                 f"--out {tmp_path / 'out'}`)"
+                                 f"--out {tmp_path / 'out'}`, with the options the recipe's header names)"
     with pytest.raises(DataError, match=r"file not found: .*other\.jsonl$"):  # other files: no hint
         resolve_prompt_path(tmp_path / "other.jsonl")
 

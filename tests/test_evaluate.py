@@ -292,11 +292,17 @@ def test_demonstrations_file_trains_sft_on_the_responses(tiny_model_dir, tmp_pat
     (["--demonstrations", "{tmp}"], "--demonstrations: expected a file path"),
     (["--demonstrations", "{tmp}/o/results.jsonl"], "is the evaluation's own results.jsonl"),
     (["--demonstrations", "{tmp}/d.jsonl", "--chat_template", "false"], "--demonstrations: the prompts are raw text"),
+    (["--demonstrations", "{tmp}/o"], "--demonstrations: expected a file path"),  # the --output_dir, not yet made
+    (["--demonstrations", "{tmp}/q.jsonl", "--data", "{tmp}/q.jsonl"], "is the --data file"),
+    (["--demonstrations", "{tmp}/taken/d.jsonl"], "{tmp}/taken is a file, not a folder"),
 ])
 def test_demonstrations_bad_input_exits_2(tiny_model_dir, tmp_path, capsys, extra, needle):
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
+    (tmp_path / "taken").write_text("keep")
+    kept = {p.name: p.read_text() for p in tmp_path.iterdir()}
     code = main(["--model", str(tiny_model_dir), "--data", "builtin:arithmetic_test", "--output_dir",
                  str(tmp_path / "o"), "--limit", "1", "--no_progress_bar",
                  *[e.replace("{tmp}", str(tmp_path)) for e in extra]])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and needle in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "o").exists() and not (tmp_path / "d.jsonl").exists()
+    assert code == 2 and needle.replace("{tmp}", str(tmp_path)) in err and len(err.splitlines()) == 1, err
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == kept  # nothing written, nothing changed

@@ -88,7 +88,8 @@ def resolve_prompt_path(path: str | Path, *, field: str = "data.path") -> Path:
     resolved = Path(text).expanduser()
     if not resolved.exists():
         writer = _generator_files().get(resolved.name)
-        hint = f" (written by `{writer} --out {resolved.parent}`)" if writer else ""
+        hint = (f" (written by `{writer} --out {resolved.parent}`, with the options the recipe's header names)"
+                if writer else "")
         raise DataError(f"{field}: file not found: {resolved}{hint}")
     if not resolved.is_file():
         raise DataError(f"{field}: not a file: {resolved}")

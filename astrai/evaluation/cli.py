@@ -191,11 +191,29 @@ def check_options(args: argparse.Namespace) -> None:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output_dir: not a directory: {out}")
     if args.demonstrations is not None:
-        target = Path(args.demonstrations).expanduser()
-        if target.is_dir() or not target.name:
-            raise UsageError(f"--demonstrations: expected a file path, got the directory {args.demonstrations!r}")
-        if target.resolve() in ((out / RESULTS_FILE).resolve(), (out / SUMMARY_FILE).resolve()):
-            raise UsageError(f"--demonstrations: {target} is the evaluation's own {target.name}; name another file")
+        check_demonstrations_path(args, out)
+
+
+def check_demonstrations_path(args: argparse.Namespace, out: Path) -> None:
+    """Refuse, before anything is evaluated or written, a `--demonstrations` path that is a directory (or
+    `--output_dir`), one of the evaluation's own files, its `--data` or `--config`, or one under an existing file
+    or in a folder that cannot be written."""
+    target = Path(args.demonstrations).expanduser()
+    if target.is_dir() or not target.name or target.resolve() == out.resolve():
+        raise UsageError(f"--demonstrations: expected a file path, got the directory {args.demonstrations!r}")
+    if target.resolve() in ((out / RESULTS_FILE).resolve(), (out / SUMMARY_FILE).resolve()):
+        raise UsageError(f"--demonstrations: {target} is the evaluation's own {target.name}; name another file")
+    for name in ("data", "config"):
+        given = getattr(args, name)
+        if given is not None and target.resolve() == Path(given).expanduser().resolve():
+            raise UsageError(f"--demonstrations: {target} is the --{name} file; name another file")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--demonstrations: {parent} is a file, not a folder; cannot write {target}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--demonstrations: the folder {parent} is not writable; cannot write {target}")
 
 
 def load_scoring(args: argparse.Namespace, config, chosen: dict) -> tuple[list, Any, list]:
@@ -305,14 +323,15 @@ def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dic
                             "threads": torch.get_num_threads(), "threads_mean": mean_threads(engine),
                             "config": str(config_path) if config_path else None}}
     out = Path(args.output_dir).expanduser()
-    files = [(out / RESULTS_FILE, "".join(json.dumps(ex, ensure_ascii=False) + "\n" for ex in result.examples))]
+    files = []  # the demonstrations first: a failure there leaves the previous results and summary as a pair
     if args.demonstrations is not None:
         rows = result.demonstrations(chosen["system_prompt"])
         target = Path(args.demonstrations).expanduser()
         files.append((target, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)))
         summary["demonstrations"] = {"path": str(target), "rows": len(rows),
                                      "questions": len({row["index"] for row in rows})}
-    files.append((out / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n"))
+    files += [(out / RESULTS_FILE, "".join(json.dumps(ex, ensure_ascii=False) + "\n" for ex in result.examples)),
+              (out / SUMMARY_FILE, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")]
     for path, text in files:
         try:  # each replaced whole or not at all (a full disk leaves the previous file)
             path.parent.mkdir(parents=True, exist_ok=True)
