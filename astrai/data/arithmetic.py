@@ -212,8 +212,9 @@ def worked_answer(operation: str, a: int, b: int, *, form: str = "stated") -> st
     warm-up teaches per train template, which another wording of the question ("By how much does 73 exceed 48?")
     does not reach; in words it is made where the pretrained model already says "we need the difference between"
     for such questions (the untrained SmolLM2-135M-Instruct's free answers do), and it carried over to
-    `builtin:arithmetic_reworded` (docs/recipes.md). `form` "steps" leaves the words out (`worked_steps`: the
-    form the Gemma 3 recipe was measured with).
+    `builtin:arithmetic_reworded` (docs/recipes.md, "Naming the operation in words first"). `form` "steps" leaves
+    the words out (`worked_steps`: the form the first SmolLM2 numbers, the distillation teacher and the Gemma 3
+    recipe were measured with).
 
     Raises:
         ValueError: `form` is not one of `FORMS`.
@@ -278,7 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--form", choices=FORMS, default="stated",
                         help="the answers: the operation in words, then the steps (stated, the default: "
                              "'We need the difference between 73 and 48: 73 - 48 = 73 - 40 - 8 = 33 - 8 = 25'), "
-                             "or the steps alone (steps: the form the Gemma 3 recipe was measured with)")
+                             "or the steps alone (steps: the form the first SmolLM2 numbers, the distillation "
+                             "teacher and the Gemma 3 recipe were measured with)")
     args = parser.parse_args(argv)
     return report_written(lambda: write_files(args.out, num_train=args.num_train, form=args.form))
 
