@@ -455,7 +455,7 @@ def test_the_job_code_and_line_go_to_the_script_and_the_process_exits_0_only_whe
     proc = subprocess.run([sys.executable, "-m", "astrai.train", "--max_steps", "0"], cwd=REPO, timeout=120,
                           env={**os.environ, "ASTRAI_EXIT_FILE": str(exit_file), **env}, capture_output=True,
                           text=True)
-    line = "error: train.max_steps: expected an integer > 0, got 0"
+    line = "error: train.max_steps: expected an integer > 0, got 0 (given on the command line)"
     assert exit_file.read_text() == f"2\n{line}\n"
     assert proc.returncode == (0 if handed_over else 2)
     assert (line in proc.stderr) is not handed_over  # handed over: the script prints it, last

@@ -591,7 +591,7 @@ def test_rank_zero_writes_the_job_code_for_the_scripts(tmp_path, monkeypatch, ca
     monkeypatch.setenv("ASTRAI_EXIT_FILE", str(exit_file))
     monkeypatch.setenv("RANK", "0")
     assert main(["--max_steps", "0"]) == 2
-    assert exit_file.read_text() == "2\nerror: train.max_steps: expected an integer > 0, got 0\n"
+    assert exit_file.read_text() == "2\nerror: train.max_steps: expected an integer > 0, got 0 (given on the command line)\n"
     assert "error:" not in capsys.readouterr().err
     monkeypatch.setenv("RANK", "1")
     exit_file.unlink()

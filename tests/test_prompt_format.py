@@ -216,7 +216,7 @@ def test_config_field_its_help_and_the_config_time_refusals():
     assert load_config(None, ["--chat_template", "true"]).data.chat_template is True
     assert any(line.strip().startswith("--data.chat_template") and "raw text" in line
                for line in fields_help().splitlines())
-    with pytest.raises(ConfigError, match=r"^data.chat_template: expected null or a boolean, got 'no'$"):
+    with pytest.raises(ConfigError, match=r"^data.chat_template: expected null or a boolean, got 'no' \(given on the command line\)$"):
         load_config(None, ["--data.chat_template", "no"])
     with pytest.raises(ConfigError, match=r"^data.system_prompt: a system message needs the chat template.*"
                                           r"data.chat_template is false"):
