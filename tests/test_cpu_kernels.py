@@ -213,7 +213,8 @@ def test_engine_with_and_without_the_kernel(dtype, monkeypatch):
 def test_source_is_shipped_with_the_package():
     """The C sources and the header they include sit beside the module (package data), so an installed astrai can
     build them."""
-    assert [source.name for source in cpu_kernels.SOURCES] == ["cpu_attention.c", "cpu_elementwise.c"]
+    assert [source.name for source in cpu_kernels.SOURCES] == ["cpu_attention.c", "cpu_elementwise.c", "cpu_gemv.c",
+                                                             "cpu_decode.c"]
     assert [header.name for header in cpu_kernels.HEADERS] == ["cpu_common.h"]
     for source in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
         assert source.is_file() and os.path.dirname(cpu_kernels.__file__) == str(source.parent)

@@ -115,11 +115,13 @@ class PagedModelRunner:
             backends, which read the pages in place, and with `graphs`).
         graphs: an `astrai.rollout.cuda_graphs.DecodeGraphs` over the same model and workspace, or None: the
             decode-only steps it serves run padded to a batch bucket from its static buffers (CUDA graphs on CUDA).
+        flat: an `astrai.rollout.cpu_decode.FlatTrunk` of `model`, or None: the trunk's forward without module
+            calls (the same results; the engine builds one for its CPU copy with the compiled kernels).
     """
 
     def __init__(self, model: torch.nn.Module, workspace: InferenceWorkspace, backend, *, dense_decode: bool = True,
-                 graphs=None):
-        self.model, self.workspace, self.backend, self.graphs = model, workspace, backend, graphs
+                 graphs=None, flat=None):
+        self.model, self.workspace, self.backend, self.graphs, self.flat = model, workspace, backend, graphs, flat
         self.decode_cache = (DenseDecodeCache(workspace) if dense_decode and backend.name == "torch"
                              and graphs is None else None)
         if self.decode_cache is not None and workspace.device.type == "cpu" and not self.decode_cache.kernel:
@@ -171,7 +173,10 @@ class PagedModelRunner:
         slots = torch.tensor(batch.slots, dtype=torch.long, device=device)
         attention = PagedAttention(self.workspace, meta, slots, self.backend, self._dense_cache(batch, meta),
                                    self.layers)
-        hidden = trunk(ids[None], position_ids=positions[None], attention=attention)[0]  # (N, H), final-normed
+        if self.flat is not None:
+            hidden = self.flat(ids, positions, attention)  # (N, H), final-normed
+        else:
+            hidden = trunk(ids[None], position_ids=positions[None], attention=attention)[0]
         rows = torch.tensor(batch.logit_rows, dtype=torch.long, device=device)
         return lm_logits(self.model, hidden.index_select(0, rows), self.workspace)
 

@@ -36,6 +36,7 @@ from astrai.rollout.engine_settings import resolve_dtype as _resolve_dtype
 from astrai.rollout.engine import EngineCapacity
 from astrai.rollout.generation import Generation, copy_weights
 from astrai.rollout.model_runner import PagedModelRunner, fuse_projections
+from astrai.rollout.cpu_decode import FlatTrunk
 from astrai.rollout.cpu_ops import use_cpu_kernels
 from astrai.rollout.packed_linear import prepack_available, prepack_linears, slow_half_precision
 from astrai.rollout.prompt_ids import check_prompt_ids
@@ -129,6 +130,9 @@ class PagedGenerationEngine:
                           and prepack_available(self.device, self.dtype) else None)
         # CPU: norms, rotary and gated activations in one compiled call each (astrai.rollout.cpu_ops)
         self.cpu_kernels = self.device.type == "cpu" and use_cpu_kernels(self.model, self.dtype)
+        # CPU with the kernels: the trunk's layers in one flat loop, no module calls (astrai.rollout.cpu_decode)
+        self.flat = (FlatTrunk.build(self.model, self.prepacked.linear if self.prepacked is not None else None)
+                     if self.cpu_kernels and self.tp is None else None)
         self.pad_token_id, self.policy_version = pad_token_id, policy_version
         self.backend, self.block_size = engine_backend(self.model.config, device=self.device, dtype=self.dtype,
                                                        backend=backend, block_size=block_size, cuda_graphs=cuda_graphs)
@@ -411,7 +415,7 @@ class PagedGenerationEngine:
             return TensorParallelRunner(self.model, self.workspace, self.backend, self.tp,
                                         dense_decode=self.dense_decode)
         return PagedModelRunner(self.model, self.workspace, self.backend, dense_decode=self.dense_decode,
-                                graphs=self._graphs if self.cuda_graphs else None)
+                                graphs=self._graphs if self.cuda_graphs else None, flat=self.flat)
 
     def _assemble(self, prompts, requests: list[Request], n: int) -> Generation:
         """Pack the per-request results into a `Generation` (rows in request order)."""

@@ -44,11 +44,14 @@ import torch
 
 __all__ = ["SOURCES", "HEADERS", "DTYPE_CODES", "cache_dir", "library", "unavailable_reason", "supports",
            "dense_decode_attention", "rmsnorm", "rotary_", "gated_activation", "store_kv", "softmax_chunks",
-           "rmsnorm_nocheck", "rotary_nocheck_", "gated_activation_nocheck", "store_kv_nocheck"]
+           "rmsnorm_nocheck", "rotary_nocheck_", "gated_activation_nocheck", "store_kv_nocheck", "gemv",
+           "gemv_nocheck", "DecodeLayer", "DecodeStep", "decode_scratch_bytes", "decode_token"]
 
-SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_elementwise.c"))
-"""The library's C sources: decode attention, and the elementwise pieces of a layer (`rmsnorm`, `rotary_`,
-`gated_activation`, `store_kv`) and of the sampler (`softmax_chunks`)."""
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_elementwise.c", "cpu_gemv.c",
+                                                           "cpu_decode.c"))
+"""The library's C sources: decode attention, the elementwise pieces of a layer (`rmsnorm`, `rotary_`,
+`gated_activation`, `store_kv`) and of the sampler (`softmax_chunks`), the few-row product `gemv`, and one decode
+token through every layer (`decode_token`)."""
 HEADERS = (Path(__file__).with_name("cpu_common.h"),)
 """What the sources include (dtype codes, vector types, loads): hashed into the cache key with them."""
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -56,6 +59,27 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BUILD_TIMEOUT_S = 120  # about a second on a 2-core machine
 
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class DecodeLayer(ctypes.Structure):
+    """`struct astrai_decode_layer` of cpu_decode.c: one layer's tensor addresses (None where absent), its sliding
+    window (0: none) and score soft-cap (0: none), whether it reads the local rotary table and uses GELU."""
+
+    _fields_ = [(name, _P) for name in (
+        "input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm", "q_norm", "k_norm",
+        "qkv_weight", "qkv_bias", "o_weight", "o_bias", "gate_up_weight", "down_weight", "down_bias",
+        "k_pages", "v_pages", "dense_keys", "dense_values")] + [
+        ("window", _I64), ("softcap", _F), ("local_rotary", ctypes.c_int32), ("gelu", ctypes.c_int32)]
+
+
+class DecodeStep(ctypes.Structure):
+    """`struct astrai_decode_step` of cpu_decode.c: the model's sizes and one token's slot, position, rotary rows
+    (addresses of (D,) tensors) and attended length."""
+
+    _fields_ = [(name, _I64) for name in ("layers", "H", "Nh", "Nkv", "D", "I", "cap", "slot", "position")] + [
+        (name, _P) for name in ("cos", "sin", "cos_local", "sin_local")] + [
+        (name, ctypes.c_int32) for name in ("len", "dtype", "unit_offset", "num_threads")] + [
+        ("eps", _F), ("scale", _F)]
 _reason: Optional[str] = None
 
 
@@ -165,7 +189,7 @@ def _open(target: Path, *, fresh: bool = False) -> ctypes.CDLL:
         lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if fresh else str(target))
         for name in ("astrai_cpu_attention_supports", "astrai_dense_decode_attention", "astrai_cpu_attention_openmp",
                      "astrai_rmsnorm", "astrai_rotary", "astrai_gated_activation", "astrai_store_kv",
-                     "astrai_softmax_chunks"):
+                     "astrai_softmax_chunks", "astrai_gemv", "astrai_decode_token", "astrai_decode_scratch_bytes"):
             getattr(lib, name)
         return lib
     finally:
@@ -193,6 +217,11 @@ def _unusable(lib: ctypes.CDLL, target: Path, runtimes: set[str]) -> Optional[st
     lib.astrai_store_kv.restype = _I
     lib.astrai_softmax_chunks.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I]
     lib.astrai_softmax_chunks.restype = _I
+    lib.astrai_gemv.argtypes, lib.astrai_gemv.restype = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _I, _I], _I
+    lib.astrai_decode_token.argtypes = [ctypes.POINTER(DecodeStep), ctypes.POINTER(DecodeLayer), _P, _P]
+    lib.astrai_decode_token.restype = _I
+    lib.astrai_decode_scratch_bytes.argtypes = [_I64, _I64, _I64, _I64, _I64, _I]
+    lib.astrai_decode_scratch_bytes.restype = _I64
     return None
 
 
@@ -456,6 +485,64 @@ def store_kv_nocheck(k, v, slots, k_pages, v_pages, positions, dense_keys, dense
                                      k_pages.data_ptr(), v_pages.data_ptr(), positions.data_ptr(),
                                      dense_keys.data_ptr(), dense_values.data_ptr(), rows, heads, dim,
                                      dense_keys.shape[-1], DTYPE_CODES[k.dtype]), "KV store")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a few rows, streaming each weight row once (`cpu_gemv.c`: the engine's
+    decode steps of one row, where it is faster than oneDNN's products; slower from about two rows on).
+
+    Args:
+        x: (..., K) CPU tensor (float32, bfloat16 or float16), last dim contiguous; weight: (N, K) contiguous, the
+            same dtype; bias: (N,) contiguous or None.
+
+    Returns:
+        (..., N) in x's dtype: the float32 sum of float32 products (its order differs from oneDNN's and MKL's:
+        about 1e-6 relative in float32), plus the bias, rounded once.
+
+    Raises:
+        RuntimeError: the kernel is unavailable; ValueError: another dtype or device, or mismatched shapes.
+    """
+    _loaded()
+    _code(x, "gemv", weight, *(() if bias is None else (bias,)))
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or not weight.is_contiguous() or (
+            bias is not None and (bias.shape != weight.shape[:1] or not bias.is_contiguous())):
+        raise ValueError(f"gemv: x (..., K), weight (N, K) contiguous and bias (N,) expected, got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}")
+    return gemv_nocheck(x, weight, bias)
+
+
+def gemv_nocheck(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`gemv` without its argument checks."""
+    x2, rows, row = _rows(x)
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    _check(library().astrai_gemv(x2.data_ptr(), row, rows, weight.data_ptr(), None if bias is None else
+                                 bias.data_ptr(), weight.shape[0], weight.shape[1], out.data_ptr(),
+                                 DTYPE_CODES[x.dtype], torch.get_num_threads()), "gemv")
+    return out
+
+
+def decode_scratch_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                         dtype: torch.dtype) -> int:
+    """Bytes of scratch `decode_token` needs for a model of these sizes in `dtype`."""
+    return int(_loaded().astrai_decode_scratch_bytes(hidden, heads, kv_heads, head_dim, intermediate,
+                                                     DTYPE_CODES[dtype]))
+
+
+def decode_token(step: DecodeStep, layers, h: torch.Tensor, scratch: torch.Tensor) -> None:
+    """One decode token through every decoder layer in one call (`cpu_decode.c`), h (H,) updated in place.
+
+    Args:
+        step: the sizes and this token's inputs; layers: a `DecodeLayer` array of `step.layers` entries (the
+            callers' own: `astrai.rollout.cpu_decode.FlatTrunk` fills them from its layers and the step's caches);
+        h: (H,) contiguous in the model's dtype; scratch: at least `decode_scratch_bytes` bytes.
+
+    The addresses are not checked here: they must point at live tensors of the sizes `step` gives.
+
+    Raises:
+        RuntimeError: the kernel is unavailable, or failed (out of memory for the attention's buffers).
+    """
+    _check(_loaded().astrai_decode_token(ctypes.byref(step), layers, h.data_ptr(), scratch.data_ptr()),
+           "decode token")
 
 
 def softmax_chunks(scaled: torch.Tensor, probs: torch.Tensor, chunk_mass: torch.Tensor, maxes: torch.Tensor,

@@ -1,0 +1,136 @@
+"""The CPU engine's flat trunk forward (`astrai.rollout.cpu_decode.FlatTrunk`), its one-call decode token
+(`cpu_kernels.decode_token`) and the few-row product (`cpu_kernels.gemv`): against the module forward on every
+family's test shape, and the product against float64 loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from family_models import astrai_twin, hf_model
+
+from astrai.kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.supports(torch.float32),
+                                reason=f"no CPU kernels here: {cpu_kernels.unavailable_reason()}")
+
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
+ULP = {torch.float32: 2 ** -23, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+def generate(model, dtype, prompts, max_new_tokens, *, flat=True, token_call=True):
+    """Greedy generation by a fresh engine (no prefix cache: every call computes the same products), with the
+    flat trunk (and its one-call token) or the module forward."""
+    from astrai.rollout.paged_engine import PagedGenerationEngine
+    from astrai.rollout.sampling import SamplingParams
+
+    engine = PagedGenerationEngine(model, pad_token_id=2, dtype=dtype, prefix_cache=False, adaptive_threads=False)
+    assert engine.flat is not None, "the flat trunk serves every dense family"
+    if not flat:
+        engine.flat = None
+    else:
+        engine.flat.token_call = engine.flat.token_call and token_call
+    params = SamplingParams(max_new_tokens=max_new_tokens, top_k=1)
+    return engine.generate(prompts, params, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flat_trunk_is_bitwise_the_module_forward(family, dtype):
+    """Prefill chunks and decode steps of three rows (Qwen3's q/k norms, Gemma's sandwich norms and GELU, Qwen2's
+    biases, windows): the flat loop gives the module forward's tokens and log-probs bit for bit."""
+    model = astrai_twin(hf_model(family)).eval()
+    prompts = [[1, 5, 9, 11, 20, 31], [3, 4], list(range(3, 40))]
+    flat = generate(model, dtype, prompts, 12, token_call=False)
+    modules = generate(model, dtype, prompts, 12, flat=False)
+    assert torch.equal(flat.response_ids, modules.response_ids)
+    assert torch.equal(flat.old_logprobs, modules.old_logprobs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_decode_token_matches_the_module_forward(family, dtype, monkeypatch):
+    """One row decoding 90 tokens (past the dense copies' first capacity, so they are rebuilt and the call
+    re-pointed): the one-call token path serves the steps and decodes the module forward's greedy tokens, log-probs
+    within float32 (bfloat16) rounding of the products' sum order."""
+    model = astrai_twin(hf_model(family)).eval()
+    calls = []
+    real = cpu_kernels.decode_token
+    monkeypatch.setattr(cpu_kernels, "decode_token", lambda *a: calls.append(1) or real(*a))
+    prompts = [[1, 5, 9, 11, 20, 31]]
+    token = generate(model, dtype, prompts, 90)
+    assert len(calls) == 89, "every decode step after the prefill's first token"
+    modules = generate(model, dtype, prompts, 90, flat=False)
+    assert torch.equal(token.response_ids, modules.response_ids)
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(token.old_logprobs, modules.old_logprobs, atol=tolerance, rtol=0)
+
+
+def test_the_flat_trunk_declines_other_layers():
+    """A layer the flat loop does not mirror (here: projections left unfused) keeps the module forward."""
+    from astrai.models import AutoRegressiveLM, tiny_config
+    from astrai.rollout.cpu_decode import FlatTrunk
+
+    model = AutoRegressiveLM(tiny_config()).eval()
+    assert FlatTrunk.build(model) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,inner,bias", [(1, 576, False), (1, 100, True), (3, 33, True), (2, 1536, False)])
+def test_gemv_against_float64_loops(dtype, rows, inner, bias):
+    """y = x W^T + b for widths with and without a 16/32-lane tail and output counts that are not a multiple of the
+    row block: within the float32 sum's rounding (K ulps of the summed magnitudes) plus one output rounding."""
+    if dtype == torch.float16 and not cpu_kernels.supports(torch.float16):
+        pytest.skip("this compiler has no float16")
+    torch.manual_seed(0)
+    x = torch.randn(rows, inner).to(dtype)
+    weight = torch.randn(37, inner).to(dtype)
+    b = torch.randn(37).to(dtype) if bias else None
+    got = cpu_kernels.gemv(x, weight, b)
+    assert got.dtype == dtype and got.shape == (rows, 37)
+    reference = torch.zeros(rows, 37, dtype=torch.float64)
+    magnitude = torch.zeros(rows, 37, dtype=torch.float64)
+    for r in range(rows):
+        for n in range(37):
+            terms = [float(x[r, k]) * float(weight[n, k]) for k in range(inner)]
+            reference[r, n] = sum(terms) + (float(b[n]) if bias else 0.0)
+            magnitude[r, n] = sum(abs(t) for t in terms)
+    bound = inner * 2 ** -24 * magnitude + ULP[dtype] * reference.abs() + 1e-30
+    assert ((got.double() - reference).abs() <= bound).all()
+    torch.testing.assert_close(got.float(), F.linear(x.float(), weight.float(), None if b is None else b.float()).to(
+        dtype).float(), rtol=ULP[dtype] * 4, atol=inner * 2 ** -20)
+
+
+def test_gemv_threads_and_strided_rows():
+    """One thread and two give the same bits (each output is summed by one thread); rows at a stride are read in
+    place."""
+    torch.manual_seed(1)
+    weight = torch.randn(4096, 576)
+    x = torch.randn(2, 1200)[:, :576]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.gemv(x, weight)
+        torch.set_num_threads(2)
+        two = cpu_kernels.gemv(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_refuses_bad_arguments_in_one_line():
+    """Another dtype, mixed dtypes, a weight of another width or layout, a bias of another length: a ValueError
+    naming the function, before any memory is read."""
+    x = torch.randn(1, 64)
+    cases = [
+        lambda: cpu_kernels.gemv(x.double(), torch.randn(8, 64).double()),
+        lambda: cpu_kernels.gemv(x.bfloat16(), torch.randn(8, 64)),
+        lambda: cpu_kernels.gemv(x, torch.randn(8, 32)),
+        lambda: cpu_kernels.gemv(x, torch.randn(64, 8).t()),
+        lambda: cpu_kernels.gemv(x, torch.randn(8, 64), torch.randn(9)),
+    ]
+    for call in cases:
+        with pytest.raises(ValueError, match="gemv"):
+            call()
