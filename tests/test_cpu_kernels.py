@@ -180,7 +180,8 @@ def test_every_reason_leaves_the_torch_path(setting, reason, tmp_path, monkeypat
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_with_and_without_the_kernel(dtype, monkeypatch):
     """The paged engine on a tiny model decodes the same tokens with the kernel as with the torch path, log-probs
-    within float32 (and bfloat16) rounding, and the kernel served its decode steps."""
+    within float32 (and bfloat16) rounding, and the kernel served its decode steps (from Python, or inside the
+    one-call decode of a few rows, `cpu_kernels.decode_token`)."""
     from astrai.models import AutoRegressiveLM, tiny_config
     from astrai.rollout.paged_engine import PagedGenerationEngine
     from astrai.rollout.sampling import SamplingParams
@@ -201,6 +202,8 @@ def test_engine_with_and_without_the_kernel(dtype, monkeypatch):
         return engine.generate(prompts, SamplingParams(max_new_tokens=12), torch.Generator().manual_seed(2))
 
     monkeypatch.setattr(cpu_kernels, "dense_decode_attention", counted)
+    real_token = cpu_kernels.decode_token
+    monkeypatch.setattr(cpu_kernels, "decode_token", lambda *a: calls.append(1) or real_token(*a))
     with_kernel = generate()
     assert calls
     monkeypatch.setattr(cpu_kernels, "supports", lambda dtype: False)

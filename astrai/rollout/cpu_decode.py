@@ -1,4 +1,4 @@
-"""The CPU engine's trunk forward without module calls (`FlatTrunk`), and one decode token of one row in one
+"""The CPU engine's trunk forward without module calls (`FlatTrunk`), and the decode steps of a few rows in one
 compiled call.
 
 Why: at a decode step of one row, SmolLM2-135M's 121 GEMMs stream its weights from memory and everything else is
@@ -14,10 +14,10 @@ stubbing them out: the rest ran in 3.3 ms, and cost 5-8 ms beside them); vLLM's 
   (weights are updated in place by `load_weights`, so the references stay valid), calling the GEMMs
   (`PrepackedWeights.linear`) and the compiled pieces of `astrai.kernels.cpu_kernels` directly. It mirrors
   `astrai.models.layers` (`DecoderLayer`, `Attention`, `MLP`) operation by operation: bitwise the module forward.
-- a decode step of exactly one row served by the dense decode cache: `cpu_kernels.decode_token`, every layer in
-  one C call (`cpu_decode.c`: the same pieces in the same order and rounding, its products by `cpu_gemv.c`, which
-  streams each weight row once and is faster than oneDNN's products at one row). The results differ from the
-  module forward only by the products' sum order (float32: about 1e-5 in a log-prob; bfloat16: the rounding of
+- a decode step of at most `TOKEN_ROWS` rows served by the dense decode cache: `cpu_kernels.decode_token`, every
+  layer in one C call (`cpu_decode.c`: the same pieces in the same order and rounding, its products by
+  `cpu_gemv.c`, which streams each weight row once and is faster than oneDNN's products at one and two rows). The
+  results differ from the module forward only by the products' sum order (float32: about 1e-5 in a log-prob; bfloat16: the rounding of
   an intermediate now and then flips a last bit, which the layers carry on, as the compiled pieces already did).
 
 It serves the copies `use_cpu_kernels` set up (CPU, compiled kernels, fused q/k/v and gate/up weights); any other
@@ -38,7 +38,12 @@ import torch.nn.functional as F
 from astrai.kernels import cpu_kernels
 from astrai.models.layers import MLP, Attention, DecoderLayer, RMSNorm
 
-__all__ = ["FlatTrunk"]
+__all__ = ["FlatTrunk", "TOKEN_ROWS"]
+
+TOKEN_ROWS = 4
+"""Decode steps of at most this many rows go through the one compiled call (`cpu_kernels.decode_token`): measured on
+SmolLM2-135M (2-core AMD EPYC, 2 threads, 128 tokens a row) it was 1.4-1.5x the flat loop at 1 and 2 rows,
+1.1-1.2x at 3 and 4, and 0.9-1.0x at 8, where oneDNN's products overtake its weight-streaming ones."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ class FlatTrunk:
                 I=intermediate, dtype=cpu_kernels.DTYPE_CODES[dtype], unit_offset=int(norms[0].unit_offset),
                 eps=norms[0].eps, scale=config.attention_scale)
             self._scratch = torch.empty(cpu_kernels.decode_scratch_bytes(
-                config.hidden_size, first.heads, first.kv_heads, first.head_dim, intermediate, dtype),
+                TOKEN_ROWS, config.hidden_size, first.heads, first.kv_heads, first.head_dim, intermediate, dtype),
                 dtype=torch.uint8)
             self._layer_structs = (cpu_kernels.DecodeLayer * len(layers))()
             address = lambda t: None if t is None else t.data_ptr()  # noqa: E731
@@ -186,25 +191,26 @@ class FlatTrunk:
         self._bound = key
 
     def _token(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
-        """One decode token of one row through the compiled call -> (1, H) final-normed."""
-        trunk, step = self.trunk, self._step
-        h = trunk._embed(ids[None]).reshape(-1).contiguous()  # (H,)
-        full = trunk.rotary_emb(positions[None], h.dtype)
+        """One decode token of each of B rows through the compiled call -> (B, H) final-normed."""
+        trunk, step, dense = self.trunk, self._step, attention.dense
+        h = trunk._embed(ids[None])[0].contiguous()  # (B, H)
+        full = trunk.rotary_emb(positions[None], h.dtype)  # (1, B, 1, D) each, contiguous
         local = trunk.rotary_emb_local(positions[None], h.dtype) if self.local else full
         self._bind(attention)
-        step.slot, step.position = int(attention.slots[0]), int(attention.dense.kv_lens[0] - 1)
-        step.len = attention.dense.kv_lens[0]
+        step.B = ids.shape[0]
+        step.slots, step.positions, step.lens = (attention.slots.data_ptr(), dense._positions.data_ptr(),
+                                                 dense._lens_i32.data_ptr())
         step.cos, step.sin = full[0].data_ptr(), full[1].data_ptr()
         step.cos_local, step.sin_local = local[0].data_ptr(), local[1].data_ptr()
         step.num_threads = torch.get_num_threads()
         cpu_kernels.decode_token(step, self._layer_structs, h, self._scratch)
         f = self.final_norm
-        return cpu_kernels.rmsnorm_nocheck(h[None], f.weight, f.eps, f.unit_offset)
+        return cpu_kernels.rmsnorm_nocheck(h, f.weight, f.eps, f.unit_offset)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """ids (N,) long, positions (N,) long, `attention` an `AttentionInterface` -> (N, H) final-normed."""
-        if (self.token_call and ids.shape[0] == 1 and getattr(attention, "dense", None) is not None
+        if (self.token_call and ids.shape[0] <= TOKEN_ROWS and getattr(attention, "dense", None) is not None
                 and attention.dense.kernel):
             return self._token(ids, positions, attention)
         trunk, linear = self.trunk, self.linear

@@ -1,4 +1,5 @@
-/* One decode token through every decoder layer in one call: the engine's CPU decode steps of a single row.
+/* One decode token of each of a few rows through every decoder layer in one call: the engine's CPU decode steps of
+ * one to a few rows.
  *
  * Built into the same library as the other sources by `astrai.kernels.cpu_kernels`. Written for astrai. Why: at one
  * row a decode step of SmolLM2-135M on a 2-core CPU is ~13 ms of weight streaming and, between the 121 products,
@@ -9,8 +10,10 @@
  * product, residual adds, the gated MLP; with the same rounding at every step (each intermediate rounded to the
  * dtype where torch rounds it), so results differ from the Python path only by the products' sum order.
  *
- * Layouts: h (H,) the residual stream, updated in place; weights as the model holds them ((out, in) contiguous);
- * caches as `DenseDecodeCache` and the paged workspace hold them; scratch at least `astrai_decode_scratch_bytes`.
+ * Layouts: h (B, H) the residual stream, updated in place; weights as the model holds them ((out, in) contiguous);
+ * caches as `DenseDecodeCache` and the paged workspace hold them (row b of the dense copies is the step's row b);
+ * slots, positions (int64) and lens (int32) (B,); cos, sin (B, D); scratch at least `astrai_decode_scratch_bytes`
+ * for B rows.
  */
 
 #include <stddef.h>
@@ -47,19 +50,21 @@ struct astrai_decode_layer {
 
 /* The model's sizes and the step's inputs. Mirrored by `cpu_kernels.DecodeStep`. */
 struct astrai_decode_step {
-    int64_t layers, H, Nh, Nkv, D, I, cap, slot, position;
-    const void *cos, *sin, *cos_local, *sin_local; /* (D,) each, the dtype */
-    int32_t len, dtype, unit_offset, num_threads;
+    int64_t layers, B, H, Nh, Nkv, D, I, cap;
+    const int64_t *slots, *positions;
+    const int32_t *lens;
+    const void *cos, *sin, *cos_local, *sin_local; /* (B, D) each, the dtype */
+    int32_t dtype, unit_offset, num_threads;
     float eps, scale;
 };
 
 static inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
-/* Bytes of scratch `astrai_decode_token` needs for these sizes. */
-int64_t astrai_decode_scratch_bytes(int64_t H, int64_t Nh, int64_t Nkv, int64_t D, int64_t I, int dtype) {
+/* Bytes of scratch `astrai_decode_token` needs for B rows of these sizes. */
+int64_t astrai_decode_scratch_bytes(int64_t B, int64_t H, int64_t Nh, int64_t Nkv, int64_t D, int64_t I, int dtype) {
     const int64_t e = dtype == F32 ? 4 : 2;
-    return align64(H * e) * 2 + align64((Nh + 2 * Nkv) * D * e) + align64(Nh * D * 4) + align64(Nh * D * e) +
-           align64(2 * I * e) + align64(I * e);
+    return align64(B * H * e) * 2 + align64(B * (Nh + 2 * Nkv) * D * e) + align64(B * Nh * D * 4) +
+           align64(B * Nh * D * e) + align64(B * 2 * I * e) + align64(B * I * e);
 }
 
 static inline float get1(const char *p, int64_t i, const int dtype) {
@@ -98,48 +103,52 @@ static void add_(char *h, const char *x, int64_t n, int dtype) {
     for (int64_t i = 0; i < n; i++) put1(h, i, get1(h, i, dtype) + get1(x, i, dtype), dtype);
 }
 
-/* Every layer for one token; h (H,) in place. 0, 1 out of memory (attention), 2 an unsupported dtype. */
+/* Every layer for one token of each of B rows; h (B, H) in place. 0, 1 out of memory (attention), 2 an unsupported
+ * dtype. */
 int astrai_decode_token(const struct astrai_decode_step *s, const struct astrai_decode_layer *layers, void *h_,
                         void *scratch) {
     const int dt = s->dtype, nt = s->num_threads;
-    const int64_t e = dt == F32 ? 4 : 2, H = s->H, Nh = s->Nh, Nkv = s->Nkv, D = s->D, I = s->I;
+    const int64_t e = dt == F32 ? 4 : 2, B = s->B, H = s->H, Nh = s->Nh, Nkv = s->Nkv, D = s->D, I = s->I;
     const int64_t qkv_n = (Nh + 2 * Nkv) * D;
-    char *h = h_, *x = scratch, *o = x + align64(H * e), *qkv = o + align64(H * e);
-    float *attn = (float *)(qkv + align64(qkv_n * e));
-    char *attn_t = (char *)attn + align64(Nh * D * 4), *gu = attn_t + align64(Nh * D * e), *a = gu + align64(2 * I * e);
+    char *h = h_, *x = scratch, *o = x + align64(B * H * e), *qkv = o + align64(B * H * e);
+    float *attn = (float *)(qkv + align64(B * qkv_n * e));
+    char *attn_t = (char *)attn + align64(B * Nh * D * 4), *gu = attn_t + align64(B * Nh * D * e);
+    char *a = gu + align64(B * 2 * I * e);
     int status = 0;
     for (int64_t l = 0; l < s->layers && !status; l++) {
         const struct astrai_decode_layer *L = layers + l;
         const void *cos = L->local_rotary ? s->cos_local : s->cos, *sin = L->local_rotary ? s->sin_local : s->sin;
-        status |= astrai_rmsnorm(h, H, L->input_norm, x, 1, H, s->eps, s->unit_offset, dt, nt);
-        status |= astrai_gemv(x, H, 1, L->qkv_weight, L->qkv_bias, qkv_n, H, qkv, dt, nt);
-        if (L->q_norm) { /* per head, in place (the norm reads each element before writing it) */
-            status |= astrai_rmsnorm(qkv, D, L->q_norm, qkv, Nh, D, s->eps, s->unit_offset, dt, nt);
-            status |= astrai_rmsnorm(qkv + Nh * D * e, D, L->k_norm, qkv + Nh * D * e, Nkv, D, s->eps,
-                                     s->unit_offset, dt, nt);
-        }
-        status |= astrai_rotary(qkv, qkv_n, cos, sin, 1, Nh + Nkv, D, dt, nt);
+        status |= astrai_rmsnorm(h, H, L->input_norm, x, B, H, s->eps, s->unit_offset, dt, nt);
+        status |= astrai_gemv(x, H, B, L->qkv_weight, L->qkv_bias, qkv_n, H, qkv, dt, nt);
+        if (L->q_norm) /* per head, in place (the norm reads each element before writing it) */
+            for (int64_t b = 0; b < B; b++) {
+                char *row = qkv + b * qkv_n * e;
+                status |= astrai_rmsnorm(row, D, L->q_norm, row, Nh, D, s->eps, s->unit_offset, dt, nt);
+                status |= astrai_rmsnorm(row + Nh * D * e, D, L->k_norm, row + Nh * D * e, Nkv, D, s->eps,
+                                         s->unit_offset, dt, nt);
+            }
+        status |= astrai_rotary(qkv, qkv_n, cos, sin, B, Nh + Nkv, D, dt, nt);
         const char *k = qkv + Nh * D * e, *v = k + Nkv * D * e;
-        status |= astrai_store_kv(k, Nkv * D, v, Nkv * D, &s->slot, L->k_pages, L->v_pages, &s->position,
-                                  L->dense_keys, L->dense_values, 1, Nkv, D, s->cap, dt);
-        status |= astrai_dense_decode_attention(qkv, Nh * D, L->dense_keys, L->dense_values, &s->len, 1, Nh, Nkv, D,
+        status |= astrai_store_kv(k, qkv_n, v, qkv_n, s->slots, L->k_pages, L->v_pages, s->positions, L->dense_keys,
+                                  L->dense_values, B, Nkv, D, s->cap, dt);
+        status |= astrai_dense_decode_attention(qkv, qkv_n, L->dense_keys, L->dense_values, s->lens, B, Nh, Nkv, D,
                                                 s->cap, dt, s->scale, L->window, L->softcap, attn, nt);
-        for (int64_t i = 0; i < Nh * D; i++) put1(attn_t, i, attn[i], dt);
-        status |= astrai_gemv(attn_t, Nh * D, 1, L->o_weight, L->o_bias, H, Nh * D, o, dt, nt);
+        for (int64_t i = 0; i < B * Nh * D; i++) put1(attn_t, i, attn[i], dt);
+        status |= astrai_gemv(attn_t, Nh * D, B, L->o_weight, L->o_bias, H, Nh * D, o, dt, nt);
         if (L->pre_feedforward_norm) { /* Gemma 2/3: each sublayer's output normalised before its residual add */
-            status |= astrai_rmsnorm(o, H, L->post_attention_norm, o, 1, H, s->eps, s->unit_offset, dt, nt);
-            add_(h, o, H, dt);
-            status |= astrai_rmsnorm(h, H, L->pre_feedforward_norm, x, 1, H, s->eps, s->unit_offset, dt, nt);
+            status |= astrai_rmsnorm(o, H, L->post_attention_norm, o, B, H, s->eps, s->unit_offset, dt, nt);
+            add_(h, o, B * H, dt);
+            status |= astrai_rmsnorm(h, H, L->pre_feedforward_norm, x, B, H, s->eps, s->unit_offset, dt, nt);
         } else {
-            add_(h, o, H, dt);
-            status |= astrai_rmsnorm(h, H, L->post_attention_norm, x, 1, H, s->eps, s->unit_offset, dt, nt);
+            add_(h, o, B * H, dt);
+            status |= astrai_rmsnorm(h, H, L->post_attention_norm, x, B, H, s->eps, s->unit_offset, dt, nt);
         }
-        status |= astrai_gemv(x, H, 1, L->gate_up_weight, NULL, 2 * I, H, gu, dt, nt);
-        status |= astrai_gated_activation(gu, 2 * I, a, 1, I, L->gelu, dt, nt);
-        status |= astrai_gemv(a, I, 1, L->down_weight, L->down_bias, H, I, o, dt, nt);
+        status |= astrai_gemv(x, H, B, L->gate_up_weight, NULL, 2 * I, H, gu, dt, nt);
+        status |= astrai_gated_activation(gu, 2 * I, a, B, I, L->gelu, dt, nt);
+        status |= astrai_gemv(a, I, B, L->down_weight, L->down_bias, H, I, o, dt, nt);
         if (L->post_feedforward_norm)
-            status |= astrai_rmsnorm(o, H, L->post_feedforward_norm, o, 1, H, s->eps, s->unit_offset, dt, nt);
-        add_(h, o, H, dt);
+            status |= astrai_rmsnorm(o, H, L->post_feedforward_norm, o, B, H, s->eps, s->unit_offset, dt, nt);
+        add_(h, o, B * H, dt);
     }
     return status;
 }

@@ -32,7 +32,7 @@
 /* Parallel only above this many multiply-adds: below it a fork/join of the team costs more than the work. */
 #define PARALLEL_MACS 65536
 /* Weight rows per task, multiplied together (independent sums: the loads of several rows in flight). */
-#define ROWS 4
+#define ROWS 12
 
 static inline float hsum16(v16 a) {
     float s = 0.0f;

@@ -73,13 +73,12 @@ class DecodeLayer(ctypes.Structure):
 
 
 class DecodeStep(ctypes.Structure):
-    """`struct astrai_decode_step` of cpu_decode.c: the model's sizes and one token's slot, position, rotary rows
-    (addresses of (D,) tensors) and attended length."""
+    """`struct astrai_decode_step` of cpu_decode.c: the model's sizes, the step's B rows and the addresses of their
+    slots and positions (int64 (B,)), attended lengths (int32 (B,)) and rotary rows ((B, D) each)."""
 
-    _fields_ = [(name, _I64) for name in ("layers", "H", "Nh", "Nkv", "D", "I", "cap", "slot", "position")] + [
-        (name, _P) for name in ("cos", "sin", "cos_local", "sin_local")] + [
-        (name, ctypes.c_int32) for name in ("len", "dtype", "unit_offset", "num_threads")] + [
-        ("eps", _F), ("scale", _F)]
+    _fields_ = [(name, _I64) for name in ("layers", "B", "H", "Nh", "Nkv", "D", "I", "cap")] + [
+        (name, _P) for name in ("slots", "positions", "lens", "cos", "sin", "cos_local", "sin_local")] + [
+        (name, ctypes.c_int32) for name in ("dtype", "unit_offset", "num_threads")] + [("eps", _F), ("scale", _F)]
 _reason: Optional[str] = None
 
 
@@ -220,7 +219,7 @@ def _unusable(lib: ctypes.CDLL, target: Path, runtimes: set[str]) -> Optional[st
     lib.astrai_gemv.argtypes, lib.astrai_gemv.restype = [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _I, _I], _I
     lib.astrai_decode_token.argtypes = [ctypes.POINTER(DecodeStep), ctypes.POINTER(DecodeLayer), _P, _P]
     lib.astrai_decode_token.restype = _I
-    lib.astrai_decode_scratch_bytes.argtypes = [_I64, _I64, _I64, _I64, _I64, _I]
+    lib.astrai_decode_scratch_bytes.argtypes = [_I64, _I64, _I64, _I64, _I64, _I64, _I]
     lib.astrai_decode_scratch_bytes.restype = _I64
     return None
 
@@ -521,20 +520,21 @@ def gemv_nocheck(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return out
 
 
-def decode_scratch_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+def decode_scratch_bytes(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                          dtype: torch.dtype) -> int:
-    """Bytes of scratch `decode_token` needs for a model of these sizes in `dtype`."""
-    return int(_loaded().astrai_decode_scratch_bytes(hidden, heads, kv_heads, head_dim, intermediate,
+    """Bytes of scratch `decode_token` needs for `rows` rows of a model of these sizes in `dtype`."""
+    return int(_loaded().astrai_decode_scratch_bytes(rows, hidden, heads, kv_heads, head_dim, intermediate,
                                                      DTYPE_CODES[dtype]))
 
 
 def decode_token(step: DecodeStep, layers, h: torch.Tensor, scratch: torch.Tensor) -> None:
-    """One decode token through every decoder layer in one call (`cpu_decode.c`), h (H,) updated in place.
+    """One decode token of each of `step.B` rows through every decoder layer in one call (`cpu_decode.c`), h
+    (B, H) updated in place.
 
     Args:
-        step: the sizes and this token's inputs; layers: a `DecodeLayer` array of `step.layers` entries (the
+        step: the sizes and this step's inputs; layers: a `DecodeLayer` array of `step.layers` entries (the
             callers' own: `astrai.rollout.cpu_decode.FlatTrunk` fills them from its layers and the step's caches);
-        h: (H,) contiguous in the model's dtype; scratch: at least `decode_scratch_bytes` bytes.
+        h: (B, H) contiguous in the model's dtype; scratch: at least `decode_scratch_bytes(B, ...)` bytes.
 
     The addresses are not checked here: they must point at live tensors of the sizes `step` gives.
 
