@@ -107,7 +107,6 @@ class FlatTrunk:
                            == 1 and all(t.is_contiguous() for la in layers for t in (
                                la.qkv_weight, la.o_weight, la.gate_up_weight, la.down_weight)))
         self._step = self._layer_structs = self._scratch = None
-        self._bound: Optional[tuple] = None
         if self.token_call:
             intermediate = first.gate_up_weight.shape[0] // 2
             self._step = cpu_kernels.DecodeStep(
@@ -176,19 +175,15 @@ class FlatTrunk:
         return cls(model, layers, linear or F.linear)
 
     def _bind(self, attention) -> None:
-        """Point the layer structs at this step's caches (again only when the dense copies or pages moved)."""
+        """Point the layer structs at this step's caches: every step (about 20 us for 30 layers), since the dense
+        copies move on a rebuild and the pages when the workspace is released and taken back."""
         dense, workspace = attention.dense, attention.workspace
-        key = (id(dense), dense.rebuilds, dense.capacity, workspace.k_caches[0].data_ptr())
-        if key == self._bound:
-            return
-        for i, struct in enumerate(self._layer_structs):
-            index = self.layers[i].index
-            struct.k_pages = workspace.k_caches[index].data_ptr()
-            struct.v_pages = workspace.v_caches[index].data_ptr()
-            struct.dense_keys = dense._keys[index].data_ptr()
-            struct.dense_values = dense._values[index].data_ptr()
+        for struct, layer in zip(self._layer_structs, self.layers):
+            struct.k_pages = workspace.k_caches[layer.index].data_ptr()
+            struct.v_pages = workspace.v_caches[layer.index].data_ptr()
+            struct.dense_keys = dense._keys[layer.index].data_ptr()
+            struct.dense_values = dense._values[layer.index].data_ptr()
         self._step.cap = dense.capacity
-        self._bound = key
 
     def _token(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """One decode token of each of B rows through the compiled call -> (B, H) final-normed."""
