@@ -36,10 +36,12 @@ def generate(model, dtype, prompts, max_new_tokens, *, flat=True, token_call=Tru
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_flat_trunk_is_bitwise_the_module_forward(family, dtype):
     """Prefill chunks and decode steps of three rows (Qwen3's q/k norms, Gemma's sandwich norms and GELU, Qwen2's
     biases, windows): the flat loop gives the module forward's tokens and log-probs bit for bit."""
+    if dtype == "float16" and not cpu_kernels.supports(torch.float16):
+        pytest.skip("this compiler has no float16")
     model = astrai_twin(hf_model(family)).eval()
     prompts = [[1, 5, 9, 11, 20, 31], [3, 4], list(range(3, 40))]
     flat = generate(model, dtype, prompts, 12, token_call=False)
@@ -71,6 +73,31 @@ def test_one_call_decode_token_matches_the_module_forward(family, dtype, rows, m
     tolerance = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(token.old_logprobs[:, :compared], modules.old_logprobs[:, :compared], atol=tolerance,
                                rtol=0)
+
+
+def test_rows_past_the_scratch_go_to_the_flat_loop(monkeypatch):
+    """The one-call path takes at most the rows its scratch was sized for when the engine was built, even when
+    `TOKEN_ROWS` is raised afterwards; `decode_token` itself refuses a scratch too small for the step."""
+    import astrai.rollout.cpu_decode as cpu_decode
+
+    model = astrai_twin(hf_model("llama3")).eval()
+    calls = []
+    real = cpu_kernels.decode_token
+    monkeypatch.setattr(cpu_kernels, "decode_token", lambda step, *a: calls.append(step.B) or real(step, *a))
+    from astrai.rollout.paged_engine import PagedGenerationEngine
+    from astrai.rollout.sampling import SamplingParams
+
+    engine = PagedGenerationEngine(model, pad_token_id=2, dtype="float32", prefix_cache=False)
+    monkeypatch.setattr(cpu_decode, "TOKEN_ROWS", 16)
+    prompts = [[1 + (7 * i + j) % 50 for j in range(3 + i)] for i in range(6)]
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, top_k=1), torch.Generator().manual_seed(0))
+    assert calls == [] and engine.flat.token_rows == 4
+    engine.generate(prompts[:4], SamplingParams(max_new_tokens=6, top_k=1), torch.Generator().manual_seed(0))
+    assert calls == [4] * 5
+    step = engine.flat._step
+    step.B = 5
+    with pytest.raises(ValueError, match="decode_token"):
+        cpu_kernels.decode_token(step, engine.flat._layer_structs, torch.zeros(5, step.H), engine.flat._scratch)
 
 
 def test_the_flat_trunk_declines_other_layers():
@@ -127,10 +154,17 @@ def test_gemv_threads_and_strided_rows():
 
 
 def test_gemv_refuses_bad_arguments_in_one_line():
-    """Another dtype, mixed dtypes, a weight of another width or layout, a bias of another length: a ValueError
-    naming the function, before any memory is read."""
+    """Another device (meta tensors have no memory), a bias that is not a tensor, a 0-d x, another dtype, mixed
+    dtypes, a weight of another width or layout, a bias of another length, and scratch sizes below 1 or for another
+    dtype: a ValueError naming the function, before any memory is read."""
     x = torch.randn(1, 64)
     cases = [
+        lambda: cpu_kernels.gemv(x, torch.empty(8, 64, device="meta")),
+        lambda: cpu_kernels.gemv(x, torch.randn(8, 64), torch.empty(8, device="meta")),
+        lambda: cpu_kernels.gemv(x, torch.randn(8, 64), 0.0),
+        lambda: cpu_kernels.gemv(torch.tensor(1.0), torch.randn(8, 1)),
+        lambda: cpu_kernels.decode_scratch_bytes(-1, 64, 4, 2, 16, 128, torch.float32),
+        lambda: cpu_kernels.decode_scratch_bytes(1, 64, 4, 2, 16, 128, torch.float64),
         lambda: cpu_kernels.gemv(x.double(), torch.randn(8, 64).double()),
         lambda: cpu_kernels.gemv(x.bfloat16(), torch.randn(8, 64)),
         lambda: cpu_kernels.gemv(x, torch.randn(8, 32)),
@@ -138,5 +172,12 @@ def test_gemv_refuses_bad_arguments_in_one_line():
         lambda: cpu_kernels.gemv(x, torch.randn(8, 64), torch.randn(9)),
     ]
     for call in cases:
-        with pytest.raises(ValueError, match="gemv"):
+        with pytest.raises(ValueError, match="gemv|decode_scratch_bytes"):
             call()
+
+
+def test_gemv_of_empty_sums_is_the_bias():
+    """K = 0: every sum is empty, so y is the bias (zeros without one), as `F.linear` gives."""
+    x, weight, bias = torch.randn(3, 0), torch.randn(5, 0), torch.randn(5)
+    assert torch.equal(cpu_kernels.gemv(x, weight), torch.zeros(3, 5))
+    assert torch.equal(cpu_kernels.gemv(x, weight, bias), F.linear(x, weight, bias))

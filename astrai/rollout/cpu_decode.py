@@ -17,8 +17,10 @@ stubbing them out: the rest ran in 3.3 ms, and cost 5-8 ms beside them); vLLM's 
 - a decode step of at most `TOKEN_ROWS` rows served by the dense decode cache: `cpu_kernels.decode_token`, every
   layer in one C call (`cpu_decode.c`: the same pieces in the same order and rounding, its products by
   `cpu_gemv.c`, which streams each weight row once and is faster than oneDNN's products at one and two rows). The
-  results differ from the module forward only by the products' sum order (float32: about 1e-5 in a log-prob; bfloat16: the rounding of
-  an intermediate now and then flips a last bit, which the layers carry on, as the compiled pieces already did).
+  results differ from the module forward only by the products' sum order (float32: about 1e-5 in a log-prob;
+  bfloat16 and float16: the rounding of an intermediate now and then flips a last bit, which the layers carry on,
+  as the compiled pieces already did: up to 0.05 in a log-prob on the test models, and a near-tie of greedy tokens
+  can go the other way).
 
 It serves the copies `use_cpu_kernels` set up (CPU, compiled kernels, fused q/k/v and gate/up weights); any other
 layer kind (MoE MLPs, unfused projections, tensor-parallel shards) keeps the module forward (`FlatTrunk.build`
@@ -48,6 +50,8 @@ SmolLM2-135M (2-core AMD EPYC, 2 threads, 128 tokens a row) it was 1.4-1.5x the 
 
 @dataclass(frozen=True)
 class _Norm:
+    """One RMSNorm's weight (a view of the copy's Parameter), epsilon and form (Gemma's unit offset)."""
+
     weight: torch.Tensor
     eps: float
     unit_offset: bool
@@ -79,6 +83,7 @@ class _Layer:
 
 
 def _norm(module: RMSNorm) -> _Norm:
+    """The `_Norm` of an RMSNorm module."""
     return _Norm(module.weight, float(module.eps), bool(module.unit_offset))
 
 
@@ -91,6 +96,8 @@ class FlatTrunk:
     """
 
     def __init__(self, model: torch.nn.Module, layers: list[_Layer], linear: Callable):
+        """Use `build` (it checks the layers); this sets up the one-call path's structs and scratch for
+        `TOKEN_ROWS` rows where the layers allow it."""
         self.trunk = model.model
         self.layers = layers
         self.final_norm = _norm(self.trunk.norm)
@@ -107,6 +114,7 @@ class FlatTrunk:
                            == 1 and all(t.is_contiguous() for la in layers for t in (
                                la.qkv_weight, la.o_weight, la.gate_up_weight, la.down_weight)))
         self._step = self._layer_structs = self._scratch = None
+        self.token_rows = TOKEN_ROWS  # the scratch is sized for this many rows
         if self.token_call:
             intermediate = first.gate_up_weight.shape[0] // 2
             self._step = cpu_kernels.DecodeStep(
@@ -114,8 +122,8 @@ class FlatTrunk:
                 I=intermediate, dtype=cpu_kernels.DTYPE_CODES[dtype], unit_offset=int(norms[0].unit_offset),
                 eps=norms[0].eps, scale=config.attention_scale)
             self._scratch = torch.empty(cpu_kernels.decode_scratch_bytes(
-                TOKEN_ROWS, config.hidden_size, first.heads, first.kv_heads, first.head_dim, intermediate, dtype),
-                dtype=torch.uint8)
+                self.token_rows, config.hidden_size, first.heads, first.kv_heads, first.head_dim, intermediate,
+                dtype), dtype=torch.uint8)
             self._layer_structs = (cpu_kernels.DecodeLayer * len(layers))()
             address = lambda t: None if t is None else t.data_ptr()  # noqa: E731
             for struct, la in zip(self._layer_structs, layers):
@@ -205,8 +213,8 @@ class FlatTrunk:
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """ids (N,) long, positions (N,) long, `attention` an `AttentionInterface` -> (N, H) final-normed."""
-        if (self.token_call and ids.shape[0] <= TOKEN_ROWS and getattr(attention, "dense", None) is not None
-                and attention.dense.kernel):
+        if (self.token_call and self._step is not None and ids.shape[0] <= self.token_rows
+                and getattr(attention, "dense", None) is not None and attention.dense.kernel):
             return self._token(ids, positions, attention)
         trunk, linear = self.trunk, self.linear
         norm, rotary, gated = cpu_kernels.rmsnorm_nocheck, cpu_kernels.rotary_nocheck_, \

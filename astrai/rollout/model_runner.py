@@ -116,7 +116,8 @@ class PagedModelRunner:
         graphs: an `astrai.rollout.cuda_graphs.DecodeGraphs` over the same model and workspace, or None: the
             decode-only steps it serves run padded to a batch bucket from its static buffers (CUDA graphs on CUDA).
         flat: an `astrai.rollout.cpu_decode.FlatTrunk` of `model`, or None: the trunk's forward without module
-            calls (the same results; the engine builds one for its CPU copy with the compiled kernels).
+            calls (the engine builds one for its CPU copy with the compiled kernels): bitwise the module forward,
+            except its decode steps of a few rows in one compiled call, whose products sum in another order.
     """
 
     def __init__(self, model: torch.nn.Module, workspace: InferenceWorkspace, backend, *, dense_decode: bool = True,

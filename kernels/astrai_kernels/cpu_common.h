@@ -1,6 +1,7 @@
-/* What the two C sources of astrai's CPU kernel library share (cpu_attention.c, cpu_elementwise.c): the dtype codes
- * of `cpu_kernels.DTYPE_CODES`, whether this compiler has float16, the 16-lane vector types (GCC vector extension:
- * AVX-512, AVX2 or SSE code as -march allows, loaded and stored unaligned) and the load of 16 elements as float32.
+/* What the C sources of astrai's CPU kernel library share (cpu_attention.c, cpu_elementwise.c, cpu_gemv.c,
+ * cpu_decode.c): the dtype codes of `cpu_kernels.DTYPE_CODES`, whether this compiler has float16, the 16-lane vector
+ * types (GCC vector extension: AVX-512, AVX2 or SSE code as -march allows, loaded and stored unaligned) and the load
+ * of 16 elements as float32.
  * Written for astrai. `cpu_kernels` hashes this header into the library's cache key with the sources. */
 
 #ifndef ASTRAI_CPU_COMMON_H

@@ -2,11 +2,12 @@
  *
  * Built into the same library as cpu_attention.c and cpu_elementwise.c by `astrai.kernels.cpu_kernels`. Written for
  * astrai. Why: at one row a decode step is a matrix-vector product per weight, bound by how fast the weights stream
- * from memory; oneDNN's prepacked products (`astrai.rollout.packed_linear`) reached 21 GB/s there on a 2-core AMD
- * EPYC whose plain float32 sum over the same bytes reads 28.6 GB/s. This kernel reads each weight row once, in its
- * stored (out, in) layout, and multiplies it by every input row while it is in the cache: SmolLM2-135M's 121 products
- * of one decode step at one row, two threads, 22.3 ms in float32 against oneDNN's 25.1 and 11.9 ms in bfloat16
- * against 12.9 (docs/kernels.md).
+ * from memory; oneDNN's prepacked products (`astrai.rollout.packed_linear`) read about 21 GB/s there on a 2-core AMD
+ * EPYC whose float32 sum over as many bytes reads 28.6. This kernel reads each weight row once, in its stored (out,
+ * in) layout, 12 rows at a time (12 independent sums: 4 and 8 rows streamed slower), and multiplies them by every
+ * input row while they are in the cache. SmolLM2-135M's 120 layer products of a decode step, two threads, best of
+ * three (docs/kernels.md): one row 15.4 ms in float32 against oneDNN's 20.9 and 9.7 ms in bfloat16 against 12.6;
+ * two rows 16.8 / 21.6 and 10.0 / 12.2; four rows 19.8 / 17.6 and 11.8 / 10.6 (oneDNN ahead from here on).
  *
  * Arithmetic: float32 products summed in float32 (in an order of its own: results differ from oneDNN's or MKL's by
  * the sum's rounding, about 1e-6 relative in float32), the bias added in float32, the result rounded once to the

@@ -326,12 +326,15 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def _code(x: torch.Tensor, what: str, *same: torch.Tensor) -> int:
-    """The kernel's code of x's dtype, after checking that x is a CPU tensor of a dtype the kernels read and that
-    the tensors `same` share it; raises ValueError naming `what` otherwise."""
+    """The kernel's code of x's dtype, after checking that x and the tensors `same` are CPU tensors of one dtype
+    the kernels read; raises ValueError naming `what` otherwise."""
+    tensors = (x, *same)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError(f"{what}: expected tensors, got {[type(t).__name__ for t in tensors]}")
     code = DTYPE_CODES.get(x.dtype)
-    if code is None or x.device.type != "cpu" or any(t.dtype != x.dtype for t in same):
-        raise ValueError(f"{what}: expected CPU float32/bfloat16/float16 tensors of one dtype, got "
-                         f"{[str(t.dtype) for t in (x, *same)]} on {x.device}")
+    if code is None or any(t.dtype != x.dtype or t.device.type != "cpu" for t in tensors):
+        found = ", ".join(f"{str(t.dtype).removeprefix('torch.')} on {t.device}" for t in tensors)
+        raise ValueError(f"{what}: expected CPU float32/bfloat16/float16 tensors of one dtype, got {found}")
     return code
 
 
@@ -487,8 +490,9 @@ def store_kv_nocheck(k, v, slots, k_pages, v_pages, positions, dense_keys, dense
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for a few rows, streaming each weight row once (`cpu_gemv.c`: the engine's
-    decode steps of one row, where it is faster than oneDNN's products; slower from about two rows on).
+    """`F.linear(x, weight, bias)` for a few rows, streaming each weight row once (`cpu_gemv.c`): the products of the
+    engine's decode steps of one to four rows (`cpu_decode.c`), where it beats oneDNN's at one and two rows and the
+    saved glue pays for it up to four (docs/kernels.md). Inference only: no gradient.
 
     Args:
         x: (..., K) CPU tensor (float32, bfloat16 or float16), last dim contiguous; weight: (N, K) contiguous, the
@@ -496,14 +500,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 
     Returns:
         (..., N) in x's dtype: the float32 sum of float32 products (its order differs from oneDNN's and MKL's:
-        about 1e-6 relative in float32), plus the bias, rounded once.
+        about 1e-6 relative in float32), plus the bias, rounded once. bfloat16 on a CPU with AVX-512 BF16 uses its
+        dot-product instruction, which reads subnormal inputs (below 1.2e-38) as zero.
 
     Raises:
-        RuntimeError: the kernel is unavailable; ValueError: another dtype or device, or mismatched shapes.
+        RuntimeError: the kernel is unavailable; ValueError: not tensors, another dtype or device, or mismatched
+            shapes.
     """
     _loaded()
     _code(x, "gemv", weight, *(() if bias is None else (bias,)))
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or not weight.is_contiguous() or (
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or not weight.is_contiguous() or (
             bias is not None and (bias.shape != weight.shape[:1] or not bias.is_contiguous())):
         raise ValueError(f"gemv: x (..., K), weight (N, K) contiguous and bias (N,) expected, got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}")
@@ -512,6 +518,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 
 def gemv_nocheck(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`gemv` without its argument checks."""
+    if x.shape[-1] == 0:  # empty sums: the bias alone, as F.linear
+        out = torch.zeros(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+        return out if bias is None else out.add_(bias)
     x2, rows, row = _rows(x)
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
     _check(library().astrai_gemv(x2.data_ptr(), row, rows, weight.data_ptr(), None if bias is None else
@@ -522,7 +531,17 @@ def gemv_nocheck(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 def decode_scratch_bytes(rows: int, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                          dtype: torch.dtype) -> int:
-    """Bytes of scratch `decode_token` needs for `rows` rows of a model of these sizes in `dtype`."""
+    """Bytes of scratch `decode_token` needs for `rows` rows of a model of these sizes in `dtype`.
+
+    Raises:
+        RuntimeError: the kernels are unavailable; ValueError: a size below 1 or a dtype the kernels do not read.
+    """
+    sizes = {"rows": rows, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+             "intermediate": intermediate}
+    bad = [name for name, value in sizes.items() if isinstance(value, bool) or not isinstance(value, int) or value < 1]
+    if bad or dtype not in DTYPE_CODES:
+        raise ValueError(f"decode_scratch_bytes: sizes >= 1 and a float32/bfloat16/float16 dtype expected, got "
+                         f"{sizes} and {dtype}")
     return int(_loaded().astrai_decode_scratch_bytes(rows, hidden, heads, kv_heads, head_dim, intermediate,
                                                      DTYPE_CODES[dtype]))
 
@@ -534,13 +553,25 @@ def decode_token(step: DecodeStep, layers, h: torch.Tensor, scratch: torch.Tenso
     Args:
         step: the sizes and this step's inputs; layers: a `DecodeLayer` array of `step.layers` entries (the
             callers' own: `astrai.rollout.cpu_decode.FlatTrunk` fills them from its layers and the step's caches);
-        h: (B, H) contiguous in the model's dtype; scratch: at least `decode_scratch_bytes(B, ...)` bytes.
+        h: (B, H) contiguous in the model's dtype; scratch: a contiguous uint8 tensor of at least
+            `decode_scratch_bytes(B, ...)` bytes.
 
-    The addresses are not checked here: they must point at live tensors of the sizes `step` gives.
+    The sizes of h and the scratch are checked against `step` here; the addresses in `step` and `layers` are not:
+    they must point at live tensors of the sizes `step` gives (the weights, the paged cache and the dense copies).
 
     Raises:
-        RuntimeError: the kernel is unavailable, or failed (out of memory for the attention's buffers).
+        RuntimeError: the kernel is unavailable, or failed (out of memory for the attention's buffers);
+        ValueError: h or the scratch do not fit `step`, or len(layers) != step.layers.
     """
+    dtype = {code: dtype for dtype, code in DTYPE_CODES.items()}.get(step.dtype)
+    need = decode_scratch_bytes(step.B, step.H, step.Nh, step.Nkv, step.D, step.I, dtype) if dtype else 0
+    if (dtype is None or h.dtype != dtype or tuple(h.shape) != (step.B, step.H) or not h.is_contiguous()
+            or scratch.dtype != torch.uint8 or not scratch.is_contiguous() or scratch.numel() < need
+            or len(layers) != step.layers or h.device.type != "cpu" or scratch.device.type != "cpu"):
+        raise ValueError(f"decode_token: h must be a contiguous CPU ({step.B}, {step.H}) tensor of the step's dtype "
+                         f"and the scratch {need} contiguous CPU bytes for {step.layers} layers, got h "
+                         f"{tuple(h.shape)} {h.dtype}, scratch {scratch.numel()} {scratch.dtype}, {len(layers)} "
+                         "layers")
     _check(_loaded().astrai_decode_token(ctypes.byref(step), layers, h.data_ptr(), scratch.data_ptr()),
            "decode token")
 
