@@ -1,7 +1,8 @@
-"""The compiled CPU kernels: decode attention (`cpu_attention.c`) and the elementwise pieces of a layer and of the
-sampler (`cpu_elementwise.c`: `rmsnorm`, `rotary_`, `gated_activation`, `store_kv`, `softmax_chunks`; docs/kernels.md
-says why and what each measured), built into one library with the machine's C compiler at first use, cached, loaded
-through ctypes; the torch ops stay the fallback.
+"""The compiled CPU kernels: decode attention (`cpu_attention.c`), the elementwise pieces of a layer and of the
+sampler (`cpu_elementwise.c`: `rmsnorm`, `rotary_`, `gated_activation`, `store_kv`, `softmax_chunks`), the few-row
+product `gemv` (`cpu_gemv.c`) and a decode step of a few rows through every layer, `decode_token` (`cpu_decode.c`;
+docs/kernels.md says why and what each measured), built into one library with the machine's C compiler at first
+use, cached, loaded through ctypes; the torch ops stay the fallback.
 
 Why: in a CPU decode step of batch 32 the two batched matmuls of `DenseDecodeCache.attention` (scores (B, Nkv, G,
 K) and their product with the values) multiply G = Nh / Nkv query rows by each (row, kv head) matrix, products too
