@@ -41,29 +41,6 @@ int astrai_cpu_attention_supports(int dtype) { return dtype_supported(dtype); }
 #define PREFETCH 64
 #endif
 
-/* The element at p (of dtype) as float32. */
-static inline __attribute__((always_inline)) float load1(const char *p, const int dtype) {
-    if (dtype == F32) {
-        float f;
-        memcpy(&f, p, sizeof f);
-        return f;
-    }
-    if (dtype == BF16) {
-        uint16_t h;
-        memcpy(&h, p, sizeof h);
-        const uint32_t bits = (uint32_t)h << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-#if HAVE_F16
-    _Float16 h;
-    memcpy(&h, p, sizeof h);
-    return (float)h;
-#else
-    return 0.0f;
-#endif
-}
 
 /* exp(x) for x <= 0 in plain arithmetic, so that the softmax loop vectorizes (the C library's expf is a scalar
  * call): x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite, ln2 in two parts), exp(r) by Cephes' degree-6 expf

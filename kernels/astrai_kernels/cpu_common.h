@@ -1,7 +1,7 @@
 /* What the C sources of astrai's CPU kernel library share (cpu_attention.c, cpu_elementwise.c, cpu_gemv.c,
  * cpu_decode.c): the dtype codes of `cpu_kernels.DTYPE_CODES`, whether this compiler has float16, the 16-lane vector
- * types (GCC vector extension: AVX-512, AVX2 or SSE code as -march allows, loaded and stored unaligned) and the load
- * of 16 elements as float32.
+ * types (GCC vector extension: AVX-512, AVX2 or SSE code as -march allows, loaded and stored unaligned), the load
+ * of 16 elements or one as float32, and the rounded store of one.
  * Written for astrai. `cpu_kernels` hashes this header into the library's cache key with the sources. */
 
 #ifndef ASTRAI_CPU_COMMON_H
@@ -49,6 +49,49 @@ static inline __attribute__((always_inline)) v16 load16(const char *p, const int
 #endif
     }
     return x;
+}
+
+/* The element at p (of dtype) as float32. */
+static inline __attribute__((always_inline)) float load1(const char *p, const int dtype) {
+    if (dtype == F32) {
+        float f;
+        memcpy(&f, p, sizeof f);
+        return f;
+    }
+    if (dtype == BF16) {
+        uint16_t h;
+        memcpy(&h, p, sizeof h);
+        const uint32_t bits = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+#if HAVE_F16
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+#else
+    return 0.0f;
+#endif
+}
+
+/* x rounded to dtype (nearest, ties to even; NaN kept NaN) and stored at p. */
+static inline __attribute__((always_inline)) void store1(char *p, float x, const int dtype) {
+    if (dtype == F32) {
+        memcpy(p, &x, sizeof x);
+    } else if (dtype == BF16) {
+        uint32_t bits;
+        memcpy(&bits, &x, sizeof bits);
+        const uint16_t h = (bits & 0x7fffffffu) > 0x7f800000u
+                               ? (uint16_t)((bits >> 16) | 0x40u)
+                               : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        memcpy(p, &h, sizeof h);
+    } else {
+#if HAVE_F16
+        const _Float16 h = (_Float16)x;
+        memcpy(p, &h, sizeof h);
+#endif
+    }
 }
 
 #endif

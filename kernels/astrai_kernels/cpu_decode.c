@@ -67,40 +67,10 @@ int64_t astrai_decode_scratch_bytes(int64_t B, int64_t H, int64_t Nh, int64_t Nk
            align64(B * Nh * D * e) + align64(B * 2 * I * e) + align64(B * I * e);
 }
 
-static inline float get1(const char *p, int64_t i, const int dtype) {
-    if (dtype == F32) return ((const float *)p)[i];
-    if (dtype == BF16) {
-        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-#if HAVE_F16
-    return (float)((const _Float16 *)p)[i];
-#else
-    return 0.0f;
-#endif
-}
-
-static inline void put1(char *p, int64_t i, float v, const int dtype) {
-    if (dtype == F32) {
-        ((float *)p)[i] = v;
-    } else if (dtype == BF16) {
-        uint32_t bits;
-        memcpy(&bits, &v, sizeof bits);
-        ((uint16_t *)p)[i] = (bits & 0x7fffffffu) > 0x7f800000u
-                                 ? (uint16_t)((bits >> 16) | 0x40u)
-                                 : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    } else {
-#if HAVE_F16
-        ((_Float16 *)p)[i] = (_Float16)v;
-#endif
-    }
-}
-
 /* h = round(h + x), n elements (torch's add in the dtype). */
 static void add_(char *h, const char *x, int64_t n, int dtype) {
-    for (int64_t i = 0; i < n; i++) put1(h, i, get1(h, i, dtype) + get1(x, i, dtype), dtype);
+    const int64_t e = dtype == F32 ? 4 : 2;
+    for (int64_t i = 0; i < n; i++) store1(h + e * i, load1(h + e * i, dtype) + load1(x + e * i, dtype), dtype);
 }
 
 /* Every layer for one token of each of B rows; h (B, H) in place. 0, 1 out of memory (attention), 2 an unsupported
@@ -133,7 +103,7 @@ int astrai_decode_token(const struct astrai_decode_step *s, const struct astrai_
                                   L->dense_values, B, Nkv, D, s->cap, dt);
         status |= astrai_dense_decode_attention(qkv, qkv_n, L->dense_keys, L->dense_values, s->lens, B, Nh, Nkv, D,
                                                 s->cap, dt, s->scale, L->window, L->softcap, attn, nt);
-        for (int64_t i = 0; i < B * Nh * D; i++) put1(attn_t, i, attn[i], dt);
+        for (int64_t i = 0; i < B * Nh * D; i++) store1(attn_t + e * i, attn[i], dt);
         status |= astrai_gemv(attn_t, Nh * D, B, L->o_weight, L->o_bias, H, Nh * D, o, dt, nt);
         if (L->pre_feedforward_norm) { /* Gemma 2/3: each sublayer's output normalised before its residual add */
             status |= astrai_rmsnorm(o, H, L->post_attention_norm, o, B, H, s->eps, s->unit_offset, dt, nt);

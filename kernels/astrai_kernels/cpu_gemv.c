@@ -41,38 +41,6 @@ static inline float hsum16(v16 a) {
     return s;
 }
 
-static inline float element(const char *p, int64_t i, const int dtype) {
-    if (dtype == F32) return ((const float *)p)[i];
-    if (dtype == BF16) {
-        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-#if HAVE_F16
-    return (float)((const _Float16 *)p)[i];
-#else
-    return 0.0f;
-#endif
-}
-
-/* y's element i (of dtype) from the float32 v, rounded to nearest even (NaN kept NaN). */
-static inline void put(char *y, int64_t i, float v, const int dtype) {
-    if (dtype == F32) {
-        ((float *)y)[i] = v;
-    } else if (dtype == BF16) {
-        uint32_t bits;
-        memcpy(&bits, &v, sizeof bits);
-        uint16_t h = (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((bits >> 16) | 0x40u)
-                                                          : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-        ((uint16_t *)y)[i] = h;
-    } else {
-#if HAVE_F16
-        ((_Float16 *)y)[i] = (_Float16)v;
-#endif
-    }
-}
-
 /* sums[r] = dot(x row, W row n + r) for r < nrows (1 .. ROWS), float32 sums. */
 static inline __attribute__((always_inline)) void dots(const char *x, const char *W, int64_t n, int64_t nrows,
                                                        int64_t K, float *sums, const int dtype) {
@@ -104,8 +72,8 @@ static inline __attribute__((always_inline)) void dots(const char *x, const char
         for (int r = 0; r < ROWS; r++) sums[r] = hsum16(acc[r]);
     }
     for (; k < K; k++) {
-        const float xk = element(x, k, dtype);
-        for (int r = 0; r < nrows; r++) sums[r] += xk * element(W, (n + r) * K + k, dtype);
+        const float xk = load1(x + es * k, dtype);
+        for (int r = 0; r < nrows; r++) sums[r] += xk * load1(W + es * ((n + r) * K + k), dtype);
     }
 }
 
@@ -121,7 +89,7 @@ static inline __attribute__((always_inline)) void gemv_impl(const char *x, int64
             float sums[ROWS];
             dots(x + m * x_row * es, W, n, nrows, K, sums, dtype);
             for (int64_t r = 0; r < nrows; r++)
-                put(y, m * N + n + r, b ? sums[r] + element(b, n + r, dtype) : sums[r], dtype);
+                store1(y + es * (m * N + n + r), b ? sums[r] + load1(b + es * (n + r), dtype) : sums[r], dtype);
         }
     }
 }
