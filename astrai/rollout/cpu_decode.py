@@ -180,6 +180,8 @@ class FlatTrunk:
                 gate_up_weight=mlp.gate_up_weight, down_weight=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
                 heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, gelu=mlp.gelu,
                 local_rotary=trunk.rotary_emb_local is not None and config.layer_window(i) is not None))
+        if not layers:
+            return None
         return cls(model, layers, linear or F.linear)
 
     def _bind(self, attention) -> None:
