@@ -120,7 +120,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_evaluation(tiny_
     assert not (out / "teacher_eval").exists()  # refused in seconds: the teacher was never evaluated
 
 
-@pytest.mark.parametrize("rows", [3, 0])
+@pytest.mark.parametrize("rows", [pytest.param(3, marks=pytest.mark.slow), 0])  # 3: a minute of training (slow tier)
 def test_seqkd_trains_on_the_teachers_answers_after_their_minutes(tiny_model_dir, tmp_path, monkeypatch, capsys,
                                                                   rows):
     """The seqkd arm with the teacher's demonstrations stubbed (`python -m astrai.evaluate --demonstrations` is
