@@ -56,6 +56,10 @@ class _Norm:
     eps: float
     unit_offset: bool
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., H) -> (..., H), as `RMSNorm.forward` with the compiled kernel."""
+        return cpu_kernels.rmsnorm_nocheck(x, self.weight, self.eps, self.unit_offset)
+
 
 @dataclass(frozen=True)
 class _Layer:
@@ -209,8 +213,7 @@ class FlatTrunk:
         step.cos_local, step.sin_local = local[0].data_ptr(), local[1].data_ptr()
         step.num_threads = torch.get_num_threads()
         cpu_kernels.decode_token(step, self._layer_structs, h, self._scratch)
-        f = self.final_norm
-        return cpu_kernels.rmsnorm_nocheck(h, f.weight, f.eps, f.unit_offset)
+        return self.final_norm(h)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
@@ -219,8 +222,7 @@ class FlatTrunk:
                 and getattr(attention, "dense", None) is not None and attention.dense.kernel):
             return self._token(ids, positions, attention)
         trunk, linear = self.trunk, self.linear
-        norm, rotary, gated = cpu_kernels.rmsnorm_nocheck, cpu_kernels.rotary_nocheck_, \
-            cpu_kernels.gated_activation_nocheck
+        rotary, gated = cpu_kernels.rotary_nocheck_, cpu_kernels.gated_activation_nocheck
         h = trunk._embed(ids[None])  # (1, N, H)
         n = ids.shape[0]
         full = trunk.rotary_emb(positions[None], h.dtype)
@@ -228,32 +230,25 @@ class FlatTrunk:
         for layer in self.layers:
             cos, sin = local if layer.local_rotary else full
             nh, nkv, d = layer.heads, layer.kv_heads, layer.head_dim
-            a = layer.input_norm
-            x = norm(h, a.weight, a.eps, a.unit_offset)
+            x = layer.input_norm(h)
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias).view(1, n, nh + 2 * nkv, d)
             v = qkv[:, :, nh + nkv:]
             if layer.q_norm is None:
                 qk = rotary(qkv[:, :, :nh + nkv], cos, sin)
                 q, k = qk[:, :, :nh], qk[:, :, nh:]
             else:
-                qn, kn = layer.q_norm, layer.k_norm
-                q = rotary(norm(qkv[:, :, :nh], qn.weight, qn.eps, qn.unit_offset), cos, sin)
-                k = rotary(norm(qkv[:, :, nh:nh + nkv], kn.weight, kn.eps, kn.unit_offset), cos, sin)
+                q = rotary(layer.q_norm(qkv[:, :, :nh]), cos, sin)
+                k = rotary(layer.k_norm(qkv[:, :, nh:nh + nkv]), cos, sin)
             out = attention(layer.index, q, k, v).reshape(1, n, nh * d)
             out = linear(out, layer.o_weight, layer.o_bias)
             if layer.pre_feedforward_norm is not None:
-                p = layer.post_attention_norm
-                h = h + norm(out, p.weight, p.eps, p.unit_offset)
-                p = layer.pre_feedforward_norm
-                x = norm(h, p.weight, p.eps, p.unit_offset)
+                h = h + layer.post_attention_norm(out)
+                x = layer.pre_feedforward_norm(h)
             else:
                 h = h + out
-                p = layer.post_attention_norm
-                x = norm(h, p.weight, p.eps, p.unit_offset)
+                x = layer.post_attention_norm(h)
             x = linear(gated(linear(x, layer.gate_up_weight), layer.gelu), layer.down_weight, layer.down_bias)
             if layer.post_feedforward_norm is not None:
-                p = layer.post_feedforward_norm
-                x = norm(x, p.weight, p.eps, p.unit_offset)
+                x = layer.post_feedforward_norm(x)
             h = h + x
-        f = self.final_norm
-        return norm(h, f.weight, f.eps, f.unit_offset)[0]
+        return self.final_norm(h)[0]
