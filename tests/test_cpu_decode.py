@@ -62,8 +62,8 @@ def test_one_call_decode_token_matches_the_module_forward(family, dtype, rows, m
     tests/test_cpu_elementwise.py compares the compiled pieces."""
     model = astrai_twin(hf_model(family)).eval()
     calls = []
-    real = cpu_kernels.decode_token
-    monkeypatch.setattr(cpu_kernels, "decode_token", lambda step, *a: calls.append(step.B) or real(step, *a))
+    real = cpu_kernels.decode_token_nocheck
+    monkeypatch.setattr(cpu_kernels, "decode_token_nocheck", lambda step, *a: calls.append(step.B) or real(step, *a))
     prompts = [[1, 5, 9, 11, 20, 31], [3, 4], list(range(3, 40))][:rows]
     token = generate(model, dtype, prompts, 90)
     assert calls == [rows] * 89, "every decode step after the prefill's first token"
@@ -82,8 +82,8 @@ def test_rows_past_the_scratch_go_to_the_flat_loop(monkeypatch):
 
     model = astrai_twin(hf_model("llama3")).eval()
     calls = []
-    real = cpu_kernels.decode_token
-    monkeypatch.setattr(cpu_kernels, "decode_token", lambda step, *a: calls.append(step.B) or real(step, *a))
+    real = cpu_kernels.decode_token_nocheck
+    monkeypatch.setattr(cpu_kernels, "decode_token_nocheck", lambda step, *a: calls.append(step.B) or real(step, *a))
     from astrai.rollout.paged_engine import PagedGenerationEngine
     from astrai.rollout.sampling import SamplingParams
 

@@ -202,8 +202,8 @@ def test_engine_with_and_without_the_kernel(dtype, monkeypatch):
         return engine.generate(prompts, SamplingParams(max_new_tokens=12), torch.Generator().manual_seed(2))
 
     monkeypatch.setattr(cpu_kernels, "dense_decode_attention", counted)
-    real_token = cpu_kernels.decode_token
-    monkeypatch.setattr(cpu_kernels, "decode_token", lambda *a: calls.append(1) or real_token(*a))
+    real_token = cpu_kernels.decode_token_nocheck
+    monkeypatch.setattr(cpu_kernels, "decode_token_nocheck", lambda *a: calls.append(1) or real_token(*a))
     with_kernel = generate()
     assert calls
     monkeypatch.setattr(cpu_kernels, "supports", lambda dtype: False)

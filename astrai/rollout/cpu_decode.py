@@ -108,8 +108,9 @@ class FlatTrunk:
         self.linear = linear
         self.local = any(layer.local_rotary for layer in layers)
         config, first = model.config, layers[0]
-        norms = [n for layer in layers for n in (layer.input_norm, layer.post_attention_norm, layer.pre_feedforward_norm,
-                                                  layer.post_feedforward_norm, layer.q_norm, layer.k_norm) if n]
+        norms = [n for layer in layers for n in (layer.input_norm, layer.post_attention_norm,
+                                                  layer.pre_feedforward_norm, layer.post_feedforward_norm,
+                                                  layer.q_norm, layer.k_norm) if n is not None]
         dtype = first.qkv_weight.dtype
         # One token through every layer in one compiled call (`cpu_kernels.decode_token`) where the layers agree on
         # the sizes and norm options the call takes once.
@@ -212,7 +213,7 @@ class FlatTrunk:
         step.cos, step.sin = full[0].data_ptr(), full[1].data_ptr()
         step.cos_local, step.sin_local = local[0].data_ptr(), local[1].data_ptr()
         step.num_threads = torch.get_num_threads()
-        cpu_kernels.decode_token(step, self._layer_structs, h, self._scratch)
+        cpu_kernels.decode_token_nocheck(step, self._layer_structs, h, self._scratch)
         return self.final_norm(h)
 
     @torch.no_grad()

@@ -18,7 +18,6 @@
  * contiguous. One dtype for all.
  */
 
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -46,7 +45,6 @@ static inline __attribute__((always_inline)) void dots(const char *x, const char
                                                        int64_t K, float *sums, const int dtype) {
     const int64_t es = dtype == F32 ? 4 : 2;
     int64_t k = 0;
-    for (int r = 0; r < ROWS; r++) sums[r] = 0.0f;
 #if HAVE_DPBF16
     if (dtype == BF16) {
         __m512 acc[ROWS];

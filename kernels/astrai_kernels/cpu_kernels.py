@@ -46,7 +46,7 @@ import torch
 __all__ = ["SOURCES", "HEADERS", "DTYPE_CODES", "cache_dir", "library", "unavailable_reason", "supports",
            "dense_decode_attention", "rmsnorm", "rotary_", "gated_activation", "store_kv", "softmax_chunks",
            "rmsnorm_nocheck", "rotary_nocheck_", "gated_activation_nocheck", "store_kv_nocheck", "gemv",
-           "gemv_nocheck", "DecodeLayer", "DecodeStep", "decode_scratch_bytes", "decode_token"]
+           "gemv_nocheck", "DecodeLayer", "DecodeStep", "decode_scratch_bytes", "decode_token", "decode_token_nocheck"]
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_elementwise.c", "cpu_gemv.c",
                                                            "cpu_decode.c"))
@@ -573,7 +573,13 @@ def decode_token(step: DecodeStep, layers, h: torch.Tensor, scratch: torch.Tenso
                          f"and the scratch {need} contiguous CPU bytes for {step.layers} layers, got h "
                          f"{tuple(h.shape)} {h.dtype}, scratch {scratch.numel()} {scratch.dtype}, {len(layers)} "
                          "layers")
-    _check(_loaded().astrai_decode_token(ctypes.byref(step), layers, h.data_ptr(), scratch.data_ptr()),
+    decode_token_nocheck(step, layers, h, scratch)
+
+
+def decode_token_nocheck(step: DecodeStep, layers, h: torch.Tensor, scratch: torch.Tensor) -> None:
+    """`decode_token` without its size checks (the engine's step: `FlatTrunk` sized its scratch and h itself and
+    sends at most the rows it sized it for)."""
+    _check(library().astrai_decode_token(ctypes.byref(step), layers, h.data_ptr(), scratch.data_ptr()),
            "decode token")
 
 
