@@ -58,6 +58,7 @@ def test_bad_arguments_exit_2_in_one_line(argv, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # 35 s; the refusals above stay in the default suite
 def test_both_arms_run_on_tiny_models(tiny_model_dir, tmp_path):
     teacher = save_tiny(tmp_path / "teacher", seed=1)
     out = tmp_path / "bench"

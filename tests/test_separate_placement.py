@@ -450,7 +450,7 @@ def test_one_step_off_samples_rollout_k_with_the_weights_of_rollout_k_minus_1(re
     assert remote.generate([[5, 6]], params).policy_version == 3  # and nothing of it is left in the pipe
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: 22 s
 def test_online_grpo_one_step_off_lags_one_rollout_and_resumes_bitwise(model_dir, tmp_path, monkeypatch,
                                                                         processes):
     """With 2 generation processes as well: each samples half of every rollout (GenerationPool), and the run is as
@@ -748,7 +748,8 @@ def kill_at_second_generation(monkeypatch, method: str):
 
 @pytest.mark.parametrize("method, during, processes", [("result", "a generation", 1),
                                                        ("load_weights", "the weight load", 1),
-                                                       ("result", "a generation", 2)])
+                                                       pytest.param("result", "a generation", 2,  # 15 s
+                                                                    marks=pytest.mark.slow)])
 def test_a_killed_synchronous_generation_process_is_restarted_and_the_run_is_unchanged(model_dir, tmp_path,
                                                                                       monkeypatch, method, during,
                                                                                       processes):
