@@ -52,19 +52,20 @@ def test_flat_trunk_is_bitwise_the_module_forward(family, dtype):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 7])
 def test_one_call_decode_token_matches_the_module_forward(family, dtype, rows, monkeypatch):
-    """One row (three rows of other lengths) decoding 90 tokens, past the dense copies' first capacity, so they are
+    """One row (three and seven rows of other lengths: the products' register tiles of two rows and an odd one)
+    decoding 90 tokens, past the dense copies' first capacity, so they are
     rebuilt and the call re-pointed: the one-call path serves every decode step and decodes the module forward's
     greedy tokens, log-probs within float32 (bfloat16) rounding of the products' sum order. In bfloat16 a flipped
     last bit can turn a near-tie of these random models' logits (the bfloat16 module forward leaves float32's
-    greedy tokens after 1 to 69 tokens on these shapes), so three rows are compared over their first 24 tokens, as
+    greedy tokens after 1 to 69 tokens on these shapes), so several rows are compared over their first 24 tokens, as
     tests/test_cpu_elementwise.py compares the compiled pieces."""
     model = astrai_twin(hf_model(family)).eval()
     calls = []
     real = cpu_kernels.decode_token_nocheck
     monkeypatch.setattr(cpu_kernels, "decode_token_nocheck", lambda step, *a: calls.append(step.B) or real(step, *a))
-    prompts = [[1, 5, 9, 11, 20, 31], [3, 4], list(range(3, 40))][:rows]
+    prompts = [[1, 5, 9, 11, 20, 31], [3, 4], list(range(3, 40)), [7] * 9, [2, 8, 6], list(range(40, 61)), [12]][:rows]
     token = generate(model, dtype, prompts, 90)
     assert calls == [rows] * 89, "every decode step after the prefill's first token"
     modules = generate(model, dtype, prompts, 90, flat=False)
@@ -87,6 +88,7 @@ def test_rows_past_the_scratch_go_to_the_flat_loop(monkeypatch):
     from astrai.rollout.paged_engine import PagedGenerationEngine
     from astrai.rollout.sampling import SamplingParams
 
+    monkeypatch.setattr(cpu_decode, "TOKEN_ROWS", 4)  # the scratch is sized for 4 rows
     engine = PagedGenerationEngine(model, pad_token_id=2, dtype="float32", prefix_cache=False)
     monkeypatch.setattr(cpu_decode, "TOKEN_ROWS", 16)
     prompts = [[1 + (7 * i + j) % 50 for j in range(3 + i)] for i in range(6)]
@@ -110,7 +112,8 @@ def test_the_flat_trunk_declines_other_layers():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,inner,bias", [(1, 576, False), (1, 100, True), (3, 33, True), (2, 1536, False)])
+@pytest.mark.parametrize("rows,inner,bias", [(1, 576, False), (1, 100, True), (3, 33, True), (2, 1536, False),
+                                             (5, 40, True), (8, 576, False)])
 def test_gemv_against_float64_loops(dtype, rows, inner, bias):
     """y = x W^T + b for widths with and without a 16/32-lane tail and output counts that are not a multiple of the
     row block: within the float32 sum's rounding (K ulps of the summed magnitudes) plus one output rounding."""
@@ -133,6 +136,21 @@ def test_gemv_against_float64_loops(dtype, rows, inner, bias):
     assert ((got.double() - reference).abs() <= bound).all()
     torch.testing.assert_close(got.float(), F.linear(x.float(), weight.float(), None if b is None else b.float()).to(
         dtype).float(), rtol=ULP[dtype] * 4, atol=inner * 2 ** -20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rows_do_not_depend_on_the_rows_beside_them(dtype):
+    """A row's outputs are the same bits alone (the one-row form, 12 weight rows a task) and among 2 to 9 rows (the
+    register tiles of 8 weight rows times 2 input rows, an odd row alone), for widths with and without a tail and
+    output counts that leave a partial block: a decode step's token does not depend on its batch."""
+    torch.manual_seed(2)
+    for inner, outputs in ((576, 37), (40, 13), (1536 + 3, 20)):
+        weight = torch.randn(outputs, inner).to(dtype)
+        bias = torch.randn(outputs).to(dtype)
+        x = torch.randn(9, inner).to(dtype)
+        alone = torch.cat([cpu_kernels.gemv(x[i:i + 1], weight, bias) for i in range(9)])
+        for rows in range(2, 10):
+            assert torch.equal(cpu_kernels.gemv(x[:rows], weight, bias), alone[:rows]), (inner, rows)
 
 
 def test_gemv_threads_and_strided_rows():

@@ -492,8 +492,8 @@ def store_kv_nocheck(k, v, slots, k_pages, v_pages, positions, dense_keys, dense
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a few rows, streaming each weight row once (`cpu_gemv.c`): the products of the
-    engine's decode steps of one to four rows (`cpu_decode.c`), where it beats oneDNN's at one and two rows and the
-    saved glue pays for it up to four (docs/kernels.md). Inference only: no gradient.
+    engine's decode steps of one to `TOKEN_ROWS` (8) rows (`cpu_decode.c`), where it beats oneDNN's at one and two
+    rows and the saved glue pays for it up to eight (docs/kernels.md). Inference only: no gradient.
 
     Args:
         x: (..., K) CPU tensor (float32, bfloat16 or float16), last dim contiguous; weight: (N, K) contiguous, the
@@ -501,7 +501,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 
     Returns:
         (..., N) in x's dtype: the float32 sum of float32 products (its order differs from oneDNN's and MKL's:
-        about 1e-6 relative in float32), plus the bias, rounded once. bfloat16 on a CPU with AVX-512 BF16 uses its
+        about 1e-6 relative in float32, and is the same for a row whatever the rows beside it and the thread count),
+        plus the bias, rounded once. bfloat16 on a CPU with AVX-512 BF16 uses its
         dot-product instruction, which reads subnormal inputs (below 1.2e-38) as zero.
 
     Raises:
