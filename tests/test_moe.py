@@ -1,6 +1,7 @@
 """MoE feed-forward: upcycling keeps the function, routing against a reference loop, the load-balancing loss by
 hand, gradient checkpointing, and an sft run whose metrics carry task / auxiliary / weighted auxiliary losses."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -113,3 +114,35 @@ def test_moe_checkpoint_config_describes_the_moe_model_and_loads_again(tmp_path)
     assert apply_model_options(same, loaded) is loaded and len(loaded.model.layers[0].mlp.experts) == 3
     with pytest.raises(ConfigError, match="already an MoE model"):
         apply_model_options(load_config(None, ["--model.moe_num_experts", "4"]), loaded)
+
+
+def test_a_model_built_from_an_moe_config_has_its_experts():
+    """`AutoRegressiveLM(config)` with `num_local_experts` builds the MoE layout the config describes (it used to
+    build dense feed-forwards silently): the same tensors as a dense model of that shape upcycled, and it saves and
+    loads as the config says."""
+    config = tiny_config(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                         num_local_experts=3, num_experts_per_tok=2, n_shared_experts=1)
+    torch.manual_seed(0)
+    built = AutoRegressiveLM(config)
+    torch.manual_seed(0)
+    dense = AutoRegressiveLM(dataclasses.replace(config, num_local_experts=0))
+    convert_to_moe(dense, num_experts=3, top_k=2, num_shared_experts=1)
+    assert all(isinstance(layer.mlp, MoEFeedForward) and len(layer.mlp.experts) == 3 for layer in built.model.layers)
+    assert built.state_dict().keys() == dense.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), dense.state_dict().values()))
+    assert (built.config.num_local_experts, built.config.num_experts_per_tok, built.config.n_shared_experts) == (3, 2, 1)
+
+
+def test_the_memory_plan_counts_the_experts_of_an_upcycled_job():
+    """A job that upcycles a dense checkpoint (`model.moe_num_experts`) is planned with its experts: the policy's
+    parameters are those of the MoE model the job trains, not the checkpoint's."""
+    from astrai.config import config_from_dict
+    from astrai.trainer.memory_plan import parameter_count, planned_job
+
+    dense = tiny_config()
+    job = config_from_dict({"train": {"type": "sft"}, "model": {"moe_num_experts": 4, "moe_top_k": 2}})
+    plan, _ = planned_job(job, dense, strategy="ddp", world_size=1, device=torch.device("cpu"))
+    policy = next(item for item in plan.items if item.name == "policy parameters")
+    moe = parameter_count(dataclasses.replace(dense, num_local_experts=4, num_experts_per_tok=2))
+    assert moe > 3 * parameter_count(dense) // 2
+    assert policy.bytes == 4 * moe

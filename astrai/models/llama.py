@@ -27,6 +27,7 @@ from .attention import AttentionInterface, MaskedAttention, SegmentedCausalAtten
 from .cache import KVCache
 from .config import ModelConfig, tiny_config
 from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, build_attention_mask
+from .moe import convert_to_moe
 
 __all__ = ["ModelConfig", "KVCache", "LlamaTrunk", "AutoRegressiveLM", "hf_state_dict", "tiny_config"]
 
@@ -179,7 +180,9 @@ class AutoRegressiveLM(nn.Module):
     `config.final_logit_softcapping` c the logits are c * tanh(lm_head(h) / c) (the hidden states of
     `return_hidden` are not: their callers must apply it, see `astrai.forward.whole_lm_head`).
 
-    Weights are initialised like HF (normal(0, 0.02) for linear and embedding weights, ones for norms).
+    Weights are initialised like HF (normal(0, 0.02) for linear and embedding weights, ones for norms). With
+    `config.num_local_experts` E > 0 every feed-forward is a `MoEFeedForward` of E experts (`convert_to_moe` of the
+    initialised dense layers, router seeded by 0), as an MoE checkpoint's config.json describes it.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -188,6 +191,9 @@ class AutoRegressiveLM(nn.Module):
         self.model = LlamaTrunk(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         _init_weights(self.lm_head)
+        if config.num_local_experts:  # the MoE layout the config describes (astrai.models.moe)
+            convert_to_moe(self, num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                           num_shared_experts=config.n_shared_experts, aux_loss_coef=config.router_aux_loss_coef)
         self.tie_weights()
         register = getattr(self, "register_load_state_dict_pre_hook", None)
         if register is None:  # torch < 2.5

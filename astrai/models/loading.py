@@ -29,7 +29,6 @@ from .gguf_loading import gguf_config, read_gguf
 from .hub import cached_repo_files, download_file, download_model, is_hub_id, split_hub_file
 from .llama import AutoRegressiveLM, hf_state_dict
 from .lora_merge import load_merged
-from .moe import convert_to_moe
 from .tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
 __all__ = ["resolve_model_path", "model_reference", "is_model_directory", "load_pretrained", "hf_state_dict", "state_mismatch",
@@ -224,10 +223,7 @@ def empty_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, devi
     """An `AutoRegressiveLM` of `config` (MoE layout included) with uninitialised weights on `device`, eval mode:
     a skeleton to copy full weights into (e.g. a rollout engine of a sharded policy)."""
     with torch.device("meta"):
-        model = AutoRegressiveLM(config)
-        if config.num_local_experts:
-            convert_to_moe(model, num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
-                           num_shared_experts=config.n_shared_experts, aux_loss_coef=config.router_aux_loss_coef)
+        model = AutoRegressiveLM(config)  # the MoE layout too, where the config has experts
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.model.reset_rotary(device)
@@ -251,10 +247,7 @@ def _build_model(
 ) -> AutoRegressiveLM:
     """Create the model on the meta device and assign `state` (HF names) without a random init."""
     with torch.device("meta"):
-        model = AutoRegressiveLM(config)
-        if config.num_local_experts:  # the MoE layout the config.json describes (see models/config.py)
-            convert_to_moe(model, num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
-                           num_shared_experts=config.n_shared_experts, aux_loss_coef=config.router_aux_loss_coef)
+        model = AutoRegressiveLM(config)  # the MoE layout the config.json describes (see models/config.py)
     expected = {k: v.shape for k, v in hf_state_dict(model).items()}
     if config.tie_word_embeddings:  # some tied checkpoints also store the head; the embedding is the weight
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}

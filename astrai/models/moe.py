@@ -16,13 +16,14 @@ on each MoE layer (`aux_loss`) and summed by `collect_aux_loss(model)`; `AutoReg
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MoEFeedForward", "convert_to_moe", "collect_aux_loss", "load_balancing_loss"]
+__all__ = ["MoEFeedForward", "convert_to_moe", "collect_aux_loss", "load_balancing_loss", "upcycled_config"]
 
 
 def load_balancing_loss(router_probs: torch.Tensor, top_index: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -121,6 +122,19 @@ def convert_to_moe(model: nn.Module, *, num_experts: int, top_k: int, num_shared
         config.num_local_experts, config.num_experts_per_tok = num_experts, top_k
         config.n_shared_experts, config.router_aux_loss_coef = num_shared_experts, aux_loss_coef
     return model
+
+
+def upcycled_config(model_config, options):
+    """The config of the model a job trains: `model_config` (the checkpoint's `ModelConfig`) with the experts of
+    `options` (the job's `model` section: `moe_num_experts`, `moe_top_k`, `moe_num_shared_experts`,
+    `moe_aux_loss_coef`) where the job upcycles a dense checkpoint (`convert_to_moe` at start-up); `model_config`
+    itself for a dense job or an MoE checkpoint. For what is sized before the conversion runs (the memory plan,
+    the engine's copy)."""
+    if not getattr(options, "moe_num_experts", 0) or model_config.num_local_experts:
+        return model_config
+    return dataclasses.replace(model_config, num_local_experts=options.moe_num_experts,
+                               num_experts_per_tok=options.moe_top_k, n_shared_experts=options.moe_num_shared_experts,
+                               router_aux_loss_coef=options.moe_aux_loss_coef)
 
 
 def collect_aux_loss(model: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

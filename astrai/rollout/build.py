@@ -4,7 +4,6 @@ section through the engine factory (`astrai.rollout.engine.build_engine`)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import sys
@@ -15,6 +14,7 @@ from typing import Optional
 import torch
 
 from astrai.kernels import BackendUnavailableError
+from astrai.models.moe import upcycled_config
 from astrai.rollout.engine import ATTENTION_BACKEND_ENV, GenerationEngine, attention_backend, build_engine, check_engine
 from astrai.runtime_env import checked_threads, usable_cpus
 
@@ -166,8 +166,7 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
     options = _engine_options(config)
     if _check_tensor_parallel(r) > 1:
         options["tensor_parallel_size"] = r.tensor_parallel_size
-    if config.model.moe_num_experts and not model_config.num_local_experts:  # upcycled at start-up: the engine's copy
-        model_config = dataclasses.replace(model_config, num_local_experts=config.model.moe_num_experts)
+    model_config = upcycled_config(model_config, config.model)  # upcycled at start-up: the engine's copy too
     _check_capacity(config)
     with _naming_the_backend_field():
         check_engine(r.engine, model_config, device=device, dtype=config.model.dtype if r.dtype is None else r.dtype,

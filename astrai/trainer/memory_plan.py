@@ -39,6 +39,7 @@ import torch
 
 from astrai.models import AutoRegressiveLM
 from astrai.models.config import ModelConfig
+from astrai.models.moe import upcycled_config
 from astrai.models.value_model import ValueModel
 from astrai.rollout.packed_linear import prepack_available
 
@@ -283,6 +284,7 @@ def planned_job(config, model_config: ModelConfig, *, strategy: str, world_size:
 
     kwargs = dict(world_size=world_size, device=device, local_world_size=local_world_size,
                   teacher_config=teacher_config, teacher_configs=teacher_configs)
+    model_config = upcycled_config(model_config, config.model)  # a dense checkpoint upcycled at start-up: its experts
     plan = plan_memory(config, model_config, strategy=strategy, **kwargs)
     if not plan.available or plan.total <= plan.available:
         return plan, check_fits(plan, {})
