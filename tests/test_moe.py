@@ -146,3 +146,30 @@ def test_the_memory_plan_counts_the_experts_of_an_upcycled_job():
     moe = parameter_count(dataclasses.replace(dense, num_local_experts=4, num_experts_per_tok=2))
     assert moe > 3 * parameter_count(dense) // 2
     assert policy.bytes == 4 * moe
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_local_experts=-2), "num_local_experts must be an integer >= 0, got -2"),
+    (dict(num_local_experts=2.5), "num_local_experts must be an integer >= 0, got 2.5"),
+    (dict(num_local_experts=True, num_experts_per_tok=1), "num_local_experts must be an integer >= 0, got True"),
+    (dict(num_local_experts=2, n_shared_experts=-1), "n_shared_experts must be an integer >= 0, got -1"),
+    (dict(num_local_experts=2, router_aux_loss_coef=-1.0), "router_aux_loss_coef must be a number >= 0, got -1.0"),
+    (dict(num_local_experts=2, num_experts_per_tok=3), "num_experts_per_tok 3 must be in [1, num_local_experts 2]"),
+])
+def test_bad_moe_fields_are_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError) as raised:
+        tiny_config(**fields)
+    assert str(raised.value) == message
+
+
+def test_upcycling_seeds_only_the_cpu_generator_and_puts_it_back(monkeypatch):
+    """The router's seed does not reach CUDA's generators (a model built from an MoE config, or the memory plan
+    counting one, must not reseed a job's GPU randomness) and the CPU generator is put back as it was."""
+    model = _model()
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    state = torch.random.get_rng_state()
+    convert_to_moe(model, num_experts=2, top_k=1)
+    AutoRegressiveLM(tiny_config(num_local_experts=2, num_experts_per_tok=1))
+    assert seeded == []
+    torch.random.set_rng_state(state)

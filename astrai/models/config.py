@@ -112,6 +112,13 @@ class ModelConfig:
             )
         if self.head_dim < 2 or self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        for name in ("num_local_experts", "num_experts_per_tok", "n_shared_experts"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.router_aux_loss_coef, (int, float)) or isinstance(self.router_aux_loss_coef, bool) \
+                or not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be a number >= 0, got {self.router_aux_loss_coef!r}")
         if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, num_local_experts "
                              f"{self.num_local_experts}]")

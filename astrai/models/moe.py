@@ -104,7 +104,7 @@ def convert_to_moe(model: nn.Module, *, num_experts: int, top_k: int, num_shared
     if num_experts < 1 or not 1 <= top_k <= num_experts:
         raise ValueError(f"convert_to_moe: need 1 <= top_k ({top_k}) <= num_experts ({num_experts})")
     generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)  # the CPU generator only (put back below); CUDA's untouched
     try:
         for layer in layers:
             dense = layer.mlp

@@ -45,8 +45,9 @@ __all__ = ["FlatTrunk", "TOKEN_ROWS"]
 TOKEN_ROWS = 8
 """Decode steps of at most this many rows go through the one compiled call (`cpu_kernels.decode_token`): measured on
 SmolLM2-135M (2-core AMD EPYC, 2 threads, 128 tokens a row, the same engine switched call by call) it was 1.4-1.5x
-the flat loop at 1 and 2 rows, 1.1-1.2x at 3 and 4, and with the register tiles of `cpu_gemv.c` 1.05-1.1x at 8 and
-about even at 12 and 16 (docs/kernels.md)."""
+the flat loop at 1 and 2 rows, 1.1-1.2x at 3 and 4, and with the register tiles of `cpu_gemv.c` 1.00-1.06x at 8
+rows in bfloat16 and 1.02-1.08x in float32 (medians of two and four calls a side), from 12 rows even or behind in one
+dtype or the other (docs/kernels.md)."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from astrai.distributed.context import check_mesh
 from astrai.distributed.launch import check_step_sizes, resolve_launch
 from astrai.distributed.rank_checks import check_ranks_agree
 from astrai.models import load_pretrained
+from astrai.models.moe import upcycled_config
 from astrai.outputs import OutputWriteError
 from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, ExperienceEnd, MetricsLogger,
@@ -42,7 +43,7 @@ from astrai.trainer.lora import lora_summary
 from astrai.trainer.lock import OutputDirLock, OutputDirLocked
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
-from astrai.trainer.memory_plan import planned_job
+from astrai.trainer.memory_plan import parameter_count, planned_job
 from astrai.trainer.models import apply_model_options, check_teacher_routes, load_teachers, local_teacher_configs
 from astrai.trainer.learners.topk_distill import check_top_k
 from astrai.trainer.resume import check_resume, restore
@@ -394,6 +395,9 @@ def check_job(config: Config, *, world_size: int) -> str:
     if config.train.eval_steps:
         load_eval_records(config, tokenizer)
     params = sum(p.numel() for p in policy.parameters())
+    trained_config = upcycled_config(policy.config, config.model)
+    upcycled = (f", upcycled to {parameter_count(trained_config) / 1e6:.1f}M with {trained_config.num_local_experts} "
+                f"experts" if trained_config is not policy.config else "")
     start = f"resumes {resume_from}" if resume_from is not None else "starts fresh"
     counted = (f"packed rows of up to {config.data.max_length} tokens (data.packing)"
                if spec.packs and config.data.packing else "training examples")
@@ -404,7 +408,7 @@ def check_job(config: Config, *, world_size: int) -> str:
                       f"{' one step off' if config.rollout.max_off_policy_steps else ''}")
     return (f"check passed: {config.train.type} on {world_size} process(es) with {plan.strategy} "
             f"({plan.mixed_precision} mixed precision){generating}; model {config.model.path} "
-            f"({params / 1e6:.1f}M parameters)"
+            f"({params / 1e6:.1f}M parameters{upcycled})"
             f"{lora_summary(config, policy)}; {len(data)} {counted} from {data_source(config)}; {start} in "
             f"{output_dir}\n{memory.table()}" + (f"\n{memory_note}" if memory_note else ""))
 
