@@ -170,6 +170,7 @@ def test_upcycling_seeds_only_the_cpu_generator_and_puts_it_back(monkeypatch):
     monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
     state = torch.random.get_rng_state()
     convert_to_moe(model, num_experts=2, top_k=1)
+    assert torch.equal(torch.random.get_rng_state(), state)
     AutoRegressiveLM(tiny_config(num_local_experts=2, num_experts_per_tok=1))
     assert seeded == []
     torch.random.set_rng_state(state)

@@ -41,7 +41,6 @@ int astrai_cpu_attention_supports(int dtype) { return dtype_supported(dtype); }
 #define PREFETCH 64
 #endif
 
-
 /* exp(x) for x <= 0 in plain arithmetic, so that the softmax loop vectorizes (the C library's expf is a scalar
  * call): x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite, ln2 in two parts), exp(r) by Cephes' degree-6 expf
  * polynomial, times 2^n built in the exponent bits; within 2 ulp of expf. x below -87 is clamped to -87 (the result
