@@ -192,6 +192,11 @@ def test_gemv_refuses_bad_arguments_in_one_line():
     for call in cases:
         with pytest.raises(ValueError, match="gemv|decode_scratch_bytes"):
             call()
+    # a transposed weight or a strided bias of the right shape: the message says what is wrong with it
+    with pytest.raises(ValueError, match=r"gemv: weight must be contiguous, got strides \(1, 8\)"):
+        cpu_kernels.gemv(x, torch.randn(64, 8).t())
+    with pytest.raises(ValueError, match="gemv: bias must be contiguous"):
+        cpu_kernels.gemv(x, torch.randn(8, 64), torch.randn(16)[::2])
 
 
 def test_gemv_of_empty_sums_is_the_bias():

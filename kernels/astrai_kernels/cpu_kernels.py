@@ -511,10 +511,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     """
     _loaded()
     _code(x, "gemv", weight, *(() if bias is None else (bias,)))
-    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or not weight.is_contiguous() or (
-            bias is not None and (bias.shape != weight.shape[:1] or not bias.is_contiguous())):
+    if x.dim() < 1 or weight.dim() != 2 or weight.shape[1] != x.shape[-1] or (
+            bias is not None and bias.shape != weight.shape[:1]):
         raise ValueError(f"gemv: x (..., K), weight (N, K) contiguous and bias (N,) expected, got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}")
+    strided = [name for name, t in (("weight", weight), ("bias", bias)) if t is not None and not t.is_contiguous()]
+    if strided:
+        raise ValueError(f"gemv: {' and '.join(strided)} must be contiguous, got strides "
+                         f"{tuple(weight.stride())}, {None if bias is None else tuple(bias.stride())}")
     return gemv_nocheck(x, weight, bias)
 
 
