@@ -158,6 +158,83 @@ def test_plot_draws_the_training_loss_of_an_offline_run(tmp_path):
     assert list(fig.axes[1].lines[0].get_ydata()) == [2.0, 1.0, 2.0 / 3]
 
 
+def test_plot_minutes_add_up_the_sessions_of_a_resumed_run():
+    """`--x minutes`: the elapsed clock restarts at 0 in a resumed session; the sessions before are added on."""
+    records = [{"step": 1, "time/elapsed_seconds": 60.0, "rollout/reward_mean": 0.1},
+               {"step": 2, "time/elapsed_seconds": 120.0, "rollout/reward_mean": 0.2},
+               {"step": 3, "time/elapsed_seconds": 30.0, "rollout/reward_mean": 0.3},  # resumed after step 2
+               {"step": 4, "rollout/reward_mean": 0.4},  # no clock: left out of the minutes axis
+               {"step": 5, "time/elapsed_seconds": 90.0, "rollout/reward_mean": 0.5}]
+    assert plot.training_minutes(records) == {1.0: 1.0, 2.0: 2.0, 3.0: 2.5, 5.0: 3.5}
+    # a session that trained for less time than the next one's first step: told by its first step's own time
+    short = [{"step": 1, "time/elapsed_seconds": 6.0, "time/step_seconds": 6.0},
+             {"step": 2, "time/elapsed_seconds": 12.0, "time/step_seconds": 6.0},
+             {"step": 3, "time/elapsed_seconds": 30.0, "time/step_seconds": 30.0},  # resumed: a slow first step
+             {"step": 4, "time/elapsed_seconds": 36.0, "time/step_seconds": 6.0}]
+    assert plot.training_minutes(short) == {1.0: 0.1, 2.0: 0.2, 3.0: 0.7, 4.0: 0.8}
+    assert plot.series(records, "rollout/reward_mean", "minutes") == ([1.0, 2.0, 2.5, 3.5], [0.1, 0.2, 0.3, 0.5])
+    assert plot.series(records, "rollout/reward_mean")[0] == [1, 2, 3, 4, 5]
+    fig = plot.draw(records, x="minutes")
+    assert fig.axes[0].get_xlabel() == "minutes of training"
+    assert list(fig.axes[0].lines[0].get_xdata()) == [1.0, 2.0, 2.5, 3.5]
+
+
+def _eval_run(path, accuracies, seconds_per_step):
+    path.mkdir()
+    lines = [json.dumps({"step": s, "rollout/reward_mean": a, "time/elapsed_seconds": s * seconds_per_step,
+                         "eval/accuracy": a, "eval/accuracy_ci_low": a - 0.1, "eval/accuracy_ci_high": a + 0.1})
+             for s, a in enumerate(accuracies, start=1)]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_plot_draws_several_runs_over_each_other_with_the_accuracy_interval(tmp_path):
+    fast = _eval_run(tmp_path / "bf16", [0.1, 0.3, 0.4], 30.0)
+    slow = _eval_run(tmp_path / "fp32", [0.2, 0.3, 0.5], 60.0)
+    out = tmp_path / "compare.png"
+    assert plot.main([str(fast), str(slow), "--x", "minutes", "--output", str(out)]) == 0
+    runs = {"bf16": plot.read_records(fast / "metrics.jsonl"), "fp32": plot.read_records(slow / "metrics.jsonl")}
+    fig = plot.draw(runs, x="minutes")
+    accuracy = fig.axes[0]
+    assert accuracy.get_title() == "held-out accuracy"
+    assert [line.get_label() for line in accuracy.lines] == ["bf16", "fp32"]
+    assert [t.get_text() for t in accuracy.get_legend().get_texts()] == ["bf16", "fp32"]
+    assert list(accuracy.lines[0].get_xdata()) == [0.5, 1.0, 1.5] and list(accuracy.lines[1].get_xdata()) == [1, 2, 3]
+    # one shaded 95% interval per run, in its line's colour, spanning [low, high] at each evaluation
+    from matplotlib.colors import to_rgb
+
+    assert len(accuracy.collections) == 2
+    band = accuracy.collections[1]
+    assert tuple(band.get_facecolor()[0][:3]) == pytest.approx(to_rgb(accuracy.lines[1].get_color()))
+    heights = band.get_paths()[0].vertices[:, 1]
+    assert (heights.min(), heights.max()) == pytest.approx((0.1, 0.6))
+    assert fig.axes[1].get_legend() is None  # the legend once, in the first panel
+    with Image.open(out) as image:
+        assert image.size == (800, 300)
+
+
+def test_plot_names_runs_by_their_last_part_unless_two_share_it():
+    assert plot.run_labels(["out/a", "out/b"]) == ["a", "b"]
+    assert plot.run_labels(["x/run", "y/run"]) == ["x/run", "y/run"]
+
+
+def test_plot_of_several_runs_refuses_in_one_line(tmp_path, capsys):
+    one = _eval_run(tmp_path / "one", [0.1], 30.0)
+    two = tmp_path / "two"
+    two.mkdir()
+    (two / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")  # no clock
+    for argv, needle in (([str(one), str(two)], "--output: needed with several run directories (2 given)"),
+                         ([str(one), str(tmp_path / "one"), "--output", str(tmp_path / "p.png")], "given twice"),
+                         ([str(two), "--x", "minutes"], "nothing to plot: no metrics.jsonl has a step with "
+                                                        "time/elapsed_seconds"),
+                         ([str(one), str(tmp_path / "nope"), "--output", str(tmp_path / "p.png")],
+                          "run directory not found")):
+        assert plot.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "p.png").exists() and not (two / "metrics.png").exists()
+
+
 def test_plot_bad_options_are_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")
     (tmp_path / "afile").write_text("x")
