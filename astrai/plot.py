@@ -1,18 +1,19 @@
 """`python -m astrai.plot RUN_DIR [RUN_DIR ...] [--x step|minutes] [--output FILE]`: a PNG of training curves from
 runs' metrics.jsonl files.
 
-One panel per quantity: held-out accuracy (`train.eval_steps`; its 95% Wilson interval shaded), reward, KL, the
-training loss of the offline train types (`train/loss`), policy loss, value loss, explained variance, response
+One panel per quantity: held-out accuracy (`train.eval_steps`; its 95% Wilson interval as error bars), reward, KL,
+the training loss of the offline train types (`train/loss`), policy loss, value loss, explained variance, response
 length and learning rate (`PANELS`). A panel whose metric never appears in any run (e.g. value loss for GRPO) is
 left out. The x axis is the optimizer step, or with `--x minutes` the wall time of training from
 `time/elapsed_seconds` (the spans of a resumed run's sessions added up), which is how two runs that differ in speed
 (a bf16 rollout copy against fp32, one engine against another) are compared. Several run directories are drawn
 over each other in every panel, one colour each, named in a legend by their directory (its last part where those
-differ); they need `--output`. Needs matplotlib (`pip install 'astrai[plot]'`); drawing uses the non-interactive
-Agg backend. A torn last line of metrics.jsonl (a crash or a full disk cut it) is skipped and said once. The PNG is
-replaced atomically. Exit codes: 0 written, 2 bad input (no such run directory, no metrics.jsonl, nothing to plot,
-no elapsed time for `--x minutes`, several runs without `--output`, matplotlib missing) or a PNG that cannot be
-written (one line naming it and the cause, e.g. a full disk; nothing partial is left).
+differ); they need `--output`, a .png name. Needs matplotlib (`pip install 'astrai[plot]'`); drawing uses the
+non-interactive Agg backend. A torn last line of metrics.jsonl (a crash or a full disk cut it) is skipped and said
+once. The PNG is replaced atomically. Exit codes: 0 written, 2 bad input (no such run directory, no metrics.jsonl,
+nothing to plot, no elapsed time for `--x minutes`, several runs without `--output`, an output name that is not a
+.png, matplotlib missing) or a PNG that cannot be written (one line naming it and the cause, e.g. a full disk;
+nothing partial is left).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ PANELS: tuple[tuple[str, str], ...] = (
 PANEL_INCHES = (4.0, 3.0)
 """Width and height of one panel in inches; the figure has up to 3 panels per row."""
 COLUMNS = 3
+DPI_RANGE = (10, 1200)
+"""`--dpi` bounds: below 10 matplotlib cannot size its text; above 1200 a figure of nine panels needs gigabytes."""
 
 
 def read_records(path: str | Path, *, say=warn_line) -> list[dict]:
@@ -56,13 +59,25 @@ def read_records(path: str | Path, *, say=warn_line) -> list[dict]:
         FileNotFoundError: one line naming the file (also when it cannot be read).
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no metrics file at {path} (expected a run directory written by astrai.train)")
     try:
+        if not path.is_file():
+            raise FileNotFoundError(f"no metrics file at {path} (expected a run directory written by astrai.train)")
         records = read_jsonl(path, say=say)
+    except FileNotFoundError:
+        raise
     except OSError as err:
         raise FileNotFoundError(f"cannot read {path}: {err.strerror or err}") from None
-    return [r for r in records if isinstance(r.get("step"), (int, float)) and not isinstance(r.get("step"), bool)]
+    return [r for r in records if _finite(r.get("step"))]
+
+
+def _finite(value) -> bool:
+    """A JSON number (not a bool) that is a finite float."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 def save_png(fig, output: Path, dpi: int) -> None:
@@ -91,7 +106,7 @@ def training_minutes(records: Sequence[dict]) -> dict[float, float]:
     minutes, offset, last = {}, 0.0, None
     for record in records:
         value = record.get("time/elapsed_seconds")
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        if not _finite(value):
             continue
         if last is not None and (value < last or value == record.get("time/step_seconds")):  # a new session
             offset += last
@@ -107,7 +122,7 @@ def series(records: Sequence[dict], key: str, x: str = "step") -> tuple[list[flo
     xs, values = [], []
     for record in records:
         value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if _finite(value):
             step = float(record["step"])
             if clock is not None and step not in clock:
                 continue
@@ -117,18 +132,22 @@ def series(records: Sequence[dict], key: str, x: str = "step") -> tuple[list[flo
 
 
 def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
-    """Legend names of `run_dirs`: their last parts where those are distinct, else the paths as given."""
-    names = [Path(d).name or str(d) for d in run_dirs]
+    """Legend names of `run_dirs`: their last parts (of the resolved path: "." is named) where those are distinct,
+    else the paths as given."""
+    names = [Path(d).resolve().name or str(d) for d in run_dirs]
     return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
 
 
-def draw(records: Sequence[dict] | dict[str, Sequence[dict]], *, title: Optional[str] = None, x: str = "step"):
+def draw(records: Sequence[dict] | dict[str, Sequence[dict]], *, title: Optional[str] = None, x: str = "step",
+         say=warn_line):
     """A matplotlib `Figure` with one panel per `PANELS` entry present in `records`: one run's records, or
-    {legend name: records} for several runs drawn over each other (a legend in the first panel).
+    {legend name: records} for several runs drawn over each other, one colour each, in a legend above the panels.
 
     Each panel is titled with the `PANELS` title, x = step (or minutes of training with `x="minutes"`,
-    `training_minutes`), y = the metric; held-out accuracy shades its 95% interval (`eval/accuracy_ci_low` /
-    `_ci_high`) where the run logged it. The figure is `min(n, 3) * 4` by `ceil(n / 3) * 3` inches for n panels.
+    `training_minutes`; one x range for every panel), y = the metric; held-out accuracy draws its 95% interval
+    (`eval/accuracy_ci_low` / `_ci_high`) as error bars where the run logged it. A run with nothing to draw is said
+    through `say` and left out of the legend. The figure is `min(n, 3) * 4` by `ceil(n / 3) * 3` inches for n
+    panels (more with a legend).
 
     Raises:
         ValueError: when no panel has any data, or `x` is not one of `X_AXES`.
@@ -141,33 +160,57 @@ def draw(records: Sequence[dict] | dict[str, Sequence[dict]], *, title: Optional
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
-    present = [(key, name) for key, name in PANELS if any(series(r, key, x)[0] for r in runs.values())]
+    curves = {label: {key: series(run, key, x) for key, _ in PANELS} for label, run in runs.items()}
+    drawn = [label for label in runs if any(xs for xs, _ in curves[label].values())]
+    present = [(key, name) for key, name in PANELS if any(curves[label][key][0] for label in drawn)]
     if not present:
-        what = "has a step with time/elapsed_seconds and" if x == "minutes" else "has"
-        raise ValueError(f"nothing to plot: no metrics.jsonl {what} any of " + ", ".join(k for k, _ in PANELS))
+        where = f"in {title}/metrics.jsonl" if title else "in any run's metrics.jsonl"
+        what = "no step has time/elapsed_seconds and one of" if x == "minutes" else "none of"
+        raise ValueError(f"nothing to plot {where}: {what} " + ", ".join(k for k, _ in PANELS))
+    for label in runs:
+        if label not in drawn:
+            say(f"{label}: nothing to plot (none of the panels' metrics"
+                f"{' at a step with time/elapsed_seconds' if x == 'minutes' else ''}); left out")
+    cycle = matplotlib.rcParams["axes.prop_cycle"].by_key().get("color", [])
+    palette = (cycle if len(drawn) <= len(cycle) else
+               [matplotlib.colormaps["turbo"](i / max(len(drawn) - 1, 1)) for i in range(len(drawn))])
+    colors = dict(zip(drawn, palette))
     cols = min(len(present), COLUMNS)
     rows = math.ceil(len(present) / cols)
-    fig = Figure(figsize=(cols * PANEL_INCHES[0], rows * PANEL_INCHES[1]), layout="constrained")
+    legend = len(runs) > 1
+    height = rows * PANEL_INCHES[1] + (0.3 * math.ceil(len(drawn) / 3) if legend else 0)
+    fig = Figure(figsize=(cols * PANEL_INCHES[0], height), layout="constrained")
+    first = None
     for i, (key, name) in enumerate(present):
-        ax = fig.add_subplot(rows, cols, i + 1)
-        for label, run in runs.items():
-            xs, values = series(run, key, x)
-            (line,) = ax.plot(xs, values, marker="o" if len(xs) < 30 else None, markersize=3, label=label or None)
-            if key == "eval/accuracy":
-                low, high = (dict(zip(*series(run, f"{key}_ci_{end}", x))) for end in ("low", "high"))
-                band = [(at, low[at], high[at]) for at in xs if at in low and at in high]
-                if band:
-                    ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.2, linewidth=0)
-        ax.set_title(name)
+        ax = fig.add_subplot(rows, cols, i + 1, sharex=first)
+        first = first or ax
+        interval = False
+        for label in drawn:
+            xs, values = curves[label][key]
+            if not xs:
+                continue
+            style = dict(color=colors[label], marker="o" if len(xs) < 30 else None, markersize=3)
+            low, high = ((dict(zip(*series(runs[label], f"{key}_ci_{end}", x))) for end in ("low", "high"))
+                         if key == "eval/accuracy" else ({}, {}))
+            if any(at in low and at in high for at in xs):
+                below = [v - low.get(at, v) if at in high else 0.0 for at, v in zip(xs, values)]
+                above = [high.get(at, v) - v if at in low else 0.0 for at, v in zip(xs, values)]
+                ax.errorbar(xs, values, yerr=[below, above], capsize=3, elinewidth=1, **style)
+                interval = True
+            else:
+                ax.plot(xs, values, **style)
+        ax.set_title(f"{name} (bars: 95% interval)" if interval else name)
         ax.set_xlabel("step" if x == "step" else "minutes of training")
         if x == "step":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(key, fontsize="small")
         ax.grid(True, alpha=0.3)
-        if i == 0 and len(runs) > 1:
-            ax.legend(fontsize="small")
+    if legend:
+        handles = [Line2D([], [], color=colors[label], marker="o", markersize=3) for label in drawn]
+        fig.legend(handles, drawn, loc="outside upper center", ncols=min(len(drawn), 3), fontsize="small")
     if title:
         fig.suptitle(title)
     return fig
@@ -183,18 +226,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="PNG path (default with one run: RUN_DIR/metrics.png; needed with several)")
     parser.add_argument("--x", default="step", choices=X_AXES,
                         help="x axis: the optimizer step (default) or minutes of training")
-    parser.add_argument("--dpi", type=int, default=100, help="resolution (default: 100)")
+    parser.add_argument("--dpi", type=int, default=100,
+                        help=f"resolution, {DPI_RANGE[0]} to {DPI_RANGE[1]} (default: 100)")
     args = parser.parse_args(argv)
     run_dirs = [Path(d) for d in args.run_dirs]
     try:
-        if args.dpi < 1:
-            raise ValueError(f"--dpi: expected an integer >= 1, got {args.dpi}")
+        if not DPI_RANGE[0] <= args.dpi <= DPI_RANGE[1]:
+            raise ValueError(f"--dpi: expected an integer in [{DPI_RANGE[0]}, {DPI_RANGE[1]}], got {args.dpi}")
         if len(run_dirs) > 1 and not args.output:
             raise ValueError(f"--output: needed with several run directories ({len(run_dirs)} given); give a .png "
                              "file path")
-        if len({d.resolve() for d in run_dirs}) < len(run_dirs):
-            raise ValueError("run directories: one is given twice")
-        output = Path(args.output) if args.output else run_dirs[0] / "metrics.png"
+        seen = {}
+        for run_dir in run_dirs:
+            if run_dir.resolve() in seen:
+                raise ValueError(f"run directories: {run_dir} is {seen[run_dir.resolve()]} again")
+            seen[run_dir.resolve()] = run_dir
+        output = Path(args.output) if args.output is not None else run_dirs[0] / "metrics.png"
         for run_dir in run_dirs:
             if run_dir.exists() and not run_dir.is_dir():
                 raise FileNotFoundError(f"run directory expected, got a file: {run_dir}")
@@ -205,6 +252,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise FileNotFoundError(f"--output: {blocker} is a file, not a directory (needed for {output})")
         if output.is_dir():
             raise FileNotFoundError(f"--output: {output} is a directory; give a .png file path")
+        if output.suffix.lower() != ".png":  # never a run's own metrics.jsonl overwritten by a slip
+            raise ValueError(f"--output: expected a .png file name, got {args.output!r}")
         runs = {label: read_records(d / "metrics.jsonl") for label, d in zip(run_labels(run_dirs), run_dirs)}
         if len(runs) == 1:
             fig = draw(next(iter(runs.values())), title=str(run_dirs[0]), x=args.x)
@@ -215,6 +264,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_BAD_INPUT
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as err:  # a run or output directory that cannot be searched (is_dir raises it on Python 3.11)
+        print(f"error: cannot read {err.filename or 'a run directory'}: {err.strerror or err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         save_png(fig, output, args.dpi)

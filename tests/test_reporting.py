@@ -195,22 +195,22 @@ def test_plot_draws_several_runs_over_each_other_with_the_accuracy_interval(tmp_
     assert plot.main([str(fast), str(slow), "--x", "minutes", "--output", str(out)]) == 0
     runs = {"bf16": plot.read_records(fast / "metrics.jsonl"), "fp32": plot.read_records(slow / "metrics.jsonl")}
     fig = plot.draw(runs, x="minutes")
-    accuracy = fig.axes[0]
-    assert accuracy.get_title() == "held-out accuracy"
-    assert [line.get_label() for line in accuracy.lines] == ["bf16", "fp32"]
-    assert [t.get_text() for t in accuracy.get_legend().get_texts()] == ["bf16", "fp32"]
-    assert list(accuracy.lines[0].get_xdata()) == [0.5, 1.0, 1.5] and list(accuracy.lines[1].get_xdata()) == [1, 2, 3]
-    # one shaded 95% interval per run, in its line's colour, spanning [low, high] at each evaluation
-    from matplotlib.colors import to_rgb
-
-    assert len(accuracy.collections) == 2
-    band = accuracy.collections[1]
-    assert tuple(band.get_facecolor()[0][:3]) == pytest.approx(to_rgb(accuracy.lines[1].get_color()))
-    heights = band.get_paths()[0].vertices[:, 1]
-    assert (heights.min(), heights.max()) == pytest.approx((0.1, 0.6))
-    assert fig.axes[1].get_legend() is None  # the legend once, in the first panel
+    accuracy, reward = fig.axes
+    assert accuracy.get_title() == "held-out accuracy (bars: 95% interval)" and reward.get_title() == "reward"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["bf16", "fp32"]  # once, above the panels
+    assert accuracy.get_legend() is None and reward.get_legend() is None
+    fast_bars, slow_bars = accuracy.containers  # one errorbar per run: its line, caps and bars
+    assert list(fast_bars.lines[0].get_xdata()) == [0.5, 1.0, 1.5]
+    assert list(slow_bars.lines[0].get_xdata()) == [1, 2, 3] and list(slow_bars.lines[0].get_ydata()) == [0.2, 0.3, 0.5]
+    # each bar spans [ci_low, ci_high] at its evaluation, in its run's colour
+    spans = [float(y) for segment in slow_bars.lines[2][0].get_segments() for y in segment[:, 1]]
+    assert spans == pytest.approx([0.1, 0.3, 0.2, 0.4, 0.4, 0.6])
+    assert slow_bars.lines[0].get_color() != fast_bars.lines[0].get_color()
+    assert [line.get_color() for line in reward.lines] == [fast_bars.lines[0].get_color(),
+                                                           slow_bars.lines[0].get_color()]
+    assert reward.get_xlim() == accuracy.get_xlim()  # one x range for every panel
     with Image.open(out) as image:
-        assert image.size == (800, 300)
+        assert image.size == (800, 330)  # two panels and a legend row
 
 
 def test_plot_names_runs_by_their_last_part_unless_two_share_it():
@@ -224,21 +224,45 @@ def test_plot_of_several_runs_refuses_in_one_line(tmp_path, capsys):
     two.mkdir()
     (two / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")  # no clock
     for argv, needle in (([str(one), str(two)], "--output: needed with several run directories (2 given)"),
-                         ([str(one), str(tmp_path / "one"), "--output", str(tmp_path / "p.png")], "given twice"),
-                         ([str(two), "--x", "minutes"], "nothing to plot: no metrics.jsonl has a step with "
-                                                        "time/elapsed_seconds"),
+                         ([str(one), str(tmp_path / "x" / ".." / "one"), "--output", str(tmp_path / "p.png")],
+                          "is " + str(one) + " again"),
+                         ([str(two), "--x", "minutes"], "metrics.jsonl: no step has time/elapsed_seconds"),
+                         ([str(one), "--output", str(one / "metrics.jsonl")], "--output: expected a .png file name"),
+                         ([str(one), "--output", ""], "is a directory"),
+                         ([str(one), "--dpi", "5"], "--dpi: expected an integer in [10, 1200], got 5"),
                          ([str(one), str(tmp_path / "nope"), "--output", str(tmp_path / "p.png")],
                           "run directory not found")):
         assert plot.main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert needle in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "p.png").exists() and not (two / "metrics.png").exists()
+    assert (one / "metrics.jsonl").read_text().startswith("{")  # not overwritten by a PNG
+
+
+def test_plot_says_which_run_had_nothing_to_draw_and_leaves_it_out(tmp_path, capsys):
+    one = _eval_run(tmp_path / "one", [0.1, 0.2], 30.0)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")  # no clock
+    assert plot.main([str(one), str(bare), "--x", "minutes", "--output", str(tmp_path / "p.png")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: bare: nothing to plot (none of the panels' metrics at a step with time/elapsed_seconds); " \
+           "left out" in err
+    runs = {"one": plot.read_records(one / "metrics.jsonl"), "bare": plot.read_records(bare / "metrics.jsonl")}
+    assert [t.get_text() for t in plot.draw(runs, x="minutes").legends[0].get_texts()] == ["one"]
+
+
+def test_plot_skips_steps_that_are_not_finite_numbers(tmp_path):
+    lines = ['{"step": 1, "rollout/reward_mean": 0.1}', '{"step": NaN, "rollout/reward_mean": 0.2}',
+             '{"step": 1' + "0" * 400 + ', "rollout/reward_mean": 0.3}', '{"step": true, "rollout/reward_mean": 0.4}']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert [r["step"] for r in plot.read_records(tmp_path / "metrics.jsonl")] == [1]
 
 
 def test_plot_bad_options_are_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")
     (tmp_path / "afile").write_text("x")
-    for argv, needle in (([str(tmp_path), "--dpi", "0"], "--dpi: expected an integer >= 1, got 0"),
+    for argv, needle in (([str(tmp_path), "--dpi", "0"], "--dpi: expected an integer in [10, 1200], got 0"),
                          ([str(tmp_path), "--output", str(tmp_path / "afile" / "x.png")], "afile is a file"),
                          ([str(tmp_path), "--output", str(tmp_path)], "is a directory"),
                          ([str(tmp_path / "afile")], "run directory expected, got a file")):
