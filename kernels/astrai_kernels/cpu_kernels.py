@@ -515,10 +515,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
             bias is not None and bias.shape != weight.shape[:1]):
         raise ValueError(f"gemv: x (..., K), weight (N, K) contiguous and bias (N,) expected, got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}")
-    strided = [name for name, t in (("weight", weight), ("bias", bias)) if t is not None and not t.is_contiguous()]
+    strided = [f"{name} (strides {tuple(t.stride())})" for name, t in (("weight", weight), ("bias", bias))
+               if t is not None and not t.is_contiguous()]
     if strided:
-        raise ValueError(f"gemv: {' and '.join(strided)} must be contiguous, got strides "
-                         f"{tuple(weight.stride())}, {None if bias is None else tuple(bias.stride())}")
+        raise ValueError(f"gemv: {' and '.join(strided)} must be contiguous; pass .contiguous()")
     return gemv_nocheck(x, weight, bias)
 
 
