@@ -3,6 +3,7 @@ correction of the training-inference mismatch, chosen by config, in the GRPO and
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -200,3 +201,34 @@ def test_online_grpo_trains_with_rloo_gspo_and_a_correction_logging_the_mismatch
     corrected = run("bf16", "--rollout.dtype", "bfloat16", "--rollout.correction", "token_tis")
     assert all(r["rollout/mismatch_max_abs_diff"] > 1e-4 for r in corrected)
     assert all(0 < r["rollout/correction_weight_mean"] <= 2.0 and "time/rescore_seconds" in r for r in corrected)
+
+
+def test_an_engine_copy_in_another_dtype_without_a_correction_is_said_by_check(tiny_model_dir, tmp_path, capsys):
+    """bfloat16 rollouts of a float32 policy with rollout.correction none: one warning line from --check (and from
+    the run's start, `build_online_experience`); none with a correction, or with the policy's own dtype."""
+    from astrai.config import config_from_dict
+    from astrai.experience.build import uncorrected_dtype_mismatch
+    from astrai.train import main
+
+    def job(**rollout):
+        return config_from_dict({"train": {"type": "online_grpo"}, "rollout": rollout})
+
+    said = uncorrected_dtype_mismatch(job(dtype="bfloat16"))
+    assert said.startswith("rollout.dtype bfloat16 rounds the float32 policy and rollout.correction is none")
+    assert said.endswith("set rollout.correction: token_tis") and "\n" not in said
+    assert uncorrected_dtype_mismatch(job(dtype="bfloat16", correction="token_tis")) is None
+    assert uncorrected_dtype_mismatch(job(dtype="float32")) is None and uncorrected_dtype_mismatch(job()) is None
+
+    def check(*extra):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code = main(["--model.path", str(tiny_model_dir), "--train.output_dir", str(tmp_path / "o"),
+                         "--train.type", "online_grpo", "--grpo.group_size", "2", "--rollout.batch_size", "2",
+                         "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "4", "--data.truncation", "left",
+                         "--rollout.max_new_tokens", "8", "--data.max_prompt_length", "64", "--rollout.dtype",
+                         "bfloat16", *extra, "--check"])
+        assert code == 0, capsys.readouterr().err
+        return [str(w.message) for w in caught if "rollout.correction" in str(w.message)]
+
+    assert check() == [said]
+    assert check("--rollout.correction", "token_tis") == []

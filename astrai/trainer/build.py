@@ -9,6 +9,7 @@ import hashlib
 import os
 import random
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -33,7 +34,7 @@ from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, ExperienceEnd, MetricsLogger,
                                       ProgressBar, StepTimer)
 from astrai.trainer.evaluation_callback import build_evaluation, load_eval_records
-from astrai.experience.build import load_job_environment, load_job_tools
+from astrai.experience.build import load_job_environment, load_job_tools, uncorrected_dtype_mismatch
 from astrai.rewards.build import build_rewards
 from astrai.rollout.build import check_rollout_engine
 from astrai.rollout.remote import RemoteEngineError
@@ -388,6 +389,8 @@ def check_job(config: Config, *, world_size: int) -> str:
     check_teacher_routes(config, data)  # distill.teachers: every row has a teacher
     if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
         check_rollout_engine(config, policy.config, device)
+        if uncorrected_dtype_mismatch(config):  # said by --check as by the run
+            warnings.warn(uncorrected_dtype_mismatch(config))
         build_rewards(config, data, num_workers=0).close()
         tools = load_job_tools(config, tokenizer, policy.config)[0] if config.rollout.tools else []
         if config.rollout.environment is not None:  # classes imported and checked against the data and the tools
