@@ -204,19 +204,29 @@ def test_online_grpo_trains_with_rloo_gspo_and_a_correction_logging_the_mismatch
 
 
 def test_an_engine_copy_in_another_dtype_without_a_correction_is_said_by_check(tiny_model_dir, tmp_path, capsys):
-    """bfloat16 rollouts of a float32 policy with rollout.correction none: one warning line from --check (and from
-    the run's start, `build_online_experience`); none with a correction, or with the policy's own dtype."""
+    """The rollout engine computing in another dtype than the trainer (bfloat16 rollouts of a float32 policy, a
+    float32 engine beside bf16 mixed precision) with rollout.correction none: one warning line from --check (and
+    from the run's start, `build_online_experience`); none with a correction, or with equal dtypes."""
     from astrai.config import config_from_dict
     from astrai.experience.build import uncorrected_dtype_mismatch
     from astrai.train import main
 
-    def job(**rollout):
-        return config_from_dict({"train": {"type": "online_grpo"}, "rollout": rollout})
+    def job(train=None, model=None, **rollout):
+        return config_from_dict({"train": {"type": "online_grpo", **(train or {})}, "model": model or {},
+                                 "rollout": rollout})
 
     said = uncorrected_dtype_mismatch(job(dtype="bfloat16"))
-    assert said.startswith("rollout.dtype bfloat16 rounds the float32 policy and rollout.correction is none")
-    assert said.endswith("set rollout.correction: token_tis") and "\n" not in said
+    assert said.startswith("the rollout engine computes in bfloat16 (rollout.dtype) and the trainer in float32 "
+                           "(model.dtype) with rollout.correction none")
+    assert said.endswith("set rollout.correction: token_tis, or leave rollout.dtype unset") and "\n" not in said
+    widened = uncorrected_dtype_mismatch(job(model={"dtype": "bfloat16"}, dtype="float32"))
+    assert widened.startswith("the rollout engine computes in float32 (rollout.dtype) and the trainer in bfloat16 "
+                              "(model.dtype)")
+    mixed = uncorrected_dtype_mismatch(job(train={"bf16": True}))
+    assert mixed.startswith("the rollout engine computes in float32 (model.dtype) and the trainer in bfloat16 "
+                            "(train.bf16)") and mixed.endswith("token_tis")
     assert uncorrected_dtype_mismatch(job(dtype="bfloat16", correction="token_tis")) is None
+    assert uncorrected_dtype_mismatch(job(train={"bf16": True}, dtype="bfloat16")) is None
     assert uncorrected_dtype_mismatch(job(dtype="float32")) is None and uncorrected_dtype_mismatch(job()) is None
 
     def check(*extra):

@@ -226,20 +226,27 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
 
 
 def uncorrected_dtype_mismatch(config) -> Optional[str]:
-    """The start-up warning for an online job whose engine copy rounds the policy to another dtype
-    (`rollout.dtype` set and not `model.dtype`) with `rollout.correction: none`, else None.
+    """The start-up warning for an online job whose rollout engine computes in another dtype than the trainer's
+    forward, with `rollout.correction: none`; else None. The engine's dtype is `rollout.dtype` (unset:
+    `model.dtype`), the trainer's `bfloat16` / `float16` under `train.bf16` / `train.fp16` mixed precision, else
+    `model.dtype`.
 
-    Then the PPO ratio is taken against the engine's rounded log-probs and nothing corrects for the mismatch (Yao
-    et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"): on the GRPO arithmetic
-    recipe (`configs/examples/grpo_arithmetic.yaml`, one run each, docs/kernels.md) bfloat16 rollouts without a
-    correction reached 23.5% held out, with `token_tis` 46.5%, float32 rollouts 43.0%.
+    Then the PPO ratio is taken against the engine's log-probs, which differ from the trainer's, and nothing corrects
+    for it (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"): on the GRPO
+    arithmetic recipe (`configs/examples/grpo_arithmetic.yaml`, one run each, docs/kernels.md) bfloat16 rollouts of
+    the float32 policy without a correction reached 23.5% held out, with `token_tis` 46.5%, float32 rollouts 43.0%.
     """
-    r = config.rollout
-    if r.dtype is None or r.dtype == config.model.dtype or r.correction != "none":
+    r, train = config.rollout, config.train
+    engine, engine_field = (r.dtype, "rollout.dtype") if r.dtype else (config.model.dtype, "model.dtype")
+    trainer, trainer_field = (("bfloat16", "train.bf16") if train.bf16 else ("float16", "train.fp16") if train.fp16
+                              else (config.model.dtype, "model.dtype"))
+    if engine == trainer or r.correction != "none":
         return None
-    return (f"rollout.dtype {r.dtype} rounds the {config.model.dtype} policy and rollout.correction is none: "
-            "nothing corrects the engine's log-probs to the trainer's (on the GRPO arithmetic recipe it learned "
-            "half as much, docs/kernels.md); set rollout.correction: token_tis")
+    unset = ", or leave rollout.dtype unset" if r.dtype and config.model.dtype == trainer else ""
+    return (f"the rollout engine computes in {engine} ({engine_field}) and the trainer in {trainer} ({trainer_field}) "
+            "with rollout.correction none: their log-probs differ and nothing corrects for it (bfloat16 rollouts of "
+            "a float32 policy learned half as much on the GRPO arithmetic recipe, docs/kernels.md); set "
+            f"rollout.correction: token_tis{unset}")
 
 
 def agreed_scoring(rewards: RewardFunctions, any_rank: Optional[Callable[[bool], bool]]

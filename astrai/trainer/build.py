@@ -389,8 +389,9 @@ def check_job(config: Config, *, world_size: int) -> str:
     check_teacher_routes(config, data)  # distill.teachers: every row has a teacher
     if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
         check_rollout_engine(config, policy.config, device)
-        if uncorrected_dtype_mismatch(config):  # said by --check as by the run
-            warnings.warn(uncorrected_dtype_mismatch(config))
+        mismatch = uncorrected_dtype_mismatch(config)
+        if mismatch:  # said by --check as by the run
+            warnings.warn(mismatch)
         build_rewards(config, data, num_workers=0).close()
         tools = load_job_tools(config, tokenizer, policy.config)[0] if config.rollout.tools else []
         if config.rollout.environment is not None:  # classes imported and checked against the data and the tools
