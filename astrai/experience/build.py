@@ -191,11 +191,11 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
     r = config.rollout
     sampling = sampling_params(config, model_config, tokenizer)
     stops = sampling.stop_token_ids
-    if sampling.truncates:
+    if sampling.truncates and dist.is_main:  # said once, not by every rank
         warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
                       "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
     mismatch = uncorrected_dtype_mismatch(config)
-    if mismatch:
+    if mismatch and dist.is_main:
         warnings.warn(mismatch)
     prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
     should_stop = getattr(dist, "stop_requested", lambda: False)
