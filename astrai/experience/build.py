@@ -225,6 +225,10 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
                             generation_restarts=config.generation_restarts_under(getattr(dist, "strategy", "ddp")))
 
 
+MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+"""The compute dtype of each `train.mixed_precision` mode other than "no"."""
+
+
 def uncorrected_dtype_mismatch(config) -> Optional[str]:
     """The start-up warning for an online job whose rollout engine computes in another dtype than the trainer's
     forward, with `rollout.correction: none`; else None. The engine's dtype is `rollout.dtype` (unset:
@@ -236,9 +240,9 @@ def uncorrected_dtype_mismatch(config) -> Optional[str]:
     arithmetic recipe (`configs/examples/grpo_arithmetic.yaml`, one run each, docs/kernels.md) bfloat16 rollouts of
     the float32 policy without a correction reached 23.5% held out, with `token_tis` 46.5%, float32 rollouts 43.0%.
     """
-    r, train = config.rollout, config.train
+    r, mixed = config.rollout, config.train.mixed_precision
     engine, engine_field = (r.dtype, "rollout.dtype") if r.dtype else (config.model.dtype, "model.dtype")
-    trainer, trainer_field = (("bfloat16", "train.bf16") if train.bf16 else ("float16", "train.fp16") if train.fp16
+    trainer, trainer_field = ((MIXED_PRECISION_DTYPES[mixed], f"train.{mixed}") if mixed != "no"
                               else (config.model.dtype, "model.dtype"))
     if engine == trainer or r.correction != "none":
         return None
