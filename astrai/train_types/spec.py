@@ -159,6 +159,10 @@ class TrainType:
             "prompts" (rendered as `data.chat_template` says: the template or raw text), "chats" (always the chat
             template: sft) or "text" (raw documents, never a template: seq).
         models_held: config -> `ModelsHeld`, the models its job builds beside the policy (a reference, a critic).
+        samples_rollouts: it reads the `rollout` section beyond its in-training evaluation (samples with an engine,
+            or replays stored groups at `rollout.batch_size` / `rollout.temperature`). False: only the evaluation
+            reads `rollout` (`astrai.config.EVALUATION_ROLLOUT_FIELDS`), so other `rollout` fields set are warned
+            about as having no effect. True by default, so a train type that does not say is never warned about.
     """
 
     name: str
@@ -180,6 +184,7 @@ class TrainType:
     renders: str = "prompts"
     distills: bool = False
     models_held: Callable[[Any], ModelsHeld] = _policy_only
+    samples_rollouts: bool = True
 
     def build(self, config, dist, policy, tokenizer):
         """The learner of this train type for a validated job (the `builder`, imported now)."""
