@@ -226,7 +226,12 @@ def test_an_engine_copy_in_another_dtype_without_a_correction_is_said_by_check(t
     assert mixed.startswith("the rollout engine computes in float32 (model.dtype) and the trainer in bfloat16 "
                             "(train.bf16)") and mixed.endswith("token_tis")
     assert uncorrected_dtype_mismatch(job(dtype="bfloat16", correction="token_tis")) is None
-    assert uncorrected_dtype_mismatch(job(train={"bf16": True}, dtype="bfloat16")) is None
+    both = uncorrected_dtype_mismatch(job(train={"bf16": True}, dtype="bfloat16"))
+    assert both.startswith("the rollout engine and the trainer both compute in bfloat16 (rollout.dtype, train.bf16) "
+                           "with rollout.correction none") and both.endswith("set rollout.correction: token_tis")
+    half = uncorrected_dtype_mismatch(job(model={"dtype": "float16"}))  # the engine takes the policy's dtype
+    assert half.startswith("the rollout engine and the trainer both compute in float16 (model.dtype) with")
+    assert uncorrected_dtype_mismatch(job(model={"dtype": "bfloat16"}, correction="icepop")) is None
     assert uncorrected_dtype_mismatch(job(dtype="float32")) is None and uncorrected_dtype_mismatch(job()) is None
 
     def check(*extra):

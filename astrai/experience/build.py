@@ -230,22 +230,32 @@ MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def uncorrected_dtype_mismatch(config) -> Optional[str]:
-    """The start-up warning for an online job whose rollout engine computes in another dtype than the trainer's
-    forward, with `rollout.correction: none`; else None. The engine's dtype is `rollout.dtype` (unset:
-    `model.dtype`), the trainer's `bfloat16` / `float16` under `train.bf16` / `train.fp16` mixed precision, else
-    `model.dtype`.
+    """The start-up warning for an online job whose rollout engine's log-probs differ from the trainer's beyond float
+    rounding, with `rollout.correction: none`; else None: the engine computes in another dtype than the trainer's
+    forward, or both compute in half precision (bfloat16 / float16), where their kernels round apart. The engine's
+    dtype is `rollout.dtype` (unset: `model.dtype`), the trainer's `bfloat16` / `float16` under `train.bf16` /
+    `train.fp16` mixed precision, else `model.dtype`.
 
     Then the PPO ratio is taken against the engine's log-probs, which differ from the trainer's, and nothing corrects
-    for it (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"): on the GRPO
-    arithmetic recipe (`configs/examples/grpo_arithmetic.yaml`, one run each, docs/kernels.md) bfloat16 rollouts of
-    the float32 policy without a correction reached 23.5% held out, with `token_tis` 46.5%, float32 rollouts 43.0%.
+    for it (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training", who measured
+    it between vLLM and FSDP both in bfloat16): on the GRPO arithmetic recipe (`configs/examples/grpo_arithmetic.yaml`,
+    one run each, docs/kernels.md) bfloat16 rollouts of the float32 policy without a correction reached 23.5% held
+    out, with `token_tis` 46.5%, float32 rollouts 43.0%. A bfloat16 engine against a bfloat16 trainer differed more
+    (`bench/mismatch.py --model-dtype bfloat16`: k3 KL 1.9e-3 - 2.1e-3 a token, against 1.3e-3 - 1.4e-3 for the
+    float32 trainer, 3e-11 - 4e-11 with both in float32).
     """
     r, mixed = config.rollout, config.train.mixed_precision
     engine, engine_field = (r.dtype, "rollout.dtype") if r.dtype else (config.model.dtype, "model.dtype")
     trainer, trainer_field = ((MIXED_PRECISION_DTYPES[mixed], f"train.{mixed}") if mixed != "no"
                               else (config.model.dtype, "model.dtype"))
-    if engine == trainer or r.correction != "none":
+    if r.correction != "none" or (engine == trainer and engine == "float32"):
         return None
+    if engine == trainer:
+        fields = engine_field if engine_field == trainer_field else f"{engine_field}, {trainer_field}"
+        return (f"the rollout engine and the trainer both compute in {engine} ({fields}) with rollout.correction "
+                f"none: in half precision their kernels round apart, so their log-probs differ (in bfloat16 more than "
+                "a bfloat16 engine's from a float32 trainer's, bench/mismatch.py) and nothing corrects for it; set "
+                "rollout.correction: token_tis")
     unset = ", or leave rollout.dtype unset" if r.dtype and config.model.dtype == trainer else ""
     return (f"the rollout engine computes in {engine} ({engine_field}) and the trainer in {trainer} ({trainer_field}) "
             "with rollout.correction none: their log-probs differ and nothing corrects for it (bfloat16 rollouts of "
