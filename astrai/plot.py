@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -82,15 +83,28 @@ def _finite(value) -> bool:
 
 def save_png(fig, output: Path, dpi: int) -> None:
     """Draw `fig` as a PNG and replace `output` with it atomically (a hidden sibling renamed over it), so a full
-    disk leaves the previous file or none, never half a PNG.
+    disk leaves the previous file or none, never half a PNG. A symbolic link is written through (its target is
+    replaced, the link kept); the directories created for `output` are removed again when the write fails.
 
     Raises:
-        OSError: the directory or the file cannot be written (the sibling is removed).
+        OSError: the directory or the file cannot be written (the sibling and the new directories are removed).
     """
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=dpi, format="png")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(output, buffer.getvalue())
+    target = Path(os.path.realpath(output)) if output.is_symlink() else output
+    existing = nearest_existing(target.parent)
+    created = [d for d in (target.parent, *target.parent.parents) if existing is None or d != existing
+               and existing in d.parents]
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, buffer.getvalue())
+    except OSError:
+        for folder in created:  # deepest first; one a concurrent writer filled is left
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise
 
 
 X_AXES = ("step", "minutes")
@@ -254,6 +268,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise FileNotFoundError(f"--output: {output} is a directory; give a .png file path")
         if output.suffix.lower() != ".png":  # never a run's own metrics.jsonl overwritten by a slip
             raise ValueError(f"--output: expected a .png file name, got {args.output!r}")
+        if output.is_symlink() and Path(os.path.realpath(output)).suffix.lower() != ".png":
+            raise ValueError(f"--output: {output} is a link to {os.path.realpath(output)}, which is not a .png "
+                             "file; it would be written through")
         runs = {label: read_records(d / "metrics.jsonl") for label, d in zip(run_labels(run_dirs), run_dirs)}
         if len(runs) == 1:
             fig = draw(next(iter(runs.values())), title=str(run_dirs[0]), x=args.x)

@@ -307,3 +307,30 @@ def test_an_error_after_the_progress_bar_is_the_last_line(capsys):
     assert err.replace("\r", "\n").rstrip("\n").splitlines()[-1] == \
         "error: reward.functions.0 (f): returned 1 values for 64 completions"
     assert err.endswith("completions\n")
+
+
+def test_plot_writes_through_a_link_and_leaves_no_folder_after_a_failed_write(tmp_path, capsys, monkeypatch):
+    """A --output that is a symbolic link kept the link and replaced its target (a link to a non-PNG is refused);
+    a write that fails removes the folders made for it."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")
+    target, link = tmp_path / "pngs" / "real.png", tmp_path / "latest.png"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    assert plot.main([str(tmp_path), "--output", str(link)]) == 0
+    assert link.is_symlink() and target.read_bytes().startswith(b"\x89PNG")
+    bad = tmp_path / "to_metrics.png"
+    bad.symlink_to(tmp_path / "metrics.jsonl")
+    capsys.readouterr()
+    assert plot.main([str(tmp_path), "--output", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a link to" in err and "not a .png file" in err and len(err.splitlines()) == 1, err
+    assert (tmp_path / "metrics.jsonl").read_text().startswith("{")
+
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plot, "write_atomic", full_disk)
+    assert plot.main([str(tmp_path), "--output", str(tmp_path / "new" / "deeper" / "p.png")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and (tmp_path / "pngs").is_dir()
