@@ -831,6 +831,9 @@ class Config:
         if self.rollout.environment is not None and self.data.chat_template is False:
             raise ConfigError("rollout.environment: multi-turn episodes are chats and need the chat template; "
                               "data.chat_template is false")
+        if self.rollout.tensor_parallel_size > 1 and not spec.online:
+            raise ConfigError(f"rollout.tensor_parallel_size: splits the rollout engine of the online train types; "
+                              f"train.type {kind} samples none (its evaluation engine is a whole copy); set it to 1")
         if self.rollout.correction != "none" and not spec.online:
             raise ConfigError(f"rollout.correction: corrects rollouts sampled by the engine; train.type {kind} samples "
                               "none; set it to none")
@@ -896,9 +899,10 @@ def ignored_settings(config: Config) -> list[str]:
     ``rollout.tools`` or ``rollout.environment``, the `ENVIRONMENT_FIELDS` without ``rollout.environment``
     (``environment_field`` unless it routes rows), ``distill.reward_weight`` without a teacher and
     ``distill.route_field`` without ``distill.teachers``, ``distill.jsd_beta`` / ``distill.jsd_coef`` without
-    ``distill.jsd_top_k``, and the ``rollout`` fields of a train type that samples no rollouts
-    (`TrainType.samples_rollouts` False: sft, dpo, rm, seq) beyond `EVALUATION_ROLLOUT_FIELDS` with
-    ``train.eval_steps`` and ``rollout.tensor_parallel_size``. Each name once; empty when there are none."""
+    ``distill.jsd_top_k``, the ``rollout`` fields a train type that samples no rollouts of its own does not read
+    (beyond `TrainType.rollout_fields`: sft, dpo and seq read their evaluations' `EVALUATION_ROLLOUT_FIELDS`,
+    offline grpo those and ``batch_size`` / ``temperature``, rm none), and the correction thresholds
+    (`CORRECTION_THRESHOLDS`) that ``rollout.correction`` does not use. Each name once; empty when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -919,10 +923,13 @@ def ignored_settings(config: Config) -> list[str]:
     unread = list(ENVIRONMENT_FIELDS) if env is None else [] if EnvironmentReference.routes(env) else [
         "environment_field"]
     names += [f"rollout.{f}" for f in unread if getattr(rollout, f) != getattr(default, f)]
-    if not spec.samples_rollouts:  # only its evaluation reads `rollout`; tensor_parallel_size shapes the ranks' mesh
-        read = {"tensor_parallel_size", *(EVALUATION_ROLLOUT_FIELDS if config.train.eval_steps else ())}
+    if spec.rollout_fields is not None:  # a train type that samples no rollouts of its own reads only these
         names += [f"rollout.{f.name}" for f in dataclasses.fields(rollout)
-                  if f.name not in read and getattr(rollout, f.name) != getattr(default, f.name)]
+                  if f.name not in spec.rollout_fields and getattr(rollout, f.name) != getattr(default, f.name)]
+    thresholds = CORRECTION_THRESHOLDS.get(rollout.correction)  # None: a registered mode of its own reads them all
+    if thresholds is not None:
+        names += [f"rollout.{f}" for f in ALL_CORRECTION_THRESHOLDS
+                  if f not in thresholds and getattr(rollout, f) != getattr(default, f)]
     if not config.distill.distills and config.distill.reward_weight != DistillSection().reward_weight:
         names.append("distill.reward_weight")
     if not config.distill.teachers and config.distill.route_field is not None:
@@ -936,18 +943,23 @@ def ignored_settings(config: Config) -> list[str]:
     reward = config.reward  # the single reward.name's options, when reward.functions or the reward model replace it
     if reward.functions or reward.model_path:
         names += [f"reward.{option}" for option in ("format_bonus", "partial_credit") if getattr(reward, option)]
-    return list(dict.fromkeys(names))
+    order = {f"{section}.{f.name}": (i, j) for i, (section, kind) in enumerate(SECTIONS.items())
+             for j, f in enumerate(dataclasses.fields(kind))}
+    return sorted(dict.fromkeys(names), key=order.__getitem__)
 
 
 def why_ignored(config: Config, name: str) -> str:
     """Why setting `name` (one of `ignored_settings(config)`) has no effect on this job, as a phrase."""
     field = name.partition(".")[2]
-    kind = config.train.type
-    if name.startswith("rollout.") and not train_types.get(kind).samples_rollouts:
-        if config.train.eval_steps:
-            return (f"train.type {kind} samples no rollouts; its evaluation (train.eval_steps) reads only "
-                    + ", ".join(f"rollout.{f}" for f in EVALUATION_ROLLOUT_FIELDS))
-        return f"train.type {kind} samples no rollouts, and without train.eval_steps no engine is built"
+    kind, read = config.train.type, train_types.get(config.train.type).rollout_fields
+    if name.startswith("rollout.") and read is not None and field not in read:
+        if not read:
+            return f"train.type {kind} samples no rollouts and reads no rollout field"
+        return (f"train.type {kind} samples no rollouts; of rollout it reads only {', '.join(read)}"
+                + (" (the engine and answer length of its evaluations)" if "engine" in read else ""))
+    if name.startswith("rollout.") and field in ALL_CORRECTION_THRESHOLDS:
+        users = [mode for mode, fields in CORRECTION_THRESHOLDS.items() if field in fields]
+        return f"read only with rollout.correction {' or '.join(users)} (this job's is {config.rollout.correction})"
     if name == "rollout.tool_timeout_seconds" and config.rollout.tools:
         return "read only with rollout.tool_workers > 0 (calls in the trainer's process have no timeout)"
     if name == "rollout.environment_timeout_seconds" and config.rollout.environment is not None:
@@ -978,10 +990,10 @@ ONLINE_UNREAD_TRAIN_FIELDS = ("per_device_train_batch_size", "gradient_accumulat
 EPISODE_FIELDS = ("max_turns", "max_tool_response_tokens", "tool_response_truncation", "max_parallel_tool_calls",
                   "tool_workers", "tool_timeout_seconds")
 """The `rollout` fields that shape multi-turn episodes, read only with `rollout.tools` or `rollout.environment`."""
-EVALUATION_ROLLOUT_FIELDS = ("max_new_tokens", "engine", "engine_options", "dtype", "attention_backend", "cuda_graphs")
-"""The `rollout` fields the in-training evaluation (`train.eval_steps`) reads to build its engine and cap its greedy
-answers: all a train type that samples no rollouts (`TrainType.samples_rollouts` False) reads of the section, beside
-`tensor_parallel_size` (the ranks' mesh)."""
+CORRECTION_THRESHOLDS = {"none": (), "token_tis": ("correction_token_cap",), "seq_tis": ("correction_seq_cap",),
+                         "seq_mask": ("correction_seq_cap",), "icepop": ("icepop_low", "icepop_high")}
+"""`rollout.correction` mode -> the `rollout` thresholds it reads (`astrai.algos.correction_weights`)."""
+ALL_CORRECTION_THRESHOLDS = ("correction_token_cap", "correction_seq_cap", "icepop_low", "icepop_high")
 ENVIRONMENT_FIELDS = ("environment_field", "environment_workers", "environment_timeout_seconds")
 """The `rollout` fields read only with `rollout.environment` (`environment_field` only when it routes rows)."""
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}

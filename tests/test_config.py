@@ -373,9 +373,9 @@ def test_the_cli_warns_in_one_line_about_ignored_settings(tiny_model_dir, tmp_pa
                  "--rollout.tool_workers", "2", "--check"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 0, err
-    assert err == ["warning: ppo.critic_layers has no effect on this job (not read by train.type online_grpo)",
-                   "warning: rollout.max_turns, rollout.tool_workers have no effect on this job (read only with "
-                   "rollout.tools or rollout.environment)"]  # the reason, not the train type (a fresh-user trial)
+    assert err == ["warning: rollout.max_turns, rollout.tool_workers have no effect on this job (read only with "
+                   "rollout.tools or rollout.environment)",  # the reason, not the train type (a fresh-user trial)
+                   "warning: ppo.critic_layers has no effect on this job (not read by train.type online_grpo)"]
 
 
 def test_no_float_field_takes_nan_or_infinity(tmp_path):

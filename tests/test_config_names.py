@@ -120,25 +120,50 @@ def test_transformers_batch_sizes_in_an_online_job_are_said_to_have_no_effect():
 
 
 def test_rollout_settings_of_a_train_type_that_samples_none_are_said_to_have_no_effect():
-    """`rollout.temperature` or `rollout.batch_size` on sft, dpo, rm or seq were accepted and read by nothing:
-    they are listed, while the fields of the in-training evaluation's engine count only with train.eval_steps."""
-    from astrai.config import ignored_settings, why_ignored
+    """`rollout.temperature` or `rollout.batch_size` on sft, dpo, rm or seq (`rollout.top_k` on offline grpo) were
+    accepted and read by nothing: they are listed, in declaration order, while the fields its evaluations read (the
+    in-training one and `astrai.evaluate --model RUN`, from the run's config) are not, except on rm, which reads
+    none; a tensor-parallel engine is refused where none samples."""
+    from astrai.config import ConfigError, ignored_settings, why_ignored
 
-    engine = ["--rollout.dtype", "bfloat16", "--rollout.max_new_tokens", "16"]
+    engine = ["--rollout.dtype", "bfloat16", "--max_completion_length", "16"]
     sampling = ["--rollout.temperature", "0.7", "--rollout.batch_size", "2", "--rollout.max_turns", "3"]
-    for kind in ("sft", "dpo", "seq", "rm"):
-        config = load_config(None, ["--train.type", kind, *sampling, *engine,
-                                    "--rollout.tensor_parallel_size", "2"])
-        names = ["rollout.max_turns", "rollout.batch_size", "rollout.max_new_tokens", "rollout.temperature",
-                 "rollout.dtype"]
+    for kind in ("sft", "dpo", "seq"):
+        config = load_config(None, ["--train.type", kind, *sampling, *engine])
+        names = ["rollout.batch_size", "rollout.temperature", "rollout.max_turns"]
         assert ignored_settings(config) == names, kind
         assert {why_ignored(config, name) for name in names} == {
-            f"train.type {kind} samples no rollouts, and without train.eval_steps no engine is built"}
-    config = load_config(None, ["--train.type", "sft", *sampling, *engine, "--train.eval_steps", "5",
-                                "--data.eval_path", "builtin:arithmetic_test"])
-    assert ignored_settings(config) == ["rollout.max_turns", "rollout.batch_size", "rollout.temperature"]
-    assert why_ignored(config, "rollout.temperature") == (
-        "train.type sft samples no rollouts; its evaluation (train.eval_steps) reads only rollout.max_new_tokens, "
-        "rollout.engine, rollout.engine_options, rollout.dtype, rollout.attention_backend, rollout.cuda_graphs")
-    for kind in ("online_grpo", "grpo"):  # they read the sampling fields (offline grpo: its stored groups' temperature)
-        assert ignored_settings(load_config(None, ["--train.type", kind, *sampling[:2], *engine])) == []
+            f"train.type {kind} samples no rollouts; of rollout it reads only max_new_tokens, engine, engine_options, "
+            "dtype, attention_backend, cuda_graphs (the engine and answer length of its evaluations)"}
+    rm = load_config(None, ["--train.type", "rm", *sampling, *engine])
+    assert ignored_settings(rm) == ["rollout.batch_size", "rollout.max_new_tokens", "rollout.temperature",
+                                    "rollout.dtype", "rollout.max_turns"]
+    assert why_ignored(rm, "rollout.dtype") == "train.type rm samples no rollouts and reads no rollout field"
+    offline = load_config(None, ["--train.type", "grpo", "--rollout.top_k", "5", *sampling[:4], *engine])
+    assert ignored_settings(offline) == ["rollout.top_k"]
+    assert why_ignored(offline, "rollout.top_k").startswith(
+        "train.type grpo samples no rollouts; of rollout it reads only batch_size, temperature, max_new_tokens")
+    assert ignored_settings(load_config(None, ["--train.type", "online_grpo", *sampling[:4], *engine])) == []
+    for kind in ("sft", "grpo", "rm"):
+        with pytest.raises(ConfigError, match="^rollout.tensor_parallel_size: splits the rollout engine of the "
+                                              f"online train types; train.type {kind} samples none"):
+            load_config(None, ["--train.type", kind, "--rollout.tensor_parallel_size", "2"])
+
+
+def test_correction_thresholds_the_correction_does_not_use_are_said_to_have_no_effect():
+    """`rollout.correction_token_cap` with correction none, or icepop's bounds with token_tis, were read by
+    nothing and not said."""
+    from astrai.config import ignored_settings, why_ignored
+
+    thresholds = ["--rollout.correction_token_cap", "3", "--rollout.correction_seq_cap", "4",
+                  "--rollout.icepop_low", "0.3", "--rollout.icepop_high", "4"]
+    expected = {"none": ["correction_token_cap", "correction_seq_cap", "icepop_low", "icepop_high"],
+                "token_tis": ["correction_seq_cap", "icepop_low", "icepop_high"],
+                "seq_tis": ["correction_token_cap", "icepop_low", "icepop_high"],
+                "seq_mask": ["correction_token_cap", "icepop_low", "icepop_high"],
+                "icepop": ["correction_token_cap", "correction_seq_cap"]}
+    for mode, unread in expected.items():
+        config = load_config(None, ["--train.type", "online_grpo", "--rollout.correction", mode, *thresholds])
+        assert ignored_settings(config) == [f"rollout.{f}" for f in unread], mode
+    config = load_config(None, ["--train.type", "online_ppo", "--rollout.icepop_low", "0.3"])
+    assert why_ignored(config, "rollout.icepop_low") == "read only with rollout.correction icepop (this job's is none)"

@@ -229,6 +229,8 @@ def test_an_engine_copy_in_another_dtype_without_a_correction_is_said_by_check(t
     both = uncorrected_dtype_mismatch(job(train={"bf16": True}, dtype="bfloat16"))
     assert both.startswith("the rollout engine and the trainer both compute in bfloat16 (rollout.dtype, train.bf16) "
                            "with rollout.correction none") and both.endswith("set rollout.correction: token_tis")
+    for model, engine in (("bfloat16", "float32"), ("float16", "bfloat16")):  # unset, both would be half precision
+        assert not uncorrected_dtype_mismatch(job(model={"dtype": model}, dtype=engine)).endswith("unset")
     half = uncorrected_dtype_mismatch(job(model={"dtype": "float16"}))  # the engine takes the policy's dtype
     assert half.startswith("the rollout engine and the trainer both compute in float16 (model.dtype) with")
     assert uncorrected_dtype_mismatch(job(model={"dtype": "bfloat16"}, correction="icepop")) is None

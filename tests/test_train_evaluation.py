@@ -172,3 +172,19 @@ def test_in_training_evaluation_reports_the_rewards_extracted_answers(tiny_model
     callback = next(c for c in build_trainer(load_config(args[1], args[2:])).callbacks
                     if isinstance(c, EvaluationCallback))
     assert callback.extract_answer is extract_final_number
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["run", "check"])
+def test_an_offline_jobs_evaluation_engine_is_refused_at_start(tiny_model_dir, tmp_path, capsys, check):
+    """sft with train.eval_steps and an attention backend its evaluation engine cannot use passed --check and failed
+    only at the first evaluation, after training steps; now both refuse it at start in one line, nothing written."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "1 + 1?"},
+                                             {"role": "assistant", "content": "2"}]}) + "\n")
+    out = tmp_path / "run"
+    args = sft_args(tiny_model_dir, out, data, *EVAL, "--rollout.attention_backend", "flash_attn",
+                    "--runtime.device", "cpu")  # flash_attn needs CUDA
+    assert main(args + (["--check"] if check else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert "rollout.attention_backend: flash_attn" in err and len(err.splitlines()) == 1, err
+    assert not out.exists() or not any(out.iterdir())

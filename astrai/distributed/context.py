@@ -185,8 +185,22 @@ def end_process_group(*, wait: bool = True) -> None:
         torch.distributed.barrier()
     global _GROUP_ENDED
     gc.collect()
-    torch.distributed.destroy_process_group()
+    _end_vllm_groups()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     _GROUP_ENDED = True
+
+
+def _end_vllm_groups() -> None:
+    """Let vLLM destroy its groups first when a vLLM engine (`rollout.engine: vllm`) made them in this process:
+    vLLM keeps them in module globals (`vllm.distributed.parallel_state`) over the default group, so destroying only
+    the default group left the next vLLM engine of the process (a notebook's evaluation after its training) failing
+    with "Process group ... is not initialized in the world group map". vLLM's own teardown
+    (`destroy_model_parallel`, `destroy_distributed_environment`) ends them and the default group."""
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is not None and getattr(state, "_WORLD", None) is not None:
+        state.destroy_model_parallel()
+        state.destroy_distributed_environment()
 
 
 def had_process_group() -> bool:

@@ -253,13 +253,14 @@ def uncorrected_dtype_mismatch(config) -> Optional[str]:
     if engine == trainer:
         fields = engine_field if engine_field == trainer_field else f"{engine_field}, {trainer_field}"
         return (f"the rollout engine and the trainer both compute in {engine} ({fields}) with rollout.correction "
-                f"none: in half precision their kernels round apart, so their log-probs differ (in bfloat16 more than "
-                "a bfloat16 engine's from a float32 trainer's, bench/mismatch.py) and nothing corrects for it; set "
-                "rollout.correction: token_tis")
-    unset = ", or leave rollout.dtype unset" if r.dtype and config.model.dtype == trainer else ""
+                "none: in half precision their kernels round apart, so their log-probs differ and nothing corrects "
+                "for it (measured in bfloat16 by bench/mismatch.py, docs/kernels.md); set rollout.correction: "
+                "token_tis")
+    # leaving rollout.dtype unset cures it only where the engine then computes in float32 as the trainer does
+    unset = ", or leave rollout.dtype unset" if r.dtype and config.model.dtype == trainer == "float32" else ""
     return (f"the rollout engine computes in {engine} ({engine_field}) and the trainer in {trainer} ({trainer_field}) "
-            "with rollout.correction none: their log-probs differ and nothing corrects for it (bfloat16 rollouts of "
-            "a float32 policy learned half as much on the GRPO arithmetic recipe, docs/kernels.md); set "
+            "with rollout.correction none: their log-probs differ and nothing corrects for it (on the GRPO arithmetic "
+            "recipe bfloat16 rollouts of a float32 policy learned half as much, docs/kernels.md); set "
             f"rollout.correction: token_tis{unset}")
 
 

@@ -1,6 +1,6 @@
 """dpo: Direct Preference Optimization (learner: `trainer/learners/dpo.py`); reads the `dpo` section."""
 
-from astrai.train_types.spec import ModelsHeld, TrainType
+from astrai.train_types.spec import EVALUATION_ROLLOUT_FIELDS, ModelsHeld, TrainType
 
 TRAIN_TYPE = TrainType(
     name="dpo",
@@ -9,5 +9,5 @@ TRAIN_TYPE = TrainType(
     data="astrai.trainer.learners.dpo:dpo_data",
     section="dpo",
     models_held=lambda config: ModelsHeld(reference=True),
-    samples_rollouts=False,
+    rollout_fields=EVALUATION_ROLLOUT_FIELDS,
 )

@@ -4,7 +4,7 @@ the `grpo` rules of online_grpo (`online_grpo.check_grpo`)."""
 from __future__ import annotations
 
 from astrai.train_types.online_grpo import check_grpo, grpo_models_held, grpo_step_sizes, grpo_unread
-from astrai.train_types.spec import TrainType
+from astrai.train_types.spec import EVALUATION_ROLLOUT_FIELDS, TrainType
 
 TRAIN_TYPE = TrainType(
     name="grpo",
@@ -17,4 +17,5 @@ TRAIN_TYPE = TrainType(
     check=check_grpo,
     unread=grpo_unread,
     models_held=grpo_models_held,
+    rollout_fields=("batch_size", "temperature", *EVALUATION_ROLLOUT_FIELDS),  # its stored groups, scored at T
 )

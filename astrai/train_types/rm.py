@@ -17,5 +17,5 @@ TRAIN_TYPE = TrainType(
     builder="astrai.trainer.learners.rm:build_rm",
     data="astrai.trainer.learners.rm:rm_data",
     check=_check,
-    samples_rollouts=False,
+    rollout_fields=(),
 )

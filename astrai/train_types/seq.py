@@ -1,6 +1,6 @@
 """seq: causal-LM pre-training on raw text (learner: `trainer/learners/seq.py`); no rules of its own."""
 
-from astrai.train_types.spec import TrainType
+from astrai.train_types.spec import EVALUATION_ROLLOUT_FIELDS, TrainType
 
 TRAIN_TYPE = TrainType(
     name="seq",
@@ -9,5 +9,5 @@ TRAIN_TYPE = TrainType(
     data="astrai.trainer.learners.seq:seq_data",
     packs=True,
     renders="text",
-    samples_rollouts=False,
+    rollout_fields=EVALUATION_ROLLOUT_FIELDS,
 )

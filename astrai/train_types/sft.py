@@ -1,6 +1,6 @@
 """sft: supervised fine-tuning on chat data (learner: `trainer/learners/sft.py`); no rules of its own."""
 
-from astrai.train_types.spec import TrainType
+from astrai.train_types.spec import EVALUATION_ROLLOUT_FIELDS, TrainType
 
 TRAIN_TYPE = TrainType(
     name="sft",
@@ -9,5 +9,5 @@ TRAIN_TYPE = TrainType(
     data="astrai.trainer.learners.sft:sft_data",
     packs=True,
     renders="chats",
-    samples_rollouts=False,
+    rollout_fields=EVALUATION_ROLLOUT_FIELDS,
 )

@@ -12,8 +12,13 @@ from typing import Any, Callable, Mapping, Optional
 
 from astrai.config_schema import ConfigError, check_divides
 
-__all__ = ["ModelsHeld", "TrainType", "check_policy_loss", "check_rollout_minibatches", "check_teacher", "rollout_step_sizes",
+__all__ = ["EVALUATION_ROLLOUT_FIELDS", "ModelsHeld", "TrainType", "check_policy_loss", "check_rollout_minibatches", "check_teacher", "rollout_step_sizes",
            "supervised_step_sizes"]
+
+
+EVALUATION_ROLLOUT_FIELDS = ("max_new_tokens", "engine", "engine_options", "dtype", "attention_backend", "cuda_graphs")
+"""The `rollout` fields a policy's evaluations read: the in-training one (`train.eval_steps`) builds its engine from
+them and caps its greedy answers, and `python -m astrai.evaluate --model RUN` takes them from the run's config."""
 
 
 def _nothing(config) -> None:
@@ -159,10 +164,10 @@ class TrainType:
             "prompts" (rendered as `data.chat_template` says: the template or raw text), "chats" (always the chat
             template: sft) or "text" (raw documents, never a template: seq).
         models_held: config -> `ModelsHeld`, the models its job builds beside the policy (a reference, a critic).
-        samples_rollouts: it reads the `rollout` section beyond its in-training evaluation (samples with an engine,
-            or replays stored groups at `rollout.batch_size` / `rollout.temperature`). False: only the evaluation
-            reads `rollout` (`astrai.config.EVALUATION_ROLLOUT_FIELDS`), so other `rollout` fields set are warned
-            about as having no effect. True by default, so a train type that does not say is never warned about.
+        rollout_fields: the only `rollout` fields it reads, where it samples no rollouts of its own (None: it
+            reads the section, as the online train types do). The others, set, are warned about as having no
+            effect; `EVALUATION_ROLLOUT_FIELDS` belong here for a train type whose policy answers evaluations (the
+            in-training one, and `python -m astrai.evaluate --model RUN`, which takes them from the run's config).
     """
 
     name: str
@@ -184,7 +189,7 @@ class TrainType:
     renders: str = "prompts"
     distills: bool = False
     models_held: Callable[[Any], ModelsHeld] = _policy_only
-    samples_rollouts: bool = True
+    rollout_fields: Optional[tuple[str, ...]] = None
 
     def build(self, config, dist, policy, tokenizer):
         """The learner of this train type for a validated job (the `builder`, imported now)."""

@@ -397,6 +397,8 @@ def check_job(config: Config, *, world_size: int) -> str:
         if config.rollout.environment is not None:  # classes imported and checked against the data and the tools
             load_job_environment(config, tokenizer, policy.config, data, tools)
     if config.train.eval_steps:
+        if not spec.online:  # the evaluation's own engine, which otherwise would first be built at step eval_steps
+            check_rollout_engine(config, policy.config, device)
         load_eval_records(config, tokenizer)
     params = sum(p.numel() for p in policy.parameters())
     trained_config = upcycled_config(policy.config, config.model)

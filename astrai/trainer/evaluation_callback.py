@@ -48,7 +48,7 @@ from astrai.models.loading import empty_model
 from astrai.models.special_tokens import stop_token_ids
 from astrai.rewards.build import answer_extractor, answer_readers, build_rewards, evaluation_specs
 from astrai.rewards.builtins import unscorable_warning
-from astrai.rollout.build import build_rollout_engine
+from astrai.rollout.build import build_rollout_engine, check_rollout_engine
 from astrai.rollout.engine import build_engine, sync_weights
 from astrai.trainer.faults import NonFiniteError, nonfinite_sampling
 from astrai.outputs import OutputWriteError
@@ -292,11 +292,15 @@ def build_evaluation(config, dist, learner, tokenizer) -> Optional[EvaluationCal
     training's workers and timeouts.
 
     Raises:
+        ValueError / BackendUnavailableError: (one line) what its own engine (offline train types) would refuse
+            (`check_rollout_engine`).
         DataError: `data.eval_path` missing or malformed (naming `data.eval_path`).
         RewardFunctionError: a reward function that cannot be loaded or served by the held-out data (naming it).
     """
     if not config.train.eval_steps:
         return None
+    if learner.rollout_engine is None:  # its own engine, built at the first evaluation: what it refuses, now
+        check_rollout_engine(config, learner.policy.model.config, dist.device)
     d = config.data
     specs = evaluation_specs(config)
     records = load_eval_records(config, tokenizer, main=dist.is_main, check_rewards=False)
