@@ -459,3 +459,35 @@ def test_the_engine_vs_vllm_benchmark_reports_a_ratio_per_dtype():
     summary = next(ln for ln in lines if ln.startswith("float32  batch   2 busy 0: astrai"))
     ratio = float(summary.rsplit(" ", 1)[1])
     assert lines[-1] == f"ratio: {ratio:.2f} (float32, batch 2)" and "amx_bf16" in lines[0]
+
+
+def test_ending_a_jobs_process_group_lets_vllm_end_its_groups_first(monkeypatch):
+    """A job with rollout.engine vllm ended the default group under vLLM's own (module globals of
+    vllm.distributed.parallel_state), so the next vLLM engine of the process failed ("Process group ... is not
+    initialized in the world group map"; the vllm tier's bfloat16 and evaluate tests after the job test). Now
+    `end_process_group` has vLLM end its groups first, and they end the default group."""
+    import sys
+    import types
+
+    import torch
+
+    from astrai.distributed import context
+
+    calls = []
+    state = types.SimpleNamespace(_WORLD=object())
+    state.destroy_model_parallel = lambda: calls.append("model_parallel")
+
+    def destroy_distributed_environment():
+        calls.append("environment")
+        state._WORLD = None
+        torch.distributed.destroy_process_group()
+
+    state.destroy_distributed_environment = destroy_distributed_environment
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", state)
+    monkeypatch.setattr(context, "_GROUP_ENDED", False)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    context.end_process_group()
+    assert calls == ["model_parallel", "environment"] and not torch.distributed.is_initialized()
+    assert context.had_process_group()
+    context.end_process_group()  # nothing left: no second teardown
+    assert calls == ["model_parallel", "environment"]
