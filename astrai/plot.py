@@ -93,8 +93,8 @@ def save_png(fig, output: Path, dpi: int) -> None:
     fig.savefig(buffer, dpi=dpi, format="png")
     target = Path(os.path.realpath(output)) if output.is_symlink() else output
     existing = nearest_existing(target.parent)
-    created = [d for d in (target.parent, *target.parent.parents) if existing is None or d != existing
-               and existing in d.parents]
+    created = [d for d in (target.parent, *target.parent.parents)  # below the nearest existing one, deepest first
+               if existing is not None and existing in d.parents]
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target, buffer.getvalue())

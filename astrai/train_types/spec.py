@@ -12,8 +12,8 @@ from typing import Any, Callable, Mapping, Optional
 
 from astrai.config_schema import ConfigError, check_divides
 
-__all__ = ["EVALUATION_ROLLOUT_FIELDS", "ModelsHeld", "TrainType", "check_policy_loss", "check_rollout_minibatches", "check_teacher", "rollout_step_sizes",
-           "supervised_step_sizes"]
+__all__ = ["EVALUATION_ROLLOUT_FIELDS", "ModelsHeld", "TrainType", "check_policy_loss", "check_rollout_minibatches",
+           "check_teacher", "rollout_step_sizes", "supervised_step_sizes"]
 
 
 EVALUATION_ROLLOUT_FIELDS = ("max_new_tokens", "engine", "engine_options", "dtype", "attention_backend", "cuda_graphs")
