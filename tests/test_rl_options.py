@@ -152,8 +152,8 @@ def test_the_rollout_correction_rescores_and_weights_the_loss(mode):
     correction = RolloutCorrection(mode, token_cap=2.0, seq_cap=3.0, icepop_low=0.5, icepop_high=5.0,
                                    temperature=0.7, chunk_size=2)
     strategy = GRPOLearner(policy=trained(policy, lr=0.0), experience=_StaticExperience(exp), settings=settings,
-                            temperature=0.7, correction=correction,
-                            replay=RolloutReplay(minibatch_size=6, epochs=1, seed=0))
+                            temperature=0.7, correction=correction,  # two minibatches: rescored before the first
+                            replay=RolloutReplay(minibatch_size=3, epochs=1, seed=0))
     rollout, metrics = strategy.make_rollout(0)
     mask = exp.sequences.action_mask
     with torch.no_grad():
@@ -178,6 +178,47 @@ def test_the_rollout_correction_rescores_and_weights_the_loss(mode):
     assert float(loss.detach()) == pytest.approx(total / count, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize("mode", ["token_tis", "seq_tis", "icepop"])
+def test_a_rollout_trained_in_one_step_is_weighed_from_that_steps_forward_without_a_rescore(mode, monkeypatch):
+    """One minibatch, one epoch (TRL's default): the rescoring forward repeated what the step's own forward computes
+    before its only update. Now it is skipped; the step's gradient and the correction and mismatch metrics equal the
+    rescored path's (float rounding apart), and two minibatches or a KL term in the rewards still rescore."""
+    policy = small_model()
+    exp = make_experience([1.0, 0.0, 0.5, 2.0, 0.0, 0.0], t=4, lengths=[4, 1, 3, 2, 4, 1])
+    generator = torch.Generator().manual_seed(3)  # an engine whose log-probs are off the trainer's
+    noise = 0.3 * torch.randn(exp.old_logprobs.shape, generator=generator)
+    exp = dataclasses.replace(exp, old_logprobs=(exp.old_logprobs + noise).clamp(max=-1e-3))
+    correction = RolloutCorrection(mode, token_cap=1.5, seq_cap=2.0, icepop_low=0.8, icepop_high=1.25,
+                                   temperature=0.7, chunk_size=2)
+
+    def step(rescore: bool, **grpo):
+        learner = GRPOLearner(policy=trained(policy, lr=0.0), experience=_StaticExperience(exp), temperature=0.7,
+                              settings=GRPOSection(group_size=3, micro_batch_size=2, **grpo), correction=correction,
+                              replay=RolloutReplay(minibatch_size=grpo.pop("minibatch", 6), epochs=1, seed=0))
+        calls = []
+        real = RolloutCorrection.rescore
+        monkeypatch.setattr(RolloutCorrection, "rescore", lambda *a: calls.append(1) or real(*a))
+        if rescore:  # the path taken before: rescore, then train
+            monkeypatch.setattr(learner, "corrects_in_update", lambda experience: False)
+        capture = GradCapture(policy)
+        trainer = Trainer(learner, dist=learner.policy.dist, max_steps=1, max_grad_norm=1e9, callbacks=[capture])
+        metrics = learner.train_step(trainer)
+        return capture.grads, metrics, len(calls)
+
+    grads, metrics, calls = step(False)
+    assert calls == 0 and "time/rescore_seconds" not in metrics
+    rescored_grads, rescored, rescored_calls = step(True)
+    assert rescored_calls == 1 and "time/rescore_seconds" in rescored
+    for name, grad in rescored_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7)
+    names = [n for n in rescored if n.startswith(("rollout/correction_", "rollout/mismatch_"))]
+    assert len(names) == 6
+    for name in names:
+        assert float(metrics[name]) == pytest.approx(float(rescored[name]), rel=1e-5, abs=1e-7), name
+    assert float(metrics["rollout/mismatch_k3_kl"]) > 1e-3  # the engine's noise is seen, not the trainer's own
+    assert step(False, kl_coef=0.0, kl_reward_coef=0.1)[2] == 1  # KL in the rewards: pinned from rescored ones
+
+
 def test_online_grpo_trains_with_rloo_gspo_and_a_correction_logging_the_mismatch(tiny_model_dir, tmp_path):
     """End to end (tiny model, 2 steps): rloo advantages, the gspo loss, bf16 rollouts with token TIS against fp32
     training; the mismatch is logged on every step and is nonzero only through the bf16 engine."""
@@ -200,7 +241,11 @@ def test_online_grpo_trains_with_rloo_gspo_and_a_correction_logging_the_mismatch
     assert all(r["rollout/mismatch_max_abs_diff"] < 1e-4 for r in plain)  # fp32 engine = the trainer's forward
     corrected = run("bf16", "--rollout.dtype", "bfloat16", "--rollout.correction", "token_tis")
     assert all(r["rollout/mismatch_max_abs_diff"] > 1e-4 for r in corrected)
-    assert all(0 < r["rollout/correction_weight_mean"] <= 2.0 and "time/rescore_seconds" in r for r in corrected)
+    # one minibatch per rollout: weighed from the step's own forward, no rescoring forward
+    assert all(0 < r["rollout/correction_weight_mean"] <= 2.0 and "time/rescore_seconds" not in r for r in corrected)
+    two = run("bf16_two", "--rollout.dtype", "bfloat16", "--rollout.correction", "token_tis",
+              "--grpo.minibatch_size", "2")  # two minibatches: rescored before the first
+    assert all(r["rollout/mismatch_max_abs_diff"] > 1e-4 and "time/rescore_seconds" in r for r in two)
 
 
 def test_an_engine_copy_in_another_dtype_without_a_correction_is_said_by_check(tiny_model_dir, tmp_path, capsys):

@@ -222,6 +222,13 @@ class GRPOLearner(RolloutLearner):
                                              all_reduce_sum=dist.all_reduce_sum if dist.world_size > 1 else None))
         return result, metrics
 
+    def pins_from_old_logprobs(self) -> bool:
+        """The group advantages read `old_logprobs` only through a KL term in the rewards (`kl_reward_coef`) or a
+        teacher's per-token signal (an estimator that `needs_teacher`). (Without them, a rollout weighed in its one
+        update has its `rollout/kl` metric taken against the engine's log-probs.)"""
+        s = self.settings
+        return bool(s.kl_reward_coef) or advantage_estimator(s.advantage_estimator).needs_teacher
+
     def update(self, trainer, minibatch: RolloutResult, first: bool) -> dict[str, torch.Tensor]:
         """One policy optimizer step of the GRPO loss over the minibatch."""
         return self.policy_update(trainer, minibatch, first, self.objective)

@@ -219,12 +219,15 @@ class RolloutLearner:
             raise StepAbandoned(f"{err}; the step is abandoned and the state put back to the last completed "
                                 "step's") from None
         engine_logprobs = weights = None
-        if self.correction is not None:  # the trainer's own old log-probs, before any update from this rollout
+        rescore = self.correction is not None and not self.corrects_in_update(experience)
+        if rescore:  # the trainer's own old log-probs, before any update from this rollout
             experience, engine_logprobs, weights, rescored = self.correction.rescore(self.policy.module, experience)
         rollout, metrics = self.pin_targets(experience)
-        if self.correction is not None:
+        if rescore:
             rollout = dataclasses.replace(rollout, rollout_logprobs=engine_logprobs, correction_weights=weights)
             metrics.update(self._max_over_ranks(rescored))
+        elif self.correction is not None:  # weighed in its one update (policy_update), from that step's forward
+            rollout = dataclasses.replace(rollout, rollout_logprobs=rollout.old_logprobs)
         metrics["time/rollout_seconds"] = torch.tensor(time.perf_counter() - start)
         metrics.update({f"time/{phase}_seconds": torch.tensor(seconds)
                         for phase, seconds in experience.timings.items()})
@@ -234,6 +237,24 @@ class RolloutLearner:
         if self.log_completions and self.policy.dist.is_main:
             self._completions = completion_samples(experience, rollout, self.log_completions, self.decode)
         return rollout, metrics
+
+    def pins_from_old_logprobs(self) -> bool:
+        """Whether `pin_targets` reads the rollout's `old_logprobs` (a KL term in the rewards, a teacher's
+        per-token signal), so that a rollout correction must rescore the rollout before its targets are pinned.
+        True unless a subclass knows it does not."""
+        return True
+
+    def corrects_in_update(self, experience: Experience) -> bool:
+        """With a rollout correction: whether this rollout is trained in exactly one optimizer step (one minibatch,
+        `epochs` 1: TRL's default of one step per generation) and its targets do not read `old_logprobs`
+        (`pins_from_old_logprobs`). Then the trainer's old log-probs are its own forward of that step, detached
+        (the policy before its only update from the rollout: what the rescoring would compute, up to float
+        rounding), and the rescoring forward is skipped (TRL does the same on-policy): `policy_update` weighs
+        the tokens (`RolloutCorrection.in_update`) and reports the correction's and the mismatch metrics over the
+        whole rollout, without `time/rescore_seconds`."""
+        rows = experience.sequences.action_mask.shape[0]
+        return (self.replay.epochs == 1 and rows == self.replay.minibatch_size
+                and not self.pins_from_old_logprobs())
 
     def policy_update(self, trainer, minibatch: RolloutResult, first: bool,
                       objective: Objective) -> dict[str, torch.Tensor]:
@@ -257,17 +278,24 @@ class RolloutLearner:
             self.topk.reset_route_metrics()
         seen: list[tuple[torch.Tensor, ...]] = []  # first minibatch: (logprobs, engine log-probs, mask), padded
         width = minibatch.sequences.action_mask.shape[1]
+        # a rollout trained in this one step (corrects_in_update): weighed from this step's own forward
+        weigh_here = self.correction is not None and minibatch.correction_weights is None
 
         def loss_fn(micro: RolloutResult, num_units: torch.Tensor):
             mask = micro.sequences.action_mask
+            term = extra = None
             if self.topk is None:
                 logprobs, entropy = response_logprobs(self.policy.module, micro.sequences,
                                                       temperature=self.temperature, with_entropy=self.log_entropy)
-                loss, metrics = objective(logprobs, micro, num_units)
             else:  # one student forward gives the log-probs and the top-k distillation term
                 logprobs, entropy, term, extra = self.topk(self.policy.module, micro.sequences, num_units,
                                                            with_entropy=self.log_entropy, routes=micro.routes)
-                loss, metrics = objective(logprobs, micro, num_units)
+            if weigh_here:
+                micro = self.correction.in_update(micro, logprobs)
+                pad = (0, width - mask.shape[1])
+                seen.append(tuple(F.pad(x, pad) for x in (micro.old_logprobs, micro.rollout_logprobs * mask, mask)))
+            loss, metrics = objective(logprobs, micro, num_units)
+            if term is not None:
                 loss = loss + term.to(loss.dtype)
                 metrics.update(extra)
             metrics["policy/loss"] = loss.detach()
@@ -286,7 +314,11 @@ class RolloutLearner:
                                                                              self.loss_agg_mode))
         if first:  # the gap is only meaningful before the rollout's first update
             self.replay.metrics["rollout/logprob_gap"] = metrics["rollout/logprob_gap"]
-            if seen:
+            if seen and weigh_here:  # the correction's and mismatch metrics over the rollout, as a rescore gives
+                mismatch = self._max_over_ranks(self.correction.weigh(*(torch.cat(parts) for parts in zip(*seen)))[1])
+                self.replay.metrics.update(mismatch)
+                metrics.update(mismatch)
+            elif seen:
                 mismatch = self._max_over_ranks(mismatch_metrics(*(torch.cat(parts) for parts in zip(*seen))))
                 self.replay.metrics.update(mismatch)  # repeated on the rollout's later minibatches
                 metrics.update(mismatch)

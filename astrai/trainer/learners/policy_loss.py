@@ -103,7 +103,28 @@ class RolloutCorrection:
         train_old = score_in_chunks(lambda chunk: response_logprobs(model, chunk, temperature=self.temperature)[0],
                                     experience.sequences, self.chunk_size) * mask
         engine = experience.old_logprobs * mask
-        weights, keep, metrics = correction_weights(self.mode, train_old, engine, mask, **self.thresholds)
-        metrics.update(mismatch_metrics(train_old, engine, mask))
+        weights, metrics = self.weigh(train_old, engine, mask)
         metrics["time/rescore_seconds"] = torch.tensor(time.perf_counter() - start)
-        return dataclasses.replace(experience, old_logprobs=train_old), engine, weights * mask, metrics
+        return dataclasses.replace(experience, old_logprobs=train_old), engine, weights, metrics
+
+    def weigh(self, train_old: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(weights (B, T) float32, 0 at padding and dropped tokens; metrics) of `rollout.correction` for the
+        trainer's old log-probs `train_old` against the engine's `engine` (both (B, T), 0 at padding) over the
+        action `mask`: the correction's (`rollout/correction_*`) and the mismatch metrics (`rollout/mismatch_*`,
+        `astrai.algos.mismatch_metrics`). Rows are independent: weighing a rollout's rows in parts gives the same
+        weights as weighing them together."""
+        weights, _, metrics = correction_weights(self.mode, train_old, engine, mask, **self.thresholds)
+        metrics.update(mismatch_metrics(train_old, engine, mask))
+        return weights * mask, metrics
+
+    def in_update(self, micro: RolloutResult, logprobs: torch.Tensor) -> RolloutResult:
+        """`micro` (whose `rollout_logprobs` are the engine's and whose `correction_weights` are None: a rollout
+        trained in one optimizer step, `PolicyGradientLearner.corrects_in_update`) with the trainer's old log-probs
+        taken from its own forward of that step (`logprobs` (b, T'), detached here: the policy before its only
+        update from this rollout, what `rescore` would compute) and the correction's weights."""
+        mask = micro.sequences.action_mask
+        train_old = logprobs.detach() * mask
+        weights, _, _ = correction_weights(self.mode, train_old, micro.rollout_logprobs * mask, mask,
+                                           **self.thresholds)
+        return dataclasses.replace(micro, old_logprobs=train_old, correction_weights=weights * mask)
