@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional, Union, get_origin
 import yaml
 
 from astrai import train_types
+from astrai.train_types.spec import EVALUATION_ROLLOUT_FIELDS
 from astrai.algos import registry
 from astrai.config_schema import (BETA, GE0, GT0, REQUIRED, UNIT, Choices, ConfigError, EnvMap, NonEmpty, Pattern,
                                   Range, Record, Section, SubsetOf, YamlDumper, YamlLoader, convert_value, field_spec,
@@ -831,9 +832,6 @@ class Config:
         if self.rollout.environment is not None and self.data.chat_template is False:
             raise ConfigError("rollout.environment: multi-turn episodes are chats and need the chat template; "
                               "data.chat_template is false")
-        if self.rollout.tensor_parallel_size > 1 and not spec.online:
-            raise ConfigError(f"rollout.tensor_parallel_size: splits the rollout engine of the online train types; "
-                              f"train.type {kind} samples none (its evaluation engine is a whole copy); set it to 1")
         if self.rollout.correction != "none" and not spec.online:
             raise ConfigError(f"rollout.correction: corrects rollouts sampled by the engine; train.type {kind} samples "
                               "none; set it to none")
@@ -955,11 +953,14 @@ def why_ignored(config: Config, name: str) -> str:
     if name.startswith("rollout.") and read is not None and field not in read:
         if not read:
             return f"train.type {kind} samples no rollouts and reads no rollout field"
-        return (f"train.type {kind} samples no rollouts; of rollout it reads only {', '.join(read)}"
-                + (" (the engine and answer length of its evaluations)" if "engine" in read else ""))
+        evaluation = [f for f in read if f in EVALUATION_ROLLOUT_FIELDS]
+        own = [f for f in read if f not in evaluation]
+        return (f"train.type {kind} samples no rollouts; of rollout it reads only "
+                + (f"{', '.join(own)} and " if own else "")
+                + (f"its evaluations' {', '.join(evaluation)}" if evaluation else ""))
     if name.startswith("rollout.") and field in ALL_CORRECTION_THRESHOLDS:
         users = [mode for mode, fields in CORRECTION_THRESHOLDS.items() if field in fields]
-        return f"read only with rollout.correction {' or '.join(users)} (this job's is {config.rollout.correction})"
+        return f"read only with rollout.correction {' or '.join(users)}; this job's is {config.rollout.correction}"
     if name == "rollout.tool_timeout_seconds" and config.rollout.tools:
         return "read only with rollout.tool_workers > 0 (calls in the trainer's process have no timeout)"
     if name == "rollout.environment_timeout_seconds" and config.rollout.environment is not None:

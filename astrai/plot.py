@@ -81,17 +81,16 @@ def _finite(value) -> bool:
         return False
 
 
-def save_png(fig, output: Path, dpi: int) -> None:
-    """Draw `fig` as a PNG and replace `output` with it atomically (a hidden sibling renamed over it), so a full
-    disk leaves the previous file or none, never half a PNG. A symbolic link is written through (its target is
-    replaced, the link kept); the directories created for `output` are removed again when the write fails.
+def save_png(fig, target: Path, dpi: int) -> None:
+    """Draw `fig` as a PNG and replace `target` (a path with no symbolic link left in it: `output_target`) with it
+    atomically (a hidden sibling renamed over it), so a full disk leaves the previous file or none, never half a
+    PNG; the directories created for it are removed again when the write fails.
 
     Raises:
         OSError: the directory or the file cannot be written (the sibling and the new directories are removed).
     """
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=dpi, format="png")
-    target = Path(os.path.realpath(output)) if output.is_symlink() else output
     existing = nearest_existing(target.parent)
     created = [d for d in (target.parent, *target.parent.parents)  # below the nearest existing one, deepest first
                if existing is not None and existing in d.parents]
@@ -105,6 +104,30 @@ def save_png(fig, output: Path, dpi: int) -> None:
             except OSError:
                 pass
         raise
+
+
+def output_target(output: Path, option: str) -> Path:
+    """The file a PNG named `output` is written to: `output` with its symbolic links followed (a link is written
+    through, the link kept), after the checks that keep a slip from damaging anything.
+
+    Raises:
+        FileNotFoundError: (one line naming `option`) a file where a directory is needed, or a directory named.
+        ValueError: a name that is not .png, a link to a file that is not, or a link that does not resolve.
+    """
+    target = Path(os.path.realpath(output))
+    if target.is_symlink():  # realpath stops at a loop
+        raise ValueError(f"{option}: {output} is a symbolic link that does not resolve (a loop)")
+    blocker = nearest_existing(target.parent)
+    if blocker is not None and not blocker.is_dir():
+        raise FileNotFoundError(f"{option}: {blocker} is a file, not a directory (needed for {output})")
+    if target.is_dir():
+        raise FileNotFoundError(f"{option}: {output} is a directory; give a .png file path")
+    if output.suffix.lower() != ".png":  # never a run's own metrics.jsonl overwritten by a slip
+        raise ValueError(f"{option}: expected a .png file name, got {str(output)!r}")
+    if target.suffix.lower() != ".png":
+        raise ValueError(f"{option}: {output} is a link to {target}, which is not a .png file; it would be written "
+                         "through")
+    return target
 
 
 X_AXES = ("step", "minutes")
@@ -261,16 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise FileNotFoundError(f"run directory expected, got a file: {run_dir}")
             if not run_dir.is_dir():
                 raise FileNotFoundError(f"run directory not found: {run_dir}")
-        blocker = nearest_existing(output.parent)
-        if blocker is not None and not blocker.is_dir():
-            raise FileNotFoundError(f"--output: {blocker} is a file, not a directory (needed for {output})")
-        if output.is_dir():
-            raise FileNotFoundError(f"--output: {output} is a directory; give a .png file path")
-        if output.suffix.lower() != ".png":  # never a run's own metrics.jsonl overwritten by a slip
-            raise ValueError(f"--output: expected a .png file name, got {args.output!r}")
-        if output.is_symlink() and Path(os.path.realpath(output)).suffix.lower() != ".png":
-            raise ValueError(f"--output: {output} is a link to {os.path.realpath(output)}, which is not a .png "
-                             "file; it would be written through")
+        target = output_target(output, "--output" if args.output is not None else "the default output")
         runs = {label: read_records(d / "metrics.jsonl") for label, d in zip(run_labels(run_dirs), run_dirs)}
         if len(runs) == 1:
             fig = draw(next(iter(runs.values())), title=str(run_dirs[0]), x=args.x)
@@ -286,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: cannot read {err.filename or 'a run directory'}: {err.strerror or err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        save_png(fig, output, args.dpi)
+        save_png(fig, target, args.dpi)
     except OSError as err:
         print(f"error: {cannot_write(output, err)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -123,18 +123,18 @@ def test_rollout_settings_of_a_train_type_that_samples_none_are_said_to_have_no_
     """`rollout.temperature` or `rollout.batch_size` on sft, dpo, rm or seq (`rollout.top_k` on offline grpo) were
     accepted and read by nothing: they are listed, in declaration order, while the fields its evaluations read (the
     in-training one and `astrai.evaluate --model RUN`, from the run's config) are not, except on rm, which reads
-    none; a tensor-parallel engine is refused where none samples."""
-    from astrai.config import ConfigError, ignored_settings, why_ignored
+    none. Their evaluation engine is a whole copy, so rollout.tensor_parallel_size is one of the unread fields."""
+    from astrai.config import ignored_settings, why_ignored
 
     engine = ["--rollout.dtype", "bfloat16", "--max_completion_length", "16"]
     sampling = ["--rollout.temperature", "0.7", "--rollout.batch_size", "2", "--rollout.max_turns", "3"]
     for kind in ("sft", "dpo", "seq"):
-        config = load_config(None, ["--train.type", kind, *sampling, *engine])
-        names = ["rollout.batch_size", "rollout.temperature", "rollout.max_turns"]
+        config = load_config(None, ["--train.type", kind, *sampling, *engine, "--rollout.tensor_parallel_size", "2"])
+        names = ["rollout.batch_size", "rollout.temperature", "rollout.tensor_parallel_size", "rollout.max_turns"]
         assert ignored_settings(config) == names, kind
         assert {why_ignored(config, name) for name in names} == {
-            f"train.type {kind} samples no rollouts; of rollout it reads only max_new_tokens, engine, engine_options, "
-            "dtype, attention_backend, cuda_graphs (the engine and answer length of its evaluations)"}
+            f"train.type {kind} samples no rollouts; of rollout it reads only its evaluations' max_new_tokens, "
+            "engine, engine_options, dtype, attention_backend, cuda_graphs"}
     rm = load_config(None, ["--train.type", "rm", *sampling, *engine])
     assert ignored_settings(rm) == ["rollout.batch_size", "rollout.max_new_tokens", "rollout.temperature",
                                     "rollout.dtype", "rollout.max_turns"]
@@ -142,12 +142,9 @@ def test_rollout_settings_of_a_train_type_that_samples_none_are_said_to_have_no_
     offline = load_config(None, ["--train.type", "grpo", "--rollout.top_k", "5", *sampling[:4], *engine])
     assert ignored_settings(offline) == ["rollout.top_k"]
     assert why_ignored(offline, "rollout.top_k").startswith(
-        "train.type grpo samples no rollouts; of rollout it reads only batch_size, temperature, max_new_tokens")
+        "train.type grpo samples no rollouts; of rollout it reads only batch_size, temperature and its evaluations' "
+        "max_new_tokens, engine")
     assert ignored_settings(load_config(None, ["--train.type", "online_grpo", *sampling[:4], *engine])) == []
-    for kind in ("sft", "grpo", "rm"):
-        with pytest.raises(ConfigError, match="^rollout.tensor_parallel_size: splits the rollout engine of the "
-                                              f"online train types; train.type {kind} samples none"):
-            load_config(None, ["--train.type", kind, "--rollout.tensor_parallel_size", "2"])
 
 
 def test_correction_thresholds_the_correction_does_not_use_are_said_to_have_no_effect():
@@ -166,4 +163,4 @@ def test_correction_thresholds_the_correction_does_not_use_are_said_to_have_no_e
         config = load_config(None, ["--train.type", "online_grpo", "--rollout.correction", mode, *thresholds])
         assert ignored_settings(config) == [f"rollout.{f}" for f in unread], mode
     config = load_config(None, ["--train.type", "online_ppo", "--rollout.icepop_low", "0.3"])
-    assert why_ignored(config, "rollout.icepop_low") == "read only with rollout.correction icepop (this job's is none)"
+    assert why_ignored(config, "rollout.icepop_low") == "read only with rollout.correction icepop; this job's is none"

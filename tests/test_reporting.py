@@ -326,6 +326,15 @@ def test_plot_writes_through_a_link_and_leaves_no_folder_after_a_failed_write(tm
     err = capsys.readouterr().err.strip()
     assert "is a link to" in err and "not a .png file" in err and len(err.splitlines()) == 1, err
     assert (tmp_path / "metrics.jsonl").read_text().startswith("{")
+    loop, blocked = tmp_path / "loop.png", tmp_path / "blocked.png"
+    loop.symlink_to(loop)
+    blocked.symlink_to(tmp_path / "metrics.jsonl" / "sub" / "a.png")
+    for link, needle in ((loop, "is a symbolic link that does not resolve (a loop)"),
+                         (blocked, "metrics.jsonl is a file, not a directory")):
+        assert plot.main([str(tmp_path), "--output", str(link)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert loop.is_symlink() and (tmp_path / "metrics.jsonl").read_text().startswith("{")
 
     def full_disk(path, data):
         raise OSError(28, "No space left on device")

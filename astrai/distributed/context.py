@@ -15,6 +15,7 @@ import contextlib
 import gc
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator, NoReturn, Optional
@@ -199,8 +200,12 @@ def _end_vllm_groups() -> None:
     (`destroy_model_parallel`, `destroy_distributed_environment`) ends them and the default group."""
     state = sys.modules.get("vllm.distributed.parallel_state")
     if state is not None and getattr(state, "_WORLD", None) is not None:
-        state.destroy_model_parallel()
-        state.destroy_distributed_environment()
+        try:
+            state.destroy_model_parallel()
+            state.destroy_distributed_environment()
+        except Exception as err:  # never hides the error a failing job is ending with; torch's teardown follows
+            warnings.warn(f"vLLM's teardown of its process groups failed ({type(err).__name__}: {err}); the next "
+                          "vLLM engine of this process may not build")
 
 
 def had_process_group() -> bool:

@@ -258,9 +258,10 @@ def uncorrected_dtype_mismatch(config) -> Optional[str]:
                 "token_tis")
     # leaving rollout.dtype unset cures it only where the engine then computes in float32 as the trainer does
     unset = ", or leave rollout.dtype unset" if r.dtype and config.model.dtype == trainer == "float32" else ""
+    measured = (" (on the GRPO arithmetic recipe bfloat16 rollouts of a float32 policy learned half as much, "
+                "docs/kernels.md)" if trainer == "float32" else "")
     return (f"the rollout engine computes in {engine} ({engine_field}) and the trainer in {trainer} ({trainer_field}) "
-            "with rollout.correction none: their log-probs differ and nothing corrects for it (on the GRPO arithmetic "
-            "recipe bfloat16 rollouts of a float32 policy learned half as much, docs/kernels.md); set "
+            f"with rollout.correction none: their log-probs differ and nothing corrects for it{measured}; set "
             f"rollout.correction: token_tis{unset}")
 
 

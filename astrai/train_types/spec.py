@@ -191,6 +191,10 @@ class TrainType:
     models_held: Callable[[Any], ModelsHeld] = _policy_only
     rollout_fields: Optional[tuple[str, ...]] = None
 
+    def reads_rollout(self, field: str) -> bool:
+        """Whether a job of this train type reads `rollout.<field>` (`rollout_fields`)."""
+        return self.rollout_fields is None or field in self.rollout_fields
+
     def build(self, config, dist, policy, tokenizer):
         """The learner of this train type for a validated job (the `builder`, imported now)."""
         return _resolve(self.builder)(config, dist, policy, tokenizer)

@@ -208,7 +208,8 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
                                       overwrite=config.train.overwrite_output_dir, dist=dist)
     if resume_from is not None:  # refused before anything loads (restore() checks again, with sha256 if asked)
         check_resume(resume_from, config=config, world_size=dist.world_size, strategy=dist.strategy)
-    engine_factory(config.rollout.engine)  # an unknown rollout.engine, before the model loads
+    if train_types.get(config.train.type).reads_rollout("engine"):  # an unknown rollout.engine, before loading
+        engine_factory(config.rollout.engine)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
                                         revision=config.model.revision)
     check_model_limits(config, policy.config, tokenizer)
@@ -374,8 +375,9 @@ def check_job(config: Config, *, world_size: int) -> str:
         check_resume(resume_from, config=config, world_size=world_size, strategy=plan.strategy,
                      verify=config.checkpoint.verify_on_load)
     device = run_device(config.runtime.device)  # CUDA asked for where there is none
-    engine_factory(config.rollout.engine)  # an unknown rollout.engine, before the model loads
     spec = train_types.get(config.train.type)
+    if spec.reads_rollout("engine"):  # an unknown rollout.engine, before the model loads
+        engine_factory(config.rollout.engine)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
                                         revision=config.model.revision, shapes_only=True)  # weights not needed
     check_model_limits(config, policy.config, tokenizer)

@@ -102,9 +102,10 @@ class EvaluationCallback(Callback):
             raise ValueError(f"train.eval_steps: expected >= 1 for an evaluation callback, got {eval_steps}")
         if len(records) == 0:
             raise ValueError("data.eval_path: no questions to evaluate")
-        # every rank of a tensor-parallel group evaluates its group's share together (its engine is split over them);
-        # the group's first rank alone counts it (`lead`)
-        tp = getattr(dist, "tp_size", 1)
+        # every rank of a tensor-parallel group evaluates its group's share together (the learner's engine is split
+        # over them); the group's first rank alone counts it (`lead`). An engine of its own (offline train types) is
+        # a whole copy on every rank: each rank takes its own share then.
+        tp = getattr(dist, "tp_size", 1) if learner.rollout_engine is not None else 1
         self.records = list(records)[dist.rank // tp::dist.world_size // tp]
         self.tp, self.lead = tp, dist.rank % tp == 0
         self.num_questions = len(records)
