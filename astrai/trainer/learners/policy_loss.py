@@ -120,7 +120,7 @@ class RolloutCorrection:
 
     def in_update(self, micro: RolloutResult, logprobs: torch.Tensor) -> RolloutResult:
         """`micro` (whose `rollout_logprobs` are the engine's and whose `correction_weights` are None: a rollout
-        trained in one optimizer step, `PolicyGradientLearner.corrects_in_update`) with the trainer's old log-probs
+        trained in one optimizer step, `RolloutLearner.corrects_in_update`) with the trainer's old log-probs
         taken from its own forward of that step (`logprobs` (b, T'), detached here: the policy before its only
         update from this rollout, what `rescore` would compute) and the correction's weights."""
         mask = micro.sequences.action_mask
