@@ -773,6 +773,15 @@ class Config:
                               f"echoes prompt log-probs), which match the student's only at rollout.temperature 1, "
                               f"got {self.rollout.temperature:g}; set it to 1 or load the teacher locally")
         spec.check(self)
+        if not spec.online:  # the options of sampling processes: named as what the job is not, not as a hint to
+            r = self.rollout  # turn on what would be refused next
+            for name, default in (("generation_device", None), ("generation_threads", None),
+                                  ("generation_restarts", None), ("generation_batch_size", None),
+                                  ("generation_processes", 1), ("max_off_policy_steps", 0)):
+                if getattr(r, name) != default:
+                    default = "null" if default is None else default
+                    raise ConfigError(f"rollout.{name}: sets how the online train types sample their rollouts; "
+                                      f"train.type {kind} samples none; set it to {default}")
         if self.rollout.partial:
             self._check_partial(kind, spec)
         if self.rollout.placement == "separate":

@@ -164,3 +164,17 @@ def test_correction_thresholds_the_correction_does_not_use_are_said_to_have_no_e
         assert ignored_settings(config) == [f"rollout.{f}" for f in unread], mode
     config = load_config(None, ["--train.type", "online_ppo", "--rollout.icepop_low", "0.3"])
     assert why_ignored(config, "rollout.icepop_low") == "read only with rollout.correction icepop; this job's is none"
+
+
+@pytest.mark.parametrize("field, value, default", [("max_off_policy_steps", "1", "0"),
+                                                   ("generation_processes", "2", "1"),
+                                                   ("generation_batch_size", "4", "null"),
+                                                   ("generation_threads", "1", "null")])
+def test_sampling_process_options_on_a_train_type_that_samples_none_are_refused_as_such(field, value, default):
+    """sft with rollout.max_off_policy_steps 1 was told to set rollout.partial true or the placement separate,
+    which sft refuses next: now the one line says the job samples no rollouts."""
+    from astrai.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^rollout.{field}: sets how the online train types sample their "
+                                          f"rollouts; train.type sft samples none; set it to {default}$"):
+        load_config(None, ["--train.type", "sft", f"--rollout.{field}", value])
