@@ -294,3 +294,31 @@ def test_an_engine_copy_in_another_dtype_without_a_correction_is_said_by_check(t
 
     assert check() == [said]
     assert check("--rollout.correction", "token_tis") == []
+
+
+def test_online_ppo_without_a_kl_term_weighs_a_one_step_rollout_from_that_steps_forward(tiny_model_dir, tmp_path,
+                                                                                         monkeypatch):
+    """online_ppo with ppo.kl_coef 0 pins its targets (values, GAE) without old_logprobs: a rollout trained in one
+    step skips the rescoring forward, and the run logs what the rescored run logs (float rounding apart); with a KL
+    term the rewards read old_logprobs, so it still rescores."""
+    from test_train_e2e import tiny_args
+
+    from astrai.train import main
+    from astrai.trainer.learners.policy_gradient import RolloutLearner
+
+    def run(name, *extra):
+        out = tmp_path / name
+        assert main(tiny_args(tiny_model_dir, out, "--max_steps", "2", "--ppo.minibatch_size", "4",
+                              "--rollout.dtype", "bfloat16", "--rollout.correction", "token_tis",
+                              "--train.report_to", "none", "--checkpoint.save_at_end", "false", *extra)) == 0
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    weighed = run("weighed", "--ppo.kl_coef", "0")
+    assert all("time/rescore_seconds" not in r and r["rollout/mismatch_max_abs_diff"] > 1e-4 for r in weighed)
+    assert all("time/rescore_seconds" in r for r in run("kl", "--ppo.kl_coef", "0.05"))
+    monkeypatch.setattr(RolloutLearner, "corrects_in_update", lambda self, experience: False)
+    rescored = run("rescored", "--ppo.kl_coef", "0")
+    assert all("time/rescore_seconds" in r for r in rescored)
+    for mine, theirs in zip(weighed, rescored):
+        for name in ("policy/loss", "critic/loss", "rollout/mismatch_k3_kl", "rollout/correction_weight_mean"):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), name

@@ -132,6 +132,11 @@ class OnlinePPOLearner(RolloutLearner):
             metrics["rollout/kl"] = kl.sum(-1).mean()
         return result, metrics
 
+    def pins_from_old_logprobs(self) -> bool:
+        """The token rewards read `old_logprobs` only through the reference-KL term (`kl_coef` > 0) or a teacher's
+        reverse-KL signal; the values and GAE do not."""
+        return self.settings.kl_coef > 0 or bool(self.distill)
+
     def update(self, trainer, minibatch: RolloutResult, first: bool) -> dict[str, torch.Tensor]:
         """The policy step (`ppo.policy_loss`, PPO-clip by default), then the (clipped) value-loss critic step."""
         metrics = self.policy_update(trainer, minibatch, first, self.objective)
