@@ -178,7 +178,7 @@ def test_the_rollout_correction_rescores_and_weights_the_loss(mode):
     assert float(loss.detach()) == pytest.approx(total / count, rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.parametrize("mode", ["token_tis", "seq_tis", "icepop"])
+@pytest.mark.parametrize("mode", ["token_tis", "seq_tis", "seq_mask", "icepop"])
 def test_a_rollout_trained_in_one_step_is_weighed_from_that_steps_forward_without_a_rescore(mode, monkeypatch):
     """One minibatch, one epoch (TRL's default): the rescoring forward repeated what the step's own forward computes
     before its only update. Now it is skipped; the step's gradient and the correction and mismatch metrics equal the
@@ -192,6 +192,7 @@ def test_a_rollout_trained_in_one_step_is_weighed_from_that_steps_forward_withou
                                    temperature=0.7, chunk_size=2)
 
     def step(rescore: bool, **grpo):
+        grpo = {"kl_coef": 0.0, **grpo}
         learner = GRPOLearner(policy=trained(policy, lr=0.0), experience=_StaticExperience(exp), temperature=0.7,
                               settings=GRPOSection(group_size=3, micro_batch_size=2, **grpo), correction=correction,
                               replay=RolloutReplay(minibatch_size=grpo.pop("minibatch", 6), epochs=1, seed=0))
@@ -216,7 +217,8 @@ def test_a_rollout_trained_in_one_step_is_weighed_from_that_steps_forward_withou
     for name in names:
         assert float(metrics[name]) == pytest.approx(float(rescored[name]), rel=1e-5, abs=1e-7), name
     assert float(metrics["rollout/mismatch_k3_kl"]) > 1e-3  # the engine's noise is seen, not the trainer's own
-    assert step(False, kl_coef=0.0, kl_reward_coef=0.1)[2] == 1  # KL in the rewards: pinned from rescored ones
+    assert step(False, kl_reward_coef=0.1)[2] == 1  # KL in the rewards: pinned from rescored ones
+    assert step(False, kl_coef=0.1)[2] == 0  # the loss's KL term reads the step's own log-probs
 
 
 def test_online_grpo_trains_with_rloo_gspo_and_a_correction_logging_the_mismatch(tiny_model_dir, tmp_path):
@@ -322,3 +324,75 @@ def test_online_ppo_without_a_kl_term_weighs_a_one_step_rollout_from_that_steps_
     for mine, theirs in zip(weighed, rescored):
         for name in ("policy/loss", "critic/loss", "rollout/mismatch_k3_kl", "rollout/correction_weight_mean"):
             assert mine[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), name
+
+
+def test_a_one_step_rollout_with_a_non_finite_forward_skips_the_step_and_a_resumed_uncorrected_one_trains(
+        monkeypatch):
+    """Two edges of the rescore-free path (a review): a non-finite log-prob in the step's forward (an fp16
+    overflow) raised from the weights' bookkeeping mid-accumulation instead of skipping the step as every other
+    path does; a rollout pinned without a correction (a checkpoint resumed with rollout.correction turned on) was
+    taken for one to weigh and crashed; it trains as it was pinned."""
+    from astrai.trainer.learners import policy_gradient
+
+    policy = small_model()
+    exp = make_experience([1.0, 0.0, 0.5, 2.0, 0.0, 0.0], t=4, lengths=[4, 1, 3, 2, 4, 1])
+    correction = RolloutCorrection("token_tis", token_cap=2.0, seq_cap=3.0, icepop_low=0.5, icepop_high=5.0,
+                                   temperature=0.7, chunk_size=2)
+
+    def learner():
+        return GRPOLearner(policy=trained(policy, lr=1e-3), experience=_StaticExperience(exp), temperature=0.7,
+                           settings=GRPOSection(group_size=3, micro_batch_size=2, kl_coef=0.0),
+                           correction=correction, replay=RolloutReplay(minibatch_size=6, epochs=1, seed=0))
+
+    real = policy_gradient.response_logprobs
+
+    def overflowing(model, sequences, **kwargs):  # the training forward only (a rescore runs without grad)
+        logprobs, entropy = real(model, sequences, **kwargs)
+        first = sequences.action_mask & (torch.arange(logprobs.shape[1]) == 0)
+        return logprobs + torch.where(first, float("-inf"), 0.0), entropy
+
+    one_step = learner()
+    trainer = Trainer(one_step, dist=one_step.policy.dist, max_steps=5, max_grad_norm=1.0)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    with monkeypatch.context() as patch:
+        patch.setattr(policy_gradient, "response_logprobs", overflowing)
+        one_step.train_step(trainer)
+    assert trainer.state.skipped_steps == 1
+    assert all(torch.equal(before[n], p) for n, p in policy.named_parameters())
+
+    uncorrected = group_rollout(exp, group_size=3)  # pinned without a correction: no engine log-probs kept
+    resumed = learner()
+    trainer = Trainer(resumed, dist=resumed.policy.dist, max_steps=5, max_grad_norm=1.0)
+    metrics = resumed.update(trainer, uncorrected, first=True)
+    assert torch.isfinite(metrics["policy/loss"]) and "rollout/correction_weight_mean" not in metrics
+
+
+def test_under_bf16_mixed_precision_both_paths_score_the_old_logprobs_as_the_step_does(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """The rescore ran outside the training forward's autocast (float32 old log-probs against a bf16 forward:
+    `rollout/logprob_gap` 3.9e-4, GSPO's narrow clip band hit), so the one-step path and the rescored one gave
+    different clipping under train.bf16 (a review). The rescore now runs in the forward's precision: both log the
+    same."""
+    from pathlib import Path
+
+    from astrai.train import main
+    from astrai.trainer.learners.policy_gradient import RolloutLearner
+
+    def run(name):
+        out = tmp_path / name
+        example = Path(__file__).resolve().parents[1] / "configs/examples/grpo.yaml"
+        assert main(["--config", str(example), "--model.path", str(tiny_model_dir), "--train.output_dir", str(out),
+                     "--max_steps", "2", "--rollout.batch_size", "2", "--grpo.group_size", "2",
+                     "--grpo.minibatch_size", "4", "--grpo.micro_batch_size", "2", "--rollout.max_new_tokens", "6",
+                     "--train.progress_bar", "false", "--data.truncation", "left", "--train.report_to", "none",
+                     "--checkpoint.save_at_end", "false", "--grpo.policy_loss", "gspo", "--train.bf16", "true",
+                     "--rollout.correction", "token_tis", "--runtime.device", "cpu"]) == 0
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    weighed = run("weighed")
+    monkeypatch.setattr(RolloutLearner, "corrects_in_update", lambda self, experience: False)
+    rescored = run("rescored")
+    for mine, theirs in zip(weighed, rescored):
+        assert theirs["rollout/logprob_gap"] < 1e-5 and "time/rescore_seconds" in theirs
+        for name in ("policy/clipfrac", "policy/loss", "rollout/mismatch_k3_kl", "rollout/correction_weight_mean"):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-3, abs=1e-7), name

@@ -89,6 +89,18 @@ class RolloutResult:
     def __len__(self) -> int:
         return self.sequences.input_ids.shape[0]
 
+    def with_fields(self, **fields: Optional[torch.Tensor]) -> "RolloutResult":
+        """A copy with per-token `fields` replaced WITHOUT the constructor's checks: for the policy update's hot
+        path, where they come from this result's own validated tensors and the step's forward (no host syncs; a
+        non-finite value reaches the loss, whose step is then skipped, instead of raising mid-accumulation)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        for name, value in fields.items():
+            if name not in PER_TOKEN_FIELDS:
+                raise ValueError(f"RolloutResult.with_fields: {name!r} is not a per-token field")
+            object.__setattr__(new, name, value)
+        return new
+
     def select(self, index: torch.Tensor) -> "RolloutResult":
         """Rows `index` (1-D int64) of every per-sample tensor, as a new (still pinned) result."""
         picked = {f: (getattr(self, f)[index] if getattr(self, f) is not None else None)

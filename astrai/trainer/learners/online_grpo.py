@@ -224,8 +224,9 @@ class GRPOLearner(RolloutLearner):
 
     def pins_from_old_logprobs(self) -> bool:
         """The group advantages read `old_logprobs` only through a KL term in the rewards (`kl_reward_coef`) or a
-        teacher's per-token signal (an estimator that `needs_teacher`). (Without them, a rollout weighed in its one
-        update has its `rollout/kl` metric taken against the engine's log-probs.)"""
+        teacher's per-token signal (an estimator that `needs_teacher`). The loss's KL term (`kl_coef`) reads the
+        step's own log-probs; only the `rollout/kl` metric (k3 of the old log-probs against the reference's) is
+        then taken against the engine's log-probs, as without a correction."""
         s = self.settings
         return bool(s.kl_reward_coef) or advantage_estimator(s.advantage_estimator).needs_teacher
 

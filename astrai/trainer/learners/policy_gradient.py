@@ -220,8 +220,10 @@ class RolloutLearner:
                                 "step's") from None
         engine_logprobs = weights = None
         rescore = self.correction is not None and not self.corrects_in_update(experience)
-        if rescore:  # the trainer's own old log-probs, before any update from this rollout
-            experience, engine_logprobs, weights, rescored = self.correction.rescore(self.policy.module, experience)
+        if rescore:  # the trainer's own old log-probs, before any update from this rollout, as its forward computes
+            with self.policy.autocast():  # them (train.bf16 / train.fp16 under ddp: that precision)
+                experience, engine_logprobs, weights, rescored = self.correction.rescore(self.policy.module,
+                                                                                         experience)
         rollout, metrics = self.pin_targets(experience)
         if rescore:
             rollout = dataclasses.replace(rollout, rollout_logprobs=engine_logprobs, correction_weights=weights)
@@ -267,7 +269,9 @@ class RolloutLearner:
             old_logprobs| over this rank's real tokens of the rollout's FIRST minibatch, measured before any update
             from it: ~0 unless the engine held stale weights; repeated on the rollout's later minibatches), without
             a rollout correction the mismatch metrics of that minibatch (`rollout/mismatch_*`, against the
-            engine's log-probs: `algos.mismatch_metrics`; with one they cover the whole rollout, from its rescore),
+            engine's log-probs: `algos.mismatch_metrics`; with one they cover the whole rollout, from its rescore
+            or, for a rollout trained in this one step (`corrects_in_update`), from this step's forward, with the
+            correction's `rollout/correction_*`),
             `policy/entropy` with `log_entropy`, `distill/jsd` with `topk` (its term added to the loss; with routed
             teachers each micro-batch row's top-k from its route's teacher, `RolloutResult.routes`, and
             `distill/<route>/jsd` per route: `TopKDistillation.route_metrics`), and `time/policy_update_seconds`.
@@ -278,8 +282,10 @@ class RolloutLearner:
             self.topk.reset_route_metrics()
         seen: list[tuple[torch.Tensor, ...]] = []  # first minibatch: (logprobs, engine log-probs, mask), padded
         width = minibatch.sequences.action_mask.shape[1]
-        # a rollout trained in this one step (corrects_in_update): weighed from this step's own forward
-        weigh_here = self.correction is not None and minibatch.correction_weights is None
+        # a rollout trained in this one step (corrects_in_update: the engine's log-probs kept, no weights yet) is
+        # weighed from this step's own forward; one pinned without a correction (a resume that turned it on) is not
+        weigh_here = (self.correction is not None and minibatch.correction_weights is None
+                      and minibatch.rollout_logprobs is not None)
 
         def loss_fn(micro: RolloutResult, num_units: torch.Tensor):
             mask = micro.sequences.action_mask

@@ -127,4 +127,4 @@ class RolloutCorrection:
         train_old = logprobs.detach() * mask
         weights, _, _ = correction_weights(self.mode, train_old, micro.rollout_logprobs * mask, mask,
                                            **self.thresholds)
-        return dataclasses.replace(micro, old_logprobs=train_old, correction_weights=weights * mask)
+        return micro.with_fields(old_logprobs=train_old, correction_weights=weights * mask)
