@@ -178,3 +178,21 @@ def test_sampling_process_options_on_a_train_type_that_samples_none_are_refused_
     with pytest.raises(ConfigError, match=f"^rollout.{field}: sets how the online train types sample their "
                                           f"rollouts; train.type sft samples none; set it to {default}$"):
         load_config(None, ["--train.type", "sft", f"--rollout.{field}", value])
+
+
+def test_an_offline_jobs_tensor_parallel_size_builds_no_mesh(tiny_model_dir, tmp_path, capsys):
+    """sft with rollout.tensor_parallel_size 2 was said to have no effect, then refused because 2 does not divide one
+    process (a trial): the ranks' mesh takes the field only where the train type reads it."""
+    from astrai.config import load_config as load
+    from astrai.train import main
+    from astrai.trainer.build import mesh_tensor_parallel_size
+
+    assert mesh_tensor_parallel_size(load(None, ["--train.type", "sft", "--rollout.tensor_parallel_size", "2"])) == 1
+    assert mesh_tensor_parallel_size(load(None, ["--train.type", "online_grpo",
+                                                  "--rollout.tensor_parallel_size", "2"])) == 2
+    code = main(["--train.type", "sft", "--model.path", str(tiny_model_dir), "--data.path", "builtin:sft_chat",
+                 "--train.output_dir", str(tmp_path / "o"), "--data.max_length", "256",
+                 "--rollout.tensor_parallel_size", "2", "--check"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "warning: rollout.tensor_parallel_size has no effect on this job" in err
