@@ -128,7 +128,6 @@ def job_parts(trainer: Trainer, tokenizer, config_text: str) -> dict[str, Part]:
             "rng_state": Part(GlobalRNGState(), per_rank=True)}
 
 
-
 def mesh_tensor_parallel_size(config: Config) -> int:
     """The tensor-parallel size of the ranks' (data x tensor) mesh: `rollout.tensor_parallel_size` for a train type
     that reads it (the online ones, whose engine it splits), else 1 (no mesh: an offline job's evaluation engine
@@ -136,6 +135,7 @@ def mesh_tensor_parallel_size(config: Config) -> int:
     if train_types.get(config.train.type).reads_rollout("tensor_parallel_size"):
         return config.rollout.tensor_parallel_size
     return 1
+
 
 def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trainer:
     """Everything `python -m astrai.train` needs, wired together.
