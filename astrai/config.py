@@ -933,6 +933,11 @@ def ignored_settings(config: Config) -> list[str]:
     if spec.rollout_fields is not None:  # a train type that samples no rollouts of its own reads only these
         names += [f"rollout.{f.name}" for f in dataclasses.fields(rollout)
                   if f.name not in spec.rollout_fields and getattr(rollout, f.name) != getattr(default, f.name)]
+    data, default_data = config.data, DataSection()
+    others = {f for t in train_types.all_train_types() for f in t.data_fields} - set(spec.data_fields)
+    names += [f"data.{f}" for f in sorted(others) if getattr(data, f) != getattr(default_data, f)]
+    if data.packing and not spec.packs:
+        names.append("data.packing")
     thresholds = CORRECTION_THRESHOLDS.get(rollout.correction)  # None: a registered mode of its own reads them all
     if thresholds is not None:
         names += [f"rollout.{f}" for f in ALL_CORRECTION_THRESHOLDS
@@ -967,6 +972,12 @@ def why_ignored(config: Config, name: str) -> str:
         return (f"train.type {kind} samples no rollouts; of rollout it reads only "
                 + (f"{', '.join(own)} and " if own else "")
                 + (f"its evaluations' {', '.join(evaluation)}" if evaluation else ""))
+    if name == "data.packing":
+        packers = " and ".join(t.name for t in train_types.all_train_types() if t.packs)
+        return f"read only by the train types that pack ({packers})"
+    if name.startswith("data."):
+        owners = " and ".join(t.name for t in train_types.all_train_types() if field in t.data_fields)
+        return f"a column of the records of train.type {owners}; train.type {kind} does not read it"
     if name.startswith("rollout.") and field in ALL_CORRECTION_THRESHOLDS:
         users = [mode for mode, fields in CORRECTION_THRESHOLDS.items() if field in fields]
         return f"read only with rollout.correction {' or '.join(users)}; this job's is {config.rollout.correction}"

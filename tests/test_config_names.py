@@ -196,3 +196,21 @@ def test_an_offline_jobs_tensor_parallel_size_builds_no_mesh(tiny_model_dir, tmp
     err = capsys.readouterr().err
     assert code == 0, err
     assert "warning: rollout.tensor_parallel_size has no effect on this job" in err
+
+
+def test_data_columns_and_packing_of_other_train_types_are_said_to_have_no_effect():
+    """data.packing on dpo, or sft's data.messages_field on online_grpo, were accepted and read by nothing."""
+    from astrai.config import ignored_settings, why_ignored
+
+    config = load_config(None, ["--train.type", "dpo", "--data.packing", "true", "--data.margin_field", "m",
+                                "--data.messages_field", "chat", "--data.chosen_field", "good"])
+    assert ignored_settings(config) == ["data.messages_field", "data.margin_field", "data.packing"]
+    assert why_ignored(config, "data.packing") == "read only by the train types that pack (sft and seq)"
+    assert why_ignored(config, "data.margin_field") == ("a column of the records of train.type rm; train.type dpo "
+                                                        "does not read it")
+    for kind, own in (("sft", ["--data.messages_field", "m", "--data.packing", "true"]),
+                      ("seq", ["--data.text_field", "t", "--data.packing", "true"]),
+                      ("rm", ["--data.margin_field", "m", "--data.rejected_field", "bad"]),
+                      ("grpo", ["--data.responses_field", "r", "--data.rewards_field", "s",
+                                "--data.logprobs_field", "l"])):
+        assert ignored_settings(load_config(None, ["--train.type", kind, *own])) == [], kind

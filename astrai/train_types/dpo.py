@@ -10,4 +10,5 @@ TRAIN_TYPE = TrainType(
     section="dpo",
     models_held=lambda config: ModelsHeld(reference=True),
     rollout_fields=EVALUATION_ROLLOUT_FIELDS,
+    data_fields=("chosen_field", "rejected_field"),
 )

@@ -18,4 +18,5 @@ TRAIN_TYPE = TrainType(
     unread=grpo_unread,
     models_held=grpo_models_held,
     rollout_fields=("batch_size", "temperature", *EVALUATION_ROLLOUT_FIELDS),  # its stored groups, scored at T
+    data_fields=("responses_field", "rewards_field", "logprobs_field"),
 )

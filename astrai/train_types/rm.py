@@ -18,4 +18,5 @@ TRAIN_TYPE = TrainType(
     data="astrai.trainer.learners.rm:rm_data",
     check=_check,
     rollout_fields=(),
+    data_fields=("chosen_field", "rejected_field", "margin_field"),
 )

@@ -10,4 +10,5 @@ TRAIN_TYPE = TrainType(
     packs=True,
     renders="text",
     rollout_fields=EVALUATION_ROLLOUT_FIELDS,
+    data_fields=("text_field",),
 )

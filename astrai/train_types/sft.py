@@ -10,4 +10,5 @@ TRAIN_TYPE = TrainType(
     packs=True,
     renders="chats",
     rollout_fields=EVALUATION_ROLLOUT_FIELDS,
+    data_fields=("messages_field",),
 )

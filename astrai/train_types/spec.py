@@ -164,6 +164,8 @@ class TrainType:
             "prompts" (rendered as `data.chat_template` says: the template or raw text), "chats" (always the chat
             template: sft) or "text" (raw documents, never a template: seq).
         models_held: config -> `ModelsHeld`, the models its job builds beside the policy (a reference, a critic).
+        data_fields: the `data` fields naming its own records' columns, which no other train type reads (sft's
+            `messages_field`); set on a job of another type they are warned about as having no effect.
         rollout_fields: the only `rollout` fields it reads, where it samples no rollouts of its own (None: it
             reads the section, as the online train types do). The others, set, are warned about as having no
             effect; `EVALUATION_ROLLOUT_FIELDS` belong here for a train type whose policy answers evaluations (the
@@ -190,6 +192,7 @@ class TrainType:
     distills: bool = False
     models_held: Callable[[Any], ModelsHeld] = _policy_only
     rollout_fields: Optional[tuple[str, ...]] = None
+    data_fields: tuple[str, ...] = ()
 
     def reads_rollout(self, field: str) -> bool:
         """Whether a job of this train type reads `rollout.<field>` (`rollout_fields`)."""
