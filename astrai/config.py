@@ -190,8 +190,8 @@ class DataSection(Section, name="data"):
     shuffle: bool = field_spec(True, "shuffle prompts each epoch (seeded by train.seed)")
     messages_field: str = field_spec("messages", "sft: record field holding the chat messages (role/content list)")
     text_field: str = field_spec("text", "seq: record field holding the raw text")
-    chosen_field: str = field_spec("chosen", "dpo: record field holding the preferred response")
-    rejected_field: str = field_spec("rejected", "dpo: record field holding the dispreferred response")
+    chosen_field: str = field_spec("chosen", "dpo/rm: record field holding the preferred response")
+    rejected_field: str = field_spec("rejected", "dpo/rm: record field holding the dispreferred response")
     margin_field: Optional[str] = field_spec(None, "rm: optional record field holding each pair's margin (Llama 2's "
                                                    "margin loss); null = no margin")
     responses_field: str = field_spec("responses", "grpo: record field holding the G sampled responses")
@@ -670,6 +670,15 @@ class Config:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     """Device, CPU threads, determinism, per-job environment variables."""
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The tensor-parallel size the job uses: `rollout.tensor_parallel_size` for a train type that reads it (the
+        online ones, whose engine it splits over the ranks' (data x tensor) mesh), else 1 (an offline job's
+        evaluation engine is a whole copy on every rank; the field is said to have no effect)."""
+        if train_types.get(self.train.type).reads_rollout("tensor_parallel_size"):
+            return self.rollout.tensor_parallel_size
+        return 1
+
     def _check_partial(self, kind: str, spec) -> None:
         """`rollout.partial` against the rest of the job (docs/async.md); raises ConfigError (one line)."""
         r = self.rollout
@@ -909,7 +918,9 @@ def ignored_settings(config: Config) -> list[str]:
     ``distill.jsd_top_k``, the ``rollout`` fields a train type that samples no rollouts of its own does not read
     (beyond `TrainType.rollout_fields`: sft, dpo and seq read their evaluations' `EVALUATION_ROLLOUT_FIELDS`,
     offline grpo those and ``batch_size`` / ``temperature``, rm none), and the correction thresholds
-    (`CORRECTION_THRESHOLDS`) that ``rollout.correction`` does not use. Each name once; empty when there are none."""
+    (`CORRECTION_THRESHOLDS`) that ``rollout.correction`` does not use, the ``data`` fields naming another train
+    type's record columns (`TrainType.data_fields`) and ``data.packing`` where the train type does not pack. Each name
+    once; empty when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -974,10 +985,11 @@ def why_ignored(config: Config, name: str) -> str:
                 + (f"its evaluations' {', '.join(evaluation)}" if evaluation else ""))
     if name == "data.packing":
         packers = " and ".join(t.name for t in train_types.all_train_types() if t.packs)
-        return f"read only by the train types that pack ({packers})"
-    if name.startswith("data."):
-        owners = " and ".join(t.name for t in train_types.all_train_types() if field in t.data_fields)
-        return f"a column of the records of train.type {owners}; train.type {kind} does not read it"
+        return f"read only by the train types that pack: {packers}"
+    owners = [t.name for t in train_types.all_train_types() if field in t.data_fields]
+    if name.startswith("data.") and owners:
+        possessive = " and ".join(f"{owner}'s" for owner in owners)
+        return f"{possessive} record columns, which train.type {kind} does not read"
     if name.startswith("rollout.") and field in ALL_CORRECTION_THRESHOLDS:
         users = [mode for mode, fields in CORRECTION_THRESHOLDS.items() if field in fields]
         return f"read only with rollout.correction {' or '.join(users)}; this job's is {config.rollout.correction}"

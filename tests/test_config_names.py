@@ -182,20 +182,20 @@ def test_sampling_process_options_on_a_train_type_that_samples_none_are_refused_
 
 def test_an_offline_jobs_tensor_parallel_size_builds_no_mesh(tiny_model_dir, tmp_path, capsys):
     """sft with rollout.tensor_parallel_size 2 was said to have no effect, then refused because 2 does not divide one
-    process (a trial): the ranks' mesh takes the field only where the train type reads it."""
+    process, or (with train.eval_steps) the heads of its evaluation engine, a whole copy (trials): the job's size
+    (`Config.tensor_parallel_size`, the mesh's and the engine's) takes the field only where the train type reads it."""
     from astrai.config import load_config as load
     from astrai.train import main
-    from astrai.trainer.build import mesh_tensor_parallel_size
 
-    assert mesh_tensor_parallel_size(load(None, ["--train.type", "sft", "--rollout.tensor_parallel_size", "2"])) == 1
-    assert mesh_tensor_parallel_size(load(None, ["--train.type", "online_grpo",
-                                                  "--rollout.tensor_parallel_size", "2"])) == 2
-    code = main(["--train.type", "sft", "--model.path", str(tiny_model_dir), "--data.path", "builtin:sft_chat",
-                 "--train.output_dir", str(tmp_path / "o"), "--data.max_length", "256",
-                 "--rollout.tensor_parallel_size", "2", "--check"])
-    err = capsys.readouterr().err
-    assert code == 0, err
-    assert "warning: rollout.tensor_parallel_size has no effect on this job" in err
+    assert load(None, ["--train.type", "sft", "--rollout.tensor_parallel_size", "2"]).tensor_parallel_size == 1
+    assert load(None, ["--train.type", "online_grpo", "--rollout.tensor_parallel_size", "2"]).tensor_parallel_size == 2
+    for extra in ([], ["--train.eval_steps", "1", "--data.eval_path", "builtin:arithmetic_test"]):
+        code = main(["--train.type", "sft", "--model.path", str(tiny_model_dir), "--data.path", "builtin:sft_chat",
+                     "--train.output_dir", str(tmp_path / "o"), "--data.max_length", "256",
+                     "--rollout.tensor_parallel_size", "3", *extra, "--check"])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert "warning: rollout.tensor_parallel_size has no effect on this job" in err
 
 
 def test_data_columns_and_packing_of_other_train_types_are_said_to_have_no_effect():
@@ -205,9 +205,10 @@ def test_data_columns_and_packing_of_other_train_types_are_said_to_have_no_effec
     config = load_config(None, ["--train.type", "dpo", "--data.packing", "true", "--data.margin_field", "m",
                                 "--data.messages_field", "chat", "--data.chosen_field", "good"])
     assert ignored_settings(config) == ["data.messages_field", "data.margin_field", "data.packing"]
-    assert why_ignored(config, "data.packing") == "read only by the train types that pack (sft and seq)"
-    assert why_ignored(config, "data.margin_field") == ("a column of the records of train.type rm; train.type dpo "
-                                                        "does not read it")
+    assert why_ignored(config, "data.packing") == "read only by the train types that pack: sft and seq"
+    assert why_ignored(config, "data.margin_field") == "rm's record columns, which train.type dpo does not read"
+    seq = load_config(None, ["--train.type", "seq", "--data.chosen_field", "good"])
+    assert why_ignored(seq, "data.chosen_field") == "dpo's and rm's record columns, which train.type seq does not read"
     for kind, own in (("sft", ["--data.messages_field", "m", "--data.packing", "true"]),
                       ("seq", ["--data.text_field", "t", "--data.packing", "true"]),
                       ("rm", ["--data.margin_field", "m", "--data.rejected_field", "bad"]),

@@ -29,13 +29,12 @@ def build_rollout_engine(config, policy: torch.nn.Module, tokenizer, *, policy_v
     `policy` (made before the policy is sharded) in `rollout.dtype`, attending with `rollout.attention_backend`
     (`ASTR_BACKEND` overrides it), with CUDA graphs when `rollout.cuda_graphs` (passed only then: other registered
     engines need not know the option), split over `tp_group` (the distributed context's tensor-parallel group,
-    passed as the factory's `tp_group` only when `rollout.tensor_parallel_size` > 1; None: a whole copy, as the
+    passed as the factory's `tp_group` only when the job's `tensor_parallel_size` > 1; None: a whole copy, as the
     in-training evaluation and the evaluate CLI hold). Raises ValueError / BackendUnavailableError (one line) for
     what it refuses."""
     r = config.rollout
     options = _engine_options(config)
-    _check_tensor_parallel(r)
-    if tp_group is not None and r.tensor_parallel_size > 1:
+    if _check_tensor_parallel(config) > 1 and tp_group is not None:
         options["tp_group"] = tp_group
     _check_capacity(config)
     with _naming_the_backend_field():
@@ -164,8 +163,8 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
         device = generation_devices(config, device)[0]
         check_generation_cpus(config, device)
     options = _engine_options(config)
-    if _check_tensor_parallel(r) > 1:
-        options["tensor_parallel_size"] = r.tensor_parallel_size
+    if _check_tensor_parallel(config) > 1:
+        options["tensor_parallel_size"] = config.tensor_parallel_size
     model_config = upcycled_config(model_config, config.model)  # upcycled at start-up: the engine's copy too
     _check_capacity(config)
     with _naming_the_backend_field():
@@ -193,13 +192,15 @@ def _engine_options(config) -> dict:
             **({"adaptive_threads": True} if adaptive else {})}
 
 
-def _check_tensor_parallel(rollout) -> int:
-    """`rollout.tensor_parallel_size`; ValueError (one line) when it is > 1 with an engine other than `paged` (the
-    one that splits its copy over a tensor-parallel group, astrai.rollout.tensor_parallel)."""
-    if rollout.tensor_parallel_size > 1 and rollout.engine != "paged":
-        raise ValueError(f"rollout.tensor_parallel_size: {rollout.tensor_parallel_size} needs rollout.engine 'paged' "
-                         f"(the engine that splits its copy over the group), got {rollout.engine!r}")
-    return rollout.tensor_parallel_size
+def _check_tensor_parallel(config) -> int:
+    """The job's tensor-parallel size (`Config.tensor_parallel_size`: `rollout.tensor_parallel_size` where the train
+    type reads it, else 1); ValueError (one line) when it is > 1 with an engine other than `paged` (the one that
+    splits its copy over a tensor-parallel group, astrai.rollout.tensor_parallel)."""
+    size, engine = config.tensor_parallel_size, config.rollout.engine
+    if size > 1 and engine != "paged":
+        raise ValueError(f"rollout.tensor_parallel_size: {size} needs rollout.engine 'paged' (the engine that splits "
+                         f"its copy over the group), got {engine!r}")
+    return size
 
 
 def _check_capacity(config) -> None:

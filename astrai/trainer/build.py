@@ -128,15 +128,6 @@ def job_parts(trainer: Trainer, tokenizer, config_text: str) -> dict[str, Part]:
             "rng_state": Part(GlobalRNGState(), per_rank=True)}
 
 
-def mesh_tensor_parallel_size(config: Config) -> int:
-    """The tensor-parallel size of the ranks' (data x tensor) mesh: `rollout.tensor_parallel_size` for a train type
-    that reads it (the online ones, whose engine it splits), else 1 (no mesh: an offline job's evaluation engine
-    is a whole copy on every rank, and the field is said to have no effect)."""
-    if train_types.get(config.train.type).reads_rollout("tensor_parallel_size"):
-        return config.rollout.tensor_parallel_size
-    return 1
-
-
 def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trainer:
     """Everything `python -m astrai.train` needs, wired together.
 
@@ -163,7 +154,7 @@ def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trai
     dist = setup_distributed(config.runtime.device, config.distributed.strategy,
                              mixed_precision=config.train.mixed_precision,
                              timeout_seconds=config.distributed.timeout_seconds,
-                             tensor_parallel_size=mesh_tensor_parallel_size(config),
+                             tensor_parallel_size=config.tensor_parallel_size,
                              stop_requested=(lambda: signals.requested) if signals is not None else None)
     check_job_step_sizes(config, dist.strategy, dist.deepspeed_config, dist.world_size)
     reporters = build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config),
@@ -374,7 +365,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     plan = resolve_launch(config.distributed.strategy, mixed_precision=config.train.mixed_precision, env=os.environ)
     check_job_step_sizes(config, plan.strategy, plan.deepspeed_config, world_size)
     config.generation_restarts_under(plan.strategy)  # the launch's strategy may shard the weights
-    check_mesh(world_size, mesh_tensor_parallel_size(config))  # the (data x tensor) mesh the ranks would build
+    check_mesh(world_size, config.tensor_parallel_size)  # the (data x tensor) mesh the ranks would build
     build_reporters(config.train.report_to, config.train.output_dir, config_to_dict(config), enabled=False)
     output_dir = checked_output_dir(config.train.output_dir, output_subdirs(config))
     OutputDirLock(output_dir).check_free()  # another job training there: refused now, not after the launch
