@@ -919,8 +919,8 @@ def ignored_settings(config: Config) -> list[str]:
     (beyond `TrainType.rollout_fields`: sft, dpo and seq read their evaluations' `EVALUATION_ROLLOUT_FIELDS`,
     offline grpo those and ``batch_size`` / ``temperature``, rm none), and the correction thresholds
     (`CORRECTION_THRESHOLDS`) that ``rollout.correction`` does not use, the ``data`` fields naming another train
-    type's record columns (`TrainType.data_fields`) and ``data.packing`` where the train type does not pack. Each name
-    once; empty when there are none."""
+    type's record columns (`TrainType.data_fields`), ``data.packing`` where the train type does not pack and
+    ``data.max_length`` where it samples its responses. Each name once; empty when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -949,6 +949,8 @@ def ignored_settings(config: Config) -> list[str]:
     names += [f"data.{f}" for f in sorted(others) if getattr(data, f) != getattr(default_data, f)]
     if data.packing and not spec.packs:
         names.append("data.packing")
+    if spec.online and data.max_length != default_data.max_length:  # their rows: prompt cap + response budget
+        names.append("data.max_length")
     thresholds = CORRECTION_THRESHOLDS.get(rollout.correction)  # None: a registered mode of its own reads them all
     if thresholds is not None:
         names += [f"rollout.{f}" for f in ALL_CORRECTION_THRESHOLDS
@@ -983,6 +985,9 @@ def why_ignored(config: Config, name: str) -> str:
         return (f"train.type {kind} samples no rollouts; of rollout it reads only "
                 + (f"{', '.join(own)} and " if own else "")
                 + (f"its evaluations' {', '.join(evaluation)}" if evaluation else ""))
+    if name == "data.max_length":
+        return (f"train.type {kind} samples its responses: its rows are data.max_prompt_length + "
+                "rollout.max_new_tokens tokens long")
     if name == "data.packing":
         packers = " and ".join(t.name for t in train_types.all_train_types() if t.packs)
         return f"read only by the train types that pack: {packers}"

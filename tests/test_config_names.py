@@ -207,6 +207,11 @@ def test_data_columns_and_packing_of_other_train_types_are_said_to_have_no_effec
     assert ignored_settings(config) == ["data.messages_field", "data.margin_field", "data.packing"]
     assert why_ignored(config, "data.packing") == "read only by the train types that pack: sft and seq"
     assert why_ignored(config, "data.margin_field") == "rm's record columns, which train.type dpo does not read"
+    online = load_config(None, ["--train.type", "online_grpo", "--data.max_length", "4096"])
+    assert ignored_settings(online) == ["data.max_length"]
+    assert why_ignored(online, "data.max_length") == ("train.type online_grpo samples its responses: its rows are "
+                                                      "data.max_prompt_length + rollout.max_new_tokens tokens long")
+    assert ignored_settings(load_config(None, ["--train.type", "grpo", "--data.max_length", "4096"])) == []
     seq = load_config(None, ["--train.type", "seq", "--data.chosen_field", "good"])
     assert why_ignored(seq, "data.chosen_field") == "dpo's and rm's record columns, which train.type seq does not read"
     for kind, own in (("sft", ["--data.messages_field", "m", "--data.packing", "true"]),
