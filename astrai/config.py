@@ -1031,7 +1031,8 @@ EPISODE_FIELDS = ("max_turns", "max_tool_response_tokens", "tool_response_trunca
 CORRECTION_THRESHOLDS = {"none": (), "token_tis": ("correction_token_cap",), "seq_tis": ("correction_seq_cap",),
                          "seq_mask": ("correction_seq_cap",), "icepop": ("icepop_low", "icepop_high")}
 """`rollout.correction` mode -> the `rollout` thresholds it reads (`astrai.algos.correction_weights`)."""
-ALL_CORRECTION_THRESHOLDS = ("correction_token_cap", "correction_seq_cap", "icepop_low", "icepop_high")
+ALL_CORRECTION_THRESHOLDS = tuple(dict.fromkeys(f for fields in CORRECTION_THRESHOLDS.values() for f in fields))
+"""Every threshold some built-in correction reads, in `CORRECTION_THRESHOLDS`' order."""
 ENVIRONMENT_FIELDS = ("environment_field", "environment_workers", "environment_timeout_seconds")
 """The `rollout` fields read only with `rollout.environment` (`environment_field` only when it routes rows)."""
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}

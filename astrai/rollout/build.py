@@ -163,8 +163,9 @@ def check_rollout_engine(config, model_config, device: torch.device) -> None:
         device = generation_devices(config, device)[0]
         check_generation_cpus(config, device)
     options = _engine_options(config)
-    if _check_tensor_parallel(config) > 1:
-        options["tensor_parallel_size"] = config.tensor_parallel_size
+    size = _check_tensor_parallel(config)
+    if size > 1:
+        options["tensor_parallel_size"] = size
     model_config = upcycled_config(model_config, config.model)  # upcycled at start-up: the engine's copy too
     _check_capacity(config)
     with _naming_the_backend_field():

@@ -298,8 +298,10 @@ class RolloutLearner:
                                                            with_entropy=self.log_entropy, routes=micro.routes)
             if weigh_here:
                 micro = self.correction.in_update(micro, logprobs)
+            if first and (weigh_here or self.correction is None):  # the trainer's log-probs against the engine's
+                engine = micro.rollout_logprobs if weigh_here else micro.old_logprobs
                 pad = (0, width - mask.shape[1])
-                seen.append(tuple(F.pad(x, pad) for x in (micro.old_logprobs, micro.rollout_logprobs * mask, mask)))
+                seen.append(tuple(F.pad(x, pad) for x in (logprobs.detach(), engine, mask)))
             loss, metrics = objective(logprobs, micro, num_units)
             if term is not None:
                 loss = loss + term.to(loss.dtype)
@@ -310,9 +312,6 @@ class RolloutLearner:
             if entropy is not None:
                 metrics["policy/entropy"] = aggregate_loss(entropy.detach(), mask, loss_agg_mode=shares,
                                                            num_units=num_units)
-            if first and self.correction is None:
-                pad = (0, width - mask.shape[1])
-                seen.append(tuple(F.pad(x, pad) for x in (logprobs.detach(), micro.old_logprobs, mask)))
             return loss, metrics
 
         metrics = trainer.accumulate_and_step(self.policy, minibatch.micro_batches(self.micro_batch_size), loss_fn,
@@ -320,12 +319,10 @@ class RolloutLearner:
                                                                              self.loss_agg_mode))
         if first:  # the gap is only meaningful before the rollout's first update
             self.replay.metrics["rollout/logprob_gap"] = metrics["rollout/logprob_gap"]
-            if seen and weigh_here:  # the correction's and mismatch metrics over the rollout, as a rescore gives
-                mismatch = self._max_over_ranks(self.correction.weigh(*(torch.cat(parts) for parts in zip(*seen)))[1])
-                self.replay.metrics.update(mismatch)
-                metrics.update(mismatch)
-            elif seen:
-                mismatch = self._max_over_ranks(mismatch_metrics(*(torch.cat(parts) for parts in zip(*seen))))
+            if seen:  # weighed here: the correction's and mismatch metrics over the rollout, as a rescore gives
+                trainer_engine_mask = [torch.cat(parts) for parts in zip(*seen)]
+                mismatch = self._max_over_ranks(self.correction.weigh(*trainer_engine_mask)[1] if weigh_here
+                                                else mismatch_metrics(*trainer_engine_mask))
                 self.replay.metrics.update(mismatch)  # repeated on the rollout's later minibatches
                 metrics.update(mismatch)
         metrics["rollout/logprob_gap"] = self.replay.metrics["rollout/logprob_gap"]
