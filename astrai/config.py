@@ -920,7 +920,8 @@ def ignored_settings(config: Config) -> list[str]:
     offline grpo those and ``batch_size`` / ``temperature``, rm none), and the correction thresholds
     (`CORRECTION_THRESHOLDS`) that ``rollout.correction`` does not use, the ``data`` fields naming another train
     type's record columns (`TrainType.data_fields`), ``data.packing`` where the train type does not pack and
-    ``data.max_length`` where it samples its responses. Each name once; empty when there are none."""
+    ``data.max_length`` where it samples its responses, and the held-out set (`HELD_OUT_FIELDS`) without
+    ``train.eval_steps``. Each name once; empty when there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -951,6 +952,8 @@ def ignored_settings(config: Config) -> list[str]:
         names.append("data.packing")
     if spec.online and data.max_length != default_data.max_length:  # their rows: prompt cap + response budget
         names.append("data.max_length")
+    if not config.train.eval_steps:  # the held-out set of the in-training evaluation; astrai.evaluate takes --data
+        names += [f"data.{f}" for f in HELD_OUT_FIELDS if getattr(data, f) != getattr(default_data, f)]
     thresholds = CORRECTION_THRESHOLDS.get(rollout.correction)  # None: a registered mode of its own reads them all
     if thresholds is not None:
         names += [f"rollout.{f}" for f in ALL_CORRECTION_THRESHOLDS
@@ -988,6 +991,11 @@ def why_ignored(config: Config, name: str) -> str:
     if name == "data.max_length":
         return (f"train.type {kind} samples its responses: its rows are data.max_prompt_length + "
                 "rollout.max_new_tokens tokens long")
+    if field in HELD_OUT_FIELDS and name.startswith("data."):
+        if kind == "rm":
+            return "train.type rm trains a reward model and evaluates no answers; its pairs' accuracy is rm/accuracy"
+        return ("read only by the in-training evaluation, with train.eval_steps > 0; python -m astrai.evaluate "
+                "takes --data")
     if name == "data.packing":
         packers = " and ".join(t.name for t in train_types.all_train_types() if t.packs)
         return f"read only by the train types that pack: {packers}"
@@ -1033,6 +1041,8 @@ CORRECTION_THRESHOLDS = {"none": (), "token_tis": ("correction_token_cap",), "se
 """`rollout.correction` mode -> the `rollout` thresholds it reads (`astrai.algos.correction_weights`)."""
 ALL_CORRECTION_THRESHOLDS = tuple(dict.fromkeys(f for fields in CORRECTION_THRESHOLDS.values() for f in fields))
 """Every threshold some built-in correction reads, in `CORRECTION_THRESHOLDS`' order."""
+HELD_OUT_FIELDS = ("eval_path", "eval_limit")
+"""The `data` fields of the in-training evaluation's held-out set, read only with `train.eval_steps` > 0."""
 ENVIRONMENT_FIELDS = ("environment_field", "environment_workers", "environment_timeout_seconds")
 """The `rollout` fields read only with `rollout.environment` (`environment_field` only when it routes rows)."""
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}

@@ -220,3 +220,22 @@ def test_data_columns_and_packing_of_other_train_types_are_said_to_have_no_effec
                       ("grpo", ["--data.responses_field", "r", "--data.rewards_field", "s",
                                 "--data.logprobs_field", "l"])):
         assert ignored_settings(load_config(None, ["--train.type", kind, *own])) == [], kind
+
+
+def test_a_held_out_set_without_eval_steps_is_said_to_have_no_effect():
+    """`data.eval_path` (and `data.eval_limit`) with `train.eval_steps` 0 were accepted and read by nothing: no
+    evaluation ran, and `python -m astrai.evaluate` takes its questions from `--data`. They are listed now, on every
+    train type, with the setting that reads them; with eval_steps they are read."""
+    from astrai.config import ignored_settings, why_ignored
+
+    held_out = ["--data.eval_path", "builtin:arithmetic_test", "--data.eval_limit", "5"]
+    for kind in ("online_grpo", "online_ppo", "grpo", "sft", "dpo", "seq", "rm"):
+        config = load_config(None, ["--train.type", kind, *held_out])
+        assert ignored_settings(config) == ["data.eval_path", "data.eval_limit"], kind
+        assert why_ignored(config, "data.eval_path") == why_ignored(config, "data.eval_limit") == (
+            "train.type rm trains a reward model and evaluates no answers; its pairs' accuracy is rm/accuracy"
+            if kind == "rm" else "read only by the in-training evaluation, with "
+            "train.eval_steps > 0; python -m astrai.evaluate takes --data"), kind
+    assert ignored_settings(load_config(None, ["--train.type", "sft", *held_out[:2]])) == ["data.eval_path"]
+    assert ignored_settings(load_config(None, ["--train.type", "online_grpo", *held_out, "--train.eval_steps",
+                                               "2"])) == []
