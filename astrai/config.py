@@ -921,7 +921,10 @@ def ignored_settings(config: Config) -> list[str]:
     (`CORRECTION_THRESHOLDS`) that ``rollout.correction`` does not use, the ``data`` fields naming another train
     type's record columns (`TrainType.data_fields`), ``data.packing`` where the train type does not pack and
     ``data.max_length`` where it samples its responses, and the held-out set (`HELD_OUT_FIELDS`) without
-    ``train.eval_steps``. Each name once; empty when there are none."""
+    ``train.eval_steps``, and the fields read only beside a setting the job lacks (the critic's learning rate, the
+    decay share of another schedule, the MoE options without experts, the reward model's options without it or on
+    a job that scores nothing, every reward field and ``data.answer_field`` on rm). Each name once; empty when
+    there are none."""
     spec = train_types.get(config.train.type)
     sections = dict.fromkeys(t.section for t in train_types.all_train_types() if t.section is not None)
     names = []
@@ -954,6 +957,7 @@ def ignored_settings(config: Config) -> list[str]:
         names.append("data.max_length")
     if not config.train.eval_steps:  # the held-out set of the in-training evaluation; astrai.evaluate takes --data
         names += [f"data.{f}" for f in HELD_OUT_FIELDS if getattr(data, f) != getattr(default_data, f)]
+    names += [name for name in _unread_companions(config, spec) if _is_set(config, name)]
     thresholds = CORRECTION_THRESHOLDS.get(rollout.correction)  # None: a registered mode of its own reads them all
     if thresholds is not None:
         names += [f"rollout.{f}" for f in ALL_CORRECTION_THRESHOLDS
@@ -976,6 +980,31 @@ def ignored_settings(config: Config) -> list[str]:
     return sorted(dict.fromkeys(names), key=order.__getitem__)
 
 
+def _is_set(config: Config, name: str) -> bool:
+    """Whether ``section.field`` `name` differs from its default."""
+    section, _, field = name.partition(".")
+    return getattr(getattr(config, section), field) != getattr(SECTIONS[section](), field)
+
+
+def _unread_companions(config: Config, spec) -> list[str]:
+    """The fields read only beside another setting that this job lacks (`spec`: its `TrainType`): the critic's
+    learning rate without a critic, ``optim.decay_ratio`` under another schedule, the MoE options without
+    ``model.moe_num_experts``, the reward model's options without ``reward.model_path``, the reward model on a train
+    type that samples nothing, and every reward field and the reference answers on rm. Set or not."""
+    names = [] if spec.models_held(config).critic else ["optim.critic_learning_rate"]
+    if config.optim.lr_scheduler_type != "warmup_stable_decay":
+        names.append("optim.decay_ratio")
+    if not config.model.moe_num_experts:
+        names += [f"model.{f}" for f in MOE_OPTION_FIELDS]
+    if spec.name == "rm":  # it trains the scorer; nothing of the job is scored
+        names += [f"reward.{f.name}" for f in dataclasses.fields(RewardSection)] + ["data.answer_field"]
+    elif not spec.online:  # the evaluations score with the functions alone
+        names += [f"reward.{f}" for f in REWARD_MODEL_FIELDS]
+    elif not config.reward.model_path:
+        names += [f"reward.{f}" for f in REWARD_MODEL_FIELDS[1:]]
+    return names
+
+
 def why_ignored(config: Config, name: str) -> str:
     """Why setting `name` (one of `ignored_settings(config)`) has no effect on this job, as a phrase."""
     field = name.partition(".")[2]
@@ -991,6 +1020,21 @@ def why_ignored(config: Config, name: str) -> str:
     if name == "data.max_length":
         return (f"train.type {kind} samples its responses: its rows are data.max_prompt_length + "
                 "rollout.max_new_tokens tokens long")
+    if kind == "rm" and (name.startswith("reward.") or name == "data.answer_field"):
+        return "train.type rm trains a reward model and scores no answers"
+    if name.startswith("reward.") and field in REWARD_MODEL_FIELDS and not train_types.get(kind).online:
+        return f"train.type {kind} samples no rollouts to score; its evaluations leave the reward model out"
+    if name.startswith("reward.") and field in REWARD_MODEL_FIELDS:
+        return "read only with reward.model_path"
+    if name == "optim.critic_learning_rate":
+        critics = " and ".join(t.name for t in train_types.all_train_types() if t.models_held(config).critic)
+        return f"read only by the critic of a train type that has one: {critics}"
+    if name == "optim.decay_ratio":
+        return ("read only with optim.lr_scheduler_type warmup_stable_decay; this job's is "
+                f"{config.optim.lr_scheduler_type}")
+    if name.startswith("model.") and field in MOE_OPTION_FIELDS:
+        return ("read only with model.moe_num_experts > 0 (sparse upcycling of a dense model; an MoE checkpoint keeps "
+                "its own settings)")
     if field in HELD_OUT_FIELDS and name.startswith("data."):
         if kind == "rm":
             return "train.type rm trains a reward model and evaluates no answers; its pairs' accuracy is rm/accuracy"
@@ -1041,6 +1085,10 @@ CORRECTION_THRESHOLDS = {"none": (), "token_tis": ("correction_token_cap",), "se
 """`rollout.correction` mode -> the `rollout` thresholds it reads (`astrai.algos.correction_weights`)."""
 ALL_CORRECTION_THRESHOLDS = tuple(dict.fromkeys(f for fields in CORRECTION_THRESHOLDS.values() for f in fields))
 """Every threshold some built-in correction reads, in `CORRECTION_THRESHOLDS`' order."""
+MOE_OPTION_FIELDS = ("moe_top_k", "moe_num_shared_experts", "moe_aux_loss_coef")
+"""The `model` fields of sparse upcycling beside `moe_num_experts`, read only when it is > 0."""
+REWARD_MODEL_FIELDS = ("model_path", "model_weight", "model_batch_size")
+"""The `reward` fields of the reward model (`model_path` first), read only by the online train types."""
 HELD_OUT_FIELDS = ("eval_path", "eval_limit")
 """The `data` fields of the in-training evaluation's held-out set, read only with `train.eval_steps` > 0."""
 ENVIRONMENT_FIELDS = ("environment_field", "environment_workers", "environment_timeout_seconds")

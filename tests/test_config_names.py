@@ -239,3 +239,53 @@ def test_a_held_out_set_without_eval_steps_is_said_to_have_no_effect():
     assert ignored_settings(load_config(None, ["--train.type", "sft", *held_out[:2]])) == ["data.eval_path"]
     assert ignored_settings(load_config(None, ["--train.type", "online_grpo", *held_out, "--train.eval_steps",
                                                "2"])) == []
+
+
+def test_settings_read_only_beside_another_setting_are_said_to_have_no_effect_without_it():
+    """Accepted and read by nothing (an audit of every field against every train type): the critic's learning rate
+    without a critic, `optim.decay_ratio` under another schedule, the MoE options without `model.moe_num_experts`
+    (nothing is upcycled; an MoE checkpoint keeps its own), the reward model's weight and batch size without
+    `reward.model_path`, the reward model on train types that sample nothing (their evaluations leave it out) and
+    every reward field and the answer column on rm, which scores no answers."""
+    from astrai.config import ignored_settings, why_ignored
+
+    cases = {
+        ("online_grpo", "optim.critic_learning_rate", "2e-5"): "read only by the critic of a train type that has one: "
+                                                              "online_ppo",
+        ("sft", "optim.critic_learning_rate", "2e-5"): "read only by the critic of a train type that has one: "
+                                                      "online_ppo",
+        ("sft", "optim.decay_ratio", "0.2"): "read only with optim.lr_scheduler_type warmup_stable_decay; this job's "
+                                            "is constant",
+        ("online_ppo", "model.moe_top_k", "1"): "read only with model.moe_num_experts > 0 (sparse upcycling of a "
+                                               "dense model; an MoE checkpoint keeps its own settings)",
+        ("dpo", "model.moe_aux_loss_coef", "0.1"): "read only with model.moe_num_experts > 0 (sparse upcycling of a "
+                                                  "dense model; an MoE checkpoint keeps its own settings)",
+        ("online_grpo", "reward.model_weight", "0.5"): "read only with reward.model_path",
+        ("online_ppo", "reward.model_batch_size", "3"): "read only with reward.model_path",
+        ("sft", "reward.model_path", "/nowhere"): "train.type sft samples no rollouts to score; its evaluations "
+                                                 "leave the reward model out",
+        ("grpo", "reward.model_path", "/nowhere"): "train.type grpo samples no rollouts to score; its evaluations "
+                                                  "leave the reward model out",
+        ("rm", "reward.num_workers", "2"): "train.type rm trains a reward model and scores no answers",
+        ("rm", "reward.name", "code_unit_tests"): "train.type rm trains a reward model and scores no answers",
+        ("rm", "data.answer_field", "solution"): "train.type rm trains a reward model and scores no answers",
+    }
+    for (kind, name, value), reason in cases.items():
+        config = load_config(None, ["--train.type", kind, f"--{name}", value])
+        assert ignored_settings(config) == [name], (kind, name)
+        assert why_ignored(config, name) == reason, (kind, name)
+    read = [("online_ppo", ["--optim.critic_learning_rate", "2e-5"]),
+            ("sft", ["--optim.lr_scheduler_type", "warmup_stable_decay", "--optim.decay_ratio", "0.2"]),
+            ("online_ppo", ["--model.moe_num_experts", "4", "--model.moe_top_k", "1", "--model.moe_aux_loss_coef",
+                            "0.1"]),
+            ("online_grpo", ["--reward.model_path", "/nowhere", "--reward.model_weight", "0.5",
+                             "--reward.model_batch_size", "3"]),
+            ("sft", ["--reward.num_workers", "2", "--reward.name", "code_unit_tests"]),
+            ("dpo", ["--reward.functions", '[{"function": "math_exact_match"}]'])]
+    for kind, extra in read:
+        assert ignored_settings(load_config(None, ["--train.type", kind, *extra])) == [], (kind, extra)
+    several = load_config(None, ["--train.type", "rm", "--reward.model_path", "/nowhere", "--reward.model_weight",
+                                 "0.5"])
+    assert ignored_settings(several) == ["reward.model_path", "reward.model_weight"]
+    assert {why_ignored(several, n) for n in ignored_settings(several)} == {
+        "train.type rm trains a reward model and scores no answers"}
