@@ -1033,8 +1033,8 @@ def why_ignored(config: Config, name: str) -> str:
         return ("read only with optim.lr_scheduler_type warmup_stable_decay; this job's is "
                 f"{config.optim.lr_scheduler_type}")
     if name.startswith("model.") and field in MOE_OPTION_FIELDS:
-        return ("read only with model.moe_num_experts > 0 (sparse upcycling of a dense model; an MoE checkpoint keeps "
-                "its own settings)")
+        return ("read only with model.moe_num_experts > 0, to upcycle a dense model; an MoE checkpoint keeps its own "
+                "settings")
     if field in HELD_OUT_FIELDS and name.startswith("data."):
         if kind == "rm":
             return "train.type rm trains a reward model and evaluates no answers; its pairs' accuracy is rm/accuracy"

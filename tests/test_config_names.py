@@ -256,10 +256,10 @@ def test_settings_read_only_beside_another_setting_are_said_to_have_no_effect_wi
                                                       "online_ppo",
         ("sft", "optim.decay_ratio", "0.2"): "read only with optim.lr_scheduler_type warmup_stable_decay; this job's "
                                             "is constant",
-        ("online_ppo", "model.moe_top_k", "1"): "read only with model.moe_num_experts > 0 (sparse upcycling of a "
-                                               "dense model; an MoE checkpoint keeps its own settings)",
-        ("dpo", "model.moe_aux_loss_coef", "0.1"): "read only with model.moe_num_experts > 0 (sparse upcycling of a "
-                                                  "dense model; an MoE checkpoint keeps its own settings)",
+        ("online_ppo", "model.moe_top_k", "1"): "read only with model.moe_num_experts > 0, to upcycle a "
+                                               "dense model; an MoE checkpoint keeps its own settings",
+        ("dpo", "model.moe_aux_loss_coef", "0.1"): "read only with model.moe_num_experts > 0, to upcycle a "
+                                                  "dense model; an MoE checkpoint keeps its own settings",
         ("online_grpo", "reward.model_weight", "0.5"): "read only with reward.model_path",
         ("online_ppo", "reward.model_batch_size", "3"): "read only with reward.model_path",
         ("sft", "reward.model_path", "/nowhere"): "train.type sft samples no rollouts to score; its evaluations "
