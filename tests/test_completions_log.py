@@ -337,3 +337,20 @@ def test_a_sample_continued_or_sampled_ahead_is_logged_with_the_oldest_version_t
                             scores=exp.scores, kl=None, rewards=None, advantages=torch.zeros(mask.shape),
                             returns=None, policy_version=6, responses=exp.responses, policy_versions=versions)
     assert [s["policy_version"] for s in completion_samples(exp, rollout, 3, str)] == [4, 2, 6]
+
+
+def test_a_resumed_jsonl_file_keeps_a_copy_when_it_drops_a_damaged_middle_line(tmp_path):
+    """A resume rewrote metrics.jsonl without a line that was not JSON in the middle of it, so what that line held
+    was gone (trial): the file as it was is kept beside it first, and the one line says where. A torn last line
+    alone (a crash while writing) is dropped without a copy, as before."""
+    path = tmp_path / "metrics.jsonl"
+    said = []
+    original = "\n".join([json.dumps({"step": 1}), "garbage{{", json.dumps({"step": 2}), json.dumps({"step": 3})])
+    path.write_text(original + "\n")
+    resumed = JsonlFile(path, resume_step=2, printer=said.append)
+    resumed.open()
+    resumed.close()
+    (kept,) = tmp_path.glob("metrics.*.jsonl")
+    assert kept.read_text() == original + "\n" and read_jsonl(path) == [{"step": 1}, {"step": 2}]
+    assert said == [f"{path}: skipped 1 line that is not one JSON object (line 2); the file as it was is kept as "
+                    f"{kept}"]

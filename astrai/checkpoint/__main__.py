@@ -5,9 +5,12 @@
                                     --require-critic, a part the checkpoint needs to resume is missing, e.g.
                                     an online_ppo checkpoint without its critic extras), 2 when DIR is not a
                                     checkpoint
-    latest OUTPUT_DIR               print the newest complete checkpoint; exit 1 when there is none
-    recover OUTPUT_DIR              clean up staging/retired/deleting dirs after a crash (run while no
-                                    training writes to OUTPUT_DIR); prints one line per action
+    latest OUTPUT_DIR               print the newest complete checkpoint; exit 1 when there is none (each
+                                    checkpoint skipped on the way said in a `warning:` line), 2 when
+                                    OUTPUT_DIR is not a directory
+    recover OUTPUT_DIR              clean up staging/retired/deleting dirs after a crash; prints one line per
+                                    action. It takes the job lock of OUTPUT_DIR (train.lock) first: while a
+                                    training job holds it, it refuses (exit 2) and deletes nothing
     export [--merge] DIR OUT        write DIR's model (a LoRA checkpoint: its adapters merged into the base
                                     model, which --merge states explicitly) as a new Hugging Face model
                                     directory OUT; exit 2 on bad input
@@ -19,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from pathlib import Path
 from typing import Sequence
 
-from astrai.checkpoint.layout import find_latest_checkpoint, mark_bad, recover
+from astrai.checkpoint.layout import CheckpointWarning, find_latest_checkpoint, mark_bad, recover
 from astrai.checkpoint.manifest import CheckpointError
 from astrai.checkpoint.verify import verify_checkpoint
 
@@ -52,8 +57,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad.add_argument("--reason", required=True, help="why (recorded in the manifest as 'bad')")
     args = parser.parse_args(argv)
     if args.command == "mark-bad":
-        from pathlib import Path
-
         try:
             mark_bad(Path(args.dir), args.reason)
         except CheckpointError as err:
@@ -68,8 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdict = {0: "OK", 1: "FAILED", 2: "NOT A CHECKPOINT"}[report.exit_code]
         print(f"{args.dir}: {verdict}", file=sys.stderr)
         return report.exit_code
+    if args.command in ("latest", "recover") and not Path(args.output_dir).is_dir():
+        print(f"error: {args.output_dir}: no such directory", file=sys.stderr)
+        return 2
     if args.command == "latest":
-        path = find_latest_checkpoint(args.output_dir, hashes=args.hashes)
+        with warnings.catch_warnings(record=True) as skipped:
+            warnings.simplefilter("always", CheckpointWarning)
+            path = find_latest_checkpoint(args.output_dir, hashes=args.hashes)
+        for warning in skipped:
+            print(f"warning: {warning.message}", file=sys.stderr)
         if path is None:
             print(f"no complete checkpoint under {args.output_dir}/checkpoints", file=sys.stderr)
             return 1
@@ -84,8 +94,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
             return 2
         return 0
-    for action in recover(args.output_dir):
-        print(action)
+    return _recover(Path(args.output_dir))
+
+
+def _recover(output_dir: Path) -> int:
+    """`recover` under the job lock of `output_dir` (`astrai.trainer.lock`), so it never deletes the staging
+    directory of a checkpoint a running job is writing."""
+    from astrai.outputs import OutputWriteError
+    from astrai.trainer.lock import OutputDirLock, OutputDirLocked
+
+    lock = OutputDirLock(output_dir)
+    try:
+        lock.acquire(None)
+    except (OutputDirLocked, OutputWriteError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        for action in recover(output_dir):
+            print(action)
+    finally:
+        lock.release()
     return 0
 
 

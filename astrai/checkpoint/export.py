@@ -14,10 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from safetensors.torch import save_file
-
-from astrai.checkpoint.fsutil import fsync_dir
-from astrai.checkpoint.parts import write_json
+from astrai.checkpoint.fsutil import fsync_dir, nearest_existing
+from astrai.checkpoint.parts import write_json, write_safetensors
 from astrai.checkpoint.manifest import GENERATION_CONFIG, PEFT_FILES, CheckpointError
 from astrai.models import hf_state_dict, load_pretrained
 from astrai.models.lora_merge import load_merged
@@ -30,7 +28,8 @@ def export_merged(checkpoint: str | Path, out: str | Path, *, base: Optional[str
     `adapter_config.json` names) to the new directory `out`; returns `out`.
 
     Raises:
-        CheckpointError: `out` exists, or `checkpoint` holds neither adapter nor model files (one line).
+        CheckpointError: `out` exists or lies under a file, or `checkpoint` holds neither adapter nor model files
+            (one line).
         FileNotFoundError / ValueError: from loading the base model or merging (one line).
     """
     src, out = Path(checkpoint), Path(out)
@@ -42,11 +41,15 @@ def export_merged(checkpoint: str | Path, out: str | Path, *, base: Optional[str
         model, tokenizer = load_pretrained(str(src))
     else:
         raise CheckpointError(f"export: {src} holds neither {PEFT_FILES[0]} nor model.safetensors")
+    blocker = nearest_existing(out.parent)
+    if blocker is not None and not blocker.is_dir():
+        raise CheckpointError(f"export: {blocker} is a file, not a directory; name an output directory whose "
+                              "parents are directories")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in hf_state_dict(model).items()},
-                  str(staging / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors({k: v.detach().cpu().contiguous() for k, v in hf_state_dict(model).items()},
+                          staging / "model.safetensors")
         write_json(staging / "config.json", model.config.to_hf_dict())
         write_json(staging / GENERATION_CONFIG, model.config.generation_config_dict())
         tokenizer.save(staging)

@@ -253,6 +253,28 @@ class LoadedCheckpoint:
         return states
 
 
+def check_model_files(path: str | Path) -> None:
+    """For a published checkpoint (a directory holding `manifest.json`) loaded as a model (`--model.path`,
+    `python -m astrai.evaluate --model`, `astrai.serve --checkpoint`, `astrai.checkpoint export`): every listed
+    file a model loader reads (all but the training state, `*.pt`) present with its size and sha256. A directory
+    without a manifest (a Hugging Face model directory) passes unchecked; a checkpoint marked bad is checked like
+    any other (loading one by its path stays possible).
+
+    Raises:
+        CheckpointError: one line naming the changed, truncated or missing files, or the unreadable manifest.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        return
+    model_files = {name: entry for name, entry in manifest["files"].items() if not name.endswith(".pt")}
+    bad = failed(check_files(path, dict(manifest, files=model_files), hashes=True))
+    if bad:
+        raise CheckpointError(f"{path}: checkpoint failed verification: "
+                              + "; ".join(f"{s.name}: {s.status} ({s.detail})" for s in bad)
+                              + f"; `python -m astrai.checkpoint verify {path}` lists every file")
+
+
 def load_checkpoint(path: str | Path, *, verify: bool = False, require_complete: bool = False) -> LoadedCheckpoint:
     """Open and validate a checkpoint directory.
 

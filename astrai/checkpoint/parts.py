@@ -137,16 +137,14 @@ def write_parts(directory: Path, parts: Mapping[str, Part], rank: int, *,
 def _write_part(directory: Path, name: str, part: Part, rank: int) -> list[str]:
     if part.kind == "hf_model":
         tensors = {k: v.detach().cpu().contiguous() for k, v in hf_state_dict(part.obj).items()}
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tensors, directory / "model.safetensors")
         del tensors
-        _use_default_mode(directory / "model.safetensors")
         write_json(directory / "config.json", part.obj.config.to_hf_dict())
         write_json(directory / GENERATION_CONFIG, part.obj.config.generation_config_dict())
         return [*HF_MODEL_FILES, GENERATION_CONFIG]
     if part.kind == "peft":
         tensors = {k: v.detach().cpu().contiguous() for k, v in part.obj.state_dict().items()}
-        save_file(tensors, str(directory / PEFT_FILES[0]), metadata={"format": "pt"})
-        _use_default_mode(directory / PEFT_FILES[0])
+        write_safetensors(tensors, directory / PEFT_FILES[0])
         write_json(directory / PEFT_FILES[1], part.obj.adapter_config())
         return list(PEFT_FILES)
     if part.kind == "hf_tokenizer":  # saved apart first: other ranks write into `directory` meanwhile
@@ -181,9 +179,12 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _use_default_mode(path: Path) -> None:
-    """Give `path` the permissions of a normally created file (0666 minus the umask): safetensors' `save_file`
-    creates 0600 files, unlike every other file of the checkpoint (unreadable to a shared cluster group)."""
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """`tensors` (contiguous CPU tensors) as the safetensors file `path` (metadata `format: pt`, as transformers
+    writes), with the permissions of a normally created file (0666 minus the umask): safetensors' `save_file`
+    creates 0600 files, unlike every other file a checkpoint or an export holds (unreadable to a shared cluster
+    group)."""
+    save_file(dict(tensors), str(path), metadata={"format": "pt"})
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)

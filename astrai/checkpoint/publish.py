@@ -36,7 +36,8 @@ from astrai.checkpoint import fsutil
 from astrai.checkpoint.fsutil import fsync_dir, remove_tree, sha256_file
 from astrai.checkpoint.layout import (CheckpointWarning, apply_retention, checkpoints_root, hidden_name,
                                      list_checkpoints, step_dirname)
-from astrai.checkpoint.manifest import HASH_THREADS, MANIFEST_NAME, CheckpointError, write_manifest
+from astrai.checkpoint.manifest import (HASH_THREADS, MANIFEST_NAME, CheckpointError, check_files, failed,
+                                        write_manifest)
 from astrai.checkpoint.parts import Part, check_parts, manifest_parts, write_parts
 from astrai.checkpoint.safety import (AGREED_ERRORS, CheckpointSpaceError, NonFiniteWeightsError, checkpoint_bytes,
                                       estimate_bytes, free_bytes, nonfinite_weights, out_of_space, space_error)
@@ -221,7 +222,8 @@ def _publish_rank0(root: Path, name: str, staging: Path, parts, fields: dict, *,
         if dist is not None and fields["world_size"] > 1:
             known.update(_collect_rank_parts(staging, fields["world_size"], timeout_s))
         fields["publish_id"] = _publish_id(staging)
-        write_manifest(staging, fields, known=known)
+        manifest = write_manifest(staging, fields, known=known)
+        _check_staged(staging, name, manifest, written=known)
         final = root / name
         _move_into_place(staging, final, root)
     except BaseException as exc:
@@ -236,6 +238,22 @@ def _publish_rank0(root: Path, name: str, staging: Path, parts, fields: dict, *,
         raise
     pool.shutdown()
     return final
+
+
+def _check_staged(staging: Path, name: str, manifest: dict, *, written: Mapping[str, dict]) -> None:
+    """Before the rename: every file written for the checkpoint (`written`: rank 0's and the collected ranks')
+    is listed in `manifest` and still in `staging` with its size (another process deleting the staging
+    directory meanwhile, e.g. a `recover` beside the running job, must not publish a checkpoint without them).
+
+    Raises:
+        CheckpointError: one line naming the files that vanished.
+    """
+    gone = sorted(set(written) - set(manifest["files"]))
+    gone += [s.name for s in failed(check_files(staging, manifest, hashes=False))]
+    if gone:
+        raise CheckpointError(f"checkpoint {name}: {', '.join(sorted(set(gone))[:5])} vanished from its staging "
+                              f"directory {staging} while it was written (another process deleted it?); nothing "
+                              "was published")
 
 
 def _tree_bytes(path: Path) -> int:

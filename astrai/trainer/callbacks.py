@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from astrai.checkpoint.fsutil import write_atomic
 from astrai.outputs import OutputWriteError, skipped_lines
 from astrai.trainer.loop import Callback
 
@@ -90,7 +91,8 @@ class JsonlFile:
     `open()` prepares what an earlier run left there: a fresh run (`resume_step` None) keeps an existing file under a
     timestamped name (`<stem>.<YYYYmmdd-HHMMSS>.jsonl`, never overwritten); a resumed run drops the records of steps
     after the resumed checkpoint (they are about to be redone) and torn (crash-truncated) lines, said once, rewriting
-    the file atomically. The file is then opened for appending; each record is one line written whole (`os.write`
+    the file atomically (a line that is not JSON before the last one is not a crash's: the file as it was is kept
+    under a timestamped name first). The file is then opened for appending; each record is one line written whole (`os.write`
     until all of it is written); `flush()` fsyncs it.
 
     A write that fails (a full disk, a file-size limit, a read-only filesystem) cuts the file back to its last whole
@@ -134,19 +136,21 @@ class JsonlFile:
     def _prepare_existing(self) -> None:
         """Keep (fresh run) or cut back to the resumed step (resumed run) the file an earlier run left."""
         if self.resume_step is None:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            kept = self.path.with_name(f"{self.path.stem}.{stamp}{self.path.suffix}")
-            count = 1
-            while kept.exists():  # two fresh starts within a second
-                kept, count = self.path.with_name(f"{self.path.stem}.{stamp}-{count}{self.path.suffix}"), count + 1
+            kept = self._kept_name()
             os.replace(self.path, kept)
             self.printer(f"kept the previous run's {self.path.stem} as {kept}")
             return
-        raw = self.path.read_bytes().split(b"\n")
+        data = self.path.read_bytes()
+        raw = data.split(b"\n")
         steps = [(number, line, _record_step(line)) for number, line in enumerate(raw, start=1) if line.strip()]
         bad = [number for number, _, step in steps if step is None]
         if bad:
-            self.printer(skipped_lines(self.path, bad, last=steps[-1][0]))
+            said = skipped_lines(self.path, bad, last=steps[-1][0])
+            if bad != [steps[-1][0]]:  # more than a torn last line: what the others held stays readable
+                kept = self._kept_name()
+                write_atomic(kept, data)
+                said += f"; the file as it was is kept as {kept}"
+            self.printer(said)
         lines = [line for _, line, step in steps if step is not None and step <= self.resume_step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
@@ -155,6 +159,15 @@ class JsonlFile:
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
+
+    def _kept_name(self) -> Path:
+        """A new `<stem>.<YYYYmmdd-HHMMSS>[-N].jsonl` beside the file (never an existing one)."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        kept = self.path.with_name(f"{self.path.stem}.{stamp}{self.path.suffix}")
+        count = 1
+        while kept.exists():  # two fresh starts within a second
+            kept, count = self.path.with_name(f"{self.path.stem}.{stamp}-{count}{self.path.suffix}"), count + 1
+        return kept
 
     def write(self, record: dict) -> None:
         """Append one record (one line, written whole). A file whose write failed takes no more (no-op).

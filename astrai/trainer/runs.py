@@ -31,7 +31,7 @@ from typing import Optional
 
 from astrai.checkpoint import CheckpointError, checkpoints_root, find_latest_checkpoint, list_checkpoints, parse_step
 from astrai.checkpoint.fsutil import write_atomic
-from astrai.checkpoint.layout import run_id_of
+from astrai.checkpoint.layout import is_complete, run_id_of
 from astrai.trainer.resume import resolve_resume
 
 __all__ = ["RUN_FILE", "new_run_id", "current_run_id", "launch_id", "resolve_run", "record_run"]
@@ -120,8 +120,9 @@ def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -
     and says so.
 
     Raises:
-        CheckpointError: a fresh start in a directory holding checkpoints without `overwrite`, or a
-            `resume` path that is not a directory.
+        CheckpointError: a fresh start in a directory holding checkpoints without `overwrite`, a `resume` path
+            that is not a directory, or `resume auto` finding only damaged checkpoints that may be the run's
+            (`_refuse_damaged`).
     """
     output_dir = Path(output_dir)
     again = restarted(output_dir) if dist is None or dist.is_main else False
@@ -144,8 +145,36 @@ def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -
         resume_from = find_latest_checkpoint(output_dir)
     else:
         resume_from = resolve_resume(resume, output_dir, run_id=current)
+    if resume == "auto" and resume_from is None:
+        _refuse_damaged(output_dir, current)
     run_id = (run_id_of(resume_from) if resume_from is not None else None) or current or new_run_id()
     return resume_from, (dist.broadcast_object(run_id) if dist is not None else run_id)
+
+
+def _refuse_damaged(output_dir: Path, run_id: Optional[str]) -> None:
+    """`resume auto` found no checkpoint to continue: refuse when the directory holds damaged ones that may be the
+    run's own (missing or resized files, an unreadable manifest; of run `run_id`, or of an unknown run), instead of
+    starting the run afresh beside them. Checkpoints marked bad (`python -m astrai.checkpoint mark-bad`), those of
+    other runs and legacy ones without a manifest are left out, as `resume auto` skips them.
+
+    Raises:
+        CheckpointError: one line naming the damaged checkpoints (the first three, with why) and the ways out.
+    """
+    damaged = []
+    for path in reversed(_step_dirs(output_dir)):
+        ok, reason = is_complete(path, step=parse_step(path.name))
+        if ok or reason == "legacy" or reason.startswith("marked bad"):
+            continue
+        owner = run_id_of(path)
+        if owner is None or run_id is None or owner == run_id:
+            damaged.append(f"{path.name} ({' '.join(reason.split())})")
+    if damaged:
+        shown = "; ".join(damaged[:3]) + ("; ..." if len(damaged) > 3 else "")
+        raise CheckpointError(
+            f"checkpoint.resume auto: {output_dir} holds no intact checkpoint of run {run_id or '?'}, only "
+            f"{len(damaged)} damaged: {shown}; `python -m astrai.checkpoint verify DIR` says what is wrong with one, "
+            "`mark-bad DIR` makes resume auto skip it, --checkpoint.resume DIR resumes a repaired one, or "
+            "--checkpoint.resume none --overwrite_output_dir true starts a new run beside them")
 
 
 def record_run(output_dir: str | Path, run_id: str, *, resume_from: Optional[Path], resume: str, dist) -> None:
