@@ -210,7 +210,9 @@ class DataSection(Section, name="data"):
 
 @dataclass
 class RewardSection(Section, name="reward"):
-    name: str = field_spec("math_exact_match", "the built-in reward used when reward.functions is empty")
+    name: Optional[str] = field_spec(None, "the single built-in reward (null: math_exact_match, unless "
+                                           "reward.functions, reward.model_path or an environment's get_reward "
+                                           "score the job)")
     functions: list[RewardFunction] = field_spec(
         [], "reward functions, each {function: 'package.module:name' or a built-in name, weight (1), name, path "
             "(a .py file holding it), kwargs}: called as fn(prompts, completions, **columns) (TRL's convention), "
@@ -863,10 +865,10 @@ class Config:
         if self.data.mixture and self.data.path != DataSection().path:
             raise ConfigError(f"data.mixture: set together with data.path {self.data.path!r}; the mixture replaces "
                               "data.path, so set only one of them")
-        if self.reward.model_path and not self.reward.functions and self.reward.name != RewardSection().name:
+        if self.reward.model_path and not self.reward.functions and self.reward.name is not None:
             raise ConfigError(f"reward.name: {self.reward.name!r} with reward.model_path: to add a built-in to the "
                               f"reward model's score, list it in reward.functions ({{function: {self.reward.name}}})")
-        if self.reward.functions and self.reward.name != RewardSection().name:
+        if self.reward.functions and self.reward.name is not None:
             raise ConfigError(f"reward.name: {self.reward.name!r} is set together with reward.functions; list it "
                               f"there instead ({{function: {self.reward.name}}})")
         names = [f.name or f.function.rpartition(":")[2] for f in self.reward.functions]

@@ -776,7 +776,7 @@ def test_an_environment_with_get_reward_is_the_whole_reward_when_the_job_sets_no
 
 
 def test_a_job_that_sets_a_reward_keeps_it_beside_the_environments(long_model_dir, tmp_path):
-    """A job that sets its reward (reward.name another built-in, reward.functions or reward.model_path) keeps it,
+    """A job that sets its reward (reward.name, even the default's, reward.functions or reward.model_path) keeps it,
     the environment's reward added to it as before; a class without get_reward leaves the default built-in."""
     from astrai.config import config_from_dict
     from astrai.rewards.build import environment_is_the_reward, reward_specs
@@ -787,9 +787,13 @@ def test_a_job_that_sets_a_reward_keeps_it_beside_the_environments(long_model_di
     base = {"train": {"type": "online_grpo"}, "rollout": {"environment": env}}
     assert environment_is_the_reward(config_from_dict(base)) and reward_specs(config_from_dict(base)) == []
     for reward in ({"name": "code_unit_tests"}, {"functions": [{"function": "half", "path": "r.py"}]},
-                   {"model_path": str(tmp_path)}):
+                   {"model_path": str(tmp_path)}, {"name": "math_exact_match"}):
         config = config_from_dict({**base, "reward": reward})
         assert not environment_is_the_reward(config), reward
+    # the default built-in named explicitly is kept (it was dropped as if unset: trial); null is the unset value
+    named = reward_specs(config_from_dict({**base, "reward": {"name": "math_exact_match"}}))
+    assert [spec.function for spec in named] == ["math_exact_match"]
+    assert config_from_dict(base).reward.name is None
     plain = config_from_dict({**base, "rollout": {"environment": {"class": "Plain",
                                                                   "path": str(tmp_path / "plain.py")}}})
     assert not environment_is_the_reward(plain)  # no get_reward: the default built-in stays

@@ -106,3 +106,22 @@ def test_another_lora_is_refused_before_anything_loads(tiny_model_dir, chats, tm
             (line,) = capsys.readouterr().err.strip().splitlines()
             assert line.startswith(f"error: {run / 'checkpoints' / 'step-00000001'}: model.lora cannot change on "
                                    "resume (the checkpoint holds adapters of the run's rank"), line
+
+
+def test_an_older_runs_spelled_out_default_reward_is_no_change(tmp_path):
+    """reward.name became null when unset (an explicit math_exact_match beside an environment's get_reward is then
+    kept): a checkpoint written before, whose config.yaml spells the default out, resumed by a job that leaves it
+    unset lists no reward change; another built-in is still listed."""
+    from astrai.config import config_from_dict, config_to_dict, dump_config, load_config
+    from astrai.trainer.resume_changes import config_changes
+
+    config = load_config(None)
+    saved = config_from_dict(dict(config_to_dict(config), reward={"name": "math_exact_match"}))
+    (tmp_path / "config.yaml").write_text(dump_config(saved))
+    assert "name: math_exact_match" in (tmp_path / "config.yaml").read_text()
+    assert config_changes(tmp_path, load_config(None)) == []
+    assert config_changes(tmp_path, load_config(None, ["--reward.name", "math_exact_match"])) == []
+    (change,) = config_changes(tmp_path, load_config(None, ["--reward.name", "code_unit_tests"]))
+    assert (change.key, change.old, change.new) == ("reward.name", "math_exact_match", "code_unit_tests")
+    (tmp_path / "config.yaml").write_text(dump_config(load_config(None)))
+    assert config_changes(tmp_path, load_config(None)) == []

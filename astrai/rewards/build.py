@@ -32,11 +32,11 @@ def reward_specs(config) -> list[RewardFunctionSpec]:
 
 def environment_is_the_reward(config) -> bool:
     """Whether the job's reward is its environment's alone: `rollout.environment` is set, a class of it has
-    ``get_reward``, and the job sets no reward itself (`reward.name` left at its default, no `reward.functions`, no
+    ``get_reward``, and the job sets no reward itself (no `reward.name`, no `reward.functions`, no
     `reward.model_path`), so the default built-in is not added (docs/agents.md). A class that cannot be imported
     counts as without ``get_reward`` here (the environment's own loading refuses it in one line)."""
     r, environment = config.reward, getattr(getattr(config, "rollout", None), "environment", None)
-    if environment is None or r.functions or r.model_path or r.name != type(r)().name:
+    if environment is None or r.functions or r.model_path or r.name is not None:
         return False
     single = isinstance(environment, str) or "class" in environment or "path" in environment
     entries = [environment] if single else list(environment.values())

@@ -97,9 +97,9 @@ def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None
     `with_model` is False (the reward model is left out: then `reward.name` is the reward). A relative `path` is
     taken from `base_dir` (default: the working directory)."""
     base = Path.cwd() if base_dir is None else base_dir
+    single = single_reward_name(section)
     default = [] if with_model and getattr(section, "model_path", None) else [
-        SimpleNamespace(function=section.name, name=section.name, path=None, weight=1.0,
-                        kwargs=_single_reward_options(section))]
+        SimpleNamespace(function=single, name=single, path=None, weight=1.0, kwargs=_single_reward_options(section))]
     specs = []
     for i, entry in enumerate(section.functions or default):  # `astrai.config.RewardFunction` records
         kwargs = dict(entry.kwargs or {})
@@ -113,12 +113,21 @@ def resolve_specs(section, *, answer_field: Optional[str], base_dir: Path | None
     return specs
 
 
+DEFAULT_REWARD = "math_exact_match"
+"""The single built-in reward of a job that names none (`reward.name` null)."""
+
+
+def single_reward_name(section) -> str:
+    """The built-in of the single-reward form: `reward.name`, else `DEFAULT_REWARD`."""
+    return getattr(section, "name", None) or DEFAULT_REWARD
+
+
 def _single_reward_options(section) -> dict[str, float]:
     """The kwargs of the single-reward form (`reward.name`): `reward.format_bonus` and `reward.partial_credit`, each
     given when the built-in names it as a parameter (`math_exact_match`) or when it is set (non-zero: then a
     built-in without it is refused by name, instead of the setting being ignored)."""
     options = {"format_bonus": section.format_bonus, "partial_credit": section.partial_credit}
-    builtin = BUILTIN_REWARDS.get(section.name)
+    builtin = BUILTIN_REWARDS.get(single_reward_name(section))
     try:
         named = set(inspect.signature(builtin.load()).parameters) if builtin is not None else set()
     except (TypeError, ValueError):

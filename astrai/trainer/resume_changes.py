@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from astrai.config import canonical_value, config_to_dict
+from astrai.rewards.functions import DEFAULT_REWARD
 
 CONFIG_FILE = "config.yaml"
 NOT_COMPARED = ("checkpoint.resume", "train.overwrite_output_dir", "train.output_dir")
@@ -72,6 +73,8 @@ def config_changes(path: Path, config) -> Optional[list[Change]]:
     if not isinstance(saved, dict):
         return None
     old = {key: canonical_value(key, value) for key, value in _flat(saved).items()}  # older files: fewer keys
+    if old.get("reward.name") == DEFAULT_REWARD:  # written before reward.name became null when unset
+        old["reward.name"] = config.reward.name if config.reward.name is None else DEFAULT_REWARD
     return [Change(key, old[key], value) for key, value in _flat(config_to_dict(config)).items()
             if key in old and key not in NOT_COMPARED and old[key] != value]
 
