@@ -189,7 +189,7 @@ def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trai
         dist.peers = check_ranks_agree(dist, output_dir, hashlib.sha256(config_text.encode()).hexdigest())
     lock = _lock_output_dir(output_dir, dist)
     try:
-        trainer = _build(config, dist, output_dir, config_text, reporters, signals)
+        trainer = _build(config, dist, output_dir, config_text, reporters, signals, lock)
     except BaseException:
         lock.release()
         raise
@@ -222,14 +222,17 @@ def _lock_output_dir(output_dir: Path, dist) -> OutputDirLock:
     return lock
 
 
-def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, signals) -> Trainer:
-    """`build_trainer` once the directory is this job's: recovery, the run, the model, the learner, the resume and
-    the callbacks. Says once (rank 0) when prompts are raw text because the tokenizer has no chat template."""
+def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, signals,
+           lock: OutputDirLock) -> Trainer:
+    """`build_trainer` once the directory is this job's (`lock`, held by rank 0): recovery, the run (whose id the
+    lock then records), the model, the learner, the resume and the callbacks. Says once (rank 0) when prompts are
+    raw text because the tokenizer has no chat template."""
     if dist.is_main and checkpoints_root(output_dir).is_dir():
         recover(output_dir)
     dist.barrier()
     resume_from, run_id = resolve_run(config.checkpoint.resume, output_dir,
                                       overwrite=config.train.overwrite_output_dir, dist=dist)
+    lock.name_run(run_id)  # rank 0's record (other ranks hold nothing): a job refused now names the run
     if resume_from is not None:  # refused before anything loads (restore() checks again, with sha256 if asked)
         check_resume(resume_from, config=config, world_size=dist.world_size, strategy=dist.strategy)
     if train_types.get(config.train.type).reads_rollout("engine"):  # an unknown rollout.engine, before loading
