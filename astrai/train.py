@@ -18,7 +18,10 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    from astrai.config import ConfigError
 
 EXIT_BAD_INPUT = 2
 
@@ -211,7 +214,8 @@ def _where_to_resume(config) -> str:
 
 def _run(config) -> int:
     """Build and fit the trainer for a loaded `Config`; returns the exit code (`astrai.trainer.faults`: 0 done,
-    2 refused, 75 stopped by a signal after publishing a checkpoint, 124 a rank stopped answering)."""
+    2 refused, 75 stopped by a signal before the last step after publishing a checkpoint (a signal during the last
+    step: 0, the run is complete, said in one line), 124 a rank stopped answering)."""
     from astrai.distributed.context import end_process_group
     from astrai.trainer.build import build_trainer
     from astrai.outputs import OutputWriteError
@@ -265,7 +269,26 @@ def _run(config) -> int:
         else:
             print(f"done: {steps}, policy_version {state.policy_version}, "
                   f"{time.perf_counter() - start:.1f} s; outputs in {config.train.output_dir}")
+            late = state.signal_at_end or signals.received
+            if late is not None:
+                print(_late_signal_line(late, state, config))
     return EXIT_PREEMPTED if state.stopped_by is not None else 0
+
+
+def _late_signal_line(signal_name: str, state, config) -> str:
+    """The line of a run that a stop signal reached during its last step (or its final checkpoint) and that
+    completed anyway: the signal's handler promised exit code 75, the run ends with 0, since a finished run is not
+    to be resumed or requeued (`faults.StopSignals`)."""
+    from astrai.checkpoint import find_latest_checkpoint, parse_step
+    from astrai.trainer.faults import EXIT_PREEMPTED
+
+    latest = find_latest_checkpoint(config.train.output_dir, run_id=state.run_id)
+    saved = (f"its final checkpoint {latest} is published" if latest is not None and
+             parse_step(latest.name) == state.global_step else
+             "no final checkpoint was asked for (checkpoint.save_at_end false)")
+    return (f"{signal_name} received during the last step: the run completed it (step {state.global_step} of "
+            f"train.max_steps {state.max_steps}) and {saved}; exit code 0, not {EXIT_PREEMPTED}: the run is "
+            "complete, nothing to resume or requeue")
 
 
 def _agreed(err: BaseException) -> bool:

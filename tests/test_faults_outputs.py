@@ -175,6 +175,32 @@ def test_a_path_in_the_way_of_a_run_file_is_one_line(tiny_model_dir, chats, tmp_
     assert not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("where", ["output_dir", "ancestor", "checkpoints"])
+def test_a_symbolic_link_to_a_missing_path_is_refused_by_check_and_run_alike(tiny_model_dir, chats, tmp_path, capfd,
+                                                                           where):
+    """A user trial: `train.output_dir` a dangling link passed --check ("starts fresh in ...") and the run then
+    failed on train.lock with `File exists [Errno 17]`. Refused alike by both, in one line naming the link and its
+    missing target (exit 2), and nothing is created through it (its target is often an unmounted filesystem)."""
+    target = tmp_path / "nowhere"
+    link = tmp_path / "dangling"
+    link.symlink_to(target)
+    out = {"output_dir": link, "ancestor": link / "run"}.get(where, tmp_path / "run")
+    if where == "checkpoints":
+        out.mkdir()
+        link = out / "checkpoints"
+        link.symlink_to(target)
+    for check in (("--check",), ()):
+        assert main([*check, *sft_args(tiny_model_dir, out, chats, "--max_steps", 1)]) == 2
+        assert one_error_line(capfd.readouterr().err) == (
+            f"error: train.output_dir: {link} is a symbolic link to {target}, which does not exist; create it "
+            f"(mkdir -p {target}) or choose another --train.output_dir")
+        assert not target.exists() and link.is_symlink()
+    target.mkdir()  # the link's target created: the run goes through the link
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1)) == 0
+    written = {"output_dir": target / "checkpoints", "ancestor": target / "run" / "checkpoints"}.get(where, target)
+    assert (written / "step-00000001").is_dir()
+
+
 def test_the_lock_record_that_meets_a_full_disk_leaves_nothing_held(tmp_path, monkeypatch):
     from astrai.trainer import lock as lock_module
     from astrai.trainer.lock import OutputDirLock

@@ -59,6 +59,28 @@ def test_a_signal_stops_at_a_step_boundary_publishes_and_resumes_exactly(tiny_mo
     assert steps_of(split) == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("save_at_end", ["true", "false"])
+def test_a_signal_during_the_last_step_completes_the_run_and_says_so(tiny_model_dir, chats, tmp_path, monkeypatch,
+                                                                     capfd, save_at_end):
+    """A user trial: SIGTERM during the last optimizer step printed "... then exiting with code 75", then "done: 5
+    steps" and exited 0. The run finished its last step and publishes it (the signal's promise, even with
+    checkpoint.save_at_end false), so it is complete: exit 0 (a scheduler must not requeue it, as it would on 75)
+    with a line that says so, and nothing to resume."""
+    out = tmp_path / "run"
+    signal_at_step(monkeypatch, 3, signal.SIGTERM)
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 3, "--checkpoint.save_at_end", save_at_end)) == 0
+    monkeypatch.undo()
+    assert checkpoint_steps(out) == [3] and steps_of(out) == [1, 2, 3]
+    printed = capfd.readouterr()
+    assert "exiting with code 75 (0 when that step is the run's last: the run is then complete)" in printed.err
+    lines = printed.out.splitlines()
+    done = next(i for i, line in enumerate(lines) if line.startswith("done: 3 steps"))
+    assert lines[done + 1] == (f"SIGTERM received during the last step: the run completed it (step 3 of "
+                               f"train.max_steps 3) and its final checkpoint {out / 'checkpoints/step-00000003'} is "
+                               "published; exit code 0, not 75: the run is complete, nothing to resume or requeue")
+    assert "stopped by" not in printed.out
+
+
 def test_signals_during_the_save_change_nothing(tiny_model_dir, chats, tmp_path, monkeypatch, capfd):
     """Every part the preemption save writes is preceded by a burst of real SIGTERM, SIGINT and SIGUSR1: the save
     completes, the checkpoint verifies (sha256 of every file) and the run resumes exactly."""

@@ -1,11 +1,12 @@
 """Issue 28 part 7, resuming with a changed config: fields that cannot change are refused in one line; the others
 are applied and listed in one line (learning rates and the schedule over the restored optimizer state, max_steps,
-logging); a model.path elsewhere says which weights are used. Nothing changes silently."""
+logging); a model.path elsewhere says which weights are used, or is refused where the job builds its reference model (or
+LoRA base) from it. Nothing changes silently."""
 
 import json
 
 import pytest
-from fault_jobs import sft_args, write_chats
+from fault_jobs import REPO, sft_args, write_chats
 
 from astrai.train import main
 
@@ -107,6 +108,73 @@ def test_another_lora_is_refused_before_anything_loads(tiny_model_dir, chats, tm
             assert line.startswith(f"error: {run / 'checkpoints' / 'step-00000001'}: model.lora cannot change on "
                                    "resume (the checkpoint holds adapters of the run's rank"), line
 
+
+def grpo_args(model_dir, out, *extra):
+    """The grpo example on the tiny model, small (2 prompts x 4 responses of 4 tokens per step)."""
+    return ["--config", str(REPO / "configs/examples/grpo.yaml"), "--model.path", str(model_dir),
+            "--train.output_dir", str(out), "--rollout.batch_size", "2", "--grpo.minibatch_size", "4",
+            "--grpo.micro_batch_size", "4", "--rollout.max_new_tokens", "4", "--data.truncation", "left",
+            "--train.progress_bar", "false", *map(str, extra)]
+
+
+def test_another_model_path_is_refused_where_the_reference_is_built_from_it(tiny_model_dir, tmp_path, capsys):
+    """A user trial: resuming grpo (kl_coef 0.04) with another model.path rebuilt the KL reference from it (step 2's
+    rollout/kl 4e-10 vs 8e-4). The reference is the run's starting model: refused in one line (exit 2), at --check
+    too, before anything loads or is written."""
+    import shutil
+
+    copy = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, copy)
+    out = tmp_path / "run"
+    assert main(grpo_args(tiny_model_dir, out, "--max_steps", 1)) == 0
+    capsys.readouterr()
+    ckpt = out / "checkpoints" / "step-00000001"
+    metrics = (out / "metrics.jsonl").read_text()
+    # a job that reads no reference now is refused too: the run's checkpoint was written with one (the next resume
+    # would build it from the path this one records)
+    for extra in ((), ("--grpo.kl_coef", 0)):
+        for check in ((), ("--check",)):
+            assert main([*check, *grpo_args(copy, out, "--max_steps", 2, "--checkpoint.resume", "auto",
+                                            *extra)]) == 2
+            (line,) = capsys.readouterr().err.strip().splitlines()
+            assert line == (f"error: {ckpt}: model.path cannot change on resume of this online_grpo job (the "
+                            f"reference model is the run's starting model, loaded from it): the run used "
+                            f"{tiny_model_dir}, this job says {copy}; resume with --model.path {tiny_model_dir}, or "
+                            f"start a new run from its weights (--model.path {ckpt})")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
+    assert (out / "metrics.jsonl").read_text() == metrics
+
+
+def test_another_model_path_is_applied_where_no_reference_is_read(tiny_model_dir, tmp_path, capsys):
+    """grpo without a KL term on either side reads only the tokenizer from model.path: the resume goes on and says
+    that the weights come from the checkpoint."""
+    import shutil
+
+    copy = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, copy)
+    out = tmp_path / "run"
+    assert main(grpo_args(tiny_model_dir, out, "--max_steps", 1, "--grpo.kl_coef", 0)) == 0
+    capsys.readouterr()
+    assert main(grpo_args(copy, out, "--max_steps", 2, "--grpo.kl_coef", 0, "--checkpoint.resume", "auto")) == 0
+    (line,) = [p for p in capsys.readouterr().out.splitlines() if p.startswith("resume: ")]
+    assert f"model.path {tiny_model_dir} -> {copy}: the weights come from the checkpoint" in line
+
+
+def test_another_model_path_under_lora_is_refused(tiny_model_dir, chats, tmp_path, capsys):
+    """A LoRA checkpoint holds the adapters only: the base weights under them come from model.path."""
+    import shutil
+
+    copy = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, copy)
+    out = tmp_path / "run"
+    lora = ("--model.lora", "{r: 4, alpha: 8}")
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1, *lora)) == 0
+    capsys.readouterr()
+    assert main(sft_args(copy, out, chats, "--max_steps", 2, *lora, "--checkpoint.resume", "auto")) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {out / 'checkpoints' / 'step-00000001'}: model.path cannot change on resume of "
+                           "this sft job (the checkpoint holds LoRA adapters only: the base weights under them are "
+                           f"loaded from it): the run used {tiny_model_dir}, this job says {copy}; "), line
 
 def test_an_older_runs_spelled_out_default_reward_is_no_change(tmp_path):
     """reward.name became null when unset (an explicit math_exact_match beside an environment's get_reward is then

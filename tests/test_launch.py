@@ -37,7 +37,7 @@ case {tool} in
   scontrol) if [[ ${{1:-}} == show ]]; then printf 'node-a\nnode-b\n'; fi ;;
   torchrun)
     if [[ -n ${{FAKE_WAIT_USR1:-}} ]]; then  # a job that runs until SIGUSR1, then exits as a preempted job does
-      trap 'echo USR1 >"$d/signal"; exit 75' USR1
+      trap 'echo USR1 >"$d/signal"; exit "${{FAKE_USR1_RC:-75}}"' USR1
       touch "$d/ready"
       while :; do sleep 0.05; done
     fi ;;
@@ -326,9 +326,11 @@ def test_slurm_script_asks_for_the_preemption_signal_and_requeue():
     assert "#SBATCH --open-mode=append" in header  # a requeued job appends to its log
 
 
-def test_slurm_usr1_stops_the_ranks_and_requeues_the_job(fake, job):
+@pytest.mark.parametrize("rc", [75, 0])
+def test_slurm_usr1_stops_the_ranks_and_requeues_the_job(fake, job, rc):
     """Slurm's --signal=B:USR1 reaches the batch script: it passes SIGUSR1 through srun to torchrun, waits for the
-    job to end, and requeues it."""
+    job to end, and requeues it; not when the ranks exit 0 (the signal came during the last step, which completed
+    the run: a finished run is not requeued)."""
     import signal
     import time
 
@@ -337,7 +339,7 @@ def test_slurm_usr1_stops_the_ranks_and_requeues_the_job(fake, job):
     log.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAIN_", "SLURM_"))}
     env.update(SLURM_ENV, PATH=f"{fake.bin}:{os.environ['PATH']}", FAKE_LOG=str(log), TRAIN_CHECK="0",
-               FAKE_WAIT_USR1="1")
+               FAKE_WAIT_USR1="1", FAKE_USR1_RC=str(rc))
     proc = subprocess.Popen(["bash", str(LAUNCH / "slurm.sbatch"), str(job)], env=env, cwd=fake.dir,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -350,6 +352,10 @@ def test_slurm_usr1_stops_the_ranks_and_requeues_the_job(fake, job):
     (torchrun_dir,) = log.glob("*-torchrun")
     assert (torchrun_dir / "signal").read_text().strip() == "USR1"  # it reached the job through srun
     requeue = [d for d in sorted(log.iterdir()) if d.name.endswith("scontrol")][-1]
+    if rc == 0:
+        assert (requeue / "args").read_bytes().split(b"\0")[:-1] == [b"show", b"hostnames", b"node-[a-b]"]
+        assert "the ranks exited with 0: the run completed its last step, so job 4242 is not requeued" in err
+        return
     assert (requeue / "args").read_bytes().split(b"\0")[:-1] == [b"requeue", b"4242"]
     assert "requeued job 4242 (ranks exited with 75); it resumes from its latest checkpoint" in err
 

@@ -98,11 +98,35 @@ def check_job_step_sizes(config: Config, strategy: str, deepspeed_config, world_
                      max_grad_norm=config.optim.max_grad_norm, world_size=world_size)
 
 
+def _dangling_link(output_dir: Path, subdirs: tuple[str, ...]) -> Optional[Path]:
+    """The first symbolic link whose target does not exist among `output_dir`, its ancestors up to the nearest
+    existing one, and its `subdirs`; None when there is none."""
+    for place in (output_dir, *output_dir.parents):
+        if place.exists():
+            break
+        if place.is_symlink():
+            return place
+    return next((output_dir / sub for sub in subdirs
+                 if (output_dir / sub).is_symlink() and not (output_dir / sub).exists()), None)
+
+
 def checked_output_dir(path: str, subdirs: tuple[str, ...] = ()) -> Path:
     """`train.output_dir` as a Path, when it is a directory or can become one (its nearest existing ancestor is a
-    directory) and each of its `subdirs` the job writes into (e.g. "eval") is a directory or absent. Raises
-    NotADirectoryError naming the field and the file in the way."""
+    directory) and each of its `subdirs` the job writes into (e.g. "eval") is a directory or absent.
+
+    A symbolic link to a missing path on the way (the directory itself, an ancestor, or one of `subdirs`) is
+    refused rather than followed: `mkdir -p` cannot create a directory through it either, and its target is often
+    a filesystem that is not mounted, where creating it would write onto the one below.
+
+    Raises:
+        NotADirectoryError: one line naming the field and the file in the way, or the dangling link and its target.
+    """
     output_dir = Path(path)
+    link = _dangling_link(output_dir, (*subdirs, "checkpoints"))
+    if link is not None:
+        target = Path(link.parent, os.readlink(link))  # a relative target is relative to the link's directory
+        raise NotADirectoryError(f"train.output_dir: {link} is a symbolic link to {target}, which does not exist; "
+                                 f"create it (mkdir -p {target}) or choose another --train.output_dir")
     for sub in subdirs:
         if (output_dir / sub).exists() and not (output_dir / sub).is_dir():
             raise NotADirectoryError(f"train.output_dir: {output_dir / sub} is a file, not a directory (the job "
@@ -165,7 +189,7 @@ def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trai
         dist.peers = check_ranks_agree(dist, output_dir, hashlib.sha256(config_text.encode()).hexdigest())
     lock = _lock_output_dir(output_dir, dist)
     try:
-        trainer = _build(config, dist, output_dir, config_text, reporters, signals)
+        trainer = _build(config, dist, output_dir, config_text, reporters, signals, lock)
     except BaseException:
         lock.release()
         raise
@@ -198,14 +222,17 @@ def _lock_output_dir(output_dir: Path, dist) -> OutputDirLock:
     return lock
 
 
-def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, signals) -> Trainer:
-    """`build_trainer` once the directory is this job's: recovery, the run, the model, the learner, the resume and
-    the callbacks. Says once (rank 0) when prompts are raw text because the tokenizer has no chat template."""
+def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, signals,
+           lock: OutputDirLock) -> Trainer:
+    """`build_trainer` once the directory is this job's (`lock`, held by rank 0): recovery, the run (whose id the
+    lock then records), the model, the learner, the resume and the callbacks. Says once (rank 0) when prompts are
+    raw text because the tokenizer has no chat template."""
     if dist.is_main and checkpoints_root(output_dir).is_dir():
         recover(output_dir)
     dist.barrier()
     resume_from, run_id = resolve_run(config.checkpoint.resume, output_dir,
                                       overwrite=config.train.overwrite_output_dir, dist=dist)
+    lock.name_run(run_id)  # rank 0's record (other ranks hold nothing): a job refused now names the run
     if resume_from is not None:  # refused before anything loads (restore() checks again, with sha256 if asked)
         check_resume(resume_from, config=config, world_size=dist.world_size, strategy=dist.strategy)
     if train_types.get(config.train.type).reads_rollout("engine"):  # an unknown rollout.engine, before loading

@@ -389,7 +389,7 @@ class ProgressBar(Callback):
 class CheckpointCallback(Callback):
     """Publishes a checkpoint every `save_steps` steps (0: never by steps), when the step boundary says one is due by
     time (`checkpoint.save_minutes`, `trainer.boundary.save_due`), when a signal or `train.max_minutes` stops the run
-    early, and at the end when `save_at_end`.
+    early or a signal arrives during the last step (`TrainerState.signal_at_end`), and at the end when `save_at_end`.
 
     Args:
         save: called with the trainer; does the publishing (`astrai.checkpoint`).
@@ -425,7 +425,7 @@ class CheckpointCallback(Callback):
 
     def on_train_end(self, trainer) -> None:
         step = trainer.state.global_step
-        early = trainer.state.stopped_by or trainer.state.out_of_time
+        early = trainer.state.stopped_by or trainer.state.out_of_time or trainer.state.signal_at_end  # as promised
         if (self.save_at_end or early) and self._last_saved != step and step > 0:
             self._publish(trainer)
 

@@ -4,16 +4,18 @@ A signal only sets a flag (`StopSignals`): SIGTERM (Slurm preemption, Kubernetes
 Ctrl-C or a SIGTERM it received), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's `--signal=USR1@N` before the time limit).
 The flag is read at the next optimizer-step boundary of the loop (`StepBoundary.agree`), where one all-reduce (max)
 over the ranks of [stop requested, checkpoint due] makes every rank take the same decision at the same step: every
-rank then publishes the same step and the job exits with `EXIT_PREEMPTED`. Further signals change nothing (the flag
-is already set): a save in progress finishes; SIGKILL still kills at once, and the publish protocol then leaves the
+rank then publishes the same step and the job exits with `EXIT_PREEMPTED`, unless that step was the run's last
+(`max_steps`): the run is then complete, publishes its final checkpoint and exits 0 (a scheduler must not requeue a
+finished run), saying so in one line (`TrainerState.signal_at_end`). Further signals change nothing (the flag is
+already set): a save in progress finishes; SIGKILL still kills at once, and the publish protocol then leaves the
 previous checkpoint visible (`astrai.checkpoint.publish`).
 
 Exit codes (docs/launch.md): 0 done; 1 an unexpected error (a traceback); `EXIT_REFUSED` (2) the job cannot go on
 as configured: bad input, no space for a checkpoint, a file the job writes that cannot be written (a full disk for
 metrics.jsonl: `OutputWriteError`), `train.output_dir` locked by another job, ranks that disagree, non-finite
-training; `EXIT_PREEMPTED` (75, sysexits' EX_TEMPFAIL: "try again later") stopped by a signal after
-publishing a checkpoint, resume to continue; `EXIT_TIMEOUT` (124, as coreutils' `timeout`) a rank stopped answering
-within `distributed.timeout_seconds`.
+training; `EXIT_PREEMPTED` (75, sysexits' EX_TEMPFAIL: "try again later") stopped by a signal before its last
+step after publishing a checkpoint, resume to continue; `EXIT_TIMEOUT` (124, as coreutils' `timeout`) a rank
+stopped answering within `distributed.timeout_seconds`.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class StopSignals:
             self.received = name
             note = (f"rank {self.rank}: {name} received: stopping at the end of this optimizer step (a step still "
                     f"scoring its rewards is abandoned), publishing a checkpoint, then exiting with code "
-                    f"{EXIT_PREEMPTED}\n")
+                    f"{EXIT_PREEMPTED} (0 when that step is the run's last: the run is then complete)\n")
         else:
             note = (f"rank {self.rank}: {name} received again: already stopping (a checkpoint being written is "
                     "finished; SIGKILL ends the job at once and keeps the previous checkpoint)\n")

@@ -1,6 +1,7 @@
 """One job per output directory: rank 0 holds an exclusive `fcntl.flock` on `<output_dir>/train.lock` for the run.
 
-The lock file says who holds it, as JSON: host, pid, run id and start time. A second job that finds the lock held
+The lock file says who holds it, as JSON: host, pid, run id (written once the run is resolved, right after the lock
+is taken: `OutputDirLock.name_run`) and start time. A second job that finds the lock held
 refuses in one line naming the holder (`OutputDirLocked`, exit code 2), before it touches the directory (the crash
 recovery of `checkpoint.recover`, which deletes staging directories, runs after the lock is taken). The kernel drops
 the lock when the holding process ends, however it ends, so a job killed with SIGKILL leaves no lock behind: its
@@ -47,11 +48,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _describe(holder: dict) -> str:
-    """"run R (pid P on host H, since T)" from a lock record."""
+    """"run R (pid P on host H, since T)" from a lock record; "a job (pid ...)" while the holder has not resolved
+    its run yet (the record names it from `OutputDirLock.name_run` on)."""
     since = holder.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
-    return (f"run {holder.get('run_id') or '?'} (pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, "
-            f"since {when})")
+    run_id = holder.get("run_id")
+    who = f"run {run_id}" if run_id else "a job"
+    return f"{who} (pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, since {when})"
 
 
 def _read(path: Path) -> dict:
@@ -60,6 +63,19 @@ def _read(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
+
+
+def _write_record(fd: int, record: dict) -> None:
+    """Replace the lock file's content with `record` (one JSON line), fsynced.
+
+    Raises:
+        OSError: a write failed (after a short write the next one says why: ENOSPC, EFBIG ...).
+    """
+    data, written = (json.dumps(record) + "\n").encode(), 0
+    os.ftruncate(fd, 0)
+    while written < len(data):
+        written += os.pwrite(fd, data[written:], written)
+    os.fsync(fd)
 
 
 class OutputDirLock:
@@ -72,6 +88,7 @@ class OutputDirLock:
     def __init__(self, output_dir: str | os.PathLike):
         self.path = Path(output_dir) / LOCK_NAME
         self._fd: Optional[int] = None
+        self._record: dict = {}
         self.previous: dict = {}
 
     def acquire(self, run_id: Optional[str]) -> Optional[str]:
@@ -99,13 +116,9 @@ class OutputDirLock:
             raise OutputWriteError.of(self.path, err) from None
         _HELD[key] = (fd, self)
         self._fd = fd
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id, "started": time.time()}
+        self._record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id, "started": time.time()}
         try:
-            os.ftruncate(fd, 0)
-            data, written = (json.dumps(record) + "\n").encode(), 0
-            while written < len(data):  # after a short write the next one says why (ENOSPC, EFBIG ...)
-                written += os.pwrite(fd, data[written:], written)
-            os.fsync(fd)
+            _write_record(fd, self._record)
         except OSError as err:
             try:
                 os.ftruncate(fd, 0)  # no torn record for the next job to read
@@ -117,6 +130,23 @@ class OutputDirLock:
             return (f"train.lock: the previous job in {self.path.parent}, {_describe(self.previous)}, ended without "
                     "releasing its lock (killed or crashed); this job takes over")
         return None
+
+    def name_run(self, run_id: str) -> None:
+        """Record `run_id` in the held lock (known only once the run is resolved, after the lock is taken: the
+        crash recovery it protects runs first), so that a job refused meanwhile names the run. Best effort: the
+        record only informs, so a write that fails (a full disk) puts the previous record back whole and the job
+        goes on. A no-op when the lock is not held."""
+        if self._fd is None or self._record.get("run_id") == run_id:
+            return
+        previous, self._record = self._record, {**self._record, "run_id": run_id}
+        try:
+            _write_record(self._fd, self._record)
+        except OSError:
+            self._record = previous
+            try:
+                _write_record(self._fd, previous)
+            except OSError:
+                pass
 
     def _lock_file(self) -> int:
         """Open and flock the lock file; retried when the file that was locked is no longer the one at the path (a

@@ -55,6 +55,9 @@ class TrainerState:
         skipped_steps: optimizer steps (of any trained model) skipped for a non-finite loss or gradient norm.
         stopped_by: the signal that stopped the run before `max_steps` ("SIGTERM" ...), else None (not restored).
         out_of_time: `train.max_minutes` ended the run before `max_steps` (not restored).
+        signal_at_end: a stop signal the ranks agreed on after the step that reached `max_steps` (it arrived while
+            the last step trained): the run is complete, its final checkpoint is published as for a stop, and it
+            ends as done (exit code 0: nothing to resume or requeue) rather than stopped; else None (not restored).
     """
 
     global_step: int = 0
@@ -65,6 +68,7 @@ class TrainerState:
     skipped_steps: int = 0
     stopped_by: Optional[str] = None
     out_of_time: bool = False
+    signal_at_end: Optional[str] = None
 
     def state_dict(self) -> dict:
         """JSON-serialisable copy of the counters (written to trainer_state.json)."""
@@ -212,7 +216,8 @@ class Trainer:
         """Run the loop to `max_steps`, or until a stop signal (`boundary`: agreed by every rank after a step, again
         after the step's callbacks when they ran long (an evaluation), and once before the first) or, after a step,
         the boundary's time limit (`train.max_minutes`, counted from here);
-        returns the final state (`stopped_by` names the signal, `out_of_time` says the time ran out). Callbacks
+        returns the final state (`stopped_by` names the signal, `out_of_time` says the time ran out,
+        `signal_at_end` names a signal that came during the last step, which still completed the run). Callbacks
         receive each step's metrics averaged over ranks (`mean_over_ranks`), plus `policy_version` and
         `train/skipped_steps`. A file a callback cannot write (`faults.OutputWriteError`: metrics.jsonl on a full
         disk ...) stops every rank together, after that hook's callbacks (`agree_faults`).
@@ -264,6 +269,8 @@ class Trainer:
                     self.state.stopped_by = self.boundary.signals.received or "a signal on another rank"
                 else:
                     self.state.out_of_time = True
+            elif stop and self.boundary.stop:  # during the last step: the run is complete all the same
+                self.state.signal_at_end = self.boundary.signals.received or "a signal on another rank"
         except RemoteEngineError as err:  # this rank's generation process died: one line, not a traceback
             self._abort()
             raise GenerationProcessFault(str(err)) from None

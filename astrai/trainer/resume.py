@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 from astrai import train_types
 from astrai.checkpoint import CheckpointError, Part, find_latest_checkpoint, load_checkpoint
 from astrai.distributed.launch import RESHARDABLE
-from astrai.trainer.resume_changes import config_changes, refusal
+from astrai.trainer.resume_changes import config_changes, model_path_refusal, refusal
 
 
 def resolve_resume(resume: str, output_dir: str | Path, *, run_id: Optional[str] = None) -> Optional[Path]:
@@ -41,14 +41,16 @@ def check_resume(path: Path, *, config, world_size: int, strategy: Optional[str]
     train type against the job's (`config.train.type`), the engine that wrote it, a world size the engine's state
     cannot be resharded to, and the train type's own rule (`TrainType.resume_problem`, e.g. the critic's size).
     Then the job config against the checkpoint's config.yaml: a field that cannot change on resume
-    (`resume_changes.FIXED`: the seed, the data, the MoE layout) is refused. Cheap with `verify=False` (file
-    presence and sizes), so the job refuses before it loads or builds anything.
+    (`resume_changes.FIXED`: the seed, the data, the MoE layout) is refused, and so is another `model.path` where
+    the job builds a reference model or LoRA's base weights from it (`resume_changes.model_path_refusal`). Cheap
+    with `verify=False` (file presence and sizes), so the job refuses before it loads or builds anything.
 
     Returns: the `LoadedCheckpoint`.
     Raises:
         CheckpointError: one line: another train type; another `distributed.strategy` than `strategy` (the
             engines keep optimizer state in different layouts); ZeRO partitions of another world size; the train
-            type's own refusal (e.g. a critic of another number of layers); a changed field that cannot change.
+            type's own refusal (e.g. a critic of another number of layers); a changed field that cannot change; a
+            changed `model.path` the job would build its reference model (or LoRA base) from.
     """
     train_type = config.train.type
     ckpt = load_checkpoint(path, verify=verify)
@@ -67,7 +69,8 @@ def check_resume(path: Path, *, config, world_size: int, strategy: Optional[str]
     problem = train_types.get(train_type).resume_problem(ckpt.manifest or {}, config)
     if problem is not None:
         raise CheckpointError(f"{path}: {problem}")
-    fixed = refusal(config_changes(path, config), path)
+    changes = config_changes(path, config)
+    fixed = refusal(changes, path) or model_path_refusal(changes, path, config)
     if fixed is not None:
         raise CheckpointError(fixed)
     return ckpt

@@ -10,7 +10,10 @@ that wrote it), field by field:
   optim.learning_rate 0.001 -> 0.0005 (applied to the schedule from step 3), train.max_steps 4 -> 6". Learning
   rates, schedule shape and length and AdamW's weight decay, betas and epsilon are applied over the restored optimizer
   state by `ConfiguredSchedule` (the optimizer's saved parameter groups would otherwise bring back the old values);
-- `model.path` pointing elsewhere than the run's is said apart: the weights come from the checkpoint.
+- `model.path` pointing elsewhere than the run's is refused where the job builds more than the tokenizer from it
+  (`model_path_refusal`): a reference model (a KL term, dpo), which is the run's starting model (TRL's and verl's
+  rule too), or, with `model.lora`, the base weights under the checkpoint's adapters; otherwise it is said apart:
+  the weights come from the checkpoint.
 
 Fields that only say how this launch runs (`checkpoint.resume`, `train.overwrite_output_dir`, `train.output_dir`)
 are not compared. A field the checkpoint's config does not know (written by an older astrai) is not compared.
@@ -25,7 +28,8 @@ from typing import Any, Mapping, Optional
 import torch
 import yaml
 
-from astrai.config import canonical_value, config_to_dict
+from astrai import train_types
+from astrai.config import ConfigError, canonical_value, config_from_dict, config_to_dict
 from astrai.rewards.functions import DEFAULT_REWARD
 
 CONFIG_FILE = "config.yaml"
@@ -96,6 +100,59 @@ def refusal(changes: Optional[list[Change]], path: Path) -> Optional[str]:
                     f"{_fmt(change.old)}, this job says {_fmt(change.new)}; resume with --{change.key} "
                     f"{_fmt(change.old)}, or start a new run from its weights (--model.path {path})")
     return None
+
+
+def _same_directory(old: Any, new: Any) -> bool:
+    """Whether two `model.path` values name the same existing directory from here (`./m` and `/abs/m`)."""
+    try:
+        return Path(str(old)).is_dir() and Path(str(old)).resolve() == Path(str(new)).resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def built_from_model_path(config) -> Optional[str]:
+    """What the job `config` builds from `model.path` besides its tokenizer when it resumes (in words, for a
+    refusal), or None when nothing: with `model.lora` the base weights (the checkpoint holds the adapters only),
+    else the frozen reference model of its train type (`TrainType.models_held`: a KL term, dpo's reference), which
+    the teacher of `distill.teacher` replaces. The critic of online_ppo is warm-started from the policy only on a
+    fresh start: a resume restores it from the checkpoint."""
+    if config.model.lora:
+        return "the checkpoint holds LoRA adapters only: the base weights under them are loaded from it"
+    if not config.distill.distills and train_types.get(config.train.type).models_held(config).reference:
+        return "the reference model is the run's starting model, loaded from it"
+    return None
+
+
+def _saved_config(config, changes: list[Change]):
+    """The checkpoint's job: `config` with the `changes` put back to their old values (None when that is not a
+    valid config, e.g. written by another astrai)."""
+    data = config_to_dict(config)
+    for change in changes:
+        section, _, name = change.key.partition(".")
+        data[section][name] = change.old
+    try:
+        return config_from_dict(data)
+    except (ConfigError, ValueError, TypeError, KeyError):
+        return None
+
+
+def model_path_refusal(changes: Optional[list[Change]], path: Path, config) -> Optional[str]:
+    """One line refusing a changed `model.path` where the job `config`, or the run that wrote the checkpoint,
+    builds more than its tokenizer from it (`built_from_model_path`: a reference model, LoRA's base weights): the
+    reference stays the run's starting model even across a resume that does not read it (`grpo.kl_coef` 0 for a
+    while), since the next resume builds it from the `model.path` that resume recorded. None: no change, the same
+    directory spelt otherwise, or only the tokenizer read on both sides (`describe` then says the weights come
+    from the checkpoint)."""
+    change = next((c for c in changes or () if c.key == "model.path"), None)
+    if change is None or _same_directory(change.old, change.new):
+        return None
+    saved = _saved_config(config, changes)
+    why = built_from_model_path(config) or (built_from_model_path(saved) if saved is not None else None)
+    if why is None:
+        return None
+    return (f"{path}: model.path cannot change on resume of this {config.train.type} job ({why}): the run used "
+            f"{_fmt(change.old)}, this job says {_fmt(change.new)}; resume with --model.path {_fmt(change.old)}, "
+            f"or start a new run from its weights (--model.path {path})")
 
 
 def describe(changes: Optional[list[Change]], path: Path, step: int) -> Optional[str]:
