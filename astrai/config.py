@@ -938,6 +938,8 @@ def ignored_settings(config: Config) -> list[str]:
     default, rollout = RolloutSection(), config.rollout
     if not rollout.tools and rollout.environment is None:  # the episode caps, without episodes
         names += [f"rollout.{f}" for f in EPISODE_FIELDS if getattr(rollout, f) != getattr(default, f)]
+    elif not rollout.tools:  # an environment alone: its methods run in its own workers, under its own timeout
+        names += [f"rollout.{f}" for f in TOOL_EXECUTOR_FIELDS if getattr(rollout, f) != getattr(default, f)]
     if rollout.tools and rollout.tool_workers == 0 and rollout.tool_timeout_seconds != default.tool_timeout_seconds:
         names.append("rollout.tool_timeout_seconds")
     if (rollout.environment is not None and rollout.environment_workers == 0
@@ -1056,6 +1058,9 @@ def why_ignored(config: Config, name: str) -> str:
         return "read only with rollout.tool_workers > 0 (calls in the trainer's process have no timeout)"
     if name == "rollout.environment_timeout_seconds" and config.rollout.environment is not None:
         return "read only with rollout.environment_workers > 0 (calls in the trainer's process have no timeout)"
+    if name.startswith("rollout.") and field in TOOL_EXECUTOR_FIELDS and config.rollout.environment is not None:
+        return ("read only with rollout.tools (the environment's methods run in its rollout.environment_workers, "
+                "under rollout.environment_timeout_seconds)")
     if name.startswith("rollout.") and field in EPISODE_FIELDS:
         return "read only with rollout.tools or rollout.environment"
     if name == "rollout.environment_field" and config.rollout.environment is not None:
@@ -1082,6 +1087,8 @@ ONLINE_UNREAD_TRAIN_FIELDS = ("per_device_train_batch_size", "gradient_accumulat
 EPISODE_FIELDS = ("max_turns", "max_tool_response_tokens", "tool_response_truncation", "max_parallel_tool_calls",
                   "tool_workers", "tool_timeout_seconds")
 """The `rollout` fields that shape multi-turn episodes, read only with `rollout.tools` or `rollout.environment`."""
+TOOL_EXECUTOR_FIELDS = ("tool_workers", "tool_timeout_seconds")
+"""The `EPISODE_FIELDS` of the executor of `rollout.tools`, unread by an environment's own methods."""
 CORRECTION_THRESHOLDS = {"none": (), "token_tis": ("correction_token_cap",), "seq_tis": ("correction_seq_cap",),
                          "seq_mask": ("correction_seq_cap",), "icepop": ("icepop_low", "icepop_high")}
 """`rollout.correction` mode -> the `rollout` thresholds it reads (`astrai.algos.correction_weights`)."""

@@ -289,3 +289,19 @@ def test_settings_read_only_beside_another_setting_are_said_to_have_no_effect_wi
     assert ignored_settings(several) == ["reward.model_path", "reward.model_weight"]
     assert {why_ignored(several, n) for n in ignored_settings(several)} == {
         "train.type rm trains a reward model and scores no answers"}
+
+
+def test_tool_executor_settings_beside_an_environment_alone_are_said_to_have_no_effect():
+    """rollout.tool_workers / tool_timeout_seconds with rollout.environment and no rollout.tools were accepted
+    silently (trial): the environment's methods run in its own workers under its own timeout."""
+    from astrai.config import ignored_settings, why_ignored
+
+    env = ["--train.type", "online_grpo", "--rollout.environment", "{class: Game, path: e.py}"]
+    config = load_config(None, env + ["--rollout.tool_workers", "3", "--rollout.tool_timeout_seconds", "9",
+                                      "--rollout.max_turns", "4"])
+    assert ignored_settings(config) == ["rollout.tool_workers", "rollout.tool_timeout_seconds"]
+    assert why_ignored(config, "rollout.tool_workers") == (
+        "read only with rollout.tools (the environment's methods run in its rollout.environment_workers, under "
+        "rollout.environment_timeout_seconds)")
+    tools = ["--rollout.tools", "[{function: calculator, path: t.py}]", "--rollout.tool_workers", "3"]
+    assert ignored_settings(load_config(None, env + tools)) == []

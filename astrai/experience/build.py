@@ -28,7 +28,8 @@ from astrai.rollout.engine import GenerationEngine
 from astrai.rollout.sampling import SamplingParams
 
 __all__ = ["agreed_scoring", "build_online_experience", "build_episode_player", "build_episode_runner",
-           "load_job_environment", "load_job_tools", "sampling_params", "uncorrected_dtype_mismatch"]
+           "load_job_environment", "load_job_tools", "sampling_params", "unanswered_tool_calls",
+           "uncorrected_dtype_mismatch"]
 
 
 def sampling_params(config, model_config, tokenizer) -> SamplingParams:
@@ -194,9 +195,9 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
     if sampling.truncates and dist.is_main:  # said once, not by every rank
         warnings.warn("rollout.top_k/top_p truncate the sampled distribution: the trainer scores the "
                       "untruncated one, so importance ratios are biased (docs/conventions.md section 2)")
-    mismatch = uncorrected_dtype_mismatch(config)
-    if mismatch and dist.is_main:
-        warnings.warn(mismatch)
+    for said in (uncorrected_dtype_mismatch(config), unanswered_tool_calls(config)):
+        if said and dist.is_main:
+            warnings.warn(said)
     prompts = load_online_prompts(config, tokenizer, main=dist.is_main)
     should_stop = getattr(dist, "stop_requested", lambda: False)
     any_rank = ((lambda flag: bool(dist.all_reduce_max(torch.tensor([float(flag)], device=dist.device)).item()))
@@ -227,6 +228,16 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
 
 MIXED_PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 """The compute dtype of each `train.mixed_precision` mode other than "no"."""
+
+
+def unanswered_tool_calls(config) -> Optional[str]:
+    """The start-up warning for a job with `rollout.tools` whose `rollout.max_turns` is 1: each episode ends at its
+    first response, so a tool call in it is never run and its result never read (the tools only reach the prompt);
+    else None."""
+    if config.rollout.tools and config.rollout.max_turns == 1:
+        return ("rollout.max_turns 1 with rollout.tools: each episode ends at its first response, so no tool call "
+                "is ever run or its result read (the tools only reach the prompt); set rollout.max_turns >= 2")
+    return None
 
 
 def uncorrected_dtype_mismatch(config) -> Optional[str]:

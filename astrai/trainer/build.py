@@ -34,7 +34,8 @@ from astrai.rollout.engine import engine_factory
 from astrai.trainer.callbacks import (CheckpointCallback, CompletionsLogger, ExperienceEnd, MetricsLogger,
                                       ProgressBar, StepTimer)
 from astrai.trainer.evaluation_callback import build_evaluation, load_eval_records
-from astrai.experience.build import load_job_environment, load_job_tools, uncorrected_dtype_mismatch
+from astrai.experience.build import (load_job_environment, load_job_tools, unanswered_tool_calls,
+                                    uncorrected_dtype_mismatch)
 from astrai.rewards.build import build_rewards
 from astrai.rollout.build import check_rollout_engine
 from astrai.rollout.remote import RemoteEngineError
@@ -418,9 +419,9 @@ def check_job(config: Config, *, world_size: int) -> str:
     check_teacher_routes(config, data)  # distill.teachers: every row has a teacher
     if spec.online:  # the engine's settings on the run's device, and every reward function loaded and matched
         check_rollout_engine(config, policy.config, device)
-        mismatch = uncorrected_dtype_mismatch(config)
-        if mismatch:  # said by --check as by the run
-            warnings.warn(mismatch)
+        for said in (uncorrected_dtype_mismatch(config), unanswered_tool_calls(config)):
+            if said:  # said by --check as by the run
+                warnings.warn(said)
         build_rewards(config, data, num_workers=0).close()
         tools = load_job_tools(config, tokenizer, policy.config)[0] if config.rollout.tools else []
         if config.rollout.environment is not None:  # classes imported and checked against the data and the tools
