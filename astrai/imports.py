@@ -48,8 +48,8 @@ def load_attribute(reference: str, path: Optional[Union[str, Path]] = None) -> A
     `path` (absolute, or from the working directory) loaded under its private module name.
 
     Raises:
-        ImportFailure: a malformed reference, a missing file, an import that fails (its exception's type and one-line
-            text), or no such attribute.
+        ImportFailure: a malformed reference, a missing file, a directory or a file that is not `.py`, an import
+            that fails (its exception's type and one-line text), or no such attribute.
     """
     parts = split_reference(reference, path)
     if parts is None:
@@ -60,8 +60,12 @@ def load_attribute(reference: str, path: Optional[Union[str, Path]] = None) -> A
         if path is not None:
             file = Path(path).expanduser().resolve()
             where = str(file)
+            if file.is_dir():
+                raise ImportFailure(f"path {file}: a directory; expected a .py file")
             if not file.is_file():
                 raise ImportFailure(f"path {file}: file not found")
+            if file.suffix != ".py":
+                raise ImportFailure(f"path {file}: expected a .py file, got a {file.suffix or 'suffixless'} file")
             module = _load_file(file)
         else:
             module = importlib.import_module(module_name)

@@ -104,3 +104,19 @@ def test_evaluate_refuses_an_unknown_device_in_one_line(tiny_model_dir, tmp_path
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.strip() == (
         "error: --device: expected auto, cpu, cuda or cuda:N, got 'gpu'"), out.stderr
+
+
+def test_a_user_code_path_that_is_no_python_file_is_named_as_such(tmp_path):
+    """A tool / reward / environment `path:` naming a YAML file failed with "AttributeError: 'NoneType' object has no
+    attribute 'loader'", a directory with "file not found" (trial): both now say a .py file is expected."""
+    from astrai.imports import ImportFailure, load_attribute
+
+    (tmp_path / "job.yaml").write_text("train: {}\n")
+    with pytest.raises(ImportFailure, match=r"^path .*job.yaml: expected a .py file, got a .yaml file$"):
+        load_attribute("raising", tmp_path / "job.yaml")
+    with pytest.raises(ImportFailure, match=r"^path .*: a directory; expected a .py file$"):
+        load_attribute("raising", tmp_path)
+    with pytest.raises(ImportFailure, match=r"^path .*nope.py: file not found$"):
+        load_attribute("raising", tmp_path / "nope.py")
+    (tmp_path / "tools.py").write_text("def raising():\n    raise ValueError\n")
+    assert callable(load_attribute("raising", tmp_path / "tools.py"))
