@@ -18,4 +18,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    import warnings
+
+    from astrai.outputs import show_warning
+
+    warnings.showwarning = show_warning  # "warning: MESSAGE" in one line, as python -m astrai.train says them
     sys.exit(main())

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 __all__ = ["EXIT_REFUSED", "OutputWriteError", "os_error_cause", "cannot_write", "read_jsonl", "skipped_lines",
-           "warn_line"]
+           "warn_line", "TRACEBACK_HEADER", "show_warning"]
 
 EXIT_REFUSED = 2
 """The exit code of a job that cannot go on as configured (`astrai.trainer.faults.EXIT_REFUSED`)."""
@@ -70,6 +70,23 @@ def os_error_cause(err: BaseException) -> str:
 def cannot_write(path: str | os.PathLike, err: BaseException) -> str:
     """The one line of a failed write: "cannot write PATH: CAUSE [Errno N]"."""
     return f"cannot write {path}: {os_error_cause(err)}"
+
+
+TRACEBACK_HEADER = "\nTraceback (most recent call last):"
+"""Where a warning's text turns into a traceback (a reward function's first failure): printed line by line."""
+
+
+def show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+    """`warnings.showwarning` of astrai's command lines (`python -m astrai.train`, `astrai.evaluate`, `astrai.serve`,
+    `astrai.plot`, `astrai.checkpoint`): "warning: MESSAGE", one line, without the file, line number and source
+    line of the code that warned (astrai's own code, which says nothing to a user); a traceback that ends the
+    message (a user's reward code failing) keeps its lines below it. Written through `tqdm.write`, so a warning met
+    while a progress bar is drawn starts on its own line, not after the bar."""
+    from tqdm import tqdm  # tqdm.write: a progress bar on the terminal is cleared first and redrawn below
+
+    text, header, trace = str(message).partition(TRACEBACK_HEADER)
+    tqdm.write(f"warning: {' '.join(text.split())}" + (f"{header}{trace.rstrip()}" if header else ""),
+               file=file or sys.stderr)
 
 
 def warn_line(line: str) -> None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
+from astrai.outputs import show_warning as _show_warning  # the command line's (set in __main__ below)
+
 if TYPE_CHECKING:
     from astrai.config import ConfigError
 
@@ -464,22 +466,6 @@ class _CallableModule(types.ModuleType):
 
     def __call__(self, config=None, **kwargs):
         return fit(config, **kwargs)
-
-
-TRACEBACK_HEADER = "\nTraceback (most recent call last):"
-"""Where a warning's text turns into a traceback (a reward function's first failure): printed line by line."""
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
-    """`warnings.showwarning` of the command line: "warning: MESSAGE", one line, without the file, line number and
-    source line of the code that warned (astrai's own code, which says nothing to a user); a traceback that ends
-    the message (a user's reward code failing) keeps its lines below it. Written through `tqdm.write`, so a warning
-    met while the step bar is drawn starts on its own line, not after the bar."""
-    from tqdm import tqdm  # tqdm.write: a progress bar on the terminal is cleared first and redrawn below
-
-    text, header, trace = str(message).partition(TRACEBACK_HEADER)
-    tqdm.write(f"warning: {' '.join(text.split())}" + (f"{header}{trace.rstrip()}" if header else ""),
-               file=file or sys.stderr)
 
 
 if __name__ == "__main__":

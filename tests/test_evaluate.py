@@ -306,3 +306,23 @@ def test_demonstrations_bad_input_exits_2(tiny_model_dir, tmp_path, capsys, extr
     err = capsys.readouterr().err.strip()
     assert code == 2 and needle.replace("{tmp}", str(tmp_path)) in err and len(err.splitlines()) == 1, err
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == kept  # nothing written, nothing changed
+
+
+def test_the_command_line_says_a_warning_in_one_line(tiny_model_dir, tmp_path):
+    """`python -m astrai.evaluate` printed its warnings as Python does (the file and line of astrai's code that
+    warned, then that source line: trial); every astrai command line now prints `warning: MESSAGE`, as
+    `python -m astrai.train` does."""
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "see the worked solution"}) + "\n")
+    result = subprocess.run([sys.executable, "-m", "astrai.evaluate", "--model", str(tiny_model_dir), "--data",
+                             str(data), "--max_new_tokens", "2", "--output_dir", str(tmp_path / "eval")],
+                            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "no final number" in line]
+    assert lines == [f"warning: {data}: 1 of 1 answers ('answer') have no final number ('#### N' or a bare number), "
+                     "so math_exact_match scores every response to them 0 (rows 1)"], result.stderr
+    assert ".py:" not in result.stderr

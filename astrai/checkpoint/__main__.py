@@ -118,4 +118,7 @@ def _recover(output_dir: Path) -> int:
 
 
 if __name__ == "__main__":
+    from astrai.outputs import show_warning
+
+    warnings.showwarning = show_warning  # "warning: MESSAGE" in one line, as python -m astrai.train says them
     sys.exit(main())

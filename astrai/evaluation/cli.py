@@ -415,4 +415,7 @@ def main(argv: Optional[Sequence[str]] = None, make_player: Optional[Callable] =
 
 
 if __name__ == "__main__":
+    from astrai.outputs import show_warning
+
+    warnings.showwarning = show_warning  # "warning: MESSAGE" in one line, as python -m astrai.train says them
     sys.exit(main())
