@@ -21,6 +21,7 @@ two trainers) takes over the lock this process already holds instead of refusing
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import socket
@@ -90,6 +91,7 @@ class OutputDirLock:
         self._fd: Optional[int] = None
         self._record: dict = {}
         self.previous: dict = {}
+        self._created: list[Path] = []
 
     def acquire(self, run_id: Optional[str]) -> Optional[str]:
         """Take the lock (non-blocking) and write this job's record into it.
@@ -104,7 +106,9 @@ class OutputDirLock:
         from astrai.outputs import OutputWriteError
 
         try:
+            missing = list(itertools.takewhile(lambda d: not d.exists(), (self.path.parent, *self.path.parent.parents)))
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._created = missing  # deepest first: removed again by `release` while empty
             key = str(self.path.resolve())
             if key in _HELD:  # this process holds it already: take it over
                 fd, _ = _HELD[key]
@@ -178,7 +182,8 @@ class OutputDirLock:
 
     def release(self) -> None:
         """Delete the lock file and drop the lock (a no-op when not held, or taken over by a later job of this
-        process): a job that ends cleanly leaves nothing behind."""
+        process): a job that ends cleanly leaves nothing behind, and the directories `acquire` created are removed
+        again while they are empty (a job that failed before writing anything leaves no empty output directory)."""
         if self._fd is None:
             return
         key = str(self.path.resolve())
@@ -193,6 +198,12 @@ class OutputDirLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+        for directory in self._created:  # a job that failed to start leaves no empty output directory behind
+            try:
+                directory.rmdir()
+            except OSError:  # it holds the job's outputs (or another job's lock): kept
+                break
+        self._created = []
 
     def check_free(self) -> None:
         """Raise `OutputDirLocked` when another job holds the lock; leaves nothing held or written (for `--check`)."""
