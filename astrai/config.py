@@ -994,13 +994,14 @@ def _unread_companions(config: Config, spec) -> list[str]:
     """The fields read only beside another setting that this job lacks (`spec`: its `TrainType`): the critic's
     learning rate without a critic, ``optim.decay_ratio`` under another schedule, the MoE options without
     ``model.moe_num_experts``, the reward model's options without ``reward.model_path``, the reward model on a train
-    type that samples nothing, and every reward field and the reference answers on rm. Set or not."""
+    type that samples nothing, and every reward field and the reference answers where the model answers no prompts
+    (`TrainType.answers`: rm). Set or not."""
     names = [] if spec.models_held(config).critic else ["optim.critic_learning_rate"]
     if config.optim.lr_scheduler_type != "warmup_stable_decay":
         names.append("optim.decay_ratio")
     if not config.model.moe_num_experts:
         names += [f"model.{f}" for f in MOE_OPTION_FIELDS]
-    if spec.name == "rm":  # it trains the scorer; nothing of the job is scored
+    if not spec.answers:  # a reward model: nothing of the job is scored
         names += [f"reward.{f.name}" for f in dataclasses.fields(RewardSection)] + ["data.answer_field"]
     elif not spec.online:  # the evaluations score with the functions alone
         names += [f"reward.{f}" for f in REWARD_MODEL_FIELDS]
@@ -1024,8 +1025,9 @@ def why_ignored(config: Config, name: str) -> str:
     if name == "data.max_length":
         return (f"train.type {kind} samples its responses: its rows are data.max_prompt_length + "
                 "rollout.max_new_tokens tokens long")
-    if kind == "rm" and (name.startswith("reward.") or name == "data.answer_field"):
-        return "train.type rm trains a reward model and scores no answers"
+    answers = train_types.get(kind).answers
+    if not answers and (name.startswith("reward.") or name == "data.answer_field"):
+        return f"train.type {kind} trains a model that answers no prompts, so nothing is scored"
     if name.startswith("reward.") and field in REWARD_MODEL_FIELDS and not train_types.get(kind).online:
         return f"train.type {kind} samples no rollouts to score; its evaluations leave the reward model out"
     if name.startswith("reward.") and field in REWARD_MODEL_FIELDS:
@@ -1040,8 +1042,8 @@ def why_ignored(config: Config, name: str) -> str:
         return ("read only with model.moe_num_experts > 0, to upcycle a dense model; an MoE checkpoint keeps its own "
                 "settings")
     if field in HELD_OUT_FIELDS and name.startswith("data."):
-        if kind == "rm":
-            return "train.type rm trains a reward model and evaluates no answers; its pairs' accuracy is rm/accuracy"
+        if not answers:
+            return f"train.type {kind} trains a model that answers no prompts, so nothing is evaluated"
         return ("read only by the in-training evaluation, with train.eval_steps > 0; python -m astrai.evaluate "
                 "takes --data")
     if name == "data.packing":

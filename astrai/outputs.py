@@ -3,7 +3,7 @@
 Written beside the checkpoints of `train.output_dir`: metrics.jsonl and completions.jsonl (appended, one record per
 line: `astrai.trainer.callbacks.JsonlFile`), TensorBoard event files (`trainer.reporting`), the in-training
 evaluation's `eval/step-N.jsonl` (`trainer.evaluation_callback`), config.yaml, run.json (`trainer.runs`), train.lock
-(`trainer.lock`) and the ranks' token file (`distributed.rank_checks`); elsewhere `python -m astrai.evaluate`'s
+(`checkpoint.lock`) and the ranks' token file (`distributed.rank_checks`); elsewhere `python -m astrai.evaluate`'s
 results.jsonl and summary.json, `python -m astrai.plot`'s PNG and the policy's copy that `rollout.engine: vllm` loads
 from the temporary directory (`rollout.vllm_engine`).
 

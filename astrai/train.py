@@ -297,7 +297,7 @@ def _agreed(err: BaseException) -> bool:
     """Errors every rank raises alike, after a collective carried them (rank 0 alone prints them)."""
     from astrai.checkpoint.safety import AGREED_ERRORS
     from astrai.distributed.rank_checks import RanksDisagree
-    from astrai.trainer.lock import OutputDirLocked
+    from astrai.checkpoint.lock import OutputDirLocked
 
     return isinstance(err, (*AGREED_ERRORS.values(), RanksDisagree, OutputDirLocked)) or getattr(err, "agreed", False)
 

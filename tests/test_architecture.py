@@ -90,7 +90,7 @@ LAYERS = {
     "agents": {"models", "deps", "imports"},           # tools, environments, tool-call format, chat rendering
     # floor 3
     "config": {"config_schema", "train_types", "algos", "deps"},
-    "checkpoint": {"models", "train_types"},
+    "checkpoint": {"models", "outputs", "train_types"},   # outputs: the job lock's write errors
     # floor 4
     "data": {"agents", "config", "config_schema", "train_types", "models", "deps"},  # agents: tool-use demos
     "distributed": {"checkpoint", "deps", "models", "outputs", "runtime_env"},
@@ -106,11 +106,11 @@ LAYERS = {
     "trainer": {"algos", "checkpoint", "config", "config_schema", "cpu_threads", "data", "deps", "distributed",
                 "evaluation", "experience", "forward", "models", "outputs", "rewards", "rollout", "runtime_env",
                 "train_types"},
-    "serve": {"agents", "checkpoint", "deps", "models", "rollout", "runtime_env", "data"},
+    "serve": {"agents", "checkpoint", "deps", "models", "outputs", "rollout", "runtime_env", "data"},
     # floor 8: entry points (`python -m astrai.<name>`)
     "train": {"checkpoint", "config", "data", "distributed", "kernels", "outputs", "rewards", "runtime_env",
               "train_types", "trainer"},
-    "evaluate": {"evaluation", "experience"},
+    "evaluate": {"evaluation", "experience", "outputs"},
     "plot": {"checkpoint", "deps", "outputs"},
 }
 

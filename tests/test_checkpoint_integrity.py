@@ -13,7 +13,7 @@ import pytest
 from astrai.checkpoint import CheckpointError, checkpoints_root, publish_checkpoint
 from astrai.checkpoint import publish as publish_module
 from astrai.checkpoint.layout import mark_bad
-from astrai.trainer.lock import OutputDirLock
+from astrai.checkpoint.lock import OutputDirLock
 from astrai.trainer.runs import resolve_run
 from test_checkpoint import make_objects, parts_of
 
@@ -132,22 +132,32 @@ def test_resume_auto_skips_a_checkpoint_marked_bad(tmp_path, objects):
 
 
 def test_loading_a_checkpoint_whose_model_files_changed_is_refused(tmp_path, objects):
-    """export, evaluate and serve loaded the weights of a checkpoint with a changed byte (resume refused it): the
-    model loader now checks the files it reads against the manifest (sha256), one line naming the file; the
-    training state (*.pt) is not read, so a missing optimizer does not stop an export."""
-    from astrai.models import load_pretrained
+    """export, evaluate and serve loaded the weights of a checkpoint with a changed byte (resume refused it): what
+    loads a checkpoint as a model checks the files it reads against the manifest first (sha256), one line naming
+    the file; the training state (*.pt) is not read, so a missing optimizer does not stop an export."""
+    from astrai.checkpoint import ModelFilesError, check_model_files
 
     path = publish(tmp_path, 1, objects)
     (path / "optimizer.pt").unlink()
-    model, _ = load_pretrained(path)  # the model files are intact
+    check_model_files(path)  # the model files are intact
+    check_model_files(tmp_path / "no-such-dir")  # not a checkpoint: nothing to check (the loader says the rest)
     flip_byte(path / "model.safetensors")
-    with pytest.raises(ValueError) as err:
-        load_pretrained(path)
+    with pytest.raises(ModelFilesError) as err:
+        check_model_files(path)
+    assert isinstance(err.value, ValueError)  # caught where the loaders' other one-line refusals are
     assert str(err.value).startswith(f"{path}: checkpoint failed verification: model.safetensors: MISMATCH (sha256")
     assert "python -m astrai.checkpoint verify" in str(err.value) and "\n" not in str(err.value)
     result = cli("export", path, tmp_path / "out")
     assert result.returncode == 2 and "model.safetensors: MISMATCH" in result.stderr
     assert not (tmp_path / "out").exists()
+    evaluated = subprocess.run([sys.executable, "-m", "astrai.evaluate", "--model", str(path), "--data",
+                                "builtin:arithmetic_test", "--limit", "1", "--output_dir", str(tmp_path / "eval")],
+                               capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert evaluated.returncode == 2 and evaluated.stderr.splitlines()[-1].startswith(
+        f"error: {path}: checkpoint failed verification: model.safetensors: MISMATCH"), evaluated.stderr
+    (path / "manifest.json").write_text("{not json")
+    with pytest.raises(ModelFilesError, match="manifest"):
+        check_model_files(path)
 
 
 def test_export_writes_readable_files_and_names_a_blocking_file(tmp_path, objects):

@@ -233,12 +233,15 @@ def test_a_held_out_set_without_eval_steps_is_said_to_have_no_effect():
         config = load_config(None, ["--train.type", kind, *held_out])
         assert ignored_settings(config) == ["data.eval_path", "data.eval_limit"], kind
         assert why_ignored(config, "data.eval_path") == why_ignored(config, "data.eval_limit") == (
-            "train.type rm trains a reward model and evaluates no answers; its pairs' accuracy is rm/accuracy"
+            "train.type rm trains a model that answers no prompts, so nothing is evaluated"
             if kind == "rm" else "read only by the in-training evaluation, with "
             "train.eval_steps > 0; python -m astrai.evaluate takes --data"), kind
     assert ignored_settings(load_config(None, ["--train.type", "sft", *held_out[:2]])) == ["data.eval_path"]
     assert ignored_settings(load_config(None, ["--train.type", "online_grpo", *held_out, "--train.eval_steps",
                                                "2"])) == []
+
+
+RM_SCORES_NOTHING = "train.type rm trains a model that answers no prompts, so nothing is scored"
 
 
 def test_settings_read_only_beside_another_setting_are_said_to_have_no_effect_without_it():
@@ -266,9 +269,9 @@ def test_settings_read_only_beside_another_setting_are_said_to_have_no_effect_wi
                                                  "leave the reward model out",
         ("grpo", "reward.model_path", "/nowhere"): "train.type grpo samples no rollouts to score; its evaluations "
                                                   "leave the reward model out",
-        ("rm", "reward.num_workers", "2"): "train.type rm trains a reward model and scores no answers",
-        ("rm", "reward.name", "code_unit_tests"): "train.type rm trains a reward model and scores no answers",
-        ("rm", "data.answer_field", "solution"): "train.type rm trains a reward model and scores no answers",
+        ("rm", "reward.num_workers", "2"): RM_SCORES_NOTHING,
+        ("rm", "reward.name", "code_unit_tests"): RM_SCORES_NOTHING,
+        ("rm", "data.answer_field", "solution"): RM_SCORES_NOTHING,
     }
     for (kind, name, value), reason in cases.items():
         config = load_config(None, ["--train.type", kind, f"--{name}", value])
@@ -288,7 +291,7 @@ def test_settings_read_only_beside_another_setting_are_said_to_have_no_effect_wi
                                  "0.5"])
     assert ignored_settings(several) == ["reward.model_path", "reward.model_weight"]
     assert {why_ignored(several, n) for n in ignored_settings(several)} == {
-        "train.type rm trains a reward model and scores no answers"}
+        RM_SCORES_NOTHING}
 
 
 def test_tool_executor_settings_beside_an_environment_alone_are_said_to_have_no_effect():

@@ -15,11 +15,11 @@ import pytest
 from fault_jobs import REPO, sft_args, write_chats
 
 from astrai.train import main
-from astrai.trainer.lock import LOCK_NAME, OutputDirLock, OutputDirLocked
+from astrai.checkpoint.lock import LOCK_NAME, OutputDirLock, OutputDirLocked
 
 HOLD = """
 import os, sys, time
-from astrai.trainer.lock import OutputDirLock
+from astrai.checkpoint.lock import OutputDirLock
 lock = OutputDirLock(sys.argv[1])
 lock.acquire(None if sys.argv[2] == "starting" else "run-held")  # starting: its run not resolved yet
 if sys.argv[2] == "fork":  # a child inherits the open lock file; the parent (named in the record) exits at once
@@ -108,7 +108,7 @@ def test_a_holder_without_a_run_yet_is_not_called_run_question_mark(tiny_model_d
 
 
 def test_naming_the_run_on_a_full_disk_keeps_the_record_whole(tmp_path, monkeypatch):
-    from astrai.trainer import lock as lock_module
+    from astrai.checkpoint import lock as lock_module
 
     lock = OutputDirLock(tmp_path)
     assert lock.acquire(None) is None

@@ -202,8 +202,8 @@ def test_a_symbolic_link_to_a_missing_path_is_refused_by_check_and_run_alike(tin
 
 
 def test_the_lock_record_that_meets_a_full_disk_leaves_nothing_held(tmp_path, monkeypatch):
-    from astrai.trainer import lock as lock_module
-    from astrai.trainer.lock import OutputDirLock
+    from astrai.checkpoint import lock as lock_module
+    from astrai.checkpoint.lock import OutputDirLock
 
     monkeypatch.setattr(lock_module.os, "pwrite", lambda fd, data, offset: (_ for _ in ()).throw(
         OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))

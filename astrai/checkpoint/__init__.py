@@ -2,7 +2,7 @@
 
 See docs/conventions.md section 5 and the module docstrings: `publish` (protocol),
 `parts` (the named parts a checkpoint stores and how each kind is written), `layout` (names, latest, recovery,
-retention), `manifest`, `load`, `verify`, `__main__` (CLI).
+retention), `manifest`, `load`, `verify`, `lock` (one job per output directory), `__main__` (CLI).
 Names are imported lazily so that `python -m astrai.checkpoint verify` does not import torch.
 """
 
@@ -13,7 +13,7 @@ import importlib
 _EXPORTS = {
     "layout": ("CheckpointWarning", "apply_retention", "checkpoints_root", "find_latest_checkpoint",
                "list_checkpoints", "parse_step", "recover", "run_id_of", "step_dirname"),
-    "load": ("LoadedCheckpoint", "load_checkpoint"),
+    "load": ("LoadedCheckpoint", "ModelFilesError", "check_model_files", "load_checkpoint"),
     "manifest": ("FORMAT_NAME", "FORMAT_VERSION", "CheckpointError", "FileStatus", "NotACheckpointError"),
     "parts": ("GlobalRNGState", "Part", "capture_rng_state", "derived_seed", "part_files", "restore_rng_state"),
     "publish": ("DistLike", "publish_checkpoint"),

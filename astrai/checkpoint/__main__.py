@@ -98,10 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _recover(output_dir: Path) -> int:
-    """`recover` under the job lock of `output_dir` (`astrai.trainer.lock`), so it never deletes the staging
+    """`recover` under the job lock of `output_dir` (`astrai.checkpoint.lock`), so it never deletes the staging
     directory of a checkpoint a running job is writing."""
     from astrai.outputs import OutputWriteError
-    from astrai.trainer.lock import OutputDirLock, OutputDirLocked
+    from astrai.checkpoint.lock import OutputDirLock, OutputDirLocked
 
     lock = OutputDirLock(output_dir)
     try:

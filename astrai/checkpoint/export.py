@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from astrai.checkpoint.fsutil import fsync_dir, nearest_existing
+from astrai.checkpoint.load import check_model_files
 from astrai.checkpoint.parts import write_json, write_safetensors
 from astrai.checkpoint.manifest import GENERATION_CONFIG, PEFT_FILES, CheckpointError
 from astrai.models import hf_state_dict, load_pretrained
@@ -35,6 +36,7 @@ def export_merged(checkpoint: str | Path, out: str | Path, *, base: Optional[str
     src, out = Path(checkpoint), Path(out)
     if out.exists():
         raise CheckpointError(f"export: {out} exists; name a new directory (nothing is overwritten)")
+    check_model_files(src)  # the model files as the checkpoint's manifest lists them
     if all((src / f).is_file() for f in PEFT_FILES):
         model, tokenizer = load_merged(src, load_pretrained, base=base)
     elif (src / "model.safetensors").is_file():

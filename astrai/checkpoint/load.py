@@ -253,24 +253,33 @@ class LoadedCheckpoint:
         return states
 
 
+class ModelFilesError(CheckpointError, ValueError):
+    """A checkpoint loaded as a model whose model files differ from its manifest (a `ValueError` too, as the model
+    loaders' other one-line refusals)."""
+
+
 def check_model_files(path: str | Path) -> None:
-    """For a published checkpoint (a directory holding `manifest.json`) loaded as a model (`--model.path`,
-    `python -m astrai.evaluate --model`, `astrai.serve --checkpoint`, `astrai.checkpoint export`): every listed
-    file a model loader reads (all but the training state, `*.pt`) present with its size and sha256. A directory
-    without a manifest (a Hugging Face model directory) passes unchecked; a checkpoint marked bad is checked like
-    any other (loading one by its path stays possible).
+    """Before a model loader (`astrai.models.load_pretrained`) reads `path` (`--model.path`, a teacher,
+    `python -m astrai.evaluate --model`, `astrai.serve --checkpoint`, `astrai.checkpoint export`): when it is a
+    published checkpoint (a directory holding `manifest.json`), every listed file a model loader reads (all but the
+    training state, `*.pt`) present with its size and sha256. Anything else (a Hugging Face model directory, a
+    .gguf file, an alias or Hub id) passes unchecked; a checkpoint marked bad is checked like any other (loading one
+    by its path stays possible).
 
     Raises:
-        CheckpointError: one line naming the changed, truncated or missing files, or the unreadable manifest.
+        ModelFilesError: one line naming the changed, truncated or missing files, or the unreadable manifest.
     """
-    path = Path(path)
-    manifest = read_manifest(path)
-    if manifest is None:
+    path = Path(path).expanduser()
+    if not (path / "manifest.json").is_file():
         return
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as err:
+        raise ModelFilesError(f"{err}; `python -m astrai.checkpoint verify {path}` says more") from None
     model_files = {name: entry for name, entry in manifest["files"].items() if not name.endswith(".pt")}
     bad = failed(check_files(path, dict(manifest, files=model_files), hashes=True))
     if bad:
-        raise CheckpointError(f"{path}: checkpoint failed verification: "
+        raise ModelFilesError(f"{path}: checkpoint failed verification: "
                               + "; ".join(f"{s.name}: {s.status} ({s.detail})" for s in bad)
                               + f"; `python -m astrai.checkpoint verify {path}` lists every file")
 

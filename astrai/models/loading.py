@@ -200,13 +200,11 @@ def load_pretrained(
     returned in eval mode (call `.train()` to train). With `shapes_only`, a Hugging Face directory without weight
     files (config.json and tokenizer files only: planning a model too big to download, `--check`) gives the model
     on the meta device (shapes, no memory) instead of the missing-weights error. Raises what `resolve_model_path`
-    raises, and `ValueError` (one line, naming the path) for an unsupported architecture,
-    missing/unexpected/misshapen tensors, or a published checkpoint (a directory with `manifest.json`) whose model
-    files differ from its manifest (`astrai.checkpoint.load.check_model_files`: sizes and sha256).
+    raises, and `ValueError` (one line, naming the path) for an unsupported architecture or
+    missing/unexpected/misshapen tensors. (A published checkpoint's files are checked against its manifest by the
+    callers first: `astrai.checkpoint.check_model_files`.)
     """
     path = resolve_model_path(name_or_path, revision=revision)
-    if path.is_dir() and (path / "manifest.json").is_file():  # a published checkpoint: its files as it wrote them
-        _check_checkpoint_files(path)
     if shapes_only and path.is_dir() and not _weight_files(path):
         config = _hf_config(path)
         return empty_model(config, dtype=dtype, device="meta"), Tokenizer.from_dir(path)
@@ -220,17 +218,6 @@ def load_pretrained(
         config, state, tokenizer = _read_hf_dir(path)
     model = _build_model(config, state, dtype, device, path)
     return model.eval(), tokenizer
-
-
-def _check_checkpoint_files(path: Path) -> None:
-    """`astrai.checkpoint.load.check_model_files`, its `CheckpointError` as the loader's one-line `ValueError`."""
-    from astrai.checkpoint.load import check_model_files
-    from astrai.checkpoint.manifest import CheckpointError
-
-    try:
-        check_model_files(path)
-    except CheckpointError as err:
-        raise ValueError(str(err)) from None
 
 
 def empty_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> AutoRegressiveLM:

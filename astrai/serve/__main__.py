@@ -98,6 +98,7 @@ def build_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) for the parsed arguments; raises one-line errors for bad input."""
     import torch
 
+    from astrai.checkpoint import check_model_files
     from astrai.models import load_pretrained
     from astrai.rollout.engine import StreamingEngine, attention_backend, build_engine
 
@@ -107,6 +108,7 @@ def build_engine(args: argparse.Namespace):
         raise ValueError(f"--device {args.device}: CUDA is not available")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     path = resolve_checkpoint(args.checkpoint)
+    check_model_files(path)  # a checkpoint's model files as its manifest lists them
     model, tokenizer = load_pretrained(str(path), dtype=getattr(torch, dtype_name), device=device,
                                        revision=args.revision)
     if tokenizer.pad_token_id is None:

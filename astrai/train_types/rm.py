@@ -18,5 +18,6 @@ TRAIN_TYPE = TrainType(
     data="astrai.trainer.learners.rm:rm_data",
     check=_check,
     rollout_fields=(),
+    answers=False,
     data_fields=("chosen_field", "rejected_field", "margin_field"),
 )

@@ -166,6 +166,8 @@ class TrainType:
         models_held: config -> `ModelsHeld`, the models its job builds beside the policy (a reference, a critic).
         data_fields: the `data` fields naming its own records' columns, which no other train type reads (sft's
             `messages_field`); set on a job of another type they are warned about as having no effect.
+        answers: whether its model answers prompts that rewards score (in training or in evaluations); False for
+            a reward model (rm): the `reward` section, `data.answer_field` and the held-out set are then unread.
         rollout_fields: the only `rollout` fields it reads, where it samples no rollouts of its own (None: it
             reads the section, as the online train types do). The others, set, are warned about as having no
             effect; `EVALUATION_ROLLOUT_FIELDS` belong here for a train type whose policy answers evaluations (the
@@ -193,6 +195,7 @@ class TrainType:
     models_held: Callable[[Any], ModelsHeld] = _policy_only
     rollout_fields: Optional[tuple[str, ...]] = None
     data_fields: tuple[str, ...] = ()
+    answers: bool = True
 
     def reads_rollout(self, field: str) -> bool:
         """Whether a job of this train type reads `rollout.<field>` (`rollout_fields`)."""

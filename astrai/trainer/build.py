@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from astrai import train_types
-from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, publish_checkpoint, recover
+from astrai.checkpoint import GlobalRNGState, Part, check_model_files, checkpoints_root, publish_checkpoint, recover
 from astrai.checkpoint.fsutil import nearest_existing, write_atomic
 from astrai.config import Config, config_to_dict, dump_config
 from astrai.cpu_threads import ThreadGovernor, adaptive_threads
@@ -42,7 +42,7 @@ from astrai.rollout.remote import RemoteEngineError
 from astrai.runtime_env import checked_threads
 from astrai.trainer.faults import GenerationProcessFault, StepBoundary, StopSignals
 from astrai.trainer.lora import lora_summary
-from astrai.trainer.lock import OutputDirLock, OutputDirLocked
+from astrai.checkpoint.lock import OutputDirLock, OutputDirLocked
 from astrai.trainer.loop import Trainer, TrainerState
 from astrai.trainer.reporting import build_reporters
 from astrai.trainer.memory_plan import parameter_count, planned_job
@@ -157,7 +157,7 @@ def build_trainer(config: Config, signals: Optional[StopSignals] = None) -> Trai
     """Everything `python -m astrai.train` needs, wired together.
 
     Checks that every rank sees the same job and output directory (`rank_checks.check_ranks_agree`, several ranks),
-    takes the output directory's lock (`trainer.lock`, rank 0: one job per directory), cleans up after a crashed
+    takes the output directory's lock (`checkpoint.lock`, rank 0: one job per directory), cleans up after a crashed
     publish (main process), resolves the run (`trainer.runs`: a fresh start in a directory holding checkpoints
     needs `train.overwrite_output_dir`; a restarted job resumes itself), checks the length budgets and vocabulary
     against the model (`data.limits`), plans the memory per rank (`memory_plan.planned_job`: its table printed by
@@ -238,6 +238,7 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
         check_resume(resume_from, config=config, world_size=dist.world_size, strategy=dist.strategy)
     if train_types.get(config.train.type).reads_rollout("engine"):  # an unknown rollout.engine, before loading
         engine_factory(config.rollout.engine)
+    check_model_files(config.model.path)  # a checkpoint's model files as its manifest lists them
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
                                         revision=config.model.revision)
     check_model_limits(config, policy.config, tokenizer)
@@ -406,6 +407,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     spec = train_types.get(config.train.type)
     if spec.reads_rollout("engine"):  # an unknown rollout.engine, before the model loads
         engine_factory(config.rollout.engine)
+    check_model_files(config.model.path)  # as the run checks them
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
                                         revision=config.model.revision, shapes_only=True)  # weights not needed
     check_model_limits(config, policy.config, tokenizer)

@@ -17,6 +17,7 @@ from astrai.config import PARTITIONED_STRATEGIES, ConfigError, served_url
 from astrai.distributed.sharding import TrainedModel, prepare_reference, prepare_trained
 from astrai.experience.served_teacher import ServedTeacher
 from astrai.experience.teachers import TeacherRoutes, check_routes
+from astrai.checkpoint import check_model_files
 from astrai.models import load_pretrained
 from astrai.models.moe import collect_aux_loss, convert_to_moe
 from astrai.trainer.lora import AdaptersOff, LoraAdapters, lora_settings, shared_base_model
@@ -122,6 +123,7 @@ def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu", path:
         _check_teacher_context(config, served.max_model_len, "max_model_len", path, field)
         return served
     try:
+        check_model_files(path)  # a checkpoint's model files as its manifest lists them
         teacher, teacher_tokenizer = load_pretrained(path, dtype=getattr(torch, config.model.dtype), device=device)
     except (FileNotFoundError, NotADirectoryError) as err:
         raise type(err)(f"{field}: {err}") from None
