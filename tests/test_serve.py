@@ -4,6 +4,7 @@ while a long one streams), disconnects (the request is aborted, its KV blocks fr
 errors, a lone surrogate included). One server process serves the whole module."""
 
 from http.client import HTTPConnection
+import errno
 import json
 import os
 import socket
@@ -369,6 +370,36 @@ def test_cli_port_in_use_exits_2_before_loading_the_model(tmp_path, capsys, monk
         assert cli.main(["--checkpoint", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --port {port}: cannot listen on 127.0.0.1:{port}") and "\n" not in err
+
+
+def test_cli_an_address_not_of_this_machine_names_host_not_port(tmp_path, capsys, monkeypatch):
+    """An address this machine does not have (192.0.2.1, TEST-NET-1) or a name that does not resolve is --host's
+    fault, said in one line before the model loads; the port is not blamed."""
+    import astrai.serve.__main__ as cli
+
+    monkeypatch.setattr(cli, "build_engine", lambda args: pytest.fail("the model loaded before the host was checked"))
+    for host in ("192.0.2.1", "no-such-host.invalid"):
+        assert cli.main(["--checkpoint", str(tmp_path), "--host", host, "--port", str(free_port())]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --host {host}: ") and "--port" not in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("code, flag", [(errno.EADDRNOTAVAIL, "--host"), (errno.EAFNOSUPPORT, "--host"),
+                                        (errno.EINVAL, "--host"), (errno.EADDRINUSE, "--port"),
+                                        (errno.EACCES, "--port")])
+def test_check_port_names_the_option_the_bind_error_is_about(monkeypatch, code, flag):
+    """bind()'s errno decides: not an address of this machine (or its family, or an IPv6 link-local address
+    without its interface) is --host; in use or not permitted (a privileged port) is --port."""
+    from astrai.serve.__main__ import check_port
+
+    def refuse(self, address):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(socket.socket, "bind", refuse)
+    with pytest.raises(ValueError) as info:
+        check_port("127.0.0.1", 8000)
+    assert str(info.value).startswith(f"{flag} {'127.0.0.1' if flag == '--host' else 8000}: cannot listen on "
+                                      f"127.0.0.1:8000 ({os.strerror(code)}); ")
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt(server, tiny_ppo_run):
