@@ -47,9 +47,10 @@ Any other field this server does not know is refused (`unsupported_parameter`), 
 
 
 class _Sampling(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints. Every number must be finite: JSON's NaN / Infinity extensions (which Python's
+    parser accepts) are refused as such (`allow_inf_nan=False`), not reported as out of a field's range."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     temperature: Optional[float] = Field(None, ge=0, le=2)
