@@ -320,7 +320,8 @@ def test_models_by_id_and_json_errors_for_invalid_text(server):
     ({"model": "gpt-4o"}, 404, "model", "model_not_found"),
     ({"messages": []}, 400, "messages", None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages.[0].content", None),
+     400, "messages.[0].content.[0].type", None),
+    ({"messages": [{"role": "user", "content": None}]}, 400, "messages.[0].content", None),
 ])
 def test_bad_chat_requests_get_openai_errors(server, kwargs, status, param, code):
     _, client = server

@@ -325,11 +325,13 @@ _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # as JSON'
 def _validation_message(error: dict) -> tuple[str, Optional[str]]:
     """(one-line message, param) of one pydantic error: the field path as OpenAI writes it (`messages.[0].role`:
     list indices in brackets), then what was expected. A NaN or infinite number says a finite one is expected (not
-    that it is out of the field's range)."""
+    that it is out of the field's range); a validator's ValueError is its own text."""
     loc = [f"[{x}]" if isinstance(x, int) else str(x) for x in error.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     kind, msg = error.get("type"), str(error.get("msg"))
     if kind == "finite_number":
         got = _NON_FINITE.get(str(error.get("input")).lower(), repr(error.get("input")))
         msg = f"expected a finite number, got {got}"
+    elif kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
     return (f"{param}: {msg}" if param else msg), param
