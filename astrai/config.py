@@ -865,10 +865,10 @@ class Config:
         if self.data.mixture and self.data.path != DataSection().path:
             raise ConfigError(f"data.mixture: set together with data.path {self.data.path!r}; the mixture replaces "
                               "data.path, so set only one of them")
-        if self.reward.model_path and not self.reward.functions and self.reward.name is not None:
+        if self.reward.model_path and not self.reward.functions and self.reward.name not in _DEFAULT_NAMES:
             raise ConfigError(f"reward.name: {self.reward.name!r} with reward.model_path: to add a built-in to the "
                               f"reward model's score, list it in reward.functions ({{function: {self.reward.name}}})")
-        if self.reward.functions and self.reward.name is not None:
+        if self.reward.functions and self.reward.name not in _DEFAULT_NAMES:
             raise ConfigError(f"reward.name: {self.reward.name!r} is set together with reward.functions; list it "
                               f"there instead ({{function: {self.reward.name}}})")
         names = [f.name or f.function.rpartition(":")[2] for f in self.reward.functions]
@@ -976,9 +976,9 @@ def ignored_settings(config: Config) -> list[str]:
     if spec.online:  # transformers' batch sizes: online train types step by their section's (mini/micro) batches
         names += [f"train.{f}" for f in ONLINE_UNREAD_TRAIN_FIELDS
                   if getattr(config.train, f) != getattr(TrainSection(), f)]
-    reward = config.reward  # the single reward.name's options, when reward.functions or the reward model replace it
+    reward = config.reward  # the single reward.name and its options, replaced by reward.functions or the reward model
     if reward.functions or reward.model_path:
-        names += [f"reward.{option}" for option in ("format_bonus", "partial_credit") if getattr(reward, option)]
+        names += [f"reward.{f}" for f in ("name", "format_bonus", "partial_credit") if getattr(reward, f)]
     order = {f"{section}.{f.name}": (i, j) for i, (section, kind) in enumerate(SECTIONS.items())
              for j, f in enumerate(dataclasses.fields(kind))}
     return sorted(dict.fromkeys(names), key=order.__getitem__)
@@ -1075,6 +1075,9 @@ def why_ignored(config: Config, name: str) -> str:
         return "read only with distill.teachers"
     if name in ("distill.jsd_beta", "distill.jsd_coef"):
         return "read only with distill.jsd_top_k > 0"
+    if name == "reward.name":
+        return (f"reward.functions / reward.model_path replace the single reward.name; to add {config.reward.name} "
+                f"to them, list it in reward.functions ({{function: {config.reward.name}}})")
     if name.startswith("reward."):
         return "an option of reward.name, which reward.functions / reward.model_path replace"
     if name.startswith("train.") and field in ONLINE_UNREAD_TRAIN_FIELDS:
@@ -1100,6 +1103,9 @@ MOE_OPTION_FIELDS = ("moe_top_k", "moe_num_shared_experts", "moe_aux_loss_coef")
 """The `model` fields of sparse upcycling beside `moe_num_experts`, read only when it is > 0."""
 REWARD_MODEL_FIELDS = ("model_path", "model_weight", "model_batch_size")
 """The `reward` fields of the reward model (`model_path` first), read only by the online train types."""
+_DEFAULT_NAMES = (None, "math_exact_match")
+"""`reward.name` values that another reward may replace (unset, or the default built-in spelled out: said to have no
+effect); any other name beside reward.functions or reward.model_path is refused."""
 HELD_OUT_FIELDS = ("eval_path", "eval_limit")
 """The `data` fields of the in-training evaluation's held-out set, read only with `train.eval_steps` > 0."""
 ENVIRONMENT_FIELDS = ("environment_field", "environment_workers", "environment_timeout_seconds")

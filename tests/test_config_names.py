@@ -308,3 +308,21 @@ def test_tool_executor_settings_beside_an_environment_alone_are_said_to_have_no_
         "rollout.environment_timeout_seconds)")
     tools = ["--rollout.tools", "[{function: calculator, path: t.py}]", "--rollout.tool_workers", "3"]
     assert ignored_settings(load_config(None, env + tools)) == []
+
+
+def test_the_default_reward_spelled_out_beside_other_rewards_is_said_to_have_no_effect():
+    """reward.name null when unset: `math_exact_match` written out beside reward.model_path (the examples spell it
+    out) or reward.functions was dropped silently; it is said now, with how to add it. Another built-in there is
+    refused, as before."""
+    from astrai.config import ConfigError, ignored_settings, why_ignored
+
+    named = ["--train.type", "online_ppo", "--reward.name", "math_exact_match"]
+    for other in (["--reward.model_path", "/rm"], ["--reward.functions", '[{"function": "code_unit_tests"}]']):
+        config = load_config(None, named + other)
+        assert ignored_settings(config) == ["reward.name"], other
+        assert why_ignored(config, "reward.name") == (
+            "reward.functions / reward.model_path replace the single reward.name; to add math_exact_match to them, "
+            "list it in reward.functions ({function: math_exact_match})")
+        assert ignored_settings(load_config(None, ["--train.type", "online_ppo", *other])) == []
+        with pytest.raises(ConfigError, match="^reward.name: 'code_unit_tests'"):
+            load_config(None, ["--train.type", "online_ppo", "--reward.name", "code_unit_tests", *other])

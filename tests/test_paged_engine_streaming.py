@@ -151,6 +151,31 @@ def test_top_logprobs_are_the_most_likely_tokens_of_the_scaled_distribution(mode
     assert drain(engine) == {}
 
 
+def test_the_sampled_tokens_logprob_is_exactly_its_top_logprobs_entry():
+    """The sampled token's log-prob and its entry among the top log-probs are one computation (the same float32
+    logsumexp of the row), not a log_softmax beside the sampler's own: equal exactly, greedy or sampled. A peaked
+    tiny model (its head scaled up) is where two computations disagreed in the last bits."""
+    torch.manual_seed(1)
+    peaked = AutoRegressiveLM(tiny_config(vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=EOS)).eval()
+    with torch.no_grad():
+        peaked.lm_head.weight.mul_(40)
+    engine = engine_for(peaked)
+    greedy = engine.add_request(LONG, SamplingParams(max_new_tokens=8, top_k=1), top_logprobs=2, seed=1)
+    sampled = engine.add_request(SHORT, SamplingParams(max_new_tokens=8, temperature=0.7), n=3, top_logprobs=5,
+                                 seed=2)
+    outputs = drain(engine)
+    compared = 0
+    for (request, _), tokens in outputs.items():
+        for token, logprob, top in tokens:
+            if request == greedy:
+                assert top[0][0] == token
+            values = dict(top)
+            if token in values:
+                assert values[token] == logprob  # exactly, not approximately
+                compared += 1
+    assert set(r for r, _ in outputs) == {greedy, sampled} and compared >= 16
+
+
 def test_streaming_and_generate_do_not_interleave(model):
     engine = engine_for(model)
     engine.add_request(SHORT, params(4))

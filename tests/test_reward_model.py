@@ -1,6 +1,7 @@
 """Reward models: the Bradley-Terry loss, the `rm` train type, its checkpoints as transformers'
 `LlamaForSequenceClassification`, `reward.model_path` scoring online rollouts, and the sft -> rm -> online_ppo
-pipeline end to end on a tiny model. Also: degenerate pairs and examples found at load time."""
+pipeline end to end on a tiny model. Also: degenerate pairs and examples found at load time, and an rm checkpoint
+given where a causal LM is expected (serve, evaluate, checkpoint export) refused in one line as a reward model."""
 
 import json
 import math
@@ -163,3 +164,78 @@ def test_a_reward_model_shorter_than_the_samples_is_said_at_start_and_its_cuts_c
         scorer(["q"], ["y" * 80])
     assert scorer.cut == 2
     rewards.close()
+
+
+@pytest.fixture(scope="module")
+def rm_run(tiny_model_dir, tmp_path_factory):
+    """A `train.type: rm` run of one step on the tiny model: (its output directory, its checkpoint)."""
+    out = tmp_path_factory.mktemp("rm-run") / "rm"
+    _train(["--config", str(REPO / "configs/examples/rm.yaml"), "--model.path", str(tiny_model_dir),
+            "--train.output_dir", str(out), "--max_steps", "1", "--data.max_length", "128",
+            "--data.truncation", "filter"])
+    return out, next((out / "checkpoints").glob("step-*"))
+
+
+def _said_reward_model(err: str, ckpt: Path) -> None:
+    """`err` (a command's stderr) is one line saying `ckpt` is a reward model that cannot generate."""
+    err = err.strip()
+    assert err == (f"error: {ckpt}: a reward model (config.json architectures LlamaForSequenceClassification; what "
+                   "train.type rm writes): it scores text and cannot generate; expected a causal language model (a "
+                   "policy checkpoint, *ForCausalLM); a reward model is used through reward.model_path"), err
+
+
+def test_serving_a_reward_model_checkpoint_says_it_cannot_generate(rm_run, capsys):
+    """`python -m astrai.serve --checkpoint` of an rm run (or its checkpoint) names it a reward model in one line,
+    not a tensor mismatch (`unexpected tensors ['score.weight']`)."""
+    import socket
+
+    from astrai.serve.__main__ import main
+
+    out, ckpt = rm_run
+    for given in (out, ckpt):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        assert main(["--checkpoint", str(given), "--port", str(port)]) == 2
+        _said_reward_model(capsys.readouterr().err, ckpt)
+
+
+def test_evaluating_a_reward_model_checkpoint_says_it_cannot_generate(rm_run, tmp_path, capsys):
+    from astrai.evaluate import main
+
+    _, ckpt = rm_run
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 1", "answer": "2"}) + "\n")
+    assert main(["--model", str(ckpt), "--data", str(data), "--output_dir", str(tmp_path / "eval")]) == 2
+    _said_reward_model(capsys.readouterr().err.strip().splitlines()[-1], ckpt)
+
+
+def test_exporting_a_reward_model_checkpoint_says_it_cannot_generate(rm_run, tmp_path, capsys):
+    from astrai.checkpoint.__main__ import main
+
+    _, ckpt = rm_run
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 2
+    _said_reward_model(capsys.readouterr().err, ckpt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sequence_classifier_without_astrai_config_is_named_by_its_architecture(rm_run, tmp_path):
+    """A transformers `*ForSequenceClassification` directory (no config.yaml) is refused by `load_pretrained` by
+    its architecture alone; `load_reward_model` still reads it."""
+    import shutil
+
+    from astrai.models import load_pretrained, load_reward_model
+
+    _, ckpt = rm_run
+    plain = tmp_path / "classifier"
+    plain.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt / name, plain / name)
+    with pytest.raises(ValueError) as info:
+        load_pretrained(plain)
+    assert str(info.value) == (f"{plain}: a reward model (config.json architectures LlamaForSequenceClassification; "
+                               "what train.type rm writes): it scores text and cannot generate; expected a causal "
+                               "language model (a policy checkpoint, *ForCausalLM); a reward model is used through "
+                               "reward.model_path")
+    model, _ = load_reward_model(plain)
+    assert model(torch.tensor([[5, 9, 12]]), torch.ones(1, 3, dtype=torch.long)).shape == (1,)

@@ -6,7 +6,8 @@ pip package ships (`MODEL_ALIASES`), or a Hugging Face Hub id (`Qwen/Qwen2.5-0.5
 `huggingface_hub` (`astrai.models.hub`: `HF_HUB_OFFLINE`, `HF_HOME`, `HF_HUB_CACHE` honoured). A local path that
 exists always wins over an id spelled the same. No repository code is ever run: a model whose config.json needs
 `trust_remote_code` (an `auto_map` to the repository's own classes, for a model type astrai does not implement)
-is refused in one line.
+is refused in one line, as is a reward model (a `*ForSequenceClassification` checkpoint, astrai's `train.type: rm`),
+which scores text and cannot generate (`not_generative_refusal`).
 
 Writing files is not done here (that is `astrai.checkpoint`'s job); see `hf_state_dict` and
 `ModelConfig.to_hf_dict` for the pure pieces.
@@ -32,7 +33,7 @@ from .lora_merge import load_merged
 from .tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer
 
 __all__ = ["resolve_model_path", "model_reference", "is_model_directory", "load_pretrained", "hf_state_dict", "state_mismatch",
-           "MODEL_ALIASES", "remote_code_refusal"]
+           "MODEL_ALIASES", "remote_code_refusal", "not_generative_refusal"]
 
 # name -> (package holding the file, file name or None when the package's `assemble()` builds it, install command)
 MODEL_ALIASES = {
@@ -187,6 +188,29 @@ def remote_code_refusal(config_file: Path, *, name: Optional[str] = None) -> Opt
             f"{', '.join(FAMILIES)}")
 
 
+def not_generative_refusal(path: Path) -> Optional[str]:
+    """The one-line refusal for a model directory that is a reward model, not a causal LM, else None.
+
+    A reward model checkpoint (astrai's `train.type: rm`, or any transformers `*ForSequenceClassification`) has a
+    scalar `score` head instead of `lm_head`: it scores text and cannot generate. It is recognised by its
+    config.json `architectures`, before any weight is read (otherwise the tensors' names would mismatch:
+    `score.weight` unexpected). None too for an unreadable or absent config.json (the loader reports that).
+    """
+    try:
+        d = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    architectures = d.get("architectures") if isinstance(d, dict) else None
+    if not isinstance(architectures, list):
+        return None
+    classifiers = [a for a in architectures if isinstance(a, str) and a.endswith("ForSequenceClassification")]
+    if not classifiers:
+        return None
+    return (f"{path}: a reward model (config.json architectures {classifiers[0]}; what train.type rm writes): it "
+            "scores text and cannot generate; expected a causal language model (a policy checkpoint, *ForCausalLM); "
+            "a reward model is used through reward.model_path")
+
+
 def load_pretrained(
     name_or_path: str | Path, dtype: torch.dtype = torch.float32, *, device: torch.device | str = "cpu",
     revision: Optional[str] = None, shapes_only: bool = False,
@@ -200,11 +224,14 @@ def load_pretrained(
     returned in eval mode (call `.train()` to train). With `shapes_only`, a Hugging Face directory without weight
     files (config.json and tokenizer files only: planning a model too big to download, `--check`) gives the model
     on the meta device (shapes, no memory) instead of the missing-weights error. Raises what `resolve_model_path`
-    raises, and `ValueError` (one line, naming the path) for an unsupported architecture or
-    missing/unexpected/misshapen tensors. (A published checkpoint's files are checked against its manifest by the
-    callers first: `astrai.checkpoint.check_model_files`.)
+    raises, and `ValueError` (one line, naming the path) for an unsupported architecture, a reward model
+    checkpoint (`not_generative_refusal`: it cannot generate) or missing/unexpected/misshapen tensors. (A published
+    checkpoint's files are checked against its manifest by the callers first: `astrai.checkpoint.check_model_files`.)
     """
     path = resolve_model_path(name_or_path, revision=revision)
+    refusal = not_generative_refusal(path) if path.is_dir() else None
+    if refusal is not None:
+        raise ValueError(refusal)
     if shapes_only and path.is_dir() and not _weight_files(path):
         config = _hf_config(path)
         return empty_model(config, dtype=dtype, device="meta"), Tokenizer.from_dir(path)

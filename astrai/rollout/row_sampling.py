@@ -18,8 +18,8 @@ import torch
 from astrai.kernels import cpu_kernels
 from astrai.rollout.sampling import SamplingParams, truncation_mask
 
-__all__ = ["FrequencyPenalty", "RowSampling", "per_prompt_settings", "sample_rows", "request_seed", "row_base_seed",
-           "draw_base_seed"]
+__all__ = ["FrequencyPenalty", "RowSampling", "per_prompt_settings", "sample_rows", "sample_rows_with_top",
+           "request_seed", "row_base_seed", "draw_base_seed"]
 
 _MASK64 = (1 << 64) - 1
 _SEED_STEP = 0x9E3779B97F4A7C15  # splitmix64's increment: request i of a call hashes base + (i + 1) * it
@@ -136,7 +136,16 @@ def _buffer(scratch, name: str, shape: tuple[int, ...], dtype: torch.dtype, devi
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], scratch=None) -> tuple[list[int], list[float]]:
-    """Sample one token for each row of `logits` (R, V) with the matching `rows[i]`.
+    """Sample one token for each row of `logits` (R, V) with the matching `rows[i]`: (token ids, their behaviour
+    log-probs), `sample_rows_with_top` without the most likely tokens."""
+    tokens, chosen, _ = sample_rows_with_top(logits, rows, (), scratch=scratch)
+    return tokens, chosen
+
+
+def sample_rows_with_top(logits: torch.Tensor, rows: Sequence[RowSampling], ks: Sequence[int], scratch=None
+                         ) -> tuple[list[int], list[float], list[tuple[tuple[int, float], ...]]]:
+    """Sample one token for each row of `logits` (R, V) with the matching `rows[i]`, and report the `ks[i]` most
+    likely tokens of the rows that ask for them.
 
     Each non-greedy row draws ONE uniform u from its own generator and takes the inverse CDF of its distribution:
     the first token whose cumulative probability exceeds u * total. The CDF is two-level (float64 sums of
@@ -147,18 +156,22 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], scratch=None)
     Args:
         logits: (R, V) next-token logits, any float dtype (computed in float32); not modified.
         rows: R sampling states (settings, penalty, generator, generated tokens).
+        ks: per row, how many most likely tokens to report (0: none); empty: none for any row.
         scratch: optional `astrai.kernels.InferenceWorkspace` whose named scratch buffers hold the (R, V)
             intermediates, so the hot loop does not allocate (fresh multi-MB tensors cost page faults per step).
 
     Returns:
-        token ids (R Python ints) and their behaviour log-probs (R floats, float32 precision) under
-        `log_softmax(logits / temperature)` (no penalty, no truncation).
+        token ids (R Python ints), their behaviour log-probs (R floats, float32 precision) under
+        `log_softmax(logits / temperature)` (no penalty, no truncation), and per row its `ks[i]` most likely
+        (token id, log-prob) pairs under that distribution, most likely first (ties: lower id first, as
+        `torch.topk`; () where none are asked). Every log-prob is `scaled[token] - logsumexp` with the one float32
+        `logsumexp` of its row, so a sampled token among its row's most likely has exactly the same value in both.
 
     Raises:
         FloatingPointError: naming the first row whose largest scaled logit is NaN or infinite.
     """
     if not rows:
-        return [], []
+        return [], [], []
     num_rows, vocab = logits.shape
     device = logits.device
     scaled = logits.float()
@@ -212,4 +225,19 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling], scratch=None)
     tokens = [greedy.get(i, t) for i, t in enumerate(drawn_ids)]
     index = torch.tensor(tokens, dtype=torch.long, device=device)
     chosen = (scaled.gather(-1, index[:, None]) - logsumexp).squeeze(-1).tolist()
-    return tokens, chosen
+    return tokens, chosen, _top(scaled, logsumexp, ks)
+
+
+def _top(scaled: torch.Tensor, logsumexp: torch.Tensor, ks: Sequence[int]) -> list[tuple[tuple[int, float], ...]]:
+    """Per row, its `ks[i]` largest `scaled - logsumexp` (the same subtraction as the sampled token's log-prob)."""
+    tops: list[tuple[tuple[int, float], ...]] = [()] * scaled.shape[0]
+    wanted = [i for i, k in enumerate(ks) if k]
+    if not wanted:
+        return tops
+    index = torch.tensor(wanted, dtype=torch.long, device=scaled.device)
+    values, ids = scaled.index_select(0, index).topk(max(ks[i] for i in wanted), dim=-1)
+    values = (values - logsumexp.index_select(0, index)).tolist()
+    ids = ids.tolist()
+    for j, i in enumerate(wanted):
+        tops[i] = tuple(zip(ids[j][:ks[i]], values[j][:ks[i]]))
+    return tops

@@ -26,9 +26,9 @@ import torch
 from astrai.kernels import InferenceWorkspace
 from astrai.rollout.block_pool import BlockPool, PrefixCache
 from astrai.rollout.model_runner import StepBatch
-from astrai.rollout.row_sampling import RowSampling, sample_rows
+from astrai.rollout.row_sampling import RowSampling, sample_rows_with_top
 
-__all__ = ["Request", "Group", "Scheduler", "TokenEvent", "top_logprobs"]
+__all__ = ["Request", "Group", "Scheduler", "TokenEvent"]
 
 
 @dataclass
@@ -78,24 +78,6 @@ class TokenEvent:
     logprob: float
     top: tuple[tuple[int, float], ...]
     done: bool
-
-
-def top_logprobs(logits: torch.Tensor, rows: list[int], temperatures: list[float], ks: list[int]
-                 ) -> list[tuple[tuple[int, float], ...]]:
-    """The k most likely tokens of some rows under `log_softmax(logits / temperature)` (docs/conventions.md
-    section 2's distribution, before penalties and truncation, as the sampled token's log-prob).
-
-    Args:
-        logits: (R, V) next-token logits (any float dtype; computed in float32; not modified).
-        rows: indices of the rows wanted; temperatures, ks: their temperature and k (>= 1).
-
-    Returns:
-        per wanted row, k (token id, log-prob) pairs, most likely first (ties: lower id first, as `torch.topk`).
-    """
-    scaled = logits[rows].float() / torch.tensor(temperatures, dtype=torch.float32, device=logits.device)[:, None]
-    values, ids = torch.log_softmax(scaled, dim=-1).topk(max(ks), dim=-1)
-    values, ids = values.tolist(), ids.tolist()
-    return [tuple(zip(ids[i][:k], values[i][:k])) for i, k in enumerate(ks)]
 
 
 class Scheduler:
@@ -308,14 +290,9 @@ class Scheduler:
         reqs = [req for _, members in due for req in members]
         if rows != list(range(logits.shape[0])):
             logits = logits[rows]
-        tokens, logprobs = sample_rows(logits, [r.sampling for r in reqs], scratch=self.workspace)
-        tops = [()] * len(reqs)
-        wanted = [i for i, r in enumerate(reqs) if r.top_logprobs]
-        if wanted:
-            found = top_logprobs(logits, wanted, [reqs[i].sampling.params.temperature for i in wanted],
-                                 [reqs[i].top_logprobs for i in wanted])
-            for i, top in zip(wanted, found):
-                tops[i] = top
+        # one computation for the sampled token's log-prob and the top ones (the same logsumexp), so they agree exactly
+        tokens, logprobs, tops = sample_rows_with_top(logits, [r.sampling for r in reqs],
+                                                      [r.top_logprobs for r in reqs], scratch=self.workspace)
         for req, token, logprob, top in zip(reqs, tokens, logprobs, tops):
             self._record(req, token, logprob, top)
 

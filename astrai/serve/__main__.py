@@ -10,6 +10,7 @@ cached included) exit with code 2 and a one-line error.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -128,23 +129,37 @@ def build_engine(args: argparse.Namespace):
     return engine, tokenizer, name, aliases
 
 
+HOST_ERRNOS = frozenset({errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT, errno.EINVAL})
+"""bind() failures that are the address's fault, not the port's (not an address of this machine, an address family
+it lacks, an IPv6 link-local address without its %interface): reported against --host. Any other (EADDRINUSE,
+EACCES for a privileged port, ...) is --port's."""
+
+
 def check_port(host: str, port: int) -> None:
-    """Raise ValueError (one line naming --host/--port) unless this process can listen on (`host`, `port`) now, as
-    uvicorn will (SO_REUSEADDR): checked before the model loads, so a port in use fails in a second, not after it."""
+    """Raise ValueError (one line naming --host or --port) unless this process can listen on (`host`, `port`) now,
+    as uvicorn will (SO_REUSEADDR): checked before the model loads, so a bad address fails in a second, not after it.
+
+    --host is named for a name that does not resolve and for an address this machine cannot bind
+    (`HOST_ERRNOS`: EADDRNOTAVAIL, EAFNOSUPPORT, EINVAL); --port for a port in use or not permitted.
+    """
     import socket
 
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         raise ValueError(f"--host {host}: cannot resolve it ({err.strerror})") from None
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
-        except OSError as err:
-            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({err.strerror}); choose another "
-                             "--port or stop what uses it") from None
+    except OSError as err:
+        if err.errno in HOST_ERRNOS:
+            raise ValueError(f"--host {host}: cannot listen on {where} ({err.strerror}); expected an address "
+                             "of this machine (127.0.0.1, 0.0.0.0 for all, or one of its interfaces)") from None
+        raise ValueError(f"--port {port}: cannot listen on {where} ({err.strerror}); choose another --port "
+                         "or stop what uses it") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -304,9 +304,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
             return _json(APIError(message).body(), 400)
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        message, param = _validation_message(first)
         return _json(APIError(message, param=param).body(), 400)
 
     @app.exception_handler(HTTPException)
@@ -319,3 +317,21 @@ def _add_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return _json(APIError(f"internal error: {type(err).__name__}: {err}", status=500, kind="server_error")
                      .body(), 500)
+
+
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}  # as JSON's extensions spell them
+
+
+def _validation_message(error: dict) -> tuple[str, Optional[str]]:
+    """(one-line message, param) of one pydantic error: the field path as OpenAI writes it (`messages.[0].role`:
+    list indices in brackets), then what was expected. A NaN or infinite number says a finite one is expected (not
+    that it is out of the field's range); a validator's ValueError is its own text."""
+    loc = [f"[{x}]" if isinstance(x, int) else str(x) for x in error.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    kind, msg = error.get("type"), str(error.get("msg"))
+    if kind == "finite_number":
+        got = _NON_FINITE.get(str(error.get("input")).lower(), repr(error.get("input")))
+        msg = f"expected a finite number, got {got}"
+    elif kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else msg), param

@@ -6,21 +6,23 @@ Unknown fields are ignored (clients send many optional ones); fields the engine 
 are rejected with a 400 naming them when they ask for something, rather than silently dropped. `echo` with
 `max_tokens: 0` scores the prompt instead (`astrai.serve.scoring`). `ignore_eos` is vLLM's extension
 (generate exactly `max_tokens` tokens, as load benchmarks need). Text that cannot be encoded as UTF-8 (a lone
-surrogate such as "\ud800", which JSON allows) is refused with a 400 naming the field. `tools`, `tool_choice` and
+surrogate such as "\ud800", which JSON allows) is refused with a 400 naming the field, as is a NaN or infinite number
+(`allow_inf_nan` off). A chat message needs a known role (`ROLES`) and content that is a string or a non-empty list
+of text parts, null only on an assistant message with `tool_calls` (`message_text`). `tools`, `tool_choice` and
 `parallel_tool_calls` are checked by `astrai.serve.tools`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from astrai.rollout.sampling import MIN_TEMPERATURE, SamplingParams
 from astrai.rollout.row_sampling import FrequencyPenalty
 
-__all__ = ["APIError", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "check_text", "logprobs_k",
-           "sampling_for", "stop_strings", "message_text"]
+__all__ = ["APIError", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "ROLES", "check_text",
+           "logprobs_k", "sampling_for", "stop_strings", "message_text"]
 
 MAX_STOP = 4
 """Most stop strings per request (the OpenAI limit)."""
@@ -47,9 +49,10 @@ Any other field this server does not know is refused (`unsupported_parameter`), 
 
 
 class _Sampling(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints. Every number must be finite: JSON's NaN / Infinity extensions (which Python's
+    parser accepts) are refused as such (`allow_inf_nan=False`), not reported as out of a field's range."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     temperature: Optional[float] = Field(None, ge=0, le=2)
@@ -110,13 +113,26 @@ class CompletionRequest(_Sampling):
         return self.echo
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The chat message roles this server renders (OpenAI's, `developer` rendered as `system`)."""
+
+
 class ChatMessage(BaseModel):
-    """One chat message; `content` is a string or a list of `{"type": "text", "text": ...}` parts."""
+    """One chat message: a `role` of `ROLES` and its `content`, checked by `message_text` (a string or a non-empty
+    list of `{"type": "text", "text": ...}` parts; null only on an assistant message with `tool_calls`)."""
 
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    role: str = Field(None, validate_default=True)  # a missing role is refused by `_known_role` too
+    content: Any = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _known_role(cls, role: Any) -> str:
+        if role not in ROLES:
+            got = "none (the field is missing or null)" if role is None else repr(role)
+            raise ValueError(f"expected one of {', '.join(repr(r) for r in ROLES)}, got {got}")
+        return role
 
 
 class ChatCompletionRequest(_Sampling):
@@ -159,18 +175,54 @@ def check_text(text: str, param: str) -> str:
 
 
 def message_text(message: ChatMessage, index: int) -> dict[str, str]:
-    """`{"role", "content"}` with list-of-parts content joined; APIError for non-text parts or invalid text."""
+    """`{"role", "content"}` of `messages[index]`, list-of-parts content joined.
+
+    Content is a string, or a non-empty list of `{"type": "text", "text": str}` parts; null (or absent) only on an
+    assistant message with `tool_calls` (OpenAI's rule), rendered as "".
+
+    Raises:
+        APIError: 400 naming the field (`messages.[i].content`, or the part's `.type` / `.text`): null content
+            elsewhere, an empty list, a part that is not a text part, content of another type, invalid text.
+    """
+    where = f"messages.[{index}].content"
     content = message.content
+    if content is None:
+        if message.role == "assistant" and (message.model_extra or {}).get("tool_calls"):
+            return {"role": "assistant", "content": ""}
+        raise APIError(f"{where}: expected a string or a list of text parts, got null (null content is allowed only "
+                       "on an assistant message with tool_calls)", param=where)
     if isinstance(content, list):
+        if not content:
+            raise APIError(f"{where}: expected a string or a non-empty list of text parts, got an empty list",
+                           param=where)
         texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"messages[{index}].content: only text parts are supported, got type "
-                               f"{part.get('type')!r}", param=f"messages.[{index}].content")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise APIError(f"{where}.[{j}]: expected a text part {{\"type\": \"text\", \"text\": ...}}, got "
+                               f"{_json_type(part)}", param=f"{where}.[{j}]")
+            if part.get("type") != "text":
+                raise APIError(f"{where}.[{j}].type: only text parts ('text') are supported, got "
+                               f"{part.get('type')!r}", param=f"{where}.[{j}].type")
+            if not isinstance(part.get("text"), str):
+                got = _json_type(part["text"]) if "text" in part else "none (the field is missing)"
+                raise APIError(f"{where}.[{j}].text: expected a string, got {got}", param=f"{where}.[{j}].text")
             texts.append(part["text"])
         content = "".join(texts)
+    elif not isinstance(content, str):
+        raise APIError(f"{where}: expected a string or a list of text parts, got {_json_type(content)}", param=where)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": check_text(content or "", f"messages.[{index}].content")}
+    return {"role": role, "content": check_text(content, where)}
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type name of a parsed value, for error messages."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"), (list, "an array"),
+                       (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def stop_strings(stop: Optional[Union[str, list[str]]]) -> tuple[str, ...]:
