@@ -61,7 +61,7 @@ import threading
 import time
 import warnings
 from collections import Counter, deque
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -73,6 +73,7 @@ from astrai.agents.tools import Tool
 from astrai.experience.episode_environments import ENV_ERROR_KINDS, EpisodeEnvironment
 from astrai.experience.tool_executor import ToolExecutor, tool_references
 from astrai.experience.trajectory import NOT_SAMPLED, Experience, Trajectory
+from astrai.rewards.workers import CallInterrupted, ScoringStopped, in_process_call
 from astrai.rollout.engine import StreamingEngine
 from astrai.rollout.row_sampling import draw_base_seed, row_base_seed
 from astrai.rollout.sampling import SamplingParams
@@ -231,6 +232,8 @@ def run_episodes(engine, tokenizer, conversations: Sequence[Sequence[Mapping[str
             rendered prompt is empty, or `streaming` True on an engine without the streaming API.
             `astrai.agents.chat.TemplatePrefixError`: the template rewrites earlier turns.
             `astrai.experience.environments.EnvironmentFailure`: past the environment failures' threshold.
+        ScoringStopped: a stop request interrupted a tool or environment call (`ToolExecutor`,
+            `astrai.experience.environments.EnvironmentPool`); the instances are closed first (best effort).
     """
     if streaming is None:
         streaming = streams(engine)
@@ -412,9 +415,9 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
                     for future, job in zip(helper.submit([(episodes[i], follow) for i, follow in ended]), ended):
                         jobs[future] = job
                     if blocking:
-                        wait(list(jobs))
+                        helper.wait(list(jobs))
             elif jobs:
-                wait(list(jobs), return_when=FIRST_COMPLETED)
+                helper.wait(list(jobs), return_when=FIRST_COMPLETED)
             elif live:
                 raise RuntimeError("multi-turn episodes: the engine has no unfinished request while "
                                    f"{len(live)} turn(s) are not done")
@@ -425,13 +428,17 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
             e.pending_ids, e.pending_logprobs, e.pending_versions = ids, logprobs, versions
         live.clear()
         for future in list(jobs):
-            future.result()
+            helper.wait([future])
             apply(future)
         failed = False
     finally:  # also on a failure (non-finite logits, a tool job's error): the engine must be able to sleep
         for request in requests:
             engine.abort(request)
         helper.shutdown(wait=not failed)
+
+
+SHUTDOWN_GRACE_SECONDS = 1.0
+"""How long `_ToolHelper.shutdown` without wait gives a batch on worker processes to end."""
 
 
 class _ToolHelper:
@@ -458,11 +465,29 @@ class _ToolHelper:
         self.executor, self.limits, self.environment = executor, limits, environment
         env_workers = environment.pool.num_workers if environment is not None else 0
         self._capacity = (executor.capacity, max(env_workers, 1))  # (plain tool calls, environment calls) at once
+        self.in_process = executor.pool is None or (environment is not None and env_workers == 0)
         self._queue: deque[tuple[Future, Episode, tuple]] = deque()
         self._lock = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="astrai-episode-tools", daemon=True)
         self._thread.start()
+
+    def wait(self, futures: Sequence[Future], return_when: str = ALL_COMPLETED) -> None:
+        """Wait for `futures` (`concurrent.futures.wait`). When the helper runs calls in this process (0 tool or
+        environment workers: no timeout, no stop poll), the wait is an `in_process_call` of the main thread, which
+        a second stop signal interrupts: `ScoringStopped`, the call left running in the helper thread (a daemon).
+
+        Raises:
+            ScoringStopped: a second stop signal interrupted the wait."""
+        if not self.in_process:
+            wait(futures, return_when=return_when)
+            return
+        try:
+            with in_process_call():
+                wait(futures, return_when=return_when)
+        except CallInterrupted as err:
+            raise ScoringStopped(f"{err} (a tool or environment call in this process: rollout.tool_workers / "
+                                 "rollout.environment_workers 0; it is left running in its thread)") from None
 
     def submit(self, jobs: Sequence[tuple[Episode, tuple]]) -> list[Future]:
         """Queue `jobs` ((episode, follow) pairs) together; one future each, in order."""
@@ -528,7 +553,10 @@ class _ToolHelper:
                 future.set_result(outcome)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the thread: the queued jobs are cancelled; with `wait`, after the batch running now ends."""
+        """Stop the thread: the queued jobs are cancelled; with `wait`, after the batch running now ends. Without
+        `wait` (an error ends the loop), a batch on worker processes is still given `SHUTDOWN_GRACE_SECONDS` to
+        end (after a stop request it ends within the pools' poll), so that the caller's next use of the pools (the
+        environment instances' close) does not overlap it; an in-process batch is not waited for."""
         with self._lock:
             self._closed = True
             for future, _, _ in self._queue:
@@ -537,6 +565,8 @@ class _ToolHelper:
             self._lock.notify()
         if wait:
             self._thread.join()
+        elif not self.in_process:
+            self._thread.join(timeout=SHUTDOWN_GRACE_SECONDS)
 
 
 def _open_episodes(tokenizer, conversations, tools: Sequence[Tool], sampling: SamplingParams,

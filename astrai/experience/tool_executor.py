@@ -4,20 +4,26 @@
 A tool that fails (raises, times out, kills its worker) is loud: its first failure is warned about once per tool with
 the tool's traceback (from the worker, or from this process), later ones are counted
 (``rollout/episodes/tool_errors/<tool>``, and on the console line). A call the model got wrong (a missing or
-mistyped argument) is the model's error, not the tool's: counted, not warned about."""
+mistyped argument) is the model's error, not the tool's: counted, not warned about.
+
+A stop request (`should_stop`: the trainer's stop signals) ends the wait for the workers within
+`astrai.rewards.workers.STOP_POLL_SECONDS` (the busy workers are killed) and raises `ScoringStopped`, as in the
+reward scoring: the episodes are abandoned and the trainer abandons the step. In this process a call cannot be
+interrupted by the first signal: the stop is seen before the next call; a second signal interrupts a call the main
+thread runs (`astrai.rewards.workers.in_process_call`)."""
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from astrai.agents.tool_calls import ToolCall, argument_problem, call_tool_traced, result_text
 from astrai.agents.tools import Tool
-from astrai.rewards.workers import RewardFunctionSpec, RewardWorkerPool
+from astrai.rewards.workers import (CallInterrupted, RewardFunctionSpec, RewardWorkerPool, ScoringStopped,
+                                    in_process_call)
 
 __all__ = ["ToolExecutor", "tool_references"]
-
 
 class ToolExecutor:
     """Runs tool calls: in `num_workers` worker processes with a hard `timeout_seconds` per call
@@ -30,19 +36,23 @@ class ToolExecutor:
     Args:
         tools: the loaded tools (schemas, and the callables for in-process calls).
         references: per tool, the (function, path) it was loaded from, for the workers; None: in process only.
+        should_stop: whether a stop was requested (the trainer's stop signals): `run` then raises `ScoringStopped`
+            (module docstring); None: never.
     """
 
     def __init__(self, tools: Sequence[Tool], references: Optional[Sequence[tuple[str, Optional[str]]]] = None, *,
-                 num_workers: int = 1, timeout_seconds: float = 30.0):
+                 num_workers: int = 1, timeout_seconds: float = 30.0,
+                 should_stop: Optional[Callable[[], bool]] = None):
         self.tools = {tool.name: tool for tool in tools}
         self._index = {tool.name: i for i, tool in enumerate(tools)}
         self.pool = None
+        self.should_stop = should_stop
         self._warned: set[str] = set()  # tools whose first failure was warned about
         if references is not None and num_workers > 0:
             specs = [RewardFunctionSpec(name=tool.name, function=function, index=i, path=path)
                      for i, (tool, (function, path)) in enumerate(zip(tools, references))]
             self.pool = RewardWorkerPool(specs, num_workers=num_workers, timeout_seconds=timeout_seconds,
-                                         timeout_setting="rollout.tool_timeout_seconds")
+                                         timeout_setting="rollout.tool_timeout_seconds", should_stop=should_stop)
 
     @property
     def capacity(self) -> int:
@@ -53,11 +63,27 @@ class ToolExecutor:
         """(result text, error text or None) per call, in order. In workers, the calls (of any tools: several
         episodes' calls, the streaming loop coalesces them) run `capacity` at a time, each in one
         `RewardWorkerPool.run` over the workers; each call keeps its own timeout and its own error text (a call
-        that times out or kills its worker takes only its own worker, started afresh for the next run)."""
+        that times out or kills its worker takes only its own worker, started afresh for the next run).
+
+        Raises:
+            ScoringStopped: a stop request ended the wait for the workers (the busy ones killed), came before an
+                in-process call, or a second signal interrupted one (module docstring).
+        """
         if self.pool is None:
             out = []
             for c in calls:
-                text, error, trace = call_tool_traced(self.tools[c.name], c.arguments)
+                if self.should_stop is not None and self.should_stop():
+                    raise ScoringStopped(f"a stop request interrupted the episodes' tool calls (before rollout.tools "
+                                         f"{c.name}, in this process)")
+                problem = argument_problem(self.tools[c.name], c.arguments)
+                if problem is not None:  # the model's error: not run, not counted against the tool
+                    out.append((problem, problem))
+                    continue
+                try:
+                    with in_process_call():
+                        text, error, trace = call_tool_traced(self.tools[c.name], c.arguments)
+                except CallInterrupted as err:
+                    raise ScoringStopped(f"{err} (rollout.tools {c.name}, rollout.tool_workers 0)") from None
                 if trace is not None:
                     self._warn_once(c.name, error, trace)
                 out.append((text, error))
@@ -74,6 +100,10 @@ class ToolExecutor:
         for start in range(0, len(pending), width):
             chunk = pending[start:start + width]
             replies = self.pool.run([self._index[calls[k].name] for k in chunk], [calls[k].arguments for k in chunk])
+            stopped = [calls[k].name for k, (status, _, _) in zip(chunk, replies) if status == "stopped"]
+            if stopped:
+                raise ScoringStopped(f"a stop request interrupted the episodes' tool calls (rollout.tools "
+                                     f"{', '.join(dict.fromkeys(stopped))} in a worker; the busy workers were killed)")
             for k, (status, value, trace) in zip(chunk, replies):
                 if status == "ok":
                     out[k] = (result_text(value), None)
