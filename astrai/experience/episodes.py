@@ -925,8 +925,14 @@ class EpisodeRunner:
     def scored(self, episodes: Sequence[Episode], records: Sequence[Any], timings: dict[str, float]) -> Experience:
         """Ended `episodes` (one per record of `records`) scored by the reward functions (and the environment's
         reward) into a batch on the engine's device; `timings` gains "reward"; stats: the `episode_metrics` (as
-        `episodes/<name>`) and `truncated_fraction`."""
+        `episodes/<name>`) and `truncated_fraction`. The tools' calls since the last rollout are counted first
+        (`ToolExecutor.account`).
+
+        Raises:
+            astrai.experience.tool_executor.ToolFailure: a tool failed on every call over several rollouts.
+        """
         env = self.environment
+        self.executor.account()
         start = time.perf_counter()
         scored = self.runner.score_fn([e.completion for e in episodes], list(records),
                                       [[t for t, m in zip(e.response_ids, e.loss_mask) if m] for e in episodes])
