@@ -57,9 +57,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter, deque
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -705,13 +707,74 @@ def _append_results(tokenizer, calling, results: Mapping[int, tuple[str, Optiona
             _append_observation(tokenizer, e, tool_messages, budget)
 
 
+CUT_MARGIN_CHARS = 1024
+"""Characters `_cut` keeps beyond twice what `max_tool_response_tokens` tokens can span (`_cut_bound`)."""
+
+_LONGEST_TOKEN: "weakref.WeakKeyDictionary[Any, Optional[int]]" = weakref.WeakKeyDictionary()
+"""Per tokenizer, the characters of its longest token (`_longest_token_chars`), computed once."""
+
+
+def _longest_token_chars(tokenizer) -> Optional[int]:
+    """The length of the longest token string of `tokenizer`'s vocabulary (added tokens included), an upper bound on
+    the characters of text one token stands for (a byte-level token's string has a character per byte, a
+    SentencePiece piece one per character, a byte-fallback piece six for one byte); None when the tokenizer does
+    not expose its vocabulary (no bound: `_cut` tokenizes the whole text). Cached per tokenizer."""
+    try:
+        return _LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        longest = max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
+    except Exception:  # noqa: BLE001 - a tokenizer without a `tokenizers` backend
+        longest = None
+    try:
+        _LONGEST_TOKEN[tokenizer] = longest
+    except TypeError:  # not weak-referenceable: not cached
+        pass
+    return longest
+
+
+def _cut_bound(tokenizer, keep: int) -> Optional[int]:
+    """The characters of a tool result `_cut` tokenizes at most: twice what `keep` + 1 tokens of the longest token
+    can span, plus `CUT_MARGIN_CHARS` (the tokens at the edge of a piece cut out of a text may merge otherwise than
+    in the whole text; twice the need leaves those edge tokens far past the `keep` that are kept), or None (no
+    bound, `_longest_token_chars`)."""
+    longest = _longest_token_chars(tokenizer)
+    return None if longest is None else 2 * (keep + 1) * longest + CUT_MARGIN_CHARS
+
+
+_WORD_START = re.compile(r"\s(?=\S)")
+"""A whitespace character before a non-whitespace one: where a tokenizer's pre-tokenization starts a word."""
+
+
+def _bounded_piece(text: str, bound: int, left: bool) -> str:
+    """The start (or with `left` the end) of `text` that `_cut` tokenizes: at most `bound` characters, cut at the
+    start of a word (`_WORD_START`) in the half of the piece away from the kept side, so that the words the kept
+    tokens come from are tokenized as in the whole text; a piece without one there (a single huge word) is cut at
+    `bound` characters (its far edge may then merge otherwise, never its kept tokens near the start with "right";
+    with "left" BPE merges of one word run from its start, so the last tokens of a huge word may differ)."""
+    if left:
+        at = _WORD_START.search(text, len(text) - bound, len(text) - bound // 2)
+        return text[at.start():] if at is not None else text[-bound:]
+    ends = [m.start() for m in _WORD_START.finditer(text, bound // 2, bound)]
+    return text[:ends[-1]] if ends else text[:bound]
+
+
 def _cut(tokenizer, text: str, limits: EpisodeLimits) -> str:
-    """`text` within `limits.max_tool_response_tokens` tokens: its start ("right") or end ("left") kept, marked."""
-    ids = tokenizer.encode_text(text)
+    """`text` within `limits.max_tool_response_tokens` tokens: its start ("right") or end ("left") kept, marked.
+
+    A text longer than `_cut_bound` characters is first cut to a piece of at most that many (`_bounded_piece`: its
+    start or end, as the truncation keeps, cut at the start of a word), so a huge result (a tool returning 50 MB)
+    costs the tokenization of a bounded piece, not of the whole; the bound is far above what the kept tokens span,
+    so the result is the same as tokenizing the whole text (tested)."""
     keep = limits.max_tool_response_tokens
-    if len(ids) <= keep:
+    left = limits.tool_response_truncation == "left"
+    bound = _cut_bound(tokenizer, keep)
+    piece = text if bound is None or len(text) <= bound else _bounded_piece(text, bound, left)
+    ids = tokenizer.encode_text(piece)
+    if len(ids) <= keep and piece is text:
         return text
-    if limits.tool_response_truncation == "left":
+    if left:
         return f"[... cut to the last {keep} tokens]" + tokenizer.decode(ids[-keep:])
     return tokenizer.decode(ids[:keep]) + f"[... cut to the first {keep} tokens]"
 
