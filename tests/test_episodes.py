@@ -483,3 +483,43 @@ def test_max_turns_1_with_tools_is_warned_at_start_and_check(tiny_model_dir, tmp
                                          "response, so no tool call is ever run"):
         assert main(args) == 0
     assert not (tmp_path / "out").exists()
+
+
+def _cut_of_the_whole_text(tok, text, limits):
+    """The cut as it was: the whole text tokenized, then its first or last `max_tool_response_tokens` kept."""
+    ids, keep = tok.encode_text(text), limits.max_tool_response_tokens
+    if len(ids) <= keep:
+        return text
+    if limits.tool_response_truncation == "left":
+        return f"[... cut to the last {keep} tokens]" + tok.decode(ids[-keep:])
+    return tok.decode(ids[:keep]) + f"[... cut to the first {keep} tokens]"
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_long_tool_result_is_cut_from_a_bounded_piece_exactly_as_from_the_whole(side):
+    """A trial: a tool returning 50 MB made each rollout's generation take 130 s (the whole text was tokenized to
+    keep 32 tokens). Now a text longer than a bound (twice what the kept tokens can span) is cut to it by
+    characters first: the cut equals the whole text's for every kind of text, and a huge one is cheap."""
+    import random
+
+    from astrai.experience.episodes import _cut, _cut_bound
+
+    tok = smollm2()
+    rng = random.Random(0)
+    words = ["alpha", "Beta", "  ", "\n\n", "12345", "{\"k\": [1, 2]}", "ünïcödé", "日本語のテキスト", "🙂🙃", "\t", "x" * 300,
+             "def f(x):\n    return x", "<|im_end|>", "-" * 90, " " * 200]
+    for keep in (1, 8, 32, 256):
+        limits = EpisodeLimits(max_tool_response_tokens=keep, tool_response_truncation=side)
+        bound = _cut_bound(tok, keep)
+        texts = ["", "short", "word " * keep, "word " * (keep + 1), " ".join(["SHOUT"] * bound),
+                 *("".join(rng.choice(words) for _ in range(n)) for n in (3, keep, 4 * keep, bound // 4, bound))]
+        for text in texts:
+            assert _cut(tok, text, limits) == _cut_of_the_whole_text(tok, text, limits), (keep, text[:80])
+        assert sum(len(t) > bound for t in texts) >= 2  # the bounded path was taken
+    seen = []
+    encode = tok.encode_text
+    tok.encode_text = lambda text: seen.append(len(text)) or encode(text)
+    limits = EpisodeLimits(max_tool_response_tokens=32, tool_response_truncation=side)
+    out = _cut(tok, "x" * 50_000_000, limits)
+    assert seen == [_cut_bound(tok, 32)] and seen[0] < 10_000, seen  # one bounded piece tokenized; one word: no start
+    assert out == _cut_of_the_whole_text(tok, "x" * (_cut_bound(tok, 32)), limits)

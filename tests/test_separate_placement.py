@@ -730,6 +730,27 @@ def test_more_generation_processes_than_cpus_or_samples_is_one_line_before_any_s
         assert code == 0 and "rollouts in 2 generation process(es) per rank" in out
 
 
+def test_check_refuses_more_generation_threads_than_cpus_with_one_generation_process(model_dir, tmp_path, capsys):
+    """A trial: `--check` passed rollout.generation_threads 64 with one generation process on 2 CPUs (it refused
+    2 processes x 64); docs/async.md says thread counts above the CPUs are refused. Now one line, exit 2."""
+    from astrai.runtime_env import usable_cpus
+    from astrai.train import main
+
+    cpus = usable_cpus()
+    code = main(["--check", "--config", GRPO, "--model.path", str(model_dir), "--train.output_dir",
+                 str(tmp_path / "out"), "--data.truncation", "left", "--rollout.placement", "separate",
+                 "--rollout.max_off_policy_steps", "1", "--rollout.correction", "token_tis",
+                 "--rollout.generation_threads", str(cpus + 1)])
+    err = capsys.readouterr().err
+    assert code == 2 and (f"rollout.generation_threads: {cpus + 1} threads, but this process may use {cpus} CPU(s); "
+                          f"expected at most {cpus}") in err, err
+    assert "Traceback" not in err
+    code = main(["--check", "--config", GRPO, "--model.path", str(model_dir), "--train.output_dir",
+                 str(tmp_path / "out"), "--data.truncation", "left", "--rollout.placement", "separate",
+                 "--rollout.generation_threads", str(cpus)])
+    assert code == 0, capsys.readouterr().err
+
+
 def kill_at_second_generation(monkeypatch, method: str):
     """Kill the generation process (SIGKILL) when `RemoteEngine.<method>` is called the second time (before it
     runs: the call meets the death)."""

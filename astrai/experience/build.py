@@ -21,6 +21,7 @@ from astrai.experience.partial_episodes import PartialEpisodes
 from astrai.experience.prompts import load_online_prompts
 from astrai.experience.runner import RolloutRunner
 from astrai.experience.sources import OnlineExperience
+from astrai.experience.tool_executor import ToolFailures
 from astrai.models.special_tokens import stop_token_ids, strip_stop
 from astrai.rewards.build import build_rewards, environment_is_the_reward, reward_specs, score_records
 from astrai.rewards.functions import RewardFunctions, ScoredRewards, ScoringStopped
@@ -127,12 +128,15 @@ def _unused_score(*args) -> None:
     raise AssertionError("an evaluation's episodes are scored by the evaluator")
 
 
-def build_episode_runner(config, runner, tokenizer, model_config, records: Sequence[Any] = ()) -> EpisodeRunner:
+def build_episode_runner(config, runner, tokenizer, model_config, records: Sequence[Any] = (),
+                         should_stop: Optional[Callable[[], bool]] = None) -> EpisodeRunner:
     """The multi-turn runner of a job with `rollout.tools` or `rollout.environment` over the single-turn `runner`:
-    the tools (`load_job_tools`), their executor (`rollout.tool_workers` processes, `rollout.tool_timeout_seconds`),
-    the environment classes (`load_job_environment`, checked against the prompt `records`) in
+    the tools (`load_job_tools`), their executor (`rollout.tool_workers` processes, `rollout.tool_timeout_seconds`;
+    a tool failing on every call over `reward.error_window` rollouts or more stops the job: `ToolFailures`), the
+    environment classes (`load_job_environment`, checked against the prompt `records`) in
     `rollout.environment_workers` processes (`rollout.environment_timeout_seconds`; failures stop the job as the
-    reward functions' do: `reward.max_error_fraction`, `reward.error_window`) and the episode caps.
+    reward functions' do: `reward.max_error_fraction`, `reward.error_window`) and the episode caps. `should_stop`
+    (the trainer's stop requests) interrupts the tool and environment calls (`ScoringStopped`; None: never).
 
     Raises:
         astrai.agents.tools.ToolError / EnvironmentClassError / ValueError: as `load_job_tools` and
@@ -148,9 +152,10 @@ def build_episode_runner(config, runner, tokenizer, model_config, records: Seque
         environment = EpisodeEnvironment.load(
             specs, num_workers=r.environment_workers, timeout_seconds=r.environment_timeout_seconds,
             routed_by=r.environment_field if routes_of(r.environment) is not None else None, failures=failures,
-            max_prompt_tokens=model_config.max_position_embeddings - r.max_new_tokens)
+            max_prompt_tokens=model_config.max_position_embeddings - r.max_new_tokens, should_stop=should_stop)
     executor = ToolExecutor(tools, sources, num_workers=r.tool_workers if tools else 0,
-                            timeout_seconds=r.tool_timeout_seconds)
+                            timeout_seconds=r.tool_timeout_seconds, should_stop=should_stop,
+                            failures=ToolFailures(error_window=config.reward.error_window))
     limits = EpisodeLimits(max_turns=r.max_turns, max_tool_response_tokens=r.max_tool_response_tokens,
                            tool_response_truncation=r.tool_response_truncation,
                            max_parallel_tool_calls=r.max_parallel_tool_calls)
@@ -183,7 +188,8 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
     (`OnlineExperience.any_rank`), so that they make the same collective calls and stop together. A stop request
     (`dist.stop_requested`) interrupts the reward scoring (`RewardFunctions`' `should_stop`), and the ranks agree
     right after each scoring whether one was interrupted (`agreed_scoring`): then every rank raises
-    `ScoringStopped`, and nothing trains on a partial scoring.
+    `ScoringStopped`, and nothing trains on a partial scoring. It interrupts the episodes' tool and environment
+    calls too (`build_episode_runner`), the ranks agreeing after the generation (`RolloutRunner.generate_agreed`).
 
     Raises:
         DataError: for a missing or malformed prompt file, or an overlong prompt with `data.truncation=error`.
@@ -212,7 +218,7 @@ def build_online_experience(config, dist, tokenizer, *, engine: GenerationEngine
         ref_model=ref_model, chunk_size=chunk_size,
         agree=dist.first_failure if dist.world_size > 1 else None)
     if r.tools or r.environment is not None:  # every sample a multi-turn episode
-        runner = build_episode_runner(config, runner, tokenizer, model_config, prompts)
+        runner = build_episode_runner(config, runner, tokenizer, model_config, prompts, should_stop=should_stop)
     sampler = PromptSampler(prompts, seed=config.train.seed, shuffle=config.data.shuffle, rank=dist.dp_rank,
                             world_size=dist.dp_size)
     return OnlineExperience(sync_weights=sync_weights, runner=runner, sampler=sampler, batch_size=r.batch_size,

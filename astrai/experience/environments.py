@@ -14,6 +14,12 @@ a deadlock) gets the worker killed; every instance it held is lost (their episod
 takes its place on the next request. With ``num_workers`` 0 instances live in the trainer's process, without a
 timeout (as ``rollout.tool_workers`` 0).
 
+Stop requests (`should_stop`: the trainer's stop signals): the wait for the workers looks at it every
+`STOP_POLL_SECONDS`; a worker still busy then is killed (its instances lost, as after a hang) and `EnvironmentPool.run`
+raises `ScoringStopped`, as the reward scoring does, so the episodes are abandoned and the trainer abandons the step.
+In this process a call cannot be interrupted by the first signal (the stop is seen before the next request); a
+second signal interrupts a call the main thread runs (`astrai.rewards.workers.in_process_call`).
+
 Failures: `EnvironmentFailures` counts them per rollout, warns once per kind with the first traceback, and stops the
 job in one line when more than ``max_error_fraction`` of the episodes of the last ``error_window`` rollouts met one
 (the reward functions' rule, `astrai.rewards.functions`). This module imports no torch (a worker runs it).
@@ -33,13 +39,14 @@ import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from astrai.agents.environments import (EnvironmentSpec, ObservationError, load_environment_class,
                                         observation_messages, reset_arguments, reset_observation, reward_value)
 from astrai.agents.tool_calls import result_text
 from astrai.imports import one_line
-from astrai.rewards.workers import STARTUP_SECONDS, _Worker, call_reward, die_with_parent, user_traceback
+from astrai.rewards.workers import (STARTUP_SECONDS, STOP_POLL_SECONDS, CallInterrupted, ScoringStopped, _Worker,
+                                    call_reward, die_with_parent, in_process_call, user_traceback)
 
 __all__ = ["EnvironmentFailure", "EnvironmentFailures", "EnvironmentPool", "EnvironmentTimeout", "Reply", "Request"]
 
@@ -185,13 +192,15 @@ class EnvironmentPool:
     Args:
         specs: the job's environment classes (one per route); num_workers: processes (0: in this process);
         timeout_seconds: the limit of one call of user code in a worker.
+        should_stop: whether a stop was requested (module docstring, "Stop requests"); None: never.
 
     Raises:
         EnvironmentClassError: in-process, a class that cannot be loaded.
     """
 
-    def __init__(self, specs: Sequence[EnvironmentSpec], *, num_workers: int = 1, timeout_seconds: float = 30.0):
-        self.specs, self.timeout_seconds = list(specs), timeout_seconds
+    def __init__(self, specs: Sequence[EnvironmentSpec], *, num_workers: int = 1, timeout_seconds: float = 30.0,
+                 should_stop: Optional[Callable[[], bool]] = None):
+        self.specs, self.timeout_seconds, self.should_stop = list(specs), timeout_seconds, should_stop
         self.classes = {spec.route: load_environment_class(spec) for spec in self.specs} if num_workers == 0 else {}
         self._instances: dict[int, Any] = {}  # in this process
         self._workers: list[Optional[_Worker]] = [None] * num_workers
@@ -224,13 +233,27 @@ class EnvironmentPool:
 
     def run(self, requests: Sequence[Request]) -> list[Reply]:
         """Carry out `requests` (module docstring), one `Reply` each, in order. Never raises for user code: an
-        exception, a wrong return value, a timeout or a dead worker is an error reply. A close ends a key's record."""
+        exception, a wrong return value, a timeout or a dead worker is an error reply. A close ends a key's record.
+
+        Raises:
+            ScoringStopped: a stop request ended the wait for the workers (those still busy killed, their
+                instances lost), came before a request in this process (other than a close), or a second signal
+                interrupted one (module docstring, "Stop requests").
+        """
         if not self._workers:
             replies = []
             for request in requests:
+                if request.op != "close" and self.should_stop is not None and self.should_stop():
+                    raise ScoringStopped(f"a stop request interrupted the episodes' environment calls (before a "
+                                         f"{request.op}, in this process)")
                 if request.op == "reset":
                     request = Request("reset", request.key, (request.payload[0], copy.deepcopy(request.payload[1])))
-                replies.append(serve(request, self._instances, self.classes))
+                try:
+                    with in_process_call():
+                        replies.append(serve(request, self._instances, self.classes))
+                except CallInterrupted as err:
+                    raise ScoringStopped(f"{err} (rollout.environment {request.op}, rollout.environment_workers "
+                                         "0)") from None
             return replies
         for slot in {self._placed[r.key] for r in requests if r.key not in self._lost}:
             worker = self._workers[slot]
@@ -259,10 +282,12 @@ class EnvironmentPool:
                 continue
             pending[worker.conn] = (slot, indices, time.monotonic() + 2 * self.timeout_seconds)
         answered: dict[int, int] = collections.Counter()
+        stopped = False
         while pending:
             now = time.monotonic()
             soonest = min(deadline for _, _, deadline in pending.values())
-            ready = wait(list(pending), timeout=max(0.0, soonest - now))
+            left = max(0.0, soonest - now)
+            ready = wait(list(pending), timeout=left if self.should_stop is None else min(left, STOP_POLL_SECONDS))
             for conn in ready:
                 slot, indices, _ = pending[conn]
                 try:
@@ -289,6 +314,11 @@ class EnvironmentPool:
                     self._lose(slot, f"its worker process was killed: a {hung.op} of another episode did not "
                                      f"stop within {2 * self.timeout_seconds:g} s (twice "
                                      "rollout.environment_timeout_seconds)", hung=hung.key)
+            if pending and self.should_stop is not None and self.should_stop():  # after one poll: a close answers
+                for slot, _, _ in pending.values():
+                    self._lose(slot, "its worker process was killed: a stop request interrupted its calls")
+                pending.clear()
+                stopped = True
         for i, request in enumerate(requests):
             if replies[i] is None:
                 replies[i] = (Reply(True) if request.op == "close" else
@@ -296,6 +326,9 @@ class EnvironmentPool:
             if request.op == "close":
                 self._placed.pop(request.key, None)
                 self._lost.pop(request.key, None)
+        if stopped and any(r.op != "close" for r in requests):
+            raise ScoringStopped("a stop request interrupted the episodes' environment calls (rollout.environment "
+                                 "in a worker; the busy workers were killed)")
         return replies
 
     def _worker(self, slot: int) -> _Worker:

@@ -19,7 +19,7 @@ policy turn would follow it). A reset that fails leaves the row's prompt, so the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from astrai.agents.environments import (EnvironmentSpec, environment_tools, is_single, load_environment_class)
 from astrai.agents.tool_calls import ToolCall, argument_problem
@@ -59,14 +59,17 @@ class EpisodeEnvironment:
     @classmethod
     def load(cls, specs: Sequence[EnvironmentSpec], *, num_workers: int, timeout_seconds: float,
              routed_by: Optional[str] = None, failures: Optional[EnvironmentFailures] = None,
-             max_prompt_tokens: Optional[int] = None) -> "EpisodeEnvironment":
-        """Load and check the classes of `specs` in this process (schemas, protocol) and start their pool.
+             max_prompt_tokens: Optional[int] = None,
+             should_stop: Optional[Callable[[], bool]] = None) -> "EpisodeEnvironment":
+        """Load and check the classes of `specs` in this process (schemas, protocol) and start their pool
+        (`should_stop`: the trainer's stop requests, which interrupt its calls: `EnvironmentPool`).
 
         Raises:
             EnvironmentClassError: one line naming the entry.
         """
         classes = {spec.route: load_environment_class(spec) for spec in specs}
-        return cls(pool=EnvironmentPool(specs, num_workers=num_workers, timeout_seconds=timeout_seconds),
+        return cls(pool=EnvironmentPool(specs, num_workers=num_workers, timeout_seconds=timeout_seconds,
+                                        should_stop=should_stop),
                    tools={spec.route: environment_tools(spec, classes[spec.route]) for spec in specs},
                    steps={r: callable(getattr(c, "step", None)) for r, c in classes.items()},
                    rewards={r: callable(getattr(c, "get_reward", None)) for r, c in classes.items()},

@@ -57,11 +57,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter, deque
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -73,6 +75,7 @@ from astrai.agents.tools import Tool
 from astrai.experience.episode_environments import ENV_ERROR_KINDS, EpisodeEnvironment
 from astrai.experience.tool_executor import ToolExecutor, tool_references
 from astrai.experience.trajectory import NOT_SAMPLED, Experience, Trajectory
+from astrai.rewards.workers import CallInterrupted, ScoringStopped, in_process_call
 from astrai.rollout.engine import StreamingEngine
 from astrai.rollout.row_sampling import draw_base_seed, row_base_seed
 from astrai.rollout.sampling import SamplingParams
@@ -231,6 +234,8 @@ def run_episodes(engine, tokenizer, conversations: Sequence[Sequence[Mapping[str
             rendered prompt is empty, or `streaming` True on an engine without the streaming API.
             `astrai.agents.chat.TemplatePrefixError`: the template rewrites earlier turns.
             `astrai.experience.environments.EnvironmentFailure`: past the environment failures' threshold.
+        ScoringStopped: a stop request interrupted a tool or environment call (`ToolExecutor`,
+            `astrai.experience.environments.EnvironmentPool`); the instances are closed first (best effort).
     """
     if streaming is None:
         streaming = streams(engine)
@@ -412,9 +417,9 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
                     for future, job in zip(helper.submit([(episodes[i], follow) for i, follow in ended]), ended):
                         jobs[future] = job
                     if blocking:
-                        wait(list(jobs))
+                        helper.wait(list(jobs))
             elif jobs:
-                wait(list(jobs), return_when=FIRST_COMPLETED)
+                helper.wait(list(jobs), return_when=FIRST_COMPLETED)
             elif live:
                 raise RuntimeError("multi-turn episodes: the engine has no unfinished request while "
                                    f"{len(live)} turn(s) are not done")
@@ -425,13 +430,17 @@ def _streamed_turns(engine, tokenizer, episodes: list[Episode], executor: ToolEx
             e.pending_ids, e.pending_logprobs, e.pending_versions = ids, logprobs, versions
         live.clear()
         for future in list(jobs):
-            future.result()
+            helper.wait([future])
             apply(future)
         failed = False
     finally:  # also on a failure (non-finite logits, a tool job's error): the engine must be able to sleep
         for request in requests:
             engine.abort(request)
         helper.shutdown(wait=not failed)
+
+
+SHUTDOWN_GRACE_SECONDS = 1.0
+"""How long `_ToolHelper.shutdown` without wait gives a batch on worker processes to end."""
 
 
 class _ToolHelper:
@@ -458,11 +467,29 @@ class _ToolHelper:
         self.executor, self.limits, self.environment = executor, limits, environment
         env_workers = environment.pool.num_workers if environment is not None else 0
         self._capacity = (executor.capacity, max(env_workers, 1))  # (plain tool calls, environment calls) at once
+        self.in_process = executor.pool is None or (environment is not None and env_workers == 0)
         self._queue: deque[tuple[Future, Episode, tuple]] = deque()
         self._lock = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="astrai-episode-tools", daemon=True)
         self._thread.start()
+
+    def wait(self, futures: Sequence[Future], return_when: str = ALL_COMPLETED) -> None:
+        """Wait for `futures` (`concurrent.futures.wait`). When the helper runs calls in this process (0 tool or
+        environment workers: no timeout, no stop poll), the wait is an `in_process_call` of the main thread, which
+        a second stop signal interrupts: `ScoringStopped`, the call left running in the helper thread (a daemon).
+
+        Raises:
+            ScoringStopped: a second stop signal interrupted the wait."""
+        if not self.in_process:
+            wait(futures, return_when=return_when)
+            return
+        try:
+            with in_process_call():
+                wait(futures, return_when=return_when)
+        except CallInterrupted as err:
+            raise ScoringStopped(f"{err} (a tool or environment call in this process: rollout.tool_workers / "
+                                 "rollout.environment_workers 0; it is left running in its thread)") from None
 
     def submit(self, jobs: Sequence[tuple[Episode, tuple]]) -> list[Future]:
         """Queue `jobs` ((episode, follow) pairs) together; one future each, in order."""
@@ -528,7 +555,10 @@ class _ToolHelper:
                 future.set_result(outcome)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the thread: the queued jobs are cancelled; with `wait`, after the batch running now ends."""
+        """Stop the thread: the queued jobs are cancelled; with `wait`, after the batch running now ends. Without
+        `wait` (an error ends the loop), a batch on worker processes is still given `SHUTDOWN_GRACE_SECONDS` to
+        end (after a stop request it ends within the pools' poll), so that the caller's next use of the pools (the
+        environment instances' close) does not overlap it; an in-process batch is not waited for."""
         with self._lock:
             self._closed = True
             for future, _, _ in self._queue:
@@ -537,6 +567,8 @@ class _ToolHelper:
             self._lock.notify()
         if wait:
             self._thread.join()
+        elif not self.in_process:
+            self._thread.join(timeout=SHUTDOWN_GRACE_SECONDS)
 
 
 def _open_episodes(tokenizer, conversations, tools: Sequence[Tool], sampling: SamplingParams,
@@ -675,13 +707,74 @@ def _append_results(tokenizer, calling, results: Mapping[int, tuple[str, Optiona
             _append_observation(tokenizer, e, tool_messages, budget)
 
 
+CUT_MARGIN_CHARS = 1024
+"""Characters `_cut` keeps beyond twice what `max_tool_response_tokens` tokens can span (`_cut_bound`)."""
+
+_LONGEST_TOKEN: "weakref.WeakKeyDictionary[Any, Optional[int]]" = weakref.WeakKeyDictionary()
+"""Per tokenizer, the characters of its longest token (`_longest_token_chars`), computed once."""
+
+
+def _longest_token_chars(tokenizer) -> Optional[int]:
+    """The length of the longest token string of `tokenizer`'s vocabulary (added tokens included), an upper bound on
+    the characters of text one token stands for (a byte-level token's string has a character per byte, a
+    SentencePiece piece one per character, a byte-fallback piece six for one byte); None when the tokenizer does
+    not expose its vocabulary (no bound: `_cut` tokenizes the whole text). Cached per tokenizer."""
+    try:
+        return _LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        longest = max(map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=1)
+    except Exception:  # noqa: BLE001 - a tokenizer without a `tokenizers` backend
+        longest = None
+    try:
+        _LONGEST_TOKEN[tokenizer] = longest
+    except TypeError:  # not weak-referenceable: not cached
+        pass
+    return longest
+
+
+def _cut_bound(tokenizer, keep: int) -> Optional[int]:
+    """The characters of a tool result `_cut` tokenizes at most: twice what `keep` + 1 tokens of the longest token
+    can span, plus `CUT_MARGIN_CHARS` (the tokens at the edge of a piece cut out of a text may merge otherwise than
+    in the whole text; twice the need leaves those edge tokens far past the `keep` that are kept), or None (no
+    bound, `_longest_token_chars`)."""
+    longest = _longest_token_chars(tokenizer)
+    return None if longest is None else 2 * (keep + 1) * longest + CUT_MARGIN_CHARS
+
+
+_WORD_START = re.compile(r"\s(?=\S)")
+"""A whitespace character before a non-whitespace one: where a tokenizer's pre-tokenization starts a word."""
+
+
+def _bounded_piece(text: str, bound: int, left: bool) -> str:
+    """The start (or with `left` the end) of `text` that `_cut` tokenizes: at most `bound` characters, cut at the
+    start of a word (`_WORD_START`) in the half of the piece away from the kept side, so that the words the kept
+    tokens come from are tokenized as in the whole text; a piece without one there (a single huge word) is cut at
+    `bound` characters (its far edge may then merge otherwise, never its kept tokens near the start with "right";
+    with "left" BPE merges of one word run from its start, so the last tokens of a huge word may differ)."""
+    if left:
+        at = _WORD_START.search(text, len(text) - bound, len(text) - bound // 2)
+        return text[at.start():] if at is not None else text[-bound:]
+    ends = [m.start() for m in _WORD_START.finditer(text, bound // 2, bound)]
+    return text[:ends[-1]] if ends else text[:bound]
+
+
 def _cut(tokenizer, text: str, limits: EpisodeLimits) -> str:
-    """`text` within `limits.max_tool_response_tokens` tokens: its start ("right") or end ("left") kept, marked."""
-    ids = tokenizer.encode_text(text)
+    """`text` within `limits.max_tool_response_tokens` tokens: its start ("right") or end ("left") kept, marked.
+
+    A text longer than `_cut_bound` characters is first cut to a piece of at most that many (`_bounded_piece`: its
+    start or end, as the truncation keeps, cut at the start of a word), so a huge result (a tool returning 50 MB)
+    costs the tokenization of a bounded piece, not of the whole; the bound is far above what the kept tokens span,
+    so the result is the same as tokenizing the whole text (tested)."""
     keep = limits.max_tool_response_tokens
-    if len(ids) <= keep:
+    left = limits.tool_response_truncation == "left"
+    bound = _cut_bound(tokenizer, keep)
+    piece = text if bound is None or len(text) <= bound else _bounded_piece(text, bound, left)
+    ids = tokenizer.encode_text(piece)
+    if len(ids) <= keep and piece is text:
         return text
-    if limits.tool_response_truncation == "left":
+    if left:
         return f"[... cut to the last {keep} tokens]" + tokenizer.decode(ids[-keep:])
     return tokenizer.decode(ids[:keep]) + f"[... cut to the first {keep} tokens]"
 
@@ -895,8 +988,14 @@ class EpisodeRunner:
     def scored(self, episodes: Sequence[Episode], records: Sequence[Any], timings: dict[str, float]) -> Experience:
         """Ended `episodes` (one per record of `records`) scored by the reward functions (and the environment's
         reward) into a batch on the engine's device; `timings` gains "reward"; stats: the `episode_metrics` (as
-        `episodes/<name>`) and `truncated_fraction`."""
+        `episodes/<name>`) and `truncated_fraction`. The tools' calls since the last rollout are counted first
+        (`ToolExecutor.account`).
+
+        Raises:
+            astrai.experience.tool_executor.ToolFailure: a tool failed on every call over several rollouts.
+        """
         env = self.environment
+        self.executor.account()
         start = time.perf_counter()
         scored = self.runner.score_fn([e.completion for e in episodes], list(records),
                                       [[t for t, m in zip(e.response_ids, e.loss_mask) if m] for e in episodes])

@@ -17,7 +17,11 @@ from astrai.data.sequences import Sequences
 from astrai.experience.teachers import TeacherRoutes
 from astrai.experience.trajectory import Experience
 from astrai.forward import response_logprobs, score_in_chunks
+from astrai.rewards.workers import ScoringStopped
 from astrai.rollout.sampling import SamplingParams
+
+STOPPED_MARK = "\x00stopped\x00"
+"""Marks the line of a rank whose episodes a stop request interrupted in `RolloutRunner.generate_agreed`."""
 
 ScoreFn = Callable[[list[str], list[Any], list[list[int]]], Any]
 """(responses, targets, response_ids) -> scores (B,) float32, or a `reward_functions.ScoredRewards` (its `total`
@@ -59,10 +63,12 @@ class RolloutRunner:
 
     def generate_agreed(self, generate: Callable[[], Any]) -> Any:
         """`generate()` (the engine's call), with non-finite logits met on any rank raised on every rank together
-        (`agree`): a `FloatingPointError` whose `agreed` is True, carrying the failing rank's line.
+        (`agree`): a `FloatingPointError` whose `agreed` is True, carrying the failing rank's line; likewise a stop
+        request that interrupted a multi-turn episode's tool or environment call on any rank (`ScoringStopped`).
 
         Raises:
             FloatingPointError: the sampler met non-finite logits here or (with `agree`) on another rank.
+            ScoringStopped: a stop request interrupted the generation's episodes here or on another rank.
         """
         if self.agree is None:
             return generate()
@@ -71,7 +77,12 @@ class RolloutRunner:
             out = generate()
         except FloatingPointError as err:
             out, failure = None, str(err)
+        except ScoringStopped as err:  # a stop request interrupted an episode's tool or environment call
+            out, failure = None, STOPPED_MARK + str(err)
         line = self.agree(failure)
+        if line is not None and STOPPED_MARK in line:
+            raise ScoringStopped(line.replace(STOPPED_MARK, "") if failure is not None else
+                                 "a stop request interrupted the rollout on another rank")
         if line is not None:
             err = FloatingPointError(line)
             err.agreed = True

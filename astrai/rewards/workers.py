@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import inspect
 import os
 import signal
@@ -28,11 +29,12 @@ import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from astrai.imports import ImportFailure, load_attribute, one_line as _one_line, split_reference
 
-__all__ = ["RewardFunctionError", "RewardFunctionSpec", "RewardWorkerPool", "ScoringStopped", "call_reward",
+__all__ = ["CallInterrupted", "RewardFunctionError", "RewardFunctionSpec", "RewardWorkerPool", "ScoringStopped",
+           "call_reward", "in_process_call", "in_process_call_waited", "interrupt_in_process_call",
            "load_reward_function"]
 
 
@@ -42,8 +44,48 @@ class RewardFunctionError(ValueError):
 
 
 class ScoringStopped(Exception):
-    """A stop request (a signal: the trainer's `should_stop`) interrupted the scoring of a rollout: no scores are
-    returned, so nothing trains on a partial scoring (the trainer abandons the step: `trainer.faults.StepAbandoned`)."""
+    """A stop request (a signal: the trainer's `should_stop`) interrupted the collection of a rollout: its reward
+    scoring, or its multi-turn episodes' tool and environment calls (`astrai.experience.tool_executor`,
+    `astrai.experience.environments`). No scores or episodes are returned, so nothing trains on a partial rollout
+    (the trainer abandons the step: `trainer.faults.StepAbandoned`)."""
+
+
+class CallInterrupted(BaseException):
+    """Raised into an in-process call of user code (a tool or an environment with 0 workers) that the main thread
+    waits on, by a second stop signal (`interrupt_in_process_call`). A BaseException, so that an ``except
+    Exception`` in the user's code does not swallow it; the caller turns it into `ScoringStopped`."""
+
+
+_IN_PROCESS_CALLS = [0]
+"""How many `in_process_call` blocks the main thread is inside (a list: changed in place)."""
+
+
+@contextlib.contextmanager
+def in_process_call() -> Iterator[None]:
+    """Mark a block of the main thread that runs (or waits on) user code in this process, which no timeout or stop
+    poll can end: a second stop signal inside it raises `CallInterrupted` there (`interrupt_in_process_call`, the
+    trainer's signal handler). Other threads' blocks are not marked (a signal handler runs in the main thread)."""
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        _IN_PROCESS_CALLS[0] += 1
+    try:
+        yield
+    finally:
+        if main:
+            _IN_PROCESS_CALLS[0] -= 1
+
+
+def in_process_call_waited() -> bool:
+    """Whether the main thread is inside an `in_process_call` block now."""
+    return _IN_PROCESS_CALLS[0] > 0
+
+
+def interrupt_in_process_call(signal_name: str) -> bool:
+    """From a signal handler (the main thread): raise `CallInterrupted` when the main thread is inside an
+    `in_process_call` block; else return False (nothing to interrupt)."""
+    if _IN_PROCESS_CALLS[0] > 0:
+        raise CallInterrupted(f"a second {signal_name} interrupted the in-process call of user code it waited on")
+    return False
 
 
 @dataclass(frozen=True)

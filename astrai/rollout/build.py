@@ -108,10 +108,16 @@ def generation_devices(config, device: torch.device, local_rank: int = 0,
 def check_generation_cpus(config, device: torch.device) -> None:
     """Refuse more CPU generation processes than CPUs (`rollout.generation_processes` x `rollout.generation_threads`,
     at least one thread each, on a CPU `device`): OpenMP threads beyond the cores wait on each other at every
-    barrier, and each process holds an engine copy and an interpreter of its own. Raises ValueError (one line)."""
+    barrier, and each process holds an engine copy and an interpreter of its own. With one process,
+    `rollout.generation_threads` above the CPUs is refused (`checked_threads`, as `generation_threads` does when the
+    job starts), so `--check` refuses it too. Raises ValueError (one line)."""
     count = config.rollout.generation_processes
-    if device.type != "cpu" or count == 1:
-        return  # one process: its threads are checked by generation_threads (checked_threads)
+    if device.type != "cpu":
+        return
+    if count == 1:
+        if config.rollout.generation_threads is not None:
+            checked_threads(config.rollout.generation_threads, "rollout.generation_threads")
+        return
     each = config.rollout.generation_threads or 1
     cpus = usable_cpus()
     if count * each > cpus:

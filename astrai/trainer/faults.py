@@ -7,8 +7,9 @@ over the ranks of [stop requested, checkpoint due] makes every rank take the sam
 rank then publishes the same step and the job exits with `EXIT_PREEMPTED`, unless that step was the run's last
 (`max_steps`): the run is then complete, publishes its final checkpoint and exits 0 (a scheduler must not requeue a
 finished run), saying so in one line (`TrainerState.signal_at_end`). Further signals change nothing (the flag is
-already set): a save in progress finishes; SIGKILL still kills at once, and the publish protocol then leaves the
-previous checkpoint visible (`astrai.checkpoint.publish`).
+already set; but one that lands while the main thread waits on an in-process tool or environment call, which
+nothing else can end, interrupts it: `StopSignals`): a save in progress finishes; SIGKILL still kills at once, and
+the publish protocol then leaves the previous checkpoint visible (`astrai.checkpoint.publish`).
 
 Exit codes (docs/launch.md): 0 done; 1 an unexpected error (a traceback); `EXIT_REFUSED` (2) the job cannot go on
 as configured: bad input, no space for a checkpoint, a file the job writes that cannot be written (a full disk for
@@ -29,6 +30,7 @@ from typing import Optional
 import torch
 
 from astrai.outputs import OutputWriteError  # noqa: F401 - a file the job writes cannot be written (exit code 2)
+from astrai.rewards.workers import in_process_call_waited, interrupt_in_process_call
 
 EXIT_REFUSED = 2
 EXIT_PREEMPTED = 75
@@ -93,8 +95,11 @@ class StopSignals:
     """Signal handlers that record a stop request instead of ending the process.
 
     `install()` replaces the handlers of `STOP_SIGNALS` (main thread only; elsewhere it does nothing) and `restore()`
-    puts the previous ones back. The handler only stores the signal's name and writes one line to stderr with
-    `os.write` (safe inside a handler); it never raises, so it cannot interrupt a checkpoint being written.
+    puts the previous ones back. The handler stores the signal's name and writes one line to stderr with `os.write`
+    (safe inside a handler). It raises only on a second signal while the main thread waits on an in-process call of
+    user code (a tool or an environment with 0 workers, which no timeout or stop poll ends:
+    `astrai.rewards.workers.in_process_call`): `CallInterrupted` into that call, and the step is abandoned. Anywhere
+    else it never raises, so it cannot interrupt a checkpoint being written.
 
     Attributes:
         received: the name of the first signal received ("SIGTERM" ...), None while none was.
@@ -132,8 +137,13 @@ class StopSignals:
         if self.received is None:
             self.received = name
             note = (f"rank {self.rank}: {name} received: stopping at the end of this optimizer step (a step still "
-                    f"scoring its rewards is abandoned), publishing a checkpoint, then exiting with code "
-                    f"{EXIT_PREEMPTED} (0 when that step is the run's last: the run is then complete)\n")
+                    "scoring its rewards or waiting on a tool or environment worker is abandoned; one waiting on "
+                    "such a call in this process takes a second signal), publishing a checkpoint, then exiting with "
+                    f"code {EXIT_PREEMPTED} (0 when that step is the run's last: the run is then complete)\n")
+        elif in_process_call_waited():
+            note = (f"rank {self.rank}: {name} received again: interrupting the in-process tool or environment call "
+                    "the rollout waits on (rollout.tool_workers / rollout.environment_workers 0); the step is "
+                    "abandoned\n")
         else:
             note = (f"rank {self.rank}: {name} received again: already stopping (a checkpoint being written is "
                     "finished; SIGKILL ends the job at once and keeps the previous checkpoint)\n")
@@ -141,6 +151,8 @@ class StopSignals:
             os.write(2, note.encode())
         except OSError:
             pass
+        if self.count > 1:
+            interrupt_in_process_call(name)
 
 
 def _in_main_thread() -> bool:
