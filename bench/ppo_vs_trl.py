@@ -180,13 +180,14 @@ def run_trl(args, config, workdir: Path, hf_dir: Path) -> dict:
     """The worker's result: seconds per phase of each TRL iteration (the warm-up included)."""
     from astrai.models import load_pretrained
     from astrai.experience.prompts import load_online_prompts
+    from astrai.rewards.functions import single_reward_name
 
     _, tokenizer = load_pretrained(MODEL, torch.float32)
     prompts = load_online_prompts(config, tokenizer)
     p, s = config.ppo, config
     spec = {"hf_dir": str(hf_dir), "astrai_root": str(ROOT), "pad_token": TRL_PAD, "threads": args.threads,
             "prompts": [list(e.prompt_ids) for e in prompts], "answers": [e.answer for e in prompts],
-            "stop_at_eos": args.stop_at_eos, "reward": s.reward.name, "format_bonus": s.reward.format_bonus,
+            "stop_at_eos": args.stop_at_eos, "reward": single_reward_name(s.reward), "format_bonus": s.reward.format_bonus,
             "optim": "adamw_torch",
             "settings": {"seed": s.train.seed, "learning_rate": s.optim.learning_rate, "batch_size": args.batch,
                          "minibatch_size": args.minibatch, "epochs": p.epochs, "max_new_tokens": args.max_new_tokens,

@@ -56,8 +56,13 @@ def test_recover_refuses_while_a_job_holds_the_output_dir(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("error: train.output_dir ") and "in use by another job" in result.stderr
     assert len(result.stderr.splitlines()) == 1 and staging.is_dir() and result.stdout == ""
+    (tmp_path / "train.lock").write_text(json.dumps({"host": "h", "pid": 999999, "run_id": "run-a"}))  # a kill
     result = cli("recover", tmp_path)
-    assert result.returncode == 0 and result.stdout.strip() == "deleted .step-00000003.staging-abc"
+    assert result.returncode == 0, result.stderr
+    said, deleted = result.stdout.splitlines()
+    assert said.startswith(f"train.lock: the previous job in {tmp_path}, run run-a (pid 999999 on host h") and \
+        said.endswith("ended without releasing its lock (killed or crashed)")
+    assert deleted == "deleted .step-00000003.staging-abc"
     assert not staging.exists() and not (tmp_path / "train.lock").exists()  # the lock taken and released
 
 
@@ -124,6 +129,16 @@ def test_resume_auto_refuses_when_every_checkpoint_of_the_run_is_damaged(tmp_pat
     assert resolve_run("auto", tmp_path / "other", overwrite=False, dist=None)[0] is None
 
 
+def test_resume_auto_leaves_out_a_damaged_checkpoint_of_an_older_run(tmp_path, objects):
+    """A damaged checkpoint whose manifest names no run (written before run ids) is no more the current run's than
+    an intact one (resume auto skips both): a restarted launch, which resumes auto, is not refused for it (review)."""
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "run-a"}))
+    old = publish(tmp_path, 5, objects, run_id=None)
+    with open(old / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    assert resolve_run("auto", tmp_path, overwrite=False, dist=None) == (None, "run-a")
+
+
 def test_resume_auto_skips_a_checkpoint_marked_bad(tmp_path, objects):
     (tmp_path / "run.json").write_text(json.dumps({"run_id": "run-a"}))
     mark_bad(publish(tmp_path, 1, objects), "diverged")
@@ -158,6 +173,35 @@ def test_loading_a_checkpoint_whose_model_files_changed_is_refused(tmp_path, obj
     (path / "manifest.json").write_text("{not json")
     with pytest.raises(ModelFilesError, match="manifest"):
         check_model_files(path)
+
+
+def test_only_the_files_a_model_loader_reads_are_checked(tmp_path, objects):
+    """The training state (optimizer, counters, RNG, the job's config; a sharded optimizer's directory) is not what
+    a model loader reads: a changed byte there does not stop evaluate / serve / export (review); the tokenizer is.
+    Without `hashes` (every rank of a job without checkpoint.verify_on_load, --check) sizes are compared only."""
+    from astrai.checkpoint import ModelFilesError, check_model_files
+    from astrai.checkpoint.load import model_files
+    from astrai.checkpoint.manifest import read_manifest
+
+    path = publish(tmp_path, 1, objects)
+    listed = model_files(read_manifest(path))
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(listed)
+    assert not {"optimizer.pt", "trainer_state.json", "rng_state.pt"} & set(listed)
+    for name in ("optimizer.pt", "trainer_state.json"):
+        flip_byte(path / name, offset=-2)
+    check_model_files(path)
+    flip_byte(path / "tokenizer.json", offset=-2)
+    check_model_files(path, hashes=False)  # same size: only the sha256 tells
+    with pytest.raises(ModelFilesError, match="tokenizer.json: MISMATCH .sha256"):
+        check_model_files(path)
+    with open(path / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ModelFilesError, match="model.safetensors: MISMATCH .100 bytes"):
+        check_model_files(path, hashes=False)
+    manifest = read_manifest(path)
+    manifest["parts"]["optimizer"] = {"kind": "dcp", "per_rank": False, "required": True}
+    manifest["files"]["optimizer/__0_0.distcp"] = {"sha256": "0" * 64, "bytes": 1}
+    assert "optimizer/__0_0.distcp" not in model_files(manifest)
 
 
 def test_export_writes_readable_files_and_names_a_blocking_file(tmp_path, objects):

@@ -794,6 +794,15 @@ def test_a_job_that_sets_a_reward_keeps_it_beside_the_environments(long_model_di
     named = reward_specs(config_from_dict({**base, "reward": {"name": "math_exact_match"}}))
     assert [spec.function for spec in named] == ["math_exact_match"]
     assert config_from_dict(base).reward.name is None
+    # the evaluator's settings name no built-in where the environment's reward is the whole reward (review)
+    from astrai.config import dump_config
+    from astrai.evaluation.cli import build_parser, prompt_settings
+
+    job = tmp_path / "job.yaml"
+    args = build_parser().parse_args(["--model", "m", "--data", "d"])
+    for reward, said in ((None, None), ("math_exact_match", "math_exact_match")):
+        job.write_text(dump_config(config_from_dict({**base, "reward": {"name": reward}})))
+        assert prompt_settings(args, job)[1]["reward"] == said, reward
     plain = config_from_dict({**base, "rollout": {"environment": {"class": "Plain",
                                                                   "path": str(tmp_path / "plain.py")}}})
     assert not environment_is_the_reward(plain)  # no get_reward: the default built-in stays

@@ -105,10 +105,12 @@ def _recover(output_dir: Path) -> int:
 
     lock = OutputDirLock(output_dir)
     try:
-        lock.acquire(None)
+        previous = lock.acquire(None)
     except (OutputDirLocked, OutputWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if previous is not None:  # the job that crashed there: what recover cleans up after
+        print(previous.replace("; this job takes over", ""))
     try:
         for action in recover(output_dir):
             print(action)

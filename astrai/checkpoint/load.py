@@ -258,13 +258,38 @@ class ModelFilesError(CheckpointError, ValueError):
     loaders' other one-line refusals)."""
 
 
-def check_model_files(path: str | Path) -> None:
+MODEL_KINDS = ("hf_model", "peft", "hf_tokenizer")
+"""The part kinds a model loader reads; the other parts are training state (optimizers, counters, RNG, the job's
+config.yaml, sharded `dcp` directories)."""
+
+
+def model_files(manifest: dict) -> dict[str, dict]:
+    """The manifest's file entries a model loader reads: all but the files of its training-state parts (every
+    rank's; a `dcp` part's whole directory). A manifest that records no parts (older): all but `*.pt`."""
+    files, parts = manifest["files"], manifest.get("parts")
+    if parts is None:
+        return {name: entry for name, entry in files.items() if not name.endswith(".pt")}
+    world = manifest.get("world_size", 1)
+    state, directories = set(), []
+    for name, part in parts.items():
+        if part["kind"] in MODEL_KINDS:
+            continue
+        if part["kind"] == "dcp":
+            directories.append(f"{name}/")
+            continue
+        for rank in (range(world) if part["per_rank"] else (0,)):
+            state.update(part_files(name, part["kind"], rank))
+    return {name: entry for name, entry in files.items()
+            if name not in state and not name.startswith(tuple(directories))}
+
+
+def check_model_files(path: str | Path, *, hashes: bool = True) -> None:
     """Before a model loader (`astrai.models.load_pretrained`) reads `path` (`--model.path`, a teacher,
     `python -m astrai.evaluate --model`, `astrai.serve --checkpoint`, `astrai.checkpoint export`): when it is a
-    published checkpoint (a directory holding `manifest.json`), every listed file a model loader reads (all but the
-    training state, `*.pt`) present with its size and sha256. Anything else (a Hugging Face model directory, a
-    .gguf file, an alias or Hub id) passes unchecked; a checkpoint marked bad is checked like any other (loading one
-    by its path stays possible).
+    published checkpoint (a directory holding `manifest.json`), every file a model loader reads (`model_files`:
+    weights, model config, generation config, adapters, tokenizer; not the training state) present with its size
+    and, with `hashes`, its sha256. Anything else (a Hugging Face model directory, a .gguf file, an alias or Hub id)
+    passes unchecked; a checkpoint marked bad is checked like any other (loading one by its path stays possible).
 
     Raises:
         ModelFilesError: one line naming the changed, truncated or missing files, or the unreadable manifest.
@@ -276,8 +301,7 @@ def check_model_files(path: str | Path) -> None:
         manifest = read_manifest(path)
     except CheckpointError as err:
         raise ModelFilesError(f"{err}; `python -m astrai.checkpoint verify {path}` says more") from None
-    model_files = {name: entry for name, entry in manifest["files"].items() if not name.endswith(".pt")}
-    bad = failed(check_files(path, dict(manifest, files=model_files), hashes=True))
+    bad = failed(check_files(path, dict(manifest, files=model_files(manifest)), hashes=hashes))
     if bad:
         raise ModelFilesError(f"{path}: checkpoint failed verification: "
                               + "; ".join(f"{s.name}: {s.status} ({s.detail})" for s in bad)

@@ -252,8 +252,8 @@ def _check_staged(staging: Path, name: str, manifest: dict, *, written: Mapping[
     gone += [s.name for s in failed(check_files(staging, manifest, hashes=False))]
     if gone:
         raise CheckpointError(f"checkpoint {name}: {', '.join(sorted(set(gone))[:5])} vanished from its staging "
-                              f"directory {staging} while it was written (another process deleted it?); nothing "
-                              "was published")
+                              f"directory {staging} or changed while it was written (another process deleted it?); "
+                              "nothing was published")
 
 
 def _tree_bytes(path: Path) -> int:

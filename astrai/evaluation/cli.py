@@ -154,6 +154,7 @@ def prompt_settings(args: argparse.Namespace, config_path: Optional[Path]) -> tu
     """
     from astrai.config import load_config
     from astrai.evaluation.accuracy import CORRECT_SCORE
+    from astrai.rewards.build import environment_is_the_reward
     from astrai.rewards.functions import single_reward_name
 
     config = load_config(str(config_path) if config_path is not None else None)
@@ -161,7 +162,8 @@ def prompt_settings(args: argparse.Namespace, config_path: Optional[Path]) -> tu
               "system_prompt": config.data.system_prompt, "chat_template": config.data.chat_template,
               "max_prompt_length": config.data.max_prompt_length,
               "truncation": config.data.truncation,
-              "reward": None if config.reward.functions else single_reward_name(config.reward),
+              "reward": (None if config.reward.functions or environment_is_the_reward(config)
+                         else single_reward_name(config.reward)),
               "max_new_tokens": config.rollout.max_new_tokens, "pass_threshold": CORRECT_SCORE}
     for key in chosen:
         if getattr(args, key) is not None:

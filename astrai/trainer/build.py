@@ -238,7 +238,7 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
         check_resume(resume_from, config=config, world_size=dist.world_size, strategy=dist.strategy)
     if train_types.get(config.train.type).reads_rollout("engine"):  # an unknown rollout.engine, before loading
         engine_factory(config.rollout.engine)
-    check_model_files(config.model.path)  # a checkpoint's model files as its manifest lists them
+    check_model_files(config.model.path, hashes=config.checkpoint.verify_on_load)  # as its manifest lists them
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
                                         revision=config.model.revision)
     check_model_limits(config, policy.config, tokenizer)
@@ -407,7 +407,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     spec = train_types.get(config.train.type)
     if spec.reads_rollout("engine"):  # an unknown rollout.engine, before the model loads
         engine_factory(config.rollout.engine)
-    check_model_files(config.model.path)  # as the run checks them
+    check_model_files(config.model.path, hashes=False)  # the run checks sha256 too (checkpoint.verify_on_load)
     policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
                                         revision=config.model.revision, shapes_only=True)  # weights not needed
     check_model_limits(config, policy.config, tokenizer)

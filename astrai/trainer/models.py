@@ -123,7 +123,7 @@ def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu", path:
         _check_teacher_context(config, served.max_model_len, "max_model_len", path, field)
         return served
     try:
-        check_model_files(path)  # a checkpoint's model files as its manifest lists them
+        check_model_files(path, hashes=config.checkpoint.verify_on_load)  # as its manifest lists them
         teacher, teacher_tokenizer = load_pretrained(path, dtype=getattr(torch, config.model.dtype), device=device)
     except (FileNotFoundError, NotADirectoryError) as err:
         raise type(err)(f"{field}: {err}") from None

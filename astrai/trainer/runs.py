@@ -32,6 +32,7 @@ from typing import Optional
 from astrai.checkpoint import CheckpointError, checkpoints_root, find_latest_checkpoint, list_checkpoints, parse_step
 from astrai.checkpoint.fsutil import write_atomic
 from astrai.checkpoint.layout import is_complete, run_id_of
+from astrai.checkpoint.manifest import read_manifest
 from astrai.trainer.resume import resolve_resume
 
 __all__ = ["RUN_FILE", "new_run_id", "current_run_id", "launch_id", "resolve_run", "record_run"]
@@ -153,9 +154,10 @@ def resolve_run(resume: str, output_dir: str | Path, *, overwrite: bool, dist) -
 
 def _refuse_damaged(output_dir: Path, run_id: Optional[str]) -> None:
     """`resume auto` found no checkpoint to continue: refuse when the directory holds damaged ones that may be the
-    run's own (missing or resized files, an unreadable manifest; of run `run_id`, or of an unknown run), instead of
-    starting the run afresh beside them. Checkpoints marked bad (`python -m astrai.checkpoint mark-bad`), those of
-    other runs and legacy ones without a manifest are left out, as `resume auto` skips them.
+    run's own (missing or resized files of run `run_id`, or of any run when `run_id` is None; an unreadable
+    manifest), instead of starting the run afresh beside them. Checkpoints marked bad (`python -m astrai.checkpoint
+    mark-bad`), those whose manifest names another run or none (written before run ids) and legacy ones without a
+    manifest are left out, as `resume auto` skips them.
 
     Raises:
         CheckpointError: one line naming the damaged checkpoints (the first three, with why) and the ways out.
@@ -165,16 +167,20 @@ def _refuse_damaged(output_dir: Path, run_id: Optional[str]) -> None:
         ok, reason = is_complete(path, step=parse_step(path.name))
         if ok or reason == "legacy" or reason.startswith("marked bad"):
             continue
-        owner = run_id_of(path)
-        if owner is None or run_id is None or owner == run_id:
+        try:  # an unreadable manifest may be the run's own; a readable one names its run (or none: an older run)
+            owner, readable = run_id_of(path), read_manifest(path) is not None
+        except CheckpointError:
+            owner, readable = None, False
+        if run_id is None or owner == run_id or not readable:
             damaged.append(f"{path.name} ({' '.join(reason.split())})")
     if damaged:
         shown = "; ".join(damaged[:3]) + ("; ..." if len(damaged) > 3 else "")
         raise CheckpointError(
             f"checkpoint.resume auto: {output_dir} holds no intact checkpoint of run {run_id or '?'}, only "
             f"{len(damaged)} damaged: {shown}; `python -m astrai.checkpoint verify DIR` says what is wrong with one, "
-            "`mark-bad DIR` makes resume auto skip it, --checkpoint.resume DIR resumes a repaired one, or "
-            "--checkpoint.resume none --overwrite_output_dir true starts a new run beside them")
+            "`mark-bad DIR` makes resume auto skip it (also for a restarted launch, which resumes auto), "
+            "--checkpoint.resume DIR resumes a repaired one, or --checkpoint.resume none --overwrite_output_dir true "
+            "starts a new run beside them")
 
 
 def record_run(output_dir: str | Path, run_id: str, *, resume_from: Optional[Path], resume: str, dist) -> None:
