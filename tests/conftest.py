@@ -38,6 +38,20 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def long_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with room for the tool schemas its character-level tokenizer spells out (1024 positions; RoPE:
+    any length works)."""
+    import json
+    import shutil
+
+    model_dir = tmp_path_factory.mktemp("long-model") / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    return model_dir
+
+
+@pytest.fixture(scope="session")
 def tiny_ppo_run(tiny_model_dir, tmp_path_factory):
     """The main job (configs/examples/ppo.yaml) for 2 steps on the tiny model: metrics.jsonl, TensorBoard event
     files and a published checkpoint under the returned output directory."""

@@ -548,18 +548,6 @@ def _job(tmp_path, model_dir, data, environment, extra="", reward="", kind="onli
     return job
 
 
-@pytest.fixture(scope="module")
-def long_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with room for tool schemas its character-level tokenizer spells out (RoPE: any length)."""
-    import shutil
-
-    model_dir = tmp_path_factory.mktemp("long-model") / "model"
-    shutil.copytree(tiny_model_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    return model_dir
-
-
 def _data(tmp_path, rows):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

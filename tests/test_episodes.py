@@ -459,12 +459,9 @@ def test_reward_functions_get_the_same_completion_messages_for_a_native_and_a_no
     assert received["chatml"][3] == {"role": "assistant", "content": "12 * 34 = 408."}
 
 
-def test_max_turns_1_with_tools_is_warned_at_start_and_check(tiny_model_dir, tmp_path):
+def test_max_turns_1_with_tools_is_warned_at_start_and_check(long_model_dir, tmp_path):
     """rollout.max_turns 1 with rollout.tools ended every episode at its first response: no tool ever ran, nothing
     said it (trial). Start-up and --check now warn in one line; 2 turns do not."""
-    import json
-    import shutil
-
     from astrai.config import load_config
     from astrai.experience.build import unanswered_tool_calls
     from astrai.train import main
@@ -472,11 +469,7 @@ def test_max_turns_1_with_tools_is_warned_at_start_and_check(tiny_model_dir, tmp
     tools = ["--train.type", "online_grpo", "--rollout.tools", '[{function: "astrai.agents.calculator:calculator"}]']
     assert unanswered_tool_calls(load_config(None, tools + ["--rollout.max_turns", "2"])) is None
     assert unanswered_tool_calls(load_config(None, ["--rollout.max_turns", "1"])) is None
-    model_dir = tmp_path / "model"  # room for the tool schema the character-level tokenizer spells out
-    shutil.copytree(tiny_model_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    args = [*tools, "--model.path", str(model_dir), "--data.path", "builtin:arithmetic", "--data.max_prompt_length",
+    args = [*tools, "--model.path", str(long_model_dir), "--data.path", "builtin:arithmetic", "--data.max_prompt_length",
             "200", "--rollout.max_new_tokens", "16", "--train.output_dir", str(tmp_path / "out"),
             "--rollout.max_turns", "1", "--check"]
     with pytest.warns(UserWarning, match="^rollout.max_turns 1 with rollout.tools: each episode ends at its first "

@@ -122,16 +122,12 @@ def test_a_user_code_path_that_is_no_python_file_is_named_as_such(tmp_path):
     assert callable(load_attribute("raising", tmp_path / "tools.py"))
 
 
-def test_a_job_that_fails_to_start_leaves_no_empty_output_directory(tiny_model_dir, tmp_path, capsys):
+def test_a_job_that_fails_to_start_leaves_no_empty_output_directory(long_model_dir, tmp_path, capsys):
     """A bad tool function, found after the lock had created train.output_dir, left the directory behind, empty
     (trial): the lock removes the directories it created while they are empty. An existing directory stays."""
     (tmp_path / "tools.py").write_text("def add(a: int, b: int) -> str:\n    return str(a + b)\n")
-    model_dir = tmp_path / "model"  # room for a tool schema spelled out by the character-level tokenizer
-    shutil.copytree(tiny_model_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
     out = tmp_path / "new" / "run"
-    args = ["--train.type", "online_grpo", "--model.path", str(model_dir), "--data.path", "builtin:arithmetic",
+    args = ["--train.type", "online_grpo", "--model.path", str(long_model_dir), "--data.path", "builtin:arithmetic",
             "--data.max_prompt_length", "200", "--rollout.max_new_tokens", "16",
             "--rollout.tools", f'[{{function: nosuch, path: {tmp_path / "tools.py"}}}]', "--train.output_dir",
             str(out), "--max_steps", "1"]
