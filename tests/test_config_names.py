@@ -311,7 +311,7 @@ def test_tool_executor_settings_beside_an_environment_alone_are_said_to_have_no_
 
 
 def test_the_default_reward_spelled_out_beside_other_rewards_is_said_to_have_no_effect():
-    """reward.name null when unset: `math_exact_match` written out beside reward.model_path (the examples spell it
+    """reward.name null when unset: `math_exact_match` written out beside reward.model_path (a job file may spell it
     out) or reward.functions was dropped silently; it is said now, with how to add it. Another built-in there is
     refused, as before."""
     from astrai.config import ConfigError, ignored_settings, why_ignored
