@@ -219,3 +219,32 @@ def test_export_writes_readable_files_and_names_a_blocking_file(tmp_path, object
     assert result.returncode == 2
     assert result.stderr == (f"error: export: {tmp_path / 'afile'} is a file, not a directory; name an output "
                              f"directory whose parents are directories\n")
+
+
+def test_checkpoint_commands_name_wrong_paths_and_take_a_mark_back(tmp_path, objects):
+    """Trial (helper-57): a file or a checkpoint folder given where an output directory is asked for, a missing
+    directory to mark or export, an empty reason, no way to take a mark back, `recover` silent on a clean
+    directory, and a legacy checkpoint called OK by verify."""
+    path = publish(tmp_path, 1, objects)
+    for args, line in [(("latest", path / "config.json"), f"{path / 'config.json'}: a file, not a directory"),
+                       (("latest", path), f"{path}: a checkpoint folder; latest takes the run's output directory "
+                                          f"(train.output_dir: {tmp_path})"),
+                       (("recover", checkpoints_root(tmp_path)), f"{checkpoints_root(tmp_path)}: a checkpoint folder; "
+                                                                 f"recover takes the run's output directory "
+                                                                 f"(train.output_dir: {tmp_path})"),
+                       (("mark-bad", tmp_path / "nope", "--reason", "x"), f"{tmp_path / 'nope'}: no such directory"),
+                       (("export", tmp_path / "nope", tmp_path / "out"), f"{tmp_path / 'nope'}: no such directory"),
+                       (("mark-bad", path, "--reason", " "), "--reason: expected a non-empty text saying why (or "
+                                                             "--clear to take a mark back)")]:
+        result = cli(*args)
+        assert (result.returncode, result.stderr) == (2, f"error: {line}\n"), args
+    assert cli("recover", tmp_path).stdout == f"{tmp_path}: nothing to recover\n"
+    assert cli("mark-bad", path, "--reason", "diverged").returncode == 0
+    assert cli("latest", tmp_path).returncode == 1
+    result = cli("mark-bad", path, "--clear")
+    assert result.returncode == 0 and "mark taken back" in result.stdout
+    assert cli("latest", tmp_path).stdout.strip() == str(path)
+    (path / "manifest.json").unlink()
+    result = cli("verify", path)
+    assert result.returncode == 0 and result.stderr.strip().endswith("UNVERIFIED (no manifest.json: its files cannot "
+                                                                     "be checked; it loads only by its path)")

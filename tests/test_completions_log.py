@@ -352,5 +352,5 @@ def test_a_resumed_jsonl_file_keeps_a_copy_when_it_drops_a_damaged_middle_line(t
     resumed.close()
     (kept,) = tmp_path.glob("metrics.*.jsonl")
     assert kept.read_text() == original + "\n" and read_jsonl(path) == [{"step": 1}, {"step": 2}]
-    assert said == [f"{path}: skipped 1 line that is not one JSON object (line 2); the file as it was is kept as "
-                    f"{kept}"]
+    assert said == [f"warning: {path}: skipped 1 line that is not one JSON object (line 2); the file as it was is "
+                    f"kept as {kept}"]

@@ -193,3 +193,22 @@ def test_an_older_runs_spelled_out_default_reward_is_no_change(tmp_path):
     assert (change.key, change.old, change.new) == ("reward.name", "math_exact_match", "code_unit_tests")
     (tmp_path / "config.yaml").write_text(dump_config(load_config(None)))
     assert config_changes(tmp_path, load_config(None)) == []
+
+
+def test_a_checkpoint_that_fails_its_sha256_names_the_ways_on(tiny_model_dir, chats, tmp_path, capsys):
+    """A byte changed in place in the newest checkpoint (same size: only the sha256 tells) stopped resume auto with
+    no way on (trial, helper-57): the line names mark-bad and a resume path, as the all-damaged refusal does."""
+    out = tmp_path / "run"
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 1)) == 0
+    ckpt = out / "checkpoints" / "step-00000001"
+    with open(ckpt / "optimizer.pt", "r+b") as f:
+        f.seek(-10, 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    capsys.readouterr()
+    assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 2, "--checkpoint.resume", "auto")) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {ckpt}: checkpoint failed verification: optimizer.pt: MISMATCH (sha256")
+    assert line.endswith(f"`python -m astrai.checkpoint mark-bad {ckpt} --reason TEXT` makes --checkpoint.resume auto "
+                         "take the one before it, --checkpoint.resume DIR names another")

@@ -137,3 +137,12 @@ def test_a_job_that_fails_to_start_leaves_no_empty_output_directory(long_model_d
     out.mkdir(parents=True)
     assert main(args) == 2
     assert out.is_dir() and list(out.iterdir()) == []
+
+
+def test_a_config_json_missing_a_key_names_the_key(tmp_path):
+    """`{"model_type": "llama"}` alone said "not a supported config ('num_attention_heads')": a raw KeyError."""
+    from astrai.models import load_pretrained
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=r"config.json: not a supported config \(missing key '[a-z_]+'\)$"):
+        load_pretrained(tmp_path)

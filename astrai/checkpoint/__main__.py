@@ -1,7 +1,8 @@
 """Command line: `python -m astrai.checkpoint {verify,latest,recover,export,mark-bad} ...`.
 
     verify [--require-critic] DIR   one line per file (OK / MISMATCH / MISSING / UNSAFE / EXTRA / UNVERIFIED
-                                    + name); exit 0 all match, 1 any mismatch or missing file (or, with
+                                    + name); exit 0 all match (a legacy checkpoint without a manifest: 0,
+                                    every file UNVERIFIED), 1 any mismatch or missing file (or, with
                                     --require-critic, a part the checkpoint needs to resume is missing, e.g.
                                     an online_ppo checkpoint without its critic extras), 2 when DIR is not a
                                     checkpoint
@@ -15,7 +16,8 @@
                                     model, which --merge states explicitly) as a new Hugging Face model
                                     directory OUT; exit 2 on bad input
     mark-bad DIR --reason TEXT      record in DIR's manifest that it is bad: `resume auto`, `latest` and
-                                    keep_last skip it from then on (its files stay; exit 2 when DIR has no manifest)
+                                    keep_last skip it from then on (its files stay; exit 2 when DIR has no
+                                    readable manifest); `--clear` takes the mark back
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from astrai.checkpoint.layout import CheckpointWarning, find_latest_checkpoint, mark_bad, recover
+from astrai.checkpoint.layout import CheckpointWarning, find_latest_checkpoint, mark_bad, parse_step, recover
 from astrai.checkpoint.manifest import CheckpointError
 from astrai.checkpoint.verify import verify_checkpoint
 
@@ -54,26 +56,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("out")
     bad = commands.add_parser("mark-bad", help="mark a checkpoint bad: resume auto and retention skip it")
     bad.add_argument("dir")
-    bad.add_argument("--reason", required=True, help="why (recorded in the manifest as 'bad')")
+    bad.add_argument("--reason", help="why (recorded in the manifest as 'bad'); required unless --clear")
+    bad.add_argument("--clear", action="store_true",
+                     help="take the mark back: resume auto and retention count it again")
     args = parser.parse_args(argv)
+    problem = _bad_path(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.command == "mark-bad":
+        if not args.clear and not (args.reason or "").strip():
+            print("error: --reason: expected a non-empty text saying why (or --clear to take a mark back)",
+                  file=sys.stderr)
+            return 2
         try:
-            mark_bad(Path(args.dir), args.reason)
+            mark_bad(Path(args.dir), None if args.clear else args.reason)
         except CheckpointError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        print(f"{args.dir}: marked bad ({args.reason}); --checkpoint.resume auto now skips it")
+        print(f"{args.dir}: mark taken back; --checkpoint.resume auto counts it again" if args.clear else
+              f"{args.dir}: marked bad ({args.reason}); --checkpoint.resume auto now skips it")
         return 0
     if args.command == "verify":
         report = verify_checkpoint(args.dir, require_complete=args.require_complete)
         for line in report.lines():
             print(line)
         verdict = {0: "OK", 1: "FAILED", 2: "NOT A CHECKPOINT"}[report.exit_code]
+        if report.kind == "legacy" and report.exit_code == 0:
+            verdict = "UNVERIFIED (no manifest.json: its files cannot be checked; it loads only by its path)"
         print(f"{args.dir}: {verdict}", file=sys.stderr)
         return report.exit_code
-    if args.command in ("latest", "recover") and not Path(args.output_dir).is_dir():
-        print(f"error: {args.output_dir}: no such directory", file=sys.stderr)
-        return 2
     if args.command == "latest":
         with warnings.catch_warnings(record=True) as skipped:
             warnings.simplefilter("always", CheckpointWarning)
@@ -97,6 +109,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _recover(Path(args.output_dir))
 
 
+def _bad_path(args: argparse.Namespace) -> str | None:
+    """The one line for a path argument that is missing or of the wrong kind (a file, a checkpoint given where its
+    output directory is asked for), else None."""
+    given = args.output_dir if args.command in ("latest", "recover") else args.dir
+    path = Path(given)
+    if not path.exists():
+        return f"{given}: no such directory"
+    if not path.is_dir():
+        return f"{given}: a file, not a directory"
+    if args.command in ("latest", "recover") and (path.name == "checkpoints" or parse_step(path.name) is not None):
+        run = path.parent if path.name == "checkpoints" else path.parent.parent
+        return (f"{given}: a checkpoint folder; {args.command} takes the run's output directory (train.output_dir: "
+                f"{run})")
+    return None
+
+
 def _recover(output_dir: Path) -> int:
     """`recover` under the job lock of `output_dir` (`astrai.checkpoint.lock`), so it never deletes the staging
     directory of a checkpoint a running job is writing."""
@@ -106,16 +134,20 @@ def _recover(output_dir: Path) -> int:
     lock = OutputDirLock(output_dir)
     try:
         previous = lock.acquire(None)
-    except (OutputDirLocked, OutputWriteError) as err:
+    except OutputDirLocked as err:  # its advice is the training job's: here, wait and run recover again
+        print(f"error: {str(err).replace('or choose another --train.output_dir', 'then run recover again')}",
+              file=sys.stderr)
+        return 2
+    except OutputWriteError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if previous is not None:  # the job that crashed there: what recover cleans up after
         print(previous.replace("; this job takes over", ""))
     try:
-        for action in recover(output_dir):
-            print(action)
+        actions = recover(output_dir)
     finally:
         lock.release()
+    print("\n".join(actions) if actions else f"{output_dir}: nothing to recover")
     return 0
 
 

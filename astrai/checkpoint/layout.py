@@ -94,10 +94,10 @@ def is_complete(path: Path, *, hashes: bool = False, step: int | None = None) ->
     return True, ""
 
 
-def mark_bad(path: Path, reason: str) -> None:
+def mark_bad(path: Path, reason: str | None) -> None:
     """Mark the published checkpoint at `path` bad (its manifest records `"bad": reason`, rewritten atomically):
     `list_checkpoints`, `find_latest_checkpoint` (so `--checkpoint.resume auto`) and retention then skip it; its files
-    stay for inspection, and resuming from its path explicitly is still possible.
+    stay for inspection, and resuming from its path explicitly is still possible. `reason` None takes a mark back.
 
     Raises:
         CheckpointError: `path` has no valid manifest.
@@ -105,7 +105,10 @@ def mark_bad(path: Path, reason: str) -> None:
     manifest = read_manifest(path)
     if manifest is None:
         raise CheckpointError(f"{path}: no manifest.json to mark (legacy checkpoints cannot be marked)")
-    manifest["bad"] = str(reason) or "marked bad"
+    if reason is None:
+        manifest.pop("bad", None)
+    else:
+        manifest["bad"] = str(reason) or "marked bad"
     write_atomic(path / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     fsync_dir(path)
 
@@ -153,7 +156,8 @@ def find_latest_checkpoint(output_dir: str | Path, *, hashes: bool = False, allo
                           f"verified", CheckpointWarning, stacklevel=2)
             return path
         if reason == "legacy":
-            reason = "no manifest.json (legacy checkpoints are only picked with allow_legacy=True)"
+            reason = ("no manifest.json, so its files cannot be checked; resume it by its path "
+                      "(--checkpoint.resume DIR) if it is whole")
         warnings.warn(f"skipping {path}: {reason}", CheckpointWarning, stacklevel=2)
     return None
 

@@ -253,6 +253,10 @@ class LoadedCheckpoint:
         return states
 
 
+class VerificationError(CheckpointError):
+    """A checkpoint whose files differ from its manifest (missing, resized or, with sha256 checked, changed)."""
+
+
 class ModelFilesError(CheckpointError, ValueError):
     """A checkpoint loaded as a model whose model files differ from its manifest (a `ValueError` too, as the model
     loaders' other one-line refusals)."""
@@ -300,7 +304,7 @@ def check_model_files(path: str | Path, *, hashes: bool = True) -> None:
     try:
         manifest = read_manifest(path)
     except CheckpointError as err:
-        raise ModelFilesError(f"{err}; `python -m astrai.checkpoint verify {path}` says more") from None
+        raise ModelFilesError(str(err)) from None
     bad = failed(check_files(path, dict(manifest, files=model_files(manifest)), hashes=hashes))
     if bad:
         raise ModelFilesError(f"{path}: checkpoint failed verification: "
@@ -338,7 +342,7 @@ def load_checkpoint(path: str | Path, *, verify: bool = False, require_complete:
     else:
         bad = failed(check_files(path, manifest, hashes=verify))
         if bad:
-            raise CheckpointError(f"{path}: checkpoint failed verification: "
+            raise VerificationError(f"{path}: checkpoint failed verification: "
                                   + "; ".join(f"{s.name}: {s.status} ({s.detail})" for s in bad))
     loaded = LoadedCheckpoint(path, manifest)
     if require_complete:

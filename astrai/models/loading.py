@@ -301,7 +301,8 @@ def _hf_config(path: Path) -> ModelConfig:
         config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text(encoding="utf-8")))
     except (ValueError, KeyError, TypeError) as e:
         refusal = remote_code_refusal(path / "config.json")
-        raise ValueError(refusal or f"{path / 'config.json'}: not a supported config ({e!s})") from None
+        why = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e)
+        raise ValueError(refusal or f"{path / 'config.json'}: not a supported config ({why})") from None
     config.eos_token_id = merge_eos_ids(config.eos_token_id, _generation_eos(path))
     return config
 

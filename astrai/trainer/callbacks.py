@@ -149,7 +149,7 @@ class JsonlFile:
             if bad != [steps[-1][0]]:  # more than a torn last line: what the others held stays readable
                 kept = self._kept_name()
                 write_atomic(kept, data)
-                said += f"; the file as it was is kept as {kept}"
+                said = f"warning: {said}; the file as it was is kept as {kept}"
             self.printer(said)
         lines = [line for _, line, step in steps if step is not None and step <= self.resume_step]
         tmp = self.path.with_name(self.path.name + ".tmp")

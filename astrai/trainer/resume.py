@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from astrai import train_types
-from astrai.checkpoint import CheckpointError, Part, find_latest_checkpoint, load_checkpoint
+from astrai.checkpoint import CheckpointError, Part, VerificationError, find_latest_checkpoint, load_checkpoint
 from astrai.distributed.launch import RESHARDABLE
 from astrai.trainer.resume_changes import config_changes, model_path_refusal, refusal
 
@@ -94,7 +94,12 @@ def restore(parts: Mapping[str, Part], path: Path, *, rank: int, config, verify:
             optimizer state in different layouts), or state that cannot be resharded to `world_size` (ZeRO
             optimizer partitions, a rollout in progress); the train type's own refusal (as `check_resume`).
     """
-    ckpt = check_resume(path, config=config, world_size=world_size, strategy=strategy, verify=verify)
+    try:
+        ckpt = check_resume(path, config=config, world_size=world_size, strategy=strategy, verify=verify)
+    except VerificationError as err:  # the ways on, as for a damaged checkpoint resume auto meets
+        raise VerificationError(f"{err}; `python -m astrai.checkpoint mark-bad {path} --reason TEXT` makes "
+                                "--checkpoint.resume auto take the one before it, --checkpoint.resume DIR names "
+                                "another") from None
     ckpt.restore(parts, rank, world_size)
     if ckpt.world_size == world_size:
         return None

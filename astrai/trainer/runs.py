@@ -178,7 +178,8 @@ def _refuse_damaged(output_dir: Path, run_id: Optional[str]) -> None:
         raise CheckpointError(
             f"checkpoint.resume auto: {output_dir} holds no intact checkpoint of run {run_id or '?'}, only "
             f"{len(damaged)} damaged: {shown}; `python -m astrai.checkpoint verify DIR` says what is wrong with one, "
-            "`mark-bad DIR` makes resume auto skip it (also for a restarted launch, which resumes auto), "
+            "`mark-bad DIR` makes resume auto skip one whose manifest reads (also for a restarted launch, which "
+            "resumes auto; move away one whose manifest does not), "
             "--checkpoint.resume DIR resumes a repaired one, or --checkpoint.resume none --overwrite_output_dir true "
             "starts a new run beside them")
 
