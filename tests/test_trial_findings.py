@@ -146,3 +146,9 @@ def test_a_config_json_missing_a_key_names_the_key(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match=r"config.json: not a supported config \(missing key '[a-z_]+'\)$"):
         load_pretrained(tmp_path)
+
+
+def test_a_missing_model_path_is_named_as_the_field(tmp_path, capsys):
+    """"model path X does not exist" named no field (a teacher's error names distill.teacher): now model.path."""
+    assert main(["--config", PPO, "--model.path", str(tmp_path / "nope"), "--check"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: model.path: model path {tmp_path / 'nope'} does not exist")

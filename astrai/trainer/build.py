@@ -238,9 +238,7 @@ def _build(config: Config, dist, output_dir: Path, config_text: str, reporters, 
         check_resume(resume_from, config=config, world_size=dist.world_size, strategy=dist.strategy)
     if train_types.get(config.train.type).reads_rollout("engine"):  # an unknown rollout.engine, before loading
         engine_factory(config.rollout.engine)
-    check_model_files(config.model.path, hashes=config.checkpoint.verify_on_load)  # as its manifest lists them
-    policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
-                                        revision=config.model.revision)
+    policy, tokenizer = _load_policy(config, hashes=config.checkpoint.verify_on_load)
     check_model_limits(config, policy.config, tokenizer)
     memory, memory_note = planned_job(config, policy.config, strategy=dist.strategy, world_size=dist.world_size,
                                       device=dist.device, local_world_size=_local_world_size(1))  # or refused
@@ -294,6 +292,21 @@ def _write_run_files(config: Config, dist, output_dir: Path, config_text: str, r
     line = dist.broadcast_object(line)
     if line is not None:
         raise OutputWriteError.carried(line)
+
+
+def _load_policy(config: Config, *, hashes: bool, shapes_only: bool = False):
+    """`model.path` loaded as `load_pretrained` loads it, a published checkpoint's model files checked against its
+    manifest first (`check_model_files`: sha256 with `hashes`); a missing path named as `model.path`.
+
+    Raises:
+        FileNotFoundError / NotADirectoryError: "model.path: ..."; ValueError: as `load_pretrained`.
+    """
+    try:
+        check_model_files(config.model.path, hashes=hashes)
+        return load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype], revision=config.model.revision,
+                               shapes_only=shapes_only)
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise type(err)(f"model.path: {err}") from None
 
 
 def _callbacks(config: Config, dist, output_dir: Path, trainer: Trainer, tokenizer, config_text: str, reporters,
@@ -407,9 +420,7 @@ def check_job(config: Config, *, world_size: int) -> str:
     spec = train_types.get(config.train.type)
     if spec.reads_rollout("engine"):  # an unknown rollout.engine, before the model loads
         engine_factory(config.rollout.engine)
-    check_model_files(config.model.path, hashes=False)  # the run checks sha256 too (checkpoint.verify_on_load)
-    policy, tokenizer = load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype],
-                                        revision=config.model.revision, shapes_only=True)  # weights not needed
+    policy, tokenizer = _load_policy(config, hashes=False, shapes_only=True)  # sizes only; no weights needed
     check_model_limits(config, policy.config, tokenizer)
     check_job_prompt_format(config, tokenizer)  # data.chat_template against the tokenizer, said once
     teachers = load_teachers(config, tokenizer)  # each shares the student's tokenizer
