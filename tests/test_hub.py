@@ -369,7 +369,8 @@ def test_train_check_takes_ids_and_exits_2_with_one_line_for_an_uncached_one(cac
     assert f"model {MODEL} (" in out.out and f"from {DATA}:main:train" in out.out
     code = main([*_online_job(tmp_path, "--model.path", "Qwen/Qwen2.5-0.5B-Instruct"), "--check"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == [f"error: model Qwen/Qwen2.5-0.5B-Instruct is not in the Hugging Face cache {cached} "
+    assert code == 2 and err == [f"error: model.path: model Qwen/Qwen2.5-0.5B-Instruct is not in the Hugging Face "
+                                 f"cache {cached} "
                                  "(HF_HUB_OFFLINE=1: nothing is downloaded); download it where the Hub is reachable "
                                  "(hf download Qwen/Qwen2.5-0.5B-Instruct) and copy that cache here, or point "
                                  "HF_HOME / HF_HUB_CACHE at a cache that holds it"], err
@@ -392,9 +393,9 @@ def test_python_m_astrai_train_trains_on_a_hub_model_and_dataset_offline(cached,
         tmp_path, "--model.path", "astrai-test/absent", "--train.output_dir", str(tmp_path / "run-2"))],
                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
-        f"error: model astrai-test/absent is not in the Hugging Face cache {cached} (HF_HUB_OFFLINE=1: nothing is "
-        "downloaded); download it where the Hub is reachable (hf download astrai-test/absent) and copy that cache "
-        "here, or point HF_HOME / HF_HUB_CACHE at a cache that holds it"], missing.stderr[-2000:]
+        f"error: model.path: model astrai-test/absent is not in the Hugging Face cache {cached} (HF_HUB_OFFLINE=1: "
+        "nothing is downloaded); download it where the Hub is reachable (hf download astrai-test/absent) and copy "
+        "that cache here, or point HF_HOME / HF_HUB_CACHE at a cache that holds it"], missing.stderr[-2000:]
 
 
 def test_lora_on_a_hub_base_records_the_id_and_revision_and_merges_back_offline(cached, models, tmp_path):
