@@ -184,13 +184,13 @@ def test_a_signal_while_the_job_starts_stops_it_before_the_first_step(tiny_model
                                                                        capfd):
     from astrai.trainer import build
 
-    load = build.load_pretrained
+    load = build.load_model
 
     def load_and_signal(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # arrives while the model loads
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(build, "load_pretrained", load_and_signal)
+    monkeypatch.setattr(build, "load_model", load_and_signal)
     out = tmp_path / "run"
     assert main(sft_args(tiny_model_dir, out, chats, "--max_steps", 4)) == EXIT_PREEMPTED
     assert checkpoint_steps(out) == [] and steps_of(out) == []

@@ -201,7 +201,7 @@ def test_resume_refusals_come_from_the_manifest_before_anything_loads(tiny_model
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the refusal")
 
-    monkeypatch.setattr("astrai.trainer.build.load_pretrained", no_model)
+    monkeypatch.setattr("astrai.trainer.build.load_model", no_model)
     monkeypatch.setenv("WORLD_SIZE", "2")
     chats = tmp_path / "chats.jsonl"
     chats.write_text('{"messages": [{"role": "user", "content": "1?"}, {"role": "assistant", "content": "1"}]}\n')

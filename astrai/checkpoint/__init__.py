@@ -13,7 +13,8 @@ import importlib
 _EXPORTS = {
     "layout": ("CheckpointWarning", "apply_retention", "checkpoints_root", "find_latest_checkpoint",
                "list_checkpoints", "parse_step", "recover", "run_id_of", "step_dirname"),
-    "load": ("LoadedCheckpoint", "ModelFilesError", "VerificationError", "check_model_files", "load_checkpoint"),
+    "load": ("LoadedCheckpoint", "ModelFilesError", "VerificationError", "check_model_files", "load_checkpoint",
+             "load_model"),
     "manifest": ("FORMAT_NAME", "FORMAT_VERSION", "CheckpointError", "FileStatus", "NotACheckpointError"),
     "parts": ("GlobalRNGState", "Part", "capture_rng_state", "derived_seed", "part_files", "restore_rng_state"),
     "publish": ("DistLike", "publish_checkpoint"),

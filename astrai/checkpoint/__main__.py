@@ -131,18 +131,14 @@ def _recover(output_dir: Path) -> int:
     from astrai.outputs import OutputWriteError
     from astrai.checkpoint.lock import OutputDirLock, OutputDirLocked
 
-    lock = OutputDirLock(output_dir)
+    lock = OutputDirLock(output_dir, when_held="wait for it to end or stop it, then run recover again")
     try:
         previous = lock.acquire(None)
-    except OutputDirLocked as err:  # its advice is the training job's: here, wait and run recover again
-        print(f"error: {str(err).replace('or choose another --train.output_dir', 'then run recover again')}",
-              file=sys.stderr)
-        return 2
-    except OutputWriteError as err:
+    except (OutputDirLocked, OutputWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if previous is not None:  # the job that crashed there: what recover cleans up after
-        print(previous.replace("; this job takes over", ""))
+        print(previous)
     try:
         actions = recover(output_dir)
     finally:

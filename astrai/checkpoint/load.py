@@ -312,6 +312,19 @@ def check_model_files(path: str | Path, *, hashes: bool = True) -> None:
                               + f"; `python -m astrai.checkpoint verify {path}` lists every file")
 
 
+def load_model(path: str | Path, *, hashes: bool = True, **kwargs):
+    """`astrai.models.load_pretrained(path, **kwargs)` (the model and its tokenizer) after `check_model_files(path,
+    hashes=hashes)`: the one way to load something that may be a published checkpoint as a model.
+
+    Raises:
+        ModelFilesError: as `check_model_files`; otherwise what `load_pretrained` raises.
+    """
+    from astrai.models import load_pretrained  # looked up at the call, where a test may stand in for it
+
+    check_model_files(path, hashes=hashes)
+    return load_pretrained(path, **kwargs)
+
+
 def load_checkpoint(path: str | Path, *, verify: bool = False, require_complete: bool = False) -> LoadedCheckpoint:
     """Open and validate a checkpoint directory.
 

@@ -84,10 +84,13 @@ class OutputDirLock:
 
     Args:
         output_dir: `train.output_dir` (created when missing).
+        when_held: what the refusal advises while another job holds the lock (a training job's default; the
+            checkpoint `recover` command says its own).
     """
 
-    def __init__(self, output_dir: str | os.PathLike):
-        self.path = Path(output_dir) / LOCK_NAME
+    def __init__(self, output_dir: str | os.PathLike, *,
+                 when_held: str = "wait for it to end, stop it, or choose another --train.output_dir"):
+        self.path, self.when_held = Path(output_dir) / LOCK_NAME, when_held
         self._fd: Optional[int] = None
         self._record: dict = {}
         self.previous: dict = {}
@@ -97,7 +100,8 @@ class OutputDirLock:
         """Take the lock (non-blocking) and write this job's record into it.
 
         Returns:
-            None, or one line about the previous holder when it ended without releasing the lock (killed, crashed).
+            None, or one line about the previous holder when it ended without releasing the lock (killed, crashed),
+            for the caller to say what it does about it.
         Raises:
             OutputDirLocked: another process holds it (naming the holder; saying when its pid is gone from this host).
             OutputWriteError: the directory or the lock file cannot be created or written (a full disk, a read-only
@@ -132,7 +136,7 @@ class OutputDirLock:
             raise OutputWriteError.of(self.path, err) from None
         if self.previous.get("pid") is not None:
             return (f"train.lock: the previous job in {self.path.parent}, {_describe(self.previous)}, ended without "
-                    "releasing its lock (killed or crashed); this job takes over")
+                    "releasing its lock (killed or crashed)")
         return None
 
     def name_run(self, run_id: str) -> None:
@@ -177,7 +181,7 @@ class OutputDirLock:
     def _refusal(self) -> str:
         holder = _read(self.path)
         line = (f"train.output_dir {self.path.parent} is in use by another job: {_describe(holder)} holds "
-                f"{self.path}; wait for it to end, stop it, or choose another --train.output_dir")
+                f"{self.path}; {self.when_held}")
         pid, host = holder.get("pid"), holder.get("host")
         if isinstance(pid, int) and host == socket.gethostname() and not _pid_alive(pid):
             line += (f" (stale: pid {pid} is not running on this host, so a process it started still holds the "

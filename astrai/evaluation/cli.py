@@ -259,8 +259,7 @@ def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dic
     from astrai.data.prompt_format import check_prompt_format
     from astrai.outputs import OutputWriteError
     from astrai.evaluation.accuracy import EvalSettings, evaluate
-    from astrai.checkpoint import check_model_files
-    from astrai.models import load_pretrained
+    from astrai.checkpoint import load_model
     from astrai.models.special_tokens import stop_token_ids
     from astrai.rewards.build import answer_extractor
     from astrai.rollout.build import build_rollout_engine
@@ -288,9 +287,8 @@ def run(args: argparse.Namespace, make_player: Optional[Callable] = None) -> dic
             raise UsageError(f"--device: {args.device!r} requested but CUDA is not available")
         if config_path is not None:
             print(f"prompt settings from {config_path}", file=sys.stderr)
-        check_model_files(model_path)  # a checkpoint's model files as its manifest lists them
-        model, tokenizer = load_pretrained(model_path, dtype=getattr(torch, args.dtype), device=device,
-                                           revision=args.revision)
+        model, tokenizer = load_model(model_path, dtype=getattr(torch, args.dtype), device=device,
+                                      revision=args.revision)
         templated = check_prompt_format(tokenizer, chosen["chat_template"], system_prompt=chosen["system_prompt"],
                                         model=model_path, say=lambda line: print(line, file=sys.stderr))
         if args.demonstrations is not None and not templated:

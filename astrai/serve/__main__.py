@@ -99,8 +99,7 @@ def build_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) for the parsed arguments; raises one-line errors for bad input."""
     import torch
 
-    from astrai.checkpoint import check_model_files
-    from astrai.models import load_pretrained
+    from astrai.checkpoint import load_model
     from astrai.rollout.engine import StreamingEngine, attention_backend, build_engine
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -109,9 +108,8 @@ def build_engine(args: argparse.Namespace):
         raise ValueError(f"--device {args.device}: CUDA is not available")
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     path = resolve_checkpoint(args.checkpoint)
-    check_model_files(path)  # a checkpoint's model files as its manifest lists them
-    model, tokenizer = load_pretrained(str(path), dtype=getattr(torch, dtype_name), device=device,
-                                       revision=args.revision)
+    model, tokenizer = load_model(str(path), dtype=getattr(torch, dtype_name), device=device,
+                                  revision=args.revision)
     if tokenizer.pad_token_id is None:
         raise ValueError(f"{path}: the tokenizer has neither a pad nor an eos token")
     engine = build_engine(args.engine, model, pad_token_id=tokenizer.pad_token_id, max_num_seqs=args.max_batch,

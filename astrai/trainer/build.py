@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from astrai import train_types
-from astrai.checkpoint import GlobalRNGState, Part, check_model_files, checkpoints_root, publish_checkpoint, recover
+from astrai.checkpoint import GlobalRNGState, Part, checkpoints_root, load_model, publish_checkpoint, recover
 from astrai.checkpoint.fsutil import nearest_existing, write_atomic
 from astrai.config import Config, config_to_dict, dump_config
 from astrai.cpu_threads import ThreadGovernor, adaptive_threads
@@ -27,7 +27,6 @@ from astrai.distributed import run_device, setup_distributed
 from astrai.distributed.context import check_mesh
 from astrai.distributed.launch import check_step_sizes, resolve_launch
 from astrai.distributed.rank_checks import check_ranks_agree
-from astrai.models import load_pretrained
 from astrai.models.moe import upcycled_config
 from astrai.outputs import OutputWriteError
 from astrai.rollout.engine import engine_factory
@@ -219,7 +218,7 @@ def _lock_output_dir(output_dir: Path, dist) -> OutputDirLock:
             raise OutputWriteError.carried(refused[1])
         raise OutputDirLocked(refused[1])
     if note is not None:
-        print(note)
+        print(f"{note}; this job takes over")
     return lock
 
 
@@ -295,16 +294,15 @@ def _write_run_files(config: Config, dist, output_dir: Path, config_text: str, r
 
 
 def _load_policy(config: Config, *, hashes: bool, shapes_only: bool = False):
-    """`model.path` loaded as `load_pretrained` loads it, a published checkpoint's model files checked against its
-    manifest first (`check_model_files`: sha256 with `hashes`); a missing path named as `model.path`.
+    """`model.path` loaded by `astrai.checkpoint.load_model` (a published checkpoint's model files checked against
+    its manifest first: sha256 with `hashes`); a missing path named as `model.path`.
 
     Raises:
         FileNotFoundError / NotADirectoryError: "model.path: ..."; ValueError: as `load_pretrained`.
     """
     try:
-        check_model_files(config.model.path, hashes=hashes)
-        return load_pretrained(config.model.path, dtype=DTYPES[config.model.dtype], revision=config.model.revision,
-                               shapes_only=shapes_only)
+        return load_model(config.model.path, hashes=hashes, dtype=DTYPES[config.model.dtype],
+                          revision=config.model.revision, shapes_only=shapes_only)
     except (FileNotFoundError, NotADirectoryError) as err:
         raise type(err)(f"model.path: {err}") from None
 

@@ -17,8 +17,7 @@ from astrai.config import PARTITIONED_STRATEGIES, ConfigError, served_url
 from astrai.distributed.sharding import TrainedModel, prepare_reference, prepare_trained
 from astrai.experience.served_teacher import ServedTeacher
 from astrai.experience.teachers import TeacherRoutes, check_routes
-from astrai.checkpoint import check_model_files
-from astrai.models import load_pretrained
+from astrai.checkpoint import load_model
 from astrai.models.moe import collect_aux_loss, convert_to_moe
 from astrai.trainer.lora import AdaptersOff, LoraAdapters, lora_settings, shared_base_model
 from astrai.trainer.optim import build_optimizer, build_scheduler
@@ -96,7 +95,7 @@ def vocabulary_mismatch(student, teacher) -> Optional[str]:
 def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu", path: Optional[str] = None,
                  field: str = "distill.teacher") -> torch.nn.Module | ServedTeacher:
     """The teacher of on-policy distillation: `distill.teacher` (or `path`, the teacher named by the config field
-    `field`: one of `distill.teachers`) loaded as `model.path` is (`models.load_pretrained`,
+    `field`: one of `distill.teachers`) loaded as `model.path` is (`astrai.checkpoint.load_model`,
     `model.dtype`, on `device`), in eval mode with every parameter frozen, once it is checked to score the
     student's token ids: its tokenizer equals the student's `tokenizer` (`vocabulary_mismatch`; cross-tokenizer
     distillation is out of scope), its embedding holds every id of it, and its context (`max_position_embeddings`)
@@ -123,8 +122,8 @@ def load_teacher(config, tokenizer, *, device: torch.device | str = "cpu", path:
         _check_teacher_context(config, served.max_model_len, "max_model_len", path, field)
         return served
     try:
-        check_model_files(path, hashes=config.checkpoint.verify_on_load)  # as its manifest lists them
-        teacher, teacher_tokenizer = load_pretrained(path, dtype=getattr(torch, config.model.dtype), device=device)
+        teacher, teacher_tokenizer = load_model(path, hashes=config.checkpoint.verify_on_load,
+                                                dtype=getattr(torch, config.model.dtype), device=device)
     except (FileNotFoundError, NotADirectoryError) as err:
         raise type(err)(f"{field}: {err}") from None
     except ValueError as err:  # a file that is no model, a bad config.json ...: named as the teacher's
