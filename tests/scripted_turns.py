@@ -57,3 +57,21 @@ def script_turns(engine, respond: Callable[[object], Optional[Sequence[int]]], l
 
     engine.generate, engine.add_request, engine.step = scripted_generate, scripted_add_request, scripted_step
     return engine
+
+
+def register_calculator_engine(name: str, model_dir, *, budget: int = 160) -> None:
+    """Register the engine `name` (`rollout.engine`): the paged engine whose first turn of each episode (the whole
+    `budget` of `rollout.max_new_tokens` still left) answers with a calculator call `12 * 34`, in the tokens of the
+    tokenizer of `model_dir`; later turns are the model's own."""
+    from astrai.agents.tool_calls import format_tool_call
+    from astrai.models import Tokenizer
+    from astrai.rollout import engine as engines
+
+    paged = engines.engine_factory("paged")
+
+    def scripted(model, **kwargs):
+        tok = Tokenizer.from_dir(model_dir)
+        call = tok.encode(format_tool_call("calculator", {"expression": "12 * 34"})) + [tok.eos_token_id]
+        return script_turns(paged(model, **kwargs), lambda params: call if params.max_new_tokens == budget else None)
+
+    engines.register_engine(name, scripted)

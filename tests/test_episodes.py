@@ -15,10 +15,9 @@ from astrai.agents.tool_calls import format_tool_call
 from astrai.agents.tools import load_tools
 from astrai.experience.episodes import EpisodeLimits, ToolExecutor, episode_metrics, run_episodes
 from astrai.experience.trajectory import Experience
-from astrai.models import Tokenizer
 from astrai.rollout.generation import Generation
 from astrai.rollout.sampling import SamplingParams
-from scripted_turns import script_turns
+from scripted_turns import register_calculator_engine
 from test_agents_chat import smollm2
 
 TOOLS = '''
@@ -241,7 +240,6 @@ def test_online_train_types_train_on_multi_turn_episodes_with_tools(tiny_model_d
     import json
     import shutil
 
-    from astrai.rollout import engine as engines
     from astrai.train import main
 
     model_dir = tmp_path / "model"  # the tiny model with room for the tool schemas its character-level tokenizer
@@ -254,13 +252,7 @@ def test_online_train_types_train_on_multi_turn_episodes_with_tools(tiny_model_d
         def used_tool(completions, **kw):
             return [float(any(m["role"] == "tool" and m["content"] == "408" for m in c)) for c in completions]
         '''))
-    paged = engines.engine_factory("paged")
-
-    def scripted(model, **kwargs):  # a first turn (nothing of the budget spent yet): a calculator call
-        tok = Tokenizer.from_dir(model_dir)
-        call = tok.encode(format_tool_call("calculator", {"expression": "12 * 34"})) + [tok.eos_token_id]
-        return script_turns(paged(model, **kwargs), lambda params: call if params.max_new_tokens == 160 else None)
-    engines.register_engine("scripted_test", scripted)
+    register_calculator_engine("scripted_test", model_dir)  # a first turn (nothing of the budget spent): a call
     job = tmp_path / "job.yaml"
     job.write_text(textwrap.dedent(f"""\
         train: {{type: {kind}, max_steps: 2, output_dir: {tmp_path / 'run'}, progress_bar: false,

@@ -445,10 +445,8 @@ def run_agent(model_dir, root, steps, extra=(), config="grpo.yaml"):
     """online_grpo with a calculator tool and partial rollouts, on the tiny model (deterministic, 1 thread);
     the engine answers every first turn with a calculator call (`script_turns`); the reward pays a used tool and a
     long answer."""
-    from astrai.rollout import engine as engines
-    from astrai.models import Tokenizer
     from astrai.train import main
-    from scripted_turns import script_turns
+    from scripted_turns import register_calculator_engine
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "my_tools.py").write_text(TOOLS)
@@ -457,13 +455,7 @@ def run_agent(model_dir, root, steps, extra=(), config="grpo.yaml"):
             return [float(any(m["role"] == "tool" and m["content"] == "408" for m in c))
                     + len(c[-1]["content"] or "") / 100 for c in completions]
         '''))
-    paged = engines.engine_factory("paged")
-
-    def scripted(model, **kwargs):
-        tok = Tokenizer.from_dir(model_dir)
-        call = tok.encode(format_tool_call("calculator", {"expression": "12 * 34"})) + [tok.eos_token_id]
-        return script_turns(paged(model, **kwargs), lambda params: call if params.max_new_tokens == 160 else None)
-    engines.register_engine("scripted_partial_test", scripted)
+    register_calculator_engine("scripted_partial_test", model_dir)
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is 12 * {i}?", "answer": "0"}) + "\n" for i in range(16)))
     out = root / "run"

@@ -15,21 +15,32 @@ import time
 import pytest
 
 from astrai.agents.environments import EnvironmentSpec
-from astrai.agents.tool_calls import ToolCall, format_tool_call
+from astrai.agents.tool_calls import ToolCall
 from astrai.agents.tools import load_tools
 from astrai.experience.environments import EnvironmentPool, Request
 from astrai.experience.tool_executor import ToolExecutor
-from astrai.models import Tokenizer
 from astrai.rewards.workers import ScoringStopped
 from astrai.trainer.faults import EXIT_PREEMPTED, StopSignals
 from fault_jobs import checkpoint_steps, steps_of
-from scripted_turns import script_turns
+from scripted_turns import register_calculator_engine
 
 SLEEP_SECONDS = 120  # far longer than a stopped wait takes
 
 USER_CODE = f'''
 import os, signal, time
 from pathlib import Path
+
+
+def _count_and_signal():
+    """Count this call in $ASTRAI_TEST_CALLS; on call number $ASTRAI_TEST_SIGNAL_CALL SIGTERM the trainer (the
+    worker's parent), then sleep long."""
+    path = Path(os.environ["ASTRAI_TEST_CALLS"])
+    number = len(path.read_text().splitlines()) + 1 if path.exists() else 1
+    with path.open("a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    if str(number) == os.environ.get("ASTRAI_TEST_SIGNAL_CALL"):
+        os.kill(os.getppid(), signal.SIGTERM)
+        time.sleep({SLEEP_SECONDS})
 
 
 def hanging(expression: str) -> str:
@@ -48,13 +59,7 @@ def stopping(expression: str) -> str:
     Args:
         expression: anything.
     """
-    path = Path(os.environ["ASTRAI_TEST_CALLS"])
-    number = len(path.read_text().splitlines()) + 1 if path.exists() else 1
-    with path.open("a") as f:
-        f.write(f"{{os.getpid()}}\\n")
-    if str(number) == os.environ.get("ASTRAI_TEST_SIGNAL_CALL"):
-        os.kill(os.getppid(), signal.SIGTERM)
-        time.sleep({SLEEP_SECONDS})
+    _count_and_signal()
     return "408"
 
 
@@ -73,13 +78,7 @@ class SignalStep:
         return None
 
     def step(self, message):
-        path = Path(os.environ["ASTRAI_TEST_CALLS"])
-        number = len(path.read_text().splitlines()) + 1 if path.exists() else 1
-        with path.open("a") as f:
-            f.write(f"{{os.getpid()}}\\n")
-        if str(number) == os.environ.get("ASTRAI_TEST_SIGNAL_CALL"):
-            os.kill(os.getppid(), signal.SIGTERM)
-            time.sleep({SLEEP_SECONDS})
+        _count_and_signal()
         return None
 '''
 
@@ -216,20 +215,11 @@ def test_the_ranks_agree_after_the_generation_when_a_stop_interrupted_any_ranks_
 # ----------------------------------------------------------------------------------------------- end to end
 def _job(tiny_model_dir, tmp_path, user_file, *extra):
     """A tiny online_grpo job whose first turn of every episode calls the tool `calculator` (scripted)."""
-    from astrai.rollout import engine as engines
-
     model_dir = tmp_path / "model"  # room for the tool schemas the character-level tokenizer spells out
     shutil.copytree(tiny_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    paged = engines.engine_factory("paged")
-
-    def scripted(model, **kwargs):
-        tok = Tokenizer.from_dir(model_dir)
-        call = tok.encode(format_tool_call("calculator", {"expression": "12 * 34"})) + [tok.eos_token_id]
-        return script_turns(paged(model, **kwargs), lambda params: call if params.max_new_tokens == 160 else None)
-
-    engines.register_engine("scripted_stop_test", scripted)
+    register_calculator_engine("scripted_stop_test", model_dir)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is 12 * {i}?", "answer": "0"}) + "\n" for i in range(4)))
     out = tmp_path / "run"
