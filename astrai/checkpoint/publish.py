@@ -248,10 +248,10 @@ def _check_staged(staging: Path, name: str, manifest: dict, *, written: Mapping[
     Raises:
         CheckpointError: one line naming the files that vanished.
     """
-    gone = sorted(set(written) - set(manifest["files"]))
-    gone += [s.name for s in failed(check_files(staging, manifest, hashes=False))]
+    changed = {status.name for status in failed(check_files(staging, manifest, hashes=False))}
+    gone = (set(written) - set(manifest["files"])) | changed
     if gone:
-        raise CheckpointError(f"checkpoint {name}: {', '.join(sorted(set(gone))[:5])} vanished from its staging "
+        raise CheckpointError(f"checkpoint {name}: {', '.join(sorted(gone)[:5])} vanished from its staging "
                               f"directory {staging} or changed while it was written (another process deleted it?); "
                               "nothing was published")
 
